@@ -1,0 +1,23 @@
+"""Pure tensor codecs for split-learning traffic. Imports torch and numpy only; knows no sockets.
+
+Importing the package registers every built-in codec; ``make_codec("name:opt=value")`` builds one.
+"""
+
+from . import identity, quant  # noqa: F401  (registration side effects)
+from .base import Codec, CodecContext, Payload, WIRE_DTYPES
+from .errors import CompressionError, DesyncError, UnknownCodecError
+from .registry import (
+    canonical_spec,
+    codec_class,
+    default_grad_spec,
+    make_codec,
+    names,
+    parse_spec,
+    register,
+)
+
+__all__ = [
+    "Codec", "CodecContext", "CompressionError", "DesyncError", "Payload", "UnknownCodecError",
+    "WIRE_DTYPES", "canonical_spec", "codec_class", "default_grad_spec", "make_codec", "names",
+    "parse_spec", "register",
+]

@@ -1,0 +1,138 @@
+"""The codec contract: what every compressor of cut traffic provides.
+
+A codec turns one tensor into a :class:`Payload` (named numpy arrays plus small metadata) and
+back. Payloads are what the transport carries, so a codec never sees a socket and a transport
+never sees a codec.
+
+The gradient that crosses the cut is the gradient with respect to *what was sent*. The receiver
+maps the gradient of the decoded tensor back onto the payload (:meth:`Codec.decode_adjoint`) and
+the sender maps it onto its input (:meth:`Codec.encode_adjoint`). Linear codecs (low-rank,
+circular convolution) implement both as true adjoints, which makes their gradient as small as
+their payload; non-linear ones (quantizers, binarization) keep the default straight-through
+identity and leave the gradient to a gradient codec of its own.
+"""
+
+from __future__ import annotations
+
+import inspect
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+import torch
+
+from .errors import CompressionError
+
+Role = Literal["activation", "gradient"]
+
+# The dtypes a payload array may have on the wire: fixed-size, no objects, nothing executable.
+WIRE_DTYPES = frozenset(
+    ["float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "uint16",
+     "uint32", "uint64", "bool"]
+)
+
+
+@dataclass
+class Payload:
+    """An encoded tensor: the codec that made it, named arrays and msgpack-able metadata."""
+
+    codec: str
+    version: int
+    arrays: dict[str, np.ndarray]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of array data this payload puts on the wire (headers not included)."""
+        return sum(int(a.nbytes) for a in self.arrays.values())
+
+
+@dataclass(frozen=True)
+class CodecContext:
+    """What a codec may know about the tensor it is coding, beyond the tensor itself."""
+
+    role: Role = "activation"
+    train: bool = True
+    step: int = 0
+    sample_ids: np.ndarray | None = None
+
+
+def to_numpy(x: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor (copied only when it must be: non-contiguous or on device)."""
+    x = x.detach()
+    if x.device.type != "cpu":
+        x = x.cpu()
+    return x.contiguous().numpy()
+
+
+def tensor_meta(x: torch.Tensor) -> dict[str, Any]:
+    """Shape and dtype of the original tensor, so decode can restore both."""
+    return {"shape": list(x.shape), "dtype": str(x.dtype).removeprefix("torch.")}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The floating torch dtype named in a payload's metadata (validated, never eval'd)."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise CompressionError(f"payload names dtype {name!r}, which is not a torch dtype")
+    return dtype
+
+
+class Codec(ABC):
+    """Base class of all codecs. Subclasses set ``name`` and implement encode and decode.
+
+    Settings are keyword arguments of ``__init__``, validated there. Mutable state (keys,
+    buffers, warm-start factors) is exposed through :meth:`state_dict` so checkpoints can carry
+    it. Randomness comes from ``seed``, which both ends of a link agree on at handshake.
+    """
+
+    name: ClassVar[str]
+    version: ClassVar[int] = 1
+    #: The gradient codec to pair with this one when the user names none.
+    default_grad_codec: ClassVar[str] = "identity"
+
+    def __init__(self, *, seed: int = 0) -> None:
+        self.seed = int(seed)
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
+        """Compress ``x``. Must not keep references to ``x`` beyond the returned payload."""
+
+    @abstractmethod
+    def decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+        """Rebuild a tensor of the encoded shape and dtype from ``payload``."""
+
+    def decode_adjoint(self, grad: torch.Tensor, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+        """Receiver side: map the gradient of the decoded tensor to the gradient to send back."""
+        return grad
+
+    def encode_adjoint(self, grad: torch.Tensor, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+        """Sender side: map the gradient that came back to the gradient of the encoded input."""
+        return grad
+
+    def state_dict(self) -> dict[str, Any]:
+        """Mutable codec state (tensors and plain values). Stateless codecs return {}."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise CompressionError(f"codec {self.name!r} is stateless but got state keys {sorted(state)}")
+
+    def check(self, payload: Payload) -> None:
+        """Raise unless ``payload`` was made by this codec, at this version."""
+        if payload.codec != self.name or payload.version != self.version:
+            raise CompressionError(
+                f"codec {self.name!r} v{self.version} cannot decode a payload of "
+                f"{payload.codec!r} v{payload.version}; both ends must use the same codec"
+            )
+
+    @classmethod
+    def options(cls) -> list[str]:
+        """The keyword settings this codec takes (from its ``__init__`` signature)."""
+        params = inspect.signature(cls.__init__).parameters.values()
+        return [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name != "seed"]
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.options() if hasattr(self, k))
+        return f"{type(self).__name__}({opts})"
