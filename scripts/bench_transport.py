@@ -1,0 +1,129 @@
+"""splitft's message path vs raw pyzmq, between two OS processes over tcp loopback.
+
+For each tensor size the sender streams a batch of messages and the receiver acknowledges the
+last one; throughput is bytes over that time. "raw" sends ``[header, array]`` with pyzmq
+zero-copy and receives with ``copy=False``; "splitft" runs the product's path on both ends:
+codec encode + protocol encode (msgpack header, array frames) + ``ZmqConnection.send``, and
+``ZmqListener.recv`` + protocol decode + codec decode to a torch tensor. Rounds of the two
+alternate against the same receiver process, so machine noise hits both alike; the ratio of the
+medians is printed.
+
+    python scripts/bench_transport.py            # 64 KiB, 1 MiB, 16 MiB; median of 7 rounds each
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import socket
+import statistics
+import time
+
+SIZES = {"64KiB": 64 * 1024, "1MiB": 2**20, "16MiB": 16 * 2**20}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _receiver(raw_address: str, splitft_address: str) -> None:
+    """Echo an acknowledgement for every message marked last, on both sockets, until told to stop."""
+    import numpy as np
+    import zmq
+
+    import compressors
+    from splitft import protocol
+    from transports import ZmqListener
+
+    raw = zmq.Context.instance().socket(zmq.ROUTER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.bind(raw_address)
+    listener = ZmqListener(splitft_address)
+    codec, ctx = compressors.make_codec("identity"), compressors.CodecContext()
+    poller = zmq.Poller()
+    poller.register(raw, zmq.POLLIN)
+    poller.register(listener._sock, zmq.POLLIN)
+    while True:
+        ready = dict(poller.poll(60_000))
+        if not ready:
+            break
+        if raw in ready:
+            parts = raw.recv_multipart(copy=False)
+            np.frombuffer(parts[2].buffer, dtype=np.float32)
+            if parts[1].bytes == b"stop":
+                break
+            if parts[1].bytes == b"last":
+                raw.send_multipart([parts[0], b"ack"])
+        else:
+            peer, frames = listener.recv(timeout=0)
+            msg = protocol.decode(frames)
+            payload, _ = protocol.payload_from_wire(msg.args[0])
+            codec.decode(payload, ctx)
+            if msg.call < 0:
+                listener.send(peer, protocol.encode(protocol.Ack()))
+    raw.close(linger=0)
+    listener.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds per cell; medians are compared")
+    parser.add_argument("--megabytes", type=int, default=128, help="data streamed per round (default 128)")
+    args = parser.parse_args(argv)
+
+    import torch
+    import zmq
+
+    import compressors
+    from splitft import protocol
+    from transports import ZmqConnection
+
+    raw_address, splitft_address = (f"tcp://127.0.0.1:{_free_port()}" for _ in range(2))
+    proc = mp.get_context("spawn").Process(target=_receiver, args=(raw_address, splitft_address), daemon=True)
+    proc.start()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(raw_address)
+    conn = ZmqConnection(splitft_address)
+    codec, ctx = compressors.make_codec("identity"), compressors.CodecContext()
+
+    def raw_round(tensor: torch.Tensor, count: int) -> None:
+        for i in range(count):
+            sock.send_multipart([b"last" if i == count - 1 else b"more", tensor.numpy()], copy=False)
+        if not sock.poll(60_000):
+            raise TimeoutError("receiver did not acknowledge")
+        sock.recv_multipart()
+
+    def splitft_round(tensor: torch.Tensor, count: int) -> None:
+        for i in range(count):
+            entry = protocol.payload_to_wire(codec.encode(tensor, ctx), True)
+            conn.send(protocol.encode(protocol.Forward(call=-1 if i == count - 1 else 1, train=True, grad=True,
+                                                       args=[entry], kwargs={})))
+        protocol.decode(conn.recv(60))
+
+    rounds = {"raw": raw_round, "splitft": splitft_round}
+    print(f"{'size':>6s} {'raw GB/s':>9s} {'splitft GB/s':>13s} {'ratio':>6s}   (median of {args.rounds} rounds)")
+    for label, nbytes in SIZES.items():
+        tensor = torch.ones(nbytes // 4)
+        count = max(8, args.megabytes * 2**20 // nbytes)
+        for run in rounds.values():  # warm-up: connections, first-touch of buffers
+            run(tensor, count)
+        times: dict[str, list[float]] = {name: [] for name in rounds}
+        for _ in range(args.rounds):
+            for name, run in rounds.items():
+                start = time.perf_counter()
+                run(tensor, count)
+                times[name].append(time.perf_counter() - start)
+        rate = {name: nbytes * count / statistics.median(t) / 1e9 for name, t in times.items()}
+        print(f"{label:>6s} {rate['raw']:9.2f} {rate['splitft']:13.2f} {rate['splitft'] / rate['raw']:6.2f}x",
+              flush=True)
+    sock.send_multipart([b"stop", b""])
+    proc.join(timeout=10)
+    sock.close(linger=0)
+    conn.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""Command line: ``splitft demo``, ``splitft cloud``, ``splitft edge``, ``splitft codecs``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEFAULT_MODEL = "splitft.models:digits_cnn"
+DEFAULT_BIND = "tcp://127.0.0.1:5555"
+
+
+def _add_training_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training (the digits task: scikit-learn's 8x8 images, 10 classes)")
+    g.add_argument("--epochs", type=int, default=15, help="passes over the 1437 training images (default: 15)")
+    g.add_argument("--batch-size", type=int, default=64, help="samples per step (default: 64)")
+    g.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate, mirrored to the cloud (default: 1e-3)")
+    g.add_argument("--seed", type=int, default=0, help="seed for data order and codec randomness (default: 0)")
+    g = p.add_argument_group("the cut")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"model factory 'package.module:function' both sides build (default: {DEFAULT_MODEL})")
+    g.add_argument("--cut", default="block3", help="first module that runs in the cloud (default: block3)")
+    g.add_argument("--topology", choices=("plain", "ushape"), default="plain",
+                   help="plain: the cloud computes the loss and sees labels; ushape: the head, loss and "
+                        "labels stay on the edge (default: plain)")
+    g.add_argument("--rejoin", default="head", help="ushape only: where the edge takes over again (default: head)")
+    g = p.add_argument_group("traffic")
+    g.add_argument("--fwd", default="identity", metavar="SPEC",
+                   help="codec for activations, e.g. 'fp16' (default: identity); run 'splitft codecs' for the list")
+    g.add_argument("--bwd", default=None, metavar="SPEC",
+                   help="codec for gradients (default: the forward codec's usual partner)")
+    g.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for any cloud reply (default: 60)")
+    g.add_argument("--metrics", default=None, metavar="PATH", help="append one JSON record per step to PATH")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="splitft",
+        description="Split learning over ZeroMQ: the edge trains its half of a model on private data, "
+                    "the cloud trains the other half.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log protocol events")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser("demo", help="run a cloud and an edge on loopback and train the digits CNN",
+                          description="Start a cloud process and train the digits CNN against it from this "
+                                      "process, over tcp on 127.0.0.1. Prints accuracy, traffic and timings.")
+    _add_training_options(demo)
+
+    cloud = sub.add_parser("cloud", help="serve cloud halves of models to edges",
+                           description="Serve the cloud half of the allowed models. Each edge that connects "
+                                       "gets its own session (weights, optimizer, codec state).")
+    cloud.add_argument("--bind", default=DEFAULT_BIND,
+                       help=f"address to listen on: tcp://HOST:PORT (port 0 picks one) or ipc://PATH (default: {DEFAULT_BIND})")
+    cloud.add_argument("--model", action="append", default=None, metavar="FACTORY",
+                       help=f"a model factory edges may ask for; repeat for several (default: {DEFAULT_MODEL})")
+    cloud.add_argument("--sessions", type=int, default=1,
+                       help="exit after this many edge sessions have ended; 0 serves until Ctrl-C (default: 1)")
+    cloud.add_argument("--max-message-mb", type=float, default=1024.0,
+                       help="drop peers that send a bigger message (default: 1024)")
+    cloud.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
+
+    edge = sub.add_parser("edge", help="train the edge half against a running cloud",
+                          description="Connect to a cloud started with 'splitft cloud' and train the digits CNN.")
+    edge.add_argument("--connect", default=DEFAULT_BIND, help=f"the cloud's address (default: {DEFAULT_BIND})")
+    _add_training_options(edge)
+
+    sub.add_parser("codecs", help="list the available codecs and their options")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command == "codecs":
+        return _codecs()
+    if args.command == "cloud":
+        return _cloud(args)
+    if args.command == "edge":
+        return _edge(args, args.connect)
+    return _demo(args)
+
+
+def _codecs() -> int:
+    import compressors
+
+    for name in compressors.names():
+        cls = compressors.codec_class(name)
+        doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+        options = ", ".join(cls.options()) or "-"
+        print(f"{name:10s} options: {options:24s} gradient partner: {cls.default_grad_codec:16s} {doc}")
+    return 0
+
+
+def _cloud(args: argparse.Namespace) -> int:
+    import transports
+    from .cloud import CloudServer
+    from .errors import SplitFTError
+
+    def say(text: str) -> None:
+        print(f"cloud: {text}", file=sys.stderr, flush=True)
+
+    try:
+        listener = transports.listen(args.bind, max_message_bytes=int(args.max_message_mb * 2**20))
+        server = CloudServer(listener, args.model or [DEFAULT_MODEL], max_sessions=args.sessions, on_event=say)
+    except (SplitFTError, transports.TransportError) as exc:
+        say(f"error: {exc}")
+        return 2
+    say(f"listening on {listener.address}, serving {', '.join(server.factories)}"
+        + (f"; exits after {args.sessions} session(s)" if args.sessions else "; Ctrl-C to stop"))
+    if args.ready_file:
+        Path(args.ready_file).write_text(listener.address)
+    try:
+        server.serve()
+    except KeyboardInterrupt:
+        say("interrupted; connected edges were told")
+        return 130
+    return 0
+
+
+def _edge(args: argparse.Namespace, address: str) -> int:
+    import torch
+    from torch import nn
+
+    from .cloud import load_factory
+    from .data import load_digits
+    from .edge import split
+    from .errors import PeerGone, SplitFTError
+    from .metrics import format_report
+    from .train import fit
+
+    torch.manual_seed(args.seed)
+    train, test = load_digits()
+    ushape = args.topology == "ushape"
+    try:
+        model = load_factory(args.model)()
+        model = split(model, args.cut, args.rejoin if ushape else None, factory=args.model, connect=address,
+                      fwd=args.fwd, bwd=args.bwd, seed=args.seed, timeout=args.timeout, metrics_path=args.metrics)
+    except SplitFTError as exc:
+        print(f"edge: cannot start: {exc}", file=sys.stderr)
+        return 2
+    print(f"edge: connected to {address} (session {model.session.session_id}); "
+          f"{args.topology} split at {args.cut}, codecs {model.session.codecs.specs['fwd']} / "
+          f"{model.session.codecs.specs['bwd']}", file=sys.stderr)
+    optimizer = model.attach(torch.optim.Adam(model.parameters(), lr=args.lr))
+    criterion = nn.CrossEntropyLoss() if ushape else model.remote_loss(nn.CrossEntropyLoss())
+    start = time.perf_counter()
+    try:
+        with model:
+            result = fit(model, optimizer, criterion, train, test, epochs=args.epochs, batch_size=args.batch_size,
+                         seed=args.seed, predict=model.predict, progress=True, pass_ids=True)
+    except KeyboardInterrupt:
+        print("\nedge: interrupted; the cloud was told and ended the session", file=sys.stderr)
+        return 130
+    except PeerGone as exc:
+        print(f"\nedge: {exc}", file=sys.stderr)
+        return 1
+    except SplitFTError as exc:
+        print(f"\nedge: error: {exc}", file=sys.stderr)
+        return 1
+    wall = time.perf_counter() - start
+    print(f"\ntest accuracy {result.accuracy:.4f} after {args.epochs} epochs ({result.steps} steps)")
+    print(format_report(model.metrics, wall))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="splitft-demo-") as tmp:
+        ready = Path(tmp) / "address"
+        cmd = [sys.executable, "-m", "splitft", "cloud", "--bind", "tcp://127.0.0.1:0", "--model", args.model,
+               "--sessions", "1", "--ready-file", str(ready)]
+        # A session of its own: Ctrl-C in the terminal reaches the edge, which then tells the cloud.
+        cloud = subprocess.Popen(cmd, start_new_session=True, env=os.environ.copy())
+        try:
+            deadline = time.monotonic() + 60
+            while not ready.exists() or not ready.read_text():
+                if cloud.poll() is not None:
+                    print(f"demo: the cloud process exited early (code {cloud.returncode})", file=sys.stderr)
+                    return 1
+                if time.monotonic() > deadline:
+                    print("demo: the cloud process did not start within 60 s", file=sys.stderr)
+                    return 1
+                time.sleep(0.05)
+            code = _edge(args, ready.read_text())
+            try:
+                cloud.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            return code
+        finally:
+            if cloud.poll() is None:
+                cloud.terminate()
+                try:
+                    cloud.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    cloud.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""Turning the values that cross the cut into wire entries, through the configured codecs.
+
+What crosses is a small tree: the positional/keyword arguments of the cloud part, or what it
+returned (a tensor, or a tuple such as ``(hidden_states, attentions)``). Its first tensor, the
+*stream* (``args[0]`` going in, the output or its first element coming back), is the activation
+that flows through the model, and goes through the codec of its slot. Every other tensor
+(attention masks, labels, a loss value) crosses unchanged through ``identity``: a lossy codec on
+a mask or a label would be a bug, not a saving.
+
+Slots, named from the edge's point of view:
+
+========  ===================================  =================================
+slot      what                                 default
+========  ===================================  =================================
+fwd       activation at the cut, edge → cloud  identity
+bwd       its gradient, cloud → edge           the fwd codec's gradient partner
+ret       U-shape trunk output, cloud → edge   same as fwd
+ret_bwd   its gradient, edge → cloud           the ret codec's gradient partner
+========  ===================================  =================================
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+import compressors
+from compressors import Codec, CodecContext, Payload
+
+from .errors import ConfigError, ProtocolError, translated
+from .protocol import TENSOR_KEY, is_tensor_entry, payload_from_wire, payload_to_wire
+
+SLOTS = ("fwd", "bwd", "ret", "ret_bwd")
+_TUPLE = "$tuple"
+
+
+def resolve_codecs(fwd: str = "identity", bwd: str | None = None, ret: str | None = None,
+                   ret_bwd: str | None = None) -> dict[str, str]:
+    """Fill in the default pairing and normalise every spec; bad specs raise ConfigError."""
+    try:
+        fwd_c = compressors.canonical_spec(fwd)
+        bwd_c = compressors.canonical_spec(bwd or compressors.default_grad_spec(fwd_c))
+        ret_c = compressors.canonical_spec(ret or fwd_c)
+        ret_bwd_c = compressors.canonical_spec(ret_bwd or compressors.default_grad_spec(ret_c))
+    except compressors.CompressionError as exc:
+        raise ConfigError(str(exc)) from exc
+    return {"fwd": fwd_c, "bwd": bwd_c, "ret": ret_c, "ret_bwd": ret_bwd_c}
+
+
+def slot_seed(seed: int, slot: str) -> int:
+    """Distinct, reproducible seeds per slot, so two slots never share keys."""
+    return (int(seed) * 1_000_003 + zlib.crc32(slot.encode())) % (2**63)
+
+
+# ---------------------------------------------------------------- trees
+
+
+def flatten(tree: Any) -> tuple[list[torch.Tensor], Any]:
+    """Tensors of a nested tuple/list/dict, in order, and a skeleton that rebuilds the tree."""
+    leaves: list[torch.Tensor] = []
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            leaves.append(node)
+            return _Leaf(len(leaves) - 1)
+        if isinstance(node, tuple):
+            return tuple(walk(v) for v in node)
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        if node is None or isinstance(node, (bool, int, float, str)):
+            return node
+        raise ConfigError(
+            f"a {type(node).__name__} crosses the cut; only tensors, None, numbers, strings and "
+            "tuples/lists/dicts of them can"
+        )
+
+    return leaves, walk(tree)
+
+
+def unflatten(skeleton: Any, leaves: list[Any]) -> Any:
+    if isinstance(skeleton, _Leaf):
+        return leaves[skeleton.index]
+    if isinstance(skeleton, tuple):
+        return tuple(unflatten(v, leaves) for v in skeleton)
+    if isinstance(skeleton, list):
+        return [unflatten(v, leaves) for v in skeleton]
+    if isinstance(skeleton, dict):
+        return {k: unflatten(v, leaves) for k, v in skeleton.items()}
+    return skeleton
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    index: int
+
+
+def stream_index(skeleton: Any) -> int | None:
+    """Index of the stream tensor: the tree itself, or its first element, if that is a tensor."""
+    if isinstance(skeleton, (tuple, list)) and skeleton:
+        skeleton = skeleton[0]
+    return skeleton.index if isinstance(skeleton, _Leaf) else None
+
+
+def to_wire(skeleton: Any, entries: list[dict]) -> Any:
+    """Skeleton → msgpack-able tree, leaves replaced by payload entries, tuples tagged."""
+    if isinstance(skeleton, _Leaf):
+        return entries[skeleton.index]
+    if isinstance(skeleton, tuple):
+        return {_TUPLE: [to_wire(v, entries) for v in skeleton]}
+    if isinstance(skeleton, list):
+        return [to_wire(v, entries) for v in skeleton]
+    if isinstance(skeleton, dict):
+        for key in skeleton:
+            if not isinstance(key, str) or key.startswith("$"):
+                raise ConfigError(f"dict keys crossing the cut must be strings not starting with '$', got {key!r}")
+        return {k: to_wire(v, entries) for k, v in skeleton.items()}
+    return skeleton
+
+
+def from_wire(tree: Any, depth: int = 0) -> tuple[list[tuple[Payload, bool]], Any]:
+    """Wire tree → (payload entries in order, skeleton). Validates structure (hostile input)."""
+    entries: list[tuple[Payload, bool]] = []
+
+    def walk(node: Any, depth: int) -> Any:
+        if depth > 16:
+            raise ProtocolError("value tree nested deeper than 16 levels")
+        if is_tensor_entry(node):
+            if len(node) != 1:
+                raise ProtocolError(f"tensor entry has extra keys {sorted(set(node) - {TENSOR_KEY})}")
+            entries.append(payload_from_wire(node))
+            return _Leaf(len(entries) - 1)
+        if isinstance(node, dict) and _TUPLE in node:
+            items = node[_TUPLE]
+            if len(node) != 1 or not isinstance(items, list):
+                raise ProtocolError("malformed tuple entry")
+            return tuple(walk(v, depth + 1) for v in items)
+        if isinstance(node, list):
+            return [walk(v, depth + 1) for v in node]
+        if isinstance(node, dict):
+            return {k: walk(v, depth + 1) for k, v in node.items()}
+        if node is None or isinstance(node, (bool, int, float, str)):
+            return node
+        raise ProtocolError(f"a {type(node).__name__} cannot appear in a value tree")
+
+    return entries, walk(tree, depth)
+
+
+# ---------------------------------------------------------------- codecs per slot
+
+
+@dataclass
+class Coded:
+    """One tensor that crossed: its payload (kept for the adjoints) and whether it is the stream."""
+
+    payload: Payload
+    stream: bool
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class Traffic:
+    raw: int = 0
+    payload: int = 0
+
+    def add(self, tensor: torch.Tensor, payload: Payload) -> None:
+        self.raw += tensor.numel() * tensor.element_size()
+        self.payload += payload.nbytes
+
+
+class SlotCodecs:
+    """The codec instances of one end of a link: one per slot, plus identity for side tensors.
+
+    Edge and cloud each build one from the same specs and seed; an instance encodes on one end
+    and its twin decodes on the other, so stateful codecs stay in step.
+    """
+
+    def __init__(self, specs: dict[str, str], seed: int) -> None:
+        missing = set(SLOTS) - set(specs)
+        if missing:
+            raise ConfigError(f"codec specs for slots {sorted(missing)} are missing")
+        self.specs = dict(specs)
+        with translated():
+            self.slots: dict[str, Codec] = {
+                slot: compressors.make_codec(specs[slot], seed=slot_seed(seed, slot)) for slot in SLOTS
+            }
+        self.raw = compressors.make_codec("identity")
+
+    def _codec(self, slot: str | None, stream: bool) -> Codec:
+        return self.slots[slot] if stream and slot is not None else self.raw
+
+    def encode(self, leaves: list[torch.Tensor], stream: int | None, slot: str | None,
+               ctx: CodecContext, grads: list[bool], traffic: Traffic) -> tuple[list[dict], list[Coded]]:
+        """Encode leaves; the stream one through ``slot``'s codec."""
+        entries, coded = [], []
+        with translated():
+            for i, tensor in enumerate(leaves):
+                is_stream = i == stream
+                payload = self._codec(slot, is_stream).encode(tensor.detach(), ctx)
+                traffic.add(tensor, payload)
+                entries.append(payload_to_wire(payload, grads[i]))
+                coded.append(Coded(payload, is_stream, tuple(tensor.shape), tensor.dtype))
+        return entries, coded
+
+    def decode(self, entries: list[tuple[Payload, bool]], stream: int | None, slot: str | None,
+               ctx: CodecContext) -> tuple[list[torch.Tensor], list[Coded]]:
+        tensors, coded = [], []
+        with translated():
+            for i, (payload, _grad) in enumerate(entries):
+                is_stream = i == stream
+                codec = self._codec(slot, is_stream)
+                if payload.codec != codec.name:
+                    raise ProtocolError(
+                        f"tensor {i} was encoded with {payload.codec!r} but this session expects "
+                        f"{codec.name!r} there"
+                    )
+                tensor = codec.decode(payload, ctx)
+                tensors.append(tensor)
+                coded.append(Coded(payload, is_stream, tuple(tensor.shape), tensor.dtype))
+        return tensors, coded
+
+    def grad_for_sender(self, grad: torch.Tensor, coded: Coded, slot: str | None, ctx: CodecContext) -> torch.Tensor:
+        """Receiver side: gradient of a decoded tensor → gradient w.r.t. what was sent."""
+        with translated():
+            return self._codec(slot, coded.stream).decode_adjoint(grad, coded.payload, ctx)
+
+    def grad_at_input(self, grad: torch.Tensor, coded: Coded, slot: str | None, ctx: CodecContext) -> torch.Tensor:
+        """Sender side: gradient w.r.t. what was sent → gradient w.r.t. the tensor encoded."""
+        with translated():
+            grad = self._codec(slot, coded.stream).encode_adjoint(grad, coded.payload, ctx)
+        return grad.reshape(coded.shape).to(coded.dtype)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {slot: codec.state_dict() for slot, codec in self.slots.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with translated():
+            for slot, codec in self.slots.items():
+                codec.load_state_dict(state.get(slot, {}))
+
+
+def grad_slot(slot: str) -> str:
+    """The slot that carries the gradient of a forward slot's tensor."""
+    return {"fwd": "bwd", "ret": "ret_bwd"}[slot]
+
+
+def sample_ids_array(ids: Any) -> np.ndarray | None:
+    """Normalise user-given per-sample ids to an int64 array (None stays None)."""
+    if ids is None:
+        return None
+    if isinstance(ids, torch.Tensor):
+        ids = ids.detach().cpu().numpy()
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise ConfigError(f"sample_ids must be a 1-D sequence of integers, got shape {arr.shape} dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+__all__ = ["SLOTS", "SlotCodecs", "Traffic", "flatten", "unflatten", "resolve_codecs", "grad_slot",
+           "stream_index", "to_wire", "from_wire", "sample_ids_array"]

@@ -1,0 +1,465 @@
+"""The edge runtime: the cut as an autograd function, and the model the user trains.
+
+The user's loop stays ordinary PyTorch. The cut's forward encodes and sends what crosses and
+returns what the cloud sent back; its backward sends the incoming gradient and returns the
+gradient at the cut. Optimizer steps and ``zero_grad`` calls are mirrored to the cloud as
+operations that ride on the next message, so gradient accumulation behaves exactly as locally
+and a step costs no extra round trip.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import transports
+from compressors import CodecContext
+
+from . import protocol
+from .coding import (Coded, SlotCodecs, Traffic, flatten, from_wire, resolve_codecs, sample_ids_array,
+                     stream_index, to_wire, unflatten)
+from .errors import (ConfigError, PeerGone, ProtocolError, SplitFTError, TransportTimeout, from_code,
+                     translated)
+from .metrics import JsonlWriter, Metrics
+from .protocol import Ack, Backward, Bye, Error, Forward, Hello, InputGrads, Output, Sync, Welcome
+from .split import CutReached, CutSpec, extract, fingerprint, install, parse_cut, cut_text, value_hash
+
+log = logging.getLogger(__name__)
+
+
+
+@dataclass
+class _Call:
+    """One remote call of the cloud part, from its forward to its backward."""
+
+    skeleton: Any
+    n_leaves: int
+    train: bool
+    grad: bool
+    sample_ids: np.ndarray | None
+    id: int = 0
+    sent: list[Coded] = field(default_factory=list)
+    in_grad: list[bool] = field(default_factory=list)
+    received: list[Coded] = field(default_factory=list)
+    out_grad: list[bool] = field(default_factory=list)
+    out_skeleton: Any = None
+
+
+class EdgeSession:
+    """One session with a cloud: handshake, remote calls, and the operations to mirror."""
+
+    def __init__(self, connection: transports.Connection, *, codecs: dict[str, str], seed: int,
+                 ushape: bool, timeout: float = 60.0, metrics: Metrics | None = None) -> None:
+        self.connection = connection
+        self.codecs = SlotCodecs(codecs, seed)
+        self.ushape = ushape
+        self.timeout = float(timeout)
+        self.metrics = metrics or Metrics()
+        self.step = 0
+        self.session_id: str | None = None
+        self._ops: list[dict] = []
+        self._calls = itertools.count(1)
+        self._lock = threading.RLock()  # autograd may run backward on another thread
+        self.closed = False
+
+    # ------------------------------------------------------------ messaging
+
+    def _exchange(self, msg: protocol.Message, kind: str, expect: type, traffic: Traffic | None = None):
+        """Send ``msg``, wait for its reply; errors from the cloud are raised as typed errors."""
+        if self.closed:
+            raise PeerGone("this split session is closed; create a new one to keep training")
+        frames = protocol.encode(msg)
+        start = time.perf_counter()
+        with translated():
+            wire = self.connection.send(frames)
+            self.metrics.count("up", kind, raw=traffic.raw if traffic else 0,
+                               payload=traffic.payload if traffic else 0, wire=wire)
+            while True:
+                try:
+                    reply_frames = self.connection.recv(self.timeout)
+                except transports.TransportTimeout:
+                    raise TransportTimeout(
+                        f"no reply from the cloud at {getattr(self.connection, 'address', '?')} within "
+                        f"{self.timeout:g} s (is `splitft cloud` running there? a slow model may need a larger timeout)"
+                    ) from None
+                reply = protocol.decode(reply_frames)
+                wire_in = transports.message_nbytes(reply_frames)
+                call = getattr(msg, "call", None)
+                if call is not None and getattr(reply, "call", call) != call:
+                    log.warning("dropping a stale reply to call %s (waiting for %s)", reply.call, call)
+                    continue
+                break
+        self.metrics.add_time("wait", time.perf_counter() - start)
+        if isinstance(reply, Error):
+            self.metrics.count("down", "control", wire=wire_in)
+            raise from_code(reply.code, f"cloud: {reply.message}")
+        if isinstance(reply, Bye):
+            self.metrics.count("down", "control", wire=wire_in)
+            self._drop()
+            raise PeerGone(f"the cloud ended the session: {reply.reason or 'no reason given'}")
+        if not isinstance(reply, expect):
+            raise ProtocolError(f"expected a {expect.TYPE} reply to {msg.TYPE}, got {reply.TYPE}")
+        timings = getattr(reply, "timings", None) or {}
+        for name in ("compute", "codec"):
+            if isinstance(timings.get(name), (int, float)):
+                self.metrics.add_time(f"cloud_{name}", float(timings[name]))
+        return reply, wire_in
+
+    def open(self, hello: Hello) -> Welcome:
+        with self._lock:
+            welcome, wire_in = self._exchange(hello, "control", Welcome)
+            self.metrics.count("down", "control", wire=wire_in)
+            self.session_id = welcome.session
+            return welcome
+
+    def queue(self, op: dict) -> None:
+        """An operation for the cloud to apply before the next message it handles."""
+        self._ops.append(op)
+
+    def _take_ops(self) -> list[dict]:
+        ops, self._ops = self._ops, []
+        return ops
+
+    # ------------------------------------------------------------ remote calls
+
+    def run_forward(self, call: _Call, leaves: list[torch.Tensor], needs_grad: list[bool]) -> list[torch.Tensor]:
+        with self._lock:
+            call.id = next(self._calls)
+            ctx = CodecContext("activation", train=call.train, step=self.step, sample_ids=call.sample_ids)
+            args_skel, kwargs_skel, target_skel = call.skeleton
+            traffic = Traffic()
+            grads = [bool(g) and call.grad for g in needs_grad]
+            with self.metrics.timed("encode"):
+                entries, call.sent = self.codecs.encode(leaves, stream_index(args_skel), "fwd", ctx, grads, traffic)
+            call.in_grad = grads
+            msg = Forward(call=call.id, train=call.train, grad=call.grad, args=to_wire(args_skel, entries),
+                          kwargs=to_wire(kwargs_skel, entries), target=to_wire(target_skel, entries),
+                          ops=self._take_ops(), step=self.step, sample_ids=call.sample_ids)
+            reply, wire_in = self._exchange(msg, "activation", Output, traffic)
+            out_entries, call.out_skeleton = from_wire(reply.value)
+            stream = stream_index(call.out_skeleton) if self.ushape else None
+            with self.metrics.timed("decode"):
+                tensors, call.received = self.codecs.decode(out_entries, stream, "ret", ctx)
+            call.out_grad = [g and call.grad for _, g in out_entries]
+            self.metrics.count("down", "activation", raw=sum(t.numel() * t.element_size() for t in tensors),
+                               payload=sum(c.payload.nbytes for c in call.received), wire=wire_in)
+            return tensors
+
+    def run_backward(self, call: _Call, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
+        with self._lock:
+            ctx = CodecContext("gradient", train=True, step=self.step, sample_ids=call.sample_ids)
+            traffic = Traffic()
+            entries: list[dict | None] = []
+            with self.metrics.timed("encode"):
+                for coded, grad, needed in zip(call.received, grads, call.out_grad):
+                    if not needed:
+                        entries.append(None)
+                        continue
+                    if grad is None:
+                        grad = torch.zeros(coded.shape, dtype=coded.dtype)
+                    grad = self.codecs.grad_for_sender(grad, coded, "ret", ctx)
+                    (entry,), _ = self.codecs.encode([grad], 0 if coded.stream else None, "ret_bwd", ctx,
+                                                     [False], traffic)
+                    entries.append(entry)
+            msg = Backward(call=call.id, grads=entries, ops=self._take_ops())
+            reply, wire_in = self._exchange(msg, "gradient", InputGrads, traffic)
+            got, skeleton = from_wire(reply.grads)
+            if not isinstance(skeleton, list) or len(skeleton) != len(call.sent):
+                raise ProtocolError(f"cloud sent {len(skeleton) if isinstance(skeleton, list) else '?'} input "
+                                    f"gradients for a call with {len(call.sent)} inputs")
+            result: list[torch.Tensor | None] = []
+            raw = 0
+            with self.metrics.timed("decode"):
+                for coded, slot, needed in zip(call.sent, skeleton, call.in_grad):
+                    if not needed or slot is None:
+                        result.append(None)
+                        continue
+                    entry = got[slot.index]
+                    (grad,), _ = self.codecs.decode([entry], 0 if coded.stream else None, "bwd", ctx)
+                    raw += grad.numel() * grad.element_size()
+                    result.append(self.codecs.grad_at_input(grad, coded, "fwd", ctx))
+            self.metrics.count("down", "gradient", raw=raw, payload=sum(p.nbytes for p, _ in got), wire=wire_in)
+            return result
+
+    # ------------------------------------------------------------ control
+
+    def sync(self, want_state: bool = False) -> dict[str, np.ndarray] | None:
+        """Apply pending operations in the cloud now; optionally fetch the cloud part's weights."""
+        with self._lock:
+            reply, wire_in = self._exchange(Sync(ops=self._take_ops(), want_state=want_state), "control", Ack)
+            self.metrics.count("down", "control", wire=wire_in)
+            return reply.state
+
+    def close(self, reason: str = "done") -> None:
+        """Say goodbye (flushing pending operations) and release the connection. Idempotent."""
+        with self._lock:
+            if self.closed:
+                return
+            try:
+                frames = protocol.encode(Bye(reason=reason, ops=self._take_ops()))
+                self.metrics.count("up", "control", wire=self.connection.send(frames))
+                deadline = time.monotonic() + min(self.timeout, 5.0)
+                while (left := deadline - time.monotonic()) > 0:
+                    reply = protocol.decode(self.connection.recv(left))
+                    if isinstance(reply, (Ack, Bye, Error)):
+                        break
+            except (transports.TransportError, SplitFTError) as exc:
+                log.info("cloud did not confirm the goodbye: %s", exc)
+            finally:
+                self._drop()
+
+    def _drop(self) -> None:
+        self.closed = True
+        self.connection.close()
+
+
+class _RemoteCall(torch.autograd.Function):
+    """The cut. Inputs: the call's tensors (and an anchor that keeps the cloud part trainable)."""
+
+    @staticmethod
+    def forward(ctx: Any, session: EdgeSession, call: _Call, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        leaves = list(inputs[: call.n_leaves])
+        outputs = session.run_forward(call, leaves, list(ctx.needs_input_grad[2: 2 + call.n_leaves]))
+        ctx.session, ctx.call = session, call
+        ctx.mark_non_differentiable(*[t for t, g in zip(outputs, call.out_grad) if not g])
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        call: _Call = ctx.call
+        input_grads = ctx.session.run_backward(call, grads)
+        extra = len(ctx.needs_input_grad) - 2 - call.n_leaves
+        return (None, None, *input_grads, *([None] * extra))
+
+
+class SplitModel(nn.Module):
+    """The user's model with its cloud part cut out. Train it like the original.
+
+    Its parameters are the edge's only; attach the optimizer with :meth:`attach` so the cloud
+    part steps with it. Plain splits return the activation at the cut from ``forward``; the loss
+    comes from :meth:`remote_loss` and predictions from :meth:`predict`.
+    """
+
+    def __init__(self, model: nn.Module, spec: CutSpec, session: EdgeSession,
+                 metrics_path: str | None = None) -> None:
+        super().__init__()
+        self.model = model
+        self.spec = spec
+        self.session = session
+        self._anchor = torch.zeros((), requires_grad=True)
+        self._sample_ids: np.ndarray | None = None
+        self._writer = JsonlWriter(metrics_path) if metrics_path else None
+        self._last_record = time.perf_counter()
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.session.metrics
+
+    # ------------------------------------------------------------ forward
+
+    def forward(self, *args: Any, sample_ids: Any = None, **kwargs: Any) -> Any:
+        """Run the model's own forward; the cloud part runs remotely.
+
+        ``sample_ids`` (one int per sample, stable across epochs) is for codecs that keep
+        per-sample state, such as ``acsgd``.
+        """
+        self._sample_ids = sample_ids_array(sample_ids)
+        if self.spec.ushape:
+            return self.model(*args, **kwargs)
+        try:
+            self.model(*args, **kwargs)
+        except CutReached as cut:
+            if len(cut.call_args) == 1 and not cut.call_kwargs:
+                return cut.call_args[0]
+            return CutActivation(cut.call_args, cut.call_kwargs)
+        raise SplitFTError("the model's forward returned without reaching the cut; check the cut name")
+
+    def _remote(self, args: tuple, kwargs: dict, target: Any = None) -> Any:
+        grad = torch.is_grad_enabled()
+        leaves, skeleton = flatten((list(args), kwargs, target))
+        call = _Call(skeleton, len(leaves), train=self.training, grad=grad, sample_ids=self._sample_ids)
+        inputs = [*leaves, self._anchor] if grad else leaves
+        outputs = _RemoteCall.apply(self.session, call, *inputs)
+        return unflatten(call.out_skeleton, list(outputs))
+
+    def _trunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._remote(args, kwargs)
+
+    def predict(self, *args: Any, sample_ids: Any = None, **kwargs: Any) -> Any:
+        """The whole model's output. In U-shape this is ``forward``; plain splits ask the cloud."""
+        if self.spec.ushape:
+            return self(*args, sample_ids=sample_ids, **kwargs)
+        cut = self(*args, sample_ids=sample_ids, **kwargs)
+        return self._remote(*_call_parts(cut))
+
+    # ------------------------------------------------------------ training
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Mirror ``optimizer`` in the cloud: same class and settings, stepping when it steps.
+
+        Returns the same optimizer, so ``opt = model.attach(torch.optim.Adam(...))`` reads well.
+        """
+        cls = type(optimizer)
+        if not cls.__module__.startswith("torch.optim") or getattr(torch.optim, cls.__name__, None) is not cls:
+            raise ConfigError(
+                f"the cloud mirrors torch.optim optimizers by name; {cls.__qualname__} is not one of them"
+            )
+        settings = {k: _plain(v) for k, v in optimizer.defaults.items() if _plain(v) is not _NOT_PLAIN}
+        self.session.queue({"op": "optimizer", "name": cls.__name__, "settings": settings})
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: self._stepped(opt))
+        original = optimizer.zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            original(set_to_none)
+            self.session.queue({"op": "zero_grad", "set_to_none": bool(set_to_none)})
+
+        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+        return optimizer
+
+    def _stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        lr = optimizer.param_groups[0].get("lr")
+        self.session.queue({"op": "step", "lr": float(lr) if isinstance(lr, (int, float)) else None})
+        self.session.step += 1
+        self.metrics.steps += 1
+        if self._writer is not None:
+            now = time.perf_counter()
+            self._writer.write({"step": self.session.step, "seconds": now - self._last_record}
+                               | self.metrics.snapshot())
+            self._last_record = now
+
+    def remote_loss(self, criterion: nn.Module) -> "RemoteLoss":
+        """Plain split: compute ``criterion`` in the cloud. Returns a callable ``crit(out, target)``."""
+        if self.spec.ushape:
+            raise ConfigError("in a U-shape split the loss stays on the edge: call your criterion directly")
+        cls = type(criterion)
+        if getattr(nn, cls.__name__, None) is not cls or not issubclass(cls, nn.modules.loss._Loss):
+            raise ConfigError(f"the cloud computes torch.nn losses by name; {cls.__qualname__} is not one")
+        settings = {}
+        for name in inspect.signature(cls).parameters:
+            value = getattr(criterion, name, None)
+            if isinstance(value, torch.Tensor):
+                raise ConfigError(f"{cls.__name__}({name}=<tensor>) cannot be mirrored to the cloud")
+            if _plain(value) is not _NOT_PLAIN and value is not None:
+                settings[name] = value
+        self.session.queue({"op": "loss", "name": cls.__name__, "settings": settings})
+        return RemoteLoss(self)
+
+    # ------------------------------------------------------------ cloud state
+
+    def sync(self) -> None:
+        """Make the cloud apply every pending step now (they otherwise ride on the next message)."""
+        self.session.sync()
+
+    def cloud_state_dict(self) -> dict[str, torch.Tensor]:
+        """The cloud part's current weights, named as in the original model."""
+        state = self.session.sync(want_state=True) or {}
+        return {k: torch.from_numpy(np.array(v)) for k, v in state.items()}
+
+    def close(self, reason: str = "done") -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self.session.close(reason)
+
+    def __enter__(self) -> "SplitModel":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close("interrupted" if exc_type is KeyboardInterrupt else "done" if exc_type is None else "error")
+
+
+@dataclass
+class CutActivation:
+    """What reaches a plain cut when more than one value crosses (e.g. hidden states and a mask)."""
+
+    args: tuple
+    kwargs: dict
+
+
+def _call_parts(cut: Any) -> tuple[tuple, dict]:
+    if isinstance(cut, CutActivation):
+        return cut.args, cut.kwargs
+    return (cut,), {}
+
+
+class RemoteLoss:
+    """``crit(out, target)`` for a plain split: the cloud runs its part and the loss."""
+
+    def __init__(self, split: SplitModel) -> None:
+        self.split = split
+
+    def __call__(self, out: Any, target: torch.Tensor) -> torch.Tensor:
+        args, kwargs = _call_parts(out)
+        return self.split._remote(args, kwargs, target)
+
+
+_NOT_PLAIN = object()
+
+
+def _plain(value: Any) -> Any:
+    """``value`` if msgpack can carry it as a setting, else a marker."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)) and all(isinstance(v, (bool, int, float)) for v in value):
+        return list(value)
+    return _NOT_PLAIN
+
+
+def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
+          factory: str, factory_kwargs: dict | None = None,
+          connect: str | None = None, connection: transports.Connection | None = None,
+          fwd: str = "identity", bwd: str | None = None, ret: str | None = None, ret_bwd: str | None = None,
+          seed: int = 0, weights: str = "push", timeout: float = 60.0,
+          metrics_path: str | None = None) -> SplitModel:
+    """Cut ``model`` and connect its cloud part; returns the edge's model to train.
+
+    Args:
+        model: the full model, built on the edge. Its cloud modules are replaced by stand-ins.
+        cut: the first module that runs in the cloud (dotted name or Sequential index), or a
+            slice ``"parent.i:j"`` of a container's children (U-shape).
+        rejoin: for U-shape, the sibling of ``cut`` where the edge takes over again.
+        factory: ``"package.module:function"`` that builds the same model in the cloud; the
+            cloud must list it as allowed.
+        connect / connection: the cloud's address (``tcp://host:port``, ``ipc://path``), or an
+            open transport connection.
+        fwd, bwd, ret, ret_bwd: codec specs per direction (see :mod:`splitft.coding`).
+        seed: shared seed for codec randomness (keys, projections).
+        weights: ``"push"`` sends the cloud part's initial weights in the handshake;
+            ``"factory"`` has the cloud use its own and checks that they are equal.
+    """
+    if weights not in ("push", "factory"):
+        raise ConfigError(f"weights must be 'push' or 'factory', got {weights!r}")
+    if (connect is None) == (connection is None):
+        raise ConfigError("give exactly one of connect='tcp://host:port' or connection=<transport>")
+    spec = parse_cut(model, cut, rejoin)
+    cut_name, rejoin_name = cut_text(spec, model)
+    chain = extract(model, spec)
+    codecs = resolve_codecs(fwd, bwd, ret, ret_bwd)
+    hello = Hello(
+        protocol=protocol.PROTOCOL_VERSION, factory=factory, factory_kwargs=dict(factory_kwargs or {}),
+        cut=cut_name, rejoin=rejoin_name, fingerprint=fingerprint(chain), codecs=codecs, seed=int(seed),
+        value_hash=value_hash(chain) if weights == "factory" else None,
+        weights={k: v.detach().cpu().numpy() for k, v in chain.qualified_state_dict().items()}
+        if weights == "push" else None,
+        client="splitft",
+    )
+    if connection is None:
+        with translated():
+            connection = transports.connect(connect)
+    session = EdgeSession(connection, codecs=codecs, seed=seed, ushape=spec.ushape, timeout=timeout)
+    try:
+        session.open(hello)
+    except BaseException:
+        session._drop()
+        raise
+    split_model = SplitModel(model, spec, session, metrics_path=metrics_path)
+    install(model, spec, remote=split_model._trunk if spec.ushape else None)
+    return split_model

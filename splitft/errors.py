@@ -1,0 +1,109 @@
+"""One error hierarchy for splitft. Every message says what was expected, what came, and the fix.
+
+The leaf packages have errors of their own (they may not import splitft); the runtime re-raises
+them as the classes below at the boundary (:func:`translated`), so ``except SplitFTError`` is
+enough for a user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import compressors
+import transports
+
+
+class SplitFTError(Exception):
+    """Base of everything splitft raises on purpose."""
+
+
+class ConfigError(SplitFTError, ValueError):
+    """Arguments that cannot work (an unknown option, a cut that does not exist, ...)."""
+
+
+class CutError(ConfigError):
+    """A model cannot be cut as asked."""
+
+
+class ProtocolError(SplitFTError):
+    """A message that does not follow the wire protocol."""
+
+
+class HandshakeError(SplitFTError):
+    """Edge and cloud disagree on something both must share (version, model, codecs, seed)."""
+
+
+class RemoteError(SplitFTError):
+    """The peer reported an error; ``code`` says which kind."""
+
+    def __init__(self, message: str, code: str = "internal") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PeerGone(SplitFTError):
+    """The other side ended the session (it said goodbye, or was interrupted)."""
+
+
+class CompressionError(SplitFTError, compressors.CompressionError):
+    """A codec failed or was misconfigured."""
+
+
+class DesyncError(CompressionError, compressors.DesyncError):
+    """Codec state on the two ends disagrees."""
+
+
+class TransportError(SplitFTError, transports.TransportError):
+    """Frames could not be moved."""
+
+
+class TransportTimeout(TransportError, transports.TransportTimeout):
+    """No answer in time."""
+
+
+# Error codes that travel in Error messages, and the class the receiving side raises for each.
+CODES: dict[str, type[SplitFTError]] = {
+    "protocol": ProtocolError,
+    "handshake": HandshakeError,
+    "config": ConfigError,
+    "compression": CompressionError,
+    "desync": DesyncError,
+    "shutdown": PeerGone,
+}
+
+
+def code_of(exc: BaseException) -> str:
+    """The wire code for an exception raised while serving a request."""
+    for code, cls in reversed(list(CODES.items())):
+        if isinstance(exc, cls):
+            return code
+    if isinstance(exc, compressors.DesyncError):
+        return "desync"
+    if isinstance(exc, compressors.CompressionError):
+        return "compression"
+    return "internal"
+
+
+def from_code(code: str, message: str) -> SplitFTError:
+    cls = CODES.get(code)
+    if cls is None or cls is RemoteError:
+        return RemoteError(message, code)
+    return cls(message)
+
+
+@contextlib.contextmanager
+def translated() -> Iterator[None]:
+    """Re-raise leaf-package errors as splitft errors, keeping the original as the cause."""
+    try:
+        yield
+    except SplitFTError:
+        raise
+    except transports.TransportTimeout as exc:
+        raise TransportTimeout(str(exc)) from exc
+    except transports.TransportError as exc:
+        raise TransportError(str(exc)) from exc
+    except compressors.DesyncError as exc:
+        raise DesyncError(str(exc)) from exc
+    except compressors.CompressionError as exc:
+        raise CompressionError(str(exc)) from exc

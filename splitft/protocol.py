@@ -1,0 +1,300 @@
+"""The wire protocol: typed, versioned messages as one msgpack header frame plus raw array frames.
+
+Frame 0 is ``msgpack({"v": PROTOCOL_VERSION, "t": TYPE, "b": body})``. Any numpy array inside the
+body is written as msgpack extension type 1 holding ``[frame index, dtype, shape]`` and its bytes
+travel as their own frame, so large arrays are never copied into the header and are sent
+zero-copy. Decoding validates everything a hostile peer controls (types, dtypes, shapes, sizes,
+frame counts) before building anything, and never executes code: no pickle, ever.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union
+
+import msgpack
+import numpy as np
+
+from compressors import WIRE_DTYPES, Payload
+
+from .errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+_ARRAY_EXT = 1
+MAX_DIMS = 8
+
+
+# ---------------------------------------------------------------- messages
+
+
+@dataclass
+class Message:
+    TYPE: ClassVar[str] = ""
+
+
+@dataclass
+class Hello(Message):
+    """Edge → cloud: open a session. The cloud refuses unless every shared setting matches."""
+
+    TYPE: ClassVar[str] = "hello"
+    protocol: int
+    factory: str
+    cut: str
+    rejoin: str | None
+    fingerprint: str
+    codecs: dict
+    seed: int
+    factory_kwargs: dict = field(default_factory=dict)
+    loss: str | None = None
+    value_hash: str | None = None
+    weights: dict | None = None
+    client: str = ""
+
+
+@dataclass
+class Welcome(Message):
+    TYPE: ClassVar[str] = "welcome"
+    session: str
+    server: str = ""
+
+
+@dataclass
+class Forward(Message):
+    """Run the cloud part on ``args``/``kwargs`` (tensors as encoded payloads)."""
+
+    TYPE: ClassVar[str] = "forward"
+    call: int
+    train: bool  # the cloud part runs in train mode (and stateful codecs may update)
+    grad: bool  # build a graph: a Backward for this call may follow
+    args: list
+    kwargs: dict
+    target: Any = None  # plain split: the labels; the cloud then returns the loss
+    ops: list = field(default_factory=list)
+    step: int = 0
+    sample_ids: np.ndarray | None = None
+
+
+@dataclass
+class Output(Message):
+    """Cloud → edge: what the cloud part returned, and how long the cloud worked on it."""
+
+    TYPE: ClassVar[str] = "output"
+    call: int
+    value: Any
+    timings: dict = field(default_factory=dict)
+
+
+@dataclass
+class Backward(Message):
+    """Edge → cloud: gradients of a forward call's outputs."""
+
+    TYPE: ClassVar[str] = "backward"
+    call: int
+    grads: list
+    ops: list = field(default_factory=list)
+
+
+@dataclass
+class InputGrads(Message):
+    """Cloud → edge: gradients of a forward call's inputs."""
+
+    TYPE: ClassVar[str] = "input_grads"
+    call: int
+    grads: list
+    timings: dict = field(default_factory=dict)
+
+
+@dataclass
+class Sync(Message):
+    """Edge → cloud: apply pending operations (optimizer steps...) and answer with an Ack."""
+
+    TYPE: ClassVar[str] = "sync"
+    ops: list = field(default_factory=list)
+    want_state: bool = False
+
+
+@dataclass
+class Ack(Message):
+    TYPE: ClassVar[str] = "ack"
+    state: dict | None = None
+
+
+@dataclass
+class Error(Message):
+    TYPE: ClassVar[str] = "error"
+    code: str
+    message: str
+
+
+@dataclass
+class Bye(Message):
+    """Either side: the session ends. Pending operations ride along so nothing is lost."""
+
+    TYPE: ClassVar[str] = "bye"
+    reason: str = ""
+    ops: list = field(default_factory=list)
+
+
+MESSAGES: dict[str, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (Hello, Welcome, Forward, Output, Backward, InputGrads, Sync, Ack, Error, Bye)
+}
+
+# Per message type: (field name, type hint, required), resolved once; decode is on the hot path.
+def _accepted_types(hint: Any) -> tuple[type, ...] | None:
+    """The Python types msgpack decoding may produce for a field hint (None: anything)."""
+    if hint is Any:
+        return None
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        parts = [_accepted_types(h) for h in typing.get_args(hint)]
+        return None if any(p is None for p in parts) else tuple(t for p in parts for t in p)
+    if hint is float:
+        return (int, float)
+    return (typing.get_origin(hint) or hint,)
+
+
+_SCHEMAS: dict[type[Message], list[tuple[str, Any, tuple[type, ...] | None, bool]]] = {
+    cls: [(f.name, typing.get_type_hints(cls)[f.name], _accepted_types(typing.get_type_hints(cls)[f.name]),
+           f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+          for f in dataclasses.fields(cls)]
+    for cls in MESSAGES.values()
+}
+_FIELD_NAMES = {cls: [name for name, *_ in schema] for cls, schema in _SCHEMAS.items()}
+
+
+# ---------------------------------------------------------------- payloads inside bodies
+
+TENSOR_KEY = "$t"
+
+
+def payload_to_wire(payload: Payload, requires_grad: bool = False) -> dict:
+    return {TENSOR_KEY: [payload.codec, payload.version, payload.meta, payload.arrays, requires_grad]}
+
+
+def is_tensor_entry(value: Any) -> bool:
+    return isinstance(value, dict) and TENSOR_KEY in value
+
+
+def payload_from_wire(value: Any) -> tuple[Payload, bool]:
+    """Inverse of :func:`payload_to_wire`, checking every field's type."""
+    entry = value.get(TENSOR_KEY) if isinstance(value, dict) else None
+    if not (isinstance(entry, list) and len(entry) == 5):
+        raise ProtocolError(f"expected a tensor entry {{'{TENSOR_KEY}': [codec, version, meta, arrays, grad]}}, got {_short(value)}")
+    codec, version, meta, arrays, grad = entry
+    if not isinstance(codec, str) or not isinstance(version, int) or not isinstance(meta, dict) \
+            or not isinstance(arrays, dict) or not isinstance(grad, bool):
+        raise ProtocolError(f"malformed tensor entry: {_short(entry)}")
+    for name, arr in arrays.items():
+        if not isinstance(name, str) or not isinstance(arr, np.ndarray):
+            raise ProtocolError(f"tensor entry array {name!r} is {type(arr).__name__}, expected an array frame")
+    return Payload(codec, version, arrays, meta), grad
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def encode(message: Message) -> list:
+    """Frames for ``message``: the header first, then one frame per array, in order of appearance."""
+    arrays: list[np.ndarray] = []
+
+    def default(obj: Any) -> Any:
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.name not in WIRE_DTYPES:
+                raise ProtocolError(f"array dtype {obj.dtype} cannot go on the wire; allowed: {sorted(WIRE_DTYPES)}")
+            arrays.append(np.ascontiguousarray(obj))
+            ref = msgpack.packb([len(arrays) - 1, obj.dtype.name, list(obj.shape)])
+            return msgpack.ExtType(_ARRAY_EXT, ref)
+        if isinstance(obj, tuple):
+            return list(obj)
+        if isinstance(obj, (np.integer, np.floating, np.bool_)):
+            return obj.item()
+        raise ProtocolError(f"cannot put a {type(obj).__name__} on the wire (only plain values and numpy arrays)")
+
+    body = {name: getattr(message, name) for name in _FIELD_NAMES[type(message)]}
+    header = msgpack.packb({"v": PROTOCOL_VERSION, "t": message.TYPE, "b": body},
+                           default=default, use_bin_type=True)
+    return [header, *arrays]
+
+
+def decode(frames: list) -> Message:
+    """Parse and validate frames into a message. Anything malformed raises :class:`ProtocolError`."""
+    if not frames:
+        raise ProtocolError("empty message: expected a header frame")
+    used: set[int] = set()
+
+    def ext_hook(code: int, data: bytes) -> Any:
+        if code != _ARRAY_EXT:
+            raise ProtocolError(f"unknown msgpack extension type {code}; only arrays (type {_ARRAY_EXT}) are allowed")
+        try:
+            index, dtype, shape = msgpack.unpackb(data, raw=False)
+        except Exception as exc:
+            raise ProtocolError(f"malformed array reference: {exc}") from None
+        return _array(frames, index, dtype, shape, used)
+
+    try:
+        head = msgpack.unpackb(frames[0], raw=False, ext_hook=ext_hook, strict_map_key=True)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises several types for garbage
+        raise ProtocolError(f"header frame is not valid msgpack: {type(exc).__name__}: {exc}") from None
+    if not isinstance(head, dict) or set(head) != {"v", "t", "b"}:
+        raise ProtocolError(f"header must be a map with keys v, t, b; got {_short(head)}")
+    if head["v"] != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {head['v']!r} received, this side speaks {PROTOCOL_VERSION}; "
+            "install the same splitft version on edge and cloud"
+        )
+    cls = MESSAGES.get(head["t"]) if isinstance(head["t"], str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {_short(head['t'])}; known: {', '.join(sorted(MESSAGES))}")
+    if len(used) != len(frames) - 1:
+        raise ProtocolError(f"{len(frames) - 1} array frames arrived but the header references {len(used)}")
+    return _build(cls, head["b"])
+
+
+def _array(frames: list, index: Any, dtype: Any, shape: Any, used: set[int]) -> np.ndarray:
+    if not isinstance(index, int) or not 0 <= index < len(frames) - 1 or index in used:
+        raise ProtocolError(f"array reference to frame {index!r}: out of range or used twice ({len(frames) - 1} array frames)")
+    if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
+        raise ProtocolError(f"array dtype {_short(dtype)} is not allowed; allowed: {', '.join(sorted(WIRE_DTYPES))}")
+    if not (isinstance(shape, list) and len(shape) <= MAX_DIMS
+            and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise ProtocolError(f"array shape {_short(shape)} must be a list of at most {MAX_DIMS} non-negative ints")
+    buf = memoryview(frames[index + 1]).cast("B")
+    expected = math.prod(shape) * np.dtype(dtype).itemsize
+    if expected != buf.nbytes:
+        raise ProtocolError(f"array of shape {shape} and dtype {dtype} needs {expected} bytes, its frame has {buf.nbytes}")
+    used.add(index)
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+def _build(cls: type[Message], body: Any) -> Message:
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{cls.TYPE} body must be a map, got {_short(body)}")
+    schema = _SCHEMAS[cls]
+    if len(body) > len(schema) or not set(body) <= set(_FIELD_NAMES[cls]):
+        unknown = set(body) - set(_FIELD_NAMES[cls])
+        raise ProtocolError(f"{cls.TYPE} has no field(s) {sorted(map(str, unknown))}")
+    for name, hint, accepted, required in schema:
+        if name not in body:
+            if required:
+                raise ProtocolError(f"{cls.TYPE} is missing field {name!r}")
+            continue
+        value = body[name]
+        if accepted is not None and (not isinstance(value, accepted)
+                                     or (isinstance(value, bool) and bool not in accepted)):
+            raise ProtocolError(f"{cls.TYPE}.{name} should be {_type_name(hint)}, got {_short(value)}")
+    return cls(**body)
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,303 @@
+"""Cutting a model: which modules run in the cloud, and how the edge hands over to them.
+
+A cut names the first module that runs in the cloud (a dotted name such as ``"layer2"`` or
+``"encoder.layer.3"``, or an index into an ``nn.Sequential``).
+
+* **plain split** (no ``rejoin``): the cloud runs everything from the cut to the end and computes
+  the loss. Every container above the cut must be an ``nn.Sequential``, since that is the only
+  forward that is known to be "call the children in order".
+* **U-shape** (``rejoin`` names a later sibling, or ``cut="parent.3:6"`` slices a container):
+  the cloud runs a run of consecutive siblings, the *trunk*, and the edge takes over again.
+
+The model's own ``forward`` keeps running on the edge; the cloud's modules are replaced by small
+stand-ins. In U-shape the first stand-in sends whatever the model passes to it (several tensors
+may cross: hidden states and an attention mask, say) and returns what the cloud's trunk returned;
+the following stand-ins return that same result. The cloud runs the trunk as a :class:`Chain`:
+each module gets the previous one's output (its first element, for tuples) as first argument and
+the remaining arguments of the first call unchanged, which is how Sequential, ModuleList loops
+in transformers, and ResNet stages call their children.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import CutError
+
+
+@dataclass(frozen=True)
+class CutSpec:
+    """Where the cloud part starts and, for U-shape, where the edge takes over again."""
+
+    parent: str  # dotted name of the container of the first cloud module ("" for the root)
+    start: int  # index of the first cloud module among the parent's children
+    stop: int | None  # index of the first edge module after the trunk; None: plain split
+
+    @property
+    def ushape(self) -> bool:
+        return self.stop is not None
+
+
+def _join(parent: str, child: str) -> str:
+    return f"{parent}.{child}" if parent else child
+
+
+def _module(model: nn.Module, name: str) -> nn.Module:
+    if not name:
+        return model
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        known = [n for n, _ in model.named_modules() if n]
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
+        hint = f"; close matches: {', '.join(close)}" if close else ""
+        listing = ", ".join(n for n in known if "." not in n)
+        raise CutError(f"the model has no module named {name!r}{hint} (top-level modules: {listing})") from None
+
+
+def _child_index(model: nn.Module, parent: str, child: str) -> int:
+    names = [n for n, _ in _module(model, parent).named_children()]
+    if child not in names and child.lstrip("-").isdigit() and -len(names) <= int(child) < len(names):
+        return int(child) % len(names)  # an index into a container whose children have names
+    if child not in names:
+        _module(model, _join(parent, child))  # raises with close matches
+        raise CutError(f"{_join(parent, child)!r} is not a direct child of {parent or 'the model'!r}")
+    return names.index(child)
+
+
+def parse_cut(model: nn.Module, cut: str | int, rejoin: str | int | None = None) -> CutSpec:
+    """Resolve user cut names against ``model``; errors name what exists."""
+    cut = str(cut)
+    if ":" in cut:
+        if rejoin is not None:
+            raise CutError(f"cut {cut!r} already gives the trunk as a slice; drop rejoin={rejoin!r}")
+        where, _, stop_text = cut.partition(":")
+        parent, _, start_name = where.rpartition(".")
+        start = _child_index(model, parent, start_name)
+        count = len(list(_module(model, parent).children()))
+        try:
+            stop = int(stop_text) if stop_text else count
+        except ValueError:
+            raise CutError(f"cut slice {cut!r}: the end after ':' must be an index, got {stop_text!r}") from None
+        if not start < stop <= count:
+            raise CutError(f"cut slice {cut!r} is empty or runs past the {count} children of {parent or 'the model'!r}")
+        return CutSpec(parent, start, stop)
+    parent, _, start_name = cut.rpartition(".")
+    start = _child_index(model, parent, start_name)
+    if rejoin is None:
+        return CutSpec(parent, start, None)
+    rejoin = str(rejoin)
+    rparent, _, rname = rejoin.rpartition(".")
+    if rparent != parent:
+        raise CutError(
+            f"rejoin {rejoin!r} must be a sibling of cut {cut!r} (both children of {parent or 'the model'!r})"
+        )
+    stop = _child_index(model, parent, rname)
+    if stop <= start:
+        raise CutError(f"rejoin {rejoin!r} must come after cut {cut!r} in {parent or 'the model'!r}")
+    return CutSpec(parent, start, stop)
+
+
+def cut_text(spec: CutSpec, model: nn.Module) -> tuple[str, str | None]:
+    """The (cut, rejoin) names of a spec, as the handshake carries them."""
+    names = [n for n, _ in _module(model, spec.parent).named_children()]
+    cut = _join(spec.parent, names[spec.start])
+    if spec.stop is None:
+        return cut, None
+    rejoin = _join(spec.parent, names[spec.stop]) if spec.stop < len(names) else f"{cut}:{spec.stop}"
+    return cut, rejoin
+
+
+def cloud_module_names(model: nn.Module, spec: CutSpec) -> list[str]:
+    """Dotted names of the modules the cloud runs, in call order."""
+    names = [n for n, _ in _module(model, spec.parent).named_children()]
+    if spec.stop is not None:
+        return [_join(spec.parent, n) for n in names[spec.start: spec.stop]]
+    chain = [_join(spec.parent, n) for n in names[spec.start:]]
+    path = spec.parent
+    while True:
+        container = _module(model, path)
+        if not isinstance(container, nn.Sequential):
+            raise CutError(
+                f"a plain split needs every container above the cut to be an nn.Sequential, but "
+                f"{path or 'the model'!r} is a {type(container).__name__}, whose forward may do more "
+                "than call its children; cut it U-shape instead (give rejoin=, or cut='parent.i:j')"
+            )
+        if not path:
+            return chain
+        parent, _, child = path.rpartition(".")
+        siblings = [n for n, _ in _module(model, parent).named_children()]
+        chain += [_join(parent, n) for n in siblings[siblings.index(child) + 1:]]
+        path = parent
+
+
+def _stream(value: Any) -> Any:
+    """What a module passes on to the next one in a chain: the first element of a tuple."""
+    return value[0] if isinstance(value, (tuple, list)) else value
+
+
+class Chain(nn.Module):
+    """Modules called one after another, keeping their dotted names from the original model."""
+
+    def __init__(self, named: list[tuple[str, nn.Module]]) -> None:
+        super().__init__()
+        self.names = [n for n, _ in named]
+        self.stages = nn.ModuleList(m for _, m in named)
+
+    def forward(self, first: Any, *args: Any, **kwargs: Any) -> Any:
+        out = first
+        for i, stage in enumerate(self.stages):
+            out = stage(out if i == 0 else _stream(out), *args, **kwargs)
+        return out
+
+    def qualified_state_dict(self) -> dict[str, torch.Tensor]:
+        """State with the original model's names (``"block3.0.weight"``)."""
+        return {
+            f"{name}.{key}": value
+            for name, stage in zip(self.names, self.stages)
+            for key, value in stage.state_dict().items()
+        }
+
+    def load_qualified_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        expected = self.qualified_state_dict()
+        if set(state) != set(expected):
+            missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+            raise CutError(f"cloud weights do not match the cut: missing {missing[:5]}, unexpected {extra[:5]}")
+        with torch.no_grad():
+            for key, target in expected.items():
+                source = state[key]
+                if tuple(source.shape) != tuple(target.shape):
+                    raise CutError(f"weight {key!r}: expected shape {tuple(target.shape)}, got {tuple(source.shape)}")
+                target.copy_(source)
+
+
+def extract(model: nn.Module, spec: CutSpec) -> Chain:
+    """The cloud part of ``model`` as a :class:`Chain` (shares the modules, copies nothing)."""
+    return Chain([(name, _module(model, name)) for name in cloud_module_names(model, spec)])
+
+
+def fingerprint(chain: Chain) -> str:
+    """Hash of the cloud part's parameter/buffer names, shapes and dtypes: same architecture?"""
+    digest = hashlib.sha256()
+    for key, value in sorted(chain.qualified_state_dict().items()):
+        digest.update(f"{key}:{tuple(value.shape)}:{value.dtype};".encode())
+    return digest.hexdigest()[:16]
+
+
+def value_hash(chain: Chain) -> str:
+    """Hash of the cloud part's values: do both sides start from the same weights?"""
+    digest = hashlib.sha256()
+    for key, value in sorted(chain.qualified_state_dict().items()):
+        digest.update(key.encode())
+        digest.update(value.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- edge-side stand-ins
+
+
+class CutReached(Exception):
+    """Raised by the plain-split stand-in to stop the edge forward at the cut."""
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        super().__init__("forward reached the cut")
+        self.call_args = args
+        self.call_kwargs = kwargs
+
+
+class CutPoint(nn.Module):
+    """Plain split: where the edge's forward ends. Hands its inputs to the caller."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.cloud_name = name
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise CutReached(args, kwargs)
+
+    def extra_repr(self) -> str:
+        return f"runs in the cloud: {self.cloud_name}"
+
+
+class Unreachable(nn.Module):
+    """Plain split: a cloud module after the cut. The edge must never call it."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.cloud_name = name
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise CutError(f"the edge's forward called {self.cloud_name!r}, which runs in the cloud after the cut")
+
+    def extra_repr(self) -> str:
+        return f"runs in the cloud: {self.cloud_name}"
+
+
+class TrunkEntry(nn.Module):
+    """U-shape: the first trunk module. Calls ``remote`` with its inputs, returns the trunk output."""
+
+    def __init__(self, names: list[str], remote: Callable[..., Any]) -> None:
+        super().__init__()
+        self.cloud_names = names
+        self._remote = remote
+        self.last: Any = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.last = self._remote(*args, **kwargs)
+        return self.last
+
+    def extra_repr(self) -> str:
+        return f"runs in the cloud: {', '.join(self.cloud_names)}"
+
+
+class TrunkFollower(nn.Module):
+    """U-shape: a later trunk module. The trunk already ran; pass its output on."""
+
+    def __init__(self, name: str, entry: TrunkEntry) -> None:
+        super().__init__()
+        self.cloud_name = name
+        self._entry = [entry]  # a list, so the entry is not registered twice as a submodule
+
+    def forward(self, first: Any, *args: Any, **kwargs: Any) -> Any:
+        last = self._entry[0].last
+        if last is None or (first is not last and first is not _stream(last)):
+            raise CutError(
+                f"the model's forward does not feed {self.cloud_name!r} with the previous trunk "
+                "module's output, so the trunk cannot run as one chain in the cloud; choose a cut "
+                "whose modules are called one after another"
+            )
+        return last
+
+    def extra_repr(self) -> str:
+        return f"runs in the cloud: {self.cloud_name}"
+
+
+def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None = None) -> Chain:
+    """Replace the cloud modules of ``model`` with stand-ins; return them as a Chain.
+
+    ``remote`` is what the U-shape entry calls; plain splits stop at a :class:`CutPoint`.
+    """
+    chain = extract(model, spec)
+    entry: TrunkEntry | None = None
+    for i, name in enumerate(chain.names):
+        parent, _, child = name.rpartition(".")
+        if spec.ushape:
+            if i == 0:
+                if remote is None:
+                    raise CutError("a U-shape cut needs a remote callable for its trunk")
+                entry = TrunkEntry(chain.names, remote)
+                standin: nn.Module = entry
+            else:
+                assert entry is not None
+                standin = TrunkFollower(name, entry)
+        else:
+            standin = CutPoint(name) if i == 0 else Unreachable(name)
+        setattr(_module(model, parent), child, standin)
+    return chain

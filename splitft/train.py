@@ -1,0 +1,72 @@
+"""The training loop the CLI and the benchmarks share: ordinary PyTorch, split or not."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .data import Split, batches
+
+
+@dataclass
+class FitResult:
+    accuracy: float
+    history: list[dict[str, float]] = field(default_factory=list)
+    seconds: float = 0.0
+    steps: int = 0
+
+
+def accuracy(predict: Callable[..., torch.Tensor], data: Split, batch_size: int = 256) -> float:
+    """Share of ``data`` whose argmax prediction is the label (no grad, eval mode is the caller's)."""
+    correct = 0
+    with torch.no_grad():
+        for x, y, ids in batches(data, batch_size, shuffle=False):
+            correct += int((predict(x).argmax(dim=1) == y).sum())
+    return correct / max(1, len(data))
+
+
+def fit(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Callable[[Any, torch.Tensor], torch.Tensor],
+        train: Split, test: Split, *, epochs: int, batch_size: int, seed: int = 0,
+        predict: Callable[..., torch.Tensor] | None = None, progress: bool = False,
+        pass_ids: bool = False) -> FitResult:
+    """Train ``epochs`` epochs, evaluating after each; shows a bar per epoch when ``progress``.
+
+    ``pass_ids`` gives the model each sample's stable id (``model(x, sample_ids=ids)``), which
+    codecs with per-sample state need.
+    """
+    from tqdm.auto import tqdm
+
+    predict = predict or model
+    result = FitResult(accuracy=0.0)
+    start = time.perf_counter()
+    for epoch in range(epochs):
+        model.train()
+        total_loss, seen = 0.0, 0
+        steps_per_epoch = -(-len(train) // batch_size)
+        bar = tqdm(batches(train, batch_size, shuffle=True, seed=seed, epoch=epoch), total=steps_per_epoch,
+                   desc=f"epoch {epoch + 1:>2}/{epochs}", disable=not progress, leave=True,
+                   dynamic_ncols=True, unit="step")
+        for x, y, ids in bar:
+            out = model(x, sample_ids=ids) if pass_ids else model(x)
+            loss = criterion(out, y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            total_loss += float(loss.detach()) * len(y)
+            seen += len(y)
+            result.steps += 1
+            bar.set_postfix(loss=f"{total_loss / seen:.4f}")
+        model.eval()
+        acc = accuracy(predict, test)
+        result.accuracy = acc
+        result.history.append({"epoch": epoch + 1, "loss": total_loss / max(1, seen), "accuracy": acc,
+                               "seconds": time.perf_counter() - start})
+        bar.set_postfix(loss=f"{total_loss / max(1, seen):.4f}", test_acc=f"{acc:.4f}")
+        bar.close()
+    result.seconds = time.perf_counter() - start
+    return result

@@ -1,0 +1,96 @@
+"""The command line as a user meets it: help, the demo, and two terminals with Ctrl-C."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import PipeReader, splitft_process, start_cloud, stop
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    proc = splitft_process(*args)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        stop(proc)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_help_explains_every_command():
+    result = _run("--help")
+    assert result.returncode == 0
+    for command in ("demo", "cloud", "edge", "codecs"):
+        assert command in result.stdout
+    for command, options in {"cloud": ["--bind", "--model", "--sessions"],
+                             "edge": ["--connect", "--fwd", "--bwd", "--topology", "--cut", "--epochs"],
+                             "demo": ["--fwd", "--epochs", "--metrics"]}.items():
+        result = _run(command, "--help")
+        assert result.returncode == 0
+        for option in options:
+            assert option in result.stdout, (command, option)
+
+
+def test_codecs_lists_the_registry():
+    result = _run("codecs")
+    assert result.returncode == 0 and "identity" in result.stdout and "fp16" in result.stdout
+
+
+def test_bad_codec_is_a_one_line_error_not_a_traceback(tmp_path):
+    cloud, address, _ = start_cloud(tmp_path)
+    try:
+        result = _run("edge", "--connect", address, "--fwd", "zip", timeout=60)
+    finally:
+        stop(cloud)
+    assert result.returncode == 2
+    assert "valid names" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_demo_trains_digits_to_95_percent():
+    result = _run("demo", timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    accuracy = float(re.search(r"test accuracy (\d\.\d+)", result.stdout).group(1))
+    assert accuracy >= 0.95
+    for needle in ("edge -> cloud", "cloud -> edge", "edge compute", "wire", "cloud compute"):
+        assert needle in result.stdout
+    assert "epoch 15/15" in result.stderr  # a progress bar per epoch
+
+
+def _two_terminals(tmp_path):
+    cloud, address, cloud_err = start_cloud(tmp_path, "--sessions", "1")
+    edge = splitft_process("edge", "--connect", address, "--epochs", "500")
+    edge_err = PipeReader(edge.stderr)
+    PipeReader(edge.stdout)
+    assert edge_err.wait_for("epoch  2/500", 90), edge_err.text
+    return cloud, cloud_err, edge, edge_err
+
+
+def test_ctrl_c_on_the_edge_ends_both_cleanly(tmp_path):
+    cloud, cloud_err, edge, edge_err = _two_terminals(tmp_path)
+    try:
+        edge.send_signal(signal.SIGINT)
+        assert edge.wait(timeout=30) == 130
+        assert cloud.wait(timeout=30) == 0
+    finally:
+        stop(edge)
+        stop(cloud)
+    assert "interrupted" in edge_err.text and "Traceback" not in edge_err.text
+    assert "ended" in cloud_err.text and "interrupted" in cloud_err.text and "Traceback" not in cloud_err.text
+
+
+def test_ctrl_c_on_the_cloud_ends_both_cleanly(tmp_path):
+    cloud, cloud_err, edge, edge_err = _two_terminals(tmp_path)
+    try:
+        cloud.send_signal(signal.SIGINT)
+        assert cloud.wait(timeout=30) == 130
+        assert edge.wait(timeout=30) == 1
+    finally:
+        stop(edge)
+        stop(cloud)
+    assert "cloud ended the session" in edge_err.text and "interrupted" in edge_err.text
+    assert "Traceback" not in edge_err.text and "Traceback" not in cloud_err.text

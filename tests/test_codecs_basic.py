@@ -1,0 +1,65 @@
+"""The identity and fp16 codecs, the spec grammar and the registry's errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import compressors
+from compressors import CodecContext, CompressionError
+
+CTX = CodecContext()
+
+
+def test_identity_is_exact_and_keeps_dtype():
+    for dtype in (torch.float32, torch.float64, torch.int64):
+        x = (torch.randn(5, 7) * 100).to(dtype)
+        codec = compressors.make_codec("identity")
+        payload = codec.encode(x, CTX)
+        assert payload.nbytes == x.numel() * x.element_size()
+        assert torch.equal(codec.decode(payload, CTX), x)
+
+
+def test_fp16_relative_error_is_within_half_precision():
+    signs = torch.randint(0, 2, (1000,), generator=torch.Generator().manual_seed(0)) * 2 - 1
+    x = signs * torch.logspace(-4, 4, 1000, dtype=torch.float64)  # inside fp16's normal range
+    codec = compressors.make_codec("fp16")
+    payload = codec.encode(x, CTX)
+    y = codec.decode(payload, CTX)
+    assert y.dtype == torch.float64 and y.shape == x.shape
+    assert payload.nbytes == 2 * x.numel()
+    assert ((y - x).abs() <= x.abs() * 2.0**-11).all()
+
+
+def test_fp16_overflow_raises_instead_of_sending_inf():
+    with pytest.raises(CompressionError, match="overflow"):
+        compressors.make_codec("fp16").encode(torch.tensor([1e6]), CTX)
+
+
+def test_fp16_of_non_contiguous_input():
+    x = torch.randn(8, 6).t()
+    codec = compressors.make_codec("fp16")
+    torch.testing.assert_close(codec.decode(codec.encode(x, CTX), CTX), x, atol=1e-2, rtol=1e-3)
+
+
+def test_spec_grammar():
+    assert compressors.parse_spec("c3sl:r=4,scale=0.5,fast=true,mode=x") == (
+        "c3sl", {"r": 4, "scale": 0.5, "fast": True, "mode": "x"})
+    with pytest.raises(CompressionError, match="key=value"):
+        compressors.parse_spec("fixpoint:8")
+    with pytest.raises(CompressionError, match="has no option"):
+        compressors.make_codec("fp16:bits=3")
+    assert compressors.canonical_spec(" fp16 ") == "fp16"
+
+
+def test_unknown_codec_suggests_and_lists():
+    with pytest.raises(compressors.UnknownCodecError) as info:
+        compressors.make_codec("fp61")
+    assert "did you mean 'fp16'" in str(info.value).lower()
+    assert all(name in str(info.value) for name in compressors.names())
+
+
+def test_payload_from_another_codec_is_refused():
+    payload = compressors.make_codec("identity").encode(torch.ones(3), CTX)
+    with pytest.raises(CompressionError, match="cannot decode"):
+        compressors.make_codec("fp16").decode(payload, CTX)

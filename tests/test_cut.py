@@ -1,0 +1,80 @@
+"""Cutting models by name: what moves, what stays, and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from splitft.errors import CutError
+from splitft.models import digits_cnn
+from splitft.split import cloud_module_names, install, parse_cut
+from tests.models import mlp, residual_net
+
+
+def test_plain_cut_by_name_and_by_index():
+    model = digits_cnn()
+    assert cloud_module_names(model, parse_cut(model, "block3")) == ["block3", "head"]
+    assert cloud_module_names(model, parse_cut(model, 2)) == ["block3", "head"]
+
+
+def test_nested_plain_cut_takes_the_rest_of_every_enclosing_sequential():
+    model = digits_cnn()
+    assert cloud_module_names(model, parse_cut(model, "block2.1")) == ["block2.1", "block2.2", "block3", "head"]
+
+
+def test_ushape_by_rejoin_and_by_slice():
+    model = digits_cnn()
+    assert cloud_module_names(model, parse_cut(model, "block2", "head")) == ["block2", "block3"]
+    assert cloud_module_names(model, parse_cut(model, "block2.0:2")) == ["block2.0", "block2.1"]
+    assert cloud_module_names(model, parse_cut(model, "block2.1:")) == ["block2.1", "block2.2"]
+
+
+def test_unknown_name_lists_close_matches():
+    with pytest.raises(CutError, match="close matches: block3"):
+        parse_cut(digits_cnn(), "blok3")
+
+
+def test_plain_cut_of_a_non_chain_is_refused_with_the_fix():
+    with pytest.raises(CutError, match="U-shape"):
+        cloud_module_names(residual_net(), parse_cut(residual_net(), "stage1"))
+
+
+def test_rejoin_must_be_a_later_sibling():
+    with pytest.raises(CutError, match="after"):
+        parse_cut(digits_cnn(), "block3", "block1")
+    with pytest.raises(CutError, match="sibling"):
+        parse_cut(digits_cnn(), "block3", "head.1")
+
+
+def test_installed_edge_holds_no_cloud_parameters():
+    model = digits_cnn()
+    total = {n for n, _ in model.named_parameters()}
+    chain = install(model, parse_cut(model, "block3", "head"), remote=lambda *a, **k: None)
+    edge = {n for n, _ in model.named_parameters()}
+    cloud = set(chain.qualified_state_dict())
+    assert edge | {n for n in cloud if n in total} == total
+    assert edge.isdisjoint(cloud)
+
+
+def test_a_trunk_whose_modules_are_not_chained_is_detected():
+    class Parallel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+            self.c = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.c(self.a(x) + self.b(x))  # b does not consume a's output
+
+    model = Parallel()
+    install(model, parse_cut(model, "a", "c"), remote=lambda x: x * 2)
+    with pytest.raises(CutError, match="does not feed"):
+        model(torch.ones(2, 4))
+
+
+def test_edge_cannot_call_cloud_modules_after_a_plain_cut():
+    model = mlp()
+    install(model, parse_cut(model, "2"))
+    assert [type(m).__name__ for m in model] == ["Linear", "ReLU", "CutPoint", "Unreachable", "Unreachable"]

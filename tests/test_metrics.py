@@ -1,0 +1,62 @@
+"""Invariant 4: every byte is counted; the edge's report equals what the cloud saw on the wire."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from torch import nn
+
+import splitft
+from splitft.data import batches, load_digits
+from splitft.models import digits_cnn
+from tests.conftest import DIGITS
+
+
+def _train(model, steps, rejoin):
+    data = load_digits()[0]
+    opt = model.attach(torch.optim.SGD(model.parameters(), lr=0.05))
+    crit = nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss())
+    for (x, y, ids), _ in zip(batches(data, 64, shuffle=True), range(steps)):
+        crit(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    model.sync()
+
+
+def test_edge_and_cloud_count_the_same_wire_bytes(inproc_cloud, tmp_path):
+    for rejoin, fwd in ((None, "identity"), ("head", "fp16")):
+        model = splitft.split(digits_cnn(), "block3", rejoin, factory=DIGITS, fwd=fwd,
+                              connection=inproc_cloud.connect(), metrics_path=tmp_path / "m.jsonl")
+        _train(model, 5, rejoin)
+        (session,) = inproc_cloud.server.sessions.values()
+        for direction in ("up", "down"):
+            edge, cloud = model.metrics.direction(direction), session.metrics.direction(direction)
+            assert edge.wire == cloud.wire and edge.messages == cloud.messages
+        model.close()
+
+
+def test_raw_payload_and_ratio_per_direction(inproc_cloud):
+    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, fwd="fp16", bwd="fp16",
+                          connection=inproc_cloud.connect())
+    with model:
+        _train(model, 3, None)
+        activations = model.metrics.bytes[("up", "activation")]
+        gradients = model.metrics.bytes[("down", "gradient")]
+        cut = 64 * 32 * 8 * 8  # elements crossing per step at the digits cut, batch 64
+        labels = 64 * 8
+        assert activations.raw == 3 * (4 * cut + labels)
+        assert activations.payload == 3 * (2 * cut + labels)
+        assert gradients.raw == 3 * 4 * cut and gradients.payload == 3 * 2 * cut
+        assert activations.payload < activations.wire < activations.payload + 3 * 1024  # headers are small
+        assert 1.9 < gradients.ratio < 2.0
+
+
+def test_jsonl_has_one_record_per_step(inproc_cloud, tmp_path):
+    path = tmp_path / "run.jsonl"
+    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connection=inproc_cloud.connect(), metrics_path=path)
+    with model:
+        _train(model, 4, None)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert records[-1]["bytes"]["up"]["wire"] > records[0]["bytes"]["up"]["wire"] > 0

@@ -1,0 +1,116 @@
+"""The wire format: exact bytes, round trips, and typed errors for malformed messages."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from compressors import Payload
+from splitft import protocol
+from splitft.errors import ProtocolError
+
+
+def test_ack_is_exactly_these_bytes():
+    # map{v: 1, t: "ack", b: map{state: nil}}
+    assert protocol.encode(protocol.Ack()) == [b"\x83\xa1v\x01\xa1t\xa3ack\xa1b\x81\xa5state\xc0"]
+
+
+def test_array_travels_as_extension_reference_plus_raw_frame():
+    arr = np.arange(6, dtype=np.float32).reshape(2, 3)
+    frames = protocol.encode(protocol.Output(call=7, value=protocol.payload_to_wire(Payload("identity", 1, {"x": arr}), True)))
+    assert frames[0] == (
+        b"\x83\xa1v\x01\xa1t\xa6output\xa1b\x83\xa4call\x07\xa5value\x81\xa2$t\x95\xa8identity\x01\x80"
+        b"\x81\xa1x"
+        b"\xc7\x0d\x01" b"\x93\x00\xa7float32\x92\x02\x03"  # ext8, 13 bytes, type 1: [frame 0, dtype, shape]
+        b"\xc3\xa7timings\x80"
+    )
+    assert len(frames) == 2
+    assert bytes(memoryview(frames[1])) == bytes.fromhex("000000000000803f0000004000004040000080400000a040")
+
+
+def test_array_frames_are_not_copied_on_encode():
+    arr = np.ones((256, 256), dtype=np.float32)
+    frames = protocol.encode(protocol.Output(call=1, value=protocol.payload_to_wire(Payload("identity", 1, {"x": arr}))))
+    assert np.shares_memory(frames[1], arr)
+
+
+@pytest.mark.parametrize("message", [
+    protocol.Hello(protocol=1, factory="a:b", cut="x", rejoin=None, fingerprint="f", codecs={"fwd": "identity"},
+                   seed=3, weights={"w": np.zeros((2, 2), np.float32)}),
+    protocol.Welcome(session="s"),
+    protocol.Forward(call=1, train=True, grad=False, args=[1, None, "a"], kwargs={"k": 2.5}, ops=[{"op": "step"}],
+                     sample_ids=np.arange(4, dtype=np.int64)),
+    protocol.Backward(call=2, grads=[None]),
+    protocol.InputGrads(call=2, grads=[]),
+    protocol.Sync(want_state=True),
+    protocol.Error(code="protocol", message="m"),
+    protocol.Bye(reason="r"),
+])
+def test_round_trip(message):
+    frames = [memoryview(bytes(memoryview(f).cast("B"))) for f in protocol.encode(message)]
+    back = protocol.decode(frames)
+    assert type(back) is type(message)
+    for name in protocol._FIELD_NAMES[type(message)]:
+        a, b = getattr(message, name), getattr(back, name)
+        if isinstance(a, np.ndarray):
+            np.testing.assert_array_equal(a, b)
+        elif isinstance(a, dict) and a and isinstance(next(iter(a.values())), np.ndarray):
+            assert a.keys() == b.keys()
+        else:
+            assert a == b
+
+
+def test_a_different_array_does_not_compare_equal():
+    a = protocol.decode(protocol.encode(protocol.Sync()))
+    frames = protocol.encode(protocol.Hello(protocol=1, factory="a:b", cut="x", rejoin=None, fingerprint="f",
+                                            codecs={}, seed=1, weights={"w": np.zeros(3, np.float32)}))
+    other = protocol.encode(protocol.Hello(protocol=1, factory="a:b", cut="x", rejoin=None, fingerprint="f",
+                                           codecs={}, seed=1, weights={"w": np.ones(3, np.float32)}))
+    assert frames[0] == other[0] and bytes(memoryview(frames[1])) != bytes(memoryview(other[1]))
+    assert a == protocol.Sync()
+
+
+def _header(body: dict, t: str = "sync", v: int = 1, ext: list | None = None) -> bytes:
+    def default(obj):
+        return obj
+
+    return msgpack.packb({"v": v, "t": t, "b": body}, use_bin_type=True, default=default)
+
+
+def _ext(index, dtype, shape) -> msgpack.ExtType:
+    return msgpack.ExtType(1, msgpack.packb([index, dtype, shape]))
+
+
+MALFORMED = {
+    "no frames": [],
+    "not msgpack": [b"\xc1\xc1\xc1"],
+    "truncated header": [protocol.encode(protocol.Ack())[0][:-3]],
+    "header not a map": [msgpack.packb([1, 2, 3])],
+    "wrong version": [_header({}, v=99)],
+    "unknown type": [_header({}, t="launch_missiles")],
+    "unknown field": [_header({"bogus": 1})],
+    "wrong field type": [_header({"call": "seven", "grads": []}, t="backward")],
+    "bool as int": [_header({"call": True, "grads": []}, t="backward")],
+    "missing field": [_header({"grads": []}, t="backward")],
+    "unknown extension": [msgpack.packb({"v": 1, "t": "sync", "b": {"ops": [msgpack.ExtType(9, b"")]}})],
+    "bad dtype": [msgpack.packb({"v": 1, "t": "sync", "b": {"ops": [_ext(0, "object", [1])]}}), b"12345678"],
+    "shape vs bytes": [msgpack.packb({"v": 1, "t": "sync", "b": {"ops": [_ext(0, "float32", [3])]}}), b"12345678"],
+    "negative dim": [msgpack.packb({"v": 1, "t": "sync", "b": {"ops": [_ext(0, "float32", [-1])]}}), b""],
+    "huge declared shape": [msgpack.packb({"v": 1, "t": "sync", "b": {"ops": [_ext(0, "float64", [2**40, 2**40])]}}), b""],
+    "frame index out of range": [msgpack.packb({"v": 1, "t": "sync", "b": {"ops": [_ext(5, "uint8", [1])]}}), b"x"],
+    "frame used twice": [msgpack.packb({"v": 1, "t": "sync", "b": {"ops": [_ext(0, "uint8", [1]), _ext(0, "uint8", [1])]}}), b"x"],
+    "extra frame": [protocol.encode(protocol.Ack())[0], b"surplus"],
+    "garbage reference": [msgpack.packb({"v": 1, "t": "sync", "b": {"ops": [msgpack.ExtType(1, b"\xc1")]}})],
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_malformed_messages_raise_protocol_error(name):
+    with pytest.raises(ProtocolError):
+        protocol.decode(MALFORMED[name])
+
+
+def test_unsupported_array_dtype_is_refused_on_encode():
+    with pytest.raises(ProtocolError, match="dtype"):
+        protocol.encode(protocol.Sync(ops=[{"x": np.array(["a"], dtype=object)}]))

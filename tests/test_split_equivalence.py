@@ -1,0 +1,139 @@
+"""Invariant 1: with the identity codec, split training equals training in one process."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import splitft
+import transports
+from splitft.data import batches, load_digits
+from splitft.models import digits_cnn
+from tests.conftest import DIGITS
+from tests.models import residual_net
+
+STEPS = 20
+ACCUMULATE = 2
+
+
+def _train(model, opt, crit, data, sched, ids: bool = False) -> list[float]:
+    """STEPS optimizer steps, each accumulating ACCUMULATE backward calls over half-batches."""
+    losses = []
+    it = batches(data, 32, shuffle=True, seed=1)
+    for _ in range(STEPS):
+        x, y, sample_ids = next(it)
+        for part in torch.chunk(torch.arange(len(y)), ACCUMULATE):
+            out = model(x[part], sample_ids=sample_ids[part]) if ids else model(x[part])
+            loss = crit(out, y[part]) / ACCUMULATE
+            loss.backward()
+            losses.append(float(loss.detach()))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return losses
+
+
+def _local_run(data):
+    model = digits_cnn()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    losses = _train(model, opt, nn.CrossEntropyLoss(), data, sched)
+    return model.state_dict(), losses
+
+
+def _split_run(data, rejoin, connection=None, connect=None):
+    model = splitft.split(digits_cnn(), "block3", rejoin, factory=DIGITS, connection=connection,
+                          connect=connect, timeout=30)
+    with model:
+        opt = model.attach(torch.optim.Adam(model.parameters(), lr=3e-3))
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+        crit = nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss())
+        losses = _train(model, opt, crit, data, sched, ids=True)
+        edge_state = model.model.state_dict()
+        cloud_state = model.cloud_state_dict()
+    return edge_state, cloud_state, losses
+
+
+def _assert_same(local, split) -> None:
+    local_state, local_losses = local
+    edge_state, cloud_state, split_losses = split
+    assert set(edge_state) | set(cloud_state) == set(local_state)
+    assert set(edge_state).isdisjoint(cloud_state)
+    for name, value in {**edge_state, **cloud_state}.items():
+        torch.testing.assert_close(value, local_state[name], msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(torch.tensor(split_losses), torch.tensor(local_losses))
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_digits()[0]
+
+
+@pytest.fixture(scope="module")
+def local(digits):
+    return _local_run(digits)
+
+
+@pytest.mark.parametrize("rejoin", [None, "head"], ids=["plain", "ushape"])
+def test_inproc_split_equals_local(inproc_cloud, digits, local, rejoin):
+    _assert_same(local, _split_run(digits, rejoin, connection=inproc_cloud.connect()))
+
+
+@pytest.mark.parametrize("rejoin", [None, "head"], ids=["plain", "ushape"])
+def test_zmq_two_process_split_equals_local(cloud_process, digits, local, rejoin):
+    _, address, _ = cloud_process
+    _assert_same(local, _split_run(digits, rejoin, connect=address))
+
+
+def test_ushape_on_a_non_chain_model_equals_local(inproc_cloud):
+    """The model's own forward (functional ops, a skip connection) runs; only stage1..2 move."""
+    torch.manual_seed(0)
+    xs, ys = torch.randn(10, 8, 12), torch.randint(0, 3, (10, 8))
+    local = residual_net()
+    split_model = splitft.split(residual_net(), "stage1", "head", factory="tests.models:residual_net",
+                                connection=inproc_cloud.connect())
+    for model in (local, split_model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if model is split_model:
+            model.attach(opt)
+        for x, y in zip(xs, ys):
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    state = {**split_model.model.state_dict(), **split_model.cloud_state_dict()}
+    split_model.close()
+    assert set(state) == set(local.state_dict())
+    for name, value in local.state_dict().items():
+        torch.testing.assert_close(state[name], value)
+
+
+def test_evaluation_matches_and_leaves_weights_alone(inproc_cloud, digits):
+    local = digits_cnn()
+    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connection=inproc_cloud.connect())
+    with model:
+        model.eval()
+        local.eval()
+        x = digits.x[:50]
+        with torch.no_grad():
+            torch.testing.assert_close(model.predict(x), local(x))
+        torch.testing.assert_close(model.cloud_state_dict()["block3.0.weight"], local.state_dict()["block3.0.weight"])
+
+
+def test_frozen_edge_sends_no_gradient_but_trains_the_cloud(inproc_cloud, digits):
+    """SFT's eliminated link: nothing on the edge needs a gradient, so none crosses back."""
+    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connection=inproc_cloud.connect())
+    with model:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        opt = model.attach(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+        crit = model.remote_loss(nn.CrossEntropyLoss())
+        before = model.cloud_state_dict()["head.1.weight"].clone()
+        x, y, _ = next(batches(digits, 32, shuffle=False))
+        crit(model(x), y).backward()
+        opt.step()
+        after = model.cloud_state_dict()["head.1.weight"]
+        assert not torch.equal(before, after)
+        assert model.metrics.bytes[("down", "gradient")].raw == 0

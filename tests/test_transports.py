@@ -1,0 +1,93 @@
+"""Transports: frames arrive intact, bytes are counted, receives time out instead of hanging."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import transports
+from transports import InprocListener, TransportError, TransportTimeout, ZmqConnection, ZmqListener
+
+
+@pytest.fixture(params=["zmq-tcp", "zmq-ipc", "inproc"])
+def pair(request, tmp_path):
+    if request.param == "inproc":
+        listener = InprocListener()
+        conn = listener.connect()
+    else:
+        address = "tcp://127.0.0.1:0" if request.param == "zmq-tcp" else f"ipc://{tmp_path}/sock"
+        listener = ZmqListener(address)
+        conn = ZmqConnection(listener.address)
+    yield listener, conn
+    conn.close()
+    listener.close()
+
+
+def test_round_trip_counts_bytes(pair):
+    listener, conn = pair
+    arr = np.random.default_rng(0).standard_normal((64, 33)).astype(np.float32)
+    sent = conn.send([b"header", arr])
+    assert sent == len(b"header") + arr.nbytes
+    peer, frames = listener.recv(timeout=5)
+    assert bytes(frames[0]) == b"header"
+    np.testing.assert_array_equal(np.frombuffer(frames[1], dtype=np.float32).reshape(64, 33), arr)
+    assert listener.send(peer, [b"reply"]) == 5
+    assert [bytes(f) for f in conn.recv(timeout=5)] == [b"reply"]
+
+
+def test_receive_times_out(pair):
+    listener, conn = pair
+    start = time.monotonic()
+    with pytest.raises(TransportTimeout):
+        conn.recv(timeout=0.2)
+    with pytest.raises(TimeoutError):  # also a builtin TimeoutError
+        listener.recv(timeout=0.2)
+    assert time.monotonic() - start < 3
+
+
+def test_received_frames_are_writable(pair):
+    """Decoded tensors may be views of received frames; in-place ops on them must be legal."""
+    listener, conn = pair
+    conn.send([np.zeros(1024, np.float32)])
+    _, frames = listener.recv(timeout=5)
+    view = np.frombuffer(frames[0], dtype=np.float32)
+    view[:] = 1.0
+    assert view.sum() == 1024
+
+
+def test_bind_conflict_is_a_clear_error():
+    first = ZmqListener("tcp://127.0.0.1:0")
+    try:
+        with pytest.raises(TransportError, match="cannot bind"):
+            ZmqListener(first.address)
+    finally:
+        first.close()
+
+
+def test_bad_address_is_a_clear_error():
+    with pytest.raises(TransportError, match="tcp://"):
+        transports.connect("not-an-address")
+
+
+def test_oversize_messages_are_dropped_by_the_listener():
+    listener = ZmqListener("tcp://127.0.0.1:0", max_message_bytes=1024)
+    conn = ZmqConnection(listener.address)
+    try:
+        conn.send([np.zeros(4096, np.uint8)])
+        with pytest.raises(TransportTimeout):
+            listener.recv(timeout=0.5)
+    finally:
+        conn.close()
+        listener.close()
+
+
+def test_closed_transports_refuse_use():
+    listener = InprocListener()
+    conn = listener.connect()
+    conn.close()
+    conn.close()  # idempotent
+    with pytest.raises(transports.TransportClosed):
+        conn.send([b"x"])
+    listener.close()

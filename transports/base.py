@@ -1,0 +1,69 @@
+"""The transport interface: move lists of frames between an edge and the cloud.
+
+A message is a list of frames (anything exposing the buffer protocol). Transports count the bytes
+they really send, so the metrics above them report what crossed, not an estimate.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+Frame = Any  # bytes, bytearray, memoryview, numpy array: anything with the buffer protocol
+PeerId = bytes
+
+
+def frame_nbytes(frame: Frame) -> int:
+    """Bytes a frame occupies on the wire."""
+    return memoryview(frame).nbytes
+
+
+def message_nbytes(frames: Sequence[Frame]) -> int:
+    return sum(frame_nbytes(f) for f in frames)
+
+
+class Connection(ABC):
+    """The edge's end: one peer, ordered delivery."""
+
+    @abstractmethod
+    def send(self, frames: Sequence[Frame]) -> int:
+        """Queue one message; return the bytes it puts on the wire."""
+
+    @abstractmethod
+    def recv(self, timeout: float | None) -> list[memoryview]:
+        """Next message, or :class:`TransportTimeout` after ``timeout`` seconds (None: wait forever)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Drop anything unsent and release the socket. Safe to call twice."""
+
+    def __enter__(self) -> "Connection":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Listener(ABC):
+    """The cloud's end: many peers, each told apart by an opaque id."""
+
+    address: str
+
+    @abstractmethod
+    def send(self, peer: PeerId, frames: Sequence[Frame]) -> int:
+        """Queue one message to ``peer``; return the bytes it puts on the wire."""
+
+    @abstractmethod
+    def recv(self, timeout: float | None) -> tuple[PeerId, list[memoryview]]:
+        """Next message from any peer, or :class:`TransportTimeout`."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the socket. Safe to call twice."""
+
+    def __enter__(self) -> "Listener":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,13 @@
+"""Errors of the transport package (it knows nothing of the rest of splitft)."""
+
+
+class TransportError(ConnectionError):
+    """Frames could not be sent or received."""
+
+
+class TransportTimeout(TransportError, TimeoutError):
+    """Nothing arrived within the receive timeout."""
+
+
+class TransportClosed(TransportError):
+    """The transport was closed (locally, or its peer went away for good)."""
