@@ -3,7 +3,7 @@
 Importing the package registers every built-in codec; ``make_codec("name:opt=value")`` builds one.
 """
 
-from . import binary, circconv, identity, lowrank, quant  # noqa: F401  (registration side effects)
+from . import binary, circconv, delta, identity, lowrank, quant  # noqa: F401  (registration side effects)
 from .base import Codec, CodecContext, Payload, WIRE_DTYPES
 from .errors import CompressionError, DesyncError, UnknownCodecError
 from .registry import (
