@@ -17,14 +17,14 @@ from .base import Payload, torch_dtype
 from .errors import CompressionError
 
 
-def array(payload: Payload, key: str, dtype: Any, shape: tuple[int, ...] | None = None) -> np.ndarray:
-    """``payload.arrays[key]``, checked for dtype and (when given) shape."""
+def array(payload: Payload, key: str, dtype: Any = None, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """``payload.arrays[key]``, checked for dtype and shape when they are given."""
     a = payload.arrays.get(key)
     if not isinstance(a, np.ndarray):
         raise CompressionError(
             f"{payload.codec} payload lacks array {key!r} (has {sorted(payload.arrays)})"
         )
-    if a.dtype != np.dtype(dtype):
+    if dtype is not None and a.dtype != np.dtype(dtype):
         raise CompressionError(f"{payload.codec} payload array {key!r}: expected dtype {np.dtype(dtype)}, got {a.dtype}")
     if shape is not None and tuple(a.shape) != tuple(shape):
         raise CompressionError(

@@ -125,13 +125,16 @@ class C3SL(Codec):
         if r != self.r:
             raise CompressionError(f"c3sl payload was bound with r={r}, this end has r={self.r}; both ends must agree")
         d = math.prod(shape[1:])
+        groups = -(-shape[0] // self.r)
+        # the array is checked before any key is built: a hostile shape must not size an allocation
+        _wire.array(payload, "v", None, (groups, d))
         crc = payload.meta.get("key_crc")
         if crc != self._key_entry(d)[1]:
             raise DesyncError(
                 f"c3sl keys differ between the two ends (checksum {crc!r} vs {self._key_entry(d)[1]}): "
                 "they were built with different seeds; agree on the seed at handshake"
             )
-        return shape, -(-shape[0] // self.r), d
+        return shape, groups, d
 
     def encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         _wire.require_float(self.name, x)

@@ -28,8 +28,9 @@ from .registry import register
 
 log = logging.getLogger(__name__)
 
-#: Growing buffers stop here; beyond it, give ``capacity`` (and ``path`` for a memory map).
-MAX_GROWN_IDS = 1 << 32
+#: Buffers that grow on demand stop at this many bytes, so a stray (or hostile) sample id
+#: cannot make an end allocate without bound; beyond it, give ``capacity`` (and ``path``).
+MAX_GROWN_BYTES = 4 << 30
 
 
 def row_checksums(rows: np.ndarray) -> np.ndarray:
@@ -109,11 +110,14 @@ class ACSGD(Codec):
             if need > self.capacity:
                 raise CompressionError(f"acsgd sample id {need - 1} is out of range: capacity={self.capacity}")
             need = self.capacity
-        elif need > MAX_GROWN_IDS:
-            raise CompressionError(f"acsgd sample id {need - 1} is too large to grow buffers to; set capacity (and path)")
+        elif need * (2 * d + 8) > MAX_GROWN_BYTES:
+            raise CompressionError(
+                f"acsgd sample id {need - 1} would grow the buffers past {MAX_GROWN_BYTES >> 30} GiB; "
+                "set capacity=<number of samples> (and path=<file> to keep them on disk)"
+            )
         if self._buf is not None and need <= have:
             return self._buf
-        rows = need if self.capacity else max(need, 2 * have)
+        rows = need if self.capacity else max(need, min(2 * have, MAX_GROWN_BYTES // (2 * d + 8)))
         grown = self._allocate(rows, d)
         if self._buf is not None:
             grown[:have] = self._buf

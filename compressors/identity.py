@@ -20,4 +20,4 @@ class Identity(Codec):
 
     def decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
         self.check(payload)
-        return _wire.tensor(payload.arrays["x"])
+        return _wire.tensor(_wire.array(payload, "x"))

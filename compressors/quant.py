@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from . import _wire, bitpack
-from .base import Codec, CodecContext, Payload, tensor_meta, to_numpy, torch_dtype
+from .base import Codec, CodecContext, Payload, tensor_meta, to_numpy
 from .errors import CompressionError
 from .registry import register
 
@@ -42,8 +42,8 @@ class FP16(Codec):
 
     def decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
         self.check(payload)
-        dtype = torch_dtype(payload.meta.get("dtype", "float32"))
-        return _wire.tensor(payload.arrays["x"]).to(dtype)
+        dtype = _wire.meta_float_dtype(payload)
+        return _wire.tensor(_wire.array(payload, "x", np.float16, _wire.meta_shape(payload))).to(dtype)
 
 
 def check_bits(bits: object, lo: int = 2, hi: int = 16) -> int:

@@ -144,3 +144,11 @@ def test_ratio_r16() -> None:
     p = make_codec("c3sl:r=16").encode(x, CTX)
     ratio = x.numel() * 4 / p.nbytes
     assert ratio >= 15.9, ratio
+
+
+def test_a_hostile_shape_does_not_size_the_keys() -> None:
+    codec = make_codec("c3sl")
+    p = codec.encode(torch.randn(4, 10), CTX)
+    p.meta["shape"] = [4, 1 << 38]
+    with pytest.raises(CompressionError, match="'v'"):
+        codec.decode(p, CTX)

@@ -274,3 +274,12 @@ def test_ratio_at_the_digits_cut() -> None:
     assert p.arrays["q"].nbytes == 64 * 2048 * 4 // 8
     ratio = x.numel() * 4 / p.nbytes
     assert ratio >= 7.5, ratio
+
+
+def test_a_hostile_sample_id_cannot_grow_buffers_without_bound() -> None:
+    edge, cloud = pair()
+    ids = np.array([0, 1], dtype=np.int64)
+    p = edge.encode(torch.randn(2, 2048), train_ctx(ids))
+    p.arrays["ids"] = np.array([0, 1 << 40], dtype=np.int64)
+    with pytest.raises(CompressionError, match="capacity"):
+        cloud.decode(p, train_ctx(p.arrays["ids"]))
