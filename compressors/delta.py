@@ -328,8 +328,12 @@ class ACSGD(Codec):
                 raise CompressionError(f"acsgd state 'steps' must be an int64 tensor of {buf.shape[0]} counts")
             if self.capacity and buf.shape[0] != self.capacity:
                 raise CompressionError(f"acsgd state holds {buf.shape[0]} ids but this codec has capacity={self.capacity}")
-            fresh = self._allocate(buf.shape[0], buf.shape[1])
-            fresh[:] = buf.detach().cpu().numpy()
-            self._buf, self._steps = fresh, steps.detach().cpu().numpy().astype(np.int64).copy()
+            src = buf.detach().cpu().numpy()
+            if self._buf is not None and self._buf.shape == src.shape:
+                target = self._buf  # in place: src may be a view of this very memory map
+            else:
+                target = self._allocate(*src.shape)
+            target[:] = src
+            self._buf, self._steps = target, steps.detach().cpu().numpy().astype(np.int64).copy()
         self._resync = {int(i) for i in torch.as_tensor(resync).tolist()}
         log.debug("acsgd state loaded: %d ids, %d pending resync", self._steps.size, len(self._resync))

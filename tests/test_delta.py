@@ -252,6 +252,8 @@ def test_memory_mapped_buffers(tmp_path) -> None:  # type: ignore[no-untyped-def
     on_disk = np.load(tmp_path / "cloud.npy", mmap_mode="r")
     assert on_disk.shape == (N, 36) and on_disk.dtype == np.float16
     assert np.array_equal(on_disk, cloud.state_dict()["buffer"].numpy())
+    cloud.load_state_dict(cloud.state_dict())  # its buffer is a view of the map being loaded into
+    assert_in_sync(edge, cloud)  # type: ignore[arg-type]
     with pytest.raises(CompressionError, match="capacity"):
         make_codec(f"acsgd:path={tmp_path / 'x.npy'}")
 
