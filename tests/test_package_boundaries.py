@@ -36,3 +36,8 @@ def test_no_global_rng_calls_in_the_package() -> None:
             for fn in ("torch.randn(", "torch.rand(", "torch.randint("):
                 if fn in line:
                     assert "generator=" in line, f"{path.name}: {line.strip()} draws from the global RNG"
+
+
+def test_tests_run_against_this_checkout() -> None:
+    # an editable install of another checkout must not shadow the code under test
+    assert Path(compressors.__file__).resolve().parent.parent == Path(__file__).resolve().parent.parent
