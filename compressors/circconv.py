@@ -12,7 +12,6 @@ import math
 import zlib
 from typing import Any
 
-import numpy as np
 import torch
 
 from . import _wire
