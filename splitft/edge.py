@@ -313,7 +313,12 @@ class SplitModel(nn.Module):
             raise ConfigError(
                 f"the cloud mirrors torch.optim optimizers by name; {cls.__qualname__} is not one of them"
             )
-        settings = {k: _plain(v) for k, v in optimizer.defaults.items() if _plain(v) is not _NOT_PLAIN}
+        # Only what the constructor takes: AdamW keeps a 'decoupled_weight_decay' default that its
+        # __init__ does not accept, so mirroring every default would fail in the cloud.
+        accepted = inspect.signature(cls).parameters
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+        settings = {k: _plain(v) for k, v in optimizer.defaults.items()
+                    if (takes_any or k in accepted) and _plain(v) is not _NOT_PLAIN}
         self.session.queue({"op": "optimizer", "name": cls.__name__, "settings": settings})
         optimizer.register_step_post_hook(lambda opt, args, kwargs: self._stepped(opt))
         original = optimizer.zero_grad
