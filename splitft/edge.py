@@ -250,11 +250,12 @@ class SplitModel(nn.Module):
     """
 
     def __init__(self, model: nn.Module, spec: CutSpec, session: EdgeSession,
-                 metrics_path: str | None = None) -> None:
+                 metrics_path: str | None = None, freeze_edge: bool = False) -> None:
         super().__init__()
         self.model = model
         self.spec = spec
         self.session = session
+        self.freeze_edge = bool(freeze_edge)
         self._anchor = torch.zeros((), requires_grad=True)
         self._sample_ids: np.ndarray | None = None
         self._writer = JsonlWriter(metrics_path) if metrics_path else None
@@ -286,6 +287,8 @@ class SplitModel(nn.Module):
     def _remote(self, args: tuple, kwargs: dict, target: Any = None) -> Any:
         grad = torch.is_grad_enabled()
         leaves, skeleton = flatten((list(args), kwargs, target))
+        if self.freeze_edge:  # no input needs a gradient, so none crosses back
+            leaves = [t.detach() for t in leaves]
         call = _Call(skeleton, len(leaves), train=self.training, grad=grad, sample_ids=self._sample_ids)
         inputs = [*leaves, self._anchor] if grad else leaves
         outputs = _RemoteCall.apply(self.session, call, *inputs)
@@ -423,7 +426,7 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
           connect: str | None = None, connection: transports.Connection | None = None,
           fwd: str = "identity", bwd: str | None = None, ret: str | None = None, ret_bwd: str | None = None,
           seed: int = 0, weights: str = "push", timeout: float = 60.0,
-          metrics_path: str | None = None) -> SplitModel:
+          metrics_path: str | None = None, freeze_edge: bool = False, check_cut: bool = True) -> SplitModel:
     """Cut ``model`` and connect its cloud part; returns the edge's model to train.
 
     Args:
@@ -439,6 +442,10 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
         seed: shared seed for codec randomness (keys, projections).
         weights: ``"push"`` sends the cloud part's initial weights in the handshake;
             ``"factory"`` has the cloud use its own and checks that they are equal.
+        freeze_edge: SFT's eliminated link: the edge's modules before the cut get no gradient,
+            so no gradient crosses from the cloud at all (a U-shape head still trains).
+        check_cut: U-shape: at the first call, run the trunk once on the edge to make sure it
+            reads nothing that does not cross the cut (see :mod:`splitft.audit`).
     """
     if weights not in ("push", "factory"):
         raise ConfigError(f"weights must be 'push' or 'factory', got {weights!r}")
@@ -465,6 +472,6 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
     except BaseException:
         session._drop()
         raise
-    split_model = SplitModel(model, spec, session, metrics_path=metrics_path)
-    install(model, spec, remote=split_model._trunk if spec.ushape else None)
+    split_model = SplitModel(model, spec, session, metrics_path=metrics_path, freeze_edge=freeze_edge)
+    install(model, spec, remote=split_model._trunk if spec.ushape else None, check=check_cut)
     return split_model
