@@ -109,13 +109,14 @@ def parse_cut(model: nn.Module, cut: str | int, rejoin: str | int | None = None)
 
 
 def cut_text(spec: CutSpec, model: nn.Module) -> tuple[str, str | None]:
-    """The (cut, rejoin) names of a spec, as the handshake carries them."""
+    """The (cut, rejoin) names of a spec, as the handshake carries them; parse_cut reads them back."""
     names = [n for n, _ in _module(model, spec.parent).named_children()]
     cut = _join(spec.parent, names[spec.start])
     if spec.stop is None:
         return cut, None
-    rejoin = _join(spec.parent, names[spec.stop]) if spec.stop < len(names) else f"{cut}:{spec.stop}"
-    return cut, rejoin
+    if spec.stop < len(names):
+        return cut, _join(spec.parent, names[spec.stop])
+    return f"{cut}:{spec.stop}", None  # the trunk runs to the end of its container: no module to rejoin at
 
 
 def cloud_module_names(model: nn.Module, spec: CutSpec) -> list[str]:
