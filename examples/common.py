@@ -21,7 +21,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Fine-tune all-MiniLM-L6-v2 on BBC News (5 topics).")
     parser.add_argument("--epochs", type=int, default=1, help="passes over the 1781 training articles (default: 1)")
     parser.add_argument("--batch-size", type=int, default=32, help="articles per step (default: 32)")
-    parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default: 1e-4)")
+    parser.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (default: 3e-4)")
     parser.add_argument("--max-length", type=int, default=128, help="tokens kept per article (default: 128)")
     parser.add_argument("--limit", type=int, default=None, help="train on the first N articles only (a quick run)")
     parser.add_argument("--seed", type=int, default=0, help="data order and head initialisation (default: 0)")

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=1, help="training epochs per run (default: 1)")
     parser.add_argument("--batch-size", type=int, default=32, help="articles per step (default: 32)")
     parser.add_argument("--max-length", type=int, default=128, help="tokens per article (default: 128)")
-    parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default: 1e-4)")
+    parser.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (default: 3e-4)")
     parser.add_argument("--limit", type=int, default=None, help="train on the first N training articles only")
     parser.add_argument("--seed", type=int, default=0, help="data order, head init and codec seed (default: 0)")
     parser.add_argument("--cut", default=None, help="U-shape trunk (default: bert.encoder.layer.2:6)")

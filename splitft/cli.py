@@ -21,7 +21,7 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=int, default=None, help="samples per step (default: digits 64, bbc 32)")
     g.add_argument("--lr", type=float, default=None,
                    help="learning rate (Adam for digits, AdamW for bbc), mirrored to the cloud "
-                        "(default: digits 1e-3, bbc 1e-4)")
+                        "(default: digits 1e-3, bbc 3e-4)")
     g.add_argument("--seed", type=int, default=0, help="seed for data order and codec randomness (default: 0)")
     g.add_argument("--limit", type=int, default=None, metavar="N", help="train on the first N training samples only")
     g.add_argument("--max-length", type=int, default=None,

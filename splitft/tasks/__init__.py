@@ -55,7 +55,7 @@ TASKS: dict[str, Task] = {
     "bbc": Task(
         name="bbc", summary="BBC News (1781 train / 444 test articles, 5 classes), pre-trained all-MiniLM-L6-v2",
         model="splitft.tasks.bbc:minilm_classifier", cut="bert.encoder.layer.2:6", rejoin=None, topology="ushape",
-        loader="splitft.tasks.bbc:load_bbc", epochs=1, batch_size=32, lr=1e-4, optimizer="AdamW", weights="factory",
+        loader="splitft.tasks.bbc:load_bbc", epochs=1, batch_size=32, lr=3e-4, optimizer="AdamW", weights="factory",
         options={"max_length": 128},
     ),
 }
