@@ -16,6 +16,11 @@ the following stand-ins return that same result. The cloud runs the trunk as a :
 each module gets the previous one's output (its first element, for tuples) as first argument and
 the remaining arguments of the first call unchanged, which is how Sequential, ModuleList loops
 in transformers, and ResNet stages call their children.
+
+What crosses must therefore account for everything the trunk reads. The stand-ins check it:
+arguments that cannot cross (a cache object) are refused by name, later trunk modules must get
+the first one's extra arguments, and at the first call the trunk is run once on the edge to
+catch tensors it reads through any other channel (:mod:`splitft.audit`).
 """
 
 from __future__ import annotations

