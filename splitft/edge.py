@@ -73,8 +73,13 @@ class EdgeSession:
 
     # ------------------------------------------------------------ messaging
 
-    def _exchange(self, msg: protocol.Message, kind: str, expect: type, traffic: Traffic | None = None):
-        """Send ``msg``, wait for its reply; errors from the cloud are raised as typed errors."""
+    def _exchange(self, msg: protocol.Message, kind: str, expect: type, traffic: Traffic | None = None,
+                  timer: str = "wait"):
+        """Send ``msg``, wait for its reply; errors from the cloud are raised as typed errors.
+
+        The time waited is added to ``timer``: "wait" for training traffic, which the report
+        splits into wire and cloud time, "handshake" for the hello (the cloud builds the model).
+        """
         if self.closed:
             raise PeerGone("this split session is closed; create a new one to keep training")
         frames = protocol.encode(msg)
@@ -98,7 +103,7 @@ class EdgeSession:
                     log.warning("dropping a stale reply to call %s (waiting for %s)", reply.call, call)
                     continue
                 break
-        self.metrics.add_time("wait", time.perf_counter() - start)
+        self.metrics.add_time(timer, time.perf_counter() - start)
         if isinstance(reply, Error):
             self.metrics.count("down", "control", wire=wire_in)
             raise from_code(reply.code, f"cloud: {reply.message}")
@@ -116,7 +121,7 @@ class EdgeSession:
 
     def open(self, hello: Hello) -> Welcome:
         with self._lock:
-            welcome, wire_in = self._exchange(hello, "control", Welcome)
+            welcome, wire_in = self._exchange(hello, "control", Welcome, timer="handshake")
             self.metrics.count("down", "control", wire=wire_in)
             self.session_id = welcome.session
             return welcome

@@ -60,3 +60,13 @@ def test_jsonl_has_one_record_per_step(inproc_cloud, tmp_path):
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert records[-1]["bytes"]["up"]["wire"] > records[0]["bytes"]["up"]["wire"] > 0
+
+
+def test_the_handshake_is_timed_apart_from_training(inproc_cloud):
+    """The hello waits for the cloud to build its model (seconds for a pre-trained transformer);
+    counting that as training 'wait' would make the report's edge compute come out too small."""
+    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connection=inproc_cloud.connect())
+    with model:
+        assert model.metrics.seconds["handshake"] > 0 and model.metrics.seconds.get("wait", 0.0) == 0.0
+        _train(model, 1, None)
+        assert model.metrics.seconds["wait"] > 0
