@@ -56,6 +56,9 @@ class CodecContext:
     train: bool = True
     step: int = 0
     sample_ids: np.ndarray | None = None
+    #: Ask a stateful codec (AC-SGD) to send this batch in full precision and reset the state
+    #: both ends keep for its samples; set after the receiver reported a :class:`DesyncError`.
+    resync: bool = False
 
 
 def to_numpy(x: torch.Tensor) -> np.ndarray:
@@ -91,6 +94,9 @@ class Codec(ABC):
     version: ClassVar[int] = 1
     #: The gradient codec to pair with this one when the user names none.
     default_grad_codec: ClassVar[str] = "identity"
+    #: True when training encodes need ``CodecContext.sample_ids`` (a stable id per sample), so a
+    #: runtime can ask the user for them before the first step instead of failing inside it.
+    needs_sample_ids: ClassVar[bool] = False
 
     def __init__(self, *, seed: int = 0) -> None:
         self.seed = int(seed)

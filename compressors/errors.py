@@ -1,5 +1,9 @@
 """The one error type of the codec package."""
 
+from __future__ import annotations
+
+from collections.abc import Iterable
+
 
 class CompressionError(ValueError):
     """A codec was misconfigured, or was handed a payload it cannot decode."""
@@ -13,4 +17,14 @@ class UnknownCodecError(CompressionError, KeyError):
 
 
 class DesyncError(CompressionError):
-    """Sender and receiver state disagree (a lost, repeated or reordered message)."""
+    """Sender and receiver state disagree (a lost, repeated or reordered message).
+
+    ``ids`` are the samples whose state disagrees (empty when unknown) and ``reason`` a short
+    tag ("steps", "checksum"). The fix is to resend those samples in full precision: see
+    ``compressors.delta.ACSGD`` for how a runtime drives that.
+    """
+
+    def __init__(self, message: str, ids: Iterable[int] = (), reason: str = "") -> None:
+        super().__init__(message)
+        self.ids: list[int] = [int(i) for i in ids]
+        self.reason = reason

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _wire
 from .base import Codec, CodecContext, Payload, to_numpy
 from .registry import register
 
@@ -19,4 +20,4 @@ class Identity(Codec):
 
     def decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
         self.check(payload)
-        return torch.from_numpy(payload.arrays["x"])
+        return _wire.tensor(_wire.array(payload, "x"))

@@ -1,0 +1,339 @@
+"""AC-SGD: send each sample's activation as a few-bit change since the last time it was sent.
+
+Both ends keep a buffer m[id] (fp16) of every training sample's last activation. The sender
+quantizes z - m[id]; both ends add the same dequantized delta to their own copy, with the same
+float32 arithmetic, so the two buffers stay bit-identical and quantization error does not pile
+up: m[id] converges to z as the model settles. The price is state that must never diverge, so
+every training payload carries each sample's step count and a checksum of its updated row, and
+the receiver raises :class:`DesyncError` (touching nothing) when either disagrees.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import zlib
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import _wire, bitpack
+from .base import Codec, CodecContext, Payload, tensor_meta
+from .errors import CompressionError, DesyncError
+from .quant import FP16_MAX, channel_axis, check_bits, dequantize, quantize
+from .registry import register
+
+log = logging.getLogger(__name__)
+
+#: Buffers that grow on demand stop at this many bytes, so a stray (or hostile) sample id
+#: cannot make an end allocate without bound; beyond it, give ``capacity`` (and ``path``).
+MAX_GROWN_BYTES = 4 << 30
+
+
+def row_checksums(rows: np.ndarray) -> np.ndarray:
+    """CRC-32 of each row's bytes (uint32): cheap, and any differing bit changes it."""
+    rows = np.ascontiguousarray(rows)
+    return np.fromiter((zlib.crc32(row) for row in rows), dtype=np.uint32, count=rows.shape[0])
+
+
+@register
+class ACSGD(Codec):
+    """Activation deltas at ``bits`` bits per element, against per-sample buffers on both ends.
+
+    Options:
+      ``bits`` (4): bits per element of the delta, fixpoint with one fp16 scale per channel.
+      ``warmup`` (1): how many times each sample is sent in full before its deltas start. Counted
+        per sample id, so with every sample seen once per epoch, 1 means "the first epoch goes
+        uncompressed" without the codec needing to know what an epoch is. 0 starts with deltas
+        against a zero buffer.
+      ``eval_bits`` (8): evaluation (``ctx.train`` False) sends the activation itself through the
+        plain fixpoint quantizer at this width, or uncompressed when 0; buffers are not touched.
+      ``capacity`` (0): number of sample ids (max id + 1); 0 grows the buffers as ids come.
+      ``path`` (""): keep the buffer in a memory-mapped .npy file there (needs ``capacity``), for
+        data sets whose buffers do not fit in memory.
+      ``channel_dim`` (1): the dim that gets its own scale, as in ``fixpoint``.
+
+    Training encodes need ``CodecContext.sample_ids``. A full-precision send (warm-up, or a
+    resync) carries the activation in its own dtype; both buffers then hold its fp16 value.
+    The gradient is not a delta: it goes straight through to the 8-bit fixpoint gradient codec.
+    """
+
+    name = "acsgd"
+    default_grad_codec = "fixpoint:bits=8"
+    needs_sample_ids = True
+
+    def __init__(self, *, bits: int = 4, warmup: int = 1, eval_bits: int = 8, capacity: int = 0,
+                 path: str = "", channel_dim: int = 1, seed: int = 0) -> None:
+        super().__init__(seed=seed)
+        self.bits = check_bits(bits)
+        if eval_bits != 0:
+            check_bits(eval_bits)
+        self.eval_bits = eval_bits
+        for opt, value in (("warmup", warmup), ("capacity", capacity), ("channel_dim", channel_dim)):
+            if not isinstance(value, int) or isinstance(value, bool) or (opt != "channel_dim" and value < 0):
+                raise CompressionError(f"acsgd option {opt} must be an int{' >= 0' if opt != 'channel_dim' else ''}, got {value!r}")
+        if not isinstance(path, str):
+            raise CompressionError(f"acsgd option path must be a file path string, got {path!r}")
+        if path and capacity == 0:
+            raise CompressionError("acsgd option path (a memory-mapped buffer) needs a fixed capacity: add capacity=<number of samples>")
+        self.warmup, self.capacity, self.path, self.channel_dim = warmup, capacity, path, channel_dim
+        self._buf: np.ndarray | None = None  # (ids, D) float16, or a memmap of it
+        self._steps = np.zeros(0, dtype=np.int64)  # sends applied per id
+        self._resync: set[int] = set()
+
+    # -- buffers ---------------------------------------------------------------------------
+
+    def _allocate(self, rows: int, d: int) -> np.ndarray:
+        if self.path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            return np.lib.format.open_memmap(self.path, mode="w+", dtype=np.float16, shape=(rows, d))
+        try:
+            return np.zeros((rows, d), dtype=np.float16)
+        except MemoryError:
+            raise CompressionError(
+                f"acsgd cannot hold buffers for {rows} samples x {d} values in memory; give path=<file> and capacity"
+            ) from None
+
+    def _ensure(self, ids: np.ndarray, d: int) -> np.ndarray:
+        """The buffer, after making sure it has rows of D values covering every id in ``ids``."""
+        if self._buf is not None and self._buf.shape[1] != d:
+            raise CompressionError(
+                f"acsgd buffers hold {self._buf.shape[1]} values per sample but this batch has {d}; "
+                "every sample must have the same shape (pad sequences to one length)"
+            )
+        need = int(ids.max()) + 1 if ids.size else 0
+        have = 0 if self._buf is None else self._buf.shape[0]
+        if self.capacity:
+            if need > self.capacity:
+                raise CompressionError(f"acsgd sample id {need - 1} is out of range: capacity={self.capacity}")
+            need = self.capacity
+        elif need * (2 * d + 8) > MAX_GROWN_BYTES:
+            raise CompressionError(
+                f"acsgd sample id {need - 1} would grow the buffers past {MAX_GROWN_BYTES >> 30} GiB; "
+                "set capacity=<number of samples> (and path=<file> to keep them on disk)"
+            )
+        if self._buf is not None and need <= have:
+            return self._buf
+        rows = need if self.capacity else max(need, min(2 * have, MAX_GROWN_BYTES // (2 * d + 8)))
+        grown = self._allocate(rows, d)
+        if self._buf is not None:
+            grown[:have] = self._buf
+        self._buf = grown
+        self._steps = np.concatenate([self._steps, np.zeros(rows - have, dtype=np.int64)])
+        return grown
+
+    def _check_ids(self, ids: Any, count: int, where: str) -> np.ndarray:
+        if ids is None:
+            raise CompressionError(
+                f"acsgd needs {where} when training: one stable integer id per sample (its index in "
+                "the data set), so both ends can find that sample's buffer; got none"
+            )
+        if isinstance(ids, torch.Tensor):
+            ids = ids.detach().cpu().numpy()
+        ids = np.asarray(ids)
+        if ids.dtype.kind not in "iu" or ids.shape != (count,):
+            raise CompressionError(
+                f"acsgd {where} must be {count} integers (one per sample), got dtype {ids.dtype} shape {ids.shape}"
+            )
+        ids = ids.astype(np.int64)
+        if ids.size and ids.min() < 0:
+            raise CompressionError(f"acsgd {where} must be >= 0, got {int(ids.min())}")
+        if np.unique(ids).size != ids.size:
+            raise CompressionError(f"acsgd {where} repeat within one batch; each sample may appear once per batch")
+        return ids
+
+    def request_resync(self, ids: Iterable[int]) -> None:
+        """Send these samples in full precision the next time they are encoded for training.
+
+        Call it on the sender with ``DesyncError.ids`` from the receiver; the full send resets
+        the sample's buffer and step count on both ends.
+        """
+        self._resync.update(int(i) for i in ids)
+
+    @property
+    def pending_resync(self) -> list[int]:
+        """Sample ids that will go in full precision at their next training send."""
+        return sorted(self._resync)
+
+    # -- encode ----------------------------------------------------------------------------
+
+    def encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
+        _wire.require_float(self.name, x)
+        if x.dim() == 0:
+            raise CompressionError("acsgd codes a batch of samples; got a 0-D tensor (add a batch dim)")
+        if not ctx.train:
+            return self._encode_eval(x)
+        b, shape = x.shape[0], tuple(x.shape)
+        d = math.prod(shape[1:])
+        ids = self._check_ids(ctx.sample_ids, b, "CodecContext.sample_ids")
+        if not torch.isfinite(x).all():
+            raise CompressionError("acsgd got non-finite activations (inf or NaN); they would poison both buffers")
+        buf = self._ensure(ids, d)
+        steps = self._steps[ids].copy()
+        full = steps < self.warmup
+        if ctx.resync:
+            full[:] = True
+        elif self._resync:
+            full |= np.isin(ids, np.fromiter(self._resync, dtype=np.int64))
+        keep = ~full
+        axis = channel_axis(len(shape), self.channel_dim)
+
+        z = x.detach().cpu().reshape(b, d)
+        rows = np.empty((b, d), dtype=np.float16)
+        x_full = z[torch.from_numpy(full)]
+        rows[full] = x_full.to(torch.float16).numpy()
+        m = torch.from_numpy(buf[ids[keep]]).to(torch.float32)
+        delta = (z[torch.from_numpy(keep)].to(torch.float32) - m).reshape(-1, *shape[1:])
+        packed, scale = quantize(delta, self.bits, axis)
+        rows[keep] = self._updated(m, packed, scale, self.bits, axis, tuple(delta.shape))
+        if not np.isfinite(rows).all():
+            raise CompressionError(
+                f"acsgd keeps fp16 buffers, and this activation reaches |x| = {x.abs().max().item():.3g} > {FP16_MAX:g}; "
+                "normalise it or use another codec"
+            )
+        crc = row_checksums(rows)
+
+        buf[ids] = rows
+        self._steps[ids] += 1
+        self._resync.difference_update(ids.tolist())
+        arrays = {
+            "ids": ids, "steps": steps, "crc": crc, "full": np.packbits(full, bitorder="little"),
+            "x": _wire.wire_float(x_full.reshape(-1, *shape[1:])), "q": packed, "scale": scale,
+        }
+        meta = {**tensor_meta(x), "mode": "train", "bits": self.bits, "axis": axis}
+        return Payload(self.name, self.version, arrays, meta)
+
+    def _encode_eval(self, x: torch.Tensor) -> Payload:
+        meta: dict[str, Any] = {**tensor_meta(x), "mode": "eval", "bits": self.eval_bits}
+        if self.eval_bits == 0:
+            return Payload(self.name, self.version, {"x": _wire.wire_float(x)}, meta)
+        axis = channel_axis(x.dim(), self.channel_dim)
+        packed, scale = quantize(x, self.eval_bits, axis)
+        return Payload(self.name, self.version, {"q": packed, "scale": scale}, {**meta, "axis": axis})
+
+    @staticmethod
+    def _updated(m: torch.Tensor, packed: np.ndarray, scale: np.ndarray, bits: int, axis: int | None,
+                 shape: tuple[int, ...]) -> np.ndarray:
+        """fp16(m + deQ(q)): the one computation both ends must do identically."""
+        deq = dequantize(packed, scale, bits, shape, axis).reshape(m.shape)
+        return (m + deq).to(torch.float16).numpy()
+
+    # -- decode ----------------------------------------------------------------------------
+
+    def _quantized(self, payload: Payload, shape: tuple[int, ...], bits: int) -> tuple[np.ndarray, np.ndarray, int | None]:
+        axis = payload.meta.get("axis")
+        if axis is not None:
+            axis = _wire.meta_int(payload, "axis", 0, len(shape) - 1)
+            if len(shape) < 2:
+                raise CompressionError(f"acsgd payload: axis {axis} given for a {len(shape)}-D tensor")
+        count = 1 if axis is None else shape[axis]
+        scale = _wire.array(payload, "scale", np.float16, (count,))
+        packed = _wire.array(payload, "q", np.uint8, (bitpack.packed_nbytes(math.prod(shape), bits),))
+        return packed, scale, axis
+
+    def decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+        self.check(payload)
+        mode = _wire.meta_str(payload, "mode", ("train", "eval"))
+        shape = _wire.meta_shape(payload)
+        dtype = _wire.meta_float_dtype(payload)
+        if not shape:
+            raise CompressionError("acsgd payload names a 0-D shape; acsgd codes batches")
+        if mode == "eval":
+            bits = _wire.meta_int(payload, "bits", 0, 16)
+            if bits == 0:
+                return _wire.tensor(_wire.array(payload, "x", _wire.wire_float_dtype(dtype), shape)).to(dtype)
+            if bits < 2:
+                raise CompressionError(f"acsgd eval payload: bits {bits} is not 0 or 2..16")
+            packed, scale, axis = self._quantized(payload, shape, bits)
+            return dequantize(packed, scale, bits, shape, axis).to(dtype)
+        return self._decode_train(payload, shape, dtype, ctx)
+
+    def _decode_train(self, payload: Payload, shape: tuple[int, ...], dtype: torch.dtype,
+                      ctx: CodecContext) -> torch.Tensor:
+        b, d = shape[0], math.prod(shape[1:])
+        bits = _wire.meta_int(payload, "bits", 2, 16)
+        ids = self._check_ids(_wire.array(payload, "ids", np.int64, (b,)), b, "payload ids")
+        if ctx.sample_ids is not None and not np.array_equal(np.asarray(ctx.sample_ids), ids):
+            raise CompressionError("acsgd payload carries other sample ids than CodecContext.sample_ids on this end")
+        steps = _wire.array(payload, "steps", np.int64, (b,))
+        crc = _wire.array(payload, "crc", np.uint32, (b,))
+        full = np.unpackbits(_wire.array(payload, "full", np.uint8, ((b + 7) // 8,)), count=b, bitorder="little").astype(bool)
+        keep = ~full
+        n_full = int(full.sum())
+        x_full = _wire.tensor(_wire.array(payload, "x", _wire.wire_float_dtype(dtype), (n_full, *shape[1:])))
+        delta_shape = (b - n_full, *shape[1:])
+        packed, scale, axis = self._quantized(payload, delta_shape, bits)
+
+        buf = self._ensure(ids, d)
+        behind = keep & (self._steps[ids] != steps)
+        if behind.any():
+            bad = ids[behind]
+            here, there = self._steps[bad[0]], steps[behind][0]
+            raise DesyncError(
+                f"acsgd buffers out of step for {bad.size} sample(s) (e.g. id {bad[0]}: step {here} here, "
+                f"{there} at the sender): a message was lost, repeated or reordered; the sender must "
+                "resend these samples in full (request_resync(ids) or CodecContext(resync=True))",
+                ids=bad.tolist(), reason="steps",
+            )
+        rows = np.empty((b, d), dtype=np.float16)
+        rows[full] = x_full.reshape(n_full, d).to(torch.float16).numpy()
+        m = torch.from_numpy(buf[ids[keep]]).to(torch.float32)
+        rows[keep] = self._updated(m, packed, scale, bits, axis, delta_shape)
+        wrong = row_checksums(rows) != crc
+        if wrong.any():
+            bad = ids[wrong]
+            raise DesyncError(
+                f"acsgd buffer checksum differs for {bad.size} sample(s) (e.g. id {bad[0]}) although the "
+                "step counts agree: the two ends' buffers diverged (different checkpoints?); resend them in full",
+                ids=bad.tolist(), reason="checksum",
+            )
+
+        buf[ids] = rows
+        self._steps[ids] = steps + 1
+        out = torch.empty((b, d), dtype=dtype)
+        out[torch.from_numpy(full)] = x_full.reshape(n_full, d).to(dtype)
+        out[torch.from_numpy(keep)] = torch.from_numpy(rows[keep]).to(dtype)
+        return out.reshape(shape)
+
+    # -- state -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """``buffer`` (ids x D, fp16), ``steps`` (per id) and ``resync`` (pending ids).
+
+        With ``path`` the buffer is a view of the memory map, not a copy.
+        """
+        if self._buf is None:
+            return {"resync": torch.tensor(self.pending_resync, dtype=torch.int64)} if self._resync else {}
+        buf = torch.from_numpy(self._buf if self.path else self._buf.copy())
+        return {"buffer": buf, "steps": torch.from_numpy(self._steps.copy()),
+                "resync": torch.tensor(self.pending_resync, dtype=torch.int64)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        unknown = set(state) - {"buffer", "steps", "resync"}
+        if unknown:
+            raise CompressionError(f"acsgd state has unknown keys {sorted(unknown)}; expected buffer, steps, resync")
+        buf, steps = state.get("buffer"), state.get("steps")
+        if (buf is None) != (steps is None):
+            raise CompressionError("acsgd state needs both 'buffer' and 'steps', or neither")
+        resync = state.get("resync", torch.zeros(0, dtype=torch.int64))
+        if buf is None:
+            self._buf, self._steps = None, np.zeros(0, dtype=np.int64)
+        else:
+            if not (isinstance(buf, torch.Tensor) and buf.dtype == torch.float16 and buf.dim() == 2):
+                raise CompressionError("acsgd state 'buffer' must be a 2-D float16 tensor (ids x values per sample)")
+            if not (isinstance(steps, torch.Tensor) and steps.dtype == torch.int64 and tuple(steps.shape) == (buf.shape[0],)):
+                raise CompressionError(f"acsgd state 'steps' must be an int64 tensor of {buf.shape[0]} counts")
+            if self.capacity and buf.shape[0] != self.capacity:
+                raise CompressionError(f"acsgd state holds {buf.shape[0]} ids but this codec has capacity={self.capacity}")
+            src = buf.detach().cpu().numpy()
+            if self._buf is not None and self._buf.shape == src.shape:
+                target = self._buf  # in place: src may be a view of this very memory map
+            else:
+                target = self._allocate(*src.shape)
+            target[:] = src
+            self._buf, self._steps = target, steps.detach().cpu().numpy().astype(np.int64).copy()
+        self._resync = {int(i) for i in torch.as_tensor(resync).tolist()}
+        log.debug("acsgd state loaded: %d ids, %d pending resync", self._steps.size, len(self._resync))

@@ -1,0 +1,197 @@
+"""Low-rank factorisation of each sample's activation (the SFT codec).
+
+Each sample is a matrix M (L x H: tokens x hidden for a (B, L, H) tensor, C x (H*W) for an NCHW
+one). The sender sends two thin factors P (L x r, orthonormal columns) and Q = M^T P (H x r), so
+the receiver rebuilds M_hat = P Q^T = P P^T M, the projection of M on the span of P. With P held
+fixed that map is linear and symmetric, so the gradient that needs to cross back is only
+P^T G (r x H), which the sender turns into P P^T G with the P it sent.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import _wire
+from .base import Codec, CodecContext, Payload, tensor_meta
+from .errors import CompressionError
+from .registry import register
+
+_FACTOR_DTYPES = (np.dtype("float16"), np.dtype("float32"), np.dtype("float64"))
+
+
+def matrix_view(shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+    """(B, L, H) for a batch of per-sample matrices, or None when a sample is not a matrix."""
+    if len(shape) < 3:
+        return None
+    return shape[0], shape[1], math.prod(shape[2:])
+
+
+def orthonormalize(a: torch.Tensor) -> torch.Tensor:
+    """Orthonormal columns spanning ``a``'s (batched QR), with signs fixed so the result does not
+    depend on the sign convention of the QR routine and warm starts do not flip from step to step."""
+    q, r = torch.linalg.qr(a)
+    signs = torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))
+    signs = torch.where(signs == 0, torch.ones_like(signs), signs)
+    return q * signs.unsqueeze(-2)
+
+
+@register
+class LowRank(Codec):
+    """Rank-r factors per sample: about L*H / (r*(L+H)) times fewer numbers, both directions.
+
+    Factors come from ``iters`` power iterations started from a subspace kept from the previous
+    training step (as in PowerSGD), so one or two iterations track the dominant directions that
+    activations share across batches. A tensor whose samples are not matrices (fewer than 3
+    dims), or where the factors would not be smaller than the tensor, travels raw; the payload
+    says so (``meta["mode"] == "raw"``, with a ``reason``).
+
+    Options: ``rank`` (upper bound; a sample of L x H gets min(rank, L, H)), ``iters`` (power
+    iterations per encode), ``fp16`` (send factors in half precision, else in the input dtype).
+    The gradient it sends back is P^T G, exact for the decode it did, so the default gradient
+    codec is ``identity``.
+    """
+
+    name = "lowrank"
+    default_grad_codec = "identity"
+
+    def __init__(self, *, rank: int = 4, iters: int = 2, fp16: bool = True, seed: int = 0) -> None:
+        super().__init__(seed=seed)
+        for opt, value, lo in (("rank", rank, 1), ("iters", iters, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+                raise CompressionError(f"lowrank option {opt} must be an int >= {lo}, got {value!r}")
+        if not isinstance(fp16, bool):
+            raise CompressionError(f"lowrank option fp16 must be true or false, got {fp16!r}")
+        self.rank, self.iters, self.fp16 = rank, iters, fp16
+        self._warm: dict[tuple[int, int], torch.Tensor] = {}
+
+    # -- sender ----------------------------------------------------------------------------
+
+    def _warm_start(self, h: int, r: int) -> torch.Tensor:
+        key = (h, r)
+        if key not in self._warm:
+            # seeded per (H, r), so the start does not depend on the order shapes were seen in
+            g = torch.Generator().manual_seed(self.seed)
+            self._warm[key] = orthonormalize(torch.randn(h, r, generator=g, dtype=torch.float64)).float()
+        return self._warm[key]
+
+    def _raw(self, x: torch.Tensor, reason: str) -> Payload:
+        meta = {**tensor_meta(x), "mode": "raw", "reason": reason}
+        return Payload(self.name, self.version, {"x": _wire.wire_float(x)}, meta)
+
+    def encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
+        _wire.require_float(self.name, x)
+        view = matrix_view(tuple(x.shape))
+        if view is None:
+            return self._raw(x, "a sample is not a matrix (needs 3 or more dims)")
+        b, l, h = view
+        r = min(self.rank, l, h)
+        raw_dtype = _wire.wire_float_dtype(x.dtype)
+        factor_dtype = np.dtype("float16") if self.fp16 else raw_dtype
+        if b == 0 or r == 0 or (l + h) * r * factor_dtype.itemsize >= l * h * raw_dtype.itemsize:
+            return self._raw(x, "no gain: factors would not be smaller than the tensor")
+
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        m = x.detach().cpu().to(work).reshape(b, l, h)
+        if not torch.isfinite(m).all():
+            raise CompressionError("lowrank got non-finite values (inf or NaN); they have no low-rank form")
+        q = self._warm_start(h, r).to(work).expand(b, h, r)
+        for _ in range(self.iters):
+            p = orthonormalize(m @ q)
+            q = m.transpose(1, 2) @ p
+        # Q is recomputed from the P that is actually sent, so decode is exactly P P^T M (up to
+        # the rounding of Q), the map whose adjoint both ends apply.
+        p_wire = p.to(_torch_dtype(factor_dtype))
+        q_wire = (m.transpose(1, 2) @ p_wire.to(work)).to(p_wire.dtype)
+        if not torch.isfinite(q_wire).all():
+            return self._raw(x, "fp16 overflow in the factors")
+        if ctx.train:
+            # One power step on the batch as a whole: the next batch starts from its subspace.
+            nxt = orthonormalize(q.sum(0).to(torch.float32))
+            if torch.isfinite(nxt).all():
+                self._warm[(h, r)] = nxt
+        meta = {**tensor_meta(x), "mode": "lowrank", "rank": r}
+        return Payload(self.name, self.version, {"P": p_wire.contiguous().numpy(), "Q": q_wire.contiguous().numpy()}, meta)
+
+    # -- receiver --------------------------------------------------------------------------
+
+    def _factors(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+        shape = _wire.meta_shape(payload)
+        view = matrix_view(shape)
+        if view is None:
+            raise CompressionError(f"lowrank payload in factor mode for shape {list(shape)}, which is not a batch of matrices")
+        b, l, h = view
+        r = _wire.meta_int(payload, "rank", 1, max(min(l, h), 1))
+        p_dtype = getattr(payload.arrays.get("P"), "dtype", None)
+        if p_dtype not in _FACTOR_DTYPES:
+            raise CompressionError(f"lowrank payload factor P: expected one of float16/32/64, got {p_dtype}")
+        p = _wire.array(payload, "P", p_dtype, (b, l, r))
+        q = _wire.array(payload, "Q", p_dtype, (b, h, r))
+        work = torch.float64 if p_dtype == np.float64 else torch.float32
+        return _wire.tensor(p).to(work), _wire.tensor(q).to(work), shape
+
+    def _mode(self, payload: Payload) -> str:
+        self.check(payload)
+        return _wire.meta_str(payload, "mode", ("lowrank", "raw"))
+
+    def decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+        mode = self._mode(payload)
+        dtype = _wire.meta_float_dtype(payload)
+        if mode == "raw":
+            shape = _wire.meta_shape(payload)
+            return _wire.tensor(_wire.array(payload, "x", _wire.wire_float_dtype(dtype), shape)).to(dtype)
+        p, q, shape = self._factors(payload)
+        return (p @ q.transpose(1, 2)).reshape(shape).to(dtype)
+
+    def decode_adjoint(self, grad: torch.Tensor, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+        """P^T G per sample (B x r x H): all of the gradient that the sender can use."""
+        if self._mode(payload) == "raw":
+            return grad
+        p, _, shape = self._factors(payload)
+        if tuple(grad.shape) != shape:
+            raise CompressionError(f"lowrank decode_adjoint: gradient of shape {list(grad.shape)}, expected {list(shape)}")
+        b, l, h = matrix_view(shape)  # type: ignore[misc]
+        p = p.to(grad.device)
+        return (p.transpose(1, 2) @ grad.detach().to(p.dtype).reshape(b, l, h)).to(grad.dtype)
+
+    # -- sender, backward ------------------------------------------------------------------
+
+    def encode_adjoint(self, grad: torch.Tensor, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+        """P (P^T G): the gradient of the input, with the P that was sent."""
+        if self._mode(payload) == "raw":
+            return grad
+        p, _, shape = self._factors(payload)
+        b, l, h = matrix_view(shape)  # type: ignore[misc]
+        r = p.shape[-1]
+        if tuple(grad.shape) != (b, r, h):
+            raise CompressionError(
+                f"lowrank encode_adjoint: expected the receiver's P^T G of shape {[b, r, h]}, got {list(grad.shape)}"
+            )
+        p = p.to(grad.device)
+        return (p @ grad.detach().to(p.dtype)).reshape(shape).to(grad.dtype)
+
+    # -- state -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The warm-start subspaces, one per (H, r) seen: ``warm.<H>x<r>``."""
+        return {f"warm.{h}x{r}": q.clone() for (h, r), q in sorted(self._warm.items())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        warm: dict[tuple[int, int], torch.Tensor] = {}
+        for key, value in state.items():
+            try:
+                h, r = (int(v) for v in key.removeprefix("warm.").split("x"))
+            except ValueError:
+                raise CompressionError(f"lowrank state key {key!r} is not of the form 'warm.<H>x<r>'") from None
+            if not key.startswith("warm.") or not isinstance(value, torch.Tensor) or tuple(value.shape) != (h, r):
+                raise CompressionError(f"lowrank state {key!r}: expected a tensor of shape ({h}, {r})")
+            warm[(h, r)] = value.detach().to(torch.float32).clone()
+        self._warm = warm
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return {np.dtype("float16"): torch.float16, np.dtype("float32"): torch.float32,
+            np.dtype("float64"): torch.float64}[np.dtype(dtype)]
