@@ -25,10 +25,10 @@ import transports
 from compressors import CodecContext
 
 from . import protocol
-from .coding import (Coded, SlotCodecs, Traffic, flatten, from_wire, resolve_codecs, sample_ids_array,
-                     stream_index, to_wire, unflatten)
-from .errors import (ConfigError, PeerGone, ProtocolError, SplitFTError, TransportTimeout, from_code,
-                     translated)
+from .coding import (Coded, SlotCodecs, Traffic, flatten, from_wire, raw_nbytes, resolve_codecs,
+                     sample_ids_array, stream_index, to_wire, unflatten)
+from .errors import (ConfigError, DesyncError, PeerGone, ProtocolError, SplitFTError, TransportTimeout,
+                     from_code, translated)
 from .metrics import JsonlWriter, Metrics
 from .protocol import Ack, Backward, Bye, Error, Forward, Hello, InputGrads, Output, Sync, Welcome
 from .split import CutReached, CutSpec, extract, fingerprint, install, parse_cut, cut_text, value_hash
@@ -134,17 +134,37 @@ class EdgeSession:
     def run_forward(self, call: _Call, leaves: list[torch.Tensor], needs_grad: list[bool]) -> list[torch.Tensor]:
         with self._lock:
             call.id = next(self._calls)
-            ctx = CodecContext("activation", train=call.train, step=self.step, sample_ids=call.sample_ids)
+            if call.train and call.sample_ids is None:
+                for slot in ("fwd", "ret") if self.ushape else ("fwd",):
+                    codec = self.codecs.slots[slot]
+                    if codec.needs_sample_ids:
+                        raise ConfigError(
+                            f"codec {codec.name!r} keeps state per training sample: pass a stable id for "
+                            "each sample, model(x, sample_ids=ids) (ids in 0..N-1, the same every epoch)"
+                        )
             args_skel, kwargs_skel, target_skel = call.skeleton
-            traffic = Traffic()
             grads = [bool(g) and call.grad for g in needs_grad]
-            with self.metrics.timed("encode"):
-                entries, call.sent = self.codecs.encode(leaves, stream_index(args_skel), "fwd", ctx, grads, traffic)
             call.in_grad = grads
-            msg = Forward(call=call.id, train=call.train, grad=call.grad, args=to_wire(args_skel, entries),
-                          kwargs=to_wire(kwargs_skel, entries), target=to_wire(target_skel, entries),
-                          ops=self._take_ops(), step=self.step, sample_ids=call.sample_ids)
-            reply, wire_in = self._exchange(msg, "activation", Output, traffic)
+            ops = self._take_ops()
+            for attempt in range(2):
+                # A desync of stateful codecs (a lost or repeated message) is repaired once, by
+                # sending the same batch again at full precision, which resets both ends' state.
+                ctx = CodecContext("activation", train=call.train, step=self.step, sample_ids=call.sample_ids,
+                                   resync=attempt > 0)
+                traffic = Traffic()
+                with self.metrics.timed("encode"):
+                    entries, call.sent = self.codecs.encode(leaves, stream_index(args_skel), "fwd", ctx, grads,
+                                                            traffic)
+                msg = Forward(call=call.id, train=call.train, grad=call.grad, args=to_wire(args_skel, entries),
+                              kwargs=to_wire(kwargs_skel, entries), target=to_wire(target_skel, entries),
+                              ops=ops if attempt == 0 else [], step=self.step, sample_ids=call.sample_ids)
+                try:
+                    reply, wire_in = self._exchange(msg, "activation", Output, traffic)
+                    break
+                except DesyncError as exc:
+                    if attempt:
+                        raise
+                    log.warning("codec state out of step with the cloud (%s); resending at full precision", exc)
             out_entries, call.out_skeleton = from_wire(reply.value)
             stream = stream_index(call.out_skeleton) if self.ushape else None
             with self.metrics.timed("decode"):
@@ -168,7 +188,7 @@ class EdgeSession:
                         grad = torch.zeros(coded.shape, dtype=coded.dtype)
                     grad = self.codecs.grad_for_sender(grad, coded, "ret", ctx)
                     (entry,), _ = self.codecs.encode([grad], 0 if coded.stream else None, "ret_bwd", ctx,
-                                                     [False], traffic)
+                                                     [False], traffic, raw=[raw_nbytes(coded.shape, coded.dtype)])
                     entries.append(entry)
             msg = Backward(call=call.id, grads=entries, ops=self._take_ops())
             reply, wire_in = self._exchange(msg, "gradient", InputGrads, traffic)
@@ -185,7 +205,7 @@ class EdgeSession:
                         continue
                     entry = got[slot.index]
                     (grad,), _ = self.codecs.decode([entry], 0 if coded.stream else None, "bwd", ctx)
-                    raw += grad.numel() * grad.element_size()
+                    raw += raw_nbytes(coded.shape, coded.dtype)
                     result.append(self.codecs.grad_at_input(grad, coded, "fwd", ctx))
             self.metrics.count("down", "gradient", raw=raw, payload=sum(p.nbytes for p, _ in got), wire=wire_in)
             return result

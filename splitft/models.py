@@ -29,3 +29,30 @@ def digits_cnn(seed: int | None = 0) -> nn.Sequential:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return build()
+
+
+def digits_bsl(seed: int | None = 0) -> nn.Sequential:
+    """B-SL variant of :func:`digits_cnn`: binarized edge layers, so the cut activation is ±1.
+
+    The edge convolutions use the sign of latent fp32 weights and end in a sign activation with a
+    straight-through gradient; the first layer's input (the image) stays real. The cloud part is
+    the same as in ``digits_cnn``. Train with the ``binary`` codec (1 bit per element on the wire)
+    and keep the latent weights clipped (``compressors.binary.keep_latent_weights_clipped``).
+    """
+    from compressors.binary import BinaryActivation, BinaryConv2d
+
+    def build() -> nn.Sequential:
+        return nn.Sequential(OrderedDict(
+            block1=nn.Sequential(BinaryConv2d(1, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32),
+                                 BinaryActivation()),
+            block2=nn.Sequential(BinaryConv2d(32, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32),
+                                 BinaryActivation()),
+            block3=nn.Sequential(nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)),
+            head=nn.Sequential(nn.Flatten(), nn.Linear(64 * 4 * 4, 10)),
+        ))
+
+    if seed is None:
+        return build()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build()

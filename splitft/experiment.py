@@ -1,0 +1,89 @@
+"""One split-training run on the digits task, as the tests, the benchmarks and the ablations run it.
+
+The cloud runs in this process on a thread (in-process transport) unless an address is given,
+in which case a ``splitft cloud`` must be listening there.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+import transports
+
+from .cloud import CloudServer, serve_in_thread
+from .data import load_digits
+from .edge import split
+from .models import digits_bsl, digits_cnn
+from .train import fit
+
+FACTORIES = {"splitft.models:digits_cnn": digits_cnn, "splitft.models:digits_bsl": digits_bsl}
+
+
+@dataclass
+class RunResult:
+    fwd: str
+    bwd: str
+    seed: int
+    accuracy: float
+    seconds: float
+    steps: int
+    fwd_ratio: float  # raw / wire bytes of activations edge -> cloud
+    bwd_ratio: float  # raw / wire bytes of gradients cloud -> edge
+    bytes_up: int
+    bytes_down: int
+    history: list[dict[str, float]] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def model_for(fwd: str) -> str:
+    """The factory a forward codec is meant for: the binary codec needs a binarized edge."""
+    return "splitft.models:digits_bsl" if fwd.split(":")[0] == "binary" else "splitft.models:digits_cnn"
+
+
+def run_digits(fwd: str = "identity", bwd: str | None = None, *, seed: int = 0, epochs: int = 10,
+               batch_size: int = 64, lr: float = 1e-3, ushape: bool = False, address: str | None = None,
+               progress: bool = False, timeout: float = 60.0) -> RunResult:
+    """Train the digits CNN split at ``block3`` through the given codecs; report accuracy and traffic."""
+    from compressors.binary import keep_latent_weights_clipped
+
+    factory = model_for(fwd)
+    train, test = load_digits()
+    server = thread = None
+    if address is None:
+        listener = transports.InprocListener()
+        server = CloudServer(listener, [factory])
+        thread = serve_in_thread(server)
+        connection: Any = listener.connect()
+    else:
+        connection = transports.connect(address)
+    try:
+        model = split(FACTORIES[factory](seed=seed), "block3", "head" if ushape else None, factory=factory,
+                      factory_kwargs={"seed": seed}, connection=connection, fwd=fwd, bwd=bwd, seed=seed,
+                      timeout=timeout)
+        with model:
+            optimizer = model.attach(torch.optim.Adam(model.parameters(), lr=lr))
+            keep_latent_weights_clipped(optimizer, model)
+            criterion = nn.CrossEntropyLoss() if ushape else model.remote_loss(nn.CrossEntropyLoss())
+            start = time.perf_counter()
+            result = fit(model, optimizer, criterion, train, test, epochs=epochs, batch_size=batch_size, seed=seed,
+                         predict=model.predict, progress=progress, pass_ids=True)
+            seconds = time.perf_counter() - start
+            metrics = model.metrics
+            specs = model.session.codecs.specs
+    finally:
+        if server is not None:
+            server.stop()
+            thread.join(timeout=10)
+    return RunResult(
+        fwd=specs["fwd"], bwd=specs["bwd"], seed=seed, accuracy=result.accuracy, seconds=seconds,
+        steps=result.steps, fwd_ratio=metrics.bytes[("up", "activation")].ratio,
+        bwd_ratio=metrics.bytes[("down", "gradient")].ratio, bytes_up=metrics.direction("up").wire,
+        bytes_down=metrics.direction("down").wire, history=result.history,
+    )
