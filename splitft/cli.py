@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-import argparse
-import logging
 import os
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
+
+# Edge and cloud often share cores (the demo always does). OpenMP workers that spin while their
+# process waits for the other side steal those cores; waiting passively made a batch-64 split
+# step 4x faster here. Must be set before torch loads, hence before any other import.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 DEFAULT_MODEL = "splitft.models:digits_cnn"
 DEFAULT_BIND = "tcp://127.0.0.1:5555"

@@ -31,7 +31,7 @@ from .errors import (ConfigError, HandshakeError, PeerGone, ProtocolError, Split
                      translated)
 from .metrics import Metrics
 from .protocol import Ack, Backward, Bye, Error, Forward, Hello, InputGrads, Output, Sync, Welcome
-from .split import Chain, extract, fingerprint, parse_cut, value_hash
+from .cut import Chain, extract, fingerprint, parse_cut, value_hash
 
 log = logging.getLogger(__name__)
 

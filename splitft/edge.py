@@ -31,7 +31,7 @@ from .errors import (ConfigError, DesyncError, PeerGone, ProtocolError, SplitFTE
                      from_code, translated)
 from .metrics import JsonlWriter, Metrics
 from .protocol import Ack, Backward, Bye, Error, Forward, Hello, InputGrads, Output, Sync, Welcome
-from .split import CutReached, CutSpec, extract, fingerprint, install, parse_cut, cut_text, value_hash
+from .cut import CutReached, CutSpec, extract, fingerprint, install, parse_cut, cut_text, value_hash
 
 log = logging.getLogger(__name__)
 

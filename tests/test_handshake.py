@@ -53,7 +53,7 @@ def _raw_exchange(cloud, message) -> protocol.Message:
 
 def _hello(**changes) -> protocol.Hello:
     model = digits_cnn()
-    from splitft.split import extract, fingerprint, parse_cut
+    from splitft.cut import extract, fingerprint, parse_cut
 
     fields = dict(protocol=protocol.PROTOCOL_VERSION, factory=DIGITS, cut="block3", rejoin=None,
                   fingerprint=fingerprint(extract(model, parse_cut(model, "block3"))),
