@@ -321,6 +321,7 @@ class CloudServer:
     def handle(self, peer: bytes, frames: list) -> None:
         """Answer one message. Never raises for anything the peer sent."""
         reply: protocol.Message | None
+        msg: protocol.Message | None = None
         try:
             msg = protocol.decode(frames)
             before = self.sessions.get(peer)
@@ -334,7 +335,9 @@ class CloudServer:
         except Exception as exc:  # noqa: BLE001 — a bad request must never stop the server
             if not isinstance(exc, (SplitFTError, compressors.CompressionError)):
                 log.exception("internal error while serving peer %s", peer.hex())
-            reply = Error(code=code_of(exc), message=f"{type(exc).__name__}: {exc}")
+            call = getattr(msg, "call", 0)
+            reply = Error(code=code_of(exc), message=f"{type(exc).__name__}: {exc}",
+                          call=call if isinstance(call, int) else 0)
         if reply is not None:
             self._send(peer, reply)
 

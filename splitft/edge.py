@@ -38,6 +38,18 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class _Part:
+    """One message pair of a call: the whole batch, or one micro-batch of it."""
+
+    id: int
+    rows: slice
+    sample_ids: np.ndarray | None
+    sent: list[Coded] = field(default_factory=list)
+    received: list[Coded] = field(default_factory=list)
+    out_grad: list[bool] = field(default_factory=list)
+
+
+@dataclass
 class _Call:
     """One remote call of the cloud part, from its forward to its backward."""
 
@@ -46,59 +58,60 @@ class _Call:
     train: bool
     grad: bool
     sample_ids: np.ndarray | None
-    id: int = 0
-    sent: list[Coded] = field(default_factory=list)
     in_grad: list[bool] = field(default_factory=list)
-    received: list[Coded] = field(default_factory=list)
-    out_grad: list[bool] = field(default_factory=list)
+    in_split: list[bool] = field(default_factory=list)  # which inputs are cut into micro-batches
+    parts: list[_Part] = field(default_factory=list)
+    batch: int = 0
     out_skeleton: Any = None
+    out_join: list[str] = field(default_factory=list)  # per output: "cat", "mean" or "sum" over parts
 
 
 class EdgeSession:
     """One session with a cloud: handshake, remote calls, and the operations to mirror."""
 
     def __init__(self, connection: transports.Connection, *, codecs: dict[str, str], seed: int,
-                 ushape: bool, timeout: float = 60.0, metrics: Metrics | None = None) -> None:
+                 ushape: bool, timeout: float = 60.0, metrics: Metrics | None = None,
+                 micro_batches: int = 1) -> None:
+        if not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ConfigError(f"micro_batches must be a positive integer, got {micro_batches!r}")
         self.connection = connection
         self.codecs = SlotCodecs(codecs, seed)
         self.ushape = ushape
         self.timeout = float(timeout)
         self.metrics = metrics or Metrics()
+        self.micro_batches = micro_batches
+        self.loss_reduction = "mean"
         self.step = 0
         self.session_id: str | None = None
         self._ops: list[dict] = []
         self._calls = itertools.count(1)
+        self._outstanding: set[int] = set()  # ids of requests whose reply has not been read
+        self._early: dict[int, tuple[protocol.Message, int]] = {}  # replies that overtook the one awaited
         self._lock = threading.RLock()  # autograd may run backward on another thread
         self.closed = False
 
     # ------------------------------------------------------------ messaging
 
-    def _exchange(self, msg: protocol.Message, kind: str, expect: type, traffic: Traffic | None = None):
-        """Send ``msg``, wait for its reply; errors from the cloud are raised as typed errors."""
+    def _send(self, msg: protocol.Message, kind: str, traffic: Traffic | None = None) -> None:
         if self.closed:
             raise PeerGone("this split session is closed; create a new one to keep training")
         frames = protocol.encode(msg)
-        start = time.perf_counter()
         with translated():
             wire = self.connection.send(frames)
-            self.metrics.count("up", kind, raw=traffic.raw if traffic else 0,
-                               payload=traffic.payload if traffic else 0, wire=wire)
-            while True:
-                try:
-                    reply_frames = self.connection.recv(self.timeout)
-                except transports.TransportTimeout:
-                    raise TransportTimeout(
-                        f"no reply from the cloud at {getattr(self.connection, 'address', '?')} within "
-                        f"{self.timeout:g} s (is `splitft cloud` running there? a slow model may need a larger timeout)"
-                    ) from None
-                reply = protocol.decode(reply_frames)
-                wire_in = transports.message_nbytes(reply_frames)
-                call = getattr(msg, "call", None)
-                if call is not None and getattr(reply, "call", call) != call:
-                    log.warning("dropping a stale reply to call %s (waiting for %s)", reply.call, call)
-                    continue
-                break
-        self.metrics.add_time("wait", time.perf_counter() - start)
+        self.metrics.count("up", kind, raw=traffic.raw if traffic else 0,
+                           payload=traffic.payload if traffic else 0, wire=wire)
+        self._outstanding.add(getattr(msg, "call", 0))
+
+    def _await(self, call: int, expect: type) -> tuple[protocol.Message, int]:
+        """The reply to request ``call``; errors from the cloud are raised as typed errors."""
+        try:
+            if call in self._early:
+                reply, wire_in = self._early.pop(call)
+            else:
+                with self.metrics.timed("wait"):  # blocked on the other side: wire plus cloud work
+                    reply, wire_in = self._receive_for(call)
+        finally:
+            self._outstanding.discard(call)
         if isinstance(reply, Error):
             self.metrics.count("down", "control", wire=wire_in)
             raise from_code(reply.code, f"cloud: {reply.message}")
@@ -107,12 +120,36 @@ class EdgeSession:
             self._drop()
             raise PeerGone(f"the cloud ended the session: {reply.reason or 'no reason given'}")
         if not isinstance(reply, expect):
-            raise ProtocolError(f"expected a {expect.TYPE} reply to {msg.TYPE}, got {reply.TYPE}")
+            raise ProtocolError(f"expected a {expect.TYPE} reply, got {reply.TYPE}")
         timings = getattr(reply, "timings", None) or {}
         for name in ("compute", "codec"):
             if isinstance(timings.get(name), (int, float)):
                 self.metrics.add_time(f"cloud_{name}", float(timings[name]))
         return reply, wire_in
+
+    def _receive_for(self, call: int) -> tuple[protocol.Message, int]:
+        with translated():
+            while True:
+                try:
+                    frames = self.connection.recv(self.timeout)
+                except transports.TransportTimeout:
+                    raise TransportTimeout(
+                        f"no reply from the cloud at {getattr(self.connection, 'address', '?')} within "
+                        f"{self.timeout:g} s (is `splitft cloud` running there? a slow model may need a larger timeout)"
+                    ) from None
+                reply = protocol.decode(frames)
+                wire_in = transports.message_nbytes(frames)
+                got = getattr(reply, "call", 0)
+                if got == call or isinstance(reply, Bye) or (isinstance(reply, Error) and got == 0):
+                    return reply, wire_in
+                if got in self._outstanding:
+                    self._early[got] = (reply, wire_in)
+                else:
+                    log.warning("dropping a stale reply to call %s (waiting for %s)", got, call)
+
+    def _exchange(self, msg: protocol.Message, kind: str, expect: type) -> tuple[protocol.Message, int]:
+        self._send(msg, kind)
+        return self._await(getattr(msg, "call", 0), expect)
 
     def open(self, hello: Hello) -> Welcome:
         with self._lock:
@@ -131,9 +168,29 @@ class EdgeSession:
 
     # ------------------------------------------------------------ remote calls
 
+    def _partition(self, leaves: list[torch.Tensor], stream: int | None, call: _Call) -> list[slice]:
+        """Micro-batch row ranges; inputs with the stream's batch size are cut, others repeated."""
+        batch = leaves[stream].shape[0] if stream is not None and leaves[stream].dim() else 0
+        call.batch = batch
+        call.in_split = [t.dim() > 0 and t.shape[0] == batch for t in leaves]
+        k = min(self.micro_batches, batch) if batch else 1
+        bounds = [batch * j // k for j in range(k + 1)] if k > 1 else [0, batch]
+        return [slice(bounds[j], bounds[j + 1]) for j in range(k)]
+
+    def _forward_message(self, call: _Call, part: _Part, leaves: list[torch.Tensor], ops: list,
+                         resync: bool) -> tuple[Forward, Traffic, CodecContext]:
+        args_skel, kwargs_skel, target_skel = call.skeleton
+        ctx = CodecContext("activation", train=call.train, step=self.step, sample_ids=part.sample_ids, resync=resync)
+        traffic = Traffic()
+        with self.metrics.timed("encode"):
+            entries, part.sent = self.codecs.encode(leaves, stream_index(args_skel), "fwd", ctx, call.in_grad, traffic)
+        msg = Forward(call=part.id, train=call.train, grad=call.grad, args=to_wire(args_skel, entries),
+                      kwargs=to_wire(kwargs_skel, entries), target=to_wire(target_skel, entries), ops=ops,
+                      step=self.step, sample_ids=part.sample_ids)
+        return msg, traffic, ctx
+
     def run_forward(self, call: _Call, leaves: list[torch.Tensor], needs_grad: list[bool]) -> list[torch.Tensor]:
         with self._lock:
-            call.id = next(self._calls)
             if call.train and call.sample_ids is None:
                 for slot in ("fwd", "ret") if self.ushape else ("fwd",):
                     codec = self.codecs.slots[slot]
@@ -142,73 +199,125 @@ class EdgeSession:
                             f"codec {codec.name!r} keeps state per training sample: pass a stable id for "
                             "each sample, model(x, sample_ids=ids) (ids in 0..N-1, the same every epoch)"
                         )
-            args_skel, kwargs_skel, target_skel = call.skeleton
-            grads = [bool(g) and call.grad for g in needs_grad]
-            call.in_grad = grads
+            call.in_grad = [bool(g) and call.grad for g in needs_grad]
+            rows = self._partition(leaves, stream_index(call.skeleton[0]), call)
             ops = self._take_ops()
-            for attempt in range(2):
-                # A desync of stateful codecs (a lost or repeated message) is repaired once, by
-                # sending the same batch again at full precision, which resets both ends' state.
-                ctx = CodecContext("activation", train=call.train, step=self.step, sample_ids=call.sample_ids,
-                                   resync=attempt > 0)
-                traffic = Traffic()
-                with self.metrics.timed("encode"):
-                    entries, call.sent = self.codecs.encode(leaves, stream_index(args_skel), "fwd", ctx, grads,
-                                                            traffic)
-                msg = Forward(call=call.id, train=call.train, grad=call.grad, args=to_wire(args_skel, entries),
-                              kwargs=to_wire(kwargs_skel, entries), target=to_wire(target_skel, entries),
-                              ops=ops if attempt == 0 else [], step=self.step, sample_ids=call.sample_ids)
+            pending = []
+            for j, part_rows in enumerate(rows):  # every part is sent before any reply is awaited
+                ids = call.sample_ids[part_rows] if call.sample_ids is not None and call.batch else call.sample_ids
+                part = _Part(next(self._calls), part_rows, ids)
+                part_leaves = [t[part_rows] if cut and len(rows) > 1 else t for t, cut in zip(leaves, call.in_split)]
+                msg, traffic, ctx = self._forward_message(call, part, part_leaves, ops if j == 0 else [], False)
+                self._send(msg, "activation", traffic)
+                call.parts.append(part)
+                pending.append((part, part_leaves, ctx))
+            outputs = []
+            for part, part_leaves, ctx in pending:
                 try:
-                    reply, wire_in = self._exchange(msg, "activation", Output, traffic)
-                    break
+                    reply, wire_in = self._await(part.id, Output)
                 except DesyncError as exc:
-                    if attempt:
-                        raise
+                    # A desync of stateful codecs (a lost or repeated message) is repaired once, by
+                    # sending the same rows again at full precision, which resets both ends' state.
                     log.warning("codec state out of step with the cloud (%s); resending at full precision", exc)
-            out_entries, call.out_skeleton = from_wire(reply.value)
-            stream = stream_index(call.out_skeleton) if self.ushape else None
-            with self.metrics.timed("decode"):
-                tensors, call.received = self.codecs.decode(out_entries, stream, "ret", ctx)
-            call.out_grad = [g and call.grad for _, g in out_entries]
-            self.metrics.count("down", "activation", raw=sum(t.numel() * t.element_size() for t in tensors),
-                               payload=sum(c.payload.nbytes for c in call.received), wire=wire_in)
-            return tensors
+                    msg, traffic, ctx = self._forward_message(call, part, part_leaves, [], True)
+                    reply, wire_in = self._exchange_sent(msg, traffic)
+                out_entries, skeleton = from_wire(reply.value)
+                if call.out_skeleton is None:
+                    call.out_skeleton = skeleton
+                elif skeleton != call.out_skeleton:
+                    raise ProtocolError("micro-batches of one call came back with different output structures")
+                stream = stream_index(skeleton) if self.ushape else None
+                with self.metrics.timed("decode"):
+                    tensors, part.received = self.codecs.decode(out_entries, stream, "ret", ctx)
+                part.out_grad = [g and call.grad for _, g in out_entries]
+                self.metrics.count("down", "activation", raw=sum(t.numel() * t.element_size() for t in tensors),
+                                   payload=sum(c.payload.nbytes for c in part.received), wire=wire_in)
+                outputs.append(tensors)
+            return self._join_outputs(call, outputs)
+
+    def _exchange_sent(self, msg: Forward, traffic: Traffic) -> tuple[protocol.Message, int]:
+        self._send(msg, "activation", traffic)
+        return self._await(msg.call, Output)
+
+    def _join_outputs(self, call: _Call, outputs: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        if len(outputs) == 1:
+            call.out_join = ["cat"] * len(outputs[0])
+            return outputs[0]
+        joined = []
+        for i, pieces in enumerate(zip(*outputs)):
+            sizes = [p.rows.stop - p.rows.start for p in call.parts]
+            if all(t.dim() > 0 and t.shape[0] == n for t, n in zip(pieces, sizes)):
+                call.out_join.append("cat")
+                joined.append(torch.cat(pieces))
+            elif all(t.dim() == 0 for t in pieces):  # a loss: the batch's mean (or sum) over parts
+                join = "sum" if self.loss_reduction == "sum" else "mean"
+                call.out_join.append(join)
+                weights = [1.0 if join == "sum" else n / call.batch for n in sizes]
+                joined.append(sum(w * t for w, t in zip(weights, pieces)))
+            else:
+                raise ConfigError(
+                    f"output {i} of the cloud part has no batch dimension, so micro-batches cannot be "
+                    "joined; use micro_batches=1"
+                )
+        return joined
 
     def run_backward(self, call: _Call, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
         with self._lock:
-            ctx = CodecContext("gradient", train=True, step=self.step, sample_ids=call.sample_ids)
-            traffic = Traffic()
-            entries: list[dict | None] = []
-            with self.metrics.timed("encode"):
-                for coded, grad, needed in zip(call.received, grads, call.out_grad):
-                    if not needed:
-                        entries.append(None)
-                        continue
-                    if grad is None:
-                        grad = torch.zeros(coded.shape, dtype=coded.dtype)
-                    grad = self.codecs.grad_for_sender(grad, coded, "ret", ctx)
-                    (entry,), _ = self.codecs.encode([grad], 0 if coded.stream else None, "ret_bwd", ctx,
-                                                     [False], traffic, raw=[raw_nbytes(coded.shape, coded.dtype)])
-                    entries.append(entry)
-            msg = Backward(call=call.id, grads=entries, ops=self._take_ops())
-            reply, wire_in = self._exchange(msg, "gradient", InputGrads, traffic)
-            got, skeleton = from_wire(reply.grads)
-            if not isinstance(skeleton, list) or len(skeleton) != len(call.sent):
-                raise ProtocolError(f"cloud sent {len(skeleton) if isinstance(skeleton, list) else '?'} input "
-                                    f"gradients for a call with {len(call.sent)} inputs")
+            ops = self._take_ops()
+            for j, part in enumerate(call.parts):  # every part is sent before any reply is awaited
+                ctx = CodecContext("gradient", train=True, step=self.step, sample_ids=part.sample_ids)
+                traffic = Traffic()
+                entries: list[dict | None] = []
+                with self.metrics.timed("encode"):
+                    for coded, grad, needed, join in zip(part.received, grads, part.out_grad, call.out_join):
+                        if not needed:
+                            entries.append(None)
+                            continue
+                        if grad is None:
+                            grad = torch.zeros(coded.shape, dtype=coded.dtype)
+                        elif len(call.parts) > 1:
+                            grad = grad[part.rows] if join == "cat" else \
+                                grad if join == "sum" else grad * ((part.rows.stop - part.rows.start) / call.batch)
+                        grad = self.codecs.grad_for_sender(grad, coded, "ret", ctx)
+                        (entry,), _ = self.codecs.encode([grad], 0 if coded.stream else None, "ret_bwd", ctx,
+                                                         [False], traffic, raw=[raw_nbytes(coded.shape, coded.dtype)])
+                        entries.append(entry)
+                self._send(Backward(call=part.id, grads=entries, ops=ops if j == 0 else []), "gradient", traffic)
+            per_part = [self._input_grads(call, part) for part in call.parts]
+            if len(per_part) == 1:
+                return per_part[0]
             result: list[torch.Tensor | None] = []
-            raw = 0
-            with self.metrics.timed("decode"):
-                for coded, slot, needed in zip(call.sent, skeleton, call.in_grad):
-                    if not needed or slot is None:
-                        result.append(None)
-                        continue
-                    entry = got[slot.index]
-                    (grad,), _ = self.codecs.decode([entry], 0 if coded.stream else None, "bwd", ctx)
-                    raw += raw_nbytes(coded.shape, coded.dtype)
-                    result.append(self.codecs.grad_at_input(grad, coded, "fwd", ctx))
-            self.metrics.count("down", "gradient", raw=raw, payload=sum(p.nbytes for p, _ in got), wire=wire_in)
+            for i, pieces in enumerate(zip(*per_part)):
+                if not call.in_grad[i]:
+                    result.append(None)
+                elif call.in_split[i]:
+                    result.append(torch.cat(pieces))
+                else:
+                    result.append(torch.stack(pieces).sum(0))
             return result
+
+    def _input_grads(self, call: _Call, part: _Part) -> list[torch.Tensor | None]:
+        ctx = CodecContext("gradient", train=True, step=self.step, sample_ids=part.sample_ids)
+        reply, wire_in = self._await(part.id, InputGrads)
+        got, skeleton = from_wire(reply.grads)
+        if not isinstance(skeleton, list) or len(skeleton) != len(part.sent):
+            raise ProtocolError(f"cloud sent {len(skeleton) if isinstance(skeleton, list) else '?'} input "
+                                f"gradients for a call with {len(part.sent)} inputs")
+        result: list[torch.Tensor | None] = []
+        raw = 0
+        with self.metrics.timed("decode"):
+            for coded, slot, needed in zip(part.sent, skeleton, call.in_grad):
+                if not needed:
+                    result.append(None)
+                    continue
+                if slot is None:
+                    result.append(torch.zeros(coded.shape, dtype=coded.dtype))
+                    continue
+                (grad,), _ = self.codecs.decode([got[slot.index]], 0 if coded.stream else None, "bwd", ctx)
+                raw += raw_nbytes(coded.shape, coded.dtype)
+                result.append(self.codecs.grad_at_input(grad, coded, "fwd", ctx))
+        self.metrics.count("down", "gradient", raw=raw, payload=sum(p.nbytes for p, _ in got), wire=wire_in)
+        return result
 
     # ------------------------------------------------------------ control
 
@@ -250,7 +359,7 @@ class _RemoteCall(torch.autograd.Function):
         leaves = list(inputs[: call.n_leaves])
         outputs = session.run_forward(call, leaves, list(ctx.needs_input_grad[2: 2 + call.n_leaves]))
         ctx.session, ctx.call = session, call
-        ctx.mark_non_differentiable(*[t for t, g in zip(outputs, call.out_grad) if not g])
+        ctx.mark_non_differentiable(*[t for t, g in zip(outputs, call.parts[0].out_grad) if not g])
         return tuple(outputs)
 
     @staticmethod
@@ -371,6 +480,7 @@ class SplitModel(nn.Module):
             if _plain(value) is not _NOT_PLAIN and value is not None:
                 settings[name] = value
         self.session.queue({"op": "loss", "name": cls.__name__, "settings": settings})
+        self.session.loss_reduction = str(settings.get("reduction", "mean"))
         return RemoteLoss(self)
 
     # ------------------------------------------------------------ cloud state
@@ -437,7 +547,7 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
           factory: str, factory_kwargs: dict | None = None,
           connect: str | None = None, connection: transports.Connection | None = None,
           fwd: str = "identity", bwd: str | None = None, ret: str | None = None, ret_bwd: str | None = None,
-          seed: int = 0, weights: str = "push", timeout: float = 60.0,
+          seed: int = 0, weights: str = "push", timeout: float = 60.0, micro_batches: int = 1,
           metrics_path: str | None = None) -> SplitModel:
     """Cut ``model`` and connect its cloud part; returns the edge's model to train.
 
@@ -454,6 +564,10 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
         seed: shared seed for codec randomness (keys, projections).
         weights: ``"push"`` sends the cloud part's initial weights in the handshake;
             ``"factory"`` has the cloud use its own and checks that they are equal.
+        micro_batches: cut each call into this many micro-batches, all sent before any reply
+            is awaited, so the wire and the cloud work at the same time (forward and backward).
+            The gradient is the full batch's, unless the cloud part has batch-statistics layers
+            (BatchNorm), which then see micro-batches instead of the batch: keep 1 for those.
     """
     if weights not in ("push", "factory"):
         raise ConfigError(f"weights must be 'push' or 'factory', got {weights!r}")
@@ -474,7 +588,8 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
     if connection is None:
         with translated():
             connection = transports.connect(connect)
-    session = EdgeSession(connection, codecs=codecs, seed=seed, ushape=spec.ushape, timeout=timeout)
+    session = EdgeSession(connection, codecs=codecs, seed=seed, ushape=spec.ushape, timeout=timeout,
+                          micro_batches=micro_batches)
     try:
         session.open(hello)
     except BaseException:

@@ -128,6 +128,7 @@ class Error(Message):
     TYPE: ClassVar[str] = "error"
     code: str
     message: str
+    call: int = 0  # the request it answers, when known
 
 
 @dataclass
