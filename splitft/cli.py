@@ -40,6 +40,9 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
                    help="codec for activations, e.g. 'fp16' (default: identity); run 'splitft codecs' for the list")
     g.add_argument("--bwd", default=None, metavar="SPEC",
                    help="codec for gradients (default: the forward codec's usual partner)")
+    g.add_argument("--link", default=None, metavar="SPEC",
+                   help="emulate a slower network on the edge's connection: 'RATE,DELAY' such as "
+                        "'100mbit,20ms' (one-way delay), or 'up=RATE,DELAY;down=RATE,DELAY'")
     g.add_argument("--micro-batches", type=int, default=1, metavar="K",
                    help="pipeline each step as K micro-batches, so the wire and the cloud work at the same "
                         "time (default: 1; the gradient is the full batch's unless the cloud part has BatchNorm)")
@@ -151,7 +154,7 @@ def _edge(args: argparse.Namespace, address: str) -> int:
         model = load_factory(args.model)()
         model = split(model, args.cut, args.rejoin if ushape else None, factory=args.model, connect=address,
                       fwd=args.fwd, bwd=args.bwd, seed=args.seed, timeout=args.timeout,
-                      micro_batches=args.micro_batches, metrics_path=args.metrics)
+                      micro_batches=args.micro_batches, link=args.link, metrics_path=args.metrics)
     except SplitFTError as exc:
         print(f"edge: cannot start: {exc}", file=sys.stderr)
         return 2

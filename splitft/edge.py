@@ -548,7 +548,7 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
           connect: str | None = None, connection: transports.Connection | None = None,
           fwd: str = "identity", bwd: str | None = None, ret: str | None = None, ret_bwd: str | None = None,
           seed: int = 0, weights: str = "push", timeout: float = 60.0, micro_batches: int = 1,
-          metrics_path: str | None = None) -> SplitModel:
+          link: str | None = None, metrics_path: str | None = None) -> SplitModel:
     """Cut ``model`` and connect its cloud part; returns the edge's model to train.
 
     Args:
@@ -568,6 +568,8 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
             is awaited, so the wire and the cloud work at the same time (forward and backward).
             The gradient is the full batch's, unless the cloud part has batch-statistics layers
             (BatchNorm), which then see micro-batches instead of the batch: keep 1 for those.
+        link: emulate a slower network on this connection, e.g. ``"100mbit,20ms"`` (bandwidth
+            and one-way delay; ``"up=...;down=..."`` for asymmetric links). None: as it is.
     """
     if weights not in ("push", "factory"):
         raise ConfigError(f"weights must be 'push' or 'factory', got {weights!r}")
@@ -588,6 +590,12 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
     if connection is None:
         with translated():
             connection = transports.connect(connect)
+    if link is not None:
+        try:
+            connection = transports.emulate(connection, link)
+        except transports.LinkSpecError as exc:
+            connection.close()
+            raise ConfigError(str(exc)) from exc
     session = EdgeSession(connection, codecs=codecs, seed=seed, ushape=spec.ushape, timeout=timeout,
                           micro_batches=micro_batches)
     try:

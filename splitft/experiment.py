@@ -47,10 +47,22 @@ def model_for(fwd: str) -> str:
     return "splitft.models:digits_bsl" if fwd.split(":")[0] == "binary" else "splitft.models:digits_cnn"
 
 
+def time_to_accuracy(history: list[dict[str, float]], target: float) -> float | None:
+    """Training seconds (evaluation excluded) until test accuracy first reached ``target``."""
+    for record in history:
+        if record["accuracy"] >= target:
+            return record["train_seconds"]
+    return None
+
+
 def run_digits(fwd: str = "identity", bwd: str | None = None, *, seed: int = 0, epochs: int = 10,
                batch_size: int = 64, lr: float = 1e-3, ushape: bool = False, address: str | None = None,
-               progress: bool = False, timeout: float = 60.0) -> RunResult:
-    """Train the digits CNN split at ``block3`` through the given codecs; report accuracy and traffic."""
+               link: str | None = None, micro_batches: int = 1, progress: bool = False,
+               timeout: float = 60.0) -> RunResult:
+    """Train the digits CNN split at ``block3`` through the given codecs; report accuracy and traffic.
+
+    ``link`` (e.g. ``"100mbit,20ms"``) runs the edge's connection through the link emulator.
+    """
     from compressors.binary import keep_latent_weights_clipped
 
     factory = model_for(fwd)
@@ -66,7 +78,7 @@ def run_digits(fwd: str = "identity", bwd: str | None = None, *, seed: int = 0, 
     try:
         model = split(FACTORIES[factory](seed=seed), "block3", "head" if ushape else None, factory=factory,
                       factory_kwargs={"seed": seed}, connection=connection, fwd=fwd, bwd=bwd, seed=seed,
-                      timeout=timeout)
+                      timeout=timeout, link=link, micro_batches=micro_batches)
         with model:
             optimizer = model.attach(torch.optim.Adam(model.parameters(), lr=lr))
             keep_latent_weights_clipped(optimizer, model)
