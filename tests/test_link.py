@@ -226,7 +226,7 @@ def test_messages_reach_the_cloud_in_order_at_their_arrival_times(virtual):
     for i, frames in enumerate(sizes):
         _, got = listener.recv(timeout=5)
         assert [bytes(f) for f in got] == [bytes([i]) * n for n in frames]
-    ups = [e for e in conn.log if e.direction == "up"]
+    ups = [e for e in conn.events if e.direction == "up"]
     assert [e.transit.arrival for e in ups] == [0.1875, 0.25, 0.375]  # 1/16 each, queued, then 1/8 delay
     assert [e.at for e in ups] == [0.1875, 0.25, 0.375]  # handed on exactly then
     assert conn.stats()["up"] == {"messages": 3, "bytes": 4 * K64, "busy_s": 0.25}
@@ -240,7 +240,7 @@ def test_a_reply_is_released_at_its_downlink_arrival(virtual):
     listener.send(peer, [bytes(K64)])  # the cloud answers at once
     assert bytes(conn.recv(timeout=10)[0]) == bytes(K64)
     assert clock() == 0.1875 + 0.125 + 0.25
-    (down,) = [e for e in conn.log if e.direction == "down"]
+    (down,) = [e for e in conn.events if e.direction == "down"]
     assert down.transit.sent == 0.1875 and down.at == down.transit.arrival == 0.5625
 
 
@@ -288,7 +288,7 @@ def test_pipelined_replies_come_back_in_order(virtual):
         peer, frames = listener.recv(timeout=5)
         listener.send(peer, [bytes(frames[0]) * 2])
     assert [bytes(conn.recv(timeout=10)[0]) for _ in range(3)] == [b"\x00\x00", b"\x01\x01", b"\x02\x02"]
-    downs = [e for e in conn.log if e.direction == "down"]
+    downs = [e for e in conn.events if e.direction == "down"]
     assert all(e.at >= e.transit.arrival for e in downs)
 
 

@@ -348,8 +348,10 @@ class EmulatedConnection(Connection):
     reuse its arrays while the message is still "on the wire". ``overhead_bytes`` adds a fixed
     per-message cost to the schedule (framing, headers); byte counts returned by ``send`` stay
     exactly what the inner transport carries. ``poll_interval`` bounds how long the real-time pump
-    blocks in ``inner.recv``; a message sent while it blocks can be up to that late, which never
-    happens when the uplink delay is at least the interval (the default).
+    blocks in ``inner.recv`` (a generic connection cannot be woken): a message sent while it
+    blocks is due no earlier than one uplink delay later, so it is never late when the delay is
+    at least the interval; the default is the uplink delay clamped to [1 ms, 50 ms]. ``history``
+    is how many :class:`LinkEvent` records :attr:`events` keeps.
     """
 
     def __init__(self, inner: Connection, spec: LinkSpec | str, *,
@@ -367,7 +369,7 @@ class EmulatedConnection(Connection):
         self.clock = clock
         self.up = LinkSchedule(self.spec.up, overhead_bytes=overhead_bytes)
         self.down = LinkSchedule(self.spec.down, overhead_bytes=overhead_bytes)
-        self.log: deque[LinkEvent] = deque(maxlen=history)
+        self._events: deque[LinkEvent] = deque(maxlen=history)
         self._sleep = sleep
         self._copy = copy
         self._poll = float(poll_interval)
@@ -409,7 +411,7 @@ class EmulatedConnection(Connection):
                     head = self._inbound[0][0].arrival if self._inbound else None
                     if head is not None and head <= now + _EPS:
                         transit, frames = self._inbound.popleft()
-                        self.log.append(LinkEvent("down", transit, now))
+                        self._events.append(LinkEvent("down", transit, now))
                         return frames
                     if deadline is not None and now >= deadline - _EPS:
                         raise TransportTimeout(self._timeout_message(timeout, head, now))
@@ -444,6 +446,12 @@ class EmulatedConnection(Connection):
         """Bytes, messages and busy (serialisation) time per direction, for reports."""
         with self._cond:
             return {"link": self.spec.to_text(), "up": self.up.stats(), "down": self.down.stats()}
+
+    @property
+    def events(self) -> list[LinkEvent]:
+        """The last ``history`` messages that left the link, both directions, oldest first."""
+        with self._cond:
+            return list(self._events)
 
     @property
     def in_flight(self) -> tuple[int, int]:
@@ -496,7 +504,8 @@ class EmulatedConnection(Connection):
             generation = self._generation
         if due:
             for transit, frames in due:
-                self.log.append(LinkEvent("up", transit, self.clock()))
+                with self._cond:
+                    self._events.append(LinkEvent("up", transit, self.clock()))
                 self.inner.send(frames)
             return True
         if self._take_replies(0.0):
