@@ -11,3 +11,7 @@ class TransportTimeout(TransportError, TimeoutError):
 
 class TransportClosed(TransportError):
     """The transport was closed (locally, or its peer went away for good)."""
+
+
+class LinkSpecError(ValueError):
+    """A link description (bandwidth, delay) that cannot be read; the message shows valid forms."""
