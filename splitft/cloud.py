@@ -113,6 +113,8 @@ class CloudSession:
         self.optimizer: torch.optim.Optimizer | None = None
         self.loss_fn: nn.Module | None = None
         self.pending: OrderedDict[int, _Pending] = OrderedDict()
+        # eager calls' parameter gradients, for an incoming gradient of 1, until the edge says how to scale them
+        self.deferred: OrderedDict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = OrderedDict()
         self.steps = 0
         self.metrics = Metrics()
         self.last_seen = time.monotonic()
@@ -160,6 +162,24 @@ class CloudSession:
         self.optimizer.step()
         self.steps += 1
         self.pending.clear()  # graphs from before a step can no longer be backpropagated correctly
+        self.deferred.clear()
+
+    def _op_apply(self, op: dict) -> None:
+        """The edge backpropagated through an eager call: add its parameter gradients, scaled."""
+        call, scale = op.get("call"), op.get("scale")
+        if not isinstance(call, int) or not isinstance(scale, (int, float)) or isinstance(scale, bool):
+            raise ProtocolError(f"apply needs an int call and a number scale, got {op!r}")
+        deferred = self.deferred.get(call)
+        if deferred is None:
+            raise ProtocolError(f"no eager call {call} to apply (freed by an optimizer step, or never sent)")
+        with torch.no_grad():
+            for param, grad in deferred:
+                if grad is None:
+                    continue
+                if param.grad is None:
+                    param.grad = grad * scale
+                else:
+                    param.grad.add_(grad, alpha=scale)
 
     def _op_zero_grad(self, op: dict) -> None:
         set_to_none = op.get("set_to_none", True)
@@ -213,12 +233,46 @@ class CloudSession:
         traffic = Traffic()
         entries, out_coded = self.codecs.encode(outs, stream, "ret", ctx, out_grads, traffic)
         codec += time.perf_counter() - start
-        if msg.grad:
+        eager_grads = None
+        if msg.grad and msg.eager and target is not None and value.dim() == 0 and value.requires_grad:
+            # One round trip per step: backpropagate now for an incoming gradient of 1; the edge
+            # scales the cut's gradient itself and tells us (op "apply") how to scale ours.
+            start = time.perf_counter()
+            needed = [leaf for leaf, g in zip(leaves, grads) if g]
+            params = [p for p in self.chain.parameters() if p.requires_grad]
+            found = torch.autograd.grad(value, needed + params, allow_unused=True)
+            compute += time.perf_counter() - start
+            self.deferred[msg.call] = list(zip(params, found[len(needed):]))
+            while len(self.deferred) > MAX_PENDING_CALLS:
+                self.deferred.popitem(last=False)
+            by_leaf = iter(found[:len(needed)])
+            leaf_grads = [next(by_leaf) if g else None for g in grads]
+            start = time.perf_counter()
+            eager_grads = self._encode_input_grads(leaves, in_coded, grads, leaf_grads, CodecContext(
+                "gradient", train=True, step=self.steps, sample_ids=msg.sample_ids))
+            codec += time.perf_counter() - start
+        elif msg.grad:
             self.pending[msg.call] = _Pending(leaves, in_coded, grads, outs, out_coded, msg.sample_ids)
             while len(self.pending) > MAX_PENDING_CALLS:
                 dropped, _ = self.pending.popitem(last=False)
                 log.warning("session %s: dropping the graph of call %s, never backpropagated", self.id, dropped)
-        return Output(call=msg.call, value=to_wire(out_skel, entries), timings={"compute": compute, "codec": codec})
+        return Output(call=msg.call, value=to_wire(out_skel, entries), timings={"compute": compute, "codec": codec},
+                      grads=eager_grads)
+
+    def _encode_input_grads(self, leaves: list[torch.Tensor], coded: list[Coded], needed: list[bool],
+                            leaf_grads: list[torch.Tensor | None], ctx: CodecContext) -> list[dict | None]:
+        """Gradients of a call's inputs, through the gradient codecs, as wire entries."""
+        traffic = Traffic()
+        entries: list[dict | None] = []
+        for leaf, c, need, grad in zip(leaves, coded, needed, leaf_grads):
+            if not need:
+                entries.append(None)
+                continue
+            grad = grad if grad is not None else torch.zeros_like(leaf)
+            grad = self.codecs.grad_for_sender(grad, c, "fwd", ctx)
+            (entry,), _ = self.codecs.encode([grad], 0 if c.stream else None, "bwd", ctx, [False], traffic)
+            entries.append(entry)
+        return entries
 
     def backward(self, msg: Backward) -> InputGrads:
         pending = self.pending.pop(msg.call, None)
@@ -254,16 +308,8 @@ class CloudSession:
         compute += time.perf_counter() - start
 
         start = time.perf_counter()
-        traffic = Traffic()
-        entries: list[dict | None] = []
-        for leaf, coded, needed in zip(pending.inputs, pending.in_coded, pending.in_grad):
-            if not needed:
-                entries.append(None)
-                continue
-            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            grad = self.codecs.grad_for_sender(grad, coded, "fwd", ctx)
-            (entry,), _ = self.codecs.encode([grad], 0 if coded.stream else None, "bwd", ctx, [False], traffic)
-            entries.append(entry)
+        entries = self._encode_input_grads(pending.inputs, pending.in_coded, pending.in_grad,
+                                           [leaf.grad for leaf in pending.inputs], ctx)
         codec += time.perf_counter() - start
         return InputGrads(call=msg.call, grads=entries, timings={"compute": compute, "codec": codec})
 

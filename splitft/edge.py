@@ -47,6 +47,7 @@ class _Part:
     sent: list[Coded] = field(default_factory=list)
     received: list[Coded] = field(default_factory=list)
     out_grad: list[bool] = field(default_factory=list)
+    eager_grads: list | None = None  # input gradients that came with the output (eager backward)
 
 
 @dataclass
@@ -71,7 +72,7 @@ class EdgeSession:
 
     def __init__(self, connection: transports.Connection, *, codecs: dict[str, str], seed: int,
                  ushape: bool, timeout: float = 60.0, metrics: Metrics | None = None,
-                 micro_batches: int = 1) -> None:
+                 micro_batches: int = 1, eager_backward: bool = True) -> None:
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ConfigError(f"micro_batches must be a positive integer, got {micro_batches!r}")
         self.connection = connection
@@ -80,6 +81,7 @@ class EdgeSession:
         self.timeout = float(timeout)
         self.metrics = metrics or Metrics()
         self.micro_batches = micro_batches
+        self.eager_backward = bool(eager_backward)
         self.loss_reduction = "mean"
         self.step = 0
         self.session_id: str | None = None
@@ -184,9 +186,10 @@ class EdgeSession:
         traffic = Traffic()
         with self.metrics.timed("encode"):
             entries, part.sent = self.codecs.encode(leaves, stream_index(args_skel), "fwd", ctx, call.in_grad, traffic)
+        eager = self.eager_backward and call.grad and target_skel is not None and not self.ushape
         msg = Forward(call=part.id, train=call.train, grad=call.grad, args=to_wire(args_skel, entries),
                       kwargs=to_wire(kwargs_skel, entries), target=to_wire(target_skel, entries), ops=ops,
-                      step=self.step, sample_ids=part.sample_ids)
+                      step=self.step, sample_ids=part.sample_ids, eager=eager)
         return msg, traffic, ctx
 
     def run_forward(self, call: _Call, leaves: list[torch.Tensor], needs_grad: list[bool]) -> list[torch.Tensor]:
@@ -230,8 +233,15 @@ class EdgeSession:
                 with self.metrics.timed("decode"):
                     tensors, part.received = self.codecs.decode(out_entries, stream, "ret", ctx)
                 part.out_grad = [g and call.grad for _, g in out_entries]
+                grad_bytes = 0
+                if reply.grads is not None:  # eager backward: the cut's gradient came along
+                    part.eager_grads = reply.grads
+                    grad_bytes = sum(p.nbytes for p, _ in from_wire(reply.grads)[0])
+                    self.metrics.count("down", "gradient", raw=sum(
+                        raw_nbytes(c.shape, c.dtype) for c, g in zip(part.sent, call.in_grad) if g),
+                        payload=grad_bytes, wire=grad_bytes, messages=0)
                 self.metrics.count("down", "activation", raw=sum(t.numel() * t.element_size() for t in tensors),
-                                   payload=sum(c.payload.nbytes for c in part.received), wire=wire_in)
+                                   payload=sum(c.payload.nbytes for c in part.received), wire=wire_in - grad_bytes)
                 outputs.append(tensors)
             return self._join_outputs(call, outputs)
 
@@ -261,29 +271,52 @@ class EdgeSession:
                 )
         return joined
 
+    def _part_output_grads(self, call: _Call, part: _Part, grads: tuple) -> list[torch.Tensor | None]:
+        """The slice (or share) of the outputs' gradients that belongs to one part."""
+        result = []
+        for coded, grad, needed, join in zip(part.received, grads, part.out_grad, call.out_join):
+            if not needed:
+                result.append(None)
+            elif grad is None:
+                result.append(torch.zeros(coded.shape, dtype=coded.dtype))
+            elif len(call.parts) == 1 or join == "sum":
+                result.append(grad)
+            else:
+                result.append(grad[part.rows] if join == "cat" else
+                              grad * ((part.rows.stop - part.rows.start) / call.batch))
+        return result
+
     def run_backward(self, call: _Call, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
         with self._lock:
             ops = self._take_ops()
-            for j, part in enumerate(call.parts):  # every part is sent before any reply is awaited
+            sent_ops = False
+            for part in call.parts:  # every part is sent before any reply is awaited
+                if part.eager_grads is not None:
+                    continue
                 ctx = CodecContext("gradient", train=True, step=self.step, sample_ids=part.sample_ids)
                 traffic = Traffic()
                 entries: list[dict | None] = []
                 with self.metrics.timed("encode"):
-                    for coded, grad, needed, join in zip(part.received, grads, part.out_grad, call.out_join):
-                        if not needed:
+                    for coded, grad in zip(part.received, self._part_output_grads(call, part, grads)):
+                        if grad is None:
                             entries.append(None)
                             continue
-                        if grad is None:
-                            grad = torch.zeros(coded.shape, dtype=coded.dtype)
-                        elif len(call.parts) > 1:
-                            grad = grad[part.rows] if join == "cat" else \
-                                grad if join == "sum" else grad * ((part.rows.stop - part.rows.start) / call.batch)
                         grad = self.codecs.grad_for_sender(grad, coded, "ret", ctx)
                         (entry,), _ = self.codecs.encode([grad], 0 if coded.stream else None, "ret_bwd", ctx,
                                                          [False], traffic, raw=[raw_nbytes(coded.shape, coded.dtype)])
                         entries.append(entry)
-                self._send(Backward(call=part.id, grads=entries, ops=ops if j == 0 else []), "gradient", traffic)
-            per_part = [self._input_grads(call, part) for part in call.parts]
+                self._send(Backward(call=part.id, grads=entries, ops=[] if sent_ops else ops), "gradient", traffic)
+                sent_ops = True
+            if not sent_ops:
+                self._ops[:0] = ops  # nothing was sent: the operations wait for the next message
+            per_part = []
+            for part in call.parts:
+                if part.eager_grads is None:
+                    per_part.append(self._input_grads(call, part))
+                    continue
+                (scale,) = self._part_output_grads(call, part, grads)  # the loss's incoming gradient
+                self.queue({"op": "apply", "call": part.id, "scale": float(scale)})
+                per_part.append(self._decode_input_grads(call, part, part.eager_grads, scale=scale))
             if len(per_part) == 1:
                 return per_part[0]
             result: list[torch.Tensor | None] = []
@@ -297,14 +330,23 @@ class EdgeSession:
             return result
 
     def _input_grads(self, call: _Call, part: _Part) -> list[torch.Tensor | None]:
-        ctx = CodecContext("gradient", train=True, step=self.step, sample_ids=part.sample_ids)
         reply, wire_in = self._await(part.id, InputGrads)
-        got, skeleton = from_wire(reply.grads)
+        result = self._decode_input_grads(call, part, reply.grads)
+        got, _ = from_wire(reply.grads)
+        self.metrics.count("down", "gradient", raw=sum(raw_nbytes(c.shape, c.dtype)
+                                                       for c, g in zip(part.sent, call.in_grad) if g),
+                           payload=sum(p.nbytes for p, _ in got), wire=wire_in)
+        return result
+
+    def _decode_input_grads(self, call: _Call, part: _Part, wire: Any,
+                            scale: torch.Tensor | None = None) -> list[torch.Tensor | None]:
+        """Gradients of a part's inputs from wire entries (times ``scale`` for an eager call)."""
+        ctx = CodecContext("gradient", train=True, step=self.step, sample_ids=part.sample_ids)
+        got, skeleton = from_wire(wire)
         if not isinstance(skeleton, list) or len(skeleton) != len(part.sent):
             raise ProtocolError(f"cloud sent {len(skeleton) if isinstance(skeleton, list) else '?'} input "
                                 f"gradients for a call with {len(part.sent)} inputs")
         result: list[torch.Tensor | None] = []
-        raw = 0
         with self.metrics.timed("decode"):
             for coded, slot, needed in zip(part.sent, skeleton, call.in_grad):
                 if not needed:
@@ -314,9 +356,8 @@ class EdgeSession:
                     result.append(torch.zeros(coded.shape, dtype=coded.dtype))
                     continue
                 (grad,), _ = self.codecs.decode([got[slot.index]], 0 if coded.stream else None, "bwd", ctx)
-                raw += raw_nbytes(coded.shape, coded.dtype)
-                result.append(self.codecs.grad_at_input(grad, coded, "fwd", ctx))
-        self.metrics.count("down", "gradient", raw=raw, payload=sum(p.nbytes for p, _ in got), wire=wire_in)
+                grad = self.codecs.grad_at_input(grad, coded, "fwd", ctx)
+                result.append(grad if scale is None else grad * scale)
         return result
 
     # ------------------------------------------------------------ control
@@ -548,7 +589,7 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
           connect: str | None = None, connection: transports.Connection | None = None,
           fwd: str = "identity", bwd: str | None = None, ret: str | None = None, ret_bwd: str | None = None,
           seed: int = 0, weights: str = "push", timeout: float = 60.0, micro_batches: int = 1,
-          link: str | None = None, metrics_path: str | None = None) -> SplitModel:
+          link: str | None = None, eager_backward: bool = True, metrics_path: str | None = None) -> SplitModel:
     """Cut ``model`` and connect its cloud part; returns the edge's model to train.
 
     Args:
@@ -570,6 +611,10 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
             (BatchNorm), which then see micro-batches instead of the batch: keep 1 for those.
         link: emulate a slower network on this connection, e.g. ``"100mbit,20ms"`` (bandwidth
             and one-way delay; ``"up=...;down=..."`` for asymmetric links). None: as it is.
+        eager_backward: plain split only. The cloud runs the backward right after the loss and
+            sends the cut's gradient with it: one round trip per training step instead of two.
+            The edge scales it by the loss's incoming gradient (gradient accumulation, loss
+            scaling) and tells the cloud to scale its own parameter gradients the same way.
     """
     if weights not in ("push", "factory"):
         raise ConfigError(f"weights must be 'push' or 'factory', got {weights!r}")
@@ -597,7 +642,7 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
             connection.close()
             raise ConfigError(str(exc)) from exc
     session = EdgeSession(connection, codecs=codecs, seed=seed, ushape=spec.ushape, timeout=timeout,
-                          micro_batches=micro_batches)
+                          micro_batches=micro_batches, eager_backward=eager_backward)
     try:
         session.open(hello)
     except BaseException:

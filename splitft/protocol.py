@@ -76,6 +76,7 @@ class Forward(Message):
     ops: list = field(default_factory=list)
     step: int = 0
     sample_ids: np.ndarray | None = None
+    eager: bool = False  # plain split: run the backward now and send the cut's gradient with the loss
 
 
 @dataclass
@@ -86,6 +87,7 @@ class Output(Message):
     call: int
     value: Any
     timings: dict = field(default_factory=dict)
+    grads: list | None = None  # eager forward: gradients of the inputs, for an incoming gradient of 1
 
 
 @dataclass

@@ -44,9 +44,9 @@ def _local_run(data):
     return model.state_dict(), losses
 
 
-def _split_run(data, rejoin, connection=None, connect=None, micro_batches=1):
+def _split_run(data, rejoin, connection=None, connect=None, micro_batches=1, eager_backward=True):
     model = splitft.split(digits_cnn(), "block3", rejoin, factory=DIGITS, connection=connection,
-                          connect=connect, timeout=30, micro_batches=micro_batches)
+                          connect=connect, timeout=30, micro_batches=micro_batches, eager_backward=eager_backward)
     with model:
         opt = model.attach(torch.optim.Adam(model.parameters(), lr=3e-3))
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
@@ -88,6 +88,11 @@ def local(digits):
 @pytest.mark.parametrize("rejoin", [None, "head"], ids=["plain", "ushape"])
 def test_inproc_split_equals_local(inproc_cloud, digits, local, rejoin):
     _assert_same(local, _split_run(digits, rejoin, connection=inproc_cloud.connect()))
+
+
+def test_plain_split_with_a_backward_message_per_call_equals_local(inproc_cloud, digits, local):
+    """The same, with eager backward off: the loss's gradient travels in its own request."""
+    _assert_same(local, _split_run(digits, None, connection=inproc_cloud.connect(), eager_backward=False))
 
 
 @pytest.mark.parametrize("rejoin", [None, "head"], ids=["plain", "ushape"])
