@@ -5,15 +5,24 @@ returns what the cloud sent back; its backward sends the incoming gradient and r
 gradient at the cut. Optimizer steps and ``zero_grad`` calls are mirrored to the cloud as
 operations that ride on the next message, so gradient accumulation behaves exactly as locally
 and a step costs no extra round trip.
+
+Faults: every request is numbered and logged (:mod:`splitft.resilience`); when the link fails
+(no reply in time, the connection drops, the cloud lost the session) the edge reconnects with
+backoff, resumes the session with its token and re-sends what the cloud had not applied. While
+the user's loop is busy elsewhere, a heartbeat keeps the cloud's session alive.
 """
 
 from __future__ import annotations
 
 import inspect
 import itertools
+import json
 import logging
+import os
+import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,12 +34,15 @@ import transports
 from compressors import CodecContext
 
 from . import protocol
+from .checkpoint import read_checkpoint, write_checkpoint
 from .coding import (Coded, SlotCodecs, Traffic, flatten, from_wire, resolve_codecs, sample_ids_array,
                      stream_index, to_wire, unflatten)
-from .errors import (ConfigError, PeerGone, ProtocolError, SplitFTError, TransportTimeout, from_code,
+from .errors import (AuthError, CheckpointError, ConfigError, HandshakeError, PeerGone, ProtocolError,
+                     SessionLost, SplitFTError, TooLarge, TransportError, TransportTimeout, from_code,
                      translated)
 from .metrics import JsonlWriter, Metrics
-from .protocol import Ack, Backward, Bye, Error, Forward, Hello, InputGrads, Output, Sync, Welcome
+from .protocol import Ack, Backward, Bye, Error, Forward, Hello, InputGrads, Output, Ping, Pong, Sync, Welcome
+from .resilience import Backoff, ReplayLog
 from .split import CutReached, CutSpec, extract, fingerprint, install, parse_cut, cut_text, value_hash
 
 log = logging.getLogger(__name__)
@@ -54,11 +66,29 @@ class _Call:
     out_skeleton: Any = None
 
 
+class _LinkFault(Exception):
+    """The link failed in a way a reconnection may cure (internal to the edge runtime)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
 class EdgeSession:
-    """One session with a cloud: handshake, remote calls, and the operations to mirror."""
+    """One session with a cloud: handshake, remote calls, the operations to mirror, and recovery.
+
+    Args:
+        connection: the open link to the cloud.
+        reconnect: opens a fresh link to the same cloud; None disables recovery (a fault raises).
+        timeout: seconds to wait for any one reply.
+        reconnect_timeout: seconds to keep trying to get the session back after a fault.
+        heartbeat: seconds of idleness after which the edge pings the cloud (0: never).
+    """
 
     def __init__(self, connection: transports.Connection, *, codecs: dict[str, str], seed: int,
-                 ushape: bool, timeout: float = 60.0, metrics: Metrics | None = None) -> None:
+                 ushape: bool, timeout: float = 60.0, metrics: Metrics | None = None,
+                 reconnect: Callable[[], transports.Connection] | None = None,
+                 reconnect_timeout: float = 60.0, heartbeat: float = 10.0) -> None:
         self.connection = connection
         self.codecs = SlotCodecs(codecs, seed)
         self.ushape = ushape
@@ -66,41 +96,71 @@ class EdgeSession:
         self.metrics = metrics or Metrics()
         self.step = 0
         self.session_id: str | None = None
+        self.token = ""
+        self.checkpoint_every = 0
+        self.limits: dict[str, int] = {}
+        self.optimizer_id = 0
+        self.recoveries = 0  # times the session was recovered after a fault
         self._ops: list[dict] = []
         self._calls = itertools.count(1)
         self._lock = threading.RLock()  # autograd may run backward on another thread
+        self._seq = 0
+        self._log = ReplayLog()
+        self._hello: Hello | None = None
+        self._reconnect = reconnect
+        self.reconnect_timeout = float(reconnect_timeout)
+        self.heartbeat = float(heartbeat)
+        self._last_io = time.monotonic()
+        self._suspect: BaseException | None = None  # the heartbeat saw the link fail
+        self._stop = threading.Event()
+        self._beats: threading.Thread | None = None
         self.closed = False
 
     # ------------------------------------------------------------ messaging
 
     def _exchange(self, msg: protocol.Message, kind: str, expect: type, traffic: Traffic | None = None):
-        """Send ``msg``, wait for its reply; errors from the cloud are raised as typed errors."""
+        """Send ``msg``, wait for its reply; errors from the cloud are raised as typed errors.
+
+        A link fault (timeout, dropped connection, lost session) is repaired by :meth:`_recover`
+        when a reconnect function is known; the caller only sees it take longer.
+        """
         if self.closed:
             raise PeerGone("this split session is closed; create a new one to keep training")
+        sequenced = hasattr(msg, "seq")
+        if sequenced:
+            self._seq += 1
+            msg.seq = self._seq
         frames = protocol.encode(msg)
+        try:
+            self._check_limits(frames, msg)
+        except TooLarge:
+            if sequenced:
+                self._seq -= 1
+            raise
+        seq = msg.seq if sequenced else 0
+        if seq:
+            self._log.add(seq, frames, [op["id"] for op in getattr(msg, "ops", ())
+                                        if op.get("op") == "step" and isinstance(op.get("id"), int)])
         start = time.perf_counter()
-        with translated():
-            wire = self.connection.send(frames)
-            self.metrics.count("up", kind, raw=traffic.raw if traffic else 0,
-                               payload=traffic.payload if traffic else 0, wire=wire)
-            while True:
+        try:
+            if self._suspect is not None and seq and self._reconnect is not None:
+                fault, self._suspect = self._suspect, None
+                reply, wire_in = self._recover(seq, fault)
+            else:
                 try:
-                    reply_frames = self.connection.recv(self.timeout)
-                except transports.TransportTimeout:
-                    raise TransportTimeout(
-                        f"no reply from the cloud at {getattr(self.connection, 'address', '?')} within "
-                        f"{self.timeout:g} s (is `splitft cloud` running there? a slow model may need a larger timeout)"
-                    ) from None
-                reply = protocol.decode(reply_frames)
-                wire_in = transports.message_nbytes(reply_frames)
-                call = getattr(msg, "call", None)
-                if call is not None and getattr(reply, "call", call) != call:
-                    log.warning("dropping a stale reply to call %s (waiting for %s)", reply.call, call)
-                    continue
-                break
+                    reply, wire_in = self._round_trip(seq, frames, kind, traffic, getattr(msg, "call", None))
+                except _LinkFault as fault:
+                    if not seq or self._reconnect is None:
+                        raise fault.cause from None
+                    reply, wire_in = self._recover(seq, fault.cause)
+        finally:
+            self._last_io = time.monotonic()
         self.metrics.add_time("wait", time.perf_counter() - start)
         if isinstance(reply, Error):
             self.metrics.count("down", "control", wire=wire_in)
+            if seq and reply.seq == 0:  # the cloud could not even read the request: nothing was applied
+                self._log.drop(seq)
+                self._seq -= 1
             raise from_code(reply.code, f"cloud: {reply.message}")
         if isinstance(reply, Bye):
             self.metrics.count("down", "control", wire=wire_in)
@@ -108,17 +168,198 @@ class EdgeSession:
             raise PeerGone(f"the cloud ended the session: {reply.reason or 'no reason given'}")
         if not isinstance(reply, expect):
             raise ProtocolError(f"expected a {expect.TYPE} reply to {msg.TYPE}, got {reply.TYPE}")
+        if seq:
+            self._applied(seq)
         timings = getattr(reply, "timings", None) or {}
         for name in ("compute", "codec"):
             if isinstance(timings.get(name), (int, float)):
                 self.metrics.add_time(f"cloud_{name}", float(timings[name]))
         return reply, wire_in
 
-    def open(self, hello: Hello) -> Welcome:
+    def _check_limits(self, frames: list, msg: protocol.Message) -> None:
+        most = self.limits.get("max_message_bytes")
+        size = transports.message_nbytes(frames)
+        if isinstance(most, int) and size > most:
+            raise TooLarge(f"this {msg.TYPE} message is {size} bytes; the cloud accepts at most {most}. Send "
+                           "less (a compressing codec, smaller batches) or ask for a larger --max-message-mb")
+        frames_most = self.limits.get("max_frames")
+        if isinstance(frames_most, int) and len(frames) > frames_most:
+            raise TooLarge(f"this {msg.TYPE} message has {len(frames)} frames; the cloud accepts at most {frames_most}")
+
+    def _applied(self, seq: int) -> None:
+        """The cloud answered request ``seq``: forget what can no longer be needed for a replay."""
+        if self.checkpoint_every <= 0:
+            self._log.trim_before(seq + 1)  # no checkpoints: only the request in flight matters
+        elif any(step % self.checkpoint_every == 0 for step in self._log.steps_of(seq)):
+            self._log.trim_before(seq)  # the cloud checkpointed after this request's step
+
+    def _round_trip(self, seq: int, frames: list, kind: str, traffic: Traffic | None,
+                    call: int | None = None) -> tuple[protocol.Message, int]:
+        """Send frames and wait for their reply; link faults come out as :class:`_LinkFault`."""
+        try:
+            with translated():
+                wire = self.connection.send(frames)
+                self.metrics.count("up", kind, raw=traffic.raw if traffic else 0,
+                                   payload=traffic.payload if traffic else 0, wire=wire)
+                return self._await(seq, call, self.timeout)
+        except AuthError:
+            raise
+        except TransportTimeout as exc:
+            raise _LinkFault(TransportTimeout(
+                f"no reply from the cloud at {getattr(self.connection, 'address', '?')} within "
+                f"{self.timeout:g} s (is `splitft cloud` running there? a slow model may need a larger timeout)"
+            )) from exc
+        except (TransportError, SessionLost) as exc:
+            raise _LinkFault(exc) from exc
+
+    def _await(self, seq: int, call: int | None, timeout: float) -> tuple[protocol.Message, int]:
+        """The reply to request ``seq`` (or to ``call`` for unnumbered ones); stale replies are dropped."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransportTimeout(f"no reply within {timeout:g} s")
+            reply_frames = self.connection.recv(left)
+            reply = protocol.decode(reply_frames)
+            wire_in = transports.message_nbytes(reply_frames)
+            if isinstance(reply, Pong) or (seq and isinstance(reply, Welcome)):
+                continue  # a late answer to a heartbeat, or to a repeated hello
+            reply_seq = getattr(reply, "seq", 0)
+            if seq and reply_seq and reply_seq != seq:
+                log.info("dropping a stale reply to request %s (waiting for %s)", reply_seq, seq)
+                continue
+            if call is not None and getattr(reply, "call", call) != call:
+                log.warning("dropping a stale reply to call %s (waiting for %s)", reply.call, call)
+                continue
+            if isinstance(reply, Error) and reply.code == "session":
+                raise SessionLost(reply.message)
+            return reply, wire_in
+
+    # ------------------------------------------------------------ recovery
+
+    def _recover(self, seq: int, fault: BaseException) -> tuple[protocol.Message, int]:
+        """Reconnect, resume the session and re-send what the cloud lost; return request ``seq``'s reply."""
+        address = getattr(self.connection, "address", "?")
+        deadline = time.monotonic() + self.reconnect_timeout
+        backoff = Backoff()
+        attempt = 0
+        while True:
+            attempt += 1
+            log.warning("link to the cloud at %s failed (%s); reconnecting, attempt %d", address, fault, attempt)
+            self.connection.close()
+            try:
+                with translated():
+                    self.connection = self._reconnect()
+                    welcome = self._resume_handshake(max(0.1, min(self.timeout, deadline - time.monotonic())))
+                    result = self._replay(welcome.seq, seq)
+                self.recoveries += 1
+                log.warning("session %s resumed at request %d (step %d); replayed %d request(s)",
+                            self.session_id, welcome.seq, welcome.steps, seq - min(seq, welcome.seq))
+                return result
+            except (AuthError, HandshakeError, PeerGone):
+                raise  # refused, or the session cannot be resumed: retrying will not change that
+            except (TransportError, SessionLost) as exc:
+                fault = exc
+            delay = backoff.next()
+            if time.monotonic() + delay > deadline:
+                raise TransportTimeout(
+                    f"lost the cloud at {address} and could not get the session back within "
+                    f"{self.reconnect_timeout:g} s (last error: {fault}); is the cloud running, and was it "
+                    "restarted with the same --checkpoint-dir?"
+                ) from None
+            time.sleep(delay)
+
+    def _resume_hello(self) -> Hello:
+        assert self._hello is not None
+        hello = Hello(**{**vars(self._hello), "weights": None, "value_hash": None})
+        hello.resume = {"session": self.session_id, "token": self.token, "step": self.step, "seq": self._seq,
+                        "log_from": self._log.first or self._seq + 1}
+        return hello
+
+    def _resume_handshake(self, timeout: float) -> Welcome:
+        frames = protocol.encode(self._resume_hello())
+        self.metrics.count("up", "control", wire=self.connection.send(frames))
+        reply, wire_in = self._await(0, None, timeout)
+        self.metrics.count("down", "control", wire=wire_in)
+        if isinstance(reply, Error):
+            raise from_code(reply.code, f"cloud: {reply.message}")
+        if not isinstance(reply, Welcome) or reply.session != self.session_id:
+            raise HandshakeError(f"expected a welcome back to session {self.session_id}, got {reply.TYPE}")
+        self._welcomed(reply)
+        return reply
+
+    def _replay(self, cloud_seq: int, seq: int) -> tuple[protocol.Message, int]:
+        """Re-send requests after ``cloud_seq`` up to ``seq``; the reply to ``seq`` is the result."""
+        pending = [(s, f) for s, f in self._log.after(cloud_seq) if s <= seq]
+        if cloud_seq >= seq:  # applied already (only its reply was lost): the cloud answers from its cache
+            frames = self._log.get(seq)
+            pending = [(seq, frames)] if frames is not None else []
+        if not pending or pending[0][0] != min(seq, cloud_seq + 1):
+            raise HandshakeError(f"cannot replay: the cloud is at request {cloud_seq} but this edge kept requests "
+                                 f"from {self._log.first} on")
+        result = None
+        for s, frames in pending:
+            self.metrics.count("up", "control", wire=self.connection.send(frames))
+            result = self._await(s, None, self.timeout)
+        assert result is not None
+        return result
+
+    def _welcomed(self, welcome: Welcome) -> None:
+        self.session_id = welcome.session
+        self.token = welcome.token
+        self.checkpoint_every = int(welcome.checkpoint_every)
+        self.limits = dict(welcome.limits or {})
+
+    # ------------------------------------------------------------ heartbeat
+
+    def _start_heartbeat(self) -> None:
+        if self.heartbeat > 0 and self._beats is None:
+            self._beats = threading.Thread(target=self._beat, name="splitft-heartbeat", daemon=True)
+            self._beats.start()
+
+    def _beat(self) -> None:
+        """Ping the cloud when the session has been idle for a heartbeat interval."""
+        while not self._stop.wait(self.heartbeat / 2):
+            if time.monotonic() - self._last_io < self.heartbeat or not self._lock.acquire(blocking=False):
+                continue
+            try:
+                if self.closed:
+                    return
+                with translated():
+                    self.connection.send(protocol.encode(Ping()))
+                    while True:  # anything but a pong here is stale
+                        reply = protocol.decode(self.connection.recv(min(self.timeout, 3 * self.heartbeat)))
+                        if isinstance(reply, Pong):
+                            break
+                        if isinstance(reply, Error) and reply.code == "session":
+                            raise SessionLost(reply.message)
+            except (TransportError, SplitFTError) as exc:
+                log.warning("heartbeat: the cloud did not answer (%s); the next request reconnects", exc)
+                self._suspect = exc
+            finally:
+                self._last_io = time.monotonic()
+                self._lock.release()
+
+    # ------------------------------------------------------------ opening
+
+    def open(self, hello: Hello, resume: dict | None = None) -> Welcome:
+        """Open the session (or, with ``resume`` from an edge checkpoint, continue one)."""
         with self._lock:
-            welcome, wire_in = self._exchange(hello, "control", Welcome)
-            self.metrics.count("down", "control", wire=wire_in)
-            self.session_id = welcome.session
+            self._hello = hello
+            if resume is not None:
+                self.session_id, self.token = resume["session"], resume["token"]
+                self._seq, self.step, self.optimizer_id = resume["seq"], resume["step"], resume["optimizer_id"]
+                with translated():
+                    welcome = self._resume_handshake(self.timeout)
+                if welcome.seq != self._seq or welcome.steps != self.step:
+                    raise HandshakeError(f"the cloud resumed session {welcome.session} at request {welcome.seq} "
+                                         f"(step {welcome.steps}), but this edge checkpoint is at request "
+                                         f"{self._seq} (step {self.step})")
+            else:
+                welcome, wire_in = self._exchange(hello, "control", Welcome)
+                self.metrics.count("down", "control", wire=wire_in)
+                self._welcomed(welcome)
+            self._start_heartbeat()
             return welcome
 
     def queue(self, op: dict) -> None:
@@ -192,10 +433,14 @@ class EdgeSession:
 
     # ------------------------------------------------------------ control
 
-    def sync(self, want_state: bool = False) -> dict[str, np.ndarray] | None:
-        """Apply pending operations in the cloud now; optionally fetch the cloud part's weights."""
+    def sync(self, want_state: bool = False, checkpoint: bool = False) -> dict[str, np.ndarray] | None:
+        """Apply pending operations in the cloud now; optionally fetch the cloud part's weights.
+
+        ``checkpoint`` makes the cloud write a checkpoint right after these operations.
+        """
         with self._lock:
-            reply, wire_in = self._exchange(Sync(ops=self._take_ops(), want_state=want_state), "control", Ack)
+            msg = Sync(ops=self._take_ops(), want_state=want_state, checkpoint=checkpoint)
+            reply, wire_in = self._exchange(msg, "control", Ack)
             self.metrics.count("down", "control", wire=wire_in)
             return reply.state
 
@@ -205,7 +450,10 @@ class EdgeSession:
             if self.closed:
                 return
             try:
-                frames = protocol.encode(Bye(reason=reason, ops=self._take_ops()))
+                if self._ops and self._reconnect is not None:
+                    self.sync()  # a step that only rides on the goodbye would not survive a lost goodbye
+                self._seq += 1
+                frames = protocol.encode(Bye(reason=reason, ops=self._take_ops(), seq=self._seq))
                 self.metrics.count("up", "control", wire=self.connection.send(frames))
                 deadline = time.monotonic() + min(self.timeout, 5.0)
                 while (left := deadline - time.monotonic()) > 0:
@@ -219,6 +467,7 @@ class EdgeSession:
 
     def _drop(self) -> None:
         self.closed = True
+        self._stop.set()
         self.connection.close()
 
 
@@ -259,6 +508,8 @@ class SplitModel(nn.Module):
         self._sample_ids: np.ndarray | None = None
         self._writer = JsonlWriter(metrics_path) if metrics_path else None
         self._last_record = time.perf_counter()
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._resume_optimizer: dict | None = None  # optimizer state from an edge checkpoint
 
     @property
     def metrics(self) -> Metrics:
@@ -314,7 +565,15 @@ class SplitModel(nn.Module):
                 f"the cloud mirrors torch.optim optimizers by name; {cls.__qualname__} is not one of them"
             )
         settings = {k: _plain(v) for k, v in optimizer.defaults.items() if _plain(v) is not _NOT_PLAIN}
-        self.session.queue({"op": "optimizer", "name": cls.__name__, "settings": settings})
+        if self._resume_optimizer is not None:
+            optimizer.load_state_dict(self._resume_optimizer)
+            self._resume_optimizer = None
+            op_id = self.session.optimizer_id  # the cloud restored its optimizer: this attach is a no-op there
+        else:
+            self.session.optimizer_id += 1
+            op_id = self.session.optimizer_id
+        self.session.queue({"op": "optimizer", "id": op_id, "name": cls.__name__, "settings": settings})
+        self._optimizer = optimizer
         optimizer.register_step_post_hook(lambda opt, args, kwargs: self._stepped(opt))
         original = optimizer.zero_grad
 
@@ -327,8 +586,9 @@ class SplitModel(nn.Module):
 
     def _stepped(self, optimizer: torch.optim.Optimizer) -> None:
         lr = optimizer.param_groups[0].get("lr")
-        self.session.queue({"op": "step", "lr": float(lr) if isinstance(lr, (int, float)) else None})
-        self.session.step += 1
+        self.session.step += 1  # the step's id: the cloud applies step n once, however often it arrives
+        self.session.queue({"op": "step", "id": self.session.step,
+                            "lr": float(lr) if isinstance(lr, (int, float)) else None})
         self.metrics.steps += 1
         if self._writer is not None:
             now = time.perf_counter()
@@ -363,6 +623,32 @@ class SplitModel(nn.Module):
         """The cloud part's current weights, named as in the original model."""
         state = self.session.sync(want_state=True) or {}
         return {k: torch.from_numpy(np.array(v)) for k, v in state.items()}
+
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Checkpoint both halves at this step boundary (call it after ``opt.step()``).
+
+        The cloud writes its half (it must run with ``--checkpoint-dir``) and the edge writes
+        ``PATH.json`` + ``PATH-<hash>.safetensors``: the edge part's weights, the attached
+        optimizer's state, the codec state, the step id and the session's resume token (keep the
+        files private: the token resumes the session). ``split(..., resume_from=PATH)`` continues
+        from here.
+        """
+        session = self.session
+        with session._lock:
+            if session.checkpoint_every <= 0:
+                raise CheckpointError("the cloud keeps no checkpoints, so this one could not be resumed; "
+                                      "start the cloud with --checkpoint-dir")
+            session.sync(checkpoint=True)
+            # The cloud's checkpoint holds the state after that sync's operations, numbered one below
+            # it; a resumed edge continues from that number, re-using the sync's.
+            tree = {"weights": self.model.state_dict(),
+                    "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
+                    "codecs": session.codecs.state_dict()}
+            meta = {"kind": "edge", "session": session.session_id, "token": session.token, "seq": session._seq - 1,
+                    "step": session.step, "optimizer_id": session.optimizer_id,
+                    "hello": {k: getattr(session._hello, k) for k in ("factory", "factory_kwargs", "cut", "rejoin",
+                                                                      "fingerprint", "codecs", "seed")}}
+            write_checkpoint(path, tree, meta)
 
     def close(self, reason: str = "done") -> None:
         if self._writer is not None:
@@ -415,10 +701,13 @@ def _plain(value: Any) -> Any:
 
 def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
           factory: str, factory_kwargs: dict | None = None,
-          connect: str | None = None, connection: transports.Connection | None = None,
+          connect: str | None = None,
+          connection: transports.Connection | Callable[[], transports.Connection] | None = None,
           fwd: str = "identity", bwd: str | None = None, ret: str | None = None, ret_bwd: str | None = None,
           seed: int = 0, weights: str = "push", timeout: float = 60.0,
-          metrics_path: str | None = None) -> SplitModel:
+          metrics_path: str | None = None, cloud_key: str | os.PathLike | bytes | None = None,
+          key: str | os.PathLike | bytes | None = None, reconnect_timeout: float = 60.0,
+          heartbeat: float = 10.0, resume_from: str | os.PathLike | None = None) -> SplitModel:
     """Cut ``model`` and connect its cloud part; returns the edge's model to train.
 
     Args:
@@ -429,37 +718,93 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
         factory: ``"package.module:function"`` that builds the same model in the cloud; the
             cloud must list it as allowed.
         connect / connection: the cloud's address (``tcp://host:port``, ``ipc://path``), or an
-            open transport connection.
+            open transport connection, or a function that opens one (then the edge can reconnect
+            after a fault; with an open connection it cannot).
         fwd, bwd, ret, ret_bwd: codec specs per direction (see :mod:`splitft.coding`).
         seed: shared seed for codec randomness (keys, projections).
         weights: ``"push"`` sends the cloud part's initial weights in the handshake;
             ``"factory"`` has the cloud use its own and checks that they are equal.
+        cloud_key, key: CurveZMQ: the cloud's public key and this edge's secret key (key files
+            from ``splitft keys``, or Z85 bytes). The link is then encrypted and the cloud admits
+            the edge only if its public key is on the cloud's allow-list.
+        timeout: seconds to wait for any one reply before treating the link as failed.
+        reconnect_timeout: seconds to keep trying to get the session back after a fault.
+        heartbeat: seconds of idleness after which the edge pings the cloud, keeping its session
+            alive (0: never).
+        resume_from: an edge checkpoint written by :meth:`SplitModel.save_checkpoint`: load the
+            edge's half from it and continue the session where both halves were saved.
     """
     if weights not in ("push", "factory"):
         raise ConfigError(f"weights must be 'push' or 'factory', got {weights!r}")
     if (connect is None) == (connection is None):
         raise ConfigError("give exactly one of connect='tcp://host:port' or connection=<transport>")
+    if (cloud_key is None) != (key is None):
+        raise ConfigError("an encrypted link needs both cloud_key (the cloud's public key) and key (this "
+                          "edge's secret key)")
     spec = parse_cut(model, cut, rejoin)
     cut_name, rejoin_name = cut_text(spec, model)
     chain = extract(model, spec)
     codecs = resolve_codecs(fwd, bwd, ret, ret_bwd)
+    resume = _read_edge_checkpoint(resume_from) if resume_from is not None else None
     hello = Hello(
         protocol=protocol.PROTOCOL_VERSION, factory=factory, factory_kwargs=dict(factory_kwargs or {}),
         cut=cut_name, rejoin=rejoin_name, fingerprint=fingerprint(chain), codecs=codecs, seed=int(seed),
-        value_hash=value_hash(chain) if weights == "factory" else None,
+        value_hash=value_hash(chain) if weights == "factory" and resume is None else None,
         weights={k: v.detach().cpu().numpy() for k, v in chain.qualified_state_dict().items()}
-        if weights == "push" else None,
-        client="splitft",
+        if weights == "push" and resume is None else None,
+        client="splitft", nonce=secrets.token_hex(8),
     )
-    if connection is None:
+    if resume is not None:
+        identity = {k: getattr(hello, k) for k in resume[1]["hello"]}
+        if resume[1]["hello"] != json.loads(json.dumps(identity)):
+            raise ConfigError(f"the edge checkpoint {resume_from} was written for a different model, cut, codecs or "
+                              "seed than this split() asks for")
+    reconnect: Callable[[], transports.Connection] | None
+    if connect is not None:
+        options = _curve_options(cloud_key, key)
+        address = connect
+
+        def reconnect() -> transports.Connection:
+            return transports.connect(address, **options)
         with translated():
-            connection = transports.connect(connect)
-    session = EdgeSession(connection, codecs=codecs, seed=seed, ushape=spec.ushape, timeout=timeout)
+            connection = reconnect()
+    elif callable(connection) and not isinstance(connection, transports.Connection):
+        reconnect = connection
+        connection = reconnect()
+    else:
+        reconnect = None
+    session = EdgeSession(connection, codecs=codecs, seed=seed, ushape=spec.ushape, timeout=timeout,
+                          reconnect=reconnect, reconnect_timeout=reconnect_timeout, heartbeat=heartbeat)
     try:
-        session.open(hello)
+        if resume is not None:
+            session.codecs.load_state_dict(resume[0]["codecs"])
+        session.open(hello, resume=resume[1] if resume is not None else None)
     except BaseException:
         session._drop()
         raise
     split_model = SplitModel(model, spec, session, metrics_path=metrics_path)
     install(model, spec, remote=split_model._trunk if spec.ushape else None)
+    if resume is not None:
+        try:
+            model.load_state_dict(resume[0]["weights"])
+        except RuntimeError as exc:
+            session.close("error")
+            raise CheckpointError(f"the edge checkpoint {resume_from} does not fit this model: {exc}") from exc
+        split_model._resume_optimizer = resume[0]["optimizer"]
     return split_model
+
+
+def _curve_options(cloud_key: str | os.PathLike | bytes | None, key: str | os.PathLike | bytes | None) -> dict:
+    if cloud_key is None:
+        return {}
+    with translated():
+        public, secret = transports.load_secret_key(key)
+        return {"server_key": transports.load_public_key(cloud_key), "public_key": public, "secret_key": secret}
+
+
+def _read_edge_checkpoint(path: str | os.PathLike) -> tuple[dict, dict]:
+    tree, meta = read_checkpoint(path)
+    needed = ("session", "token", "seq", "step", "optimizer_id", "hello")
+    if meta.get("kind") != "edge" or any(k not in meta for k in needed):
+        raise CheckpointError(f"{path} is not an edge checkpoint (write one with model.save_checkpoint(path))")
+    return tree, meta
