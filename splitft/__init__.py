@@ -12,16 +12,20 @@ exchanging activations and gradients over ZeroMQ through pluggable codecs::
 from .cloud import CloudServer, CloudSession, serve_in_thread
 from .coding import resolve_codecs
 from .edge import CutActivation, RemoteLoss, SplitModel, split
-from .errors import (CompressionError, ConfigError, CutError, DesyncError, HandshakeError, PeerGone,
-                     ProtocolError, RemoteError, SplitFTError, TransportError, TransportTimeout)
+from .checkpoint import CheckpointStore, read_checkpoint, write_checkpoint
+from .errors import (AuthError, CapacityError, CheckpointError, CompressionError, ConfigError, CutError,
+                     DesyncError, HandshakeError, ModelError, PeerGone, ProtocolError, RemoteError, ResumeError,
+                     SessionLost, SplitFTError, TooLarge, TransportError, TransportTimeout)
+from .limits import Limits
 from .metrics import Metrics
 from .split import CutSpec, parse_cut
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CloudServer", "CloudSession", "CompressionError", "ConfigError", "CutActivation", "CutError",
-    "CutSpec", "DesyncError", "HandshakeError", "Metrics", "PeerGone", "ProtocolError", "RemoteError",
-    "RemoteLoss", "SplitFTError", "SplitModel", "TransportError", "TransportTimeout", "parse_cut",
-    "resolve_codecs", "serve_in_thread", "split",
+    "AuthError", "CapacityError", "CheckpointError", "CheckpointStore", "CloudServer", "CloudSession",
+    "CompressionError", "ConfigError", "CutActivation", "CutError", "CutSpec", "DesyncError", "HandshakeError",
+    "Limits", "Metrics", "ModelError", "PeerGone", "ProtocolError", "RemoteError", "RemoteLoss", "ResumeError",
+    "SessionLost", "SplitFTError", "SplitModel", "TooLarge", "TransportError", "TransportTimeout", "parse_cut",
+    "read_checkpoint", "resolve_codecs", "serve_in_thread", "split", "write_checkpoint",
 ]

@@ -160,7 +160,9 @@ def _cloud(args: argparse.Namespace) -> int:
 
     try:
         limit = int(args.max_message_mb * 2**20)
-        options: dict = {"max_message_bytes": limit}
+        # ZeroMQ cuts off a peer whose single frame exceeds twice the limit (before buffering it
+        # whole); anything smaller is read and, if over the limit, refused with a typed reply.
+        options: dict = {"max_message_bytes": 2 * limit}
         if args.secret_key or args.allow_edge_keys:
             if not (args.secret_key and args.allow_edge_keys):
                 raise ConfigError("an encrypted cloud needs both --secret-key and --allow-edge-keys")

@@ -699,7 +699,7 @@ class CloudServer:
         session = self.sessions.get(peer)
         if session is None:
             if isinstance(msg, Bye):
-                return None
+                return Ack()  # nothing to end; answered so that every message gets a reply
             raise SessionLost(f"no session for this connection (got {msg.TYPE}): send a hello first, or a "
                               "hello with a resume token if the cloud restarted")
         if isinstance(msg, Ping):

@@ -88,6 +88,8 @@ class ZmqConnection(Connection):
     def send(self, frames: Sequence[Frame]) -> int:
         if self._closed:
             raise TransportClosed(f"connection to {self.address} is closed")
+        if not frames:
+            raise TransportError("a message needs at least one frame")
         try:
             self._sock.send_multipart(list(frames), copy=False)
         except zmq.Again:
