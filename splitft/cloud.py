@@ -753,7 +753,7 @@ class CloudServer:
         return Welcome(session=session.id, server=f"splitft {protocol.PROTOCOL_VERSION}", token=session.token,
                        seq=session.last_seq, steps=session.steps,
                        checkpoint_every=self.checkpoint_every if self.checkpoints is not None else 0,
-                       limits=self.limits.for_edge())
+                       limits=self.limits.for_edge(), shared=session.shared is not None)
 
     def _shared_part(self, msg: Hello) -> SharedPart | None:
         if not self.shared_model:

@@ -100,6 +100,7 @@ class EdgeSession:
         self.checkpoint_every = 0
         self.limits: dict[str, int] = {}
         self.optimizer_id = 0
+        self.shared = False  # the cloud half is shared with other edges
         self.recoveries = 0  # times the session was recovered after a fault
         self._ops: list[dict] = []
         self._calls = itertools.count(1)
@@ -309,6 +310,7 @@ class EdgeSession:
         self.token = welcome.token
         self.checkpoint_every = int(welcome.checkpoint_every)
         self.limits = dict(welcome.limits or {})
+        self.shared = bool(welcome.shared)
 
     # ------------------------------------------------------------ heartbeat
 
@@ -589,6 +591,10 @@ class SplitModel(nn.Module):
         self.session.step += 1  # the step's id: the cloud applies step n once, however often it arrives
         self.session.queue({"op": "step", "id": self.session.step,
                             "lr": float(lr) if isinstance(lr, (int, float)) else None})
+        if self.session.shared:
+            # Other edges train the same cloud half: apply the step now, not with this edge's next
+            # message, so it lands between the other edges' steps where the user's loop put it.
+            self.session.sync()
         self.metrics.steps += 1
         if self._writer is not None:
             now = time.perf_counter()

@@ -80,6 +80,7 @@ class Welcome(Message):
     steps: int = 0
     checkpoint_every: int = 0
     limits: dict = field(default_factory=dict)
+    shared: bool = False  # the cloud half is shared with other edges: steps are sent at once
 
 
 @dataclass
