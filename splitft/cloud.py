@@ -31,7 +31,7 @@ import re
 import secrets
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -593,6 +593,9 @@ class CloudServer:
         self.sessions: dict[bytes, CloudSession] = {}  # by the peer that speaks for it now
         self.by_id: dict[str, CloudSession] = {}
         self.ended = 0
+        #: One summary per ended session (id, steps, requests, repeats answered from the cache,
+        #: reason), newest last: what operators and load tests check for lost or repeated steps.
+        self.finished: deque[dict[str, Any]] = deque(maxlen=10_000)
         self.stop_event = threading.Event()
         self._on_event = on_event or (lambda text: log.info("%s", text))
         self._last_sweep = time.monotonic()
@@ -848,6 +851,8 @@ class CloudServer:
             self._forget(session, f"ended after {session.steps} steps: {reason}")
 
     def _forget(self, session: CloudSession, text: str) -> None:
+        self.finished.append({"session": session.id, "steps": session.steps, "requests": session.last_seq,
+                              "repeats": session.duplicates, "reason": text})
         self._unbind(session)
         if session.shared is not None:
             session.shared.sessions -= 1
