@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     parser.add_argument("--edges", type=int, default=32, help="edges, one session each (default: 32)")
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps per edge (default: 200)")
-    parser.add_argument("--procs", type=int, default=4, help="edge processes; edges run as threads in them (default: 4)")
+    parser.add_argument("--procs", type=int, default=4,
+                        help="edge processes; edges run as threads in them (default: 4)")
     parser.add_argument("--batch", type=int, default=16, help="samples per step (default: 16)")
     parser.add_argument("--drop", type=float, default=0.0, help="probability that a reply is lost (default: 0)")
     parser.add_argument("--timeout", type=float, default=30.0,

@@ -40,7 +40,8 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reconnect-timeout", type=float, default=60.0,
                    help="seconds to keep trying to get the session back after the link fails (default: 60)")
     g.add_argument("--heartbeat", type=float, default=10.0,
-                   help="ping the cloud after this many idle seconds, keeping the session alive (0: never; default: 10)")
+                   help="ping the cloud after this many idle seconds, keeping the session alive "
+                        "(0: never; default: 10)")
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -716,7 +716,7 @@ class CloudServer:
                 # re-applies its operations, which their ids make harmless, then does that work.
                 force = isinstance(msg, Sync) and msg.checkpoint
                 if force or before // self.checkpoint_every != session.steps // self.checkpoint_every:
-                    self._checkpoint(session, (seq or session.last_seq + 1) - 1, pinned=force)
+                    self._checkpoint(session, (seq or session.last_seq + 1) - 1, pinned=force and msg.pin)
         if isinstance(msg, Forward):
             return session.forward(msg)
         if isinstance(msg, Backward):

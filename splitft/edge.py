@@ -37,9 +37,9 @@ from . import protocol
 from .checkpoint import read_checkpoint, write_checkpoint
 from .coding import (Coded, SlotCodecs, Traffic, flatten, from_wire, resolve_codecs, sample_ids_array,
                      stream_index, to_wire, unflatten)
-from .errors import (AuthError, CheckpointError, ConfigError, HandshakeError, PeerGone, ProtocolError,
-                     SessionLost, SplitFTError, TooLarge, TransportError, TransportTimeout, from_code,
-                     translated)
+from .errors import (AuthError, CapacityError, CheckpointError, ConfigError, HandshakeError, PeerGone,
+                     ProtocolError, SessionLost, SplitFTError, TooLarge, TransportError, TransportTimeout,
+                     from_code, translated)
 from .metrics import JsonlWriter, Metrics
 from .protocol import Ack, Backward, Bye, Error, Forward, Hello, InputGrads, Output, Ping, Pong, Sync, Welcome
 from .resilience import Backoff, ReplayLog
@@ -83,12 +83,15 @@ class EdgeSession:
         timeout: seconds to wait for any one reply.
         reconnect_timeout: seconds to keep trying to get the session back after a fault.
         heartbeat: seconds of idleness after which the edge pings the cloud (0: never).
+        max_log_bytes: when the requests kept for a replay exceed this, the edge asks the cloud
+            for a checkpoint, after which they are no longer needed.
     """
 
     def __init__(self, connection: transports.Connection, *, codecs: dict[str, str], seed: int,
                  ushape: bool, timeout: float = 60.0, metrics: Metrics | None = None,
                  reconnect: Callable[[], transports.Connection] | None = None,
-                 reconnect_timeout: float = 60.0, heartbeat: float = 10.0) -> None:
+                 reconnect_timeout: float = 60.0, heartbeat: float = 10.0,
+                 max_log_bytes: int = 256 * 2**20) -> None:
         self.connection = connection
         self.codecs = SlotCodecs(codecs, seed)
         self.ushape = ushape
@@ -107,6 +110,8 @@ class EdgeSession:
         self._lock = threading.RLock()  # autograd may run backward on another thread
         self._seq = 0
         self._log = ReplayLog()
+        self.max_log_bytes = int(max_log_bytes)
+        self._trimming = False
         self._hello: Hello | None = None
         self._reconnect = reconnect
         self.reconnect_timeout = float(reconnect_timeout)
@@ -141,7 +146,8 @@ class EdgeSession:
         seq = msg.seq if sequenced else 0
         if seq:
             self._log.add(seq, frames, [op["id"] for op in getattr(msg, "ops", ())
-                                        if op.get("op") == "step" and isinstance(op.get("id"), int)])
+                                        if op.get("op") == "step" and isinstance(op.get("id"), int)],
+                          checkpoint=bool(getattr(msg, "checkpoint", False)))
         start = time.perf_counter()
         try:
             if self._suspect is not None and seq and self._reconnect is not None:
@@ -171,6 +177,12 @@ class EdgeSession:
             raise ProtocolError(f"expected a {expect.TYPE} reply to {msg.TYPE}, got {reply.TYPE}")
         if seq:
             self._applied(seq)
+            if self._log.nbytes > self.max_log_bytes and self.checkpoint_every > 0 and not self._trimming:
+                self._trimming = True  # no step for a long while: a checkpoint lets the log go
+                try:
+                    self.sync(checkpoint=True)
+                finally:
+                    self._trimming = False
         timings = getattr(reply, "timings", None) or {}
         for name in ("compute", "codec"):
             if isinstance(timings.get(name), (int, float)):
@@ -191,8 +203,8 @@ class EdgeSession:
         """The cloud answered request ``seq``: forget what can no longer be needed for a replay."""
         if self.checkpoint_every <= 0:
             self._log.trim_before(seq + 1)  # no checkpoints: only the request in flight matters
-        elif any(step % self.checkpoint_every == 0 for step in self._log.steps_of(seq)):
-            self._log.trim_before(seq)  # the cloud checkpointed after this request's step
+        elif self._log.checkpointed(seq) or any(s % self.checkpoint_every == 0 for s in self._log.steps_of(seq)):
+            self._log.trim_before(seq)  # the cloud checkpointed right after this request's operations
 
     def _round_trip(self, seq: int, frames: list, kind: str, traffic: Traffic | None,
                     call: int | None = None) -> tuple[protocol.Message, int]:
@@ -259,7 +271,7 @@ class EdgeSession:
                 return result
             except (AuthError, HandshakeError, PeerGone):
                 raise  # refused, or the session cannot be resumed: retrying will not change that
-            except (TransportError, SessionLost) as exc:
+            except (TransportError, SessionLost, CapacityError) as exc:
                 fault = exc
             delay = backoff.next()
             if time.monotonic() + delay > deadline:
@@ -435,13 +447,15 @@ class EdgeSession:
 
     # ------------------------------------------------------------ control
 
-    def sync(self, want_state: bool = False, checkpoint: bool = False) -> dict[str, np.ndarray] | None:
+    def sync(self, want_state: bool = False, checkpoint: bool = False,
+             pin: bool = False) -> dict[str, np.ndarray] | None:
         """Apply pending operations in the cloud now; optionally fetch the cloud part's weights.
 
-        ``checkpoint`` makes the cloud write a checkpoint right after these operations.
+        ``checkpoint`` makes the cloud write a checkpoint right after these operations (``pin``:
+        one it keeps until the next pinned one, to match an edge checkpoint).
         """
         with self._lock:
-            msg = Sync(ops=self._take_ops(), want_state=want_state, checkpoint=checkpoint)
+            msg = Sync(ops=self._take_ops(), want_state=want_state, checkpoint=checkpoint or pin, pin=pin)
             reply, wire_in = self._exchange(msg, "control", Ack)
             self.metrics.count("down", "control", wire=wire_in)
             return reply.state
@@ -644,7 +658,7 @@ class SplitModel(nn.Module):
             if session.checkpoint_every <= 0:
                 raise CheckpointError("the cloud keeps no checkpoints, so this one could not be resumed; "
                                       "start the cloud with --checkpoint-dir")
-            session.sync(checkpoint=True)
+            session.sync(pin=True)
             # The cloud's checkpoint holds the state after that sync's operations, numbered one below
             # it; a resumed edge continues from that number, re-using the sync's.
             tree = {"weights": self.model.state_dict(),

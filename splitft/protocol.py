@@ -140,7 +140,8 @@ class Sync(Message):
     TYPE: ClassVar[str] = "sync"
     ops: list = field(default_factory=list)
     want_state: bool = False
-    checkpoint: bool = False  # write a cloud checkpoint now (the edge is saving its own)
+    checkpoint: bool = False  # write a cloud checkpoint now
+    pin: bool = False  # ... and keep it: the edge is saving its own checkpoint to match it
     seq: int = 0
 
 

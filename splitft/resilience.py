@@ -9,9 +9,10 @@ had already been applied is answered, not redone.
 
 How much the log holds is set by the cloud's checkpoint policy, announced in the handshake: the
 cloud writes a checkpoint right after applying every N-th optimizer step, so once the reply to
-the request that carried step k·N is in, nothing before that request is ever needed again. With
-no checkpoints (N = 0) only the request in flight is kept: a cloud that survives keeps its state
-in memory, and one that does not cannot be resumed.
+the request that carried step k·N is in, nothing before that request is ever needed again. An
+edge whose log outgrows its budget without stepping (a long evaluation, say) asks the cloud for a
+checkpoint, which trims it the same way. With no checkpoints (N = 0) only the request in flight
+is kept: a cloud that survives keeps its state in memory, and one that does not cannot be resumed.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from dataclasses import dataclass, field
 class _Entry:
     frames: list[bytes]
     steps: list[int] = field(default_factory=list)  # optimizer step ids the request carries
+    checkpoint: bool = False  # the request asks the cloud for a checkpoint
+    nbytes: int = 0
 
 
 class ReplayLog:
@@ -32,22 +35,32 @@ class ReplayLog:
 
     def __init__(self) -> None:
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self.nbytes = 0
 
-    def add(self, seq: int, frames: list, steps: list[int]) -> None:
+    def add(self, seq: int, frames: list, steps: list[int], checkpoint: bool = False) -> None:
         # Our own copy: the frames may be views of tensors the caller changes later.
-        self._entries[seq] = _Entry([bytes(memoryview(f).cast("B")) for f in frames], list(steps))
+        copies = [bytes(memoryview(f).cast("B")) for f in frames]
+        self.drop(seq)
+        self._entries[seq] = _Entry(copies, list(steps), checkpoint, sum(len(f) for f in copies))
+        self.nbytes += self._entries[seq].nbytes
 
     def drop(self, seq: int) -> None:
-        self._entries.pop(seq, None)
+        entry = self._entries.pop(seq, None)
+        if entry is not None:
+            self.nbytes -= entry.nbytes
 
     def trim_before(self, seq: int) -> None:
         """Forget every request numbered below ``seq``."""
         for old in [s for s in self._entries if s < seq]:
-            del self._entries[old]
+            self.drop(old)
 
     def steps_of(self, seq: int) -> list[int]:
         entry = self._entries.get(seq)
         return entry.steps if entry is not None else []
+
+    def checkpointed(self, seq: int) -> bool:
+        entry = self._entries.get(seq)
+        return entry is not None and entry.checkpoint
 
     def after(self, seq: int) -> list[tuple[int, list[bytes]]]:
         """The requests numbered above ``seq``, in order."""
@@ -60,10 +73,6 @@ class ReplayLog:
     @property
     def first(self) -> int | None:
         return next(iter(self._entries), None)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(len(f) for e in self._entries.values() for f in e.frames)
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -116,8 +116,12 @@ def test_lost_requests_are_resent(cloud):
     server, listener = cloud
     data = _data()
     count = iter(range(10**6))
+
+    def lose_every_third(frames) -> int:
+        return 0 if message_type(frames) != "hello" and next(count) % 3 == 2 else 1
+
     model = splitft.split(mlp(), 2, factory=MLP, timeout=0.25, heartbeat=0, connection=lambda: FaultyConnection(
-        listener.connect(), on_send=lambda frames: 0 if message_type(frames) != "hello" and next(count) % 3 == 2 else 1))
+        listener.connect(), on_send=lose_every_third))
     with model:
         weights = split_weights(model, data)
         assert model.session.recoveries >= STEPS

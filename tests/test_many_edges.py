@@ -39,9 +39,11 @@ def test_concurrent_edges_have_isolated_sessions(cloud):
     results: dict[int, dict] = {}
     errors: list[BaseException] = []
 
+    models = [mlp() for _ in range(4)]  # built here: mlp() seeds torch's global RNG, not thread-safe
+
     def edge(i: int) -> None:
         try:
-            model = splitft.split(mlp(), 2, factory=MLP, connection=listener.connect, seed=i)
+            model = splitft.split(models[i], 2, factory=MLP, connection=listener.connect, seed=i)
             with model:
                 results[i] = split_weights(model, _data(5, seed=i))
         except BaseException as exc:  # noqa: BLE001 — reported below

@@ -171,3 +171,25 @@ def test_cloud_process_killed_twice_and_restarted_from_its_checkpoint(tmp_path):
             stop(proc)
     assert len(clouds) == 3
     assert_same(weights, local.state_dict())
+
+
+def test_replay_log_stays_bounded_when_the_edge_never_steps(tmp_path):
+    """A long evaluation sends requests but no step; the edge asks for checkpoints to let them go."""
+    cloud = RestartableCloud(tmp_path / "ck")
+    model = splitft.split(mlp(), 2, factory=MLP, connection=cloud.connect, timeout=0.5, heartbeat=0)
+    model.session.max_log_bytes = 20_000
+    try:
+        x = _data(1)[0][0]
+        model.eval()
+        with torch.no_grad():
+            expected = model.predict(x)
+            for i in range(60):
+                if i == 45:
+                    cloud.crash()
+                    cloud.start()
+                torch.testing.assert_close(model.predict(x), expected)
+                assert model.session._log.nbytes <= 20_000 + 5_000
+        assert model.session.recoveries == 1
+    finally:
+        model.close()
+        cloud.crash()

@@ -142,8 +142,8 @@ def test_an_edge_with_an_unknown_key_is_refused_clearly_on_both_sides(keys):
 
 
 def test_cli_refusal_is_a_clear_message_in_both_terminals(keys, tmp_path):
-    cloud, address, cloud_err = start_cloud(tmp_path, "--sessions", "0", "--secret-key",
-                                            str(keys / "cloud.key_secret"), "--allow-edge-keys", str(keys / "edge1.key"))
+    cloud, address, cloud_err = start_cloud(tmp_path, "--sessions", "0", "--secret-key", str(keys / "cloud.key_secret"),
+                                            "--allow-edge-keys", str(keys / "edge1.key"))
     edge = splitft_process("edge", "--connect", address, "--cloud-key", str(keys / "cloud.key"),
                            "--key", str(keys / "stranger.key_secret"), "--epochs", "1")
     try:

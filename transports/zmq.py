@@ -83,7 +83,8 @@ class ZmqConnection(Connection):
             self._sock.connect(address)
         except zmq.ZMQError as exc:
             self._release()
-            raise TransportError(f"cannot connect to {address!r}: {exc} (expected tcp://HOST:PORT or ipc://PATH)") from exc
+            raise TransportError(
+                f"cannot connect to {address!r}: {exc} (expected tcp://HOST:PORT or ipc://PATH)") from exc
 
     def send(self, frames: Sequence[Frame]) -> int:
         if self._closed:
@@ -93,7 +94,8 @@ class ZmqConnection(Connection):
         try:
             self._sock.send_multipart(list(frames), copy=False)
         except zmq.Again:
-            raise TransportTimeout(f"send to {self.address} found no room for the message (is the cloud reachable?)") from None
+            raise TransportTimeout(
+                f"send to {self.address} found no room for the message (is the cloud reachable?)") from None
         except zmq.ZMQError as exc:
             raise TransportError(f"send to {self.address} failed: {exc}") from exc
         return message_nbytes(frames)
