@@ -466,8 +466,10 @@ class EdgeSession:
             if self.closed:
                 return
             try:
-                if self._ops and self._reconnect is not None:
-                    self.sync()  # a step that only rides on the goodbye would not survive a lost goodbye
+                if self._ops and self._reconnect is not None and reason == "done":
+                    # A step that only rode on the goodbye would not survive a lost goodbye. (After
+                    # an error or Ctrl-C, do not spend another reconnect_timeout on it.)
+                    self.sync()
                 self._seq += 1
                 frames = protocol.encode(Bye(reason=reason, ops=self._take_ops(), seq=self._seq))
                 self.metrics.count("up", "control", wire=self.connection.send(frames))

@@ -127,3 +127,33 @@ def test_shared_cloud_half_keeps_each_edges_gradients_apart(shared_cloud):
 def test_shared_model_and_checkpoints_do_not_mix():
     with pytest.raises(splitft.ConfigError, match="shared_model / checkpoint_dir"):
         CloudServer(InprocListener(), [MLP], shared_model=True, checkpoint_dir="/tmp/x")
+
+
+def test_shared_cloud_half_recomputes_a_graph_another_edge_made_stale(shared_cloud):
+    """Edge a's forward, then edge b's whole step, then a's backward: a's gradient is that of the
+    cloud half as it is now (after b's step), on a's activation, not of the weights it ran on."""
+    server, listener = shared_cloud
+    (xa, ya), (xb, yb) = _data(1, seed=1)[0], _data(1, seed=2)[0]
+    edges = [splitft.split(mlp(), 2, factory=MLP, connection=listener.connect) for _ in range(2)]
+    opts = [m.attach(torch.optim.SGD(m.parameters(), lr=0.1)) for m in edges]
+    crits = [m.remote_loss(nn.CrossEntropyLoss()) for m in edges]
+    loss_a = crits[0](edges[0](xa), ya)
+    crits[1](edges[1](xb), yb).backward()
+    opts[1].step()
+    loss_a.backward()
+    opts[0].step()
+    got = edges[0].cloud_state_dict()
+
+    model = mlp()
+    top = list(model[2:].parameters())
+    grads_b = torch.autograd.grad(nn.functional.cross_entropy(model(xb), yb), top)
+    with torch.no_grad():
+        for p, g in zip(top, grads_b):
+            p -= 0.1 * g
+    grads_a = torch.autograd.grad(nn.functional.cross_entropy(model(xa), ya), top)
+    with torch.no_grad():
+        for p, g in zip(top, grads_a):
+            p -= 0.1 * g
+    assert_same(got, {k: v for k, v in model.state_dict().items() if not k.startswith("0.")})
+    for m in edges:
+        m.close()
