@@ -26,6 +26,10 @@ _EXPORTS = {
     "CompressionError": "errors", "ConfigError": "errors", "CutError": "errors", "DesyncError": "errors",
     "HandshakeError": "errors", "PeerGone": "errors", "ProtocolError": "errors", "RemoteError": "errors",
     "SplitFTError": "errors", "TransportError": "errors", "TransportTimeout": "errors",
+    "AuthError": "errors", "CapacityError": "errors", "CheckpointError": "errors", "ModelError": "errors",
+    "ResumeError": "errors", "SessionLost": "errors", "TooLarge": "errors",
+    "CheckpointStore": "checkpoint", "read_checkpoint": "checkpoint", "write_checkpoint": "checkpoint",
+    "Limits": "limits",
     "Metrics": "metrics",
     "CutSpec": "cut", "parse_cut": "cut",
 }

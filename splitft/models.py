@@ -8,6 +8,15 @@ import torch
 from torch import nn
 
 
+def tiny_mlp(seed: int = 0, width: int = 32) -> nn.Sequential:
+    """16 features → 4 classes in three linear layers; cut at ``2``. For load tests: the cloud's
+    work per step is negligible, so what is measured is the runtime, not the model."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                             nn.Linear(width, 4))
+
+
 def digits_cnn(seed: int | None = 0) -> nn.Sequential:
     """A 38k-parameter CNN for 8x8 digits. Cut after ``block2`` (activation 32x8x8 per sample).
 
