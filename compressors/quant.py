@@ -6,6 +6,8 @@ activation deltas with it, and the default gradient codec of the non-linear forw
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -34,7 +36,8 @@ class FP16(Codec):
         if not x.is_floating_point():
             raise CompressionError(f"fp16 codes floating tensors; got {x.dtype}")
         half = x.detach().to(torch.float16)
-        if x.numel() and not torch.isfinite(half).all() and torch.isfinite(x).all():
+        # the half tensor is checked first: only when it holds inf or NaN is the input read again
+        if not _wire.all_finite(half) and _wire.all_finite(x):
             raise CompressionError(
                 f"fp16 overflow: |x| reaches {x.abs().max().item():.3g} > 65504; use 'identity' or a scaled codec"
             )
@@ -80,17 +83,29 @@ def channel_scales(x: torch.Tensor, axis: int | None) -> np.ndarray:
     dims = [d for d in range(x.dim()) if d != axis]
     amax = x.detach().abs().amax(dim=dims) if dims else x.detach().abs()
     s = amax.to(torch.float32).reshape(count).cpu().numpy()
-    if not np.isfinite(s).all():
+    top = float(s.max())  # NaN propagates through max
+    if not math.isfinite(top):
         raise CompressionError("fixpoint got non-finite values (inf or NaN); they cannot be quantized")
-    if s.max() > FP16_MAX:
+    if top > FP16_MAX:
         raise CompressionError(
-            f"fixpoint scale overflows fp16: max|x| reaches {float(s.max()):.3g} > 65504; "
+            f"fixpoint scale overflows fp16: max|x| reaches {top:.3g} > 65504; "
             "normalise the activations or use 'identity'"
         )
     s16 = s.astype(np.float16)
-    low = s16.astype(np.float32) < s
-    s16[low] = np.nextafter(s16[low], np.float16(np.inf))
+    # the scales are >= 0, where the next fp16 up is the next bit pattern up
+    s16.view(np.uint16)[...] += s16.astype(np.float32) < s
     return s16
+
+
+def _steps(scale: np.ndarray, half: int, shape: tuple[int, ...], axis: int | None) -> torch.Tensor:
+    """(s + 1e-6) / 2^(b-1) per channel, shaped to broadcast over a tensor of ``shape``.
+
+    Dividing by a power of two is exact, so x / step rounds exactly like x / (s + 1e-6) * 2^(b-1)
+    (one division instead of a division and a multiplication), and code * step is the
+    documented dequantization.
+    """
+    step = (scale.astype(np.float32) + np.float32(SCALE_EPS)) / np.float32(half)
+    return torch.from_numpy(step.reshape(_scale_view(shape, axis)))
 
 
 def quantize(x: torch.Tensor, bits: int, axis: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -102,9 +117,14 @@ def quantize(x: torch.Tensor, bits: int, axis: int | None) -> tuple[np.ndarray, 
     scale = channel_scales(x, axis)
     half = 1 << (bits - 1)
     x32 = x.detach().cpu().to(torch.float32)
-    denom = torch.from_numpy(scale.astype(np.float32)).reshape(_scale_view(tuple(x.shape), axis)) + SCALE_EPS
-    q = torch.round(x32 / denom * half).clamp_(-half, half - 1).to(torch.int32) + half
-    return bitpack.pack(q.numpy(), bits), scale
+    q = torch.div(x32, _steps(scale, half, tuple(x.shape), axis)).round_().clamp_(-half, half - 1)
+    # The signed codes fit the signed integer of the packed width; adding 2^(b-1) to its two's
+    # complement bits, wrapping, gives the offset code (q + 2^(b-1)) without a wider copy.
+    if bits <= 8:
+        codes = q.to(torch.int8).numpy().view(np.uint8) + np.uint8(half)
+    else:
+        codes = q.to(torch.int16).numpy().view(np.uint16) + np.uint16(half)
+    return bitpack.pack(codes, bits), scale
 
 
 def dequantize(packed: np.ndarray, scale: np.ndarray, bits: int, shape: tuple[int, ...],
@@ -112,9 +132,10 @@ def dequantize(packed: np.ndarray, scale: np.ndarray, bits: int, shape: tuple[in
     """Inverse of :func:`quantize` in float32. Both ends of a link get bit-identical values."""
     half = 1 << (bits - 1)
     n = int(np.prod(shape, dtype=np.int64))
-    codes = bitpack.unpack(packed, bits, n).astype(np.int32) - half
-    step = (torch.from_numpy(scale.astype(np.float32)) + SCALE_EPS) / half
-    return torch.from_numpy(codes).to(torch.float32).reshape(shape) * step.reshape(_scale_view(shape, axis))
+    codes = bitpack.unpack(packed, bits, n)
+    # the inverse of the wrap in quantize: code - 2^(b-1), wrapping, read as signed
+    signed = (codes - codes.dtype.type(half)).view(np.int8 if bits <= 8 else np.int16)
+    return torch.from_numpy(signed).to(torch.float32).reshape(shape).mul_(_steps(scale, half, shape, axis))
 
 
 @register

@@ -1,0 +1,126 @@
+"""The codecs' fast paths agree with plain, obviously correct references.
+
+The per-step path uses tricks (packing in machine words, one division for two, sum-based
+finiteness checks, table lookups); each is pinned here against the slow formula it replaces,
+at sizes and layouts the small layout tests do not reach. Nothing here measures time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from compressors import CodecContext, CompressionError, _wire, bitpack, make_codec
+from compressors.quant import SCALE_EPS, channel_scales, dequantize, quantize
+
+CTX = CodecContext()
+
+
+def reference_pack(values: np.ndarray, bits: int) -> np.ndarray:
+    """The documented stream, built bit plane by bit plane (slow, plainly right)."""
+    v = np.asarray(values, dtype=np.int64).reshape(-1)
+    planes = (v[:, None] >> np.arange(bits)) & 1
+    return np.packbits(planes.astype(np.uint8).reshape(-1), bitorder="little")
+
+
+@pytest.mark.parametrize("bits", range(1, 17))
+@pytest.mark.parametrize("n", [8 * 1024, 8 * 1024 + 3, 4099])
+def test_pack_matches_reference_at_size(bits: int, n: int) -> None:
+    v = np.random.default_rng(n + bits).integers(0, 1 << bits, n)
+    packed = bitpack.pack(v, bits)
+    np.testing.assert_array_equal(packed, reference_pack(v, bits))
+    out = bitpack.unpack(packed, bits, n)
+    assert out.dtype == (np.uint8 if bits <= 8 else np.uint16)
+    np.testing.assert_array_equal(out, v)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8, 3, 12])
+@pytest.mark.parametrize("dtype", [np.uint8, np.int16, np.uint16, np.int64])
+def test_pack_takes_any_integer_dtype_and_layout(bits: int, dtype: type) -> None:
+    if np.iinfo(dtype).max < (1 << bits) - 1:
+        pytest.skip("dtype too narrow for this width")
+    grid = np.random.default_rng(bits).integers(0, 1 << bits, (37, 11)).astype(dtype)
+    view = grid.T  # not contiguous
+    np.testing.assert_array_equal(bitpack.pack(view, bits), reference_pack(view, bits))
+    if np.iinfo(dtype).max >= 1 << bits:  # the range check survives the dtype shortcuts
+        bad = view.copy()
+        bad[3, 2] = 1 << bits
+        with pytest.raises(CompressionError):
+            bitpack.pack(bad, bits)
+
+
+def test_pack_does_not_alias_or_modify_its_input() -> None:
+    v = np.arange(64, dtype=np.uint8) % 16
+    keep = v.copy()
+    out = bitpack.pack(v, 4)
+    bitpack.unpack(out, 4, 64)[:] = 0
+    np.testing.assert_array_equal(v, keep)
+    assert not np.shares_memory(bitpack.pack(v, 8), v)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8, 11, 16])
+@pytest.mark.parametrize("shape,axis", [((16, 8, 4, 4), 1), ((5, 7, 3), 2), ((9,), None)])
+def test_quantize_matches_the_documented_formula(bits: int, shape: tuple[int, ...], axis: int | None) -> None:
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(shape, generator=g) * 3
+    x.view(-1)[::7] = torch.round(x.view(-1)[::7] * 4) / 4  # ties and repeated values
+    packed, scale = quantize(x, bits, axis)
+    half = 1 << (bits - 1)
+    view = [1] * len(shape)
+    if axis is not None:
+        view[axis] = shape[axis]
+    denom = torch.from_numpy(scale.astype(np.float32)).reshape(view) + SCALE_EPS
+    codes = torch.round(x / denom * half).clamp(-half, half - 1).to(torch.int64) + half
+    np.testing.assert_array_equal(bitpack.unpack(packed, bits, x.numel()), codes.reshape(-1).numpy())
+    y = dequantize(packed, scale, bits, shape, axis)
+    assert torch.equal(y, (codes - half).to(torch.float32) * (denom / half))
+
+
+def test_channel_scales_round_up_to_fp16() -> None:
+    want = np.array([1.0, 1.0001, 0.1, 0.0, 65504.0, 6e-8, 3e-5], dtype=np.float32)
+    s = channel_scales(-torch.from_numpy(want).reshape(1, -1), 1)
+    assert (s.astype(np.float32) >= want).all()
+    down = np.nextafter(s, np.float16(0))
+    assert ((down.astype(np.float32) < want) | (s == 0)).all()  # the smallest fp16 that covers
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_all_finite(dtype: torch.dtype) -> None:
+    x = torch.randn(1000).to(dtype)
+    assert _wire.all_finite(x) and _wire.all_finite(x[:0])
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        y = x.clone()
+        y[17] = bad
+        assert not _wire.all_finite(y)
+    big = torch.full((1000,), torch.finfo(dtype).max, dtype=dtype)  # finite, but its sum is not
+    assert _wire.all_finite(big)
+    mixed = big.clone()
+    mixed[::2] = -mixed[::2]
+    mixed[5] = float("nan")
+    assert not _wire.all_finite(mixed)
+
+
+def test_fp16_overflow_still_detected_when_the_half_sum_would_overflow() -> None:
+    codec = make_codec("fp16")
+    ok = torch.full((4096,), 60000.0)  # each fits fp16, their sum does not
+    assert torch.equal(codec.decode(codec.encode(ok, CTX), CTX), ok)
+    bad = ok.clone()
+    bad[100] = 70000.0
+    with pytest.raises(CompressionError, match="overflow"):
+        codec.encode(bad, CTX)
+    passthrough = ok.clone()
+    passthrough[3] = float("inf")  # not an overflow of the codec: inf in, inf out
+    assert torch.isinf(codec.decode(codec.encode(passthrough, CTX), CTX)[3])
+
+
+@pytest.mark.parametrize("n", [1, 8, 13, 4097])
+def test_binary_decode_table_matches_unpackbits(n: int) -> None:
+    codec = make_codec("binary:take_sign=true")
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    x[0] = -0.0
+    p = codec.encode(x, CTX)
+    bits = np.unpackbits(p.arrays["bits"], count=n, bitorder="little")
+    assert bits[0] == 1  # sign(-0) = +1
+    want = torch.from_numpy(bits.astype(np.float32) * 2 - 1)
+    assert torch.equal(codec.decode(p, CTX), want)
