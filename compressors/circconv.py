@@ -143,7 +143,7 @@ class C3SL(Codec):
         z = self._grouped(x.cpu(), work)
         d = z.shape[-1]
         v = _bind(self._spectrum(d, work, z.device), z).to(x.dtype)
-        if x.dtype == torch.float16 and not torch.isfinite(v).all() and torch.isfinite(x).all():
+        if x.dtype == torch.float16 and not _wire.all_finite(v) and _wire.all_finite(x):
             raise CompressionError("c3sl bound vectors overflow float16; send float32 activations")
         meta = {**tensor_meta(x), "r": self.r, "key_crc": self._key_entry(d)[1]}
         return Payload(self.name, self.version, {"v": _wire.wire_float(v)}, meta)

@@ -114,22 +114,34 @@ def quantize(x: torch.Tensor, bits: int, axis: int | None) -> tuple[np.ndarray, 
     q = clip(round(x / (s + 1e-6) * 2^(b-1)), -2^(b-1), 2^(b-1) - 1), computed in float32 with
     round-half-to-even, so any two machines produce the same codes.
     """
+    packed, scale, _, _ = quantize_parts(x, bits, axis)
+    return packed, scale
+
+
+def quantize_parts(x: torch.Tensor, bits: int, axis: int | None
+                   ) -> tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor]:
+    """:func:`quantize`, plus the signed codes q (a float32 tensor shaped like ``x``, the caller's
+    to modify) and the steps they are multiplied by, so ``q * step`` is exactly what
+    :func:`dequantize` returns, without unpacking what was just packed."""
     scale = channel_scales(x, axis)
     half = 1 << (bits - 1)
     x32 = x.detach().cpu().to(torch.float32)
-    q = torch.div(x32, _steps(scale, half, tuple(x.shape), axis)).round_().clamp_(-half, half - 1)
+    step = _steps(scale, half, tuple(x.shape), axis)
+    q = torch.div(x32, step).round_().clamp_(-half, half - 1)
     # The signed codes fit the signed integer of the packed width; adding 2^(b-1) to its two's
     # complement bits, wrapping, gives the offset code (q + 2^(b-1)) without a wider copy.
     if bits <= 8:
         codes = q.to(torch.int8).numpy().view(np.uint8) + np.uint8(half)
     else:
         codes = q.to(torch.int16).numpy().view(np.uint16) + np.uint16(half)
-    return bitpack.pack(codes, bits), scale
+    return bitpack.pack(codes, bits), scale, q, step
 
 
 def dequantize(packed: np.ndarray, scale: np.ndarray, bits: int, shape: tuple[int, ...],
                axis: int | None) -> torch.Tensor:
     """Inverse of :func:`quantize` in float32. Both ends of a link get bit-identical values."""
+    if not np.isfinite(scale).all():
+        raise CompressionError("payload carries non-finite quantizer scales, which no sender makes")
     half = 1 << (bits - 1)
     n = int(np.prod(shape, dtype=np.int64))
     codes = bitpack.unpack(packed, bits, n)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from compressors import CodecContext, CompressionError, _wire, bitpack, make_codec
-from compressors.quant import SCALE_EPS, channel_scales, dequantize, quantize
+from compressors.delta import row_checksums
+from compressors.quant import SCALE_EPS, channel_scales, dequantize, quantize, quantize_parts
 
 CTX = CodecContext()
 
@@ -124,3 +125,45 @@ def test_binary_decode_table_matches_unpackbits(n: int) -> None:
     assert bits[0] == 1  # sign(-0) = +1
     want = torch.from_numpy(bits.astype(np.float32) * 2 - 1)
     assert torch.equal(codec.decode(p, CTX), want)
+
+
+@pytest.mark.parametrize("bits,shape,axis", [(4, (16, 8, 4, 4), 1), (2, (5, 7, 3), 2), (11, (9,), None)])
+def test_quantize_parts_dequantize_without_unpacking(bits: int, shape: tuple[int, ...], axis: int | None) -> None:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(bits))
+    packed, scale, q, step = quantize_parts(x, bits, axis)
+    assert torch.equal(q * step, dequantize(packed, scale, bits, shape, axis))
+
+
+def test_acsgd_row_checksum_catches_flips_and_pads_odd_rows() -> None:
+    rows = np.random.default_rng(0).standard_normal((6, 37)).astype(np.float16)  # 74 bytes a row
+    base = row_checksums(rows)
+    assert base.dtype == np.uint64 and base.shape == (6,)
+    assert np.array_equal(row_checksums(rows.copy()), base)
+    raw = rows.view(np.uint8)
+    for row, byte, bit in [(0, 0, 0), (2, 73, 7), (5, 40, 3), (3, 1, 7)]:
+        flipped = raw.copy()
+        flipped[row, byte] ^= 1 << bit
+        changed = row_checksums(flipped.view(np.float16)) != base
+        assert changed.tolist() == [r == row for r in range(6)]
+    # sign flips of several values of one row never cancel out
+    signs = rows.copy()
+    signs[1, [1, 3, 5, 7, 9, 11]] *= -1
+    assert (row_checksums(signs) != base).tolist() == [False, True, False, False, False, False]
+    assert row_checksums(rows[:0]).shape == (0,)
+
+
+def test_acsgd_row_checksum_is_the_documented_sum() -> None:
+    """Both ends must agree across machines and library versions: pin it in plain Python."""
+    mask = (1 << 64) - 1
+
+    def weight(j: int) -> int:  # splitmix64 of position j + 1, high 32 bits, made odd
+        z = ((j + 1) * 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return ((z ^ (z >> 31)) >> 32) | 1
+
+    rows = np.random.default_rng(1).standard_normal((3, 11)).astype(np.float16)
+    for row, got in zip(rows, row_checksums(rows)):
+        data = row.tobytes() + b"\0" * (-row.nbytes % 4)
+        words = [int.from_bytes(data[i:i + 4], "little") for i in range(0, len(data), 4)]
+        assert int(got) == sum(weight(j) * w for j, w in enumerate(words)) & mask
