@@ -103,7 +103,8 @@ def _out_of_range(v: np.ndarray, bits: int) -> bool:
 
 
 def unpack(buf: np.ndarray, bits: int, count: int) -> np.ndarray:
-    """Inverse of :func:`pack`: ``count`` values as uint16 (uint8 when ``bits <= 8``)."""
+    """Inverse of :func:`pack`: ``count`` values as uint16 (uint8 when ``bits <= 8``), in a new
+    array the caller may modify."""
     bits = _check_bits(bits)
     count = int(count)
     buf = np.asarray(buf)

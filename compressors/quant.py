@@ -130,10 +130,9 @@ def quantize_parts(x: torch.Tensor, bits: int, axis: int | None
     q = torch.div(x32, step).round_().clamp_(-half, half - 1)
     # The signed codes fit the signed integer of the packed width; adding 2^(b-1) to its two's
     # complement bits, wrapping, gives the offset code (q + 2^(b-1)) without a wider copy.
-    if bits <= 8:
-        codes = q.to(torch.int8).numpy().view(np.uint8) + np.uint8(half)
-    else:
-        codes = q.to(torch.int16).numpy().view(np.uint16) + np.uint16(half)
+    codes = q.to(torch.int8 if bits <= 8 else torch.int16).numpy()
+    codes = codes.view(np.uint8 if bits <= 8 else np.uint16)
+    codes += codes.dtype.type(half)
     return bitpack.pack(codes, bits), scale, q, step
 
 
@@ -143,10 +142,11 @@ def dequantize(packed: np.ndarray, scale: np.ndarray, bits: int, shape: tuple[in
     if not np.isfinite(scale).all():
         raise CompressionError("payload carries non-finite quantizer scales, which no sender makes")
     half = 1 << (bits - 1)
-    n = int(np.prod(shape, dtype=np.int64))
+    n = math.prod(shape)
     codes = bitpack.unpack(packed, bits, n)
     # the inverse of the wrap in quantize: code - 2^(b-1), wrapping, read as signed
-    signed = (codes - codes.dtype.type(half)).view(np.int8 if bits <= 8 else np.int16)
+    codes -= codes.dtype.type(half)
+    signed = codes.view(np.int8 if bits <= 8 else np.int16)
     return torch.from_numpy(signed).to(torch.float32).reshape(shape).mul_(_steps(scale, half, shape, axis))
 
 
@@ -189,5 +189,5 @@ class Fixpoint(Codec):
                 raise CompressionError(f"fixpoint payload: axis {axis} given for a {len(shape)}-D tensor")
         count = 1 if axis is None else shape[axis]
         scale = _wire.array(payload, "scale", np.float16, (count,))
-        packed = _wire.array(payload, "q", np.uint8, (bitpack.packed_nbytes(int(np.prod(shape, dtype=np.int64)), bits),))
+        packed = _wire.array(payload, "q", np.uint8, (bitpack.packed_nbytes(math.prod(shape), bits),))
         return dequantize(packed, scale, bits, shape, axis).to(dtype)
