@@ -37,14 +37,16 @@ def _lanes(width: int, spacing: int, total: int) -> int:
 # fields together (unpacking runs the rounds backwards). A handful of whole-array integer ops
 # on contiguous words is several times faster than a loop over lanes with strided slices.
 # Per width: the word dtype and, per round, (shift, mask after packing, mask after unpacking).
-_SWAR: dict[int, tuple[np.dtype, list[tuple[int, int, int]]]] = {}
-for _bits in (2, 4):
-    _per = 8 // _bits
-    _rounds = []
-    for _r in range(_per.bit_length() - 1):
-        _spacing, _width = 8 << _r, _bits << _r
-        _rounds.append((_spacing - _width, _lanes(2 * _width, 2 * _spacing, 8 * _per), _lanes(_width, _spacing, 8 * _per)))
-    _SWAR[_bits] = (np.dtype(f"<u{_per}"), _rounds)
+def _swar_plan(bits: int) -> tuple[np.dtype, list[tuple[int, int, int]]]:
+    per = 8 // bits
+    rounds = []
+    for r in range(per.bit_length() - 1):
+        spacing, width = 8 << r, bits << r  # fields before this round of packing
+        rounds.append((spacing - width, _lanes(2 * width, 2 * spacing, 8 * per), _lanes(width, spacing, 8 * per)))
+    return np.dtype(f"<u{per}"), rounds
+
+
+_SWAR = {bits: _swar_plan(bits) for bits in (2, 4)}
 
 
 def _pack_swar(v: np.ndarray, bits: int) -> np.ndarray:
