@@ -13,6 +13,7 @@ import torch
 
 from compressors import CodecContext, CompressionError, _wire, bitpack, make_codec
 from compressors.delta import row_checksums
+from compressors.lowrank import orthonormalize
 from compressors.quant import SCALE_EPS, channel_scales, dequantize, quantize, quantize_parts
 
 CTX = CodecContext()
@@ -167,3 +168,20 @@ def test_acsgd_row_checksum_is_the_documented_sum() -> None:
         data = row.tobytes() + b"\0" * (-row.nbytes % 4)
         words = [int.from_bytes(data[i:i + 4], "little") for i in range(0, len(data), 4)]
         assert int(got) == sum(weight(j) * w for j, w in enumerate(words)) & mask
+
+
+def test_rank_one_orthonormalize_is_the_sign_fixed_householder_column() -> None:
+    a = torch.randn(6, 9, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    a[2] = 0  # a zero column: Householder QR leaves e1, with R = 0
+    q, r = torch.linalg.qr(a)
+    signs = torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))
+    want = q * torch.where(signs == 0, torch.ones_like(signs), signs).unsqueeze(-2)
+    torch.testing.assert_close(orthonormalize(a), want)
+    torch.testing.assert_close(orthonormalize(a.float()), want.float())
+
+
+def test_dequantize_refuses_non_finite_scales() -> None:
+    packed, scale = quantize(torch.randn(4, 3), 4, 1)
+    scale[1] = np.float16(np.inf)
+    with pytest.raises(CompressionError, match="non-finite"):
+        dequantize(packed, scale, 4, (4, 3), 1)
