@@ -11,9 +11,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import logging  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -22,22 +20,38 @@ DEFAULT_BIND = "tcp://127.0.0.1:5555"
 
 
 def _add_training_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("training (the digits task: scikit-learn's 8x8 images, 10 classes)")
-    g.add_argument("--epochs", type=int, default=15, help="passes over the 1437 training images (default: 15)")
-    g.add_argument("--batch-size", type=int, default=64, help="samples per step (default: 64)")
-    g.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate, mirrored to the cloud (default: 1e-3)")
+    g = p.add_argument_group("training")
+    g.add_argument("--task", choices=sorted(_task_names()), default="digits",
+                   help="digits: scikit-learn's 8x8 images, a small CNN; bbc: BBC News articles, pre-trained "
+                        "MiniLM (needs the 'nlp' extra) (default: digits)")
+    g.add_argument("--epochs", type=int, default=None, help="passes over the training data (default: digits 15, bbc 1)")
+    g.add_argument("--batch-size", type=int, default=None, help="samples per step (default: digits 64, bbc 32)")
+    g.add_argument("--lr", type=float, default=None,
+                   help="learning rate (Adam for digits, AdamW for bbc), mirrored to the cloud "
+                        "(default: digits 1e-3, bbc 3e-4)")
     g.add_argument("--seed", type=int, default=0, help="seed for data order and codec randomness (default: 0)")
+    g.add_argument("--limit", type=int, default=None, metavar="N", help="train on the first N training samples only")
+    g.add_argument("--max-length", type=int, default=None,
+                   help="bbc only: tokens per article, longer ones are truncated (default: 128)")
     g = p.add_argument_group("the cut")
-    g.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"model factory 'package.module:function' both sides build (default: {DEFAULT_MODEL})")
-    g.add_argument("--cut", default="block3", help="first module that runs in the cloud (default: block3)")
-    g.add_argument("--topology", choices=("plain", "ushape"), default="plain",
+    g.add_argument("--model", default=None,
+                   help="model factory 'package.module:function' both sides build (default: the task's, "
+                        f"{DEFAULT_MODEL} for digits)")
+    g.add_argument("--cut", default=None,
+                   help="first module that runs in the cloud, or a slice 'parent.i:j' of a container "
+                        "(default: digits block3, bbc bert.encoder.layer.2:6)")
+    g.add_argument("--topology", choices=("plain", "ushape"), default=None,
                    help="plain: the cloud computes the loss and sees labels; ushape: the head, loss and "
-                        "labels stay on the edge (default: plain)")
-    g.add_argument("--rejoin", default="head", help="ushape only: where the edge takes over again (default: head)")
+                        "labels stay on the edge (default: digits plain, bbc ushape)")
+    g.add_argument("--rejoin", default=None,
+                   help="ushape with a cut that is not a slice: where the edge takes over again (default: digits head)")
+    g.add_argument("--freeze-edge", action="store_true",
+                   help="train no edge module before the cut, so no gradient crosses back from the cloud "
+                        "(SFT's eliminated link); a U-shape head still trains")
     g = p.add_argument_group("traffic")
     g.add_argument("--fwd", default="identity", metavar="SPEC",
-                   help="codec for activations, e.g. 'fp16' (default: identity); run 'splitft codecs' for the list")
+                   help="codec for activations, e.g. 'fp16' or 'lowrank:rank=4' (default: identity); run "
+                        "'splitft codecs' for the list")
     g.add_argument("--bwd", default=None, metavar="SPEC",
                    help="codec for gradients (default: the forward codec's usual partner)")
     g.add_argument("--link", default=None, metavar="SPEC",
@@ -56,6 +70,12 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
                         "(0: never; default: 10)")
 
 
+def _task_names() -> list[str]:
+    from .tasks import TASKS
+
+    return list(TASKS)
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="splitft",
@@ -65,9 +85,10 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log protocol events")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    demo = sub.add_parser("demo", help="run a cloud and an edge on loopback and train the digits CNN",
-                          description="Start a cloud process and train the digits CNN against it from this "
-                                      "process, over tcp on 127.0.0.1. Prints accuracy, traffic and timings.")
+    demo = sub.add_parser("demo", help="run a cloud and an edge on loopback and train a task",
+                          description="Start a cloud process and train a task (the digits CNN by default, "
+                                      "MiniLM on BBC News with --task bbc) against it from this process, over "
+                                      "tcp on 127.0.0.1. Prints accuracy, traffic and timings.")
     _add_training_options(demo)
 
     cloud = sub.add_parser("cloud", help="serve cloud halves of models to edges",
@@ -76,7 +97,9 @@ def _build_parser() -> argparse.ArgumentParser:
     cloud.add_argument("--bind", default=DEFAULT_BIND,
                        help=f"address to listen on: tcp://HOST:PORT (port 0 picks one) or ipc://PATH (default: {DEFAULT_BIND})")
     cloud.add_argument("--model", action="append", default=None, metavar="FACTORY",
-                       help=f"a model factory edges may ask for; repeat for several (default: {DEFAULT_MODEL})")
+                       help="a model factory edges may ask for; repeat for several (default: the task's model)")
+    cloud.add_argument("--task", choices=sorted(_task_names()), default="digits",
+                       help=f"serve this task's model when no --model is given (default: digits, {DEFAULT_MODEL})")
     cloud.add_argument("--sessions", type=int, default=1,
                        help="exit after this many edge sessions have ended; 0 serves until Ctrl-C (default: 1)")
     cloud.add_argument("--max-message-mb", type=float, default=1024.0,
@@ -106,7 +129,8 @@ def _build_parser() -> argparse.ArgumentParser:
                         "their requests arrive (sequential split learning); default: a cloud half per edge")
 
     edge = sub.add_parser("edge", help="train the edge half against a running cloud",
-                          description="Connect to a cloud started with 'splitft cloud' and train the digits CNN.")
+                          description="Connect to a cloud started with 'splitft cloud' and train a task "
+                                      "(the cloud must serve its model: 'splitft cloud --task bbc').")
     edge.add_argument("--connect", default=DEFAULT_BIND, help=f"the cloud's address (default: {DEFAULT_BIND})")
     g = edge.add_argument_group("security (CurveZMQ)")
     g.add_argument("--cloud-key", default=None, metavar="FILE", help="the cloud's public key file (NAME.key)")
@@ -185,7 +209,10 @@ def _cloud(args: argparse.Namespace) -> int:
         listener = transports.listen(args.bind, **options)
         limits = Limits(max_message_bytes=limit, session_timeout=args.session_timeout,
                         max_sessions=args.max_open_sessions)
-        server = CloudServer(listener, args.model or [DEFAULT_MODEL], max_sessions=args.sessions, on_event=say,
+        from .tasks import get_task
+
+        server = CloudServer(listener, args.model or [get_task(args.task).model], max_sessions=args.sessions,
+                             on_event=say,
                              limits=limits, checkpoint_dir=args.checkpoint_dir,
                              checkpoint_every=args.checkpoint_every, fsync=not args.no_fsync,
                              shared_model=args.shared_model)
@@ -217,35 +244,47 @@ def _edge(args: argparse.Namespace, address: str) -> int:
     from torch import nn
 
     from .cloud import load_factory
-    from .data import load_digits
+    from .data import first
     from .edge import split
     from .errors import PeerGone, SplitFTError
     from .metrics import format_report
+    from .tasks import get_task
     from .train import fit
 
+    task = get_task(args.task)
+    factory = args.model or task.model
+    cut = args.cut or task.cut
+    topology = args.topology or task.topology
+    ushape = topology == "ushape"
+    rejoin = (args.rejoin or task.rejoin) if ushape and ":" not in cut else None
+    epochs = args.epochs if args.epochs is not None else task.epochs
+    batch_size = args.batch_size or task.batch_size
     torch.manual_seed(args.seed)
-    train, test = load_digits()
-    ushape = args.topology == "ushape"
     try:
-        model = load_factory(args.model)()
+        train, test = task.load(max_length=args.max_length)
+        if args.limit:
+            train = first(train, args.limit)
+        model = load_factory(factory)()
         keys = {"cloud_key": args.cloud_key, "key": args.key} if getattr(args, "cloud_key", None) or \
             getattr(args, "key", None) else {}
-        model = split(model, args.cut, args.rejoin if ushape else None, factory=args.model, connect=address,
-                      fwd=args.fwd, bwd=args.bwd, seed=args.seed, timeout=args.timeout,
-                      micro_batches=args.micro_batches, link=args.link, metrics_path=args.metrics,
+        model = split(model, cut, rejoin, factory=factory, connect=address, fwd=args.fwd, bwd=args.bwd,
+                      seed=args.seed, timeout=args.timeout, metrics_path=args.metrics, freeze_edge=args.freeze_edge,
+                      weights=task.weights if factory == task.model else "push",
+                      micro_batches=args.micro_batches, link=args.link,
                       reconnect_timeout=args.reconnect_timeout, heartbeat=args.heartbeat, **keys)
     except SplitFTError as exc:
         print(f"edge: cannot start: {exc}", file=sys.stderr)
         return 2
-    print(f"edge: connected to {address} (session {model.session.session_id}); "
-          f"{args.topology} split at {args.cut}, codecs {model.session.codecs.specs['fwd']} / "
-          f"{model.session.codecs.specs['bwd']}", file=sys.stderr)
-    optimizer = model.attach(torch.optim.Adam(model.parameters(), lr=args.lr))
+    print(f"edge: connected to {address} (session {model.session.session_id}); {task.name}: {topology} split at "
+          f"{cut}{' rejoin ' + rejoin if rejoin else ''}, codecs {model.session.codecs.specs['fwd']} / "
+          f"{model.session.codecs.specs['bwd']}{', edge frozen' if args.freeze_edge else ''}", file=sys.stderr)
+    optimizer_class = getattr(torch.optim, task.optimizer)
+    optimizer = model.attach(optimizer_class(model.parameters(), lr=args.lr or task.lr))
     criterion = nn.CrossEntropyLoss() if ushape else model.remote_loss(nn.CrossEntropyLoss())
     start = time.perf_counter()
     try:
         with model:
-            result = fit(model, optimizer, criterion, train, test, epochs=args.epochs, batch_size=args.batch_size,
+            result = fit(model, optimizer, criterion, train, test, epochs=epochs, batch_size=batch_size,
                          seed=args.seed, predict=model.predict, progress=True, pass_ids=True)
     except KeyboardInterrupt:
         print("\nedge: interrupted; the cloud was told and ended the session", file=sys.stderr)
@@ -257,41 +296,21 @@ def _edge(args: argparse.Namespace, address: str) -> int:
         print(f"\nedge: error: {exc}", file=sys.stderr)
         return 1
     wall = time.perf_counter() - start
-    print(f"\ntest accuracy {result.accuracy:.4f} after {args.epochs} epochs ({result.steps} steps)")
+    print(f"\ntest accuracy {result.accuracy:.4f} after {epochs} epochs ({result.steps} steps)")
     print(format_report(model.metrics, wall))
     return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
-    with tempfile.TemporaryDirectory(prefix="splitft-demo-") as tmp:
-        ready = Path(tmp) / "address"
-        cmd = [sys.executable, "-m", "splitft", "cloud", "--bind", "tcp://127.0.0.1:0", "--model", args.model,
-               "--sessions", "1", "--ready-file", str(ready)]
-        # A session of its own: Ctrl-C in the terminal reaches the edge, which then tells the cloud.
-        cloud = subprocess.Popen(cmd, start_new_session=True, env=os.environ.copy())
-        try:
-            deadline = time.monotonic() + 60
-            while not ready.exists() or not ready.read_text():
-                if cloud.poll() is not None:
-                    print(f"demo: the cloud process exited early (code {cloud.returncode})", file=sys.stderr)
-                    return 1
-                if time.monotonic() > deadline:
-                    print("demo: the cloud process did not start within 60 s", file=sys.stderr)
-                    return 1
-                time.sleep(0.05)
-            code = _edge(args, ready.read_text())
-            try:
-                cloud.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-            return code
-        finally:
-            if cloud.poll() is None:
-                cloud.terminate()
-                try:
-                    cloud.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    cloud.kill()
+    from .launch import CloudStartError, local_cloud
+    from .tasks import get_task
+
+    try:
+        with local_cloud([args.model or get_task(args.task).model]) as address:
+            return _edge(args, address)
+    except CloudStartError as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

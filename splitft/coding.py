@@ -5,7 +5,9 @@ returned (a tensor, or a tuple such as ``(hidden_states, attentions)``). Its fir
 *stream* (``args[0]`` going in, the output or its first element coming back), is the activation
 that flows through the model, and goes through the codec of its slot. Every other tensor
 (attention masks, labels, a loss value) crosses unchanged through ``identity``: a lossy codec on
-a mask or a label would be a bug, not a saving.
+a mask or a label would be a bug, not a saving. A side tensor that merely repeats along some
+dimensions (a (B, 1, L, L) attention mask built from a (B, L) padding mask) crosses once and is
+repeated on arrival (:func:`compact`), which is lossless.
 
 Slots, named from the edge's point of view:
 
@@ -21,6 +23,7 @@ ret_bwd   its gradient, edge → cloud           the ret codec's gradient partne
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -32,10 +35,11 @@ import compressors
 from compressors import Codec, CodecContext, Payload
 
 from .errors import ConfigError, ProtocolError, translated
-from .protocol import TENSOR_KEY, is_tensor_entry, payload_from_wire, payload_to_wire
+from .protocol import MAX_DIMS, TENSOR_KEY, is_tensor_entry, payload_from_wire, payload_to_wire
 
 SLOTS = ("fwd", "bwd", "ret", "ret_bwd")
 _TUPLE = "$tuple"
+_EXPAND = "$expand"
 
 
 def resolve_codecs(fwd: str = "identity", bwd: str | None = None, ret: str | None = None,
@@ -59,32 +63,47 @@ def slot_seed(seed: int, slot: str) -> int:
 # ---------------------------------------------------------------- trees
 
 
-def flatten(tree: Any) -> tuple[list[torch.Tensor], Any]:
-    """Tensors of a nested tuple/list/dict, in order, and a skeleton that rebuilds the tree."""
+def flatten(tree: Any, where: str = "a value") -> tuple[list[torch.Tensor], Any]:
+    """Tensors of a nested tuple/list/dict, in order, and a skeleton that rebuilds the tree.
+
+    Anything else than tensors, None, bool, int, float, str and tuples/lists/dicts of them cannot
+    cross the cut (there is no safe way to rebuild an arbitrary object from bytes); it raises a
+    :class:`ConfigError` naming where in ``where`` it sits.
+    """
     leaves: list[torch.Tensor] = []
 
-    def walk(node: Any) -> Any:
+    def walk(node: Any, path: str) -> Any:
         if isinstance(node, torch.Tensor):
             leaves.append(node)
             return _Leaf(len(leaves) - 1)
         if isinstance(node, tuple):
-            return tuple(walk(v) for v in node)
+            return tuple(walk(v, f"{path}[{i}]") for i, v in enumerate(node))
         if isinstance(node, list):
-            return [walk(v) for v in node]
+            return [walk(v, f"{path}[{i}]") for i, v in enumerate(node)]
         if isinstance(node, dict):
-            return {k: walk(v) for k, v in node.items()}
+            return {k: walk(v, f"{path}[{k!r}]") for k, v in node.items()}
         if node is None or isinstance(node, (bool, int, float, str)):
             return node
-        raise ConfigError(
-            f"a {type(node).__name__} crosses the cut; only tensors, None, numbers, strings and "
-            "tuples/lists/dicts of them can"
-        )
+        raise ConfigError(_uncrossable(node, where + path))
 
-    return leaves, walk(tree)
+    return leaves, walk(tree, "")
+
+
+def _uncrossable(node: Any, where: str) -> str:
+    kind = type(node).__name__
+    text = (f"{where} is a {kind}, which cannot cross the cut: only tensors, None, bool, int, float, "
+            "str and tuples/lists/dicts of them can. If the cloud part does not need it, make it None "
+            "on the edge")
+    if "cache" in kind.lower():
+        text += ("; a transformers cache keeps per-layer state that would have to live in the cloud: "
+                 "call the model with use_cache=False")
+    return text
 
 
 def unflatten(skeleton: Any, leaves: list[Any]) -> Any:
     if isinstance(skeleton, _Leaf):
+        if skeleton.expand is not None:
+            return expand(leaves[skeleton.index], skeleton.expand)
         return leaves[skeleton.index]
     if isinstance(skeleton, tuple):
         return tuple(unflatten(v, leaves) for v in skeleton)
@@ -98,6 +117,7 @@ def unflatten(skeleton: Any, leaves: list[Any]) -> Any:
 @dataclass(frozen=True)
 class _Leaf:
     index: int
+    expand: tuple[int, ...] | None = None  # it crossed compacted: repeat it back to this shape
 
 
 def stream_index(skeleton: Any) -> int | None:
@@ -135,6 +155,16 @@ def from_wire(tree: Any, depth: int = 0) -> tuple[list[tuple[Payload, bool]], An
                 raise ProtocolError(f"tensor entry has extra keys {sorted(set(node) - {TENSOR_KEY})}")
             entries.append(payload_from_wire(node))
             return _Leaf(len(entries) - 1)
+        if isinstance(node, dict) and _EXPAND in node:
+            inner = node[_EXPAND]
+            if len(node) != 1 or not isinstance(inner, list) or len(inner) != 2 or not is_tensor_entry(inner[0]):
+                raise ProtocolError(f"malformed {_EXPAND} entry: expected [tensor entry, shape]")
+            shape = _shape(inner[1])
+            payload, grad = payload_from_wire(inner[0])
+            if grad:
+                raise ProtocolError("a compacted tensor cannot ask for a gradient")
+            entries.append((payload, grad))
+            return _Leaf(len(entries) - 1, shape)
         if isinstance(node, dict) and _TUPLE in node:
             items = node[_TUPLE]
             if len(node) != 1 or not isinstance(items, list):
@@ -149,6 +179,51 @@ def from_wire(tree: Any, depth: int = 0) -> tuple[list[tuple[Payload, bool]], An
         raise ProtocolError(f"a {type(node).__name__} cannot appear in a value tree")
 
     return entries, walk(tree, depth)
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    if not (isinstance(value, list) and len(value) <= MAX_DIMS
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value)):
+        raise ProtocolError(f"a shape must be a list of at most {MAX_DIMS} non-negative ints, got {value!r}")
+    return tuple(value)
+
+
+# ---------------------------------------------------------------- side tensors that repeat
+
+MAX_EXPANDED_ELEMENTS = 1 << 28  # a compacted tensor may not unfold into more (a memory bomb guard)
+
+
+def compact(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` cut to size 1 along every dimension it merely repeats; None when there is none.
+
+    Side tensors are often broadcasts: a transformer's (B, 1, L, L) attention mask is a (B, L)
+    padding mask repeated over the query positions. Sending one copy is lossless and, next to a
+    compressed activation, the difference between a mask that costs more than the activation and
+    one that costs nothing. Floats are compared bit for bit (so -0.0 and 0.0, or NaNs, never merge).
+    """
+    if x.dim() == 0 or x.numel() <= 1 or x.is_complex():
+        return None
+    bits = x.view(_SAME_WIDTH_INT[x.element_size()]) if x.is_floating_point() else x
+    narrowed = False
+    for dim in range(x.dim()):
+        if bits.size(dim) > 1:
+            first = bits.narrow(dim, 0, 1)
+            if torch.equal(bits, first.expand_as(bits)):
+                bits, x, narrowed = first, x.narrow(dim, 0, 1), True
+    return x if narrowed else None
+
+
+_SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def expand(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Undo :func:`compact`: repeat ``x`` to ``shape`` (a fresh tensor, safe to write to)."""
+    if x.dim() != len(shape) or any(n not in (1, m) for n, m in zip(x.shape, shape)):
+        raise ProtocolError(f"a compacted tensor of shape {tuple(x.shape)} cannot be repeated to {shape}")
+    if math.prod(shape) > MAX_EXPANDED_ELEMENTS:
+        raise ProtocolError(f"a compacted tensor would unfold to {math.prod(shape)} elements "
+                            f"(the limit is {MAX_EXPANDED_ELEMENTS})")
+    return x.expand(shape).contiguous()
 
 
 # ---------------------------------------------------------------- codecs per slot
@@ -215,11 +290,13 @@ class SlotCodecs:
         with translated():
             for i, tensor in enumerate(leaves):
                 is_stream = i == stream
-                payload = self._codec(slot, is_stream).encode(tensor.detach(), ctx)
+                small = None if is_stream or grads[i] or ctx.role != "activation" else compact(tensor.detach())
+                payload = self._codec(slot, is_stream).encode(tensor.detach() if small is None else small, ctx)
                 traffic.add(tensor, payload)
                 if raw is not None:
                     traffic.raw += raw[i] - tensor.numel() * tensor.element_size()
-                entries.append(payload_to_wire(payload, grads[i]))
+                entry = payload_to_wire(payload, grads[i])
+                entries.append(entry if small is None else {_EXPAND: [entry, list(tensor.shape)]})
                 coded.append(Coded(payload, is_stream, tuple(tensor.shape), tensor.dtype))
         return entries, coded
 

@@ -16,12 +16,18 @@ the following stand-ins return that same result. The cloud runs the trunk as a :
 each module gets the previous one's output (its first element, for tuples) as first argument and
 the remaining arguments of the first call unchanged, which is how Sequential, ModuleList loops
 in transformers, and ResNet stages call their children.
+
+What crosses must therefore account for everything the trunk reads. The stand-ins check it:
+arguments that cannot cross (a cache object) are refused by name, later trunk modules must get
+the first one's extra arguments, and at the first call the trunk is run once on the edge to
+catch tensors it reads through any other channel (:mod:`splitft.audit`).
 """
 
 from __future__ import annotations
 
 import difflib
 import hashlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .audit import attribute_tensors, audit_trunk
+from .coding import flatten
 from .errors import CutError
 
 
@@ -106,13 +114,14 @@ def parse_cut(model: nn.Module, cut: str | int, rejoin: str | int | None = None)
 
 
 def cut_text(spec: CutSpec, model: nn.Module) -> tuple[str, str | None]:
-    """The (cut, rejoin) names of a spec, as the handshake carries them."""
+    """The (cut, rejoin) names of a spec, as the handshake carries them; parse_cut reads them back."""
     names = [n for n, _ in _module(model, spec.parent).named_children()]
     cut = _join(spec.parent, names[spec.start])
     if spec.stop is None:
         return cut, None
-    rejoin = _join(spec.parent, names[spec.stop]) if spec.stop < len(names) else f"{cut}:{spec.stop}"
-    return cut, rejoin
+    if spec.stop < len(names):
+        return cut, _join(spec.parent, names[spec.stop])
+    return f"{cut}:{spec.stop}", None  # the trunk runs to the end of its container: no module to rejoin at
 
 
 def cloud_module_names(model: nn.Module, spec: CutSpec) -> list[str]:
@@ -241,15 +250,36 @@ class Unreachable(nn.Module):
 
 
 class TrunkEntry(nn.Module):
-    """U-shape: the first trunk module. Calls ``remote`` with its inputs, returns the trunk output."""
+    """U-shape: the first trunk module. Calls ``remote`` with its inputs, returns the trunk output.
 
-    def __init__(self, names: list[str], remote: Callable[..., Any]) -> None:
+    Before the first call crosses, it checks what would cross: values that cannot (a cache
+    object, say) are refused with the argument's name, and, when ``probe`` is given, the trunk
+    is run once on the edge to make sure it reads nothing that does not cross
+    (:func:`splitft.audit.audit_trunk`). The probe is then dropped, so the edge keeps no copy of
+    the cloud's weights.
+    """
+
+    def __init__(self, names: list[str], remote: Callable[..., Any], signature: inspect.Signature | None = None,
+                 probe: Chain | None = None) -> None:
         super().__init__()
         self.cloud_names = names
         self._remote = remote
+        self._signature = signature
+        self._probe = [probe] if probe is not None else []  # a list: not a submodule, not a parameter
+        self._attributes = attribute_tensors(probe) if probe is not None else []
         self.last: Any = None
+        self.call_rest: tuple[tuple, dict] = ((), {})
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.last = None
+        for label, value in _labelled(args, kwargs, self._signature):
+            flatten(value, where=f"{label} of {self.cloud_names[0]!r}")  # raises naming what cannot cross
+        if self._probe:
+            probe = self._probe.pop()
+            audit_trunk(probe, args, kwargs, names=self.cloud_names, attributes=self._attributes,
+                        training=self.training)
+            self._attributes = []
+        self.call_rest = (args[1:], kwargs)
         self.last = self._remote(*args, **kwargs)
         return self.last
 
@@ -258,7 +288,12 @@ class TrunkEntry(nn.Module):
 
 
 class TrunkFollower(nn.Module):
-    """U-shape: a later trunk module. The trunk already ran; pass its output on."""
+    """U-shape: a later trunk module. The trunk already ran; pass its output on.
+
+    The cloud feeds every trunk module the previous one's output and the *first* module's other
+    arguments, so this checks the model's forward really does that; anything else would make
+    the cloud compute something different from the model.
+    """
 
     def __init__(self, name: str, entry: TrunkEntry) -> None:
         super().__init__()
@@ -266,12 +301,22 @@ class TrunkFollower(nn.Module):
         self._entry = [entry]  # a list, so the entry is not registered twice as a submodule
 
     def forward(self, first: Any, *args: Any, **kwargs: Any) -> Any:
-        last = self._entry[0].last
+        entry = self._entry[0]
+        last = entry.last
         if last is None or (first is not last and first is not _stream(last)):
             raise CutError(
                 f"the model's forward does not feed {self.cloud_name!r} with the previous trunk "
                 "module's output, so the trunk cannot run as one chain in the cloud; choose a cut "
                 "whose modules are called one after another"
+            )
+        entry_args, entry_kwargs = entry.call_rest
+        difference = _difference(entry_args, entry_kwargs, args, kwargs)
+        if difference:
+            raise CutError(
+                f"the model's forward calls {self.cloud_name!r} with other arguments than the first "
+                f"trunk module {entry.cloud_names[0]!r} ({difference}); the cloud gives every trunk module "
+                "the first one's arguments, so it would compute something else. Choose a trunk whose "
+                "modules share their extra arguments (or a trunk of one module)"
             )
         return last
 
@@ -279,10 +324,54 @@ class TrunkFollower(nn.Module):
         return f"runs in the cloud: {self.cloud_name}"
 
 
-def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None = None) -> Chain:
+def _labelled(args: tuple, kwargs: dict, signature: inspect.Signature | None) -> list[tuple[str, Any]]:
+    """(human name, value) of each argument, named after the module's parameters when possible."""
+    names: list[str] = []
+    if signature is not None:
+        positional = [p.name for p in signature.parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        names = [f"argument {i + 1} ({positional[i]})" for i in range(min(len(args), len(positional)))]
+    names += [f"argument {i + 1}" for i in range(len(names), len(args))]
+    return [*zip(names, args), *((f"keyword argument {k!r}", v) for k, v in kwargs.items())]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    if isinstance(a, (tuple, list)) and type(a) is type(b):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if a is b:
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 — an object whose == does not give a truth value: not the same
+        return False
+
+
+def _difference(args_a: tuple, kwargs_a: dict, args_b: tuple, kwargs_b: dict) -> str:
+    """What differs between two calls' extra arguments, in words; '' when nothing does."""
+    if len(args_a) != len(args_b):
+        return f"{len(args_b) + 1} positional arguments instead of {len(args_a) + 1}"
+    for i, (a, b) in enumerate(zip(args_a, args_b)):
+        if not _same(a, b):
+            return f"argument {i + 2} differs"
+    if kwargs_a.keys() != kwargs_b.keys():
+        return f"keyword arguments {sorted(kwargs_b)} instead of {sorted(kwargs_a)}"
+    for key in kwargs_a:
+        if not _same(kwargs_a[key], kwargs_b[key]):
+            return f"keyword argument {key!r} differs"
+    return ""
+
+
+def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None = None, *,
+            check: bool = True) -> Chain:
     """Replace the cloud modules of ``model`` with stand-ins; return them as a Chain.
 
     ``remote`` is what the U-shape entry calls; plain splits stop at a :class:`CutPoint`.
+    ``check`` (U-shape) runs the trunk once on the edge at the first call to make sure it reads
+    nothing that does not cross the cut (see :mod:`splitft.audit`).
     """
     chain = extract(model, spec)
     entry: TrunkEntry | None = None
@@ -292,7 +381,7 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
             if i == 0:
                 if remote is None:
                     raise CutError("a U-shape cut needs a remote callable for its trunk")
-                entry = TrunkEntry(chain.names, remote)
+                entry = TrunkEntry(chain.names, remote, _signature(chain.stages[0]), chain if check else None)
                 standin: nn.Module = entry
             else:
                 assert entry is not None
@@ -301,3 +390,10 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
             standin = CutPoint(name) if i == 0 else Unreachable(name)
         setattr(_module(model, parent), child, standin)
     return chain
+
+
+def _signature(module: nn.Module) -> inspect.Signature | None:
+    try:
+        return inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return None

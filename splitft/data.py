@@ -1,17 +1,26 @@
-"""Real data that ships offline: scikit-learn's 8x8 digits (1797 images, 10 classes)."""
+"""Real data that ships offline: scikit-learn's 8x8 digits (1797 images, 10 classes).
+
+A :class:`Split` holds the inputs either as one tensor (images: ``model(x)``) or as a dict of
+tensors passed as keyword arguments (text: ``model(input_ids=..., attention_mask=...)``), so one
+training loop serves both (see :mod:`splitft.tasks`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 
+Inputs = torch.Tensor | dict[str, torch.Tensor]
+
+
 @dataclass
 class Split:
-    x: torch.Tensor  # (N, 1, 8, 8) float32 in [0, 1]
+    x: Inputs  # (N, ...) tensor, or a dict of (N, ...) tensors given to the model as keywords
     y: torch.Tensor  # (N,) int64
     ids: torch.Tensor  # (N,) int64, stable per sample: what per-sample codec state is keyed by
 
@@ -34,7 +43,7 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> tuple[Split, Split
 
 
 def batches(split: Split, batch_size: int, *, shuffle: bool, seed: int = 0, epoch: int = 0
-            ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+            ) -> Iterator[tuple[Inputs, torch.Tensor, torch.Tensor]]:
     """(x, y, ids) batches; the order depends only on (seed, epoch), never on global RNG."""
     n = len(split)
     if shuffle:
@@ -43,4 +52,20 @@ def batches(split: Split, batch_size: int, *, shuffle: bool, seed: int = 0, epoc
         order = torch.arange(n)
     for start in range(0, n, batch_size):
         idx = order[start:start + batch_size]
-        yield split.x[idx], split.y[idx], split.ids[idx]
+        yield take(split.x, idx), split.y[idx], split.ids[idx]
+
+
+def first(split: Split, n: int) -> Split:
+    """The first ``n`` samples of ``split`` (for short runs)."""
+    idx = torch.arange(min(n, len(split)))
+    return Split(take(split.x, idx), split.y[idx], split.ids[idx])
+
+
+def take(x: Inputs, idx: torch.Tensor) -> Inputs:
+    """Rows ``idx`` of a tensor, or of every tensor in a dict of them."""
+    return {k: v[idx] for k, v in x.items()} if isinstance(x, dict) else x[idx]
+
+
+def call(model: Any, x: Inputs, **extra: Any) -> Any:
+    """``model(x)``, or ``model(**x)`` when the inputs are a dict of named tensors."""
+    return model(**x, **extra) if isinstance(x, dict) else model(x, **extra)

@@ -709,11 +709,12 @@ class SplitModel(nn.Module):
     """
 
     def __init__(self, model: nn.Module, spec: CutSpec, session: EdgeSession,
-                 metrics_path: str | None = None) -> None:
+                 metrics_path: str | None = None, freeze_edge: bool = False) -> None:
         super().__init__()
         self.model = model
         self.spec = spec
         self.session = session
+        self.freeze_edge = bool(freeze_edge)
         self._anchor = torch.zeros((), requires_grad=True)
         self._sample_ids: np.ndarray | None = None
         self._writer = JsonlWriter(metrics_path) if metrics_path else None
@@ -747,6 +748,8 @@ class SplitModel(nn.Module):
     def _remote(self, args: tuple, kwargs: dict, target: Any = None) -> Any:
         grad = torch.is_grad_enabled()
         leaves, skeleton = flatten((list(args), kwargs, target))
+        if self.freeze_edge:  # no input needs a gradient, so none crosses back
+            leaves = [t.detach() for t in leaves]
         call = _Call(skeleton, len(leaves), train=self.training, grad=grad, sample_ids=self._sample_ids)
         inputs = [*leaves, self._anchor] if grad else leaves
         outputs = _RemoteCall.apply(self.session, call, *inputs)
@@ -774,7 +777,12 @@ class SplitModel(nn.Module):
             raise ConfigError(
                 f"the cloud mirrors torch.optim optimizers by name; {cls.__qualname__} is not one of them"
             )
-        settings = {k: _plain(v) for k, v in optimizer.defaults.items() if _plain(v) is not _NOT_PLAIN}
+        # Only what the constructor takes: AdamW keeps a 'decoupled_weight_decay' default that its
+        # __init__ does not accept, so mirroring every default would fail in the cloud.
+        accepted = inspect.signature(cls).parameters
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+        settings = {k: _plain(v) for k, v in optimizer.defaults.items()
+                    if (takes_any or k in accepted) and _plain(v) is not _NOT_PLAIN}
         if self._resume_optimizer is not None:
             optimizer.load_state_dict(self._resume_optimizer)
             self._resume_optimizer = None
@@ -923,7 +931,8 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
           link: str | None = None, eager_backward: bool = True, metrics_path: str | None = None,
           cloud_key: str | os.PathLike | bytes | None = None,
           key: str | os.PathLike | bytes | None = None, reconnect_timeout: float = 60.0,
-          heartbeat: float = 10.0, resume_from: str | os.PathLike | None = None) -> SplitModel:
+          heartbeat: float = 10.0, resume_from: str | os.PathLike | None = None,
+          freeze_edge: bool = False, check_cut: bool = True) -> SplitModel:
     """Cut ``model`` and connect its cloud part; returns the edge's model to train.
 
     Args:
@@ -961,6 +970,10 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
             alive (0: never).
         resume_from: an edge checkpoint written by :meth:`SplitModel.save_checkpoint`: load the
             edge's half from it and continue the session where both halves were saved.
+        freeze_edge: SFT's eliminated link: the edge's modules before the cut get no gradient,
+            so no gradient crosses from the cloud at all (a U-shape head still trains).
+        check_cut: U-shape: at the first call, run the trunk once on the edge to make sure it
+            reads nothing that does not cross the cut (see :mod:`splitft.audit`).
     """
     if weights not in ("push", "factory"):
         raise ConfigError(f"weights must be 'push' or 'factory', got {weights!r}")
@@ -1019,8 +1032,8 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
     except BaseException:
         session._drop()
         raise
-    split_model = SplitModel(model, spec, session, metrics_path=metrics_path)
-    install(model, spec, remote=split_model._trunk if spec.ushape else None)
+    split_model = SplitModel(model, spec, session, metrics_path=metrics_path, freeze_edge=freeze_edge)
+    install(model, spec, remote=split_model._trunk if spec.ushape else None, check=check_cut)
     if resume is not None:
         try:
             model.load_state_dict(resume[0]["weights"])

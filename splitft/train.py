@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .data import Split, batches
+from .data import Split, batches, call
 
 
 @dataclass
@@ -26,7 +26,7 @@ def accuracy(predict: Callable[..., torch.Tensor], data: Split, batch_size: int 
     correct = 0
     with torch.no_grad():
         for x, y, ids in batches(data, batch_size, shuffle=False):
-            correct += int((predict(x).argmax(dim=1) == y).sum())
+            correct += int((call(predict, x).argmax(dim=1) == y).sum())
     return correct / max(1, len(data))
 
 
@@ -54,7 +54,7 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Callable[
                    desc=f"epoch {epoch + 1:>2}/{epochs}", disable=not progress, leave=True,
                    dynamic_ncols=True, unit="step")
         for x, y, ids in bar:
-            out = model(x, sample_ids=ids) if pass_ids else model(x)
+            out = call(model, x, sample_ids=ids) if pass_ids else call(model, x)
             loss = criterion(out, y)
             loss.backward()
             optimizer.step()

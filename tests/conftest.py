@@ -38,7 +38,7 @@ class InprocCloud:
 
 @pytest.fixture
 def inproc_cloud() -> Iterator[InprocCloud]:
-    cloud = InprocCloud([DIGITS, "tests.models:residual_net", "tests.models:mlp"])
+    cloud = InprocCloud([DIGITS, "tests.models:residual_net", "tests.models:mlp", "tests.models:tiny_bert"])
     yield cloud
     cloud.close()
 

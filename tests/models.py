@@ -34,3 +34,31 @@ def mlp(seed: int = 0, width: int = 16) -> nn.Sequential:
         torch.manual_seed(seed)
         return nn.Sequential(nn.Linear(12, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
                              nn.Linear(width, 3))
+
+
+class TinyBertClassifier(nn.Module):
+    """A randomly initialised 4-layer BERT (no download) with mean pooling and a linear head."""
+
+    def __init__(self, num_classes: int = 3, **config: object) -> None:
+        super().__init__()
+        from transformers import BertConfig, BertModel
+
+        settings = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64,
+                        vocab_size=100, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+        settings.update(config)
+        self.bert = BertModel(BertConfig(**settings), add_pooling_layer=False)
+        self.head = nn.Linear(settings["hidden_size"], num_classes)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        if attention_mask is None:
+            return self.head(hidden.mean(dim=1))
+        weights = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        return self.head((hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0))
+
+
+def tiny_bert(seed: int = 0, **config: object) -> TinyBertClassifier:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return TinyBertClassifier(**config)

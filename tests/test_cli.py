@@ -27,8 +27,9 @@ def test_help_explains_every_command():
     for command in ("demo", "cloud", "edge", "codecs"):
         assert command in result.stdout
     for command, options in {"cloud": ["--bind", "--model", "--sessions"],
-                             "edge": ["--connect", "--fwd", "--bwd", "--topology", "--cut", "--epochs"],
-                             "demo": ["--fwd", "--epochs", "--metrics"]}.items():
+                             "edge": ["--connect", "--fwd", "--bwd", "--topology", "--cut", "--epochs", "--task",
+                                      "--freeze-edge"],
+                             "demo": ["--fwd", "--epochs", "--metrics", "--task", "--freeze-edge", "--max-length"]}.items():
         result = _run(command, "--help")
         assert result.returncode == 0
         for option in options:
@@ -38,6 +39,12 @@ def test_help_explains_every_command():
 def test_codecs_lists_the_registry():
     result = _run("codecs")
     assert result.returncode == 0 and "identity" in result.stdout and "fp16" in result.stdout
+
+
+def test_an_option_the_task_does_not_take_is_a_one_line_error():
+    result = _run("edge", "--connect", "tcp://127.0.0.1:9", "--task", "digits", "--max-length", "64", timeout=60)
+    assert result.returncode == 2
+    assert "task 'digits' takes no option max_length" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_bad_codec_is_a_one_line_error_not_a_traceback(tmp_path):

@@ -8,7 +8,7 @@ from torch import nn
 
 from splitft.errors import CutError
 from splitft.models import digits_cnn
-from splitft.cut import cloud_module_names, install, parse_cut
+from splitft.cut import cloud_module_names, cut_text, install, parse_cut
 from tests.models import mlp, residual_net
 
 
@@ -78,3 +78,11 @@ def test_edge_cannot_call_cloud_modules_after_a_plain_cut():
     model = mlp()
     install(model, parse_cut(model, "2"))
     assert [type(m).__name__ for m in model] == ["Linear", "ReLU", "CutPoint", "Unreachable", "Unreachable"]
+
+
+@pytest.mark.parametrize("cut, rejoin", [("block3", None), ("block2", "head"), ("block2.0:2", None),
+                                         ("block2.1:", None), ("block1:4", None)])
+def test_the_handshake_text_of_a_cut_parses_back_to_the_same_cut(cut, rejoin):
+    model = digits_cnn()
+    spec = parse_cut(model, cut, rejoin)
+    assert parse_cut(model, *cut_text(spec, model)) == spec

@@ -13,7 +13,7 @@ import transports
 from splitft.data import batches, load_digits
 from splitft.models import digits_cnn
 from tests.conftest import DIGITS
-from tests.models import residual_net
+from tests.models import mlp, residual_net
 
 STEPS = 20
 ACCUMULATE = 2
@@ -162,3 +162,23 @@ def test_frozen_edge_sends_no_gradient_but_trains_the_cloud(inproc_cloud, digits
         after = model.cloud_state_dict()["head.1.weight"]
         assert not torch.equal(before, after)
         assert model.metrics.bytes[("down", "gradient")].raw == 0
+
+
+def test_adamw_settings_are_mirrored(inproc_cloud):
+    """AdamW's defaults hold a key its constructor refuses; only constructor settings cross."""
+    torch.manual_seed(0)
+    xs, ys = torch.randn(4, 8, 12), torch.randint(0, 3, (4, 8))
+    local = mlp()
+    split_model = splitft.split(mlp(), "2", "4", factory="tests.models:mlp", connection=inproc_cloud.connect())
+    for model in (local, split_model):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        if model is split_model:
+            model.attach(opt)
+        for x, y in zip(xs, ys):
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    state = {**split_model.model.state_dict(), **split_model.cloud_state_dict()}
+    split_model.close()
+    for name, value in local.state_dict().items():
+        torch.testing.assert_close(state[name], value)

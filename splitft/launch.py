@@ -1,0 +1,68 @@
+"""Starting a cloud process on loopback: for the demo, the examples and the benchmarks.
+
+A real ``splitft cloud`` process (not a thread), so the edge's traffic really crosses a socket
+and the two halves really compute in two processes, as they would on two machines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from .errors import SplitFTError
+
+log = logging.getLogger(__name__)
+
+
+class CloudStartError(SplitFTError):
+    """The cloud process did not come up."""
+
+
+@contextlib.contextmanager
+def local_cloud(models: Iterable[str], *, sessions: int = 1, start_timeout: float = 60.0,
+                exit_timeout: float = 10.0) -> Iterator[str]:
+    """Run ``splitft cloud`` on a free port of 127.0.0.1 for the duration of the block.
+
+    Yields the address to connect to. The cloud serves ``models`` (factory strings) and exits
+    after ``sessions`` sessions; when the block ends it is given ``exit_timeout`` seconds to do so
+    and is then terminated. It runs in a session of its own, so Ctrl-C in the terminal reaches the
+    edge only, which then tells the cloud.
+    """
+    with tempfile.TemporaryDirectory(prefix="splitft-cloud-") as tmp:
+        ready = Path(tmp) / "address"
+        cmd = [sys.executable, "-m", "splitft", "cloud", "--bind", "tcp://127.0.0.1:0", "--sessions", str(sessions),
+               "--ready-file", str(ready)]
+        for model in models:
+            cmd += ["--model", model]
+        proc = subprocess.Popen(cmd, start_new_session=True, env=os.environ.copy(), stdin=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + start_timeout
+            while not ready.exists() or not ready.read_text():
+                if proc.poll() is not None:
+                    raise CloudStartError(f"the cloud process exited early (code {proc.returncode})")
+                if time.monotonic() > deadline:
+                    raise CloudStartError(f"the cloud process did not start within {start_timeout:g} s")
+                time.sleep(0.05)
+            address = ready.read_text()
+            log.info("cloud process %d listening on %s", proc.pid, address)
+            yield address
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=exit_timeout)
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=5)
+
+
+__all__ = ["CloudStartError", "local_cloud"]

@@ -1,0 +1,72 @@
+"""Ready-made training tasks: the data, the model factory and the cut that suit each other.
+
+The CLI (``splitft demo --task bbc``), the examples and the benchmarks share these, so a figure in
+the README and a run on the command line train the same thing. A task's model is named by its
+factory string, which both edge and cloud can import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..data import Split
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Task:
+    """What one task trains, and the settings that train it well."""
+
+    name: str
+    summary: str
+    model: str  # factory, "package.module:function"
+    cut: str
+    rejoin: str | None  # U-shape: where the edge takes over again (None when ``cut`` is a slice)
+    topology: str  # "plain" or "ushape"
+    loader: str  # "package.module:function" returning (train, test) Splits
+    epochs: int
+    batch_size: int
+    lr: float
+    optimizer: str  # a torch.optim class name
+    weights: str = "push"  # "factory" for pre-trained models both sides load: no weights in the handshake
+    options: dict[str, Any] = field(default_factory=dict)  # loader keywords the CLI exposes
+
+    def load(self, **options: Any) -> tuple[Split, Split]:
+        """Train and test splits; ``options`` left at None keep the task's defaults."""
+        given = {k: v for k, v in options.items() if v is not None}
+        unknown = sorted(set(given) - set(self.options))
+        if unknown:
+            raise ConfigError(f"task {self.name!r} takes no option {', '.join(unknown)} "
+                              f"(its options: {', '.join(self.options) or 'none'})")
+        module, _, attr = self.loader.partition(":")
+        loader: Callable[..., tuple[Split, Split]] = getattr(importlib.import_module(module), attr)
+        return loader(**{**self.options, **given})
+
+
+TASKS: dict[str, Task] = {
+    "digits": Task(
+        name="digits", summary="scikit-learn's 8x8 digits (1437 train / 360 test images, 10 classes), a small CNN",
+        model="splitft.models:digits_cnn", cut="block3", rejoin="head", topology="plain",
+        loader="splitft.data:load_digits", epochs=15, batch_size=64, lr=1e-3, optimizer="Adam",
+    ),
+    "bbc": Task(
+        name="bbc", summary="BBC News (1781 train / 444 test articles, 5 classes), pre-trained all-MiniLM-L6-v2",
+        model="splitft.tasks.bbc:minilm_classifier", cut="bert.encoder.layer.2:6", rejoin=None, topology="ushape",
+        loader="splitft.tasks.bbc:load_bbc", epochs=1, batch_size=32, lr=3e-4, optimizer="AdamW", weights="factory",
+        options={"max_length": 128},
+    ),
+}
+
+
+def get_task(name: str) -> Task:
+    """The task called ``name``; an unknown name raises listing the known ones."""
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ConfigError(f"unknown task {name!r}; tasks: {', '.join(TASKS)}") from None
+
+
+__all__ = ["TASKS", "Task", "get_task"]
