@@ -132,8 +132,9 @@ class Binary(Codec):
     def encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         _wire.require_float(self.name, x)
         flat = x.detach().cpu().reshape(-1)
-        if flat.dtype == torch.bfloat16:
-            flat = flat.float()  # numpy has no bfloat16; signs and +-1 survive the cast exactly
+        if flat.dtype in (torch.float16, torch.bfloat16):
+            # numpy has no bfloat16 and compares float16 in software; signs and +-1 survive the cast
+            flat = flat.float()
         if not self.take_sign and flat.numel():
             # every |x| is 1 exactly when the smallest and the largest are (NaN fails both)
             lo, hi = torch.aminmax(flat.abs())
