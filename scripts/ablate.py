@@ -79,13 +79,13 @@ def start_cloud(factories: list[str]) -> tuple[subprocess.Popen, str]:
 
 
 def run_cell(task: str, codec: str, link: str, micro_batches: int, seed: int, epochs: int, target: float,
-             address: str) -> dict:
+             address: str, bbc_limit: int | None = None) -> dict:
     from splitft.experiment import run_digits, time_to_accuracy
 
     if task != "digits":
-        from splitft.tasks.bbc import run_bbc  # the transformer task, only with --bbc
+        from splitft.experiment import run_bbc  # the transformer task, only with --bbc
 
-        result = run_bbc(codec, seed=seed, epochs=epochs, address=address,
+        result = run_bbc(codec, seed=seed, epochs=epochs, address=address, limit=bbc_limit,
                          link=None if link == "loopback" else link, micro_batches=micro_batches)
     else:
         result = run_digits(codec, seed=seed, epochs=epochs, address=address,
@@ -217,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", type=float, default=0.95, help="accuracy for time-to-accuracy (default: 0.95)")
     parser.add_argument("--bbc", action="store_true", help="also run MiniLM on BBC News (1 seed; slow)")
     parser.add_argument("--bbc-epochs", type=int, default=1, help="epochs per BBC run (default: 1)")
+    parser.add_argument("--bbc-limit", type=int, default=None,
+                        help="train BBC on its first N articles only (MiniLM takes ~1.2 s a step on 2 cores)")
     parser.add_argument("--summary-only", action="store_true", help="rebuild table and plots from the CSV")
     args = parser.parse_args(argv)
 
@@ -246,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             bar = tqdm(todo, unit="cell", dynamic_ncols=True)
             for task, codec, link, mb, seed, epochs in bar:
                 bar.set_description(f"{task} {codec} @ {link} mb={mb} seed={seed}")
-                append_row(csv_path, run_cell(task, codec, link, mb, seed, epochs, args.target, address))
+                append_row(csv_path, run_cell(task, codec, link, mb, seed, epochs, args.target, address,
+                                              args.bbc_limit))
         finally:
             cloud.terminate()
             cloud.wait(timeout=30)

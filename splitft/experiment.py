@@ -16,12 +16,8 @@ from torch import nn
 import transports
 
 from .cloud import CloudServer, serve_in_thread
-from .data import load_digits
 from .edge import split
-from .models import digits_bsl, digits_cnn
 from .train import fit
-
-FACTORIES = {"splitft.models:digits_cnn": digits_cnn, "splitft.models:digits_bsl": digits_bsl}
 
 
 @dataclass
@@ -55,18 +51,29 @@ def time_to_accuracy(history: list[dict[str, float]], target: float) -> float | 
     return None
 
 
-def run_digits(fwd: str = "identity", bwd: str | None = None, *, seed: int = 0, epochs: int = 10,
-               batch_size: int = 64, lr: float = 1e-3, ushape: bool = False, address: str | None = None,
-               link: str | None = None, micro_batches: int = 1, progress: bool = False,
-               timeout: float = 60.0) -> RunResult:
-    """Train the digits CNN split at ``block3`` through the given codecs; report accuracy and traffic.
+def run_task(task_name: str, fwd: str = "identity", bwd: str | None = None, *, seed: int = 0,
+             epochs: int | None = None, batch_size: int | None = None, lr: float | None = None,
+             ushape: bool | None = None, address: str | None = None, link: str | None = None,
+             micro_batches: int = 1, limit: int | None = None, progress: bool = False,
+             timeout: float = 300.0) -> RunResult:
+    """Train a registered task (:mod:`splitft.tasks`) split at its cut through the given codecs.
 
-    ``link`` (e.g. ``"100mbit,20ms"``) runs the edge's connection through the link emulator.
+    ``link`` (e.g. ``"100mbit,20ms"``) runs the edge's connection through the link emulator;
+    ``limit`` trains on the first samples only (short runs of slow tasks).
     """
     from compressors.binary import keep_latent_weights_clipped
 
-    factory = model_for(fwd)
-    train, test = load_digits()
+    from .cloud import load_factory
+    from .data import first
+    from .tasks import get_task
+
+    task = get_task(task_name)
+    factory = model_for(fwd) if task_name == "digits" else task.model
+    ushape = task.topology == "ushape" if ushape is None else ushape
+    cut, rejoin = task.cut, (task.rejoin if ushape and ":" not in task.cut else None)
+    train, test = task.load()
+    if limit:
+        train = first(train, limit)
     server = thread = None
     if address is None:
         listener = transports.InprocListener()
@@ -76,16 +83,18 @@ def run_digits(fwd: str = "identity", bwd: str | None = None, *, seed: int = 0, 
     else:
         connection = transports.connect(address)
     try:
-        model = split(FACTORIES[factory](seed=seed), "block3", "head" if ushape else None, factory=factory,
-                      factory_kwargs={"seed": seed}, connection=connection, fwd=fwd, bwd=bwd, seed=seed,
-                      timeout=timeout, link=link, micro_batches=micro_batches)
+        model = split(load_factory(factory)(seed=seed), cut, rejoin, factory=factory, factory_kwargs={"seed": seed},
+                      connection=connection, fwd=fwd, bwd=bwd, seed=seed, timeout=timeout, link=link,
+                      micro_batches=micro_batches, weights=task.weights)
         with model:
-            optimizer = model.attach(torch.optim.Adam(model.parameters(), lr=lr))
+            optimizer_class = getattr(torch.optim, task.optimizer)
+            optimizer = model.attach(optimizer_class(model.parameters(), lr=lr or task.lr))
             keep_latent_weights_clipped(optimizer, model)
             criterion = nn.CrossEntropyLoss() if ushape else model.remote_loss(nn.CrossEntropyLoss())
             start = time.perf_counter()
-            result = fit(model, optimizer, criterion, train, test, epochs=epochs, batch_size=batch_size, seed=seed,
-                         predict=model.predict, progress=progress, pass_ids=True)
+            result = fit(model, optimizer, criterion, train, test, epochs=epochs or task.epochs,
+                         batch_size=batch_size or task.batch_size, seed=seed, predict=model.predict,
+                         progress=progress, pass_ids=True)
             seconds = time.perf_counter() - start
             metrics = model.metrics
             specs = model.session.codecs.specs
@@ -99,3 +108,17 @@ def run_digits(fwd: str = "identity", bwd: str | None = None, *, seed: int = 0, 
         bwd_ratio=metrics.bytes[("down", "gradient")].ratio, bytes_up=metrics.direction("up").wire,
         bytes_down=metrics.direction("down").wire, history=result.history,
     )
+
+
+def run_digits(fwd: str = "identity", bwd: str | None = None, *, seed: int = 0, epochs: int = 10,
+               batch_size: int = 64, lr: float = 1e-3, ushape: bool = False, address: str | None = None,
+               link: str | None = None, micro_batches: int = 1, progress: bool = False,
+               timeout: float = 60.0) -> RunResult:
+    """The digits CNN split at ``block3`` (plain, or U-shape with the head on the edge)."""
+    return run_task("digits", fwd, bwd, seed=seed, epochs=epochs, batch_size=batch_size, lr=lr, ushape=ushape,
+                    address=address, link=link, micro_batches=micro_batches, progress=progress, timeout=timeout)
+
+
+def run_bbc(fwd: str = "identity", bwd: str | None = None, **options: Any) -> RunResult:
+    """Pre-trained MiniLM on BBC News, U-shape (needs the ``nlp`` extra)."""
+    return run_task("bbc", fwd, bwd, **options)
