@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
                 rtts.append(time.perf_counter() - start)
             split.close()
         print(f"empty request round trip (full protocol path): median {statistics.median(rtts) * 1e6:.0f} us; "
-              "a split step makes 2 round trips (forward, backward)")
+              "a plain-split step makes one round trip (eager backward), two with eager_backward=False")
     finally:
         cloud.terminate()
         cloud.wait(timeout=10)
