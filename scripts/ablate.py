@@ -25,10 +25,7 @@ import argparse  # noqa: E402
 import csv  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
 from collections import defaultdict  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -61,21 +58,6 @@ def append_row(path: Path, row: dict) -> None:
         writer.writerow(row)
         f.flush()
         os.fsync(f.fileno())
-
-
-def start_cloud(factories: list[str]) -> tuple[subprocess.Popen, str]:
-    ready = Path(tempfile.mkdtemp(prefix="splitft-ablate-")) / "address"
-    cmd = [sys.executable, "-m", "splitft", "cloud", "--bind", "tcp://127.0.0.1:0", "--sessions", "0",
-           "--ready-file", str(ready)]
-    for factory in factories:
-        cmd += ["--model", factory]
-    proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not (ready.exists() and ready.read_text()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("the cloud process did not start")
-        time.sleep(0.05)
-    return proc, ready.read_text()
 
 
 def run_cell(task: str, codec: str, link: str, micro_batches: int, seed: int, epochs: int, target: float,
@@ -243,16 +225,14 @@ def main(argv: list[str] | None = None) -> int:
     if todo and not args.summary_only:
         print(f"{len(cells) - len(todo)} of {len(cells)} cells already in {csv_path}; running {len(todo)}",
               file=sys.stderr)
-        cloud, address = start_cloud(factories)
-        try:
+        from splitft.launch import local_cloud
+
+        with local_cloud(factories, sessions=0, start_timeout=120, exit_timeout=0, quiet=True) as address:
             bar = tqdm(todo, unit="cell", dynamic_ncols=True)
             for task, codec, link, mb, seed, epochs in bar:
                 bar.set_description(f"{task} {codec} @ {link} mb={mb} seed={seed}")
                 append_row(csv_path, run_cell(task, codec, link, mb, seed, epochs, args.target, address,
                                               args.bbc_limit))
-        finally:
-            cloud.terminate()
-            cloud.wait(timeout=30)
     summary, table = summarise(read_rows(csv_path), args.target)
     command = "python scripts/ablate.py " + " ".join(sys.argv[1:] if argv is None else argv)
     (out / "results.md").write_text(f"<!-- made by: {command} -->\n\n{table}")

@@ -18,11 +18,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the CLI does: the two 
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -31,19 +27,6 @@ import splitft  # noqa: E402
 from splitft.models import digits_cnn  # noqa: E402
 
 FACTORY = "splitft.models:digits_cnn"
-
-
-def start_cloud(threads: int) -> tuple[subprocess.Popen, str]:
-    ready = Path(tempfile.mkdtemp()) / "address"
-    env = os.environ | {"OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.Popen([sys.executable, "-m", "splitft", "cloud", "--bind", "tcp://127.0.0.1:0", "--sessions",
-                             "0", "--model", FACTORY, "--ready-file", str(ready)], env=env, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while not (ready.exists() and ready.read_text()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("the cloud process did not start")
-        time.sleep(0.05)
-    return proc, ready.read_text()
 
 
 def step_fn(model: nn.Module, opt: torch.optim.Optimizer, crit, x: torch.Tensor, y: torch.Tensor):
@@ -73,8 +56,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    cloud, address = start_cloud(args.threads)
-    try:
+    from splitft.launch import local_cloud
+
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the cloud process inherits it
+    with local_cloud([FACTORY], sessions=0, exit_timeout=0, quiet=True) as address:
         print(f"cloud at {address}; {args.threads} torch thread(s) per process; codec {args.fwd}")
         print(f"{'batch':>5s} {'local ms':>9s} {'split ms':>9s} {'ratio':>6s}")
         for batch in args.batch:
@@ -101,9 +86,6 @@ def main(argv: list[str] | None = None) -> None:
             split.close()
         print(f"empty request round trip (full protocol path): median {statistics.median(rtts) * 1e6:.0f} us; "
               "a plain-split step makes one round trip (eager backward), two with eager_backward=False")
-    finally:
-        cloud.terminate()
-        cloud.wait(timeout=10)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -11,10 +12,8 @@ from torch import nn
 def tiny_mlp(seed: int = 0, width: int = 32) -> nn.Sequential:
     """16 features → 4 classes in three linear layers; cut at ``2``. For load tests: the cloud's
     work per step is negligible, so what is measured is the runtime, not the model."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
-                             nn.Linear(width, 4))
+    return _seeded(lambda: nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                                         nn.Linear(width, 4)), seed)
 
 
 def digits_cnn(seed: int | None = 0) -> nn.Sequential:
@@ -33,11 +32,7 @@ def digits_cnn(seed: int | None = 0) -> nn.Sequential:
             head=nn.Sequential(nn.Flatten(), nn.Linear(64 * 4 * 4, 10)),
         ))
 
-    if seed is None:
-        return build()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return build()
+    return _seeded(build, seed)
 
 
 def digits_bsl(seed: int | None = 0) -> nn.Sequential:
@@ -60,6 +55,11 @@ def digits_bsl(seed: int | None = 0) -> nn.Sequential:
             head=nn.Sequential(nn.Flatten(), nn.Linear(64 * 4 * 4, 10)),
         ))
 
+    return _seeded(build, seed)
+
+
+def _seeded(build: Callable[[], nn.Module], seed: int | None) -> nn.Module:
+    """``build()`` with its own RNG stream when ``seed`` is given; the global RNG is left as it was."""
     if seed is None:
         return build()
     with torch.random.fork_rng(devices=[]):
