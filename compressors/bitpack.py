@@ -27,35 +27,86 @@ def _check_bits(bits: int) -> int:
     return int(bits)
 
 
+def _lanes(width: int, spacing: int, total: int) -> int:
+    """An integer of ``total`` bits with the low ``width`` bits of every ``spacing``-bit lane set."""
+    return sum(((1 << width) - 1) << k for k in range(0, total, spacing))
+
+
+# Widths 2 and 4 are packed SWAR-style: the 8/b values of one output byte sit one per byte in
+# a little-endian word of 8/b bytes, and log2(8/b) shift-or-mask rounds squeeze neighbouring
+# fields together (unpacking runs the rounds backwards). A handful of whole-array integer ops
+# on contiguous words is several times faster than a loop over lanes with strided slices.
+# Per width: the word dtype and, per round, (shift, mask after packing, mask after unpacking).
+def _swar_plan(bits: int) -> tuple[np.dtype, list[tuple[int, int, int]]]:
+    per = 8 // bits
+    rounds = []
+    for r in range(per.bit_length() - 1):
+        spacing, width = 8 << r, bits << r  # fields before this round of packing
+        rounds.append((spacing - width, _lanes(2 * width, 2 * spacing, 8 * per), _lanes(width, spacing, 8 * per)))
+    return np.dtype(f"<u{per}"), rounds
+
+
+_SWAR = {bits: _swar_plan(bits) for bits in (2, 4)}
+
+
+def _pack_swar(v: np.ndarray, bits: int) -> np.ndarray:
+    word, rounds = _SWAR[bits]
+    per = word.itemsize
+    n = v.size
+    if n % per:
+        padded = np.zeros(-(-n // per) * per, dtype=np.uint8)
+        padded[:n] = v
+        v = padded
+    w = np.ascontiguousarray(v, dtype=np.uint8).view(word)
+    for shift, packed_mask, _ in rounds:
+        w = w | (w >> word.type(shift))
+        w &= word.type(packed_mask)
+    return w.astype(np.uint8)
+
+
+def _unpack_swar(buf: np.ndarray, bits: int, count: int) -> np.ndarray:
+    word, rounds = _SWAR[bits]
+    w = buf.astype(word)
+    for shift, _, unpacked_mask in reversed(rounds):
+        w |= w << word.type(shift)
+        w &= word.type(unpacked_mask)
+    return w.view(np.uint8)[:count]
+
+
 def pack(values: np.ndarray, bits: int) -> np.ndarray:
     """Pack non-negative integers below ``2**bits`` (any shape, flattened) into uint8."""
     bits = _check_bits(bits)
     v = np.asarray(values).reshape(-1)
-    if v.size and (v.dtype.kind not in "ui" or v.min() < 0 or v.max() >= (1 << bits)):
+    if v.size and (v.dtype.kind not in "ui" or _out_of_range(v, bits)):
         raise CompressionError(
             f"pack: values must be integers in [0, {(1 << bits) - 1}] for {bits} bits, "
             f"got dtype {v.dtype} in [{v.min()}, {v.max()}]"
         )
-    n = v.size
     if bits == 8:
         return v.astype(np.uint8)
     if bits == 16:
         return v.astype("<u2").view(np.uint8).copy()
-    if 8 % bits == 0:
-        per = 8 // bits  # values per byte
-        padded = np.zeros(-(-n // per) * per, dtype=np.uint8)
-        padded[:n] = v
-        lanes = padded.reshape(-1, per)
-        out = np.zeros(lanes.shape[0], dtype=np.uint8)
-        for j in range(per):
-            out |= lanes[:, j] << np.uint8(j * bits)
-        return out
-    planes = ((v.astype(np.uint32)[:, None] >> np.arange(bits, dtype=np.uint32)) & 1).astype(np.uint8)
-    return np.packbits(planes.reshape(-1), bitorder="little")
+    if bits == 1:
+        return np.packbits(v.astype(np.uint8, copy=False), bitorder="little")
+    if bits in _SWAR:
+        return _pack_swar(v.astype(np.uint8, copy=False), bits)
+    # any other width: the bits of each value, LSB first, one row per value; keep ``bits`` columns
+    width = 8 if bits < 8 else 16
+    planes = np.unpackbits(v.astype(f"<u{width // 8}").view(np.uint8), bitorder="little").reshape(v.size, width)
+    return np.packbits(planes[:, :bits].reshape(-1), bitorder="little")
+
+
+def _out_of_range(v: np.ndarray, bits: int) -> bool:
+    """Whether any value of an integer array falls outside [0, 2**bits), skipping the bounds
+    its dtype already guarantees (a uint8 array cannot exceed 8 bits)."""
+    if v.dtype.kind == "i" and v.min() < 0:
+        return True
+    return v.dtype.itemsize * 8 - (v.dtype.kind == "i") > bits and v.max() >= (1 << bits)
 
 
 def unpack(buf: np.ndarray, bits: int, count: int) -> np.ndarray:
-    """Inverse of :func:`pack`: ``count`` values as uint16 (uint8 when ``bits <= 8``)."""
+    """Inverse of :func:`pack`: ``count`` values as uint16 (uint8 when ``bits <= 8``), in a new
+    array the caller may modify."""
     bits = _check_bits(bits)
     count = int(count)
     buf = np.asarray(buf)
@@ -64,20 +115,16 @@ def unpack(buf: np.ndarray, bits: int, count: int) -> np.ndarray:
             f"unpack: expected {packed_nbytes(count, bits)} uint8 bytes for {count} values of "
             f"{bits} bits, got {buf.size} of dtype {buf.dtype} (ndim {buf.ndim})"
         )
-    out_dtype = np.uint8 if bits <= 8 else np.uint16
     if bits == 8:
         return buf.copy()
     if bits == 16:
         return buf.view("<u2").astype(np.uint16)
-    if 8 % bits == 0:
-        per = 8 // bits
-        mask = np.uint8((1 << bits) - 1)
-        lanes = np.empty((buf.size, per), dtype=np.uint8)
-        for j in range(per):
-            lanes[:, j] = (buf >> np.uint8(j * bits)) & mask
-        return lanes.reshape(-1)[:count]
+    if bits == 1:
+        return np.unpackbits(buf, count=count, bitorder="little")
+    if bits in _SWAR:
+        return _unpack_swar(buf, bits, count)
     planes = np.unpackbits(buf, count=count * bits, bitorder="little").reshape(count, bits)
     out = np.zeros(count, dtype=np.uint16)
     for t in range(bits):
         out |= planes[:, t].astype(np.uint16) << np.uint16(t)
-    return out.astype(out_dtype, copy=False)
+    return out.astype(np.uint8 if bits < 8 else np.uint16, copy=False)

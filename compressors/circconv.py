@@ -43,22 +43,24 @@ def unbind(keys: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     This is the adjoint of :func:`bind`: <bind(z), v> == <z, unbind(v)>.
     """
     d = v.shape[-1]
-    return _unbind(torch.fft.rfft(keys.to(v.dtype), n=d), v)
+    return _unbind(torch.fft.rfft(keys.to(v.dtype), n=d).conj().resolve_conj(), v)
 
 
 def _bind(spectrum: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     g, r, d = z.shape
     if g == 0 or d == 0:
         return z.new_zeros(g, d)
-    return torch.fft.irfft((torch.fft.rfft(z, n=d) * spectrum).sum(1), n=d)
+    return torch.fft.irfft(torch.fft.rfft(z, n=d).mul_(spectrum).sum(1), n=d)
 
 
-def _unbind(spectrum: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _unbind(conj_spectrum: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Unbinding with the keys' spectrum already conjugated (and materialised: a lazy conj view
+    makes every product pay for it again)."""
     g, d = v.shape
-    r = spectrum.shape[0]
+    r = conj_spectrum.shape[0]
     if g == 0 or d == 0:
         return v.new_zeros(g, r, d)
-    return torch.fft.irfft(torch.conj(spectrum) * torch.fft.rfft(v, n=d).unsqueeze(1), n=d)
+    return torch.fft.irfft(torch.fft.rfft(v, n=d).unsqueeze(1) * conj_spectrum, n=d)
 
 
 @register
@@ -82,7 +84,7 @@ class C3SL(Codec):
             raise CompressionError(f"c3sl option r (samples bound per vector) must be an int >= 1, got {r!r}")
         self.r = r
         self._keys: dict[int, tuple[torch.Tensor, int]] = {}
-        self._spectra: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._spectra: dict[tuple[int, torch.dtype, bool], torch.Tensor] = {}
 
     def keys(self, d: int) -> torch.Tensor:
         """The R keys for samples of D elements (float64, cached per D)."""
@@ -94,10 +96,12 @@ class C3SL(Codec):
             self._keys[d] = (keys, zlib.crc32(keys.numpy().tobytes()))
         return self._keys[d]
 
-    def _spectrum(self, d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        key = (d, dtype)
+    def _spectrum(self, d: int, dtype: torch.dtype, device: torch.device, conj: bool = False) -> torch.Tensor:
+        """The keys' rfft (conjugated for unbinding), cached per (D, dtype)."""
+        key = (d, dtype, conj)
         if key not in self._spectra:
-            self._spectra[key] = torch.fft.rfft(self.keys(d).to(dtype), n=d) if d else torch.zeros(self.r, 0)
+            spectrum = torch.fft.rfft(self.keys(d).to(dtype), n=d) if d else torch.zeros(self.r, 0)
+            self._spectra[key] = spectrum.conj().resolve_conj() if conj else spectrum
         return self._spectra[key].to(device)
 
     @staticmethod
@@ -143,7 +147,7 @@ class C3SL(Codec):
         z = self._grouped(x.cpu(), work)
         d = z.shape[-1]
         v = _bind(self._spectrum(d, work, z.device), z).to(x.dtype)
-        if x.dtype == torch.float16 and not torch.isfinite(v).all() and torch.isfinite(x).all():
+        if x.dtype == torch.float16 and not _wire.all_finite(v) and _wire.all_finite(x):
             raise CompressionError("c3sl bound vectors overflow float16; send float32 activations")
         meta = {**tensor_meta(x), "r": self.r, "key_crc": self._key_entry(d)[1]}
         return Payload(self.name, self.version, {"v": _wire.wire_float(v)}, meta)
@@ -153,7 +157,7 @@ class C3SL(Codec):
         dtype = _wire.meta_float_dtype(payload)
         v = _wire.tensor(_wire.array(payload, "v", _wire.wire_float_dtype(dtype), (groups, d)))
         work = self._work(dtype)
-        z = _unbind(self._spectrum(d, work, v.device), v.to(work))
+        z = _unbind(self._spectrum(d, work, v.device, conj=True), v.to(work))
         return z.reshape(groups * self.r, d)[: shape[0]].reshape(shape).to(dtype)
 
     def decode_adjoint(self, grad: torch.Tensor, payload: Payload, ctx: CodecContext) -> torch.Tensor:
@@ -172,7 +176,7 @@ class C3SL(Codec):
                 f"c3sl encode_adjoint: expected the gradient of the bound vectors, shape {[groups, d]}, got {list(grad.shape)}"
             )
         work = self._work(grad.dtype)
-        z = _unbind(self._spectrum(d, work, grad.device), grad.detach().to(work))
+        z = _unbind(self._spectrum(d, work, grad.device, conj=True), grad.detach().to(work))
         return z.reshape(groups * self.r, d)[: shape[0]].reshape(shape).to(grad.dtype)
 
     def state_dict(self) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from .errors import CompressionError
 from .registry import register
 
 _FACTOR_DTYPES = (np.dtype("float16"), np.dtype("float32"), np.dtype("float64"))
+_ONE = torch.ones(())
 
 
 def matrix_view(shape: tuple[int, ...]) -> tuple[int, int, int] | None:
@@ -33,10 +34,19 @@ def matrix_view(shape: tuple[int, ...]) -> tuple[int, int, int] | None:
 def orthonormalize(a: torch.Tensor) -> torch.Tensor:
     """Orthonormal columns spanning ``a``'s (batched QR), with signs fixed so the result does not
     depend on the sign convention of the QR routine and warm starts do not flip from step to step."""
+    if a.shape[-1] == 1:
+        # One column: Q R with R > 0 is a / |a|, without LAPACK's per-matrix overhead. A zero
+        # column gets e1, the column Householder QR gives it (R = 0 counts as positive).
+        norm = torch.linalg.vector_norm(a, dim=-2, keepdim=True)
+        q = a / norm
+        zero = norm == 0
+        if bool(zero.any()):
+            e1 = torch.zeros_like(a)
+            e1[..., 0, :] = 1
+            q = torch.where(zero, e1, q)
+        return q
     q, r = torch.linalg.qr(a)
-    signs = torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))
-    signs = torch.where(signs == 0, torch.ones_like(signs), signs)
-    return q * signs.unsqueeze(-2)
+    return q.mul_(torch.copysign(_ONE, torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2))
 
 
 @register
@@ -96,29 +106,35 @@ class LowRank(Codec):
 
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
         m = x.detach().cpu().to(work).reshape(b, l, h)
-        if not torch.isfinite(m).all():
+        if not _wire.all_finite(m):
             raise CompressionError("lowrank got non-finite values (inf or NaN); they have no low-rank form")
-        q = self._warm_start(h, r).to(work).expand(b, h, r)
-        for _ in range(self.iters):
-            p = orthonormalize(m @ q)
-            q = m.transpose(1, 2) @ p
-        # Q is recomputed from the P that is actually sent, so decode is exactly P P^T M (up to
+        # Q is carried transposed (B, r, H): P^T M is a fast batched product, M^T P (a transposed
+        # view of M on the left) is several times slower. The first product uses the shared
+        # (H, r) start as one matrix for the whole batch.
+        p = orthonormalize(m @ self._warm_start(h, r).to(work))
+        for _ in range(self.iters - 1):
+            # (Q^T M^T)^T: M on the right keeps the product fast, and the result is already in
+            # the column-major layout LAPACK's QR works in
+            p = orthonormalize(((p.transpose(1, 2) @ m) @ m.transpose(1, 2)).transpose(1, 2))
+        # Q is computed from the P that is actually sent, so decode is exactly P P^T M (up to
         # the rounding of Q), the map whose adjoint both ends apply.
         p_wire = p.to(_torch_dtype(factor_dtype))
-        q_wire = (m.transpose(1, 2) @ p_wire.to(work)).to(p_wire.dtype)
-        if not torch.isfinite(q_wire).all():
+        qt_full = p_wire.to(work).transpose(1, 2) @ m
+        q_wire = qt_full.transpose(1, 2).to(p_wire.dtype, memory_format=torch.contiguous_format)
+        if not _wire.all_finite(q_wire):
             return self._raw(x, "fp16 overflow in the factors")
         if ctx.train:
             # One power step on the batch as a whole: the next batch starts from its subspace.
-            nxt = orthonormalize(q.sum(0).to(torch.float32))
-            if torch.isfinite(nxt).all():
+            nxt = orthonormalize(qt_full.sum(0).T.to(torch.float32))
+            if _wire.all_finite(nxt):
                 self._warm[(h, r)] = nxt
         meta = {**tensor_meta(x), "mode": "lowrank", "rank": r}
-        return Payload(self.name, self.version, {"P": p_wire.contiguous().numpy(), "Q": q_wire.contiguous().numpy()}, meta)
+        return Payload(self.name, self.version, {"P": p_wire.contiguous().numpy(), "Q": q_wire.numpy()}, meta)
 
     # -- receiver --------------------------------------------------------------------------
 
-    def _factors(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    def _factors(self, payload: Payload) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+        """The payload's P and Q arrays (checked, not converted) and the encoded shape."""
         shape = _wire.meta_shape(payload)
         view = matrix_view(shape)
         if view is None:
@@ -130,8 +146,13 @@ class LowRank(Codec):
             raise CompressionError(f"lowrank payload factor P: expected one of float16/32/64, got {p_dtype}")
         p = _wire.array(payload, "P", p_dtype, (b, l, r))
         q = _wire.array(payload, "Q", p_dtype, (b, h, r))
-        work = torch.float64 if p_dtype == np.float64 else torch.float32
-        return _wire.tensor(p).to(work), _wire.tensor(q).to(work), shape
+        return p, q, shape
+
+    @staticmethod
+    def _work(factor: np.ndarray, device: torch.device | None = None) -> torch.Tensor:
+        """A factor as a tensor in the precision the products run in (float32, or float64)."""
+        work = torch.float64 if factor.dtype == np.float64 else torch.float32
+        return _wire.tensor(factor).to(device=device, dtype=work)
 
     def _mode(self, payload: Payload) -> str:
         self.check(payload)
@@ -144,17 +165,17 @@ class LowRank(Codec):
             shape = _wire.meta_shape(payload)
             return _wire.tensor(_wire.array(payload, "x", _wire.wire_float_dtype(dtype), shape)).to(dtype)
         p, q, shape = self._factors(payload)
-        return (p @ q.transpose(1, 2)).reshape(shape).to(dtype)
+        return _outer(self._work(p), self._work(q).transpose(1, 2)).reshape(shape).to(dtype)
 
     def decode_adjoint(self, grad: torch.Tensor, payload: Payload, ctx: CodecContext) -> torch.Tensor:
         """P^T G per sample (B x r x H): all of the gradient that the sender can use."""
         if self._mode(payload) == "raw":
             return grad
-        p, _, shape = self._factors(payload)
+        p_arr, _, shape = self._factors(payload)
         if tuple(grad.shape) != shape:
             raise CompressionError(f"lowrank decode_adjoint: gradient of shape {list(grad.shape)}, expected {list(shape)}")
         b, l, h = matrix_view(shape)  # type: ignore[misc]
-        p = p.to(grad.device)
+        p = self._work(p_arr, grad.device)
         return (p.transpose(1, 2) @ grad.detach().to(p.dtype).reshape(b, l, h)).to(grad.dtype)
 
     # -- sender, backward ------------------------------------------------------------------
@@ -163,15 +184,15 @@ class LowRank(Codec):
         """P (P^T G): the gradient of the input, with the P that was sent."""
         if self._mode(payload) == "raw":
             return grad
-        p, _, shape = self._factors(payload)
+        p_arr, _, shape = self._factors(payload)
         b, l, h = matrix_view(shape)  # type: ignore[misc]
-        r = p.shape[-1]
+        r = p_arr.shape[-1]
         if tuple(grad.shape) != (b, r, h):
             raise CompressionError(
                 f"lowrank encode_adjoint: expected the receiver's P^T G of shape {[b, r, h]}, got {list(grad.shape)}"
             )
-        p = p.to(grad.device)
-        return (p @ grad.detach().to(p.dtype)).reshape(shape).to(grad.dtype)
+        p = self._work(p_arr, grad.device)
+        return _outer(p, grad.detach().to(p.dtype)).reshape(shape).to(grad.dtype)
 
     # -- state -----------------------------------------------------------------------------
 
@@ -190,6 +211,12 @@ class LowRank(Codec):
                 raise CompressionError(f"lowrank state {key!r}: expected a tensor of shape ({h}, {r})")
             warm[(h, r)] = value.detach().to(torch.float32).clone()
         self._warm = warm
+
+
+def _outer(p: torch.Tensor, qt: torch.Tensor) -> torch.Tensor:
+    """P Q^T for factors of shape (B, L, r) and (B, r, H). At rank 1 that is a broadcast product,
+    the same numbers as the batched matmul without its per-matrix overhead."""
+    return p * qt if p.shape[-1] == 1 else p @ qt
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:

@@ -6,6 +6,8 @@ activation deltas with it, and the default gradient codec of the non-linear forw
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -34,7 +36,8 @@ class FP16(Codec):
         if not x.is_floating_point():
             raise CompressionError(f"fp16 codes floating tensors; got {x.dtype}")
         half = x.detach().to(torch.float16)
-        if x.numel() and not torch.isfinite(half).all() and torch.isfinite(x).all():
+        # the half tensor is checked first: only when it holds inf or NaN is the input read again
+        if not _wire.all_finite(half) and _wire.all_finite(x):
             raise CompressionError(
                 f"fp16 overflow: |x| reaches {x.abs().max().item():.3g} > 65504; use 'identity' or a scaled codec"
             )
@@ -80,17 +83,29 @@ def channel_scales(x: torch.Tensor, axis: int | None) -> np.ndarray:
     dims = [d for d in range(x.dim()) if d != axis]
     amax = x.detach().abs().amax(dim=dims) if dims else x.detach().abs()
     s = amax.to(torch.float32).reshape(count).cpu().numpy()
-    if not np.isfinite(s).all():
+    top = float(s.max())  # NaN propagates through max
+    if not math.isfinite(top):
         raise CompressionError("fixpoint got non-finite values (inf or NaN); they cannot be quantized")
-    if s.max() > FP16_MAX:
+    if top > FP16_MAX:
         raise CompressionError(
-            f"fixpoint scale overflows fp16: max|x| reaches {float(s.max()):.3g} > 65504; "
+            f"fixpoint scale overflows fp16: max|x| reaches {top:.3g} > 65504; "
             "normalise the activations or use 'identity'"
         )
     s16 = s.astype(np.float16)
-    low = s16.astype(np.float32) < s
-    s16[low] = np.nextafter(s16[low], np.float16(np.inf))
+    # the scales are >= 0, where the next fp16 up is the next bit pattern up
+    s16.view(np.uint16)[...] += s16.astype(np.float32) < s
     return s16
+
+
+def _steps(scale: np.ndarray, half: int, shape: tuple[int, ...], axis: int | None) -> torch.Tensor:
+    """(s + 1e-6) / 2^(b-1) per channel, shaped to broadcast over a tensor of ``shape``.
+
+    Dividing by a power of two is exact, so x / step rounds exactly like x / (s + 1e-6) * 2^(b-1)
+    (one division instead of a division and a multiplication), and code * step is the
+    documented dequantization.
+    """
+    step = (scale.astype(np.float32) + np.float32(SCALE_EPS)) / np.float32(half)
+    return torch.from_numpy(step.reshape(_scale_view(shape, axis)))
 
 
 def quantize(x: torch.Tensor, bits: int, axis: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -99,22 +114,40 @@ def quantize(x: torch.Tensor, bits: int, axis: int | None) -> tuple[np.ndarray, 
     q = clip(round(x / (s + 1e-6) * 2^(b-1)), -2^(b-1), 2^(b-1) - 1), computed in float32 with
     round-half-to-even, so any two machines produce the same codes.
     """
+    packed, scale, _, _ = quantize_parts(x, bits, axis)
+    return packed, scale
+
+
+def quantize_parts(x: torch.Tensor, bits: int, axis: int | None
+                   ) -> tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor]:
+    """:func:`quantize`, plus the signed codes q (a float32 tensor shaped like ``x``, the caller's
+    to modify) and the steps they are multiplied by, so ``q * step`` is exactly what
+    :func:`dequantize` returns, without unpacking what was just packed."""
     scale = channel_scales(x, axis)
     half = 1 << (bits - 1)
     x32 = x.detach().cpu().to(torch.float32)
-    denom = torch.from_numpy(scale.astype(np.float32)).reshape(_scale_view(tuple(x.shape), axis)) + SCALE_EPS
-    q = torch.round(x32 / denom * half).clamp_(-half, half - 1).to(torch.int32) + half
-    return bitpack.pack(q.numpy(), bits), scale
+    step = _steps(scale, half, tuple(x.shape), axis)
+    q = torch.div(x32, step).round_().clamp_(-half, half - 1)
+    # The signed codes fit the signed integer of the packed width; adding 2^(b-1) to its two's
+    # complement bits, wrapping, gives the offset code (q + 2^(b-1)) without a wider copy.
+    codes = q.to(torch.int8 if bits <= 8 else torch.int16).numpy()
+    codes = codes.view(np.uint8 if bits <= 8 else np.uint16)
+    codes += codes.dtype.type(half)
+    return bitpack.pack(codes, bits), scale, q, step
 
 
 def dequantize(packed: np.ndarray, scale: np.ndarray, bits: int, shape: tuple[int, ...],
                axis: int | None) -> torch.Tensor:
     """Inverse of :func:`quantize` in float32. Both ends of a link get bit-identical values."""
+    if not np.isfinite(scale).all():
+        raise CompressionError("payload carries non-finite quantizer scales, which no sender makes")
     half = 1 << (bits - 1)
-    n = int(np.prod(shape, dtype=np.int64))
-    codes = bitpack.unpack(packed, bits, n).astype(np.int32) - half
-    step = (torch.from_numpy(scale.astype(np.float32)) + SCALE_EPS) / half
-    return torch.from_numpy(codes).to(torch.float32).reshape(shape) * step.reshape(_scale_view(shape, axis))
+    n = math.prod(shape)
+    codes = bitpack.unpack(packed, bits, n)
+    # the inverse of the wrap in quantize: code - 2^(b-1), wrapping, read as signed
+    codes -= codes.dtype.type(half)
+    signed = codes.view(np.int8 if bits <= 8 else np.int16)
+    return torch.from_numpy(signed).to(torch.float32).reshape(shape).mul_(_steps(scale, half, shape, axis))
 
 
 @register
@@ -156,5 +189,5 @@ class Fixpoint(Codec):
                 raise CompressionError(f"fixpoint payload: axis {axis} given for a {len(shape)}-D tensor")
         count = 1 if axis is None else shape[axis]
         scale = _wire.array(payload, "scale", np.float16, (count,))
-        packed = _wire.array(payload, "q", np.uint8, (bitpack.packed_nbytes(int(np.prod(shape, dtype=np.int64)), bits),))
+        packed = _wire.array(payload, "q", np.uint8, (bitpack.packed_nbytes(math.prod(shape), bits),))
         return dequantize(packed, scale, bits, shape, axis).to(dtype)

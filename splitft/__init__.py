@@ -7,21 +7,44 @@ exchanging activations and gradients over ZeroMQ through pluggable codecs::
                           factory="splitft.models:digits_cnn")
     opt = model.attach(torch.optim.Adam(model.parameters(), lr=1e-3))
     ...  # the usual loop: out = model(x); loss = crit(out, y); loss.backward(); opt.step()
+
+Names are imported on first use, so ``python -m splitft`` can set up the process (thread wait
+policy) before torch loads.
 """
 
-from .cloud import CloudServer, CloudSession, serve_in_thread
-from .coding import resolve_codecs
-from .edge import CutActivation, RemoteLoss, SplitModel, split
-from .errors import (CompressionError, ConfigError, CutError, DesyncError, HandshakeError, PeerGone,
-                     ProtocolError, RemoteError, SplitFTError, TransportError, TransportTimeout)
-from .metrics import Metrics
-from .split import CutSpec, parse_cut
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CloudServer", "CloudSession", "CompressionError", "ConfigError", "CutActivation", "CutError",
-    "CutSpec", "DesyncError", "HandshakeError", "Metrics", "PeerGone", "ProtocolError", "RemoteError",
-    "RemoteLoss", "SplitFTError", "SplitModel", "TransportError", "TransportTimeout", "parse_cut",
-    "resolve_codecs", "serve_in_thread", "split",
-]
+_EXPORTS = {
+    "CloudServer": "cloud", "CloudSession": "cloud", "serve_in_thread": "cloud",
+    "resolve_codecs": "coding",
+    "CutActivation": "edge", "RemoteLoss": "edge", "SplitModel": "edge", "split": "edge",
+    "CompressionError": "errors", "ConfigError": "errors", "CutError": "errors", "DesyncError": "errors",
+    "HandshakeError": "errors", "PeerGone": "errors", "ProtocolError": "errors", "RemoteError": "errors",
+    "SplitFTError": "errors", "TransportError": "errors", "TransportTimeout": "errors",
+    "AuthError": "errors", "CapacityError": "errors", "CheckpointError": "errors", "ModelError": "errors",
+    "ResumeError": "errors", "SessionLost": "errors", "TooLarge": "errors",
+    "CheckpointStore": "checkpoint", "read_checkpoint": "checkpoint", "write_checkpoint": "checkpoint",
+    "Limits": "limits",
+    "Metrics": "metrics",
+    "CutSpec": "cut", "parse_cut": "cut",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'splitft' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

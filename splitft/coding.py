@@ -249,6 +249,14 @@ class Traffic:
         self.payload += payload.nbytes
 
 
+def raw_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of an uncompressed tensor: what a gradient would cost before any adjoint shrinks it."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    return numel * torch.empty((), dtype=dtype).element_size()
+
+
 class SlotCodecs:
     """The codec instances of one end of a link: one per slot, plus identity for side tensors.
 
@@ -271,8 +279,13 @@ class SlotCodecs:
         return self.slots[slot] if stream and slot is not None else self.raw
 
     def encode(self, leaves: list[torch.Tensor], stream: int | None, slot: str | None,
-               ctx: CodecContext, grads: list[bool], traffic: Traffic) -> tuple[list[dict], list[Coded]]:
-        """Encode leaves; the stream one through ``slot``'s codec."""
+               ctx: CodecContext, grads: list[bool], traffic: Traffic,
+               raw: list[int] | None = None) -> tuple[list[dict], list[Coded]]:
+        """Encode leaves; the stream one through ``slot``'s codec.
+
+        ``raw`` overrides the uncompressed size counted per leaf (a gradient already shrunk by
+        an adjoint still counts as the full gradient it stands for).
+        """
         entries, coded = [], []
         with translated():
             for i, tensor in enumerate(leaves):
@@ -280,6 +293,8 @@ class SlotCodecs:
                 small = None if is_stream or grads[i] or ctx.role != "activation" else compact(tensor.detach())
                 payload = self._codec(slot, is_stream).encode(tensor.detach() if small is None else small, ctx)
                 traffic.add(tensor, payload)
+                if raw is not None:
+                    traffic.raw += raw[i] - tensor.numel() * tensor.element_size()
                 entry = payload_to_wire(payload, grads[i])
                 entries.append(entry if small is None else {_EXPAND: [entry, list(tensor.shape)]})
                 coded.append(Coded(payload, is_stream, tuple(tensor.shape), tensor.dtype))

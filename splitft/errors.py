@@ -46,6 +46,34 @@ class PeerGone(SplitFTError):
     """The other side ended the session (it said goodbye, or was interrupted)."""
 
 
+class TooLarge(ProtocolError):
+    """A message is bigger than the receiver accepts (``--max-message-mb``)."""
+
+
+class ModelError(SplitFTError):
+    """The cloud part raised on the inputs an edge sent (wrong shapes, dtypes, targets...)."""
+
+
+class CapacityError(SplitFTError):
+    """The cloud serves as many sessions as it is allowed to; try again later or raise the limit."""
+
+
+class SessionLost(ProtocolError):
+    """The cloud has no session for this connection (it restarted, or the session expired).
+
+    The edge answers it by resuming: a new hello with its resume token, then replaying what the
+    cloud lost.
+    """
+
+
+class ResumeError(HandshakeError):
+    """A session cannot be resumed: no checkpoint matches, or the resume token is wrong."""
+
+
+class CheckpointError(SplitFTError):
+    """A checkpoint cannot be written or read back."""
+
+
 class CompressionError(SplitFTError, compressors.CompressionError):
     """A codec failed or was misconfigured."""
 
@@ -62,6 +90,10 @@ class TransportTimeout(TransportError, transports.TransportTimeout):
     """No answer in time."""
 
 
+class AuthError(TransportError, transports.TransportRefused):
+    """The CURVE handshake failed: the cloud refused this edge's key, or the keys do not match."""
+
+
 # Error codes that travel in Error messages, and the class the receiving side raises for each.
 CODES: dict[str, type[SplitFTError]] = {
     "protocol": ProtocolError,
@@ -70,6 +102,12 @@ CODES: dict[str, type[SplitFTError]] = {
     "compression": CompressionError,
     "desync": DesyncError,
     "shutdown": PeerGone,
+    "too_large": TooLarge,
+    "model": ModelError,
+    "capacity": CapacityError,
+    "session": SessionLost,
+    "resume": ResumeError,
+    "checkpoint": CheckpointError,
 }
 
 
@@ -101,6 +139,8 @@ def translated() -> Iterator[None]:
         raise
     except transports.TransportTimeout as exc:
         raise TransportTimeout(str(exc)) from exc
+    except transports.TransportRefused as exc:
+        raise AuthError(str(exc)) from exc
     except transports.TransportError as exc:
         raise TransportError(str(exc)) from exc
     except compressors.DesyncError as exc:

@@ -48,9 +48,10 @@ class Metrics:
         self.seconds: dict[str, float] = defaultdict(float)
         self.steps = 0
 
-    def count(self, direction: str, kind: str, *, raw: int = 0, payload: int = 0, wire: int) -> None:
+    def count(self, direction: str, kind: str, *, raw: int = 0, payload: int = 0, wire: int,
+              messages: int = 1) -> None:
         entry = self.bytes[(direction, kind)]
-        entry.messages += 1
+        entry.messages += messages
         entry.raw += raw
         entry.payload += payload
         entry.wire += wire

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 from torch import nn
+
+
+def tiny_mlp(seed: int = 0, width: int = 32) -> nn.Sequential:
+    """16 features → 4 classes in three linear layers; cut at ``2``. For load tests: the cloud's
+    work per step is negligible, so what is measured is the runtime, not the model."""
+    return _seeded(lambda: nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                                         nn.Linear(width, 4)), seed)
 
 
 def digits_cnn(seed: int | None = 0) -> nn.Sequential:
@@ -24,6 +32,34 @@ def digits_cnn(seed: int | None = 0) -> nn.Sequential:
             head=nn.Sequential(nn.Flatten(), nn.Linear(64 * 4 * 4, 10)),
         ))
 
+    return _seeded(build, seed)
+
+
+def digits_bsl(seed: int | None = 0) -> nn.Sequential:
+    """B-SL variant of :func:`digits_cnn`: binarized edge layers, so the cut activation is ±1.
+
+    The edge convolutions use the sign of latent fp32 weights and end in a sign activation with a
+    straight-through gradient; the first layer's input (the image) stays real. The cloud part is
+    the same as in ``digits_cnn``. Train with the ``binary`` codec (1 bit per element on the wire)
+    and keep the latent weights clipped (``compressors.binary.keep_latent_weights_clipped``).
+    """
+    from compressors.binary import BinaryActivation, BinaryConv2d
+
+    def build() -> nn.Sequential:
+        return nn.Sequential(OrderedDict(
+            block1=nn.Sequential(BinaryConv2d(1, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32),
+                                 BinaryActivation()),
+            block2=nn.Sequential(BinaryConv2d(32, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32),
+                                 BinaryActivation()),
+            block3=nn.Sequential(nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)),
+            head=nn.Sequential(nn.Flatten(), nn.Linear(64 * 4 * 4, 10)),
+        ))
+
+    return _seeded(build, seed)
+
+
+def _seeded(build: Callable[[], nn.Module], seed: int | None) -> nn.Module:
+    """``build()`` with its own RNG stream when ``seed`` is given; the global RNG is left as it was."""
     if seed is None:
         return build()
     with torch.random.fork_rng(devices=[]):

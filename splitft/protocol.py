@@ -5,6 +5,10 @@ body is written as msgpack extension type 1 holding ``[frame index, dtype, shape
 travel as their own frame, so large arrays are never copied into the header and are sent
 zero-copy. Decoding validates everything a hostile peer controls (types, dtypes, shapes, sizes,
 frame counts) before building anything, and never executes code: no pickle, ever.
+
+Requests carry ``seq``, a per-session sequence number (1, 2, ...), and replies echo it: the cloud
+applies each number once and answers a repeat from its reply cache, so an edge may re-send a
+request whose reply it never saw (``seq`` 0: unsequenced, never deduplicated).
 """
 
 from __future__ import annotations
@@ -53,13 +57,30 @@ class Hello(Message):
     value_hash: str | None = None
     weights: dict | None = None
     client: str = ""
+    #: Resuming an earlier session: {"session", "token", "step", "seq", "log_from"} (see cloud.py).
+    resume: dict | None = None
+    #: Random per split(): a repeated hello (same nonce) gets the same session, not a fresh one.
+    nonce: str = ""
 
 
 @dataclass
 class Welcome(Message):
+    """Cloud → edge: the session is open (or resumed at ``seq``/``steps``).
+
+    ``token`` is the secret that resumes this session; ``checkpoint_every`` says after how many
+    optimizer steps the cloud writes a checkpoint (0: none), so the edge knows how much it must
+    keep to replay; ``limits`` tells the edge what the cloud accepts before it sends anything.
+    """
+
     TYPE: ClassVar[str] = "welcome"
     session: str
     server: str = ""
+    token: str = ""
+    seq: int = 0
+    steps: int = 0
+    checkpoint_every: int = 0
+    limits: dict = field(default_factory=dict)
+    shared: bool = False  # the cloud half is shared with other edges: steps are sent at once
 
 
 @dataclass
@@ -76,6 +97,8 @@ class Forward(Message):
     ops: list = field(default_factory=list)
     step: int = 0
     sample_ids: np.ndarray | None = None
+    eager: bool = False  # plain split: run the backward now and send the cut's gradient with the loss
+    seq: int = 0
 
 
 @dataclass
@@ -86,6 +109,8 @@ class Output(Message):
     call: int
     value: Any
     timings: dict = field(default_factory=dict)
+    grads: list | None = None  # eager forward: gradients of the inputs, for an incoming gradient of 1
+    seq: int = 0
 
 
 @dataclass
@@ -96,6 +121,7 @@ class Backward(Message):
     call: int
     grads: list
     ops: list = field(default_factory=list)
+    seq: int = 0
 
 
 @dataclass
@@ -106,6 +132,7 @@ class InputGrads(Message):
     call: int
     grads: list
     timings: dict = field(default_factory=dict)
+    seq: int = 0
 
 
 @dataclass
@@ -115,12 +142,16 @@ class Sync(Message):
     TYPE: ClassVar[str] = "sync"
     ops: list = field(default_factory=list)
     want_state: bool = False
+    checkpoint: bool = False  # write a cloud checkpoint now
+    pin: bool = False  # ... and keep it: the edge is saving its own checkpoint to match it
+    seq: int = 0
 
 
 @dataclass
 class Ack(Message):
     TYPE: ClassVar[str] = "ack"
     state: dict | None = None
+    seq: int = 0
 
 
 @dataclass
@@ -128,6 +159,8 @@ class Error(Message):
     TYPE: ClassVar[str] = "error"
     code: str
     message: str
+    call: int = 0  # the request it answers, when known
+    seq: int = 0
 
 
 @dataclass
@@ -137,11 +170,24 @@ class Bye(Message):
     TYPE: ClassVar[str] = "bye"
     reason: str = ""
     ops: list = field(default_factory=list)
+    seq: int = 0
+
+
+@dataclass
+class Ping(Message):
+    """Edge → cloud while idle: keeps the session alive and checks that the cloud still answers."""
+
+    TYPE: ClassVar[str] = "ping"
+
+
+@dataclass
+class Pong(Message):
+    TYPE: ClassVar[str] = "pong"
 
 
 MESSAGES: dict[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Hello, Welcome, Forward, Output, Backward, InputGrads, Sync, Ack, Error, Bye)
+    for cls in (Hello, Welcome, Forward, Output, Backward, InputGrads, Sync, Ack, Error, Bye, Ping, Pong)
 }
 
 # Per message type: (field name, type hint, required), resolved once; decode is on the hot path.

@@ -77,12 +77,19 @@ def _two_terminals(tmp_path):
     return cloud, cloud_err, edge, edge_err
 
 
+def _exit_code(proc, *readers, timeout: float = 60) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail("process did not exit; its peers said:\n" + "\n---\n".join(r.text[-3000:] for r in readers))
+
+
 def test_ctrl_c_on_the_edge_ends_both_cleanly(tmp_path):
     cloud, cloud_err, edge, edge_err = _two_terminals(tmp_path)
     try:
         edge.send_signal(signal.SIGINT)
-        assert edge.wait(timeout=30) == 130
-        assert cloud.wait(timeout=30) == 0
+        assert _exit_code(edge, edge_err, cloud_err) == 130
+        assert _exit_code(cloud, edge_err, cloud_err) == 0
     finally:
         stop(edge)
         stop(cloud)
@@ -94,8 +101,8 @@ def test_ctrl_c_on_the_cloud_ends_both_cleanly(tmp_path):
     cloud, cloud_err, edge, edge_err = _two_terminals(tmp_path)
     try:
         cloud.send_signal(signal.SIGINT)
-        assert cloud.wait(timeout=30) == 130
-        assert edge.wait(timeout=30) == 1
+        assert _exit_code(cloud, edge_err, cloud_err) == 130
+        assert _exit_code(edge, edge_err, cloud_err) == 1
     finally:
         stop(edge)
         stop(cloud)

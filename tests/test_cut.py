@@ -8,7 +8,7 @@ from torch import nn
 
 from splitft.errors import CutError
 from splitft.models import digits_cnn
-from splitft.split import cloud_module_names, cut_text, install, parse_cut
+from splitft.cut import cloud_module_names, cut_text, install, parse_cut
 from tests.models import mlp, residual_net
 
 

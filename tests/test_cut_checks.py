@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from splitft.errors import CutError
-from splitft.split import install, parse_cut
+from splitft.cut import install, parse_cut
 
 
 def _identity_remote(x, *args, **kwargs):

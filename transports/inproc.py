@@ -17,7 +17,7 @@ _CLOSED = object()
 
 
 def _copy(frames: Sequence[Frame]) -> list[memoryview]:
-    return [memoryview(bytearray(memoryview(f).cast("B"))) for f in frames]
+    return [memoryview(bytearray(memoryview(f).tobytes())) for f in frames]
 
 
 class InprocListener(Listener):

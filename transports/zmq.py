@@ -1,46 +1,101 @@
-"""ZeroMQ transport: DEALER on the edge, ROUTER on the cloud, tcp:// or ipc://.
+"""ZeroMQ transport: DEALER on the edge, ROUTER on the cloud, tcp:// or ipc://, plain or CurveZMQ.
 
 Arrays travel as their own frames with ``copy=False``, so a large tensor is never copied into a
 Python bytes object on the way out; received frames are exposed as memoryviews of ZeroMQ's own
-buffers. Every socket closes with linger=0, so a dead peer never blocks shutdown.
+buffers. Every socket closes with linger=0, so a dead peer never blocks shutdown, and every send
+and receive is bounded in time.
+
+Faults a DEALER cannot see in its data (a refused CURVE handshake looks like silence, a dead
+cloud like a slow one) are read from the socket monitor: the edge's :meth:`ZmqConnection.recv`
+raises :class:`TransportRefused` for a failed handshake and :class:`TransportDisconnected` when
+an established connection drops. ZMTP heartbeats on both ends notice a peer that vanished
+without closing its TCP connection.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import time
+from collections.abc import Callable, Collection, Sequence
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from .base import Connection, Frame, Listener, PeerId, message_nbytes
-from .errors import TransportClosed, TransportError, TransportTimeout
+from .errors import TransportClosed, TransportDisconnected, TransportError, TransportRefused, TransportTimeout
+
+log = logging.getLogger(__name__)
+
+_MONITORED = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+              | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_DISCONNECTED)
 
 
 def _poll_ms(timeout: float | None) -> int | None:
     return None if timeout is None else max(0, int(timeout * 1000))
 
 
-class ZmqConnection(Connection):
-    """The edge side: a DEALER socket connected to one cloud address."""
+def _heartbeats(sock: zmq.Socket, heartbeat: float | None) -> None:
+    """ZMTP pings every ``heartbeat`` s; a peer silent for three of them is dropped."""
+    if heartbeat:
+        ivl = max(1, int(heartbeat * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * ivl)
 
-    def __init__(self, address: str, *, context: zmq.Context | None = None,
-                 max_message_bytes: int = -1) -> None:
+
+class ZmqConnection(Connection):
+    """The edge side: a DEALER socket connected to one cloud address.
+
+    Args:
+        address: ``tcp://HOST:PORT`` or ``ipc://PATH``.
+        server_key: the cloud's CURVE public key (Z85); with ``public_key``/``secret_key`` (this
+            edge's pair) it makes the link encrypted and authenticated. All three or none.
+        max_message_bytes: receive limit per frame (-1: none).
+        heartbeat: seconds between ZMTP pings (None/0: off).
+        send_timeout: seconds a send may wait for queue room before failing.
+    """
+
+    def __init__(self, address: str, *, context: zmq.Context | None = None, max_message_bytes: int = -1,
+                 server_key: bytes | None = None, public_key: bytes | None = None,
+                 secret_key: bytes | None = None, heartbeat: float | None = 2.0,
+                 send_timeout: float = 30.0) -> None:
         self.address = address
+        self.curve = server_key is not None
+        if (server_key is None) != (public_key is None) or (public_key is None) != (secret_key is None):
+            raise TransportError("a CURVE connection needs server_key, public_key and secret_key together")
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self._sock.setsockopt(zmq.SNDTIMEO, max(0, int(send_timeout * 1000)))
+        _heartbeats(self._sock, heartbeat)
+        if self.curve:
+            self._sock.curve_serverkey = server_key
+            self._sock.curve_publickey = public_key
+            self._sock.curve_secretkey = secret_key
+        self._monitor = self._sock.get_monitor_socket(_MONITORED)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self.handshakes = 0  # completed handshakes; > 0 means a later disconnect is a dropped link
+        self._closed = False
         try:
             self._sock.connect(address)
         except zmq.ZMQError as exc:
-            self._sock.close(linger=0)
-            raise TransportError(f"cannot connect to {address!r}: {exc} (expected tcp://HOST:PORT or ipc://PATH)") from exc
-        self._closed = False
+            self._release()
+            raise TransportError(
+                f"cannot connect to {address!r}: {exc} (expected tcp://HOST:PORT or ipc://PATH)") from exc
 
     def send(self, frames: Sequence[Frame]) -> int:
         if self._closed:
             raise TransportClosed(f"connection to {self.address} is closed")
+        if not frames:
+            raise TransportError("a message needs at least one frame")
         try:
             self._sock.send_multipart(list(frames), copy=False)
+        except zmq.Again:
+            raise TransportTimeout(
+                f"send to {self.address} found no room for the message (is the cloud reachable?)") from None
         except zmq.ZMQError as exc:
             raise TransportError(f"send to {self.address} failed: {exc}") from exc
         return message_nbytes(frames)
@@ -48,34 +103,102 @@ class ZmqConnection(Connection):
     def recv(self, timeout: float | None) -> list[memoryview]:
         if self._closed:
             raise TransportClosed(f"connection to {self.address} is closed")
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            if not self._sock.poll(_poll_ms(timeout), zmq.POLLIN):
-                raise TransportTimeout(f"no message from {self.address} within {timeout:.1f} s")
-            parts = self._sock.recv_multipart(copy=False)
+            while True:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                ready = dict(self._poller.poll(_poll_ms(left)))
+                if self._sock in ready:  # data first: a reply that made it counts even if the link died after
+                    return [p.buffer for p in self._sock.recv_multipart(copy=False)]
+                if self._monitor in ready:
+                    self._read_events()
+                    continue
+                if deadline is None or time.monotonic() >= deadline:
+                    raise TransportTimeout(f"no message from {self.address} within {timeout:.1f} s")
         except zmq.ZMQError as exc:
             raise TransportError(f"receive from {self.address} failed: {exc}") from exc
-        return [p.buffer for p in parts]
+
+    def _read_events(self) -> None:
+        while self._monitor.poll(0):
+            event = parse_monitor_message(self._monitor.recv_multipart())
+            kind, value = event["event"], event["value"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.handshakes += 1
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                raise TransportRefused(
+                    f"the cloud at {self.address} refused this edge's key (CURVE handshake refused, "
+                    f"ZAP status {value}); ask the cloud's operator to add this edge's public key file "
+                    "to its --allow-edge-keys"
+                )
+            elif kind in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+                hint = ("is --cloud-key the cloud's public key, and was the cloud started with --secret-key?"
+                        if self.curve else
+                        "the cloud expects an encrypted link: give this edge --cloud-key and --key")
+                raise TransportRefused(f"the handshake with the cloud at {self.address} failed; {hint}")
+            elif kind == zmq.EVENT_DISCONNECTED and self.handshakes:
+                raise TransportDisconnected(f"the connection to the cloud at {self.address} dropped")
+
+    def _release(self) -> None:
+        try:
+            self._sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._sock.close(linger=0)
+            self._release()
 
 
 class ZmqListener(Listener):
     """The cloud side: a ROUTER socket bound to an address; peers are ZeroMQ routing ids.
 
-    ``max_message_bytes`` makes ZeroMQ drop the connection of a peer that sends a bigger message,
-    before any of it is buffered whole.
+    Args:
+        address: ``tcp://HOST:PORT`` (port 0 picks a free one) or ``ipc://PATH``.
+        max_message_bytes: ZeroMQ drops the connection of a peer that sends a bigger frame,
+            before any of it is buffered whole (-1: no limit).
+        secret_key: this cloud's CURVE secret key (Z85): the link becomes encrypted.
+        allowed_keys: the edge public keys that may connect (a ZAP handler checks each
+            handshake). None with a secret key: any key may connect (encrypted, not authenticated).
+        on_refused: hears about each refused edge key.
+        heartbeat: seconds between ZMTP pings (None/0: off).
+
+    Replies never block the server: a peer whose queue is full (it stopped reading) loses the
+    reply, and its edge retries.
     """
 
-    def __init__(self, address: str, *, context: zmq.Context | None = None,
-                 max_message_bytes: int = -1) -> None:
-        self._ctx = context or zmq.Context.instance()
+    def __init__(self, address: str, *, context: zmq.Context | None = None, max_message_bytes: int = -1,
+                 secret_key: bytes | None = None, allowed_keys: Collection[bytes] | None = None,
+                 on_refused: Callable[[str], None] | None = None, heartbeat: float | None = 2.0) -> None:
+        self.curve = secret_key is not None
+        if allowed_keys is not None and not self.curve:
+            raise TransportError("allowed_keys needs secret_key: keys are only checked on a CURVE link")
+        self._auth = None
+        # A ZAP handler is per context, so a CURVE listener gets a context of its own.
+        self._own_ctx = self.curve and context is None
+        self._ctx = zmq.Context() if self._own_ctx else (context or zmq.Context.instance())
+        if self.curve and allowed_keys is not None:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            from .curve import KeyAllowList
+
+            self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger(f"{__name__}.zap"))
+            self._auth.start()
+            self._auth.configure_curve_callback("*", credentials_provider=KeyAllowList(allowed_keys, on_refused))
+        elif self.curve:
+            log.warning("CURVE listener without an allow-list: any edge key may connect (encrypted, not authenticated)")
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        _heartbeats(self._sock, heartbeat)
+        if self.curve:
+            self._sock.curve_server = True
+            self._sock.curve_secretkey = secret_key
+            if self._auth is None:
+                self._sock.zap_domain = b""  # no ZAP handler: accept any client key
         try:
             if address.startswith("tcp://") and address.endswith(":0"):
                 port = self._sock.bind_to_random_port(address[: -len(":0")])
@@ -83,7 +206,7 @@ class ZmqListener(Listener):
             else:
                 self._sock.bind(address)
         except zmq.ZMQError as exc:
-            self._sock.close(linger=0)
+            self._release()
             raise TransportError(
                 f"cannot bind {address!r}: {exc} (is another server using it? port 0 picks a free one)"
             ) from exc
@@ -94,7 +217,9 @@ class ZmqListener(Listener):
         if self._closed:
             raise TransportClosed("listener is closed")
         try:
-            self._sock.send_multipart([peer, *frames], copy=False)
+            self._sock.send_multipart([peer, *frames], copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise TransportError(f"peer {peer.hex()} is not reading its replies; dropped one") from None
         except zmq.ZMQError as exc:
             raise TransportError(f"send to peer {peer.hex()} failed: {exc} (did it disconnect?)") from exc
         return message_nbytes(frames)
@@ -110,7 +235,14 @@ class ZmqListener(Listener):
             raise TransportError(f"receive on {self.address} failed: {exc}") from exc
         return parts[0].bytes, [p.buffer for p in parts[1:]]
 
+    def _release(self) -> None:
+        self._sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        if self._own_ctx:
+            self._ctx.term()
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._sock.close(linger=0)
+            self._release()

@@ -1,0 +1,195 @@
+"""Checkpoints and resume: a cloud that dies mid-run, or an edge restarted from its checkpoint,
+continues to the same final weights as a run that never stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from torch import nn
+
+import splitft
+from splitft.cloud import CloudServer, serve_in_thread
+from splitft.data import batches, load_digits
+from splitft.models import digits_cnn
+from tests.conftest import DIGITS, start_cloud, stop
+from tests.test_faults import MLP, _data, assert_same, local_weights
+from tests.models import mlp
+from transports import InprocListener
+
+
+class RestartableCloud:
+    """An in-process cloud that can 'crash' (vanish without a goodbye) and start again on the
+    same checkpoint folder; edges reach whichever instance is current."""
+
+    def __init__(self, folder) -> None:
+        self.folder = folder
+        self.start()
+
+    def start(self) -> None:
+        self.listener = InprocListener()
+        self.server = CloudServer(self.listener, [MLP], checkpoint_dir=str(self.folder), fsync=False)
+        self.thread = serve_in_thread(self.server)
+
+    def crash(self) -> None:
+        self.listener.close()  # closed first: the shutdown's goodbyes reach no one
+        self.thread.join(timeout=10)
+
+    def connect(self):
+        return self.listener.connect()
+
+
+def test_cloud_crash_mid_step_resumes_from_its_checkpoint(tmp_path):
+    data = _data(6)
+    cloud = RestartableCloud(tmp_path / "ck")
+    model = splitft.split(mlp(), 2, factory=MLP, connection=cloud.connect, timeout=0.5, heartbeat=0)
+    try:
+        opt = model.attach(torch.optim.Adam(model.parameters(), lr=0.01))
+        crit = model.remote_loss(nn.CrossEntropyLoss())
+        for i, (x, y) in enumerate(data):
+            for j, part in enumerate(torch.chunk(torch.arange(len(y)), 2)):
+                loss = crit(model(x[part]), y[part]) / 2
+                if (i, j) in ((2, 1), (4, 0)):  # after a forward, before its backward
+                    cloud.crash()
+                    cloud.start()
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+        weights = {**model.model.state_dict(), **model.cloud_state_dict()}
+        assert model.session.recoveries == 2
+    finally:
+        model.close()
+        cloud.crash()
+    assert_same(weights, local_weights(data, accumulate=2))
+
+
+def test_edge_restarted_from_its_checkpoint_continues_exactly(tmp_path):
+    data = _data(7)
+    listener = InprocListener()
+    server = CloudServer(listener, [MLP], checkpoint_dir=str(tmp_path / "ck"), fsync=False)
+    thread = serve_in_thread(server)
+    try:
+        first = splitft.split(mlp(), 2, factory=MLP, connection=listener.connect)
+        opt = first.attach(torch.optim.Adam(first.parameters(), lr=0.01))
+        crit = first.remote_loss(nn.CrossEntropyLoss())
+        for i, (x, y) in enumerate(data):
+            crit(first(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 2:
+                first.save_checkpoint(tmp_path / "edge")
+            if i == 4:
+                break  # the edge "crashes": steps 3 and 4 are lost with it
+        first.session._drop()
+
+        second = splitft.split(mlp(seed=5), 2, factory=MLP, connection=listener.connect,
+                               resume_from=tmp_path / "edge")
+        with second:
+            assert second.session.step == 3
+            opt = second.attach(torch.optim.Adam(second.parameters(), lr=0.01))
+            crit = second.remote_loss(nn.CrossEntropyLoss())
+            for x, y in data[3:]:
+                crit(second(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            weights = {**second.model.state_dict(), **second.cloud_state_dict()}
+    finally:
+        server.stop()
+        thread.join(timeout=10)
+    assert_same(weights, local_weights(data))
+
+
+def test_resume_with_a_wrong_token_is_refused(tmp_path):
+    listener = InprocListener()
+    server = CloudServer(listener, [MLP], checkpoint_dir=str(tmp_path / "ck"), fsync=False)
+    thread = serve_in_thread(server)
+    try:
+        model = splitft.split(mlp(), 2, factory=MLP, connection=listener.connect)
+        model.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+        model.save_checkpoint(tmp_path / "edge")
+        model.session._drop()
+        text = (tmp_path / "edge.json").read_text()
+        (tmp_path / "edge.json").write_text(text.replace(model.session.token, "0" * 32))
+        with pytest.raises(splitft.HandshakeError, match="wrong resume token"):
+            splitft.split(mlp(), 2, factory=MLP, connection=listener.connect, resume_from=tmp_path / "edge")
+    finally:
+        server.stop()
+        thread.join(timeout=10)
+
+
+# ---------------------------------------------------------------- a real cloud process, SIGKILLed
+
+STEPS = 8
+
+
+def _digits_run(model, opt, crit, data, on_event=None) -> None:
+    it = batches(data, 32, shuffle=True, seed=1)
+    for i in range(STEPS):
+        x, y, _ = next(it)
+        for j, part in enumerate(torch.chunk(torch.arange(len(y)), 2)):
+            loss = crit(model(x[part]), y[part]) / 2
+            if on_event:
+                on_event(i, j, "forward")
+            loss.backward()
+        opt.step()
+        if on_event:
+            on_event(i, 0, "step")
+        opt.zero_grad()
+
+
+def test_cloud_process_killed_twice_and_restarted_from_its_checkpoint(tmp_path):
+    data = load_digits()[0]
+    local = digits_cnn()
+    opt = torch.optim.Adam(local.parameters(), lr=3e-3)
+    _digits_run(local, opt, nn.CrossEntropyLoss(), data)
+
+    folder = str(tmp_path / "checkpoints")
+    args = ("--sessions", "0", "--model", DIGITS, "--checkpoint-dir", folder, "--no-fsync")
+    cloud, address, _ = start_cloud(tmp_path, *args)
+    clouds = [cloud]
+
+    def kill_and_restart(i: int, j: int, where: str) -> None:
+        # Mid-step (a forward whose backward has not been sent) and between steps (a step that
+        # only rides on the next message): both must survive.
+        if (i, j, where) in ((2, 0, "forward"), (5, 0, "step")):
+            os.kill(clouds[-1].pid, signal.SIGKILL)
+            clouds[-1].wait(timeout=10)
+            clouds.append(start_cloud(tmp_path, *args, "--bind", address)[0])
+
+    try:
+        model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connect=address, timeout=10,
+                              reconnect_timeout=60, heartbeat=0)
+        with model:
+            opt = model.attach(torch.optim.Adam(model.parameters(), lr=3e-3))
+            _digits_run(model, opt, model.remote_loss(nn.CrossEntropyLoss()), data, kill_and_restart)
+            weights = {**model.model.state_dict(), **model.cloud_state_dict()}
+            assert model.session.recoveries == 2
+    finally:
+        for proc in clouds:
+            stop(proc)
+    assert len(clouds) == 3
+    assert_same(weights, local.state_dict())
+
+
+def test_replay_log_stays_bounded_when_the_edge_never_steps(tmp_path):
+    """A long evaluation sends requests but no step; the edge asks for checkpoints to let them go."""
+    cloud = RestartableCloud(tmp_path / "ck")
+    model = splitft.split(mlp(), 2, factory=MLP, connection=cloud.connect, timeout=0.5, heartbeat=0)
+    model.session.max_log_bytes = 20_000
+    try:
+        x = _data(1)[0][0]
+        model.eval()
+        with torch.no_grad():
+            expected = model.predict(x)
+            for i in range(60):
+                if i == 45:
+                    cloud.crash()
+                    cloud.start()
+                torch.testing.assert_close(model.predict(x), expected)
+                assert model.session._log.nbytes <= 20_000 + 5_000
+        assert model.session.recoveries == 1
+    finally:
+        model.close()
+        cloud.crash()

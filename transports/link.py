@@ -1,0 +1,569 @@
+"""A slow network link emulated in user space: bandwidth and one-way delay, per direction.
+
+The kernel on our machines has no netem, so ablations such as "100 Mbit/s with 20 ms latency" are
+emulated here, on the edge's side of a connection. The model is the textbook one for a single
+bottleneck link: each direction serialises one message at a time at its bandwidth, in order, and
+every message then propagates for the one-way delay. A message may start serialising while the
+previous one is still propagating, so pipelined requests overlap as they would on a real wire.
+
+Two layers, kept apart so the arithmetic can be tested without threads or clocks:
+
+* :class:`LinkSchedule` — pure bookkeeping for one direction: given a message's size and the time
+  it was handed to the link, when it starts, finishes serialising, and arrives.
+* :class:`EmulatedConnection` — wraps a real :class:`~transports.base.Connection` (ZeroMQ or
+  in-process) and holds each message until the schedule says it has arrived, in both directions.
+  The cloud answers over loopback at once, so the edge side can account for the downlink too: a
+  reply's "sent at" is the moment it came out of the inner connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .base import Connection, Frame, message_nbytes
+from .errors import LinkSpecError, TransportClosed, TransportError, TransportTimeout
+
+log = logging.getLogger(__name__)
+
+# Times within this much of a deadline count as reached: float sums of delays and serialisation
+# times are not exact, and a fake clock must not be asked to sleep for less than its resolution.
+_EPS = 1e-9
+
+_EXAMPLES = ("'100mbit,20ms' (both directions), '10mbit,50ms', '1gbit,0ms', "
+             "'up=100mbit,20ms;down=10mbit,50ms' (asymmetric), 'loopback' (no emulation)")
+_NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?"
+_RATE = re.compile(rf"({_NUMBER})\s*([a-z]*)(?:/s)?")
+_DELAY = re.compile(rf"({_NUMBER})\s*([a-zµ]*)")
+_RATE_UNITS = {"": 1.0, "bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+_DELAY_UNITS = {"s": 1.0, "ms": 1e3, "us": 1e6, "µs": 1e6}  # value / factor = seconds
+_NO_LINK = {"loopback", "none"}
+
+
+# --------------------------------------------------------------------------------------- spec
+
+
+@dataclass(frozen=True)
+class LinkDirection:
+    """One direction of a link: how fast bits leave, and how long each takes to cross.
+
+    ``bandwidth_bps`` is in bits per second (``math.inf``: serialisation takes no time);
+    ``delay_s`` is the one-way propagation delay in seconds.
+    """
+
+    bandwidth_bps: float = math.inf
+    delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_bps > 0:  # also rejects NaN
+            raise LinkSpecError(f"bandwidth must be > 0 bit/s, got {self.bandwidth_bps!r}")
+        if not (0 <= self.delay_s < math.inf):
+            raise LinkSpecError(f"one-way delay must be a finite number of seconds >= 0, got {self.delay_s!r}")
+
+    def serialise_s(self, nbytes: int) -> float:
+        """Seconds the link is busy putting ``nbytes`` on the wire."""
+        return 8 * nbytes / self.bandwidth_bps
+
+    def transfer_s(self, nbytes: int) -> float:
+        """Seconds from handing ``nbytes`` to an idle link until the last byte arrives."""
+        return self.serialise_s(nbytes) + self.delay_s
+
+    @property
+    def is_ideal(self) -> bool:
+        return self.bandwidth_bps == math.inf and self.delay_s == 0
+
+    def to_text(self) -> str:
+        """The shortest form :meth:`LinkSpec.parse` reads back to exactly this direction."""
+        return f"{_rate_text(self.bandwidth_bps)},{_delay_text(self.delay_s)}"
+
+    def __str__(self) -> str:
+        return f"{_rate_human(self.bandwidth_bps)}, {_delay_human(self.delay_s)}"
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A link to emulate: ``up`` carries edge→cloud traffic, ``down`` cloud→edge.
+
+    Build one with :meth:`parse` (``"100mbit,20ms"``), :meth:`symmetric`, or directly.
+    """
+
+    up: LinkDirection = field(default_factory=LinkDirection)
+    down: LinkDirection = field(default_factory=LinkDirection)
+
+    @classmethod
+    def symmetric(cls, bandwidth_bps: float = math.inf, delay_s: float = 0.0) -> "LinkSpec":
+        direction = LinkDirection(float(bandwidth_bps), float(delay_s))
+        return cls(direction, direction)
+
+    @classmethod
+    def loopback(cls) -> "LinkSpec":
+        """No emulation: infinite bandwidth and no delay either way."""
+        return cls()
+
+    @property
+    def is_loopback(self) -> bool:
+        return self.up.is_ideal and self.down.is_ideal
+
+    def round_trip_s(self, up_bytes: int, down_bytes: int) -> float:
+        """Seconds for a request and its reply over an idle link, with an instant answer."""
+        return self.up.transfer_s(up_bytes) + self.down.transfer_s(down_bytes)
+
+    @classmethod
+    def coerce(cls, value: "LinkSpec | str") -> "LinkSpec":
+        """Accept a spec or its text, so options can take either."""
+        if isinstance(value, LinkSpec):
+            return value
+        if isinstance(value, str):
+            return cls.parse(value)
+        raise LinkSpecError(f"expected a LinkSpec or a string such as {_EXAMPLES}; got {type(value).__name__}")
+
+    @classmethod
+    def parse(cls, text: str) -> "LinkSpec":
+        """Read ``"BANDWIDTH,DELAY"`` (both directions) or ``"up=BANDWIDTH,DELAY;down=BANDWIDTH,DELAY"``.
+
+        Bandwidth: a number of bit/s with an optional unit ``bit``, ``kbit``, ``mbit``, ``gbit``
+        (decimal: 1 mbit = 10^6 bit), or ``inf``. Delay: a number with ``s``, ``ms`` or ``us``
+        (a bare ``0`` is allowed). ``loopback`` or ``none`` means no emulation.
+        """
+        if not isinstance(text, str):
+            raise LinkSpecError(f"expected link text such as {_EXAMPLES}; got {type(text).__name__}")
+        clean = text.strip().lower()
+        if clean in _NO_LINK:
+            return cls.loopback()
+        try:
+            if "=" not in clean:
+                direction = _parse_direction(clean)
+                return cls(direction, direction)
+            parts: dict[str, LinkDirection] = {}
+            for part in clean.split(";"):
+                name, eq, rest = part.partition("=")
+                name = name.strip()
+                if not eq or name not in ("up", "down"):
+                    raise ValueError(f"{part.strip()!r} should start with 'up=' or 'down='")
+                if name in parts:
+                    raise ValueError(f"{name!r} is given twice")
+                parts[name] = _parse_direction(rest.strip())
+            missing = {"up", "down"} - parts.keys()
+            if missing:
+                raise ValueError(f"the asymmetric form needs both up= and down=; {' and '.join(sorted(missing))} is missing")
+            return cls(parts["up"], parts["down"])
+        except (ValueError, LinkSpecError) as exc:
+            raise LinkSpecError(f"cannot read link {text!r}: {exc}. Examples: {_EXAMPLES}") from None
+
+    def to_text(self) -> str:
+        """A form :meth:`parse` reads back to an equal spec (for configs and logs)."""
+        if self.is_loopback:
+            return "loopback"
+        if self.up == self.down:
+            return self.up.to_text()
+        return f"up={self.up.to_text()};down={self.down.to_text()}"
+
+    def __str__(self) -> str:
+        if self.is_loopback:
+            return "loopback (no emulation)"
+        if self.up == self.down:
+            return f"{self.up} (each direction)"
+        return f"up {self.up}; down {self.down}"
+
+
+def _parse_direction(text: str) -> LinkDirection:
+    pieces = [p.strip() for p in text.split(",")]
+    if len(pieces) != 2 or not all(pieces):
+        raise ValueError(f"expected BANDWIDTH,DELAY but got {text!r}")
+    return LinkDirection(_parse_rate(pieces[0]), _parse_delay(pieces[1]))
+
+
+def _parse_rate(text: str) -> float:
+    if text in ("inf", "unlimited"):
+        return math.inf
+    match = _RATE.fullmatch(text)
+    unit = match.group(2) if match else None
+    if unit not in _RATE_UNITS:
+        hint = ""
+        if unit and unit.endswith(("bps", "b", "b/s")):
+            hint = " (write bits per second as bit/kbit/mbit/gbit; 'mbps' is ambiguous)"
+        raise ValueError(f"bandwidth {text!r} is not a number with a unit bit, kbit, mbit or gbit{hint}")
+    value = float(match.group(1)) * _RATE_UNITS[unit]
+    if not value > 0:
+        raise ValueError(f"bandwidth {text!r} must be more than 0")
+    return value
+
+
+def _parse_delay(text: str) -> float:
+    match = _DELAY.fullmatch(text)
+    if match is None:
+        raise ValueError(f"delay {text!r} is not a number with a unit s, ms or us")
+    number, unit = match.groups()
+    if not unit:
+        if float(number) != 0:
+            raise ValueError(f"delay {text!r} needs a unit: s, ms or us (e.g. '20ms')")
+        return 0.0
+    if unit not in _DELAY_UNITS:
+        raise ValueError(f"delay {text!r} has unit {unit!r}; use s, ms or us")
+    return float(number) / _DELAY_UNITS[unit]
+
+
+def _trim(value: float) -> str:
+    text = repr(value)
+    return text[:-2] if text.endswith(".0") else text
+
+
+def _rate_text(bps: float) -> str:
+    if bps == math.inf:
+        return "inf"
+    for unit in ("gbit", "mbit", "kbit"):
+        value = bps / _RATE_UNITS[unit]
+        if value >= 1 and float(_trim(value)) * _RATE_UNITS[unit] == bps:
+            return _trim(value) + unit
+    return _trim(bps) + "bit"
+
+
+def _delay_text(seconds: float) -> str:
+    if seconds == 0:
+        return "0ms"
+    for unit in ("s", "ms", "us"):
+        value = seconds * _DELAY_UNITS[unit]
+        if value >= 1 and float(_trim(value)) / _DELAY_UNITS[unit] == seconds:
+            return _trim(value) + unit
+    return repr(seconds) + "s"
+
+
+def _rate_human(bps: float) -> str:
+    if bps == math.inf:
+        return "unlimited bandwidth"
+    for unit, factor in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bps >= factor:
+            return f"{bps / factor:g} {unit}"
+    return f"{bps:g} bit/s"
+
+
+def _delay_human(seconds: float) -> str:
+    if seconds == 0:
+        return "no delay"
+    if seconds >= 1:
+        return f"{seconds:g} s one-way"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:g} ms one-way"
+    return f"{seconds * 1e6:g} µs one-way"
+
+
+# ----------------------------------------------------------------------------------- schedule
+
+
+@dataclass(frozen=True)
+class Transit:
+    """When one message crossed one direction of the link (all times on the link's clock)."""
+
+    nbytes: int  # what was scheduled: the message plus any per-message overhead
+    sent: float  # handed to the link
+    start: float  # first bit leaves (later than ``sent`` if the link was still busy)
+    done: float  # last bit leaves; the link is free again
+    arrival: float  # last bit reaches the other end
+
+    @property
+    def queued_s(self) -> float:
+        return self.start - self.sent
+
+
+def plan(direction: LinkDirection, nbytes: int, sent_at: float, free_at: float) -> Transit:
+    """The pure rule: start when both the message and the link are ready, serialise, propagate."""
+    start = max(sent_at, free_at)
+    done = start + direction.serialise_s(nbytes)
+    return Transit(nbytes, sent_at, start, done, done + direction.delay_s)
+
+
+class LinkSchedule:
+    """The state of one direction: when the link is next free, and what it has carried.
+
+    Not thread-safe by itself; :class:`EmulatedConnection` calls it under its lock.
+    """
+
+    def __init__(self, direction: LinkDirection, *, overhead_bytes: int = 0) -> None:
+        if overhead_bytes < 0:
+            raise LinkSpecError(f"overhead_bytes must be >= 0, got {overhead_bytes}")
+        self.direction = direction
+        self.overhead_bytes = int(overhead_bytes)
+        self.free_at = -math.inf
+        self.messages = 0
+        self.bytes = 0  # message bytes, without the overhead
+        self.busy_s = 0.0  # total serialisation time, overhead included
+        self.last: Transit | None = None
+
+    def schedule(self, nbytes: int, sent_at: float) -> Transit:
+        """Book a message of ``nbytes`` handed over at ``sent_at``; messages must come in send order."""
+        if nbytes < 0:
+            raise ValueError(f"a message cannot have {nbytes} bytes")
+        transit = plan(self.direction, nbytes + self.overhead_bytes, sent_at, self.free_at)
+        self.free_at = transit.done
+        self.messages += 1
+        self.bytes += nbytes
+        self.busy_s += self.direction.serialise_s(transit.nbytes)
+        self.last = transit
+        return transit
+
+    def stats(self) -> dict[str, float | int]:
+        return {"messages": self.messages, "bytes": self.bytes, "busy_s": self.busy_s}
+
+
+# --------------------------------------------------------------------------------- connection
+
+
+@dataclass(frozen=True)
+class LinkEvent:
+    """A message leaving the emulated link: ``at`` is when it was really handed on.
+
+    For ``"up"`` that is the moment it went into the inner connection; for ``"down"`` the moment
+    :meth:`EmulatedConnection.recv` returned it. ``at - transit.arrival`` is the emulator's lateness.
+    """
+
+    direction: str
+    transit: Transit
+    at: float
+
+
+class EmulatedConnection(Connection):
+    """The edge end of a connection, slowed to a :class:`LinkSpec` in both directions.
+
+    ``send`` returns at once, as a socket with room in its buffer does; a background thread (the
+    pump) hands each message to ``inner`` when the uplink schedule says it arrives. The pump is
+    the only thread that touches ``inner`` (ZeroMQ sockets are not thread-safe): it also drains
+    replies as soon as they come out, stamps them with the downlink schedule, and ``recv``
+    releases each at its arrival time. A reply that has come out of ``inner`` but not yet
+    "arrived" is not visible: ``recv`` times out as it would on the real link, and the reply is
+    still delivered later.
+
+    ``clock`` and ``sleep`` make time injectable. With the default (``sleep=None``) the link runs
+    on real time and the pump waits inside ``inner.recv``, so replies are stamped the moment they
+    come out. With a fake clock, pass a ``sleep`` that advances it: the link's time then moves
+    only through that ``sleep``, always after the pump has drained ``inner``, so a test that
+    replies before calling ``recv`` gets exact, repeatable times.
+
+    ``copy`` snapshots the frames in ``send`` (like a kernel socket buffer), so a caller may
+    reuse its arrays while the message is still "on the wire". ``overhead_bytes`` adds a fixed
+    per-message cost to the schedule (framing, headers); byte counts returned by ``send`` stay
+    exactly what the inner transport carries. ``poll_interval`` bounds how long the real-time pump
+    blocks in ``inner.recv`` (a generic connection cannot be woken): a message sent while it
+    blocks is due no earlier than one uplink delay later, so it is never late when the delay is
+    at least the interval; the default is the uplink delay clamped to [1 ms, 50 ms]. ``history``
+    is how many :class:`LinkEvent` records :attr:`events` keeps.
+    """
+
+    def __init__(self, inner: Connection, spec: LinkSpec | str, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] | None = None,
+                 overhead_bytes: int = 0, copy: bool = True,
+                 poll_interval: float | None = None, history: int = 256) -> None:
+        self.spec = LinkSpec.coerce(spec)
+        if poll_interval is None:
+            poll_interval = min(max(self.spec.up.delay_s, 1e-3), 0.05)
+        if not poll_interval > 0:
+            raise ValueError(f"poll_interval must be > 0 s, got {poll_interval!r}")
+        self.inner = inner
+        self.address = getattr(inner, "address", "?")
+        self.clock = clock
+        self.up = LinkSchedule(self.spec.up, overhead_bytes=overhead_bytes)
+        self.down = LinkSchedule(self.spec.down, overhead_bytes=overhead_bytes)
+        self._events: deque[LinkEvent] = deque(maxlen=history)
+        self._sleep = sleep
+        self._copy = copy
+        self._poll = float(poll_interval)
+        self._cond = threading.Condition()
+        self._outbound: deque[tuple[Transit, list[Frame]]] = deque()
+        self._inbound: deque[tuple[Transit, list[memoryview]]] = deque()
+        self._deadlines: list[float] = []
+        self._receivers = 0
+        self._generation = 0  # bumped on every change the pump may need to see
+        self._closed = False
+        self._error: BaseException | None = None
+        log.info("emulating %s on %s", self.spec, self.address)
+        self._pump = threading.Thread(target=self._run, name=f"link-pump {self.address}", daemon=True)
+        self._pump.start()
+
+    # ------------------------------------------------------------------ Connection
+
+    def send(self, frames: Sequence[Frame]) -> int:
+        nbytes = message_nbytes(frames)
+        held = [memoryview(f).tobytes() for f in frames] if self._copy else list(frames)
+        with self._cond:
+            self._raise_if_unusable()
+            self._outbound.append((self.up.schedule(nbytes, self.clock()), held))
+            self._changed()
+        return nbytes
+
+    def recv(self, timeout: float | None) -> list[memoryview]:
+        with self._cond:
+            self._raise_if_unusable()
+            deadline = None if timeout is None else self.clock() + max(float(timeout), 0.0)
+            self._receivers += 1
+            if deadline is not None:
+                self._deadlines.append(deadline)
+            self._changed()
+            try:
+                while True:
+                    self._raise_if_unusable()
+                    now = self.clock()
+                    head = self._inbound[0][0].arrival if self._inbound else None
+                    if head is not None and head <= now + _EPS:
+                        transit, frames = self._inbound.popleft()
+                        self._events.append(LinkEvent("down", transit, now))
+                        return frames
+                    if deadline is not None and now >= deadline - _EPS:
+                        raise TransportTimeout(self._timeout_message(timeout, head, now))
+                    wake = min((t for t in (head, deadline) if t is not None), default=None)
+                    self._cond.wait(None if wake is None else wake - now)
+            finally:
+                self._receivers -= 1
+                if deadline is not None:
+                    self._deadlines.remove(deadline)
+                self._changed()
+
+    def close(self) -> None:
+        """Drop whatever is still on the emulated wire, stop the pump, and close ``inner``."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            if self._outbound:
+                log.debug("dropping %d message(s) still on the emulated uplink", len(self._outbound))
+            self._outbound.clear()
+            self._inbound.clear()
+            self._changed()
+        if threading.current_thread() is not self._pump:
+            self._pump.join(timeout=10)
+            if self._pump.is_alive():
+                log.warning("the link pump for %s did not stop within 10 s; it closes the connection when it does",
+                            self.address)
+
+    # ------------------------------------------------------------------ inspection
+
+    def stats(self) -> dict[str, object]:
+        """Bytes, messages and busy (serialisation) time per direction, for reports."""
+        with self._cond:
+            return {"link": self.spec.to_text(), "up": self.up.stats(), "down": self.down.stats()}
+
+    @property
+    def events(self) -> list[LinkEvent]:
+        """The last ``history`` messages that left the link, both directions, oldest first."""
+        with self._cond:
+            return list(self._events)
+
+    @property
+    def in_flight(self) -> tuple[int, int]:
+        """Messages held by the emulator: (not yet delivered up, not yet taken by ``recv``)."""
+        with self._cond:
+            return len(self._outbound), len(self._inbound)
+
+    # ------------------------------------------------------------------ internals
+
+    def _changed(self) -> None:
+        self._generation += 1
+        self._cond.notify_all()
+
+    def _raise_if_unusable(self) -> None:
+        if self._closed:
+            raise TransportClosed(f"connection to {self.address} is closed")
+        if self._error is not None:
+            cls = TransportClosed if isinstance(self._error, TransportClosed) else TransportError
+            raise cls(f"the emulated link to {self.address} failed in the background: {self._error}") from self._error
+
+    def _timeout_message(self, timeout: float | None, head: float | None, now: float) -> str:
+        text = f"no message from {self.address} within {timeout:g} s (emulated link: {self.spec})"
+        if head is not None:
+            text += f"; one is on the way and arrives in {head - now:.3g} s"
+        return text
+
+    def _run(self) -> None:
+        try:
+            while self._step():
+                pass
+        except Exception as exc:  # surfaced to the caller on its next send/recv
+            log.warning("emulated link to %s failed: %s", self.address, exc)
+            with self._cond:
+                self._error = exc
+                self._changed()
+        finally:
+            self.inner.close()  # the pump owns inner: no other thread may touch it while it runs
+
+    def _step(self) -> bool:
+        """One round of the pump: deliver what is due, else take in replies, else let time pass."""
+        with self._cond:
+            if self._closed:
+                return False
+            self._cond.notify_all()  # time has moved: receivers re-check their deadlines
+            now = self.clock()
+            due = []
+            while self._outbound and self._outbound[0][0].arrival <= now + _EPS:
+                due.append(self._outbound.popleft())
+            until, hold = self._next_wake(now)
+            generation = self._generation
+        if due:
+            for transit, frames in due:
+                with self._cond:
+                    self._events.append(LinkEvent("up", transit, self.clock()))
+                self.inner.send(frames)
+            return True
+        if self._take_replies(0.0):
+            return True  # something new is in flight: plan again before time moves
+        self._let_time_pass(until, hold, generation)
+        return True
+
+    def _next_wake(self, now: float) -> tuple[float | None, bool]:
+        """The next moment something is due, and whether a receiver has something to do *now*.
+
+        Receivers' deadlines and replies count only while someone is receiving: with a fake
+        clock, time must not run ahead to a reply nobody is waiting for.
+        """
+        hold = False
+        times = [self._outbound[0][0].arrival] if self._outbound else []
+        if self._receivers:
+            pending = [self._inbound[0][0].arrival] if self._inbound else []
+            for t in pending + self._deadlines:
+                if t <= now + _EPS:
+                    hold = True
+                else:
+                    times.append(t)
+        return (min(times) if times else None), hold
+
+    def _take_replies(self, wait: float) -> bool:
+        """Move every reply out of ``inner`` (waiting up to ``wait`` for the first), stamped now."""
+        got = False
+        while True:
+            try:
+                frames = self.inner.recv(wait)
+            except TransportTimeout:
+                return got
+            with self._cond:
+                self._inbound.append((self.down.schedule(message_nbytes(frames), self.clock()), frames))
+                self._changed()
+            got, wait = True, 0.0
+
+    def _let_time_pass(self, until: float | None, hold: bool, generation: int) -> None:
+        if self._sleep is None:
+            # Real time passes by itself; wait inside inner so replies are stamped on arrival.
+            wait = self._poll if until is None else min(max(until - self.clock(), 0.0), self._poll)
+            self._take_replies(wait)
+        elif hold or until is None:
+            # Fake time: nothing is due, or a receiver must act first; wait for a change.
+            with self._cond:
+                self._cond.wait_for(lambda: self._generation != generation or self._closed)
+        else:
+            self._sleep(max(until - self.clock(), 0.0))
+
+
+def emulate(connection: Connection, link: LinkSpec | str | None, **options) -> Connection:
+    """Wrap ``connection`` in an emulated link, or return it unchanged for none/loopback.
+
+    ``options`` go to :class:`EmulatedConnection` (``overhead_bytes``, ``clock``, ``sleep``, ...).
+    """
+    if link is None:
+        return connection
+    spec = LinkSpec.coerce(link)
+    if spec.is_loopback:
+        return connection
+    return EmulatedConnection(connection, spec, **options)
