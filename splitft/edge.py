@@ -59,7 +59,7 @@ class _Part:
     sent: list[Coded] = field(default_factory=list)
     received: list[Coded] = field(default_factory=list)
     out_grad: list[bool] = field(default_factory=list)
-    eager_grads: list | None = None  # input gradients that came with the output (eager backward)
+    eager_grads: tuple | None = None  # parsed input gradients that came with the output (eager backward)
     seq: int = 0  # request number of its forward, then of its backward
 
 
@@ -518,8 +518,8 @@ class EdgeSession:
                 part.out_grad = [g and call.grad for _, g in out_entries]
                 grad_bytes = 0
                 if reply.grads is not None:  # eager backward: the cut's gradient came along
-                    part.eager_grads = reply.grads
-                    grad_bytes = sum(p.nbytes for p, _ in from_wire(reply.grads)[0])
+                    part.eager_grads = from_wire(reply.grads)
+                    grad_bytes = sum(p.nbytes for p, _ in part.eager_grads[0])
                     self.metrics.count("down", "gradient", raw=sum(
                         raw_nbytes(c.shape, c.dtype) for c, g in zip(part.sent, call.in_grad) if g),
                         payload=grad_bytes, wire=grad_bytes, messages=0)
@@ -611,18 +611,18 @@ class EdgeSession:
 
     def _input_grads(self, call: _Call, part: _Part) -> list[torch.Tensor | None]:
         reply, wire_in = self._await(part.seq, InputGrads)
-        result = self._decode_input_grads(call, part, reply.grads)
-        got, _ = from_wire(reply.grads)
+        got, skeleton = from_wire(reply.grads)
+        result = self._decode_input_grads(call, part, (got, skeleton))
         self.metrics.count("down", "gradient", raw=sum(raw_nbytes(c.shape, c.dtype)
                                                        for c, g in zip(part.sent, call.in_grad) if g),
                            payload=sum(p.nbytes for p, _ in got), wire=wire_in)
         return result
 
-    def _decode_input_grads(self, call: _Call, part: _Part, wire: Any,
+    def _decode_input_grads(self, call: _Call, part: _Part, parsed: tuple[list, Any],
                             scale: torch.Tensor | None = None) -> list[torch.Tensor | None]:
-        """Gradients of a part's inputs from wire entries (times ``scale`` for an eager call)."""
+        """Gradients of a part's inputs from parsed wire entries (times ``scale`` for an eager call)."""
         ctx = CodecContext("gradient", train=True, step=self.step, sample_ids=part.sample_ids)
-        got, skeleton = from_wire(wire)
+        got, skeleton = parsed
         if not isinstance(skeleton, list) or len(skeleton) != len(part.sent):
             raise ProtocolError(f"cloud sent {len(skeleton) if isinstance(skeleton, list) else '?'} input "
                                 f"gradients for a call with {len(part.sent)} inputs")

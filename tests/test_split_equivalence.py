@@ -75,6 +75,23 @@ def _assert_same(local, split, **tolerance) -> None:
 REASSOCIATED = {"rtol": 1e-4, "atol": 1e-4}
 
 
+def _train_both_and_compare(local, split_model, make_opt, xs, ys) -> None:
+    """Train a local model and its split twin on the same batches; every parameter must match."""
+    for model in (local, split_model):
+        opt = make_opt(model.parameters())
+        if model is split_model:
+            model.attach(opt)
+        for x, y in zip(xs, ys):
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    state = {**split_model.model.state_dict(), **split_model.cloud_state_dict()}
+    split_model.close()
+    assert set(state) == set(local.state_dict())
+    for name, value in local.state_dict().items():
+        torch.testing.assert_close(state[name], value)
+
+
 @pytest.fixture(scope="module")
 def digits():
     return load_digits()[0]
@@ -120,19 +137,7 @@ def test_ushape_on_a_non_chain_model_equals_local(inproc_cloud):
     local = residual_net()
     split_model = splitft.split(residual_net(), "stage1", "head", factory="tests.models:residual_net",
                                 connection=inproc_cloud.connect())
-    for model in (local, split_model):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        if model is split_model:
-            model.attach(opt)
-        for x, y in zip(xs, ys):
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-    state = {**split_model.model.state_dict(), **split_model.cloud_state_dict()}
-    split_model.close()
-    assert set(state) == set(local.state_dict())
-    for name, value in local.state_dict().items():
-        torch.testing.assert_close(state[name], value)
+    _train_both_and_compare(local, split_model, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), xs, ys)
 
 
 def test_evaluation_matches_and_leaves_weights_alone(inproc_cloud, digits):
@@ -170,15 +175,4 @@ def test_adamw_settings_are_mirrored(inproc_cloud):
     xs, ys = torch.randn(4, 8, 12), torch.randint(0, 3, (4, 8))
     local = mlp()
     split_model = splitft.split(mlp(), "2", "4", factory="tests.models:mlp", connection=inproc_cloud.connect())
-    for model in (local, split_model):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        if model is split_model:
-            model.attach(opt)
-        for x, y in zip(xs, ys):
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-    state = {**split_model.model.state_dict(), **split_model.cloud_state_dict()}
-    split_model.close()
-    for name, value in local.state_dict().items():
-        torch.testing.assert_close(state[name], value)
+    _train_both_and_compare(local, split_model, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1), xs, ys)
