@@ -180,10 +180,29 @@ def remove_checkpoint(stem: str | os.PathLike) -> None:
         path.unlink(missing_ok=True)
 
 
+def _json_path(stem_or_json: str | os.PathLike) -> Path:
+    path = Path(stem_or_json)
+    return path if path.suffix == ".json" else path.with_name(path.name + ".json")
+
+
+def read_meta(stem_or_json: str | os.PathLike) -> dict[str, Any]:
+    """The ``meta`` of a checkpoint alone, without reading its tensors (to check a token first)."""
+    json_path = _json_path(stem_or_json)
+    try:
+        document = json.loads(json_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"no checkpoint at {json_path}") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{json_path} is not a readable checkpoint: {exc}") from exc
+    meta = document.get("meta") if isinstance(document, dict) else None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{json_path} is not a splitft checkpoint")
+    return meta
+
+
 def read_checkpoint(stem_or_json: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
     """``(tree, meta)`` of a checkpoint written by :func:`write_checkpoint`, verified."""
-    path = Path(stem_or_json)
-    json_path = path if path.suffix == ".json" else path.with_name(path.name + ".json")
+    json_path = _json_path(stem_or_json)
     try:
         document = json.loads(json_path.read_text())
     except FileNotFoundError:
@@ -224,15 +243,51 @@ class CheckpointStore:
     resuming edge asks for. The newest ``keep`` regular checkpoints of a session are kept, plus
     its newest *pinned* one (``pin-<n>``: written because the edge saved its own checkpoint, so
     an edge restarted from that file finds the matching cloud half however long ago it was).
+
+    The folder is bounded: :meth:`remove` deletes a session's regular checkpoints when it ends
+    (its pinned one stays for the edge that saved it), and a save that would take the whole
+    folder over ``max_bytes`` is refused.
     """
 
-    def __init__(self, root: str | os.PathLike, *, keep: int = 2, fsync: bool = True) -> None:
+    def __init__(self, root: str | os.PathLike, *, keep: int = 2, fsync: bool = True,
+                 max_bytes: int | None = None) -> None:
         if keep < 1:
             raise CheckpointError(f"keep must be at least 1, got {keep}")
         self.root = Path(root)
         self.keep = keep
         self.fsync = fsync
+        self.max_bytes = max_bytes
         self.root.mkdir(parents=True, exist_ok=True)
+        self._sizes = {folder.name: _folder_nbytes(folder) for folder in self.root.iterdir()
+                       if folder.is_dir() and _SESSION.fullmatch(folder.name)}
+
+    def nbytes(self) -> int:
+        """What the folder holds (kept up to date by this store's own saves and removals)."""
+        return sum(self._sizes.values())
+
+    def full(self) -> bool:
+        return self.max_bytes is not None and self.nbytes() >= self.max_bytes
+
+    def remove(self, session: str, *, keep_pinned: bool = True) -> None:
+        """Delete ``session``'s checkpoints (all but its pinned one, unless ``keep_pinned`` is off)."""
+        folder = self._folder(session)
+        if not folder.is_dir():
+            return
+        for kind in ("seq",) + (() if keep_pinned else ("pin",)):
+            for number in self._numbers(folder, kind):
+                remove_checkpoint(folder / f"{kind}-{number:012d}")
+        try:
+            folder.rmdir()  # only when nothing is left in it
+        except OSError:
+            pass
+        self._update(session)
+
+    def _update(self, session: str) -> None:
+        folder = self.root / session
+        if folder.is_dir():
+            self._sizes[session] = _folder_nbytes(folder)
+        else:
+            self._sizes.pop(session, None)
 
     def _folder(self, session: str) -> Path:
         if not isinstance(session, str) or not _SESSION.fullmatch(session):
@@ -242,9 +297,18 @@ class CheckpointStore:
     def save(self, session: str, seq: int, tree: Any, meta: dict[str, Any], *, pinned: bool = False) -> Path:
         folder = self._folder(session)
         kind = "pin" if pinned else "seq"
-        path = write_checkpoint(folder / f"{kind}-{seq:012d}", tree, meta, fsync=self.fsync)
-        for old in self._numbers(folder, kind)[: -(1 if pinned else self.keep)]:
-            remove_checkpoint(folder / f"{kind}-{old:012d}")
+        if self.max_bytes is not None:
+            tensors, _ = flatten_state(tree)
+            need = sum(t.numel() * t.element_size() for t in tensors.values())
+            if self.nbytes() + need > self.max_bytes:
+                raise CheckpointError(f"the checkpoint folder holds {self.nbytes()} bytes; this checkpoint of "
+                                      f"{need} more would pass its cap of {self.max_bytes} (--checkpoint-max-mb)")
+        try:
+            path = write_checkpoint(folder / f"{kind}-{seq:012d}", tree, meta, fsync=self.fsync)
+            for old in self._numbers(folder, kind)[: -(1 if pinned else self.keep)]:
+                remove_checkpoint(folder / f"{kind}-{old:012d}")
+        finally:
+            self._update(session)
         return path
 
     @staticmethod
@@ -263,13 +327,31 @@ class CheckpointStore:
             return []
         return sorted(set(self._numbers(folder, "seq")) | set(self._numbers(folder, "pin")))
 
-    def load(self, session: str, seq: int) -> tuple[Any, dict[str, Any]]:
+    def _stem(self, session: str, seq: int) -> Path:
         folder = self._folder(session)
         for kind in ("seq", "pin"):
             if (folder / f"{kind}-{seq:012d}.json").exists():
-                return read_checkpoint(folder / f"{kind}-{seq:012d}")
+                return folder / f"{kind}-{seq:012d}"
         raise CheckpointError(f"session {session} has no checkpoint at request {seq}")
 
+    def load(self, session: str, seq: int) -> tuple[Any, dict[str, Any]]:
+        return read_checkpoint(self._stem(session, seq))
 
-__all__ = ["CheckpointStore", "flatten_state", "read_checkpoint", "remove_checkpoint", "unflatten_state",
+    def meta(self, session: str, seq: int) -> dict[str, Any]:
+        """A checkpoint's meta alone (its resume token, say), without reading its tensors."""
+        return read_meta(self._stem(session, seq))
+
+
+def _folder_nbytes(folder: Path) -> int:
+    total = 0
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            try:
+                total += entry.stat(follow_symlinks=False).st_size
+            except OSError:  # removed meanwhile
+                pass
+    return total
+
+
+__all__ = ["CheckpointStore", "flatten_state", "read_checkpoint", "read_meta", "remove_checkpoint", "unflatten_state",
            "write_checkpoint"]

@@ -120,10 +120,20 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-fsync", action="store_true",
                    help="do not flush checkpoints to disk: survives a crash of the process, not of the machine")
     g.add_argument("--session-timeout", type=float, default=300.0,
-                   help="free a session after this many seconds without a message (default: 300)")
+                   help="free a session after this many seconds without a message; its checkpoints go with it "
+                        "(default: 300)")
+    g.add_argument("--checkpoint-max-mb", type=float, default=65536.0, metavar="MB",
+                   help="what the checkpoint folder may hold in all; new sessions are refused beyond it "
+                        "(default: 65536)")
+    _add_policy_options(cloud)
     g = cloud.add_argument_group("many edges")
     g.add_argument("--max-open-sessions", type=int, default=256,
                    help="sessions served at once; more hellos are refused (default: 256)")
+    g.add_argument("--sessions-per-peer", type=int, default=64, metavar="N",
+                   help="sessions open at once from one address (or one edge key on a CurveZMQ link) (default: 64)")
+    g.add_argument("--handshake-timeout", type=float, default=30.0, metavar="S",
+                   help="free a session that has not sent a training request after this many silent seconds "
+                        "(default: 30)")
     g.add_argument("--shared-model", action="store_true",
                    help="edges asking for the same model and cut train one shared cloud half, in the order "
                         "their requests arrive (sequential split learning); default: a cloud half per edge")
@@ -186,11 +196,58 @@ def _keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_policy_options(cloud: argparse.ArgumentParser) -> None:
+    """What an edge may make this cloud do: codecs, codec options, work and memory per message."""
+    from compressors import Bounds
+    from .limits import Limits
+
+    g = cloud.add_argument_group(
+        "what edges may ask for", "Every codec option an edge sends is bounded here; options naming local "
+        "resources (files) are never accepted. Requests over a budget get a typed 'capacity' or 'policy' error "
+        "and the cloud keeps serving everyone else.")
+    g.add_argument("--allow-codecs", action="append", default=None, metavar="[DIR=]NAME,...",
+                   help="codecs edges may use: 'fp16,lowrank' for every direction, or per direction "
+                        "('fwd=lowrank', 'bwd=identity'; directions fwd, bwd, ret, ret_bwd); repeatable "
+                        "(default: every codec)")
+    for name, f in Bounds.__dataclass_fields__.items():
+        flag = "--" + name.replace("_", "-")
+        g.add_argument(flag, type=type(f.default), default=f.default, metavar="N", dest=f"bound_{name}",
+                       help=f"{Bounds.describe(name)} (default: {f.default})")
+    limits = Limits()
+    g.add_argument("--max-decoded-mb", type=float, default=limits.max_decoded_bytes / 2**20, metavar="MB",
+                   help="what one message's tensors may take once decoded (default: %(default).0f)")
+    g.add_argument("--max-ops", type=int, default=limits.max_ops, metavar="N",
+                   help="mirrored operations (optimizer steps, zero_grad...) one message may carry "
+                        "(default: %(default)s)")
+    g.add_argument("--session-memory-mb", type=float, default=limits.session_memory_bytes / 2**20, metavar="MB",
+                   help="what one session may hold: its model copy, codec state, pending graphs, cached "
+                        "replies (default: %(default).0f)")
+    g.add_argument("--memory-mb", type=float, default=limits.memory_bytes / 2**20, metavar="MB",
+                   help="what all sessions may hold together (default: half of this machine's memory, "
+                        "%(default).0f)")
+
+
+def _limits_and_policy(args: argparse.Namespace) -> tuple:
+    from compressors import Bounds
+    from .limits import Limits
+    from .policy import Policy, parse_slot_codecs
+
+    mb = 2**20
+    limits = Limits(max_message_bytes=int(args.max_message_mb * mb), session_timeout=args.session_timeout,
+                    max_sessions=args.max_open_sessions, sessions_per_peer=args.sessions_per_peer,
+                    handshake_timeout=args.handshake_timeout, max_ops=args.max_ops,
+                    max_decoded_bytes=int(args.max_decoded_mb * mb),
+                    session_memory_bytes=int(args.session_memory_mb * mb), memory_bytes=int(args.memory_mb * mb),
+                    checkpoint_bytes=int(args.checkpoint_max_mb * mb))
+    bounds = Bounds(**{name: getattr(args, f"bound_{name}") for name in Bounds.__dataclass_fields__})
+    every, per_slot = parse_slot_codecs(args.allow_codecs or [])
+    return limits, Policy.allowing(every, per_slot=per_slot, bounds=bounds)
+
+
 def _cloud(args: argparse.Namespace) -> int:
     import transports
     from .cloud import CloudServer
     from .errors import ConfigError, SplitFTError
-    from .limits import Limits
 
     def say(text: str) -> None:
         print(f"cloud: {text}", file=sys.stderr, flush=True)
@@ -207,15 +264,14 @@ def _cloud(args: argparse.Namespace) -> int:
             allowed = transports.load_allowed_keys(args.allow_edge_keys)
             options |= {"secret_key": secret, "allowed_keys": allowed, "on_refused": say}
         listener = transports.listen(args.bind, **options)
-        limits = Limits(max_message_bytes=limit, session_timeout=args.session_timeout,
-                        max_sessions=args.max_open_sessions)
+        limits, policy = _limits_and_policy(args)
         from .tasks import get_task
 
         server = CloudServer(listener, args.model or [get_task(args.task).model], max_sessions=args.sessions,
                              on_event=say,
                              limits=limits, checkpoint_dir=args.checkpoint_dir,
                              checkpoint_every=args.checkpoint_every, fsync=not args.no_fsync,
-                             shared_model=args.shared_model)
+                             shared_model=args.shared_model, policy=policy)
     except (SplitFTError, transports.TransportError) as exc:
         say(f"error: {exc}")
         return 2

@@ -46,12 +46,14 @@ import transports
 from compressors import CodecContext
 
 from . import protocol
+from .budget import MODEL_STATE_FACTOR, GraphMeter, MemoryBook, model_nbytes, nested_nbytes, tensors_nbytes
 from .checkpoint import CheckpointStore
-from .coding import (SLOTS, Coded, SlotCodecs, Traffic, _Leaf, flatten, from_wire, stream_index, to_wire,
-                     unflatten)
+from .coding import (SLOTS, Coded, SlotCodecs, Traffic, _Leaf, expansions, flatten, from_wire, stream_index,
+                     to_wire, unflatten)
 from .errors import (CapacityError, CheckpointError, ConfigError, HandshakeError, ModelError, PeerGone,
                      ProtocolError, ResumeError, SessionLost, SplitFTError, code_of)
 from .limits import Limits
+from .policy import Policy
 from .metrics import Metrics
 from .protocol import (Ack, Backward, Bye, Error, Forward, Hello, InputGrads, Output, Ping, Pong, Sync,
                        Welcome)
@@ -59,7 +61,6 @@ from .cut import Chain, extract, fingerprint, parse_cut, value_hash
 
 log = logging.getLogger(__name__)
 
-MAX_PENDING_CALLS = Limits.max_pending_calls
 _KIND = {"forward": "activation", "output": "activation", "backward": "gradient", "input_grads": "gradient"}
 _SEQUENCED = (Forward, Backward, Sync, Bye)
 _SESSION_ID = re.compile(r"[0-9a-f]{16}")
@@ -115,7 +116,22 @@ def _count_params(factory: Callable[..., nn.Module], kwargs: dict) -> int | None
         return None
 
 
-def _build_chain(hello: Hello, factories: dict[str, Callable[..., nn.Module]], limits: Limits) -> tuple[Chain, bool]:
+def _check_factory_kwargs(kwargs: Any) -> None:
+    """Factory arguments are a flat map of names to plain values: nothing a factory could be tricked by."""
+    plain = (type(None), bool, int, float, str)
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+        raise HandshakeError(f"factory_kwargs must map argument names to values, got {protocol._short(kwargs)}")
+    for name, value in kwargs.items():
+        items = value if isinstance(value, list) else [value]
+        if len(items) > 64 or not all(isinstance(v, plain) for v in items):
+            raise HandshakeError(f"factory argument {name!r} must be a plain value (number, string, bool, "
+                                 f"None) or a short list of them, got {protocol._short(value)}")
+
+
+def _build_chain(hello: Hello, factories: dict[str, Callable[..., nn.Module]], limits: Limits,
+                 admit: Callable[[int], None] | None = None) -> tuple[Chain, bool]:
+    """Build the cloud half ``hello`` asks for; ``admit`` may refuse its estimated bytes first."""
+    _check_factory_kwargs(hello.factory_kwargs)
     if hello.factory not in factories:
         raise HandshakeError(
             f"model factory {hello.factory!r} is not served here; this cloud serves: "
@@ -126,6 +142,8 @@ def _build_chain(hello: Hello, factories: dict[str, Callable[..., nn.Module]], l
     if count is not None and count > limits.max_model_params:
         raise CapacityError(f"{hello.factory}({hello.factory_kwargs}) has {count} parameters; this cloud builds "
                             f"models of at most {limits.max_model_params}")
+    if count is not None and admit is not None:
+        admit(MODEL_STATE_FACTOR * 4 * count)  # float32 weights, a gradient and two optimizer moments
     try:
         model = factory(**hello.factory_kwargs)
     except TypeError as exc:
@@ -167,6 +185,7 @@ class _Pending:
     # What it takes to build the graph again (shared model: another edge stepped in between).
     rerun: Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None
     version: int = 0
+    nbytes: int = 0  # what the graph holds: its inputs, outputs and the tensors saved for backward
 
 
 @dataclass
@@ -201,20 +220,23 @@ class CloudSession:
 
     def __init__(self, hello: Hello, factories: dict[str, Callable[..., nn.Module]],
                  limits: Limits | None = None, shared: SharedPart | None = None,
-                 restoring: bool = False) -> None:
+                 restoring: bool = False, policy: Policy | None = None,
+                 admit: Callable[[int], None] | None = None) -> None:
         if hello.protocol != protocol.PROTOCOL_VERSION:
             raise HandshakeError(f"edge speaks protocol {hello.protocol}, cloud speaks {protocol.PROTOCOL_VERSION}")
         self.limits = limits or Limits()
+        self.policy = policy or Policy()
         self.id = secrets.token_hex(8)
         self.token = secrets.token_hex(16)
         self.identity = _hello_identity(hello)
         self.nonce = hello.nonce
         _check_codecs(hello.codecs)
+        self.policy.check(hello.codecs)
         self.shared = shared
         if shared is not None:
             self.chain, self.ushape = shared.chain, shared.ushape
         else:
-            self.chain, self.ushape = _build_chain(hello, factories, self.limits)
+            self.chain, self.ushape = _build_chain(hello, factories, self.limits, admit)
         with _blame(HandshakeError, "the weights the edge pushed cannot be loaded"):
             if restoring or (shared is not None and shared.initialized):
                 pass  # weights come from a checkpoint, or the shared part is already training
@@ -223,12 +245,18 @@ class CloudSession:
                 if not all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point()):
                     raise ProtocolError("the pushed weights contain NaN or Inf")
                 self.chain.load_qualified_state_dict(weights)
+                # Checked again after the cast to the model's dtypes: 1e300 in float64 is inf in float32.
+                if not all(torch.isfinite(t).all() for t in self.chain.state_dict().values() if t.is_floating_point()):
+                    raise ProtocolError("the pushed weights do not fit the model's dtypes (they overflow to Inf)")
             elif hello.value_hash is not None and hello.value_hash != value_hash(self.chain):
                 raise HandshakeError(
                     "the cloud part's initial weights differ between edge and cloud; make the factory "
                     "deterministic (load the same checkpoint, seed it) or let the edge push them (weights='push')"
                 )
-        self.codecs = SlotCodecs(hello.codecs, hello.seed)
+        self.codecs = SlotCodecs(hello.codecs, hello.seed, bounds=self.policy.bounds)
+        #: What this session's own copy of the cloud half holds when trained (0 for a shared half).
+        self.model_bytes = model_nbytes(self.chain) if shared is None else 0
+        self.trained = restoring  # a forward or step arrived: the session is doing work
         self._optimizer: torch.optim.Optimizer | None = None
         self.optimizer_spec: _Optimizer | None = None
         self.optimizer_id = 0
@@ -242,12 +270,41 @@ class CloudSession:
         self.last_seen = time.monotonic()
         # Request sequence numbers: the last one applied, and the replies to the last few.
         self.last_seq = 0
-        self.replies: OrderedDict[int, tuple[str, list]] = OrderedDict()
+        self.replies: OrderedDict[int, tuple[str, list, int]] = OrderedDict()  # seq → (type, frames, bytes)
+        self.reply_bytes = 0
         self.duplicates = 0  # repeated requests answered from the cache, repeated steps skipped
         self._grads: list[torch.Tensor | None] | None = None  # shared model: this session's gradients
+        self.book: MemoryBook | None = None  # the server's, set when the session is bound
+        self.origin = ""  # who opened it (address or key), for the per-origin cap
         if shared is not None:
             shared.initialized = True
             shared.sessions += 1
+
+    # ------------------------------------------------------------ memory
+
+    def held_bytes(self) -> int:
+        """What this session holds now (see :mod:`splitft.budget`)."""
+        pending = sum(p.nbytes for p in self.pending.values())
+        deferred = sum(tensors_nbytes(g for _, g in d) for d in self.deferred.values())
+        return self.model_bytes + self.codecs.held_nbytes() + pending + deferred + self.reply_bytes
+
+    def fits(self, extra: int, what: str) -> None:
+        """Refuse work that would take this session (or the cloud) over its memory budget."""
+        if self.book is not None:
+            self.book.check(self.id, self.held_bytes(), extra, what)
+
+    def _check_decode(self, groups: Iterable[tuple[list, Any, int | None]], slot: str, ctx: CodecContext,
+                      what: str) -> None:
+        """Bound what decoding a request's tensors will allocate, before anything is decoded.
+
+        ``groups`` holds (entries, skeleton, stream index) per tree of the request.
+        """
+        nbytes = 0
+        with _blame(ProtocolError, f"a tensor in the {what} cannot be decoded"):
+            for entries, skeleton, stream in groups:
+                nbytes += self.codecs.decode_cost(entries, stream, slot, ctx, expansions(skeleton))
+        self.limits.check_decoded(nbytes, f"this {what}")
+        self.fits(nbytes, f"decoding this {what}")
 
     # ------------------------------------------------------------ the optimizer (own or shared)
 
@@ -275,6 +332,9 @@ class CloudSession:
 
     def apply_ops(self, ops: list) -> int:
         """Apply mirrored operations in order; returns how many optimizer steps were new."""
+        if len(ops) > self.limits.max_ops:
+            raise CapacityError(f"a message carries {len(ops)} operations; this cloud applies at most "
+                                f"{self.limits.max_ops} per message")
         stepped = 0
         for op in ops:
             if not isinstance(op, dict) or not isinstance(op.get("op"), str):
@@ -397,8 +457,11 @@ class CloudSession:
     # ------------------------------------------------------------ requests
 
     def _run(self, tensors: list[torch.Tensor], grads: list[bool], skeletons: tuple, counts: tuple[int, int],
-             train: bool, grad: bool) -> tuple[list[torch.Tensor], Any]:
-        """Run the cloud part (and the loss) on decoded inputs; returns (input leaves, value)."""
+             train: bool, grad: bool) -> tuple[list[torch.Tensor], Any, int]:
+        """Run the cloud part (and the loss) on decoded inputs.
+
+        Returns (input leaves, value, bytes autograd saved for the backward).
+        """
         args_skel, kw_skel, target_skel = skeletons
         n_args, n_kw = counts
         leaves = [t.detach().requires_grad_() if g and t.is_floating_point() else t for t, g in zip(tensors, grads)]
@@ -406,13 +469,14 @@ class CloudSession:
         kwargs = unflatten(kw_skel, leaves[n_args:n_args + n_kw])
         target = unflatten(target_skel, leaves[n_args + n_kw:])
         self.chain.train(train)
-        with torch.set_grad_enabled(grad), _blame(ModelError, "the cloud part failed on the inputs the edge sent"):
+        with torch.set_grad_enabled(grad), _blame(ModelError, "the cloud part failed on the inputs the edge sent"), \
+                GraphMeter(self.chain) as meter:
             value = self.chain(*args, **kwargs)
             if target is not None:
                 if self.loss_fn is None:
                     raise ConfigError("a target arrived but no loss was configured: use model.remote_loss(criterion)")
                 value = self.loss_fn(value, target)
-        return leaves, value
+        return leaves, value, meter.nbytes
 
     def forward(self, msg: Forward) -> Output:
         compute = codec = 0.0
@@ -426,6 +490,9 @@ class CloudSession:
             raise ProtocolError("forward args must be a list and kwargs a map")
         if msg.target is not None and self.ushape:
             raise ProtocolError("a U-shape session computes no loss in the cloud; send no target")
+        self._check_decode(((args_entries, args_skel, stream_index(args_skel)), (kw_entries, kw_skel, None),
+                            (target_entries, target_skel, None)), "fwd", ctx, "forward request")
+        self.trained = True
         start = time.perf_counter()
         tensors, in_coded = [], []
         with _blame(ProtocolError, "a tensor in the forward request cannot be decoded"):
@@ -442,7 +509,7 @@ class CloudSession:
 
         start = time.perf_counter()
         skeletons, counts = (args_skel, kw_skel, target_skel), (len(args_entries), len(kw_entries))
-        leaves, value = self._run(tensors, grads, skeletons, counts, msg.train, msg.grad)
+        leaves, value, saved = self._run(tensors, grads, skeletons, counts, msg.train, msg.grad)
         compute += time.perf_counter() - start
 
         start = time.perf_counter()
@@ -464,6 +531,7 @@ class CloudSession:
             with _blame(ModelError, "the cloud part's backward failed"):
                 found = torch.autograd.grad(value, needed + params, allow_unused=True)
             compute += time.perf_counter() - start
+            self.fits(tensors_nbytes(found[len(needed):]), "keeping this call's parameter gradients")
             self.deferred[msg.call] = list(zip(params, found[len(needed):]))
             while len(self.deferred) > self.limits.max_pending_calls:
                 self.deferred.popitem(last=False)
@@ -477,10 +545,12 @@ class CloudSession:
             rerun = None
             if self.shared is not None:
                 def rerun() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-                    again, value = self._run(tensors, grads, skeletons, counts, msg.train, True)
+                    again, value, _ = self._run(tensors, grads, skeletons, counts, msg.train, True)
                     return again, flatten(value)[0]
+            nbytes = saved + tensors_nbytes(leaves) + tensors_nbytes(outs)
+            self.fits(nbytes, "keeping this forward call's graph for its backward")
             self.pending[msg.call] = _Pending(leaves, in_coded, grads, outs, out_coded, msg.sample_ids, rerun,
-                                              self.shared.updates if self.shared is not None else 0)
+                                              self.shared.updates if self.shared is not None else 0, nbytes)
             while len(self.pending) > self.limits.max_pending_calls:
                 dropped, _ = self.pending.popitem(last=False)
                 log.warning("session %s: dropping the graph of call %s, never backpropagated", self.id, dropped)
@@ -503,7 +573,7 @@ class CloudSession:
         return entries
 
     def backward(self, msg: Backward) -> InputGrads:
-        pending = self.pending.pop(msg.call, None)
+        pending = self.pending.get(msg.call)  # taken once the request is checked: a refusal loses nothing
         if pending is None:
             raise ProtocolError(
                 f"no forward call {msg.call} awaits a backward (already backpropagated, run without "
@@ -516,6 +586,11 @@ class CloudSession:
         if not isinstance(skeleton, list) or len(skeleton) != len(pending.outputs):
             raise ProtocolError(f"backward carries {len(skeleton) if isinstance(skeleton, list) else '?'} "
                                 f"gradients for {len(pending.outputs)} outputs")
+        streams = {slot.index for slot, coded in zip(skeleton, pending.out_coded)
+                   if isinstance(slot, _Leaf) and coded.stream}
+        # The stream's gradient goes through ret_bwd, the others raw.
+        self._check_decode([([entry], None, 0 if i in streams else None) for i, entry in enumerate(got)],
+                           "ret_bwd", ctx, "backward request")
         if self.shared is not None and pending.rerun is not None and pending.version != self.shared.updates:
             # Another edge stepped the shared part since this graph was built: build it again on the
             # current weights, so the gradient is that of the model being trained now.
@@ -537,6 +612,7 @@ class CloudSession:
             grads.append(grad)
         codec += time.perf_counter() - start
 
+        del self.pending[msg.call]
         start = time.perf_counter()
         if outputs:
             with self._own_grads(), _blame(ModelError, "backpropagating the edge's gradient failed"):
@@ -576,9 +652,10 @@ class CloudSession:
 
     @classmethod
     def restore(cls, hello: Hello, tree: dict[str, Any], meta: dict[str, Any],
-                factories: dict[str, Callable[..., nn.Module]], limits: Limits | None = None) -> "CloudSession":
+                factories: dict[str, Callable[..., nn.Module]], limits: Limits | None = None,
+                policy: Policy | None = None) -> "CloudSession":
         """The session a checkpoint describes, rebuilt from the factory and the stored state."""
-        session = cls(hello, factories, limits, restoring=True)
+        session = cls(hello, factories, limits, restoring=True, policy=policy)
         session.id, session.token = meta["session"], meta["token"]
         session.last_seq, session.steps = int(meta["seq"]), int(meta["steps"])
         with _blame(CheckpointError, f"checkpoint of session {session.id} does not fit its model"):
@@ -604,6 +681,29 @@ def _tensors(arrays: Any, what: str) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(v) for k, v in arrays.items()}
 
 
+class _ErrorLog:
+    """Internal errors are logged with a traceback at most once per ``interval`` seconds.
+
+    Every such error still gets a typed reply; the log just cannot be flooded by a peer that found
+    one and repeats it.
+    """
+
+    def __init__(self, interval: float = 60.0) -> None:
+        self.interval = interval
+        self._last = -math.inf
+        self.suppressed = 0
+
+    def report(self, exc: BaseException, peer: bytes) -> None:
+        now = time.monotonic()
+        if now - self._last >= self.interval:
+            self._last = now
+            more = f" ({self.suppressed} more since the last one logged)" if self.suppressed else ""
+            self.suppressed = 0
+            log.error("internal error while serving peer %s%s", peer.hex(), more, exc_info=exc)
+        else:
+            self.suppressed += 1
+
+
 class CloudServer:
     """Serves cloud parts to edges over a :class:`transports.Listener`.
 
@@ -619,12 +719,13 @@ class CloudServer:
         keep_checkpoints: checkpoints kept per session.
         fsync: flush each checkpoint to disk (survives power loss, not only process death).
         shared_model: sessions asking for the same model and cut train one shared cloud part.
+        policy: which codecs and codec options edges may ask for (:class:`Policy`).
     """
 
     def __init__(self, listener: transports.Listener, factories: Iterable[str], *, max_sessions: int = 0,
                  on_event: Callable[[str], None] | None = None, limits: Limits | None = None,
                  checkpoint_dir: str | None = None, checkpoint_every: int = 1, keep_checkpoints: int = 2,
-                 fsync: bool = True, shared_model: bool = False) -> None:
+                 fsync: bool = True, shared_model: bool = False, policy: Policy | None = None) -> None:
         self.listener = listener
         names = list(factories)
         self.factories = {name: load_factory(name) for name in names}
@@ -635,8 +736,13 @@ class CloudServer:
         if shared_model and checkpoint_dir is not None:
             raise ConfigError("checkpoints restore one edge's session exactly; with a shared cloud part they "
                               "cannot (other edges move it on). Use one of shared_model / checkpoint_dir")
-        self.checkpoints = CheckpointStore(checkpoint_dir, keep=keep_checkpoints, fsync=fsync) \
+        self.checkpoints = CheckpointStore(checkpoint_dir, keep=keep_checkpoints, fsync=fsync,
+                                           max_bytes=self.limits.checkpoint_bytes) \
             if checkpoint_dir is not None else None
+        self.policy = policy or Policy()
+        self.book = MemoryBook(self.limits)
+        self.origins: dict[bytes, str] = {}  # peer → who stands behind it, for the per-origin cap
+        self._errors = _ErrorLog()
         self.checkpoint_every = checkpoint_every
         self.shared_model = shared_model
         self.shared: dict[str, SharedPart] = {}
@@ -682,7 +788,10 @@ class CloudServer:
         seq, sequenced = 0, False
         try:
             self.limits.check_frames(frames)
-            msg = protocol.decode(frames)
+            try:
+                msg = protocol.decode(frames)
+            except RecursionError:
+                raise ProtocolError("the message body is nested too deeply") from None
             if session is not None:
                 session.last_seen = time.monotonic()
                 session.metrics.count("up", _KIND.get(msg.TYPE, "control"), wire=transports.message_nbytes(frames))
@@ -704,7 +813,7 @@ class CloudServer:
             raise
         except Exception as exc:  # noqa: BLE001 — a bad request must never stop the server
             if not isinstance(exc, (SplitFTError, compressors.CompressionError)):
-                log.exception("internal error while serving peer %s", peer.hex())
+                self._errors.report(exc, peer)
             if isinstance(exc, SessionLost):
                 sequenced = False  # nothing was applied: the number stays free for the re-sent request
             text = f"{type(exc).__name__}: {exc}"
@@ -722,10 +831,20 @@ class CloudServer:
             out = protocol.encode(reply)
         if sequenced and session is not None:
             session.last_seq = seq
-            session.replies[seq] = (reply.TYPE, out)
-            while len(session.replies) > self.limits.reply_cache:
-                session.replies.popitem(last=False)
+            self._keep_reply(session, seq, reply.TYPE, out)
+        if session is not None and session.id in self.by_id:
+            self.book.set(session.id, session.held_bytes())
         self._send(peer, out, reply.TYPE)
+
+    def _keep_reply(self, session: CloudSession, seq: int, kind: str, out: list) -> None:
+        """Cache a reply for repeats, within the cache's count and the session's memory budget."""
+        nbytes = nested_nbytes(out)
+        session.replies[seq] = (kind, out, nbytes)
+        session.reply_bytes += nbytes
+        while session.replies and (len(session.replies) > self.limits.reply_cache
+                                   or session.held_bytes() > self.limits.session_memory_bytes):
+            _, (_, _, dropped) = session.replies.popitem(last=False)
+            session.reply_bytes -= dropped
 
     def _repeat(self, peer: bytes, session: CloudSession, seq: int) -> None:
         """A request that was applied already: answer it again from the cache, never re-apply it."""
@@ -794,10 +913,12 @@ class CloudServer:
         else:
             if peer in self.sessions:
                 self._end(peer, "replaced by a new hello")
-            if len(self.by_id) >= self.limits.max_sessions:
-                raise CapacityError(f"this cloud serves {len(self.by_id)} sessions, its limit; try again later "
-                                    "(the operator can raise --max-open-sessions)")
-            session = CloudSession(msg, self.factories, self.limits, shared=self._shared_part(msg))
+            self._admit(peer)
+            _check_codecs(msg.codecs)
+            self.policy.check(msg.codecs)
+            session = CloudSession(msg, self.factories, self.limits, shared=self._shared_part(msg),
+                                   policy=self.policy, admit=self._admit_model)
+            self.book.check(session.id, 0, session.held_bytes(), "opening this session")
             self._bind(peer, session)
             if self.checkpoints is not None:
                 self._checkpoint(session, 0)
@@ -811,6 +932,24 @@ class CloudServer:
                        checkpoint_every=self.checkpoint_every if self.checkpoints is not None else 0,
                        limits=self.limits.for_edge(), shared=session.shared is not None)
 
+    def _admit(self, peer: bytes) -> None:
+        """Refuse a new session when the cloud, its origin or the checkpoint folder has no room."""
+        if len(self.by_id) >= self.limits.max_sessions:
+            raise CapacityError(f"this cloud serves {len(self.by_id)} sessions, its limit; try again later "
+                                "(the operator can raise --max-open-sessions)")
+        origin = self.listener.origin(peer)
+        self.origins[peer] = origin
+        mine = sum(1 for s in self.by_id.values() if s.origin == origin)
+        if mine >= self.limits.sessions_per_peer:
+            raise CapacityError(f"{origin or 'this peer'} already has {mine} open sessions, the most one origin "
+                                "may have (--sessions-per-peer); end one first")
+        if self.checkpoints is not None and self.checkpoints.full():
+            raise CapacityError("the checkpoint folder is full (--checkpoint-max-mb); try again later")
+
+    def _admit_model(self, nbytes: int) -> None:
+        """Before a model is built: does a trained copy of it fit the memory budgets?"""
+        self.book.check("", 0, nbytes, "the requested model (weights, gradients, optimizer state)")
+
     def _shared_part(self, msg: Hello) -> SharedPart | None:
         if not self.shared_model:
             return None
@@ -819,7 +958,7 @@ class CloudServer:
         if part is None:
             if len(self.shared) >= 16:
                 raise CapacityError("this cloud already trains 16 different shared cloud parts, its limit")
-            chain, ushape = _build_chain(msg, self.factories, self.limits)
+            chain, ushape = _build_chain(msg, self.factories, self.limits, self._admit_model)
             part = self.shared[key] = SharedPart(chain, ushape)
         return part
 
@@ -857,16 +996,19 @@ class CloudServer:
                 + ("" if self.checkpoints is not None else " (start the cloud with --checkpoint-dir)")
                 + "; start a new session, or restart the edge from a checkpoint the cloud also has"
             )
-        tree, meta = self.checkpoints.load(sid, usable[-1])
+        # The token is checked on the small JSON before the tensors are read: a forged resume
+        # costs the cloud no more than reading that file.
+        meta = self.checkpoints.meta(sid, usable[-1])
         if not hmac.compare_digest(str(meta.get("token", "")), token):
             raise ResumeError(f"wrong resume token for session {sid}")
         if meta.get("hello") != json.loads(json.dumps(identity)):
             raise ResumeError(f"session {sid} serves a different model, cut or codecs than this hello asks for")
-        session = CloudSession.restore(msg, tree, meta, self.factories, self.limits)
+        if live is None:
+            self._admit(peer)
+        tree, meta = self.checkpoints.load(sid, usable[-1])
+        session = CloudSession.restore(msg, tree, meta, self.factories, self.limits, self.policy)
         if live is not None:
             self._unbind(live)
-        elif len(self.by_id) >= self.limits.max_sessions:
-            raise CapacityError(f"this cloud serves {len(self.by_id)} sessions, its limit; try again later")
         self._bind(peer, session)
         self._event(f"session {sid} restored from its checkpoint at request {session.last_seq} "
                     f"(step {session.steps})")
@@ -879,13 +1021,18 @@ class CloudServer:
             self._end(peer, "replaced by a new hello")
         self.sessions[peer] = session
         self.by_id[session.id] = session
+        session.origin = self.origins.get(peer, self.listener.origin(peer))
+        session.book = self.book
+        self.book.set(session.id, session.held_bytes())
         session.last_seen = time.monotonic()
 
     def _unbind(self, session: CloudSession) -> None:
         for peer, s in list(self.sessions.items()):
             if s is session:
                 del self.sessions[peer]
+                self.origins.pop(peer, None)
         self.by_id.pop(session.id, None)
+        self.book.drop(session.id)
 
     def _checkpoint(self, session: CloudSession, seq: int, pinned: bool = False) -> None:
         if self.checkpoints is None:
@@ -898,18 +1045,27 @@ class CloudServer:
             # Training goes on; an edge that later needs this checkpoint is told exactly what is missing.
             log.error("session %s: checkpoint at request %d failed: %s", session.id, seq, exc)
 
-    def _end(self, peer: bytes, reason: str) -> None:
+    def _end(self, peer: bytes, reason: str, discard: bool = True) -> None:
         session = self.sessions.pop(peer, None)
         if session is not None:
-            self._forget(session, f"ended after {session.steps} steps: {reason}")
+            self._forget(session, f"ended after {session.steps} steps: {reason}", discard)
 
-    def _forget(self, session: CloudSession, text: str) -> None:
+    def _forget(self, session: CloudSession, text: str, discard: bool = True) -> None:
+        """Free a session; with ``discard`` its regular checkpoints go too (a pinned one stays)."""
         self.finished.append({"session": session.id, "steps": session.steps, "requests": session.last_seq,
                               "repeats": session.duplicates, "reason": text})
         self._unbind(session)
         if session.shared is not None:
             session.shared.sessions -= 1
-        self.ended += 1
+            if session.shared.sessions <= 0:  # nobody trains it now: the next edge may pick the optimizer
+                session.shared.optimizer, session.shared.optimizer_spec = None, None
+        if discard and self.checkpoints is not None and session.id not in self.by_id:
+            try:
+                self.checkpoints.remove(session.id)
+            except (OSError, CheckpointError) as exc:
+                log.warning("session %s: cannot delete its checkpoints: %s", session.id, exc)
+        if session.trained:  # a hello that never trained does not count towards --sessions
+            self.ended += 1
         self._event(f"session {session.id} {text}")
 
     def expire(self, now: float | None = None) -> None:
@@ -921,8 +1077,9 @@ class CloudServer:
         for session in list(self.by_id.values()):
             idle = now - session.last_seen
             if idle > self.limits.session_timeout:
-                kept = " (its checkpoints stay)" if self.checkpoints is not None else ""
-                self._forget(session, f"expired after {idle:.0f} s without a message{kept}")
+                self._forget(session, f"expired after {idle:.0f} s without a message")
+            elif not session.trained and idle > self.limits.handshake_timeout:
+                self._forget(session, f"freed: no request for {idle:.0f} s after its hello")
 
     def shutdown(self, reason: str) -> None:
         """Tell every connected edge the cloud is going away, then close the listener."""
@@ -931,7 +1088,7 @@ class CloudServer:
                 self.listener.send(peer, protocol.encode(Bye(reason=reason)))
             except transports.TransportError:
                 pass
-            self._end(peer, reason)
+            self._end(peer, reason, discard=False)  # a restarted cloud resumes them from their checkpoints
         self.listener.close()
 
     def stop(self) -> None:

@@ -33,6 +33,7 @@ import torch
 
 import compressors
 from compressors import Codec, CodecContext, Payload
+from compressors.base import torch_dtype
 
 from .errors import ConfigError, ProtocolError, translated
 from .protocol import MAX_DIMS, TENSOR_KEY, is_tensor_entry, payload_from_wire, payload_to_wire
@@ -181,6 +182,25 @@ def from_wire(tree: Any, depth: int = 0) -> tuple[list[tuple[Payload, bool]], An
     return entries, walk(tree, depth)
 
 
+def expansions(skeleton: Any) -> dict[int, tuple[int, ...]]:
+    """Entry index → the shape a compacted entry repeats to, for every such leaf of ``skeleton``."""
+    found: dict[int, tuple[int, ...]] = {}
+
+    def walk(node: Any) -> None:
+        if isinstance(node, _Leaf):
+            if node.expand is not None:
+                found[node.index] = node.expand
+        elif isinstance(node, (tuple, list)):
+            for v in node:
+                walk(v)
+        elif isinstance(node, dict):
+            for v in node.values():
+                walk(v)
+
+    walk(skeleton)
+    return found
+
+
 def _shape(value: Any) -> tuple[int, ...]:
     if not (isinstance(value, list) and len(value) <= MAX_DIMS
             and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value)):
@@ -264,16 +284,46 @@ class SlotCodecs:
     and its twin decodes on the other, so stateful codecs stay in step.
     """
 
-    def __init__(self, specs: dict[str, str], seed: int) -> None:
+    def __init__(self, specs: dict[str, str], seed: int, bounds: compressors.Bounds | None = None) -> None:
         missing = set(SLOTS) - set(specs)
         if missing:
             raise ConfigError(f"codec specs for slots {sorted(missing)} are missing")
         self.specs = dict(specs)
         with translated():
             self.slots: dict[str, Codec] = {
-                slot: compressors.make_codec(specs[slot], seed=slot_seed(seed, slot)) for slot in SLOTS
+                slot: compressors.make_codec(specs[slot], seed=slot_seed(seed, slot), bounds=bounds)
+                for slot in SLOTS
             }
         self.raw = compressors.make_codec("identity")
+
+    def held_nbytes(self) -> int:
+        """Bytes the codecs hold now (buffers, caches): counted against a session's memory."""
+        return sum(codec.held_nbytes() for codec in self.slots.values())
+
+    def decode_cost(self, entries: list[tuple[Payload, bool]], stream: int | None, slot: str | None,
+                    ctx: CodecContext, expand_to: dict[int, tuple[int, ...]] | None = None) -> int:
+        """Bytes that decoding ``entries`` (and repeating compacted ones) will allocate, at most.
+
+        Read from the payloads' metadata alone, so a request can be refused before any of it is
+        decoded.
+        """
+        total = 0
+        with translated():
+            for i, (payload, _grad) in enumerate(entries):
+                codec = self._checked_codec(payload, i, slot, i == stream)
+                total += codec.decode_cost(payload, ctx)
+                if expand_to and i in expand_to:
+                    itemsize = torch_dtype(payload.meta.get("dtype")).itemsize \
+                        if isinstance(payload.meta, dict) else 8
+                    total += math.prod(expand_to[i]) * itemsize
+        return total
+
+    def _checked_codec(self, payload: Payload, i: int, slot: str | None, is_stream: bool) -> Codec:
+        codec = self._codec(slot, is_stream)
+        if payload.codec != codec.name:
+            raise ProtocolError(f"tensor {i} was encoded with {payload.codec!r} but this session expects "
+                                f"{codec.name!r} there")
+        return codec
 
     def _codec(self, slot: str | None, stream: bool) -> Codec:
         return self.slots[slot] if stream and slot is not None else self.raw
@@ -306,12 +356,7 @@ class SlotCodecs:
         with translated():
             for i, (payload, _grad) in enumerate(entries):
                 is_stream = i == stream
-                codec = self._codec(slot, is_stream)
-                if payload.codec != codec.name:
-                    raise ProtocolError(
-                        f"tensor {i} was encoded with {payload.codec!r} but this session expects "
-                        f"{codec.name!r} there"
-                    )
+                codec = self._checked_codec(payload, i, slot, is_stream)
                 tensor = codec.decode(payload, ctx)
                 tensors.append(tensor)
                 coded.append(Coded(payload, is_stream, tuple(tensor.shape), tensor.dtype))

@@ -443,6 +443,9 @@ class EdgeSession:
     def queue(self, op: dict) -> None:
         """An operation for the cloud to apply before the next message it handles."""
         self._ops.append(op)
+        most = self.limits.get("max_ops")
+        if isinstance(most, int) and len(self._ops) >= most:
+            self.sync()  # the cloud applies at most that many per message: send them now
 
     def _take_ops(self) -> list[dict]:
         ops, self._ops = self._ops, []

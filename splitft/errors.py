@@ -66,6 +66,10 @@ class SessionLost(ProtocolError):
     """
 
 
+class PolicyError(HandshakeError):
+    """An edge asked for something the cloud's policy does not allow (a codec, an option, a bound)."""
+
+
 class ResumeError(HandshakeError):
     """A session cannot be resumed: no checkpoint matches, or the resume token is wrong."""
 
@@ -107,6 +111,7 @@ CODES: dict[str, type[SplitFTError]] = {
     "capacity": CapacityError,
     "session": SessionLost,
     "resume": ResumeError,
+    "policy": PolicyError,
     "checkpoint": CheckpointError,
 }
 

@@ -1,20 +1,35 @@
 """What one cloud accepts, so that hostile or broken edges cannot exhaust it.
 
 Every limit is checked before the work or memory it guards is spent: a message's size before it
-is decoded, a model's parameter count (built on the ``meta`` device, which allocates nothing)
-before it is built for real, the number of sessions before a new one opens. The edge learns the
-message limits in the handshake and checks its own messages before sending them.
+is decoded, what its tensors will take once decoded (expansion and dtype widening included)
+before they are, a model's parameter count (built on the ``meta`` device, which allocates
+nothing) before it is built for real, the number of sessions before a new one opens. What a
+session holds — its model copy, codec buffers and caches, graphs awaiting their backward,
+deferred gradients, cached replies — counts against one per-session budget and one total, so a
+few hundred bytes can never make the cloud hold gigabytes. The edge learns the message limits in
+the handshake and checks its own messages before sending them.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from transports import message_nbytes
 
-from .errors import ConfigError, TooLarge
+from .errors import CapacityError, ConfigError, TooLarge
+
+GiB = 1 << 30
+
+
+def physical_memory_bytes() -> int:
+    """This machine's memory (the default total budget is half of it)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # not every platform names these
+        return 8 * GiB
 
 
 @dataclass(frozen=True)
@@ -24,24 +39,44 @@ class Limits:
     Attributes:
         max_message_bytes: biggest message (all frames) a request may be.
         max_frames: most frames in one message (each array is a frame).
+        max_decoded_bytes: most bytes the tensors of one message may take once decoded
+            (after repeating compacted side tensors and widening to the decoded dtype).
+        max_ops: mirrored operations (step, zero_grad, ...) one message may carry.
         max_sessions: sessions open at once; a further hello is refused with ``capacity``.
+        sessions_per_peer: sessions open at once from one network address (or, on a CurveZMQ
+            link, one edge key).
+        session_memory_bytes: what one session may hold: its copy of the cloud half (weights,
+            gradients, optimizer state), codec state, pending graphs, deferred gradients and
+            cached replies.
+        memory_bytes: what all sessions together may hold (0: half of this machine's memory).
         max_pending_calls: forward graphs per session awaiting their backward; the oldest is
             dropped beyond it.
         max_model_params: parameters (and buffers) a requested model may have.
         session_timeout: seconds without any message after which a session is freed (an edge
             keeps an idle session alive with heartbeats).
+        handshake_timeout: seconds a session that has not trained yet may stay silent before
+            it is freed (a hello that is never followed by work does not hold a place for long).
         reply_cache: replies kept per session, to answer a repeated request without redoing it.
         max_error_chars: error replies are cut to this length (they may quote the request).
+        checkpoint_bytes: what the checkpoint folder may hold in all; a session that would
+            take it over is refused with ``capacity``.
     """
 
-    max_message_bytes: int = 1 << 30
+    max_message_bytes: int = GiB
     max_frames: int = 4096
+    max_decoded_bytes: int = 2 * GiB
+    max_ops: int = 1024
     max_sessions: int = 256
+    sessions_per_peer: int = 64
+    session_memory_bytes: int = 8 * GiB
+    memory_bytes: int = field(default_factory=lambda: physical_memory_bytes() // 2)
     max_pending_calls: int = 64
     max_model_params: int = 2_000_000_000
     session_timeout: float = 300.0
+    handshake_timeout: float = 30.0
     reply_cache: int = 8
     max_error_chars: int = 2000
+    checkpoint_bytes: int = 64 * GiB
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -60,6 +95,18 @@ class Limits:
                 "(start it with a larger --max-message-mb, or send less: a compressing codec, smaller batches)"
             )
 
+    def check_decoded(self, nbytes: int, what: str) -> None:
+        """Refuse a message whose tensors would decode to more than one message may."""
+        if nbytes > self.max_decoded_bytes:
+            raise CapacityError(f"{what} would decode to {nbytes} bytes; this cloud decodes at most "
+                                f"{self.max_decoded_bytes} per message (--max-decoded-mb)")
+
     def for_edge(self) -> dict[str, int]:
         """The limits an edge must respect, as the handshake carries them."""
-        return {"max_message_bytes": int(self.max_message_bytes), "max_frames": int(self.max_frames)}
+        return {"max_message_bytes": int(self.max_message_bytes), "max_frames": int(self.max_frames),
+                "max_decoded_bytes": int(self.max_decoded_bytes), "max_ops": int(self.max_ops)}
+
+
+def mib(nbytes: int) -> str:
+    """``nbytes`` for people: ``"12.3 MiB"``."""
+    return f"{nbytes / 2**20:.1f} MiB"

@@ -62,6 +62,11 @@ class Listener(ABC):
     def close(self) -> None:
         """Release the socket. Safe to call twice."""
 
+    def origin(self, peer: PeerId) -> str:
+        """Who stands behind ``peer``: its authenticated key, else its network address, else ""
+        (the server caps sessions per origin, so one host cannot take every place)."""
+        return ""
+
     def __enter__(self) -> "Listener":
         return self
 

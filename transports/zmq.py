@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 
 import zmq
@@ -152,6 +153,21 @@ class ZmqConnection(Connection):
             self._release()
 
 
+_ORIGINS_KEPT = 65536
+
+
+def _frame_origin(frame: zmq.Frame, curve: bool) -> str:
+    """The edge's CURVE key (what ZAP authenticated) on an encrypted link, else its address."""
+    for prop in (("User-Id", "Peer-Address") if curve else ("Peer-Address",)):
+        try:
+            value = frame.get(prop)
+        except (zmq.ZMQError, KeyError, AttributeError):
+            continue
+        if value:
+            return f"{prop.lower()}:{value}"
+    return ""
+
+
 class ZmqListener(Listener):
     """The cloud side: a ROUTER socket bound to an address; peers are ZeroMQ routing ids.
 
@@ -211,6 +227,7 @@ class ZmqListener(Listener):
                 f"cannot bind {address!r}: {exc} (is another server using it? port 0 picks a free one)"
             ) from exc
         self.address = address
+        self._origins: OrderedDict[PeerId, str] = OrderedDict()
         self._closed = False
 
     def send(self, peer: PeerId, frames: Sequence[Frame]) -> int:
@@ -233,7 +250,15 @@ class ZmqListener(Listener):
             parts = self._sock.recv_multipart(copy=False)
         except zmq.ZMQError as exc:
             raise TransportError(f"receive on {self.address} failed: {exc}") from exc
-        return parts[0].bytes, [p.buffer for p in parts[1:]]
+        peer = parts[0].bytes
+        if peer not in self._origins and len(parts) > 1:
+            self._origins[peer] = _frame_origin(parts[1], self.curve)
+            while len(self._origins) > _ORIGINS_KEPT:
+                self._origins.popitem(last=False)
+        return peer, [p.buffer for p in parts[1:]]
+
+    def origin(self, peer: PeerId) -> str:
+        return self._origins.get(peer, "")
 
     def _release(self) -> None:
         self._sock.close(linger=0)
