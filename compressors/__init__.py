@@ -2,16 +2,28 @@
 
 Importing the package registers every built-in codec; ``make_codec("name:opt=value")`` builds one.
 
+A spec or payload may come from a peer this end does not trust. ``check_spec(spec, Bounds())``
+refuses codecs outside an allowed set, options naming local resources (files, memory maps) and
+options beyond the receiver's :class:`Bounds`, raising :class:`PolicyError`;
+``make_codec(spec, bounds=...)`` builds a codec that also enforces the bounds only payloads
+reveal (AC-SGD sample ids). Before decoding a peer's payload, ``codec.decode_cost(payload, ctx)``
+(bytes at peak) and ``codec.decode_flops(payload, ctx)`` price it from metadata alone, and
+``codec.held_nbytes()`` says what a codec holds in buffers and caches; caches are per instance
+and bounded.
+
 One file per family: ``identity``; ``quant`` (``fp16``, ``fixpoint``); ``lowrank`` (SFT factors);
 ``circconv`` (``c3sl``); ``binary`` (B-SL, with its binarized layers); ``delta`` (``acsgd``).
-``bitpack`` packs b-bit codes for any codec that needs it.
+``bitpack`` packs b-bit codes for any codec that needs it; ``policy`` holds :class:`Bounds` and
+the option classification every codec declares.
 """
 
 from . import binary, circconv, delta, identity, lowrank, quant  # noqa: F401  (registration side effects)
 from .base import Codec, CodecContext, Payload, WIRE_DTYPES
-from .errors import CompressionError, DesyncError, UnknownCodecError
+from .errors import CompressionError, DesyncError, PolicyError, UnknownCodecError
+from .policy import Bounds
 from .registry import (
     canonical_spec,
+    check_spec,
     codec_class,
     default_grad_spec,
     make_codec,
@@ -21,7 +33,7 @@ from .registry import (
 )
 
 __all__ = [
-    "Codec", "CodecContext", "CompressionError", "DesyncError", "Payload", "UnknownCodecError",
-    "WIRE_DTYPES", "canonical_spec", "codec_class", "default_grad_spec", "make_codec", "names",
-    "parse_spec", "register",
+    "Bounds", "Codec", "CodecContext", "CompressionError", "DesyncError", "Payload", "PolicyError",
+    "UnknownCodecError", "WIRE_DTYPES", "canonical_spec", "check_spec", "codec_class",
+    "default_grad_spec", "make_codec", "names", "parse_spec", "register",
 ]

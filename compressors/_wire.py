@@ -33,6 +33,11 @@ def array(payload: Payload, key: str, dtype: Any = None, shape: tuple[int, ...] 
     return a
 
 
+def arrays_nbytes(payload: Payload) -> int:
+    """Bytes of the payload's arrays (anything that is not an array counts 0: decode refuses it)."""
+    return sum(int(a.nbytes) for a in payload.arrays.values() if isinstance(a, np.ndarray))
+
+
 def meta_int(payload: Payload, key: str, lo: int, hi: int) -> int:
     """An integer metadata field within ``[lo, hi]``."""
     v = payload.meta.get(key)

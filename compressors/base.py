@@ -10,19 +10,36 @@ the sender maps it onto its input (:meth:`Codec.encode_adjoint`). Linear codecs 
 circular convolution) implement both as true adjoints, which makes their gradient as small as
 their payload; non-linear ones (quantizers, binarization) keep the default straight-through
 identity and leave the gradient to a gradient codec of its own.
+
+A codec may be built from a spec a peer sent, and decode payloads a peer made, so the contract
+also covers what that costs the receiving end:
+
+- every option is classified (``negotiable_options`` / ``local_options``, and ``bounded_by``
+  for the costly ones; see :mod:`compressors.policy`); ``__init__`` only validates settings and
+  never allocates in proportion to them;
+- :meth:`Codec.decode_cost` says, from a payload's metadata and array shapes alone, how many
+  bytes decoding it would allocate at peak, and :meth:`Codec.decode_flops` how much arithmetic
+  it would do, so a runtime can refuse a payload before paying for it;
+- caches belong to the instance and are bounded, and :meth:`Codec.held_nbytes` says what the
+  instance holds now, so a runtime can count it against a per-session memory budget.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 import torch
 
 from .errors import CompressionError
+
+if TYPE_CHECKING:
+    from .policy import Bounds
 
 Role = Literal["activation", "gradient"]
 
@@ -85,9 +102,11 @@ def torch_dtype(name: str) -> torch.dtype:
 class Codec(ABC):
     """Base class of all codecs. Subclasses set ``name`` and implement encode and decode.
 
-    Settings are keyword arguments of ``__init__``, validated there. Mutable state (keys,
-    buffers, warm-start factors) is exposed through :meth:`state_dict` so checkpoints can carry
-    it. Randomness comes from ``seed``, which both ends of a link agree on at handshake.
+    Settings are keyword arguments of ``__init__``, validated there, and each is classified in
+    ``negotiable_options`` or ``local_options`` (registration refuses an unclassified one).
+    Mutable state (keys, buffers, warm-start factors) is exposed through :meth:`state_dict` so
+    checkpoints can carry it. Randomness comes from ``seed``, which both ends of a link agree
+    on at handshake.
     """
 
     name: ClassVar[str]
@@ -97,6 +116,19 @@ class Codec(ABC):
     #: True when training encodes need ``CodecContext.sample_ids`` (a stable id per sample), so a
     #: runtime can ask the user for them before the first step instead of failing inside it.
     needs_sample_ids: ClassVar[bool] = False
+    #: Options both ends agree on, which a peer may ask for (subject to ``bounded_by``).
+    negotiable_options: ClassVar[frozenset[str]] = frozenset()
+    #: Options that name a resource of this machine (a file, a memory map, a device): set
+    #: only by this end's own configuration, never accepted from a peer.
+    local_options: ClassVar[frozenset[str]] = frozenset()
+    #: Negotiable options that cost work or memory -> the :class:`~compressors.Bounds` field
+    #: that caps them when the spec comes from a peer.
+    bounded_by: ClassVar[Mapping[str, str]] = {}
+
+    #: The bounds this instance enforces on what it decodes (e.g. the largest AC-SGD sample
+    #: id), set by ``make_codec(..., bounds=...)`` for codecs that serve an untrusted peer;
+    #: None for a codec built from this end's own configuration.
+    bounds: Bounds | None = None
 
     def __init__(self, *, seed: int = 0) -> None:
         self.seed = int(seed)
@@ -124,6 +156,46 @@ class Codec(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
             raise CompressionError(f"codec {self.name!r} is stateless but got state keys {sorted(state)}")
+
+    def decode_cost(self, payload: Payload, ctx: CodecContext) -> int:
+        """An upper bound on the bytes :meth:`decode` would allocate at peak for ``payload``,
+        counting the output in its decoded dtype, every intermediate, and state the decode
+        would grow (buffers, caches).
+
+        Computed from the payload's metadata and array shapes only, without decoding, so a
+        receiver can refuse a payload whose cost exceeds its budget before paying for it (a
+        few bytes of metadata can name a tensor of many GiB). Metadata it reads is validated:
+        a malformed payload raises :class:`CompressionError`, as :meth:`decode` would.
+
+        Counted are tensors and arrays, generously: the steps of a decode are summed rather
+        than overlapped, since an allocator may not reuse what an earlier step freed. Not
+        counted are a few MiB that do not grow with the payload (allocator bookkeeping, BLAS
+        and FFT workspaces): a budget should leave that much spare.
+
+        This default fits decoders that read the arrays once and produce the tensor named by
+        ``meta["shape"]`` and ``meta["dtype"]`` through one float32 intermediate.
+        """
+        from . import _wire
+
+        self.check(payload)
+        shape = _wire.meta_shape(payload)
+        dtype = _wire.meta_float_dtype(payload)
+        return _wire.arrays_nbytes(payload) + math.prod(shape) * (dtype.itemsize + 4)
+
+    def decode_flops(self, payload: Payload, ctx: CodecContext) -> int:
+        """An upper bound on the arithmetic :meth:`decode` would do for ``payload`` (a
+        multiply-add counts 2), from metadata and shapes only, like :meth:`decode_cost`.
+
+        The default is the decode cost itself: decoders that do a few operations per element
+        of their output and intermediates do about one per byte they allocate. Codecs whose
+        decode work grows faster than its bytes (products of factors, FFTs) override it.
+        """
+        return self.decode_cost(payload, ctx)
+
+    def held_nbytes(self) -> int:
+        """Bytes this instance holds now in buffers and caches (0 for stateless codecs), so a
+        runtime can count a session's codecs against its memory budget."""
+        return 0
 
     def check(self, payload: Payload) -> None:
         """Raise unless ``payload`` was made by this codec, at this version."""

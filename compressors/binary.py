@@ -108,6 +108,7 @@ class Binary(Codec):
 
     name = "binary"
     default_grad_codec = "fixpoint:bits=8"
+    negotiable_options = frozenset({"take_sign", "flip_eps"})
 
     def __init__(self, *, take_sign: bool = False, flip_eps: float | None = None, seed: int = 0) -> None:
         super().__init__(seed=seed)
@@ -152,12 +153,22 @@ class Binary(Codec):
         packed = np.packbits(positive, bitorder="little")
         return Payload(self.name, self.version, {"bits": packed}, tensor_meta(x))
 
-    def decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+    def _read(self, payload: Payload) -> tuple[tuple[int, ...], torch.dtype, np.ndarray]:
         self.check(payload)
         shape = _wire.meta_shape(payload)
         dtype = _wire.meta_float_dtype(payload)
+        packed = _wire.array(payload, "bits", np.uint8, ((math.prod(shape) + 7) // 8,))
+        return shape, dtype, packed
+
+    def decode_cost(self, payload: Payload, ctx: CodecContext) -> int:
+        """The bytes as gather indices (intp), eight float32 signs per byte, then the output
+        dtype: a float64 tensor decodes to over 100 times the bytes that travelled."""
+        shape, dtype, packed = self._read(payload)
+        return packed.size * (8 + 8 * 4) + math.prod(shape) * dtype.itemsize
+
+    def decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+        shape, dtype, packed = self._read(payload)
         n = math.prod(shape)
-        packed = _wire.array(payload, "bits", np.uint8, ((n + 7) // 8,))
         # one table row per byte value: its eight +-1 values in one gather, no unpack-then-scale
         signs = np.take(_SIGNS_OF_BYTE, packed, axis=0).reshape(-1)[:n]
         return torch.from_numpy(signs).to(dtype).reshape(shape)

@@ -15,9 +15,17 @@ from typing import Any
 import torch
 
 from . import _wire
+from ._cache import LRU, nbytes_of
 from .base import Codec, CodecContext, Payload, tensor_meta
 from .errors import CompressionError, DesyncError
 from .registry import register
+
+
+#: Row sizes whose keys an instance keeps (each R x D float64); others are rebuilt when seen.
+KEY_SIZES = 4
+
+#: What is cached per row size D: the keys, their checksum, their spectra per (dtype, conjugated).
+_KeyEntry = tuple[torch.Tensor, int, dict[tuple[torch.dtype, bool], torch.Tensor]]
 
 
 def make_keys(r: int, d: int, seed: int) -> torch.Tensor:
@@ -73,36 +81,47 @@ class C3SL(Codec):
     through the codec too. A batch that R does not divide is padded with zero rows, which add
     nothing to the bound vectors; the true count travels in the payload and no sample is lost.
     The payload carries a checksum of the keys, so ends seeded differently fail loudly.
+
+    Keys and their spectra are cached per row size D for the ``KEY_SIZES`` most recent sizes
+    only (R x D float64 each), so a peer sending a new row size per message cannot grow them.
     """
 
     name = "c3sl"
     default_grad_codec = "identity"
+    negotiable_options = frozenset({"r"})
+    bounded_by = {"r": "max_r"}
 
     def __init__(self, *, r: int = 4, seed: int = 0) -> None:
         super().__init__(seed=seed)
         if not isinstance(r, int) or isinstance(r, bool) or r < 1:
             raise CompressionError(f"c3sl option r (samples bound per vector) must be an int >= 1, got {r!r}")
         self.r = r
-        self._keys: dict[int, tuple[torch.Tensor, int]] = {}
-        self._spectra: dict[tuple[int, torch.dtype, bool], torch.Tensor] = {}
+        # a D in use has at most four spectra: the working dtype is float32 or float64
+        self._keys: LRU[int, _KeyEntry] = LRU(KEY_SIZES)
 
     def keys(self, d: int) -> torch.Tensor:
         """The R keys for samples of D elements (float64, cached per D)."""
         return self._key_entry(d)[0]
 
-    def _key_entry(self, d: int) -> tuple[torch.Tensor, int]:
-        if d not in self._keys:
+    def _key_entry(self, d: int) -> _KeyEntry:
+        def build() -> _KeyEntry:
             keys = make_keys(self.r, d, self.seed)
-            self._keys[d] = (keys, zlib.crc32(keys.numpy().tobytes()))
-        return self._keys[d]
+            return keys, zlib.crc32(keys.numpy().tobytes()), {}
+
+        return self._keys.get(d, build)
 
     def _spectrum(self, d: int, dtype: torch.dtype, device: torch.device, conj: bool = False) -> torch.Tensor:
-        """The keys' rfft (conjugated for unbinding), cached per (D, dtype)."""
-        key = (d, dtype, conj)
-        if key not in self._spectra:
-            spectrum = torch.fft.rfft(self.keys(d).to(dtype), n=d) if d else torch.zeros(self.r, 0)
-            self._spectra[key] = spectrum.conj().resolve_conj() if conj else spectrum
-        return self._spectra[key].to(device)
+        """The keys' rfft (conjugated for unbinding), cached per (D, dtype) with the keys."""
+        keys, _, spectra = self._key_entry(d)
+        if (dtype, conj) not in spectra:
+            spectrum = torch.fft.rfft(keys.to(dtype), n=d) if d else torch.zeros(self.r, 0)
+            spectra[dtype, conj] = spectrum.conj().resolve_conj() if conj else spectrum
+        return spectra[dtype, conj].to(device)
+
+    def held_nbytes(self) -> int:
+        """The cached keys and spectra: at most ``KEY_SIZES`` row sizes' worth."""
+        return sum(nbytes_of(keys) + nbytes_of(list(spectra.values()))
+                   for _, (keys, _crc, spectra) in self._keys.items())
 
     @staticmethod
     def _work(dtype: torch.dtype) -> torch.dtype:
@@ -118,8 +137,9 @@ class C3SL(Codec):
             z = torch.cat([z, z.new_zeros(pad, z.shape[1])])
         return z.reshape(groups, self.r, z.shape[1])
 
-    def _layout(self, payload: Payload) -> tuple[tuple[int, ...], int, int]:
-        """(shape, groups, D) of a payload, after checking it was made with our r and keys."""
+    def _layout(self, payload: Payload, check_keys: bool = True) -> tuple[tuple[int, ...], int, int]:
+        """(shape, groups, D) of a payload, after checking it was made with our r (and, unless
+        ``check_keys`` is False, with our keys, which builds them for a new D)."""
         self.check(payload)
         shape = _wire.meta_shape(payload)
         if not shape:
@@ -131,6 +151,8 @@ class C3SL(Codec):
         groups = -(-shape[0] // self.r)
         # the array is checked before any key is built: a hostile shape must not size an allocation
         _wire.array(payload, "v", None, (groups, d))
+        if not check_keys:
+            return shape, groups, d
         crc = payload.meta.get("key_crc")
         if crc != self._key_entry(d)[1]:
             raise DesyncError(
@@ -159,6 +181,26 @@ class C3SL(Codec):
         work = self._work(dtype)
         z = _unbind(self._spectrum(d, work, v.device, conj=True), v.to(work))
         return z.reshape(groups * self.r, d)[: shape[0]].reshape(shape).to(dtype)
+
+    def decode_cost(self, payload: Payload, ctx: CodecContext) -> int:
+        """Keys for the payload's row size and their spectrum (counted even when cached), the
+        bound vectors in the working precision and their spectrum, the R-times wider product
+        spectrum, the unbound rows, and the output in its dtype."""
+        shape, groups, d = self._layout(payload, check_keys=False)
+        dtype = _wire.meta_float_dtype(payload)
+        v = _wire.array(payload, "v", _wire.wire_float_dtype(dtype), (groups, d))
+        ws, r, f = self._work(dtype).itemsize, self.r, d // 2 + 1
+        keys = 4 * r * d * 8 + r * d * ws + 2 * r * f * 2 * ws
+        bound = int(v.nbytes) + groups * d * ws + groups * f * 2 * ws
+        unbound = 2 * groups * r * f * 2 * ws + groups * r * d * ws
+        return keys + bound + unbound + math.prod(shape) * dtype.itemsize
+
+    def decode_flops(self, payload: Payload, ctx: CodecContext) -> int:
+        """Real FFTs of length D (about 5 D log2 D each): R for the keys, one per bound vector
+        and R per group to unbind; plus a pass per byte allocated."""
+        shape, groups, d = self._layout(payload, check_keys=False)
+        transforms = self.r + groups + groups * self.r
+        return transforms * 5 * d * max(d - 1, 1).bit_length() + self.decode_cost(payload, ctx)
 
     def decode_adjoint(self, grad: torch.Tensor, payload: Payload, ctx: CodecContext) -> torch.Tensor:
         """dL/dV (ceil(B/R) x D): binding the gradient is the adjoint of unbinding."""

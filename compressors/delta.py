@@ -14,15 +14,16 @@ import logging
 import math
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from . import _wire, bitpack
+from ._cache import LRU
 from .base import Codec, CodecContext, Payload, tensor_meta
 from .errors import CompressionError, DesyncError
-from .quant import FP16_MAX, channel_axis, check_bits, dequantize, quantize, quantize_parts
+from .quant import FP16_MAX, channel_axis, check_bits, dequantize, dequantize_nbytes, quantize, quantize_parts
 from .registry import register
 
 log = logging.getLogger(__name__)
@@ -42,10 +43,17 @@ def _hash_weights(count: int) -> np.ndarray:
     return (z >> np.uint64(32)).astype(np.uint32) | np.uint32(1)
 
 
-_WEIGHTS: dict[int, np.ndarray] = {}
+def row_words(rows: np.ndarray) -> int:
+    """32-bit words per row that :func:`row_checksums` sums (the row's bytes, zero-padded)."""
+    return -(-(rows.dtype.itemsize * math.prod(rows.shape[1:])) // 4)
 
 
-def row_checksums(rows: np.ndarray) -> np.ndarray:
+def row_words_of(d: int) -> int:
+    """:func:`row_words` for rows of D fp16 values."""
+    return -(-2 * d // 4)
+
+
+def row_checksums(rows: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
     """A 64-bit checksum of each row's bytes: sum over its 32-bit words u_j of w_j * u_j mod 2^64.
 
     One vectorised multiply-add pass, about 2x cheaper than zlib.crc32 row by row. Each product
@@ -53,6 +61,9 @@ def row_checksums(rows: np.ndarray) -> np.ndarray:
     pattern (a sign or exponent flip repeated in several words) is shifted out of it as with
     64-bit words; changes in several words cancel only if their weighted sum happens to be a
     multiple of 2^64. Rows whose size is not a multiple of 4 bytes are padded with zeros.
+
+    ``weights`` are ``_hash_weights(row_words(rows))``, for a caller that keeps them between
+    calls (a codec instance does; nothing is cached at module level).
     """
     rows = np.ascontiguousarray(rows)
     b = rows.shape[0]
@@ -63,9 +74,27 @@ def row_checksums(rows: np.ndarray) -> np.ndarray:
         raw = padded
     words = raw.view("<u4")
     n = words.shape[1]
-    if n not in _WEIGHTS:
-        _WEIGHTS[n] = _hash_weights(n)
-    return np.einsum("ij,j->i", words, _WEIGHTS[n], dtype=np.uint64, casting="safe")
+    if weights is None:
+        weights = _hash_weights(n)
+    elif weights.shape != (n,) or weights.dtype != np.uint32:
+        raise CompressionError(f"row_checksums: expected {n} uint32 weights, got {weights.dtype} {weights.shape}")
+    return np.einsum("ij,j->i", words, weights, dtype=np.uint64, casting="safe")
+
+
+class _TrainParts(NamedTuple):
+    """A training payload's parts, checked against each other and its shape."""
+
+    b: int
+    d: int
+    bits: int
+    ids: np.ndarray
+    steps: np.ndarray
+    check: np.ndarray
+    full: np.ndarray
+    x_full: np.ndarray
+    packed: np.ndarray
+    scale: np.ndarray
+    axis: int | None
 
 
 def _split(z: torch.Tensor, full: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,6 +152,11 @@ class ACSGD(Codec):
     Training encodes need ``CodecContext.sample_ids``. A full-precision send (warm-up, or a
     resync) carries the activation in its own dtype; both buffers then hold its fp16 value.
     The gradient is not a delta: it goes straight through to the 8-bit fixpoint gradient codec.
+
+    ``path`` names a file of this machine, so it is local-only: never accepted from a peer.
+    The buffers are (largest sample id + 1) x (2 D + 8) bytes, so a peer-facing codec
+    (``make_codec(..., bounds=...)``) refuses ids at or beyond ``Bounds.max_ids``, and
+    :meth:`decode_cost` counts the growth a payload's ids would cause.
     """
 
     name = "acsgd"
@@ -130,6 +164,9 @@ class ACSGD(Codec):
     version = 2
     default_grad_codec = "fixpoint:bits=8"
     needs_sample_ids = True
+    negotiable_options = frozenset({"bits", "warmup", "eval_bits", "capacity", "channel_dim"})
+    local_options = frozenset({"path"})
+    bounded_by = {"capacity": "max_ids", "warmup": "max_warmup"}
 
     def __init__(self, *, bits: int = 4, warmup: int = 1, eval_bits: int = 8, capacity: int = 0,
                  path: str = "", channel_dim: int = 1, seed: int = 0) -> None:
@@ -149,6 +186,7 @@ class ACSGD(Codec):
         self._buf: np.ndarray | None = None  # (ids, D) float16, or a memmap of it
         self._steps = np.zeros(0, dtype=np.int64)  # sends applied per id
         self._resync: set[int] = set()
+        self._weights: LRU[int, np.ndarray] = LRU(2)  # checksum weights per row size
 
     # -- buffers ---------------------------------------------------------------------------
 
@@ -163,14 +201,20 @@ class ACSGD(Codec):
                 f"acsgd cannot hold buffers for {rows} samples x {d} values in memory; give path=<file> and capacity"
             ) from None
 
-    def _ensure(self, ids: np.ndarray, d: int) -> np.ndarray:
-        """The buffer, after making sure it has rows of D values covering every id in ``ids``."""
+    def _rows_for(self, ids: np.ndarray, d: int) -> int:
+        """Rows the buffers must have to cover ``ids`` with rows of D values (their current rows
+        when no growth is needed); raises, allocating nothing, for ids out of range."""
         if self._buf is not None and self._buf.shape[1] != d:
             raise CompressionError(
                 f"acsgd buffers hold {self._buf.shape[1]} values per sample but this batch has {d}; "
                 "every sample must have the same shape (pad sequences to one length)"
             )
         need = int(ids.max()) + 1 if ids.size else 0
+        if self.bounds is not None and need > self.bounds.max_ids:
+            raise CompressionError(
+                f"acsgd sample id {need - 1} is beyond this end's bound max_ids={self.bounds.max_ids} "
+                "(ids must be < max_ids); number samples 0..N-1, or raise Bounds.max_ids on this end"
+            )
         have = 0 if self._buf is None else self._buf.shape[0]
         if self.capacity:
             if need > self.capacity:
@@ -182,8 +226,23 @@ class ACSGD(Codec):
                 "set capacity=<number of samples> (and path=<file> to keep them on disk)"
             )
         if self._buf is not None and need <= have:
+            return have
+        return need if self.capacity else max(need, min(2 * have, MAX_GROWN_BYTES // (2 * d + 8)))
+
+    def _growth_nbytes(self, ids: np.ndarray, d: int) -> int:
+        """Bytes :meth:`_ensure` would allocate for ``ids``: new buffer and step arrays, made
+        before the old ones are released."""
+        rows = self._rows_for(ids, d)
+        if self._buf is not None and rows == self._buf.shape[0]:
+            return 0
+        return rows * (2 * d + 8)
+
+    def _ensure(self, ids: np.ndarray, d: int) -> np.ndarray:
+        """The buffer, after making sure it has rows of D values covering every id in ``ids``."""
+        rows = self._rows_for(ids, d)
+        have = 0 if self._buf is None else self._buf.shape[0]
+        if self._buf is not None and rows == have:
             return self._buf
-        rows = need if self.capacity else max(need, min(2 * have, MAX_GROWN_BYTES // (2 * d + 8)))
         grown = self._allocate(rows, d)
         if self._buf is not None:
             grown[:have] = self._buf
@@ -219,6 +278,16 @@ class ACSGD(Codec):
         the sample's buffer and step count on both ends.
         """
         self._resync.update(int(i) for i in ids)
+
+    def held_nbytes(self) -> int:
+        """The per-sample buffer (memory-mapped or not) and step counts, pending resync ids and
+        the checksum weights."""
+        buf = 0 if self._buf is None else int(self._buf.nbytes)
+        return buf + int(self._steps.nbytes) + 64 * len(self._resync) + self._weights.nbytes()
+
+    def _checksums(self, rows: np.ndarray) -> np.ndarray:
+        n = row_words(rows)
+        return row_checksums(rows, self._weights.get(n, lambda: _hash_weights(n)))
 
     @property
     def pending_resync(self) -> list[int]:
@@ -263,7 +332,7 @@ class ACSGD(Codec):
                 "normalise it or use another codec"
             )
         rows_np = _merge(full, full16, updated, torch.float16).numpy()
-        check = row_checksums(rows_np)
+        check = self._checksums(rows_np)
 
         buf[ids] = rows_np
         self._steps[ids] += 1
@@ -303,13 +372,42 @@ class ACSGD(Codec):
         packed = _wire.array(payload, "q", np.uint8, (bitpack.packed_nbytes(math.prod(shape), bits),))
         return packed, scale, axis
 
-    def decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+    def _header(self, payload: Payload) -> tuple[str, tuple[int, ...], torch.dtype]:
         self.check(payload)
         mode = _wire.meta_str(payload, "mode", ("train", "eval"))
         shape = _wire.meta_shape(payload)
         dtype = _wire.meta_float_dtype(payload)
         if not shape:
             raise CompressionError("acsgd payload names a 0-D shape; acsgd codes batches")
+        return mode, shape, dtype
+
+    def decode_cost(self, payload: Payload, ctx: CodecContext) -> int:
+        """Evaluation: as ``fixpoint`` (or the copied array). Training: the growth of the
+        buffers to the largest sample id named, the rows gathered from them, the dequantized
+        deltas, the updated fp16 rows and their checksum, and the output in its dtype."""
+        mode, shape, dtype = self._header(payload)
+        n, out = math.prod(shape), math.prod(shape) * dtype.itemsize
+        if mode == "eval":
+            bits = _wire.meta_int(payload, "bits", 0, 16)
+            if bits == 0:
+                return int(_wire.array(payload, "x", _wire.wire_float_dtype(dtype), shape).nbytes) + out
+            if bits < 2:
+                raise CompressionError(f"acsgd eval payload: bits {bits} is not 0 or 2..16")
+            self._quantized(payload, shape, bits)
+            return dequantize_nbytes(n, bits) + out
+        t = self._train_parts(payload, shape, dtype)
+        b, d, n_keep = t.b, t.d, t.b - t.x_full.shape[0]
+        # buffer rows gathered, in float32, the dequantized deltas, their sum back in fp16
+        kept = n_keep * d * (2 + 4 + 2) + dequantize_nbytes(n_keep * d, t.bits)
+        # the merged fp16 rows and a converted copy of one part, and the checksum's padded rows
+        merged = 2 * n * 2 + b * (2 * d + 4)
+        weights = 0 if row_words_of(d) in self._weights else 6 * 8 * row_words_of(d)
+        # the output, and a converted copy of one part, plus the ids' sorted and cast copies
+        return (self._growth_nbytes(t.ids, d) + int(t.x_full.nbytes) + kept + merged + weights
+                + 2 * out + 64 * b)
+
+    def decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+        mode, shape, dtype = self._header(payload)
         if mode == "eval":
             bits = _wire.meta_int(payload, "bits", 0, 16)
             if bits == 0:
@@ -320,21 +418,27 @@ class ACSGD(Codec):
             return dequantize(packed, scale, bits, shape, axis).to(dtype)
         return self._decode_train(payload, shape, dtype, ctx)
 
-    def _decode_train(self, payload: Payload, shape: tuple[int, ...], dtype: torch.dtype,
-                      ctx: CodecContext) -> torch.Tensor:
+    def _train_parts(self, payload: Payload, shape: tuple[int, ...], dtype: torch.dtype) -> _TrainParts:
         b, d = shape[0], math.prod(shape[1:])
         bits = _wire.meta_int(payload, "bits", 2, 16)
         ids = self._check_ids(_wire.array(payload, "ids", np.int64, (b,)), b, "payload ids")
-        if ctx.sample_ids is not None and not np.array_equal(np.asarray(ctx.sample_ids), ids):
-            raise CompressionError("acsgd payload carries other sample ids than CodecContext.sample_ids on this end")
         steps = _wire.array(payload, "steps", np.int64, (b,))
         check = _wire.array(payload, "check", np.uint64, (b,))
         full = np.unpackbits(_wire.array(payload, "full", np.uint8, ((b + 7) // 8,)), count=b, bitorder="little").astype(bool)
-        keep = ~full
         n_full = int(full.sum())
-        x_full = _wire.tensor(_wire.array(payload, "x", _wire.wire_float_dtype(dtype), (n_full, *shape[1:]))).reshape(n_full, d)
+        x_full = _wire.array(payload, "x", _wire.wire_float_dtype(dtype), (n_full, *shape[1:]))
+        packed, scale, axis = self._quantized(payload, (b - n_full, *shape[1:]), bits)
+        return _TrainParts(b, d, bits, ids, steps, check, full, x_full, packed, scale, axis)
+
+    def _decode_train(self, payload: Payload, shape: tuple[int, ...], dtype: torch.dtype,
+                      ctx: CodecContext) -> torch.Tensor:
+        b, d, bits, ids, steps, check, full, x_arr, packed, scale, axis = self._train_parts(payload, shape, dtype)
+        if ctx.sample_ids is not None and not np.array_equal(np.asarray(ctx.sample_ids), ids):
+            raise CompressionError("acsgd payload carries other sample ids than CodecContext.sample_ids on this end")
+        keep = ~full
+        n_full = x_arr.shape[0]
+        x_full = _wire.tensor(x_arr).reshape(n_full, d)
         delta_shape = (b - n_full, *shape[1:])
-        packed, scale, axis = self._quantized(payload, delta_shape, bits)
 
         buf = self._ensure(ids, d)
         behind = keep & (self._steps[ids] != steps)
@@ -351,7 +455,7 @@ class ACSGD(Codec):
         updated = self._updated(m, packed, scale, bits, axis, delta_shape)
         rows = _merge(full, x_full, updated, torch.float16)
         rows_np = rows.numpy()
-        wrong = row_checksums(rows_np) != check
+        wrong = self._checksums(rows_np) != check
         if wrong.any():
             bad = ids[wrong]
             raise DesyncError(

@@ -1,4 +1,4 @@
-"""The one error type of the codec package."""
+"""The error types of the codec package: one base, :class:`CompressionError`, and its kinds."""
 
 from __future__ import annotations
 
@@ -28,3 +28,18 @@ class DesyncError(CompressionError):
         super().__init__(message)
         self.ids: list[int] = [int(i) for i in ids]
         self.reason = reason
+
+
+class PolicyError(CompressionError):
+    """A codec spec that a peer asked for and this end refuses to build.
+
+    Raised by :func:`compressors.check_spec` when the spec names a codec outside the allowed
+    set, an option that names a local resource (a file, a memory map), or an option beyond the
+    receiver's :class:`compressors.Bounds`. ``codec``, ``option``, ``value`` and ``bound``
+    say which (empty where they do not apply), so a runtime can report it without parsing text.
+    """
+
+    def __init__(self, message: str, *, codec: str = "", option: str = "", value: object = None,
+                 bound: str = "") -> None:
+        super().__init__(message)
+        self.codec, self.option, self.value, self.bound = codec, option, value, bound

@@ -21,3 +21,8 @@ class Identity(Codec):
     def decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
         self.check(payload)
         return _wire.tensor(_wire.array(payload, "x"))
+
+    def decode_cost(self, payload: Payload, ctx: CodecContext) -> int:
+        """The array itself: decode copies it once when it is read-only (received bytes)."""
+        self.check(payload)
+        return int(_wire.array(payload, "x").nbytes)

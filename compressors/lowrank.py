@@ -16,12 +16,15 @@ import numpy as np
 import torch
 
 from . import _wire
+from ._cache import LRU
 from .base import Codec, CodecContext, Payload, tensor_meta
 from .errors import CompressionError
 from .registry import register
 
 _FACTOR_DTYPES = (np.dtype("float16"), np.dtype("float32"), np.dtype("float64"))
 _ONE = torch.ones(())
+#: Warm-start subspaces kept, one per (H, r) seen; an evicted one restarts from the seed.
+WARM_SHAPES = 8
 
 
 def matrix_view(shape: tuple[int, ...]) -> tuple[int, int, int] | None:
@@ -63,10 +66,18 @@ class LowRank(Codec):
     iterations per encode), ``fp16`` (send factors in half precision, else in the input dtype).
     The gradient it sends back is P^T G, exact for the decode it did, so the default gradient
     codec is ``identity``.
+
+    Costs: ``iters`` is work on the end that *encodes* (iters batched products of the whole
+    tensor); the decoding end never runs power iterations. Decoding is one product of the
+    factors, 2 * B * L * H * r operations for an output of B * L * H elements, with r at most
+    this end's ``rank`` (a payload claiming more is refused), so decode work is the output size
+    times a rank that :class:`~compressors.Bounds` caps.
     """
 
     name = "lowrank"
     default_grad_codec = "identity"
+    negotiable_options = frozenset({"rank", "iters", "fp16"})
+    bounded_by = {"rank": "max_rank", "iters": "max_iters"}
 
     def __init__(self, *, rank: int = 4, iters: int = 2, fp16: bool = True, seed: int = 0) -> None:
         super().__init__(seed=seed)
@@ -76,17 +87,21 @@ class LowRank(Codec):
         if not isinstance(fp16, bool):
             raise CompressionError(f"lowrank option fp16 must be true or false, got {fp16!r}")
         self.rank, self.iters, self.fp16 = rank, iters, fp16
-        self._warm: dict[tuple[int, int], torch.Tensor] = {}
+        self._warm: LRU[tuple[int, int], torch.Tensor] = LRU(WARM_SHAPES)
 
     # -- sender ----------------------------------------------------------------------------
 
     def _warm_start(self, h: int, r: int) -> torch.Tensor:
-        key = (h, r)
-        if key not in self._warm:
+        def fresh() -> torch.Tensor:
             # seeded per (H, r), so the start does not depend on the order shapes were seen in
             g = torch.Generator().manual_seed(self.seed)
-            self._warm[key] = orthonormalize(torch.randn(h, r, generator=g, dtype=torch.float64)).float()
-        return self._warm[key]
+            return orthonormalize(torch.randn(h, r, generator=g, dtype=torch.float64)).float()
+
+        return self._warm.get((h, r), fresh)
+
+    def held_nbytes(self) -> int:
+        """The warm-start subspaces (at most ``WARM_SHAPES`` of them, H x r float32 each)."""
+        return self._warm.nbytes()
 
     def _raw(self, x: torch.Tensor, reason: str) -> Payload:
         meta = {**tensor_meta(x), "mode": "raw", "reason": reason}
@@ -127,7 +142,7 @@ class LowRank(Codec):
             # One power step on the batch as a whole: the next batch starts from its subspace.
             nxt = orthonormalize(qt_full.sum(0).T.to(torch.float32))
             if _wire.all_finite(nxt):
-                self._warm[(h, r)] = nxt
+                self._warm.put((h, r), nxt)
         meta = {**tensor_meta(x), "mode": "lowrank", "rank": r}
         return Payload(self.name, self.version, {"P": p_wire.contiguous().numpy(), "Q": q_wire.numpy()}, meta)
 
@@ -140,7 +155,7 @@ class LowRank(Codec):
         if view is None:
             raise CompressionError(f"lowrank payload in factor mode for shape {list(shape)}, which is not a batch of matrices")
         b, l, h = view
-        r = _wire.meta_int(payload, "rank", 1, max(min(l, h), 1))
+        r = _wire.meta_int(payload, "rank", 1, max(min(l, h, self.rank), 1))
         p_dtype = getattr(payload.arrays.get("P"), "dtype", None)
         if p_dtype not in _FACTOR_DTYPES:
             raise CompressionError(f"lowrank payload factor P: expected one of float16/32/64, got {p_dtype}")
@@ -166,6 +181,29 @@ class LowRank(Codec):
             return _wire.tensor(_wire.array(payload, "x", _wire.wire_float_dtype(dtype), shape)).to(dtype)
         p, q, shape = self._factors(payload)
         return _outer(self._work(p), self._work(q).transpose(1, 2)).reshape(shape).to(dtype)
+
+    def decode_cost(self, payload: Payload, ctx: CodecContext) -> int:
+        """Raw: the copied array and the output. Factors: their copies in the working precision,
+        the product P Q^T in it (B x L x H), and the output in its dtype; a rank-1 payload of two
+        32768-long fp16 factors (131 KB) names an 8 GiB product."""
+        mode = self._mode(payload)
+        dtype = _wire.meta_float_dtype(payload)
+        if mode == "raw":
+            shape = _wire.meta_shape(payload)
+            x = _wire.array(payload, "x", _wire.wire_float_dtype(dtype), shape)
+            return int(x.nbytes) + math.prod(shape) * dtype.itemsize
+        p, q, shape = self._factors(payload)
+        work = 8 if p.dtype == np.float64 else 4
+        factors = int(p.nbytes + q.nbytes) + (p.size + 2 * q.size) * work
+        return factors + math.prod(shape) * (work + dtype.itemsize)
+
+    def decode_flops(self, payload: Payload, ctx: CodecContext) -> int:
+        """2 * B * L * H * r for the product of the factors, plus a pass per byte allocated."""
+        cost = self.decode_cost(payload, ctx)
+        if payload.meta.get("mode") == "raw":
+            return cost
+        p, _, shape = self._factors(payload)
+        return 2 * math.prod(shape) * p.shape[-1] + cost
 
     def decode_adjoint(self, grad: torch.Tensor, payload: Payload, ctx: CodecContext) -> torch.Tensor:
         """P^T G per sample (B x r x H): all of the gradient that the sender can use."""
@@ -198,10 +236,10 @@ class LowRank(Codec):
 
     def state_dict(self) -> dict[str, Any]:
         """The warm-start subspaces, one per (H, r) seen: ``warm.<H>x<r>``."""
-        return {f"warm.{h}x{r}": q.clone() for (h, r), q in sorted(self._warm.items())}
+        return {f"warm.{h}x{r}": q.clone() for (h, r), q in sorted(self._warm.items(), key=lambda kv: kv[0])}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        warm: dict[tuple[int, int], torch.Tensor] = {}
+        warm: LRU[tuple[int, int], torch.Tensor] = LRU(WARM_SHAPES)
         for key, value in state.items():
             try:
                 h, r = (int(v) for v in key.removeprefix("warm.").split("x"))
@@ -209,7 +247,7 @@ class LowRank(Codec):
                 raise CompressionError(f"lowrank state key {key!r} is not of the form 'warm.<H>x<r>'") from None
             if not key.startswith("warm.") or not isinstance(value, torch.Tensor) or tuple(value.shape) != (h, r):
                 raise CompressionError(f"lowrank state {key!r}: expected a tensor of shape ({h}, {r})")
-            warm[(h, r)] = value.detach().to(torch.float32).clone()
+            warm.put((h, r), value.detach().to(torch.float32).clone())
         self._warm = warm
 
 

@@ -32,6 +32,15 @@ class FP16(Codec):
     name = "fp16"
     default_grad_codec = "fp16"
 
+    def decode_cost(self, payload: Payload, ctx: CodecContext) -> int:
+        """The fp16 array copied out of the read-only wire buffer, then the output dtype."""
+        self.check(payload)
+        shape = _wire.meta_shape(payload)
+        dtype = _wire.meta_float_dtype(payload)
+        n = math.prod(shape)
+        _wire.array(payload, "x", np.float16, shape)
+        return n * (2 + dtype.itemsize)
+
     def encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         if not x.is_floating_point():
             raise CompressionError(f"fp16 codes floating tensors; got {x.dtype}")
@@ -136,6 +145,13 @@ def quantize_parts(x: torch.Tensor, bits: int, axis: int | None
     return bitpack.pack(codes, bits), scale, q, step
 
 
+def dequantize_nbytes(count: int, bits: int) -> int:
+    """An upper bound on the bytes :func:`dequantize` allocates for ``count`` values: unpacking
+    (a byte per bit, plus uint16 words, their shifted copies and the narrowed codes, on the
+    general path), the float32 result, and 2 bytes per value of allocator headroom."""
+    return int(count) * (int(bits) + 7 + 4 + 2)
+
+
 def dequantize(packed: np.ndarray, scale: np.ndarray, bits: int, shape: tuple[int, ...],
                axis: int | None) -> torch.Tensor:
     """Inverse of :func:`quantize` in float32. Both ends of a link get bit-identical values."""
@@ -162,6 +178,7 @@ class Fixpoint(Codec):
 
     name = "fixpoint"
     default_grad_codec = "fixpoint:bits=8"
+    negotiable_options = frozenset({"bits", "channel_dim"})
 
     def __init__(self, *, bits: int = 8, channel_dim: int = 1, seed: int = 0) -> None:
         super().__init__(seed=seed)
@@ -177,7 +194,9 @@ class Fixpoint(Codec):
         meta = {**tensor_meta(x), "bits": self.bits, "axis": axis}
         return Payload(self.name, self.version, {"q": packed, "scale": scale}, meta)
 
-    def decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+    def _read(self, payload: Payload
+              ) -> tuple[tuple[int, ...], torch.dtype, int, int | None, np.ndarray, np.ndarray]:
+        """(shape, dtype, bits, axis, scale, packed codes) of a payload, all checked."""
         self.check(payload)
         shape = _wire.meta_shape(payload)
         dtype = _wire.meta_float_dtype(payload)
@@ -190,4 +209,16 @@ class Fixpoint(Codec):
         count = 1 if axis is None else shape[axis]
         scale = _wire.array(payload, "scale", np.float16, (count,))
         packed = _wire.array(payload, "q", np.uint8, (bitpack.packed_nbytes(math.prod(shape), bits),))
+        return shape, dtype, bits, axis, scale, packed
+
+    def decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+        shape, dtype, bits, axis, scale, packed = self._read(payload)
         return dequantize(packed, scale, bits, shape, axis).to(dtype)
+
+    def decode_cost(self, payload: Payload, ctx: CodecContext) -> int:
+        """Unpacking and dequantizing in float32, then the output dtype: up to ~27 bytes per
+        element for a payload of ``bits / 8`` bytes per element, so a float64 tensor decodes
+        from 2-bit codes to ~80 times the bytes that travelled."""
+        shape, dtype, bits, *_ = self._read(payload)
+        n = math.prod(shape)
+        return dequantize_nbytes(n, bits) + n * dtype.itemsize

@@ -1,15 +1,19 @@
 """Codec names → classes, and the small spec grammar users type: ``name[:key=value,...]``.
 
-The name travels in every payload, so a payload names its own decoder.
+The name travels in every payload, so a payload names its own decoder. A spec that comes from
+a peer goes through :func:`check_spec` (with this end's :class:`~compressors.Bounds`) before
+anything is built from it.
 """
 
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 from .base import Codec
-from .errors import CompressionError, UnknownCodecError
+from .errors import CompressionError, PolicyError, UnknownCodecError
+from .policy import Bounds, check_classification, check_options
 
 _REGISTRY: dict[str, type[Codec]] = {}
 
@@ -17,8 +21,13 @@ C = TypeVar("C", bound=type[Codec])
 
 
 def register(cls: C) -> C:
-    """Class decorator: make a codec constructible by its ``name``."""
+    """Class decorator: make a codec constructible by its ``name``.
+
+    Refuses a class that leaves an option unclassified (see :mod:`compressors.policy`), so no
+    option becomes negotiable by omission.
+    """
     name = cls.name
+    check_classification(cls)
     if name in _REGISTRY and _REGISTRY[name] is not cls:
         raise CompressionError(f"codec name {name!r} is registered twice")
     _REGISTRY[name] = cls
@@ -70,10 +79,7 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     return name.strip(), options
 
 
-def make_codec(spec: str, *, seed: int = 0) -> Codec:
-    """Build a codec from a spec string, validating its options."""
-    name, options = parse_spec(spec)
-    cls = codec_class(name)
+def _known_options(name: str, cls: type[Codec], options: dict[str, Any]) -> None:
     allowed = cls.options()
     unknown = sorted(set(options) - set(allowed))
     if unknown:
@@ -81,7 +87,56 @@ def make_codec(spec: str, *, seed: int = 0) -> Codec:
             f"codec {name!r} has no option {', '.join(map(repr, unknown))}; "
             f"its options are: {', '.join(allowed) or '(none)'}"
         )
-    return cls(seed=seed, **options)
+
+
+def make_codec(spec: str, *, seed: int = 0, bounds: Bounds | None = None) -> Codec:
+    """Build a codec from a spec string, validating its options.
+
+    With ``bounds``, the codec is for traffic with an untrusted peer: the spec must pass
+    :func:`check_spec` under those bounds, and the codec keeps them (``codec.bounds``) to
+    enforce what only payloads reveal, such as the largest AC-SGD sample id.
+    """
+    if bounds is not None:
+        check_spec(spec, bounds)
+    name, options = parse_spec(spec)
+    cls = codec_class(name)
+    _known_options(name, cls, options)
+    codec = cls(seed=seed, **options)
+    codec.bounds = bounds
+    return codec
+
+
+def check_spec(spec: str, bounds: Bounds, allowed: Iterable[str] | None = None) -> str:
+    """The canonical form of a spec a peer asked for, once this end agrees to build it.
+
+    Refuses, with a :class:`PolicyError` naming the codec, option, value and bound: a spec
+    longer than ``bounds.max_spec_chars``; a codec name outside ``allowed`` (codec names; None
+    allows every registered codec); an option that names a local resource (``acsgd:path``);
+    an option beyond its bound (``lowrank:iters``, ``c3sl:r``, ``acsgd:capacity``, ...).
+    Unknown names and options, and values the codec itself rejects, raise
+    :class:`CompressionError` as :func:`make_codec` does: the codec is built once with seed 0
+    to validate them, which costs nothing in proportion to its options.
+    """
+    if not isinstance(bounds, Bounds):
+        raise CompressionError(f"check_spec needs a compressors.Bounds, got {type(bounds).__name__}")
+    if isinstance(spec, str) and len(spec) > bounds.max_spec_chars:
+        raise PolicyError(
+            f"codec spec of {len(spec)} characters exceeds this end's bound max_spec_chars={bounds.max_spec_chars}",
+            value=len(spec), bound="max_spec_chars",
+        )
+    name, options = parse_spec(spec)
+    if allowed is not None:
+        permitted = sorted({str(a) for a in allowed})
+        if name not in permitted:
+            raise PolicyError(
+                f"codec {name!r} is not allowed on this end; allowed: {', '.join(permitted) or '(none)'}",
+                codec=name,
+            )
+    cls = codec_class(name)
+    _known_options(name, cls, options)
+    check_options(cls, options, bounds)
+    cls(seed=0, **options)
+    return canonical_spec(spec)
 
 
 def canonical_spec(spec: str) -> str:
