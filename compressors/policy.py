@@ -40,19 +40,24 @@ class Bounds:
     """
 
     #: lowrank ``rank``: factors per sample; decode work is output size x rank.
-    max_rank: int = field(default=64, metadata={"min": 1})
+    max_rank: int = field(default=64, metadata={"min": 1, "help": "largest low-rank rank an edge may ask for"})
     #: lowrank ``iters``: power iterations per encode (work on the end that encodes: the
     #: cloud encodes gradients and U-shape returns with the codec the edge named).
-    max_iters: int = field(default=16, metadata={"min": 1})
+    max_iters: int = field(default=16, metadata={"min": 1, "help": "most low-rank power iterations per encode"})
     #: c3sl ``r``: samples bound per vector; the keys held are r x row size float64 values.
-    max_r: int = field(default=64, metadata={"min": 1})
+    max_r: int = field(default=64, metadata={"min": 1, "help": "most samples C3-SL binds into one vector (r)"})
     #: acsgd ``capacity``, and one more than the largest sample id a payload may name: the
     #: per-sample buffers grow to (largest id + 1) rows.
-    max_ids: int = field(default=1 << 22, metadata={"min": 1})
+    max_ids: int = field(default=1 << 22, metadata={"min": 1, "help": "AC-SGD capacity, and one more than the largest sample id a payload may name"})
     #: acsgd ``warmup``: full-precision sends per sample before deltas start.
-    max_warmup: int = field(default=100, metadata={"min": 0})
+    max_warmup: int = field(default=100, metadata={"min": 0, "help": "most AC-SGD full-precision warm-up sends per sample"})
     #: Length of a spec string, so parsing and logging a spec stays cheap.
-    max_spec_chars: int = field(default=256, metadata={"min": 1})
+    max_spec_chars: int = field(default=256, metadata={"min": 1, "help": "longest codec spec string"})
+
+    @classmethod
+    def describe(cls, name: str) -> str:
+        """One line saying what the bound ``name`` caps (for a CLI's --help)."""
+        return next(f.metadata["help"] for f in fields(cls) if f.name == name)
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -120,12 +120,12 @@ def _check_factory_kwargs(kwargs: Any) -> None:
     """Factory arguments are a flat map of names to plain values: nothing a factory could be tricked by."""
     plain = (type(None), bool, int, float, str)
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
-        raise HandshakeError(f"factory_kwargs must map argument names to values, got {protocol._short(kwargs)}")
+        raise HandshakeError(f"factory_kwargs must map argument names to values, got a {type(kwargs).__name__}")
     for name, value in kwargs.items():
         items = value if isinstance(value, list) else [value]
         if len(items) > 64 or not all(isinstance(v, plain) for v in items):
             raise HandshakeError(f"factory argument {name!r} must be a plain value (number, string, bool, "
-                                 f"None) or a short list of them, got {protocol._short(value)}")
+                                 f"None) or a short list of them, got a {type(value).__name__}")
 
 
 def _build_chain(hello: Hello, factories: dict[str, Callable[..., nn.Module]], limits: Limits,

@@ -313,8 +313,9 @@ class SlotCodecs:
                 codec = self._checked_codec(payload, i, slot, i == stream)
                 total += codec.decode_cost(payload, ctx)
                 if expand_to and i in expand_to:
-                    itemsize = torch_dtype(payload.meta.get("dtype")).itemsize \
-                        if isinstance(payload.meta, dict) else 8
+                    itemsize = max([a.itemsize for a in payload.arrays.values()] or [8])
+                    if isinstance(payload.meta, dict) and "dtype" in payload.meta:
+                        itemsize = max(itemsize, torch_dtype(payload.meta["dtype"]).itemsize)
                     total += math.prod(expand_to[i]) * itemsize
         return total
 

@@ -195,7 +195,7 @@ def test_graphs_never_backpropagated_are_bounded_by_the_session_budget(cloud):
     conn = cloud.connect()
     opened(conn)
     identity = compressors.make_codec("identity")
-    x = payload_to_wire(identity.encode(torch.randn(4096, 12), compressors.CodecContext()), True)
+    x = payload_to_wire(identity.encode(torch.randn(4096, 16), compressors.CodecContext()), True)
     codes = []
     for call in range(1, 200):
         reply = ask(conn, _forward(x, call=call, grad=True))
@@ -232,7 +232,8 @@ def test_silent_hellos_are_reaped_and_good_edges_get_in():
             time.sleep(0.1)
         assert not c.server.by_id
         data = _data(3)
-        assert_same(split_weights(c.listener, data), local_weights(data))
+        with splitft.split(mlp(), 2, factory=MLP, connection=c.listener.connect, heartbeat=0) as model:
+            assert_same(split_weights(model, data), local_weights(data))
     finally:
         c.close()
 
