@@ -153,7 +153,7 @@ class EdgeSession:
         """
         if self.closed:
             raise PeerGone("this split session is closed; create a new one to keep training")
-        sequenced = hasattr(msg, "seq")
+        sequenced = msg.NUMBERED
         if sequenced:
             self._seq += 1
             msg.seq = self._seq

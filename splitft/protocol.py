@@ -38,6 +38,8 @@ MAX_DIMS = 8
 @dataclass
 class Message:
     TYPE: ClassVar[str] = ""
+    #: Requests the cloud numbers (``seq``), applies once and answers again from its reply cache.
+    NUMBERED: ClassVar[bool] = False
 
 
 @dataclass
@@ -88,6 +90,7 @@ class Forward(Message):
     """Run the cloud part on ``args``/``kwargs`` (tensors as encoded payloads)."""
 
     TYPE: ClassVar[str] = "forward"
+    NUMBERED: ClassVar[bool] = True
     call: int
     train: bool  # the cloud part runs in train mode (and stateful codecs may update)
     grad: bool  # build a graph: a Backward for this call may follow
@@ -118,6 +121,7 @@ class Backward(Message):
     """Edge → cloud: gradients of a forward call's outputs."""
 
     TYPE: ClassVar[str] = "backward"
+    NUMBERED: ClassVar[bool] = True
     call: int
     grads: list
     ops: list = field(default_factory=list)
@@ -140,6 +144,7 @@ class Sync(Message):
     """Edge → cloud: apply pending operations (optimizer steps...) and answer with an Ack."""
 
     TYPE: ClassVar[str] = "sync"
+    NUMBERED: ClassVar[bool] = True
     ops: list = field(default_factory=list)
     want_state: bool = False
     checkpoint: bool = False  # write a cloud checkpoint now
@@ -168,6 +173,7 @@ class Bye(Message):
     """Either side: the session ends. Pending operations ride along so nothing is lost."""
 
     TYPE: ClassVar[str] = "bye"
+    NUMBERED: ClassVar[bool] = True
     reason: str = ""
     ops: list = field(default_factory=list)
     seq: int = 0

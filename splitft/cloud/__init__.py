@@ -1,0 +1,22 @@
+"""The cloud runtime, one room per job.
+
+- :mod:`.server` — sockets, the session registry, admission (policy and budgets), one answer per
+  message, expiry;
+- :mod:`.session` — one edge's cloud half: decoding, compute, encoding, graphs awaiting their
+  backward, memory held;
+- :mod:`.ops` — the operations an edge mirrors (optimizer steps, zero_grad, ...);
+- :mod:`.replies` — request numbers and the reply cache (each request applied once);
+- :mod:`.checkpoints` — snapshots, restores and resuming sessions;
+- :mod:`.guard` — typed blame for the edge's input, stage timers.
+
+Model factories (shared with the edge) live in :mod:`splitft.factories`, budgets in
+:mod:`splitft.limits` and :mod:`splitft.budget`, the negotiation policy in :mod:`splitft.policy`.
+"""
+
+from ..errors import PeerGone
+from ..factories import load_factory
+from ..limits import Limits
+from .server import CloudServer, serve_in_thread
+from .session import CloudSession, SharedPart
+
+__all__ = ["CloudServer", "CloudSession", "Limits", "PeerGone", "SharedPart", "load_factory", "serve_in_thread"]

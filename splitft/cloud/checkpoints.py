@@ -1,0 +1,153 @@
+"""A session's checkpoints: what is written, how a session is rebuilt, and how an edge resumes.
+
+With a checkpoint folder, a session writes a checkpoint when it opens and at every
+``checkpoint_every``-th optimizer step, right after the step is applied. An edge that reconnects
+(its hello carries a resume token, its last sequence number and the first one it can still
+re-send) gets the newest state it can continue from, in memory or on disk, and re-sends the
+requests after it. The token is checked on the checkpoint's small JSON before any tensor file is
+read, so a forged resume costs the cloud no more than that.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .. import operations as o
+from ..errors import CheckpointError, ProtocolError, ResumeError
+from ..limits import Limits
+from ..policy import Policy
+from ..protocol import Hello, _short
+from .guard import blame
+from .ops import attach_optimizer, set_loss
+from .session import CloudSession, hello_identity
+
+if TYPE_CHECKING:
+    from .server import CloudServer
+
+log = logging.getLogger(__name__)
+
+_SESSION_ID = re.compile(r"[0-9a-f]{16}")
+
+
+def snapshot(session: CloudSession) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(tree, meta)`` for a checkpoint: everything needed to continue from here exactly."""
+    if session.shared is not None:
+        raise CheckpointError("sessions of a shared cloud part are not checkpointed")
+    with torch.no_grad():
+        tree = {
+            "weights": session.chain.qualified_state_dict(),
+            "grads": {n: p.grad for n, p in session.chain.named_parameters() if p.grad is not None},
+            "optimizer": session.own_optimizer.state_dict() if session.own_optimizer is not None else None,
+            "codecs": session.codecs.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+    spec = session.optimizer_spec
+    meta = {
+        "kind": "cloud", "session": session.id, "token": session.token, "seq": session.last_seq,
+        "steps": session.steps, "optimizer_id": session.optimizer_id,
+        "optimizer": {"name": spec.name, "settings": spec.settings} if spec is not None else None,
+        "loss": o.to_wire(session.loss_spec) if session.loss_spec is not None else None,
+        "hello": session.identity,
+    }
+    return tree, meta
+
+
+def restore(hello: Hello, tree: dict[str, Any], meta: dict[str, Any], factories: dict[str, Callable[..., nn.Module]],
+            limits: Limits | None = None, policy: Policy | None = None) -> CloudSession:
+    """The session a checkpoint describes, rebuilt from the factory and the stored state."""
+    session = CloudSession(hello, factories, limits, restoring=True, policy=policy)
+    session.id, session.token = meta["session"], meta["token"]
+    session.last_seq, session.steps = int(meta["seq"]), int(meta["steps"])
+    with blame(CheckpointError, f"checkpoint of session {session.id} does not fit its model"):
+        session.chain.load_qualified_state_dict(tree["weights"])
+        params = dict(session.chain.named_parameters())
+        for name, grad in tree["grads"].items():
+            params[name].grad = grad.clone()
+        if meta.get("loss"):
+            set_loss(session, o.from_wire(meta["loss"]))
+        if meta.get("optimizer"):
+            spec = meta["optimizer"]
+            attach_optimizer(session, o.AttachOptimizer(name=spec["name"], settings=spec["settings"]))
+            session.own_optimizer.load_state_dict(tree["optimizer"])
+        session.optimizer_id = int(meta.get("optimizer_id", 0))
+        session.codecs.load_state_dict(tree["codecs"])
+        torch.set_rng_state(tree["rng"])
+    return session
+
+
+def save(server: CloudServer, session: CloudSession, seq: int, pinned: bool = False) -> None:
+    """Checkpoint ``session`` as of request ``seq``; a failure is logged, training goes on."""
+    if server.checkpoints is None:
+        return
+    tree, meta = snapshot(session)
+    meta["seq"] = seq
+    try:
+        server.checkpoints.save(session.id, seq, tree, meta, pinned=pinned)
+    except CheckpointError as exc:
+        # Training goes on; an edge that later needs this checkpoint is told exactly what is missing.
+        log.error("session %s: checkpoint at request %d failed: %s", session.id, seq, exc)
+
+
+def _resume_request(msg: Hello) -> tuple[str, str, int, int, int]:
+    r = msg.resume
+    if not isinstance(r, dict):
+        raise ProtocolError("hello.resume must be a map")
+    sid, token = r.get("session"), r.get("token")
+    numbers = [r.get(k) for k in ("step", "seq", "log_from")]
+    if not (isinstance(sid, str) and _SESSION_ID.fullmatch(sid) and isinstance(token, str)
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in numbers)):
+        raise ProtocolError("hello.resume needs session (16 hex digits), token, and step, seq, log_from "
+                            f"(ints >= 0); got {_short(r)}")
+    return sid, token, *numbers
+
+
+def resume(server: CloudServer, peer: bytes, msg: Hello) -> CloudSession:
+    """The session a resuming hello asks for: the live one, or one rebuilt from a checkpoint."""
+    sid, token, step, seq, log_from = _resume_request(msg)
+    identity = hello_identity(msg)
+    live = server.by_id.get(sid)
+    if live is not None:
+        if not hmac.compare_digest(live.token, token):
+            raise ResumeError(f"wrong resume token for session {sid}")
+        if live.identity != identity:
+            raise ResumeError(f"session {sid} serves a different model, cut or codecs than this hello asks for")
+        # The edge can re-send every request after ``live.last_seq`` and is not behind it.
+        if log_from - 1 <= live.last_seq <= seq:
+            server.bind(peer, live)
+            return live
+    stored = server.checkpoints.seqs(sid) if server.checkpoints is not None else []
+    usable = [s for s in stored if log_from - 1 <= s <= seq]  # the newest the edge can continue from
+    if not usable:
+        have = [f"in memory at request {live.last_seq}"] if live is not None else []
+        have += [f"a checkpoint at request {s}" for s in stored]
+        raise ResumeError(
+            f"cannot resume session {sid}: the edge is at request {seq} (step {step}) and can re-send from "
+            f"request {log_from}, but this cloud has {', '.join(have) or 'nothing of it'}"
+            + ("" if server.checkpoints is not None else " (start the cloud with --checkpoint-dir)")
+            + "; start a new session, or restart the edge from a checkpoint the cloud also has"
+        )
+    meta = server.checkpoints.meta(sid, usable[-1])
+    if not hmac.compare_digest(str(meta.get("token", "")), token):
+        raise ResumeError(f"wrong resume token for session {sid}")
+    if meta.get("hello") != json.loads(json.dumps(identity)):
+        raise ResumeError(f"session {sid} serves a different model, cut or codecs than this hello asks for")
+    if live is None:
+        server.admit(peer)
+    tree, meta = server.checkpoints.load(sid, usable[-1])
+    session = restore(msg, tree, meta, server.factories, server.limits, server.policy)
+    if live is not None:
+        server.unbind(live)
+    server.bind(peer, session)
+    server.event(f"session {sid} restored from its checkpoint at request {session.last_seq} (step {session.steps})")
+    return session
+
+
+__all__ = ["restore", "resume", "save", "snapshot"]

@@ -1,0 +1,153 @@
+"""Applying the operations an edge mirrors (:mod:`splitft.operations`) to one session.
+
+Each operation has one handler, found by its record type in :data:`HANDLERS`. Operations that
+change state carry ids of their own (step n, attachment n), so applying a replayed request again
+is harmless.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import nn
+
+from .. import operations as o
+from ..errors import CapacityError, ConfigError, ModelError, ProtocolError
+from ..protocol import _short
+from .guard import blame
+
+if TYPE_CHECKING:
+    from .session import CloudSession
+
+log = logging.getLogger(__name__)
+
+
+def apply_ops(session: CloudSession, ops: list) -> int:
+    """Apply mirrored operations in order; returns how many optimizer steps were new."""
+    if len(ops) > session.limits.max_ops:
+        raise CapacityError(f"a message carries {len(ops)} operations; this cloud applies at most "
+                            f"{session.limits.max_ops} per message")
+    stepped = 0
+    for value in ops:
+        op = o.from_wire(value)
+        stepped += bool(HANDLERS[type(op)](session, op))
+    return stepped
+
+
+def _positive_id(value: int | None) -> int | None:
+    if value is not None and value < 1:
+        raise ProtocolError(f"operation id must be a positive int, got {value}")
+    return value
+
+
+def attach_optimizer(session: CloudSession, op: o.AttachOptimizer) -> None:
+    op_id = _positive_id(op.id)
+    if op_id is not None and op_id <= session.optimizer_id and session.optimizer is not None:
+        return  # a replayed attach: the optimizer (and its state) is already there
+    cls = getattr(torch.optim, op.name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
+        raise ConfigError(f"{_short(op.name)} is not a torch.optim optimizer")
+    shared = session.shared
+    if shared is not None:
+        spec = (cls.__name__, json.dumps(op.settings, sort_keys=True, default=str))
+        if shared.optimizer is not None:
+            if shared.optimizer_spec != spec:
+                raise ConfigError(
+                    f"this cloud part is shared and trains with {shared.optimizer_spec[0]}"
+                    f"({shared.optimizer_spec[1]}); every edge must attach the same optimizer, got "
+                    f"{cls.__name__}({spec[1]})"
+                )
+        else:
+            shared.optimizer = _make_optimizer(session.chain, cls, op.settings)
+            shared.optimizer_spec = spec
+    else:
+        session.own_optimizer = _make_optimizer(session.chain, cls, op.settings)
+    session.optimizer_spec = o.AttachOptimizer(name=cls.__name__, settings=dict(op.settings))
+    session.optimizer_id = op_id if op_id is not None else session.optimizer_id + 1
+
+
+def _make_optimizer(model: nn.Module, cls: type, settings: dict) -> torch.optim.Optimizer:
+    try:
+        return cls(model.parameters(), **settings)
+    except Exception as exc:  # optimizers raise TypeError, ValueError, RuntimeError for bad settings
+        raise ConfigError(f"cannot build {cls.__name__} with {_short(settings)}: {exc}") from exc
+
+
+def set_loss(session: CloudSession, op: o.SetLoss) -> None:
+    cls = getattr(nn, op.name, None)
+    if not (isinstance(cls, type) and issubclass(cls, nn.modules.loss._Loss)):
+        raise ConfigError(f"{_short(op.name)} is not a torch.nn loss")
+    try:
+        session.loss_fn = cls(**op.settings)
+    except Exception as exc:
+        raise ConfigError(f"cannot build {cls.__name__} with {_short(op.settings)}: {exc}") from exc
+    session.loss_spec = op
+
+
+def step(session: CloudSession, op: o.Step) -> bool:
+    step_id = _positive_id(op.id)
+    if step_id is not None:
+        if step_id <= session.steps:
+            session.duplicates += 1
+            log.info("session %s: optimizer step %d was applied already; skipped", session.id, step_id)
+            return False
+        if step_id != session.steps + 1:
+            raise ProtocolError(f"optimizer step {step_id} arrived but this session is at step {session.steps}; "
+                                "steps in between were lost (resume the session to replay them)")
+    optimizer = session.optimizer
+    if optimizer is None:
+        raise ConfigError("the edge stepped its optimizer, but none was attached: call model.attach(optimizer)")
+    if op.lr is not None:
+        if not math.isfinite(op.lr):
+            raise ProtocolError(f"learning rate {op.lr} is not finite")
+        for group in optimizer.param_groups:
+            group["lr"] = op.lr
+    with session.own_grads(), blame(ModelError, "the optimizer step failed"):
+        optimizer.step()
+    session.steps += 1
+    if session.shared is not None:
+        session.shared.updates += 1
+    else:
+        session.pending.clear()  # graphs from before a step can no longer be backpropagated correctly
+    session.deferred.clear()
+    return True
+
+
+def apply_eager(session: CloudSession, op: o.ApplyEager) -> None:
+    """The edge backpropagated through an eager call: add its parameter gradients, scaled."""
+    if not math.isfinite(op.scale):
+        raise ProtocolError(f"apply needs a finite scale, got {op.scale}")
+    deferred = session.deferred.get(op.call)
+    if deferred is None:
+        raise ProtocolError(f"no eager call {op.call} to apply (freed by an optimizer step, or never sent)")
+    with torch.no_grad(), session.own_grads():
+        for param, grad in deferred:
+            if grad is None:
+                continue
+            if param.grad is None:
+                param.grad = grad * op.scale
+            else:
+                param.grad.add_(grad, alpha=op.scale)
+
+
+def zero_grad(session: CloudSession, op: o.ZeroGrad) -> None:
+    with session.own_grads():
+        if session.optimizer is not None and session.shared is None:
+            session.optimizer.zero_grad(set_to_none=op.set_to_none)
+        else:
+            session.chain.zero_grad(set_to_none=op.set_to_none)
+
+
+HANDLERS: dict[type[o.Operation], Callable[[Any, Any], Any]] = {
+    o.AttachOptimizer: attach_optimizer,
+    o.SetLoss: set_loss,
+    o.Step: step,
+    o.ApplyEager: apply_eager,
+    o.ZeroGrad: zero_grad,
+}
+
+__all__ = ["HANDLERS", "apply_ops"]

@@ -1,0 +1,390 @@
+"""The cloud server: sockets, the session registry, admission, and one answer per message.
+
+The server loop never lets one edge's message stop it: every failure becomes a typed Error reply
+and the loop goes on. Admission is where the cloud's policy and budgets meet a new session (how
+many sessions, how many per origin, the codecs and options asked for, the model's memory, room
+in the checkpoint folder); :mod:`~splitft.cloud.session` prices each request; sessions that hear
+nothing for ``Limits.session_timeout`` (or, before they trained, ``handshake_timeout``) are freed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import compressors
+import transports
+
+from .. import protocol
+from ..budget import MemoryBook
+from ..checkpoint import CheckpointError, CheckpointStore
+from ..errors import CapacityError, ConfigError, ProtocolError, SessionLost, SplitFTError, code_of
+from ..factories import build_chain, load_factory
+from ..limits import Limits
+from ..policy import Policy
+from ..protocol import Ack, Backward, Bye, Error, Forward, Hello, Ping, Pong, Sync, Welcome
+from . import checkpoints, replies
+from .session import CloudSession, SharedPart, check_codecs, hello_identity
+
+log = logging.getLogger(__name__)
+
+_KIND = {"forward": "activation", "output": "activation", "backward": "gradient", "input_grads": "gradient"}
+
+
+class _ErrorLog:
+    """Internal errors are logged with a traceback at most once per ``interval`` seconds.
+
+    Every such error still gets a typed reply; the log just cannot be flooded by a peer that found
+    one and repeats it.
+    """
+
+    def __init__(self, interval: float = 60.0) -> None:
+        self.interval = interval
+        self._last = -math.inf
+        self.suppressed = 0
+
+    def report(self, exc: BaseException, peer: bytes) -> None:
+        now = time.monotonic()
+        if now - self._last >= self.interval:
+            self._last = now
+            more = f" ({self.suppressed} more since the last one logged)" if self.suppressed else ""
+            self.suppressed = 0
+            log.error("internal error while serving peer %s%s", peer.hex(), more, exc_info=exc)
+        else:
+            self.suppressed += 1
+
+
+class CloudServer:
+    """Serves cloud parts to edges over a :class:`transports.Listener`.
+
+    Args:
+        listener: where edges connect (``transports.listen("tcp://0.0.0.0:5555")``).
+        factories: the model factories edges may ask for (``"package.module:function"``).
+        max_sessions: stop after this many sessions have ended (0: serve until stopped).
+        limits: bounds on messages, sessions and what each keeps (:class:`Limits`).
+        checkpoint_dir: write checkpoints of every session there, so edges can resume after the
+            cloud restarts (None: sessions survive only in memory).
+        checkpoint_every: checkpoint at every N-th optimizer step (1: at every step, so a
+            restart loses nothing; larger is cheaper and makes edges keep N steps to replay).
+        keep_checkpoints: checkpoints kept per session.
+        fsync: flush each checkpoint to disk (survives power loss, not only process death).
+        shared_model: sessions asking for the same model and cut train one shared cloud part.
+        policy: which codecs and codec options edges may ask for (:class:`Policy`).
+    """
+
+    def __init__(self, listener: transports.Listener, factories: Iterable[str], *, max_sessions: int = 0,
+                 on_event: Callable[[str], None] | None = None, limits: Limits | None = None,
+                 checkpoint_dir: str | None = None, checkpoint_every: int = 1, keep_checkpoints: int = 2,
+                 fsync: bool = True, shared_model: bool = False, policy: Policy | None = None) -> None:
+        self.listener = listener
+        self.factories = {name: load_factory(name) for name in factories}
+        self.max_sessions = max_sessions
+        self.limits = limits or Limits()
+        if checkpoint_every < 1:
+            raise ConfigError(f"checkpoint_every must be at least 1, got {checkpoint_every}")
+        if shared_model and checkpoint_dir is not None:
+            raise ConfigError("checkpoints restore one edge's session exactly; with a shared cloud part they "
+                              "cannot (other edges move it on). Use one of shared_model / checkpoint_dir")
+        self.checkpoints = CheckpointStore(checkpoint_dir, keep=keep_checkpoints, fsync=fsync,
+                                           max_bytes=self.limits.checkpoint_bytes) \
+            if checkpoint_dir is not None else None
+        self.checkpoint_every = checkpoint_every
+        self.policy = policy or Policy()
+        self.book = MemoryBook(self.limits)
+        self.origins: dict[bytes, str] = {}  # peer → who stands behind it, for the per-origin cap
+        self.shared_model = shared_model
+        self.shared: dict[str, SharedPart] = {}
+        self.sessions: dict[bytes, CloudSession] = {}  # by the peer that speaks for it now
+        self.by_id: dict[str, CloudSession] = {}
+        self.ended = 0
+        #: One summary per ended session (id, steps, requests, repeats answered from the cache,
+        #: reason), newest last: what operators and load tests check for lost or repeated steps.
+        self.finished: deque[dict[str, Any]] = deque(maxlen=10_000)
+        self.stop_event = threading.Event()
+        self._on_event = on_event or (lambda text: log.info("%s", text))
+        self._last_sweep = time.monotonic()
+        self._errors = _ErrorLog()
+        self._handlers: dict[type[protocol.Message], Callable[..., protocol.Message | None]] = {
+            Hello: self._on_hello, Ping: self._on_ping, Forward: self._on_request, Backward: self._on_request,
+            Sync: self._on_request, Bye: self._on_request,
+        }
+
+    def event(self, text: str) -> None:
+        self._on_event(text)
+
+    def serve(self, poll: float = 0.2) -> None:
+        """Handle messages until stopped, or until ``max_sessions`` sessions have ended."""
+        try:
+            while not self.stop_event.is_set():
+                if self.max_sessions and self.ended >= self.max_sessions and not self.sessions:
+                    break
+                self.expire()
+                try:
+                    peer, frames = self.listener.recv(poll)
+                except transports.TransportTimeout:
+                    continue
+                except transports.TransportClosed:
+                    break
+                self.handle(peer, frames)
+        except KeyboardInterrupt:
+            self.shutdown("the cloud was interrupted (Ctrl-C)")
+            raise
+        self.shutdown("the cloud stopped")
+
+    # ------------------------------------------------------------ one message
+
+    def handle(self, peer: bytes, frames: list) -> None:
+        """Answer one message. Never raises for anything the peer sent."""
+        msg: protocol.Message | None = None
+        session = self.sessions.get(peer)
+        seq, numbered = 0, False
+        try:
+            msg = self._decode(frames, session)
+            seq = getattr(msg, "seq", 0)
+            if seq < 0:
+                raise ProtocolError(f"request seq must be >= 0, got {seq}")
+            if seq and session is not None and msg.NUMBERED:
+                if not replies.is_new(session, seq):
+                    self._send(peer, *replies.again(session, seq))
+                    return
+                numbered = True
+            reply = self._dispatch(peer, msg, seq)
+            if session is None and isinstance(msg, Hello) and peer in self.sessions:
+                self.sessions[peer].metrics.count("up", "control", wire=transports.message_nbytes(frames))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as exc:  # noqa: BLE001 — a bad request must never stop the server
+            if not isinstance(exc, (SplitFTError, compressors.CompressionError)):
+                self._errors.report(exc, peer)
+            numbered = numbered and not isinstance(exc, SessionLost)  # nothing applied: the number stays free
+            reply = self._error(exc, seq, getattr(msg, "call", 0))
+        if reply is not None:
+            self._reply(peer, session, reply, seq, numbered)
+
+    def _decode(self, frames: list, session: CloudSession | None) -> protocol.Message:
+        self.limits.check_frames(frames)
+        try:
+            msg = protocol.decode(frames)
+        except RecursionError:
+            raise ProtocolError("the message body is nested too deeply") from None
+        if session is not None:
+            session.last_seen = time.monotonic()
+            session.metrics.count("up", _KIND.get(msg.TYPE, "control"), wire=transports.message_nbytes(frames))
+        return msg
+
+    def _error(self, exc: BaseException, seq: int, call: Any) -> Error:
+        text = f"{type(exc).__name__}: {exc}"
+        return Error(code=code_of(exc), message=text[: self.limits.max_error_chars], seq=seq,
+                     call=call if isinstance(call, int) and not isinstance(call, bool) else 0)
+
+    def _reply(self, peer: bytes, session: CloudSession | None, reply: protocol.Message, seq: int,
+               numbered: bool) -> None:
+        if seq and hasattr(reply, "seq"):
+            reply.seq = seq
+        try:
+            out = protocol.encode(reply)
+        except SplitFTError as exc:  # the cloud part returned something that cannot cross the wire
+            reply = self._error(exc, seq, 0)
+            out = protocol.encode(reply)
+        if numbered and session is not None:
+            replies.keep(session, seq, reply.TYPE, out, self.limits)
+        if session is not None and session.id in self.by_id:
+            self.book.set(session.id, session.held_bytes())
+        self._send(peer, out, reply.TYPE)
+
+    def _send(self, peer: bytes, frames: list, kind: str) -> None:
+        session = self.sessions.get(peer)
+        try:
+            wire = self.listener.send(peer, frames)
+        except transports.TransportError as exc:
+            log.warning("cannot reply to peer %s: %s", peer.hex(), exc)
+            return
+        if session is not None:
+            session.metrics.count("down", _KIND.get(kind, "control"), wire=wire)
+
+    def _dispatch(self, peer: bytes, msg: protocol.Message, seq: int) -> protocol.Message | None:
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            self._session_of(peer, msg)
+            raise ProtocolError(f"a {msg.TYPE} message is not a request the cloud answers")
+        return handler(peer, msg, seq)
+
+    def _on_ping(self, peer: bytes, msg: Ping, seq: int) -> Pong:
+        self._session_of(peer, msg)
+        return Pong()
+
+    def _session_of(self, peer: bytes, msg: protocol.Message) -> CloudSession:
+        session = self.sessions.get(peer)
+        if session is None:
+            raise SessionLost(f"no session for this connection (got {msg.TYPE}): send a hello first, or a "
+                              "hello with a resume token if the cloud restarted")
+        return session
+
+    def _on_request(self, peer: bytes, msg: Forward | Backward | Sync | Bye, seq: int) -> protocol.Message:
+        if isinstance(msg, Bye) and peer not in self.sessions:
+            return Ack()  # nothing to end; answered so that every message gets a reply
+        session = self._session_of(peer, msg)
+        before = session.steps
+        try:
+            session.apply_ops(msg.ops)
+        finally:
+            # Right after the step, before the request's own work: replaying this request
+            # re-applies its operations, which their ids make harmless, then does that work.
+            force = isinstance(msg, Sync) and msg.checkpoint
+            if force or before // self.checkpoint_every != session.steps // self.checkpoint_every:
+                checkpoints.save(self, session, (seq or session.last_seq + 1) - 1, pinned=force and msg.pin)
+        if isinstance(msg, Forward):
+            return session.forward(msg)
+        if isinstance(msg, Backward):
+            return session.backward(msg)
+        if isinstance(msg, Sync):
+            return Ack(state=session.state() if msg.want_state else None)
+        checkpoints.save(self, session, (seq or session.last_seq + 1) - 1)
+        self._end(peer, msg.reason or "edge said goodbye")
+        return Ack()
+
+    # ------------------------------------------------------------ sessions: open, admit, end
+
+    def _on_hello(self, peer: bytes, msg: Hello, seq: int) -> Welcome:
+        if msg.resume is not None:
+            session, verb = checkpoints.resume(self, peer, msg), "resumed"
+        elif msg.nonce and peer in self.sessions and self.sessions[peer].nonce == msg.nonce:
+            session, verb = self.sessions[peer], "greeted again"  # the same hello again, not a new session
+        else:
+            if peer in self.sessions:
+                self._end(peer, "replaced by a new hello")
+            self.admit(peer)
+            check_codecs(msg.codecs)
+            self.policy.check(msg.codecs)
+            session = CloudSession(msg, self.factories, self.limits, shared=self._shared_part(msg),
+                                   policy=self.policy, admit=self._admit_model)
+            self.book.check(session.id, 0, session.held_bytes(), "opening this session")
+            self.bind(peer, session)
+            if self.checkpoints is not None:
+                checkpoints.save(self, session, 0)
+            verb = "opened"
+        self.event(f"session {session.id} {verb}: {msg.factory} cut at {msg.cut}"
+                   f"{' rejoin ' + str(msg.rejoin) if msg.rejoin else ''}, codecs "
+                   f"{msg.codecs.get('fwd')} / {msg.codecs.get('bwd')}"
+                   + (f", at step {session.steps} (request {session.last_seq})" if verb == "resumed" else ""))
+        return Welcome(session=session.id, server=f"splitft {protocol.PROTOCOL_VERSION}", token=session.token,
+                       seq=session.last_seq, steps=session.steps,
+                       checkpoint_every=self.checkpoint_every if self.checkpoints is not None else 0,
+                       limits=self.limits.for_edge(), shared=session.shared is not None)
+
+    def admit(self, peer: bytes) -> None:
+        """Refuse a new session when the cloud, its origin or the checkpoint folder has no room."""
+        if len(self.by_id) >= self.limits.max_sessions:
+            raise CapacityError(f"this cloud serves {len(self.by_id)} sessions, its limit; try again later "
+                                "(the operator can raise --max-open-sessions)")
+        origin = self.listener.origin(peer)
+        self.origins[peer] = origin
+        mine = sum(1 for s in self.by_id.values() if s.origin == origin)
+        if mine >= self.limits.sessions_per_peer:
+            raise CapacityError(f"{origin or 'this peer'} already has {mine} open sessions, the most one origin "
+                                "may have (--sessions-per-peer); end one first")
+        if self.checkpoints is not None and self.checkpoints.full():
+            raise CapacityError("the checkpoint folder is full (--checkpoint-max-mb); try again later")
+
+    def _admit_model(self, nbytes: int) -> None:
+        """Before a model is built: does a trained copy of it fit the memory budgets?"""
+        self.book.check("", 0, nbytes, "the requested model (weights, gradients, optimizer state)")
+
+    def _shared_part(self, msg: Hello) -> SharedPart | None:
+        if not self.shared_model:
+            return None
+        key = json.dumps(hello_identity(msg) | {"codecs": None, "seed": None}, sort_keys=True, default=str)
+        part = self.shared.get(key)
+        if part is None:
+            if len(self.shared) >= 16:
+                raise CapacityError("this cloud already trains 16 different shared cloud parts, its limit")
+            chain, ushape = build_chain(msg, self.factories, self.limits, self._admit_model)
+            part = self.shared[key] = SharedPart(chain, ushape)
+        return part
+
+    def bind(self, peer: bytes, session: CloudSession) -> None:
+        """``peer`` speaks for ``session`` from now on."""
+        self.unbind(session)
+        old = self.sessions.get(peer)
+        if old is not None and old is not session:
+            self._end(peer, "replaced by a new hello")
+        self.sessions[peer] = session
+        self.by_id[session.id] = session
+        session.origin = self.origins.get(peer, self.listener.origin(peer))
+        session.book = self.book
+        self.book.set(session.id, session.held_bytes())
+        session.last_seen = time.monotonic()
+
+    def unbind(self, session: CloudSession) -> None:
+        for peer, s in list(self.sessions.items()):
+            if s is session:
+                del self.sessions[peer]
+                self.origins.pop(peer, None)
+        self.by_id.pop(session.id, None)
+        self.book.drop(session.id)
+
+    def _end(self, peer: bytes, reason: str, discard: bool = True) -> None:
+        session = self.sessions.pop(peer, None)
+        if session is not None:
+            self._forget(session, f"ended after {session.steps} steps: {reason}", discard)
+
+    def _forget(self, session: CloudSession, text: str, discard: bool = True) -> None:
+        """Free a session; with ``discard`` its regular checkpoints go too (a pinned one stays)."""
+        self.finished.append({"session": session.id, "steps": session.steps, "requests": session.last_seq,
+                              "repeats": session.duplicates, "reason": text})
+        self.unbind(session)
+        if session.shared is not None:
+            session.shared.sessions -= 1
+            if session.shared.sessions <= 0:  # nobody trains it now: the next edge may pick the optimizer
+                session.shared.optimizer, session.shared.optimizer_spec = None, None
+        if discard and self.checkpoints is not None and session.id not in self.by_id:
+            try:
+                self.checkpoints.remove(session.id)
+            except (OSError, CheckpointError) as exc:
+                log.warning("session %s: cannot delete its checkpoints: %s", session.id, exc)
+        if session.trained:  # a hello that never trained does not count towards --sessions
+            self.ended += 1
+        self.event(f"session {session.id} {text}")
+
+    def expire(self, now: float | None = None) -> None:
+        """Free sessions that heard nothing for ``limits.session_timeout`` (checked once a second)."""
+        now = time.monotonic() if now is None else now
+        if now - self._last_sweep < 1.0 and now >= self._last_sweep:
+            return
+        self._last_sweep = now
+        for session in list(self.by_id.values()):
+            idle = now - session.last_seen
+            if idle > self.limits.session_timeout:
+                self._forget(session, f"expired after {idle:.0f} s without a message")
+            elif not session.trained and idle > self.limits.handshake_timeout:
+                self._forget(session, f"freed: no request for {idle:.0f} s after its hello")
+
+    def shutdown(self, reason: str) -> None:
+        """Tell every connected edge the cloud is going away, then close the listener."""
+        for peer in list(self.sessions):
+            try:
+                self.listener.send(peer, protocol.encode(Bye(reason=reason)))
+            except transports.TransportError:
+                pass
+            self._end(peer, reason, discard=False)  # a restarted cloud resumes them from their checkpoints
+        self.listener.close()
+
+    def stop(self) -> None:
+        """Ask :meth:`serve` to return (thread-safe)."""
+        self.stop_event.set()
+
+
+def serve_in_thread(server: CloudServer) -> threading.Thread:
+    """Run ``server.serve()`` on a daemon thread (in-process tests and simulations)."""
+    thread = threading.Thread(target=server.serve, name="splitft-cloud", daemon=True)
+    thread.start()
+    return thread
+
+
+__all__ = ["CloudServer", "serve_in_thread"]
