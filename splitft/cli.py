@@ -243,7 +243,7 @@ def _edge(args: argparse.Namespace, address: str) -> int:
     import torch
     from torch import nn
 
-    from .cloud import load_factory
+    from .factories import load_factory
     from .data import first
     from .edge import split
     from .errors import PeerGone, SplitFTError

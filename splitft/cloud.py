@@ -23,7 +23,6 @@ into another's step.
 from __future__ import annotations
 
 import hmac
-import importlib
 import json
 import logging
 import math
@@ -51,6 +50,7 @@ from .coding import (SLOTS, Coded, SlotCodecs, Traffic, _Leaf, flatten, from_wir
                      unflatten)
 from .errors import (CapacityError, CheckpointError, ConfigError, HandshakeError, ModelError, PeerGone,
                      ProtocolError, ResumeError, SessionLost, SplitFTError, code_of)
+from .factories import load_factory  # moved: the edge builds models too, and must not import the cloud
 from .limits import Limits
 from .metrics import Metrics
 from .protocol import (Ack, Backward, Bye, Error, Forward, Hello, InputGrads, Output, Ping, Pong, Sync,
@@ -63,21 +63,6 @@ MAX_PENDING_CALLS = Limits.max_pending_calls
 _KIND = {"forward": "activation", "output": "activation", "backward": "gradient", "input_grads": "gradient"}
 _SEQUENCED = (Forward, Backward, Sync, Bye)
 _SESSION_ID = re.compile(r"[0-9a-f]{16}")
-
-
-def load_factory(name: str) -> Callable[..., nn.Module]:
-    """Import ``"package.module:function"``. Only called for names the operator allowed."""
-    module_name, sep, attr = name.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"a model factory is written 'package.module:function', got {name!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"cannot import {module_name!r} for factory {name!r}: {exc}") from exc
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ConfigError(f"{module_name!r} has no callable {attr!r}")
-    return factory
 
 
 @contextmanager

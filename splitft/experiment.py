@@ -63,7 +63,7 @@ def run_task(task_name: str, fwd: str = "identity", bwd: str | None = None, *, s
     """
     from compressors.binary import keep_latent_weights_clipped
 
-    from .cloud import load_factory
+    from .factories import load_factory
     from .data import first
     from .tasks import get_task
 
