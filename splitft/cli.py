@@ -246,6 +246,7 @@ def _edge(args: argparse.Namespace, address: str) -> int:
     from .factories import load_factory
     from .data import first
     from .edge import split
+    from .options import Codecs, Factory, Faults, Link, Schedule
     from .errors import PeerGone, SplitFTError
     from .metrics import format_report
     from .tasks import get_task
@@ -265,13 +266,13 @@ def _edge(args: argparse.Namespace, address: str) -> int:
         if args.limit:
             train = first(train, args.limit)
         model = load_factory(factory)()
-        keys = {"cloud_key": args.cloud_key, "key": args.key} if getattr(args, "cloud_key", None) or \
-            getattr(args, "key", None) else {}
-        model = split(model, cut, rejoin, factory=factory, connect=address, fwd=args.fwd, bwd=args.bwd,
-                      seed=args.seed, timeout=args.timeout, metrics_path=args.metrics, freeze_edge=args.freeze_edge,
-                      weights=task.weights if factory == task.model else "push",
-                      micro_batches=args.micro_batches, link=args.link,
-                      reconnect_timeout=args.reconnect_timeout, heartbeat=args.heartbeat, **keys)
+        link = Link(address, emulate=args.link, cloud_key=getattr(args, "cloud_key", None),
+                    key=getattr(args, "key", None))
+        model = split(model, cut, rejoin, factory=Factory(factory, weights=task.weights if factory == task.model
+                                                           else "push"),
+                      connect=link, codecs=Codecs(args.fwd, args.bwd, seed=args.seed),
+                      faults=Faults(args.timeout, args.reconnect_timeout, args.heartbeat),
+                      schedule=Schedule(args.micro_batches), metrics_path=args.metrics, freeze_edge=args.freeze_edge)
     except SplitFTError as exc:
         print(f"edge: cannot start: {exc}", file=sys.stderr)
         return 2

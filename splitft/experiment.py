@@ -17,6 +17,7 @@ import transports
 
 from .cloud import CloudServer, serve_in_thread
 from .edge import split
+from .options import Codecs, Factory, Faults, Link, Schedule
 from .train import fit
 
 
@@ -83,9 +84,10 @@ def run_task(task_name: str, fwd: str = "identity", bwd: str | None = None, *, s
     else:
         connection = transports.connect(address)
     try:
-        model = split(load_factory(factory)(seed=seed), cut, rejoin, factory=factory, factory_kwargs={"seed": seed},
-                      connection=connection, fwd=fwd, bwd=bwd, seed=seed, timeout=timeout, link=link,
-                      micro_batches=micro_batches, weights=task.weights)
+        model = split(load_factory(factory)(seed=seed), cut, rejoin,
+                      factory=Factory(factory, kwargs={"seed": seed}, weights=task.weights),
+                      connect=Link(connection, emulate=link), codecs=Codecs(fwd, bwd, seed=seed),
+                      faults=Faults(timeout=timeout), schedule=Schedule(micro_batches=micro_batches))
         with model:
             optimizer_class = getattr(torch.optim, task.optimizer)
             optimizer = model.attach(optimizer_class(model.parameters(), lr=lr or task.lr))

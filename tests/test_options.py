@@ -6,9 +6,11 @@ import math
 
 import pytest
 
+import splitft
 import transports
 from splitft import Codecs, Factory, Faults, Link, Schedule
 from splitft.errors import ConfigError
+from tests.models import mlp
 
 
 def test_codecs_resolve_their_partners_and_a_string_means_the_forward_codec():
@@ -89,3 +91,12 @@ def test_factory_copies_its_kwargs():
     factory = Factory.of(Factory("a:b", kwargs=given))
     given["seed"] = 2
     assert factory.kwargs == {"seed": 1} and Factory.of("a:b") == Factory("a:b")
+
+
+def test_split_refuses_a_wrong_option_object_before_connecting():
+    with pytest.raises(ConfigError, match=r"schedule= takes a splitft.Schedule"):
+        splitft.split(mlp(), 2, factory="tests.models:mlp", connect="tcp://127.0.0.1:1",
+                      schedule=4)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"faults= takes a splitft.Faults"):
+        splitft.split(mlp(), 2, factory="tests.models:mlp", connect="tcp://127.0.0.1:1",
+                      faults=Schedule())  # type: ignore[arg-type]
