@@ -93,12 +93,34 @@ def _build_parser() -> argparse.ArgumentParser:
                                       "MiniLM on BBC News with --task bbc) against it from this process, over "
                                       "tcp on 127.0.0.1. Prints accuracy, traffic and timings.")
     _add_training_options(demo)
+    _add_cloud_parser(sub)
 
+    edge = sub.add_parser("edge", help="train the edge half against a running cloud",
+                          description="Connect to a cloud started with 'splitft cloud' and train a task "
+                                      "(the cloud must serve its model: 'splitft cloud --task bbc').")
+    edge.add_argument("--connect", default=DEFAULT_BIND, help=f"the cloud's address (default: {DEFAULT_BIND})")
+    g = edge.add_argument_group("security (CurveZMQ)")
+    g.add_argument("--cloud-key", default=None, metavar="FILE", help="the cloud's public key file (NAME.key)")
+    g.add_argument("--key", default=None, metavar="FILE", help="this edge's secret key file (NAME.key_secret)")
+    _add_training_options(edge)
+
+    keys = sub.add_parser("keys", help="make CurveZMQ key pairs for a cloud and its edges",
+                          description="Write NAME.key (public: give it to the other side) and NAME.key_secret "
+                                      "(private, mode 0600) into a folder, for each NAME.")
+    keys.add_argument("names", nargs="+", metavar="NAME", help="one key pair per name, e.g. cloud edge1 edge2")
+    keys.add_argument("--dir", default="keys", help="folder to write them into (default: ./keys)")
+
+    sub.add_parser("codecs", help="list the available codecs and their options")
+    return parser
+
+
+def _add_cloud_parser(sub: argparse._SubParsersAction) -> None:
     cloud = sub.add_parser("cloud", help="serve cloud halves of models to edges",
                            description="Serve the cloud half of the allowed models. Each edge that connects "
                                        "gets its own session (weights, optimizer, codec state).")
     cloud.add_argument("--bind", default=DEFAULT_BIND,
-                       help=f"address to listen on: tcp://HOST:PORT (port 0 picks one) or ipc://PATH (default: {DEFAULT_BIND})")
+                       help="address to listen on: tcp://HOST:PORT (port 0 picks one) or ipc://PATH "
+                            f"(default: {DEFAULT_BIND})")
     cloud.add_argument("--model", action="append", default=None, metavar="FACTORY",
                        help="a model factory edges may ask for; repeat for several (default: the task's model)")
     cloud.add_argument("--task", choices=sorted(_task_names()), default="digits",
@@ -130,24 +152,6 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--shared-model", action="store_true",
                    help="edges asking for the same model and cut train one shared cloud half, in the order "
                         "their requests arrive (sequential split learning); default: a cloud half per edge")
-
-    edge = sub.add_parser("edge", help="train the edge half against a running cloud",
-                          description="Connect to a cloud started with 'splitft cloud' and train a task "
-                                      "(the cloud must serve its model: 'splitft cloud --task bbc').")
-    edge.add_argument("--connect", default=DEFAULT_BIND, help=f"the cloud's address (default: {DEFAULT_BIND})")
-    g = edge.add_argument_group("security (CurveZMQ)")
-    g.add_argument("--cloud-key", default=None, metavar="FILE", help="the cloud's public key file (NAME.key)")
-    g.add_argument("--key", default=None, metavar="FILE", help="this edge's secret key file (NAME.key_secret)")
-    _add_training_options(edge)
-
-    keys = sub.add_parser("keys", help="make CurveZMQ key pairs for a cloud and its edges",
-                          description="Write NAME.key (public: give it to the other side) and NAME.key_secret "
-                                      "(private, mode 0600) into a folder, for each NAME.")
-    keys.add_argument("names", nargs="+", metavar="NAME", help="one key pair per name, e.g. cloud edge1 edge2")
-    keys.add_argument("--dir", default="keys", help="folder to write them into (default: ./keys)")
-
-    sub.add_parser("codecs", help="list the available codecs and their options")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
