@@ -313,11 +313,6 @@ class SlotCodecs:
                 codec.load_state_dict(state.get(slot, {}))
 
 
-def grad_slot(slot: str) -> str:
-    """The slot that carries the gradient of a forward slot's tensor."""
-    return {"fwd": "bwd", "ret": "ret_bwd"}[slot]
-
-
 def sample_ids_array(ids: Any) -> np.ndarray | None:
     """Normalise user-given per-sample ids to an int64 array (None stays None)."""
     if ids is None:
@@ -330,5 +325,5 @@ def sample_ids_array(ids: Any) -> np.ndarray | None:
     return arr.astype(np.int64, copy=False)
 
 
-__all__ = ["SLOTS", "SlotCodecs", "Traffic", "flatten", "unflatten", "resolve_codecs", "grad_slot",
+__all__ = ["SLOTS", "SlotCodecs", "Traffic", "flatten", "unflatten", "resolve_codecs",
            "stream_index", "to_wire", "from_wire", "sample_ids_array"]

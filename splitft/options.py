@@ -50,7 +50,8 @@ class Codecs:
             value = getattr(self, name)
             if not (isinstance(value, str) or (value is None and name != "fwd")):
                 raise ConfigError(f"codec {name} must be a spec such as 'fp16' or 'lowrank:rank=4', got {value!r}")
-        _check_int("seed", self.seed, low=None)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
         object.__setattr__(self, "specs", resolve_codecs(self.fwd, self.bwd, self.ret, self.ret_bwd))
 
     @classmethod
@@ -190,11 +191,6 @@ class Factory:
     def of(cls, value: str | Factory) -> Factory:
         """``value`` as a Factory: a name is that factory with no arguments, its weights pushed."""
         return value if isinstance(value, Factory) else cls(value)
-
-
-def _check_int(name: str, value: Any, low: int | None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
-        raise ConfigError(f"{name} must be an integer{'' if low is None else f' of at least {low}'}, got {value!r}")
 
 
 __all__ = ["Codecs", "Factory", "Faults", "KeySource", "Link", "Opener", "Schedule"]
