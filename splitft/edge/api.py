@@ -60,7 +60,7 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
     saved = resume.read(resume_from) if resume_from is not None else None
     hello = hello_for(model, spec, factory, codecs, push=saved is None)
     if saved is not None:
-        resume.check_identity(hello, saved[1], resume_from)  # type: ignore[arg-type]
+        resume.check_identity(hello, saved[1], resume_from)
     connection, reconnect = open_link(link)
     session = EdgeSession(connection, codecs=codecs, faults=faults, reconnect=reconnect)
     try:
@@ -75,7 +75,7 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
     split_model = SplitModel(model, spec, session, scheduler, metrics_path=metrics_path, freeze_edge=freeze_edge)
     install(model, spec, remote=split_model._trunk if spec.ushape else None, check=factory.check_cut)
     if saved is not None:
-        resume.load_edge_half(split_model, saved[0], resume_from)  # type: ignore[arg-type]
+        resume.load_edge_half(split_model, saved[0], resume_from)
     return split_model
 
 

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..errors import ConfigError
-from .requests import EdgeSession
+
+if TYPE_CHECKING:
+    from .requests import EdgeSession
 
 # ---------------------------------------------------------------- the operations
 

@@ -54,7 +54,7 @@ def read(path: str | os.PathLike) -> tuple[dict, dict]:
     return tree, meta
 
 
-def check_identity(hello: Hello, meta: dict[str, Any], path: str | os.PathLike) -> None:
+def check_identity(hello: Hello, meta: dict[str, Any], path: str | os.PathLike | None) -> None:
     """Refuse to continue a session saved for another model, cut, codecs or seed."""
     identity = {k: getattr(hello, k) for k in meta["hello"]}
     if meta["hello"] != json.loads(json.dumps(identity)):
@@ -62,7 +62,7 @@ def check_identity(hello: Hello, meta: dict[str, Any], path: str | os.PathLike) 
                           "seed than this split() asks for")
 
 
-def load_edge_half(split: SplitModel, tree: dict, path: str | os.PathLike) -> None:
+def load_edge_half(split: SplitModel, tree: dict, path: str | os.PathLike | None) -> None:
     """Put the saved edge weights back, and keep the optimizer state for :meth:`SplitModel.attach`."""
     try:
         split.model.load_state_dict(tree["weights"])
