@@ -24,7 +24,7 @@ torch.manual_seed(args.seed)
 train, test = common.datasets(args)
 
 model = minilm_classifier()
-model = splitft.split(model, "bert.encoder.layer.2:6", factory=common.FACTORY, weights="factory", connect=common.cloud(args), fwd=args.fwd)
+model = splitft.split(model, "bert.encoder.layer.2:6", factory=splitft.Factory(common.FACTORY, weights="factory"), connect=common.cloud(args), codecs=args.fwd)
 opt = model.attach(torch.optim.AdamW(model.parameters(), lr=args.lr))
 
 start = time.perf_counter()

@@ -100,8 +100,9 @@ def run_split(train, test, args, spec: str, frozen: bool) -> Result:
 
     torch.manual_seed(args.seed)
     with local_cloud([FACTORY]) as address:
-        model = splitft.split(minilm_classifier(), args.cut, factory=FACTORY, connect=address, fwd=spec,
-                              seed=args.seed, weights="factory", freeze_edge=frozen, timeout=300)
+        model = splitft.split(minilm_classifier(), args.cut, factory=splitft.Factory(FACTORY, weights="factory"),
+                              connect=address, codecs=splitft.Codecs(spec, seed=args.seed), freeze_edge=frozen,
+                              faults=splitft.Faults(timeout=300))
         with model:
             optimizer = model.attach(torch.optim.AdamW(model.parameters(), lr=args.lr))
             return _train(model, optimizer, train, test, args, split_model=model)

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
             y = torch.randint(0, 10, (batch,))
             local = digits_cnn()
             local_step = step_fn(local, torch.optim.Adam(local.parameters(), 1e-3), nn.CrossEntropyLoss(), x, y)
-            split = splitft.split(digits_cnn(), "block3", factory=FACTORY, connect=address, fwd=args.fwd)
+            split = splitft.split(digits_cnn(), "block3", factory=FACTORY, connect=address, codecs=args.fwd)
             opt = split.attach(torch.optim.Adam(split.parameters(), 1e-3))
             split_step = step_fn(split, opt, split.remote_loss(nn.CrossEntropyLoss()), x, y)
             timed(local_step, 5)

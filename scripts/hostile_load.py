@@ -72,7 +72,8 @@ def good_edge(address: str, steps: int, seed: int) -> list[float]:
     from splitft.models import tiny_mlp
 
     g = torch.Generator().manual_seed(seed)
-    model = splitft.split(tiny_mlp(), CUT, factory=FACTORY, connect=address, heartbeat=1.0, timeout=30)
+    model = splitft.split(tiny_mlp(), CUT, factory=FACTORY, connect=address,
+                          faults=splitft.Faults(timeout=30, heartbeat=1.0))
     times = []
     with model:
         opt = model.attach(torch.optim.Adam(model.parameters(), lr=0.01))

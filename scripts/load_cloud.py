@@ -63,7 +63,8 @@ def _warm_up() -> None:
     listener = transports.InprocListener()
     server = CloudServer(listener, [FACTORY], on_event=lambda text: None)
     thread = serve_in_thread(server)
-    with splitft.split(tiny_mlp(), CUT, factory=FACTORY, connection=listener.connect, heartbeat=0) as model:
+    with splitft.split(tiny_mlp(), CUT, factory=FACTORY, connect=listener.connect,
+                       faults=splitft.Faults(heartbeat=0)) as model:
         opt = model.attach(torch.optim.Adam(model.parameters(), lr=1e-2))
         crit = model.remote_loss(nn.CrossEntropyLoss())
         for x, y in _data(0, 3, 16):
@@ -158,9 +159,10 @@ def _edge(i: int, address: str, args, out: dict) -> None:
         full = tiny_mlp(seed=i)
     if args.drop:
         connection = lambda: _Lossy(transports.connect(address), args.drop, seed=i)  # noqa: E731
-        model = splitft.split(full, CUT, factory=FACTORY, connection=connection, timeout=args.timeout, heartbeat=0)
     else:
-        model = splitft.split(full, CUT, factory=FACTORY, connect=address, timeout=args.timeout, heartbeat=0)
+        connection = address
+    model = splitft.split(full, CUT, factory=FACTORY, connect=connection,
+                          faults=splitft.Faults(timeout=args.timeout, heartbeat=0))
     latencies = []
     with model:
         opt = model.attach(torch.optim.Adam(model.parameters(), lr=1e-2))

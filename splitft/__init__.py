@@ -4,7 +4,7 @@ Cut a model at a named module; the edge half trains on the device, the cloud hal
 exchanging activations and gradients over ZeroMQ through pluggable codecs::
 
     model = splitft.split(model, cut="block3", rejoin="head", connect="tcp://cloud:5555",
-                          factory="splitft.models:digits_cnn")
+                          factory="splitft.models:digits_cnn", codecs="fp16")
     opt = model.attach(torch.optim.Adam(model.parameters(), lr=1e-3))
     ...  # the usual loop: out = model(x); loss = crit(out, y); loss.backward(); opt.step()
 
@@ -22,7 +22,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "CloudServer": "cloud", "CloudSession": "cloud", "serve_in_thread": "cloud",
     "resolve_codecs": "coding",
-    "CutActivation": "edge", "RemoteLoss": "edge", "SplitModel": "edge", "split": "edge",
+    "CutActivation": "edge", "EdgeSession": "edge", "RemoteLoss": "edge", "SplitModel": "edge", "split": "edge",
+    "Codecs": "options", "Factory": "options", "Faults": "options", "Link": "options", "Schedule": "options",
     "CompressionError": "errors", "ConfigError": "errors", "CutError": "errors", "DesyncError": "errors",
     "HandshakeError": "errors", "PeerGone": "errors", "ProtocolError": "errors", "RemoteError": "errors",
     "SplitFTError": "errors", "TransportError": "errors", "TransportTimeout": "errors",

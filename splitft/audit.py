@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
+from . import tree as trees
 from .coding import flatten, unflatten
 from .errors import CutError
 
@@ -41,21 +41,10 @@ def attribute_tensors(module: nn.Module) -> list[torch.Tensor]:
     Taken when the cut is made: these are the ones the cloud's factory builds too.
     """
     found: list[torch.Tensor] = []
-
-    def scan(value: Any, depth: int) -> None:
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif depth < _SCAN_DEPTH and isinstance(value, (list, tuple)):
-            for item in value:
-                scan(item, depth + 1)
-        elif depth < _SCAN_DEPTH and isinstance(value, dict):
-            for item in value.values():
-                scan(item, depth + 1)
-
     for sub in module.modules():
         for name, value in vars(sub).items():
             if name not in ("_parameters", "_buffers", "_modules"):
-                scan(value, 0)
+                found.extend(trees.leaves(value, max_depth=_SCAN_DEPTH))
     return found
 
 
@@ -71,16 +60,14 @@ class _Watch(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        for value in tree_leaves((args, kwargs)):
-            if isinstance(value, torch.Tensor) and id(value) not in self.known:
+        for value in trees.leaves((args, kwargs)):
+            if id(value) not in self.known:
                 self.known.add(id(value))  # report each tensor once
                 name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
                 self.foreign.append(f"{name}() read a {str(value.dtype).removeprefix('torch.')} tensor "
                                     f"of shape {tuple(value.shape)}")
         out = func(*args, **kwargs)
-        for value in tree_leaves(out):
-            if isinstance(value, torch.Tensor):
-                self.known.add(id(value))
+        self.known.update(id(value) for value in trees.leaves(out))
         return out
 
 

@@ -32,7 +32,9 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from . import tree as trees
 from .errors import CheckpointError
+from .tree import KeyPath
 
 log = logging.getLogger(__name__)
 
@@ -45,66 +47,68 @@ _TENSOR, _ARRAY, _TUPLE, _ITEMS = "$tensor", "$ndarray", "$tuple", "$items"
 # ---------------------------------------------------------------- trees of tensors and plain values
 
 
-def flatten_state(tree: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], Any]:
+def flatten_state(tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
     """Split ``tree`` into named tensors and a JSON-able skeleton that refers to them."""
     tensors: dict[str, torch.Tensor] = {}
 
-    def name_for(path: str) -> str:
-        name, n = path or "_", 1
+    def store(node: torch.Tensor | np.ndarray, path: KeyPath) -> dict[str, str]:
+        name = base = "/".join(str(key) for key in path) or "_"
+        n = 1
         while name in tensors:
             n += 1
-            name = f"{path}#{n}"
-        return name
-
-    def walk(node: Any, path: str) -> Any:
+            name = f"{base}#{n}"
         if isinstance(node, torch.Tensor):
-            name = name_for(path)
             # A copy of our own: safetensors refuses tensors that share storage (tied weights),
             # and the live tensor may change while the file is being written.
             tensors[name] = node.detach().cpu().contiguous().clone()
             return {_TENSOR: name}
-        if isinstance(node, np.ndarray):
-            name = name_for(path)
-            tensors[name] = torch.from_numpy(np.ascontiguousarray(node).copy())
-            return {_ARRAY: name}
-        if isinstance(node, dict):
-            if all(isinstance(k, str) and not k.startswith("$") for k in node):
-                return {k: walk(v, f"{path}/{k}" if path else k) for k, v in node.items()}
-            items = []
-            for k, v in node.items():
-                if not isinstance(k, (str, int)) or isinstance(k, bool):
-                    raise CheckpointError(f"cannot store a dict key of type {type(k).__name__} at {path!r}")
-                items.append([k, walk(v, f"{path}/{k}" if path else str(k))])
-            return {_ITEMS: items}
-        if isinstance(node, tuple):
-            return {_TUPLE: [walk(v, f"{path}/{i}") for i, v in enumerate(node)]}
-        if isinstance(node, list):
-            return [walk(v, f"{path}/{i}") for i, v in enumerate(node)]
-        if node is None or isinstance(node, (bool, int, float, str)):
-            return node
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(node).copy())
+        return {_ARRAY: name}
+
+    def scalar(node: Any, path: KeyPath) -> Any:
         if isinstance(node, (np.integer, np.floating, np.bool_)):
             return node.item()
-        raise CheckpointError(f"cannot store a {type(node).__name__} at {path!r} in a checkpoint "
-                              "(only tensors, arrays, numbers, strings, lists, tuples and dicts)")
+        raise CheckpointError(f"cannot store a {type(node).__name__} at {'/'.join(map(str, path))!r} in a "
+                              "checkpoint (only tensors, arrays, numbers, strings, lists, tuples and dicts)")
 
-    return tensors, walk(tree, prefix)
+    skeleton = trees.rebuild(tree, store, is_leaf=lambda node: isinstance(node, (torch.Tensor, np.ndarray)),
+                             other=scalar, pack=_to_json)
+    return tensors, skeleton
+
+
+def _to_json(original: Any, rebuilt: Any, path: KeyPath) -> Any:
+    """JSON forms for what JSON lacks: tuples, and dicts whose keys are not plain strings."""
+    if isinstance(rebuilt, tuple):
+        return {_TUPLE: list(rebuilt)}
+    if isinstance(rebuilt, dict) and not all(isinstance(k, str) and not k.startswith("$") for k in rebuilt):
+        for k in rebuilt:
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise CheckpointError(f"cannot store a dict key of type {type(k).__name__} at "
+                                      f"{'/'.join(map(str, path))!r} in a checkpoint")
+        return {_ITEMS: [[k, v] for k, v in rebuilt.items()]}
+    return rebuilt
 
 
 def unflatten_state(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
     """Inverse of :func:`flatten_state`."""
-    if isinstance(skeleton, dict):
-        if set(skeleton) == {_TENSOR}:
-            return _named(tensors, skeleton[_TENSOR])
-        if set(skeleton) == {_ARRAY}:
-            return _named(tensors, skeleton[_ARRAY]).numpy()
-        if set(skeleton) == {_TUPLE}:
-            return tuple(unflatten_state(v, tensors) for v in skeleton[_TUPLE])
-        if set(skeleton) == {_ITEMS}:
-            return {k: unflatten_state(v, tensors) for k, v in skeleton[_ITEMS]}
-        return {k: unflatten_state(v, tensors) for k, v in skeleton.items()}
-    if isinstance(skeleton, list):
-        return [unflatten_state(v, tensors) for v in skeleton]
-    return skeleton
+    def load(marker: dict, path: KeyPath) -> Any:
+        if _TENSOR in marker:
+            return _named(tensors, marker[_TENSOR])
+        return _named(tensors, marker[_ARRAY]).numpy()
+
+    return trees.rebuild(skeleton, load, is_leaf=_is_marker, other=lambda node, path: node, pack=_from_json)
+
+
+def _is_marker(node: Any) -> bool:
+    return isinstance(node, dict) and len(node) == 1 and (_TENSOR in node or _ARRAY in node)
+
+
+def _from_json(original: Any, rebuilt: Any, path: KeyPath) -> Any:
+    if isinstance(rebuilt, dict) and set(rebuilt) == {_TUPLE}:
+        return tuple(rebuilt[_TUPLE])
+    if isinstance(rebuilt, dict) and set(rebuilt) == {_ITEMS}:
+        return {k: v for k, v in rebuilt[_ITEMS]}
+    return rebuilt
 
 
 def _named(tensors: dict[str, torch.Tensor], name: Any) -> torch.Tensor:

@@ -12,8 +12,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
+
+if TYPE_CHECKING:
+    from .runner import TaskRun
 
 DEFAULT_MODEL = "splitft.models:digits_cnn"
 DEFAULT_BIND = "tcp://127.0.0.1:5555"
@@ -90,12 +93,34 @@ def _build_parser() -> argparse.ArgumentParser:
                                       "MiniLM on BBC News with --task bbc) against it from this process, over "
                                       "tcp on 127.0.0.1. Prints accuracy, traffic and timings.")
     _add_training_options(demo)
+    _add_cloud_parser(sub)
 
+    edge = sub.add_parser("edge", help="train the edge half against a running cloud",
+                          description="Connect to a cloud started with 'splitft cloud' and train a task "
+                                      "(the cloud must serve its model: 'splitft cloud --task bbc').")
+    edge.add_argument("--connect", default=DEFAULT_BIND, help=f"the cloud's address (default: {DEFAULT_BIND})")
+    g = edge.add_argument_group("security (CurveZMQ)")
+    g.add_argument("--cloud-key", default=None, metavar="FILE", help="the cloud's public key file (NAME.key)")
+    g.add_argument("--key", default=None, metavar="FILE", help="this edge's secret key file (NAME.key_secret)")
+    _add_training_options(edge)
+
+    keys = sub.add_parser("keys", help="make CurveZMQ key pairs for a cloud and its edges",
+                          description="Write NAME.key (public: give it to the other side) and NAME.key_secret "
+                                      "(private, mode 0600) into a folder, for each NAME.")
+    keys.add_argument("names", nargs="+", metavar="NAME", help="one key pair per name, e.g. cloud edge1 edge2")
+    keys.add_argument("--dir", default="keys", help="folder to write them into (default: ./keys)")
+
+    sub.add_parser("codecs", help="list the available codecs and their options")
+    return parser
+
+
+def _add_cloud_parser(sub: argparse._SubParsersAction) -> None:
     cloud = sub.add_parser("cloud", help="serve cloud halves of models to edges",
                            description="Serve the cloud half of the allowed models. Each edge that connects "
                                        "gets its own session (weights, optimizer, codec state).")
     cloud.add_argument("--bind", default=DEFAULT_BIND,
-                       help=f"address to listen on: tcp://HOST:PORT (port 0 picks one) or ipc://PATH (default: {DEFAULT_BIND})")
+                       help="address to listen on: tcp://HOST:PORT (port 0 picks one) or ipc://PATH "
+                            f"(default: {DEFAULT_BIND})")
     cloud.add_argument("--model", action="append", default=None, metavar="FACTORY",
                        help="a model factory edges may ask for; repeat for several (default: the task's model)")
     cloud.add_argument("--task", choices=sorted(_task_names()), default="digits",
@@ -137,24 +162,6 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--shared-model", action="store_true",
                    help="edges asking for the same model and cut train one shared cloud half, in the order "
                         "their requests arrive (sequential split learning); default: a cloud half per edge")
-
-    edge = sub.add_parser("edge", help="train the edge half against a running cloud",
-                          description="Connect to a cloud started with 'splitft cloud' and train a task "
-                                      "(the cloud must serve its model: 'splitft cloud --task bbc').")
-    edge.add_argument("--connect", default=DEFAULT_BIND, help=f"the cloud's address (default: {DEFAULT_BIND})")
-    g = edge.add_argument_group("security (CurveZMQ)")
-    g.add_argument("--cloud-key", default=None, metavar="FILE", help="the cloud's public key file (NAME.key)")
-    g.add_argument("--key", default=None, metavar="FILE", help="this edge's secret key file (NAME.key_secret)")
-    _add_training_options(edge)
-
-    keys = sub.add_parser("keys", help="make CurveZMQ key pairs for a cloud and its edges",
-                          description="Write NAME.key (public: give it to the other side) and NAME.key_secret "
-                                      "(private, mode 0600) into a folder, for each NAME.")
-    keys.add_argument("names", nargs="+", metavar="NAME", help="one key pair per name, e.g. cloud edge1 edge2")
-    keys.add_argument("--dir", default="keys", help="folder to write them into (default: ./keys)")
-
-    sub.add_parser("codecs", help="list the available codecs and their options")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,53 +302,40 @@ def _cloud(args: argparse.Namespace) -> int:
     return 0
 
 
-def _edge(args: argparse.Namespace, address: str) -> int:
-    import torch
-    from torch import nn
+def _task_run(args: argparse.Namespace) -> TaskRun:
+    """The run the command line asks for: the same object the experiments and the tests build."""
+    from .options import Codecs, Factory, Faults, Schedule
+    from .runner import TaskRun
+    from .tasks import get_task
 
-    from .factories import load_factory
-    from .data import first
-    from .edge import split
+    model = args.model if args.model not in (None, get_task(args.task).model) else None
+    return TaskRun(task=args.task, factory=Factory(model) if model else None, cut=args.cut, rejoin=args.rejoin,
+                   topology=args.topology, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                   seed=args.seed, limit=args.limit, max_length=args.max_length,
+                   codecs=Codecs(args.fwd, args.bwd, seed=args.seed), schedule=Schedule(args.micro_batches),
+                   faults=Faults(args.timeout, args.reconnect_timeout, args.heartbeat), freeze_edge=args.freeze_edge,
+                   metrics_path=args.metrics, progress=True)
+
+
+def _edge(args: argparse.Namespace, address: str) -> int:
     from .errors import PeerGone, SplitFTError
     from .metrics import format_report
-    from .tasks import get_task
-    from .train import fit
+    from .options import Link
+    from .runner import prepare, train
 
-    task = get_task(args.task)
-    factory = args.model or task.model
-    cut = args.cut or task.cut
-    topology = args.topology or task.topology
-    ushape = topology == "ushape"
-    rejoin = (args.rejoin or task.rejoin) if ushape and ":" not in cut else None
-    epochs = args.epochs if args.epochs is not None else task.epochs
-    batch_size = args.batch_size or task.batch_size
-    torch.manual_seed(args.seed)
     try:
-        train, test = task.load(max_length=args.max_length)
-        if args.limit:
-            train = first(train, args.limit)
-        model = load_factory(factory)()
-        keys = {"cloud_key": args.cloud_key, "key": args.key} if getattr(args, "cloud_key", None) or \
-            getattr(args, "key", None) else {}
-        model = split(model, cut, rejoin, factory=factory, connect=address, fwd=args.fwd, bwd=args.bwd,
-                      seed=args.seed, timeout=args.timeout, metrics_path=args.metrics, freeze_edge=args.freeze_edge,
-                      weights=task.weights if factory == task.model else "push",
-                      micro_batches=args.micro_batches, link=args.link,
-                      reconnect_timeout=args.reconnect_timeout, heartbeat=args.heartbeat, **keys)
+        link = Link(address, emulate=args.link, cloud_key=getattr(args, "cloud_key", None),
+                    key=getattr(args, "key", None))
+        run = prepare(_task_run(args), link)
     except SplitFTError as exc:
         print(f"edge: cannot start: {exc}", file=sys.stderr)
         return 2
-    print(f"edge: connected to {address} (session {model.session.session_id}); {task.name}: {topology} split at "
-          f"{cut}{' rejoin ' + rejoin if rejoin else ''}, codecs {model.session.codecs.specs['fwd']} / "
-          f"{model.session.codecs.specs['bwd']}{', edge frozen' if args.freeze_edge else ''}", file=sys.stderr)
-    optimizer_class = getattr(torch.optim, task.optimizer)
-    optimizer = model.attach(optimizer_class(model.parameters(), lr=args.lr or task.lr))
-    criterion = nn.CrossEntropyLoss() if ushape else model.remote_loss(nn.CrossEntropyLoss())
-    start = time.perf_counter()
+    codecs = run.model.session.codecs.specs
+    print(f"edge: connected to {address} (session {run.model.session.session_id}); {run.task.name}: "
+          f"{'ushape' if run.ushape else 'plain'} split at {run.cut}{' rejoin ' + run.rejoin if run.rejoin else ''}, "
+          f"codecs {codecs['fwd']} / {codecs['bwd']}{', edge frozen' if args.freeze_edge else ''}", file=sys.stderr)
     try:
-        with model:
-            result = fit(model, optimizer, criterion, train, test, epochs=epochs, batch_size=batch_size,
-                         seed=args.seed, predict=model.predict, progress=True, pass_ids=True)
+        result = train(run)
     except KeyboardInterrupt:
         print("\nedge: interrupted; the cloud was told and ended the session", file=sys.stderr)
         return 130
@@ -351,9 +345,8 @@ def _edge(args: argparse.Namespace, address: str) -> int:
     except SplitFTError as exc:
         print(f"\nedge: error: {exc}", file=sys.stderr)
         return 1
-    wall = time.perf_counter() - start
-    print(f"\ntest accuracy {result.accuracy:.4f} after {epochs} epochs ({result.steps} steps)")
-    print(format_report(model.metrics, wall))
+    print(f"\ntest accuracy {result.accuracy:.4f} after {run.epochs} epochs ({result.steps} steps)")
+    print(format_report(result.metrics, result.seconds))
     return 0
 
 

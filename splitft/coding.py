@@ -35,8 +35,11 @@ import compressors
 from compressors import Codec, CodecContext, Payload
 from compressors.base import torch_dtype
 
+from . import tree as trees
 from .errors import ConfigError, ProtocolError, translated
 from .protocol import MAX_DIMS, TENSOR_KEY, is_tensor_entry, payload_from_wire, payload_to_wire
+from .tree import Leaf as _Leaf  # the skeletons of flatten and of from_wire share one marker
+from .tree import KeyPath, path_text
 
 SLOTS = ("fwd", "bwd", "ret", "ret_bwd")
 _TUPLE = "$tuple"
@@ -71,23 +74,10 @@ def flatten(tree: Any, where: str = "a value") -> tuple[list[torch.Tensor], Any]
     cross the cut (there is no safe way to rebuild an arbitrary object from bytes); it raises a
     :class:`ConfigError` naming where in ``where`` it sits.
     """
-    leaves: list[torch.Tensor] = []
+    def refuse(node: Any, path: KeyPath) -> Any:
+        raise ConfigError(_uncrossable(node, where + path_text(path)))
 
-    def walk(node: Any, path: str) -> Any:
-        if isinstance(node, torch.Tensor):
-            leaves.append(node)
-            return _Leaf(len(leaves) - 1)
-        if isinstance(node, tuple):
-            return tuple(walk(v, f"{path}[{i}]") for i, v in enumerate(node))
-        if isinstance(node, list):
-            return [walk(v, f"{path}[{i}]") for i, v in enumerate(node)]
-        if isinstance(node, dict):
-            return {k: walk(v, f"{path}[{k!r}]") for k, v in node.items()}
-        if node is None or isinstance(node, (bool, int, float, str)):
-            return node
-        raise ConfigError(_uncrossable(node, where + path))
-
-    return leaves, walk(tree, "")
+    return trees.flatten(tree, other=refuse)
 
 
 def _uncrossable(node: Any, where: str) -> str:
@@ -102,23 +92,9 @@ def _uncrossable(node: Any, where: str) -> str:
 
 
 def unflatten(skeleton: Any, leaves: list[Any]) -> Any:
-    if isinstance(skeleton, _Leaf):
-        if skeleton.expand is not None:
-            return expand(leaves[skeleton.index], skeleton.expand)
-        return leaves[skeleton.index]
-    if isinstance(skeleton, tuple):
-        return tuple(unflatten(v, leaves) for v in skeleton)
-    if isinstance(skeleton, list):
-        return [unflatten(v, leaves) for v in skeleton]
-    if isinstance(skeleton, dict):
-        return {k: unflatten(v, leaves) for k, v in skeleton.items()}
-    return skeleton
-
-
-@dataclass(frozen=True)
-class _Leaf:
-    index: int
-    expand: tuple[int, ...] | None = None  # it crossed compacted: repeat it back to this shape
+    """Inverse of :func:`flatten`; a leaf that crossed compacted is repeated back to its shape."""
+    return trees.unflatten(skeleton, leaves,
+                           lambda leaf, value: value if leaf.expand is None else expand(value, leaf.expand))
 
 
 def stream_index(skeleton: Any) -> int | None:
@@ -383,11 +359,6 @@ class SlotCodecs:
                 codec.load_state_dict(state.get(slot, {}))
 
 
-def grad_slot(slot: str) -> str:
-    """The slot that carries the gradient of a forward slot's tensor."""
-    return {"fwd": "bwd", "ret": "ret_bwd"}[slot]
-
-
 def sample_ids_array(ids: Any) -> np.ndarray | None:
     """Normalise user-given per-sample ids to an int64 array (None stays None)."""
     if ids is None:
@@ -400,5 +371,5 @@ def sample_ids_array(ids: Any) -> np.ndarray | None:
     return arr.astype(np.int64, copy=False)
 
 
-__all__ = ["SLOTS", "SlotCodecs", "Traffic", "flatten", "unflatten", "resolve_codecs", "grad_slot",
+__all__ = ["SLOTS", "SlotCodecs", "Traffic", "flatten", "unflatten", "resolve_codecs",
            "stream_index", "to_wire", "from_wire", "sample_ids_array"]

@@ -1,41 +1,21 @@
-"""One split-training run on the digits task, as the tests, the benchmarks and the ablations run it.
+"""Split-training runs for the tests, the benchmarks and the ablations: a task through the runner, its
+cloud in this process.
 
 The cloud runs in this process on a thread (in-process transport) unless an address is given,
-in which case a ``splitft cloud`` must be listening there.
+in which case a ``splitft cloud`` must be listening there. The run itself is
+:func:`splitft.runner.run`, the one behind ``splitft edge`` and ``splitft demo``.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import asdict, dataclass, field
 from typing import Any
-
-import torch
-from torch import nn
 
 import transports
 
 from .cloud import CloudServer, serve_in_thread
-from .edge import split
-from .train import fit
-
-
-@dataclass
-class RunResult:
-    fwd: str
-    bwd: str
-    seed: int
-    accuracy: float
-    seconds: float
-    steps: int
-    fwd_ratio: float  # raw / wire bytes of activations edge -> cloud
-    bwd_ratio: float  # raw / wire bytes of gradients cloud -> edge
-    bytes_up: int
-    bytes_down: int
-    history: list[dict[str, float]] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+from .options import Codecs, Factory, Faults, Link, Schedule
+from .runner import RunResult, TaskRun, run
+from .tasks import get_task
 
 
 def model_for(fwd: str) -> str:
@@ -58,56 +38,27 @@ def run_task(task_name: str, fwd: str = "identity", bwd: str | None = None, *, s
              timeout: float = 300.0) -> RunResult:
     """Train a registered task (:mod:`splitft.tasks`) split at its cut through the given codecs.
 
-    ``link`` (e.g. ``"100mbit,20ms"``) runs the edge's connection through the link emulator;
-    ``limit`` trains on the first samples only (short runs of slow tasks).
+    Both halves start from the factory's ``seed``. ``link`` (e.g. ``"100mbit,20ms"``) runs the
+    edge's connection through the link emulator; ``limit`` trains on the first samples only
+    (short runs of slow tasks).
     """
-    from compressors.binary import keep_latent_weights_clipped
-
-    from .factories import load_factory
-    from .data import first
-    from .tasks import get_task
-
     task = get_task(task_name)
-    factory = model_for(fwd) if task_name == "digits" else task.model
-    ushape = task.topology == "ushape" if ushape is None else ushape
-    cut, rejoin = task.cut, (task.rejoin if ushape and ":" not in task.cut else None)
-    train, test = task.load()
-    if limit:
-        train = first(train, limit)
-    server = thread = None
-    if address is None:
-        listener = transports.InprocListener()
-        server = CloudServer(listener, [factory])
-        thread = serve_in_thread(server)
-        connection: Any = listener.connect()
-    else:
-        connection = transports.connect(address)
+    factory = Factory(model_for(fwd) if task_name == "digits" else task.model, kwargs={"seed": seed},
+                      weights=task.weights)  # type: ignore[arg-type]
+    task_run = TaskRun(task=task_name, factory=factory, topology=None if ushape is None else
+                       "ushape" if ushape else "plain", epochs=epochs, batch_size=batch_size, lr=lr, seed=seed,
+                       limit=limit, codecs=Codecs(fwd, bwd, seed=seed), schedule=Schedule(micro_batches),
+                       faults=Faults(timeout=timeout), progress=progress)
+    if address is not None:
+        return run(task_run, Link(address, emulate=link))
+    listener = transports.InprocListener()
+    server = CloudServer(listener, [factory.name])
+    thread = serve_in_thread(server)
     try:
-        model = split(load_factory(factory)(seed=seed), cut, rejoin, factory=factory, factory_kwargs={"seed": seed},
-                      connection=connection, fwd=fwd, bwd=bwd, seed=seed, timeout=timeout, link=link,
-                      micro_batches=micro_batches, weights=task.weights)
-        with model:
-            optimizer_class = getattr(torch.optim, task.optimizer)
-            optimizer = model.attach(optimizer_class(model.parameters(), lr=lr or task.lr))
-            keep_latent_weights_clipped(optimizer, model)
-            criterion = nn.CrossEntropyLoss() if ushape else model.remote_loss(nn.CrossEntropyLoss())
-            start = time.perf_counter()
-            result = fit(model, optimizer, criterion, train, test, epochs=epochs or task.epochs,
-                         batch_size=batch_size or task.batch_size, seed=seed, predict=model.predict,
-                         progress=progress, pass_ids=True)
-            seconds = time.perf_counter() - start
-            metrics = model.metrics
-            specs = model.session.codecs.specs
+        return run(task_run, Link(listener.connect(), emulate=link))
     finally:
-        if server is not None:
-            server.stop()
-            thread.join(timeout=10)
-    return RunResult(
-        fwd=specs["fwd"], bwd=specs["bwd"], seed=seed, accuracy=result.accuracy, seconds=seconds,
-        steps=result.steps, fwd_ratio=metrics.bytes[("up", "activation")].ratio,
-        bwd_ratio=metrics.bytes[("down", "gradient")].ratio, bytes_up=metrics.direction("up").wire,
-        bytes_down=metrics.direction("down").wire, history=result.history,
-    )
+        server.stop()
+        thread.join(timeout=10)
 
 
 def run_digits(fwd: str = "identity", bwd: str | None = None, *, seed: int = 0, epochs: int = 10,

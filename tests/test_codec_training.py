@@ -49,7 +49,7 @@ def test_default_pairings():
 
 def test_acsgd_without_sample_ids_is_a_clear_error(inproc_cloud):
     data = load_digits()[0]
-    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, fwd="acsgd", connection=inproc_cloud.connect())
+    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, codecs="acsgd", connect=inproc_cloud.connect())
     with model:
         crit = model.remote_loss(nn.CrossEntropyLoss())
         x, y, ids = next(batches(data, 16, shuffle=False))
@@ -62,8 +62,8 @@ def test_acsgd_without_sample_ids_is_a_clear_error(inproc_cloud):
 
 def test_a_lost_acsgd_message_is_detected_and_repaired(inproc_cloud, caplog):
     data = load_digits()[0]
-    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, fwd="acsgd:bits=4",
-                          connection=inproc_cloud.connect())
+    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, codecs="acsgd:bits=4",
+                          connect=inproc_cloud.connect())
     with model:
         opt = model.attach(torch.optim.SGD(model.parameters(), lr=0.05))
         crit = model.remote_loss(nn.CrossEntropyLoss())

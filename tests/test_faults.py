@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import splitft
-from splitft import protocol
+from splitft import Faults, Schedule, protocol
 from splitft.cloud import CloudServer, serve_in_thread
 from splitft.limits import Limits
 from tests.faulty import FaultyConnection, carries_step, message_type
@@ -69,7 +69,7 @@ def cloud():
 def test_every_message_duplicated_is_applied_once(cloud):
     server, listener = cloud
     data = _data()
-    model = splitft.split(mlp(), 2, factory=MLP, connection=lambda: FaultyConnection(
+    model = splitft.split(mlp(), 2, factory=MLP, connect=lambda: FaultyConnection(
         listener.connect(), on_send=lambda frames: 2))
     with model:
         weights = split_weights(model, data, accumulate=2)
@@ -103,8 +103,8 @@ def test_lost_replies_cost_a_retry_not_a_step(cloud):
             stepping.add(protocol.decode([bytes(memoryview(f)) for f in frames]).seq)
         return 1
 
-    model = splitft.split(mlp(), 2, factory=MLP, timeout=0.25, heartbeat=0, connection=lambda: FaultyConnection(
-        listener.connect(), on_send=note, on_recv=lose_step_replies))
+    model = splitft.split(mlp(), 2, factory=MLP, faults=Faults(timeout=0.25, heartbeat=0),
+                          connect=lambda: FaultyConnection(listener.connect(), on_send=note, on_recv=lose_step_replies))
     with model:
         weights = split_weights(model, data)
         (session,) = server.sessions.values()
@@ -123,8 +123,9 @@ def test_lost_requests_are_resent(cloud, eager):
     def lose_every_third(frames) -> int:
         return 0 if message_type(frames) != "hello" and next(count) % 3 == 2 else 1
 
-    model = splitft.split(mlp(), 2, factory=MLP, timeout=0.25, heartbeat=0, eager_backward=eager,
-                          connection=lambda: FaultyConnection(listener.connect(), on_send=lose_every_third))
+    model = splitft.split(mlp(), 2, factory=MLP, faults=Faults(timeout=0.25, heartbeat=0),
+                          schedule=Schedule(eager_backward=eager),
+                          connect=lambda: FaultyConnection(listener.connect(), on_send=lose_every_third))
     with model:
         weights = split_weights(model, data)
         # two requests a step (forward, backward), or one with eager backward; a third of them lost
@@ -134,7 +135,7 @@ def test_lost_requests_are_resent(cloud, eager):
 
 def test_a_repeated_step_id_is_skipped(cloud):
     server, listener = cloud
-    model = splitft.split(mlp(), 2, factory=MLP, connection=listener.connect)
+    model = splitft.split(mlp(), 2, factory=MLP, connect=listener.connect)
     with model:
         opt = model.attach(torch.optim.SGD(model.parameters(), lr=0.5))
         crit = model.remote_loss(nn.CrossEntropyLoss())
@@ -154,7 +155,7 @@ def test_a_repeated_step_id_is_skipped(cloud):
 def test_raw_duplicate_request_gets_the_cached_reply(cloud):
     """At the wire: the same numbered request twice gives the same reply bytes, applied once."""
     server, listener = cloud
-    model = splitft.split(mlp(), 2, factory=MLP, connection=listener.connect)
+    model = splitft.split(mlp(), 2, factory=MLP, connect=listener.connect)
     with model:
         model.attach(torch.optim.SGD(model.parameters(), lr=0.5))
         model.sync()
@@ -176,8 +177,8 @@ def test_idle_sessions_expire_unless_the_edge_heartbeats():
     server = CloudServer(listener, [MLP], limits=Limits(session_timeout=1.0))
     thread = serve_in_thread(server)
     try:
-        quiet = splitft.split(mlp(), 2, factory=MLP, connection=listener.connect, heartbeat=0)
-        alive = splitft.split(mlp(), 2, factory=MLP, connection=listener.connect, heartbeat=0.2)
+        quiet = splitft.split(mlp(), 2, factory=MLP, connect=listener.connect, faults=Faults(heartbeat=0))
+        alive = splitft.split(mlp(), 2, factory=MLP, connect=listener.connect, faults=Faults(heartbeat=0.2))
         deadline = time.monotonic() + 10
         while quiet.session.session_id in server.by_id and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -196,8 +197,8 @@ def test_an_expired_session_is_resumed_from_memory_or_refused_clearly():
     server = CloudServer(listener, [MLP], limits=Limits(session_timeout=0.3))
     thread = serve_in_thread(server)
     try:
-        model = splitft.split(mlp(), 2, factory=MLP, connection=listener.connect, heartbeat=0,
-                              reconnect_timeout=2)
+        model = splitft.split(mlp(), 2, factory=MLP, connect=listener.connect,
+                              faults=Faults(heartbeat=0, reconnect_timeout=2))
         model.attach(torch.optim.SGD(model.parameters(), lr=0.1))
         model.sync()
         time.sleep(1.8)  # expired, and no checkpoint folder: nothing to resume from
@@ -220,8 +221,9 @@ def test_lost_requests_among_micro_batches_in_flight(cloud, eager):
     def lose_every_fourth(frames) -> int:
         return 0 if message_type(frames) != "hello" and next(count) % 4 == 3 else 1
 
-    model = splitft.split(mlp(), 2, factory=MLP, timeout=0.25, heartbeat=0, micro_batches=3, eager_backward=eager,
-                          connection=lambda: FaultyConnection(listener.connect(), on_send=lose_every_fourth))
+    model = splitft.split(mlp(), 2, factory=MLP, faults=Faults(timeout=0.25, heartbeat=0),
+                          schedule=Schedule(micro_batches=3, eager_backward=eager),
+                          connect=lambda: FaultyConnection(listener.connect(), on_send=lose_every_fourth))
     with model:
         weights = split_weights(model, data)
         assert model.session.recoveries >= 2

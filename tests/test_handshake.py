@@ -8,7 +8,7 @@ from torch import nn
 
 import compressors
 import splitft
-from splitft import protocol
+from splitft import Factory, protocol
 from splitft.errors import ConfigError, HandshakeError, ProtocolError
 from splitft.models import digits_cnn
 from tests.conftest import DIGITS
@@ -16,28 +16,28 @@ from tests.conftest import DIGITS
 
 def test_factory_not_served(inproc_cloud):
     with pytest.raises(HandshakeError, match="not served here"):
-        splitft.split(digits_cnn(), "block3", factory="splitft.models:other", connection=inproc_cloud.connect())
+        splitft.split(digits_cnn(), "block3", factory="splitft.models:other", connect=inproc_cloud.connect())
 
 
 def test_architecture_mismatch_names_the_fingerprints(inproc_cloud):
     model = digits_cnn()
     model.head[1] = nn.Linear(1024, 7)  # the edge's idea of the cloud part differs
     with pytest.raises(HandshakeError, match="fingerprint"):
-        splitft.split(model, "block3", factory=DIGITS, connection=inproc_cloud.connect())
+        splitft.split(model, "block3", factory=DIGITS, connect=inproc_cloud.connect())
 
 
 def test_initial_weights_mismatch_in_factory_mode(inproc_cloud):
     with pytest.raises(HandshakeError, match="initial weights differ"):
-        splitft.split(digits_cnn(seed=1), "block3", factory=DIGITS, weights="factory",
-                      connection=inproc_cloud.connect())
-    model = splitft.split(digits_cnn(seed=0), "block3", factory=DIGITS, weights="factory",
-                          connection=inproc_cloud.connect())
+        splitft.split(digits_cnn(seed=1), "block3", factory=Factory(DIGITS, weights="factory"),
+                      connect=inproc_cloud.connect())
+    model = splitft.split(digits_cnn(seed=0), "block3", factory=Factory(DIGITS, weights="factory"),
+                          connect=inproc_cloud.connect())
     model.close()
 
 
 def test_unknown_codec_lists_valid_names_before_connecting():
     with pytest.raises(ConfigError, match="valid names: .*fp16.*identity"):
-        splitft.split(digits_cnn(), "block3", factory=DIGITS, connect="tcp://127.0.0.1:1", fwd="zip")
+        splitft.split(digits_cnn(), "block3", factory=DIGITS, connect="tcp://127.0.0.1:1", codecs="zip")
     with pytest.raises(compressors.UnknownCodecError, match="valid names"):
         compressors.make_codec("nope")
 
@@ -85,7 +85,7 @@ def test_a_good_hello_after_errors_still_works(inproc_cloud):
 
 
 def test_remote_errors_arrive_typed_on_the_edge(inproc_cloud):
-    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connection=inproc_cloud.connect())
+    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connect=inproc_cloud.connect())
     with model:
         model.session.queue({"op": "self_destruct"})
         with pytest.raises(ProtocolError, match="unknown operation"):

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import splitft
-from splitft import protocol
+from splitft import Faults, protocol
 from splitft.cloud import CloudServer, serve_in_thread
 from splitft.errors import CODES
 from splitft.limits import Limits
@@ -49,8 +49,8 @@ def _record() -> list[list[bytes]]:
 
     try:
         for rejoin in (None, 4):
-            model = splitft.split(mlp(), 2, rejoin, factory=MLP, heartbeat=0,
-                                  connection=lambda: FaultyConnection(listener.connect(), on_send=keep))
+            model = splitft.split(mlp(), 2, rejoin, factory=MLP, faults=Faults(heartbeat=0),
+                                  connect=lambda: FaultyConnection(listener.connect(), on_send=keep))
             with model:
                 opt = model.attach(torch.optim.Adam(model.parameters(), lr=0.01))
                 crit = nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss())
@@ -420,7 +420,7 @@ def test_ten_thousand_malformed_messages_get_typed_errors_and_the_cloud_still_tr
         assert len(session.pending) <= LIMITS.max_pending_calls and len(session.replies) <= LIMITS.reply_cache
     # The cloud still serves a well-behaved edge, exactly.
     data = _data(3)
-    model = splitft.split(mlp(), 2, factory=MLP, connection=listener.connect)
+    model = splitft.split(mlp(), 2, factory=MLP, connect=listener.connect)
     with model:
         weights = split_weights(model, data)
     assert_same(weights, local_weights(data))
@@ -490,7 +490,7 @@ def test_specific_hostile_requests_are_refused_with_their_code(hostile_cloud):
     (reply,) = _raw(listener, _hello(resume={"session": "../../../etc/x", "token": "", "step": 0, "seq": 0,
                                              "log_from": 1}))
     assert reply.code == "protocol"
-    model = splitft.split(mlp(), 2, factory=MLP, connection=listener.connect)
+    model = splitft.split(mlp(), 2, factory=MLP, connect=listener.connect)
     with model:
         model.attach(torch.optim.SGD(model.parameters(), lr=0.1))
         crit = model.remote_loss(nn.CrossEntropyLoss())

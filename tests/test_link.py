@@ -381,7 +381,7 @@ def test_split_training_over_an_emulated_link_counts_every_byte(inproc_cloud):
     from tests.conftest import DIGITS
 
     conn = EmulatedConnection(inproc_cloud.connect(), "1gbit,1ms")
-    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connection=conn)
+    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connect=conn)
     opt = model.attach(torch.optim.SGD(model.parameters(), lr=0.05))
     crit = model.remote_loss(nn.CrossEntropyLoss())
     for (x, y, _), _ in zip(batches(load_digits()[0], 64, shuffle=True), range(2)):

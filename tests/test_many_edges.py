@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import splitft
+from splitft import Codecs
 from splitft.cloud import CloudServer, serve_in_thread
 from tests.test_faults import MLP, _data, assert_same, local_weights, split_weights
 from tests.models import mlp
@@ -43,7 +44,7 @@ def test_concurrent_edges_have_isolated_sessions(cloud):
 
     def edge(i: int) -> None:
         try:
-            model = splitft.split(models[i], 2, factory=MLP, connection=listener.connect, seed=i)
+            model = splitft.split(models[i], 2, factory=MLP, connect=listener.connect, codecs=Codecs(seed=i))
             with model:
                 results[i] = split_weights(model, _data(5, seed=i))
         except BaseException as exc:  # noqa: BLE001 — reported below
@@ -79,7 +80,7 @@ def _local_shared(phases, lr: float = 0.01):
 def test_shared_cloud_half_trains_edges_in_turn(shared_cloud):
     server, listener = shared_cloud
     a_data, b_data, a_more = _data(3, seed=1), _data(3, seed=2), _data(2, seed=3)
-    edges = {name: splitft.split(mlp(seed=seed), 2, factory=MLP, connection=listener.connect)
+    edges = {name: splitft.split(mlp(seed=seed), 2, factory=MLP, connect=listener.connect)
              for name, seed in (("a", 0), ("b", 1))}  # b's pushed weights are ignored: a's came first
     opts = {name: m.attach(torch.optim.Adam(m.parameters(), lr=0.01)) for name, m in edges.items()}
     crits = {name: m.remote_loss(nn.CrossEntropyLoss()) for name, m in edges.items()}
@@ -103,7 +104,7 @@ def test_shared_cloud_half_keeps_each_edges_gradients_apart(shared_cloud):
     and a's later step a's only."""
     server, listener = shared_cloud
     (xa, ya), (xb, yb) = _data(1, seed=1)[0], _data(1, seed=2)[0]
-    edges = [splitft.split(mlp(), 2, factory=MLP, connection=listener.connect) for _ in range(2)]
+    edges = [splitft.split(mlp(), 2, factory=MLP, connect=listener.connect) for _ in range(2)]
     opts = [m.attach(torch.optim.SGD(m.parameters(), lr=0.1)) for m in edges]
     crits = [m.remote_loss(nn.CrossEntropyLoss()) for m in edges]
     crits[0](edges[0](xa), ya).backward()
@@ -134,7 +135,7 @@ def test_shared_cloud_half_recomputes_a_graph_another_edge_made_stale(shared_clo
     cloud half as it is now (after b's step), on a's activation, not of the weights it ran on."""
     server, listener = shared_cloud
     (xa, ya), (xb, yb) = _data(1, seed=1)[0], _data(1, seed=2)[0]
-    edges = [splitft.split(mlp(), 2, factory=MLP, connection=listener.connect) for _ in range(2)]
+    edges = [splitft.split(mlp(), 2, factory=MLP, connect=listener.connect) for _ in range(2)]
     opts = [m.attach(torch.optim.SGD(m.parameters(), lr=0.1)) for m in edges]
     crits = [m.remote_loss(nn.CrossEntropyLoss()) for m in edges]
     loss_a = crits[0](edges[0](xa), ya)

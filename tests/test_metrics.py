@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import splitft
+from splitft import Codecs, Schedule
 from splitft.data import batches, load_digits
 from splitft.models import digits_cnn
 from tests.conftest import DIGITS
@@ -27,8 +28,8 @@ def _train(model, steps, rejoin):
 
 def test_edge_and_cloud_count_the_same_wire_bytes(inproc_cloud, tmp_path):
     for rejoin, fwd in ((None, "identity"), ("head", "fp16")):
-        model = splitft.split(digits_cnn(), "block3", rejoin, factory=DIGITS, fwd=fwd,
-                              connection=inproc_cloud.connect(), metrics_path=tmp_path / "m.jsonl")
+        model = splitft.split(digits_cnn(), "block3", rejoin, factory=DIGITS, codecs=fwd,
+                              connect=inproc_cloud.connect(), metrics_path=tmp_path / "m.jsonl")
         _train(model, 5, rejoin)
         (session,) = inproc_cloud.server.sessions.values()
         for direction in ("up", "down"):
@@ -39,8 +40,8 @@ def test_edge_and_cloud_count_the_same_wire_bytes(inproc_cloud, tmp_path):
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager-backward", "backward-message"])
 def test_raw_payload_and_ratio_per_direction(inproc_cloud, eager):
-    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, fwd="fp16", bwd="fp16",
-                          connection=inproc_cloud.connect(), eager_backward=eager)
+    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, codecs=Codecs("fp16", bwd="fp16"),
+                          connect=inproc_cloud.connect(), schedule=Schedule(eager_backward=eager))
     with model:
         _train(model, 3, None)
         activations = model.metrics.bytes[("up", "activation")]
@@ -60,7 +61,7 @@ def test_raw_payload_and_ratio_per_direction(inproc_cloud, eager):
 
 def test_jsonl_has_one_record_per_step(inproc_cloud, tmp_path):
     path = tmp_path / "run.jsonl"
-    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connection=inproc_cloud.connect(), metrics_path=path)
+    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connect=inproc_cloud.connect(), metrics_path=path)
     with model:
         _train(model, 4, None)
     records = [json.loads(line) for line in path.read_text().splitlines()]
@@ -71,7 +72,7 @@ def test_jsonl_has_one_record_per_step(inproc_cloud, tmp_path):
 def test_the_handshake_is_timed_apart_from_training(inproc_cloud):
     """The hello waits for the cloud to build its model (seconds for a pre-trained transformer);
     counting that as training 'wait' would make the report's edge compute come out too small."""
-    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connection=inproc_cloud.connect())
+    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connect=inproc_cloud.connect())
     with model:
         assert model.metrics.seconds["handshake"] > 0 and model.metrics.seconds.get("wait", 0.0) == 0.0
         _train(model, 1, None)

@@ -1,4 +1,5 @@
-"""compressors/ is a leaf: it imports torch, numpy and the standard library, nothing else."""
+"""compressors/ and transports/ are leaves: each imports its own libraries and the standard library,
+never splitft/ nor each other; and splitft ships its type hints."""
 
 from __future__ import annotations
 
@@ -7,22 +8,42 @@ import sys
 from pathlib import Path
 
 import compressors
+import splitft
+import transports
 
-ALLOWED = {"torch", "numpy", "compressors"} | set(sys.stdlib_module_names)
+STDLIB = set(sys.stdlib_module_names)
+
+
+def _imports(package: Path) -> list[tuple[str, str]]:
+    """(file, top-level module) of every absolute import in ``package``, nested ones included."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found += [(path.name, a.name.split(".")[0]) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                found.append((path.name, (node.module or "").split(".")[0]))
+    return found
 
 
 def test_compressors_import_only_torch_numpy_and_stdlib() -> None:
-    root = Path(compressors.__file__).parent
-    for path in sorted(root.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                mods = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0:
-                mods = [node.module or ""]
-            else:
-                continue
-            for mod in mods:
-                assert mod.split(".")[0] in ALLOWED, f"{path.name} imports {mod}"
+    allowed = {"torch", "numpy", "compressors"} | STDLIB
+    for name, mod in _imports(Path(compressors.__file__).parent):
+        assert mod in allowed, f"compressors/{name} imports {mod}"
+
+
+def test_transports_import_only_pyzmq_and_stdlib() -> None:
+    allowed = {"zmq", "transports"} | STDLIB
+    imports = _imports(Path(transports.__file__).parent)
+    assert any(mod == "zmq" for _, mod in imports)  # the walk sees the real imports
+    for name, mod in imports:
+        assert mod in allowed, f"transports/{name} imports {mod}"
+
+
+def test_splitft_ships_its_type_hints() -> None:
+    root = Path(splitft.__file__).parent
+    assert (root / "py.typed").is_file()
+    assert 'splitft = ["py.typed"]' in (root.parent / "pyproject.toml").read_text()
 
 
 def test_no_global_rng_calls_in_the_package() -> None:

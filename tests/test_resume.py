@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import splitft
+from splitft import Faults
 from splitft.cloud import CloudServer, serve_in_thread
 from splitft.data import batches, load_digits
 from splitft.models import digits_cnn
@@ -44,7 +45,7 @@ class RestartableCloud:
 def test_cloud_crash_mid_step_resumes_from_its_checkpoint(tmp_path):
     data = _data(6)
     cloud = RestartableCloud(tmp_path / "ck")
-    model = splitft.split(mlp(), 2, factory=MLP, connection=cloud.connect, timeout=0.5, heartbeat=0)
+    model = splitft.split(mlp(), 2, factory=MLP, connect=cloud.connect, faults=Faults(timeout=0.5, heartbeat=0))
     try:
         opt = model.attach(torch.optim.Adam(model.parameters(), lr=0.01))
         crit = model.remote_loss(nn.CrossEntropyLoss())
@@ -71,7 +72,7 @@ def test_edge_restarted_from_its_checkpoint_continues_exactly(tmp_path):
     server = CloudServer(listener, [MLP], checkpoint_dir=str(tmp_path / "ck"), fsync=False)
     thread = serve_in_thread(server)
     try:
-        first = splitft.split(mlp(), 2, factory=MLP, connection=listener.connect)
+        first = splitft.split(mlp(), 2, factory=MLP, connect=listener.connect)
         opt = first.attach(torch.optim.Adam(first.parameters(), lr=0.01))
         crit = first.remote_loss(nn.CrossEntropyLoss())
         for i, (x, y) in enumerate(data):
@@ -84,7 +85,7 @@ def test_edge_restarted_from_its_checkpoint_continues_exactly(tmp_path):
                 break  # the edge "crashes": steps 3 and 4 are lost with it
         first.session._drop()
 
-        second = splitft.split(mlp(seed=5), 2, factory=MLP, connection=listener.connect,
+        second = splitft.split(mlp(seed=5), 2, factory=MLP, connect=listener.connect,
                                resume_from=tmp_path / "edge")
         with second:
             assert second.session.step == 3
@@ -106,14 +107,14 @@ def test_resume_with_a_wrong_token_is_refused(tmp_path):
     server = CloudServer(listener, [MLP], checkpoint_dir=str(tmp_path / "ck"), fsync=False)
     thread = serve_in_thread(server)
     try:
-        model = splitft.split(mlp(), 2, factory=MLP, connection=listener.connect)
+        model = splitft.split(mlp(), 2, factory=MLP, connect=listener.connect)
         model.attach(torch.optim.SGD(model.parameters(), lr=0.1))
         model.save_checkpoint(tmp_path / "edge")
         model.session._drop()
         text = (tmp_path / "edge.json").read_text()
         (tmp_path / "edge.json").write_text(text.replace(model.session.token, "0" * 32))
         with pytest.raises(splitft.HandshakeError, match="wrong resume token"):
-            splitft.split(mlp(), 2, factory=MLP, connection=listener.connect, resume_from=tmp_path / "edge")
+            splitft.split(mlp(), 2, factory=MLP, connect=listener.connect, resume_from=tmp_path / "edge")
     finally:
         server.stop()
         thread.join(timeout=10)
@@ -159,8 +160,8 @@ def test_cloud_process_killed_twice_and_restarted_from_its_checkpoint(tmp_path):
             clouds.append(start_cloud(tmp_path, *args, "--bind", address)[0])
 
     try:
-        model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connect=address, timeout=10,
-                              reconnect_timeout=60, heartbeat=0)
+        model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connect=address,
+                              faults=Faults(timeout=10, reconnect_timeout=60, heartbeat=0))
         with model:
             opt = model.attach(torch.optim.Adam(model.parameters(), lr=3e-3))
             _digits_run(model, opt, model.remote_loss(nn.CrossEntropyLoss()), data, kill_and_restart)
@@ -176,7 +177,7 @@ def test_cloud_process_killed_twice_and_restarted_from_its_checkpoint(tmp_path):
 def test_replay_log_stays_bounded_when_the_edge_never_steps(tmp_path):
     """A long evaluation sends requests but no step; the edge asks for checkpoints to let them go."""
     cloud = RestartableCloud(tmp_path / "ck")
-    model = splitft.split(mlp(), 2, factory=MLP, connection=cloud.connect, timeout=0.5, heartbeat=0)
+    model = splitft.split(mlp(), 2, factory=MLP, connect=cloud.connect, faults=Faults(timeout=0.5, heartbeat=0))
     model.session.max_log_bytes = 20_000
     try:
         x = _data(1)[0][0]

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import splitft
+from splitft import Faults, Link
 import transports
 from splitft.cli import main as cli
 from splitft.cloud import CloudServer, serve_in_thread
@@ -104,7 +105,7 @@ def test_captured_stream_holds_no_raw_activation_when_encrypted(keys, encrypted)
         thread, options = serve_in_thread(server), {}
     relay = Relay(listener.address)
     try:
-        model = splitft.split(mlp(), 2, factory=MLP, connect=relay.address, timeout=10, **options)
+        model = splitft.split(mlp(), 2, factory=MLP, connect=Link(relay.address, **options), faults=Faults(timeout=10))
         with model:
             weights = split_weights(model, data)
         assert_same(weights, local_weights(data))  # trains exactly, encrypted or not
@@ -125,16 +126,18 @@ def test_an_edge_with_an_unknown_key_is_refused_clearly_on_both_sides(keys):
     try:
         start = time.monotonic()
         with pytest.raises(splitft.AuthError, match="refused this edge's key"):
-            splitft.split(mlp(), 2, factory=MLP, connect=listener.address, timeout=20,
-                          cloud_key=keys / "cloud.key", key=keys / "stranger.key_secret")
+            splitft.split(mlp(), 2, factory=MLP, faults=Faults(timeout=20),
+                          connect=Link(listener.address, cloud_key=keys / "cloud.key",
+                                       key=keys / "stranger.key_secret"))
         assert time.monotonic() - start < 5  # the refusal is seen, not waited out
         stranger = transports.load_public_key(keys / "stranger.key").decode()
         assert any(stranger in text and "not in the allow-list" in text for text in refused)
         with pytest.raises(splitft.AuthError, match="is --cloud-key the cloud's public key"):
-            splitft.split(mlp(), 2, factory=MLP, connect=listener.address, timeout=20,
-                          cloud_key=keys / "stranger.key", key=keys / "edge1.key_secret")
+            splitft.split(mlp(), 2, factory=MLP, faults=Faults(timeout=20),
+                          connect=Link(listener.address, cloud_key=keys / "stranger.key",
+                                       key=keys / "edge1.key_secret"))
         with pytest.raises(splitft.AuthError, match="expects an encrypted link"):
-            splitft.split(mlp(), 2, factory=MLP, connect=listener.address, timeout=20)
+            splitft.split(mlp(), 2, factory=MLP, connect=listener.address, faults=Faults(timeout=20))
         assert not server.by_id  # none of them got a session
     finally:
         server.stop()

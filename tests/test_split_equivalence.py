@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import splitft
+from splitft import Faults, Schedule
 import transports
 from splitft.data import batches, load_digits
 from splitft.models import digits_cnn
@@ -44,9 +45,9 @@ def _local_run(data):
     return model.state_dict(), losses
 
 
-def _split_run(data, rejoin, connection=None, connect=None, micro_batches=1, eager_backward=True):
-    model = splitft.split(digits_cnn(), "block3", rejoin, factory=DIGITS, connection=connection,
-                          connect=connect, timeout=30, micro_batches=micro_batches, eager_backward=eager_backward)
+def _split_run(data, rejoin, connect, micro_batches=1, eager_backward=True):
+    model = splitft.split(digits_cnn(), "block3", rejoin, factory=DIGITS, connect=connect, faults=Faults(timeout=30),
+                          schedule=Schedule(micro_batches=micro_batches, eager_backward=eager_backward))
     with model:
         opt = model.attach(torch.optim.Adam(model.parameters(), lr=3e-3))
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
@@ -104,12 +105,12 @@ def local(digits):
 
 @pytest.mark.parametrize("rejoin", [None, "head"], ids=["plain", "ushape"])
 def test_inproc_split_equals_local(inproc_cloud, digits, local, rejoin):
-    _assert_same(local, _split_run(digits, rejoin, connection=inproc_cloud.connect()))
+    _assert_same(local, _split_run(digits, rejoin, connect=inproc_cloud.connect()))
 
 
 def test_plain_split_with_a_backward_message_per_call_equals_local(inproc_cloud, digits, local):
     """The same, with eager backward off: the loss's gradient travels in its own request."""
-    _assert_same(local, _split_run(digits, None, connection=inproc_cloud.connect(), eager_backward=False))
+    _assert_same(local, _split_run(digits, None, connect=inproc_cloud.connect(), eager_backward=False))
 
 
 @pytest.mark.parametrize("rejoin", [None, "head"], ids=["plain", "ushape"])
@@ -121,7 +122,7 @@ def test_zmq_two_process_split_equals_local(cloud_process, digits, local, rejoin
 @pytest.mark.parametrize("rejoin", [None, "head"], ids=["plain", "ushape"])
 def test_micro_batches_keep_split_equal_to_local(inproc_cloud, digits, local, rejoin):
     """Pipelined micro-batches (uneven: 16 rows in 3 parts) still give the full batch's gradient."""
-    _assert_same(local, _split_run(digits, rejoin, connection=inproc_cloud.connect(), micro_batches=3),
+    _assert_same(local, _split_run(digits, rejoin, connect=inproc_cloud.connect(), micro_batches=3),
                  **REASSOCIATED)
 
 
@@ -136,13 +137,13 @@ def test_ushape_on_a_non_chain_model_equals_local(inproc_cloud):
     xs, ys = torch.randn(10, 8, 12), torch.randint(0, 3, (10, 8))
     local = residual_net()
     split_model = splitft.split(residual_net(), "stage1", "head", factory="tests.models:residual_net",
-                                connection=inproc_cloud.connect())
+                                connect=inproc_cloud.connect())
     _train_both_and_compare(local, split_model, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), xs, ys)
 
 
 def test_evaluation_matches_and_leaves_weights_alone(inproc_cloud, digits):
     local = digits_cnn()
-    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connection=inproc_cloud.connect())
+    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connect=inproc_cloud.connect())
     with model:
         model.eval()
         local.eval()
@@ -154,7 +155,7 @@ def test_evaluation_matches_and_leaves_weights_alone(inproc_cloud, digits):
 
 def test_frozen_edge_sends_no_gradient_but_trains_the_cloud(inproc_cloud, digits):
     """SFT's eliminated link: nothing on the edge needs a gradient, so none crosses back."""
-    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connection=inproc_cloud.connect())
+    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connect=inproc_cloud.connect())
     with model:
         for p in model.parameters():
             p.requires_grad_(False)
@@ -174,5 +175,5 @@ def test_adamw_settings_are_mirrored(inproc_cloud):
     torch.manual_seed(0)
     xs, ys = torch.randn(4, 8, 12), torch.randint(0, 3, (4, 8))
     local = mlp()
-    split_model = splitft.split(mlp(), "2", "4", factory="tests.models:mlp", connection=inproc_cloud.connect())
+    split_model = splitft.split(mlp(), "2", "4", factory="tests.models:mlp", connect=inproc_cloud.connect())
     _train_both_and_compare(local, split_model, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1), xs, ys)

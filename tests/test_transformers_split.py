@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import splitft
+from splitft import Factory
 from splitft.errors import ConfigError, CutError
 from splitft.cut import install, parse_cut
 
@@ -49,8 +50,8 @@ def test_tiny_bert_ushape_split_equals_local(inproc_cloud, attn):
     local = tiny_bert(attn_implementation=attn)
     local_losses = _train(local, torch.optim.AdamW(local.parameters(), lr=1e-3))
 
-    model = splitft.split(tiny_bert(attn_implementation=attn), CUT, factory=FACTORY,
-                          factory_kwargs={"attn_implementation": attn}, connection=inproc_cloud.connect())
+    model = splitft.split(tiny_bert(attn_implementation=attn), CUT,
+                          factory=Factory(FACTORY, kwargs={"attn_implementation": attn}), connect=inproc_cloud.connect())
     with model:
         losses = _train(model, model.attach(torch.optim.AdamW(model.parameters(), lr=1e-3)))
         edge, cloud = model.model.state_dict(), model.cloud_state_dict()
@@ -75,7 +76,7 @@ def test_frozen_edge_sends_no_gradient_and_equals_local_with_a_frozen_bottom(inp
     _train(local, torch.optim.AdamW([p for p in local.parameters() if p.requires_grad], lr=1e-3))
 
     start = tiny_bert().state_dict()
-    model = splitft.split(tiny_bert(), CUT, factory=FACTORY, connection=inproc_cloud.connect(), freeze_edge=True)
+    model = splitft.split(tiny_bert(), CUT, factory=FACTORY, connect=inproc_cloud.connect(), freeze_edge=True)
     with model:
         _train(model, model.attach(torch.optim.AdamW(model.parameters(), lr=1e-3)))
         state = {**model.model.state_dict(), **model.cloud_state_dict()}

@@ -21,6 +21,7 @@ import transports
 from splitft import protocol
 from splitft.cloud import CloudServer, serve_in_thread
 from splitft.limits import Limits
+from splitft.options import Faults, Link
 from splitft.policy import Policy
 from splitft.protocol import Forward, Hello, Sync, payload_to_wire
 from tests.conftest import start_cloud, stop
@@ -232,7 +233,7 @@ def test_silent_hellos_are_reaped_and_good_edges_get_in():
             time.sleep(0.1)
         assert not c.server.by_id
         data = _data(3)
-        with splitft.split(mlp(), 2, factory=MLP, connection=c.listener.connect, heartbeat=0) as model:
+        with splitft.split(mlp(), 2, factory=MLP, connect=c.listener.connect, faults=Faults(heartbeat=0)) as model:
             assert_same(split_weights(model, data), local_weights(data))
     finally:
         c.close()
@@ -250,7 +251,7 @@ def test_a_strangers_hello_and_bye_do_not_end_a_cloud_started_for_one_session(tm
         time.sleep(0.5)
         assert proc.poll() is None, err.text
         data = _data(2)
-        model = splitft.split(mlp(), 2, factory=MLP, connect=address, heartbeat=0, timeout=20)
+        model = splitft.split(mlp(), 2, factory=MLP, connect=address, faults=Faults(timeout=20, heartbeat=0))
         with model:
             opt = model.attach(torch.optim.Adam(model.parameters(), lr=0.01))
             crit = model.remote_loss(nn.CrossEntropyLoss())
@@ -284,8 +285,9 @@ def test_sessions_per_origin_are_capped_so_one_key_cannot_fill_the_table(tmp_pat
         assert [r.TYPE for r in replies] == ["welcome", "welcome", "error"]
         assert replies[-1].code == "capacity" and "sessions-per-peer" in replies[-1].message
         data = _data(2)
-        model = splitft.split(mlp(), 2, factory=MLP, connect=listener.address, heartbeat=0,
-                              cloud_key=tmp_path / "cloud.key", key=tmp_path / "good.key_secret")
+        model = splitft.split(mlp(), 2, factory=MLP, faults=Faults(heartbeat=0),
+                              connect=Link(listener.address, cloud_key=tmp_path / "cloud.key",
+                                           key=tmp_path / "good.key_secret"))
         with model:
             opt = model.attach(torch.optim.Adam(model.parameters(), lr=0.01))
             crit = model.remote_loss(nn.CrossEntropyLoss())
@@ -356,11 +358,11 @@ def test_shared_half_refuses_weights_that_overflow_its_dtype_and_frees_its_optim
     try:
         weights = {k: np.full_like(v, 1e300, dtype=np.float64) for k, v in _base_hello().weights.items()}
         assert ask(c.connect(), hello(weights=weights)).code == "protocol"
-        first = splitft.split(mlp(), 2, factory=MLP, connection=c.listener.connect, heartbeat=0)
+        first = splitft.split(mlp(), 2, factory=MLP, connect=c.listener.connect, faults=Faults(heartbeat=0))
         first.attach(torch.optim.SGD(first.parameters(), lr=0.1))
         first.sync()
         first.close()
-        second = splitft.split(mlp(), 2, factory=MLP, connection=c.listener.connect, heartbeat=0)
+        second = splitft.split(mlp(), 2, factory=MLP, connect=c.listener.connect, faults=Faults(heartbeat=0))
         with second:  # the first edge's choice left with it
             second.attach(torch.optim.Adam(second.parameters(), lr=0.01))
             second.sync()

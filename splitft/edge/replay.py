@@ -1,19 +1,4 @@
-"""What the edge keeps so that a lost reply or a restarted cloud costs time, never a step.
-
-Every request the edge sends gets the next sequence number and goes into a :class:`ReplayLog`
-as the exact bytes that were sent. When the link fails, the edge reconnects (with
-:class:`Backoff` between attempts), tells the cloud in its ``hello`` which numbers it can still
-re-send, learns from the ``welcome`` where the cloud's state stands, and re-sends the requests
-after that point, byte for byte. The cloud applies each number once, so a re-sent request that
-had already been applied is answered, not redone.
-
-How much the log holds is set by the cloud's checkpoint policy, announced in the handshake: the
-cloud writes a checkpoint right after applying every N-th optimizer step, so once the reply to
-the request that carried step k·N is in, nothing before that request is ever needed again. An
-edge whose log outgrows its budget without stepping (a long evaluation, say) asks the cloud for a
-checkpoint, which trims it the same way. With no checkpoints (N = 0) only the request in flight
-is kept: a cloud that survives keeps its state in memory, and one that does not cannot be resumed.
-"""
+"""What the edge keeps so that it can re-send what a failed link lost (see :mod:`splitft.edge.requests`)."""
 
 from __future__ import annotations
 
@@ -74,16 +59,13 @@ class ReplayLog:
     def first(self) -> int | None:
         return next(iter(self._entries), None)
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
 
 class Backoff:
     """Exponential waits between reconnection attempts, with jitter so many edges spread out."""
 
     def __init__(self, initial: float = 0.1, maximum: float = 5.0, factor: float = 2.0,
                  rng: random.Random | None = None) -> None:
-        self.initial, self.maximum, self.factor = initial, maximum, factor
+        self.maximum, self.factor = maximum, factor
         self._next = initial
         self._rng = rng or random.Random()
 
@@ -91,9 +73,6 @@ class Backoff:
         delay = self._next * (0.5 + self._rng.random() / 2)
         self._next = min(self.maximum, self._next * self.factor)
         return delay
-
-    def reset(self) -> None:
-        self._next = self.initial
 
 
 __all__ = ["Backoff", "ReplayLog"]

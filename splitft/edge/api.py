@@ -1,0 +1,136 @@
+"""``split()``: cut a model, open its session with the cloud, and wire the edge's rooms together."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable
+from typing import TypeVar
+
+from torch import nn
+
+import transports
+
+from .. import protocol
+from ..cut import CutSpec, cut_text, extract, fingerprint, install, parse_cut, value_hash
+from ..errors import ConfigError, translated
+from ..options import Codecs, Factory, Faults, Link, Opener, Schedule
+from ..protocol import Hello
+from . import resume
+from .model import SplitModel
+from .requests import EdgeSession
+from .schedule import Scheduler
+from .stage import CloudStage
+
+T = TypeVar("T")
+
+
+def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
+          factory: str | Factory, connect: str | transports.Connection | Opener | Link,
+          codecs: str | Codecs = "identity", schedule: Schedule | None = None, faults: Faults | None = None,
+          freeze_edge: bool = False, metrics_path: str | os.PathLike | None = None,
+          resume_from: str | os.PathLike | None = None) -> SplitModel:
+    """Cut ``model`` and connect its cloud part; returns the edge's model to train.
+
+    Args:
+        model: the full model, built on the edge. Its cloud modules are replaced by stand-ins.
+        cut: the first module that runs in the cloud (dotted name or Sequential index), or a
+            slice ``"parent.i:j"`` of a container's children (U-shape).
+        rejoin: for U-shape, the sibling of ``cut`` where the edge takes over again.
+        factory: ``"package.module:function"`` that builds the same model in the cloud (which
+            must list it as allowed), or a :class:`~splitft.options.Factory` with its arguments,
+            where the cloud's initial weights come from, and the U-shape cut check.
+        connect: the cloud's address (``tcp://host:port``, ``ipc://path``), an open transport
+            connection, a function that opens one, or a :class:`~splitft.options.Link` (link
+            emulation, CurveZMQ keys).
+        codecs: the codec per direction, :class:`~splitft.options.Codecs`; a spec string such as
+            ``"fp16"`` is the forward codec, its gradient partner going back.
+        schedule: micro-batches and eager backward, :class:`~splitft.options.Schedule`.
+        faults: reply timeout, reconnection time and heartbeat, :class:`~splitft.options.Faults`.
+        freeze_edge: SFT's eliminated link: the edge's modules before the cut get no gradient,
+            so no gradient crosses from the cloud at all (a U-shape head still trains).
+        metrics_path: append one JSON record of traffic and timings per optimizer step here.
+        resume_from: an edge checkpoint written by :meth:`SplitModel.save_checkpoint`: load the
+            edge's half from it and continue the session where both halves were saved.
+    """
+    factory, link, codecs = Factory.of(factory), Link.of(connect), Codecs.of(codecs)
+    schedule = _given(schedule, Schedule, "schedule")
+    faults = _given(faults, Faults, "faults")
+    spec = parse_cut(model, cut, rejoin)
+    saved = resume.read(resume_from) if resume_from is not None else None
+    hello = hello_for(model, spec, factory, codecs, push=saved is None)
+    if saved is not None:
+        resume.check_identity(hello, saved[1], resume_from)
+    connection, reconnect = open_link(link)
+    session = EdgeSession(connection, codecs=codecs, faults=faults, reconnect=reconnect)
+    try:
+        if saved is not None:
+            session.codecs.load_state_dict(saved[0]["codecs"])
+        session.open(hello, resume=saved[1] if saved is not None else None)
+    except BaseException:
+        session._drop()
+        raise
+    scheduler = Scheduler(CloudStage(session, ushape=spec.ushape), session, session.lock, schedule,
+                          ushape=spec.ushape)
+    split_model = SplitModel(model, spec, session, scheduler, metrics_path=metrics_path, freeze_edge=freeze_edge)
+    install(model, spec, remote=split_model._trunk if spec.ushape else None, check=factory.check_cut)
+    if saved is not None:
+        resume.load_edge_half(split_model, saved[0], resume_from)
+    return split_model
+
+
+def _given(value: T | None, cls: type[T], name: str) -> T:
+    if value is None:
+        return cls()
+    if not isinstance(value, cls):
+        raise ConfigError(f"{name}= takes a splitft.{cls.__name__}(...), got {value!r}")
+    return value
+
+
+def hello_for(model: nn.Module, spec: CutSpec, factory: Factory, codecs: Codecs, *, push: bool = True) -> Hello:
+    """The handshake: what the cloud must build, and how both ends code what crosses.
+
+    ``push`` (a fresh session, not a resumed one) sends the cloud part's weights, or their hash
+    when the cloud's factory makes its own.
+    """
+    cut_name, rejoin_name = cut_text(spec, model)
+    chain = extract(model, spec)
+    return Hello(
+        protocol=protocol.PROTOCOL_VERSION, factory=factory.name, factory_kwargs=dict(factory.kwargs),
+        cut=cut_name, rejoin=rejoin_name, fingerprint=fingerprint(chain), codecs=dict(codecs.specs),
+        seed=codecs.seed, value_hash=value_hash(chain) if push and factory.weights == "factory" else None,
+        weights={k: v.detach().cpu().numpy() for k, v in chain.qualified_state_dict().items()}
+        if push and factory.weights == "push" else None,
+        client="splitft", nonce=secrets.token_hex(8),
+    )
+
+
+def open_link(link: Link) -> tuple[transports.Connection, Callable[[], transports.Connection] | None]:
+    """The open connection of ``link``, and how to open it again after a fault (None: it cannot be)."""
+    target = link.connect
+    if isinstance(target, str):
+        with translated():
+            options = _curve_options(link)
+
+            def reconnect() -> transports.Connection:
+                return transports.connect(target, link=link.emulate, **options)
+
+            return reconnect(), reconnect
+    if isinstance(target, transports.Connection):
+        return transports.emulate(target, link.emulate), None
+    opener = target
+
+    def reopen() -> transports.Connection:
+        return transports.emulate(opener(), link.emulate)
+
+    return reopen(), reopen
+
+
+def _curve_options(link: Link) -> dict:
+    if link.cloud_key is None:
+        return {}
+    public, secret = transports.load_secret_key(link.key)
+    return {"server_key": transports.load_public_key(link.cloud_key), "public_key": public, "secret_key": secret}
+
+
+__all__ = ["hello_for", "open_link", "split"]

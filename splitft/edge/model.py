@@ -1,0 +1,202 @@
+"""The model the user trains: the original one with its cloud part cut out, and the cut as an autograd function.
+
+The user's loop stays ordinary PyTorch. The cut's forward hands what crosses to the schedule and
+returns what the cloud sent back; its backward hands over the incoming gradient and returns the
+gradient at the cut. Optimizer steps and ``zero_grad`` calls are mirrored (:mod:`.mirror`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..coding import flatten, sample_ids_array, unflatten
+from ..cut import CutReached, CutSpec
+from ..errors import ConfigError, SplitFTError
+from ..metrics import JsonlWriter, Metrics
+from . import mirror, resume
+from .requests import EdgeSession
+from .schedule import Call, Scheduler
+
+
+class _RemoteCall(torch.autograd.Function):
+    """The cut. Inputs: the call's tensors (and an anchor that keeps the cloud part trainable)."""
+
+    @staticmethod
+    def forward(ctx: Any, scheduler: Scheduler, call: Call, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        leaves = list(inputs[: call.n_leaves])
+        outputs = scheduler.forward(call, leaves, list(ctx.needs_input_grad[2: 2 + call.n_leaves]))
+        ctx.scheduler, ctx.call = scheduler, call
+        ctx.mark_non_differentiable(*[t for t, g in zip(outputs, call.parts[0].out_grad) if not g])
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        call: Call = ctx.call
+        input_grads = ctx.scheduler.backward(call, grads)
+        extra = len(ctx.needs_input_grad) - 2 - call.n_leaves
+        return (None, None, *input_grads, *([None] * extra))
+
+
+class SplitModel(nn.Module):
+    """The user's model with its cloud part cut out. Train it like the original.
+
+    Its parameters are the edge's only; attach the optimizer with :meth:`attach` so the cloud
+    part steps with it. Plain splits return the activation at the cut from ``forward``; the loss
+    comes from :meth:`remote_loss` and predictions from :meth:`predict`.
+    """
+
+    def __init__(self, model: nn.Module, spec: CutSpec, session: EdgeSession, scheduler: Scheduler,
+                 metrics_path: str | os.PathLike | None = None, freeze_edge: bool = False) -> None:
+        super().__init__()
+        self.model = model
+        self.spec = spec
+        self.session = session
+        self.scheduler = scheduler
+        self.freeze_edge = bool(freeze_edge)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._anchor = torch.zeros((), requires_grad=True)
+        self._sample_ids: np.ndarray | None = None
+        self._writer = JsonlWriter(metrics_path) if metrics_path else None
+        self._last_record = time.perf_counter()
+        self._resume_optimizer: dict | None = None  # optimizer state from an edge checkpoint
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.session.metrics
+
+    # ------------------------------------------------------------ forward
+
+    def forward(self, *args: Any, sample_ids: Any = None, **kwargs: Any) -> Any:
+        """Run the model's own forward; the cloud part runs remotely.
+
+        ``sample_ids`` (one int per sample, stable across epochs) is for codecs that keep
+        per-sample state, such as ``acsgd``.
+        """
+        self._sample_ids = sample_ids_array(sample_ids)
+        if self.spec.ushape:
+            return self.model(*args, **kwargs)
+        try:
+            self.model(*args, **kwargs)
+        except CutReached as cut:
+            if len(cut.call_args) == 1 and not cut.call_kwargs:
+                return cut.call_args[0]
+            return CutActivation(cut.call_args, cut.call_kwargs)
+        raise SplitFTError("the model's forward returned without reaching the cut; check the cut name")
+
+    def _remote(self, args: tuple, kwargs: dict, target: Any = None) -> Any:
+        grad = torch.is_grad_enabled()
+        leaves, skeleton = flatten((list(args), kwargs, target))
+        if self.freeze_edge:  # no input needs a gradient, so none crosses back
+            leaves = [t.detach() for t in leaves]
+        call = Call(skeleton, len(leaves), train=self.training, grad=grad, sample_ids=self._sample_ids)
+        inputs = [*leaves, self._anchor] if grad else leaves
+        outputs = _RemoteCall.apply(self.scheduler, call, *inputs)
+        return unflatten(call.out_skeleton, list(outputs))
+
+    def _trunk(self, *args: Any, **kwargs: Any) -> Any:
+        """U-shape: run the cloud's trunk on what the model passes to its first module."""
+        return self._remote(args, kwargs)
+
+    def predict(self, *args: Any, sample_ids: Any = None, **kwargs: Any) -> Any:
+        """The whole model's output. In U-shape this is ``forward``; plain splits ask the cloud."""
+        if self.spec.ushape:
+            return self(*args, sample_ids=sample_ids, **kwargs)
+        cut = self(*args, sample_ids=sample_ids, **kwargs)
+        return self._remote(*_call_parts(cut))
+
+    # ------------------------------------------------------------ training
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Mirror ``optimizer`` in the cloud: same class and settings, stepping when it steps.
+
+        Returns the same optimizer, so ``opt = model.attach(torch.optim.Adam(...))`` reads well.
+        """
+        mirror.attach_optimizer(self.session, optimizer, resume_state=self._resume_optimizer, on_step=self._stepped)
+        self._resume_optimizer = None
+        self.optimizer = optimizer
+        return optimizer
+
+    def _stepped(self) -> None:
+        self.metrics.steps += 1
+        if self._writer is not None:
+            now = time.perf_counter()
+            self._writer.write({"step": self.session.step, "seconds": now - self._last_record}
+                               | self.metrics.snapshot())
+            self._last_record = now
+
+    def remote_loss(self, criterion: nn.Module) -> RemoteLoss:
+        """Plain split: compute ``criterion`` in the cloud. Returns a callable ``crit(out, target)``."""
+        if self.spec.ushape:
+            raise ConfigError("in a U-shape split the loss stays on the edge: call your criterion directly")
+        settings = mirror.loss_settings(criterion)
+        self.session.queue(mirror.loss_op(type(criterion).__name__, settings))
+        self.scheduler.loss_reduction = str(settings.get("reduction", "mean"))
+        return RemoteLoss(self)
+
+    # ------------------------------------------------------------ cloud state
+
+    def sync(self) -> None:
+        """Make the cloud apply every pending step now (they otherwise ride on the next message)."""
+        self.session.sync()
+
+    def cloud_state_dict(self) -> dict[str, torch.Tensor]:
+        """The cloud part's current weights, named as in the original model."""
+        state = self.session.sync(want_state=True) or {}
+        return {k: torch.from_numpy(np.array(v)) for k, v in state.items()}
+
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Checkpoint both halves at this step boundary (call it after ``opt.step()``).
+
+        The cloud writes its half (it must run with ``--checkpoint-dir``) and the edge writes
+        ``PATH.json`` + ``PATH-<hash>.safetensors``: the edge part's weights, the attached
+        optimizer's state, the codec state, the step id and the session's resume token (keep the
+        files private: the token resumes the session). ``split(..., resume_from=PATH)`` continues
+        from here.
+        """
+        resume.save(self, path)
+
+    def close(self, reason: str = "done") -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self.session.close(reason)
+
+    def __enter__(self) -> SplitModel:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close("interrupted" if exc_type is KeyboardInterrupt else "done" if exc_type is None else "error")
+
+
+@dataclass
+class CutActivation:
+    """What reaches a plain cut when more than one value crosses (e.g. hidden states and a mask)."""
+
+    args: tuple
+    kwargs: dict
+
+
+def _call_parts(cut: Any) -> tuple[tuple, dict]:
+    if isinstance(cut, CutActivation):
+        return cut.args, cut.kwargs
+    return (cut,), {}
+
+
+class RemoteLoss:
+    """``crit(out, target)`` for a plain split: the cloud runs its part and the loss."""
+
+    def __init__(self, split: SplitModel) -> None:
+        self.split = split
+
+    def __call__(self, out: Any, target: torch.Tensor) -> torch.Tensor:
+        args, kwargs = _call_parts(out)
+        return self.split._remote(args, kwargs, target)
+
+
+__all__ = ["CutActivation", "RemoteLoss", "SplitModel"]

@@ -1,0 +1,465 @@
+"""The edge's reliable request layer: what makes a lost reply or a restarted cloud cost time, never a step.
+
+Every request the edge sends gets the next sequence number and goes into a replay log
+(:mod:`.replay`) as the exact bytes that were sent. When the link fails (no reply in time, the
+connection drops, the cloud lost the session), the edge reconnects with a backoff between
+attempts, tells the cloud in its ``hello`` which numbers it can still re-send, learns from the
+``welcome`` where the cloud's state stands, and re-sends the requests after that point, byte for
+byte. The cloud applies each number once, so a re-sent request that had already been applied is
+answered, not redone. While the user's loop is busy elsewhere, a heartbeat keeps the cloud's
+session alive.
+
+How much the log holds is set by the cloud's checkpoint policy, announced in the handshake: the
+cloud writes a checkpoint right after applying every N-th optimizer step, so once the reply to
+the request that carried step k·N is in, nothing before that request is ever needed again. An
+edge whose log outgrows its budget without stepping (a long evaluation, say) asks the cloud for a
+checkpoint, which trims it the same way. With no checkpoints (N = 0) only the request in flight
+is kept: a cloud that survives keeps its state in memory, and one that does not cannot be resumed.
+
+Nothing here knows tensors or autograd: it moves protocol messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+import transports
+
+from .. import protocol
+from ..coding import SlotCodecs, Traffic
+from ..errors import (AuthError, CapacityError, HandshakeError, PeerGone, ProtocolError, SessionLost, SplitFTError,
+                      TooLarge, TransportError, TransportTimeout, from_code, translated)
+from ..metrics import Metrics
+from ..options import Codecs, Faults
+from ..protocol import Ack, Bye, Error, Hello, Ping, Pong, Sync, Welcome
+from .replay import Backoff, ReplayLog
+
+log = logging.getLogger(__name__)
+
+Reply = tuple[protocol.Message, int]  # a reply and its size on the wire
+
+
+class _LinkFault(Exception):
+    """The link failed in a way a reconnection may cure."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def _numbered(msg: protocol.Message) -> bool:
+    """Whether ``msg`` is a request the cloud applies once, by number (and the edge may replay)."""
+    return msg.NUMBERED
+
+
+class EdgeSession:
+    """One session with a cloud: the handshake, numbered requests and their replies, and recovery.
+
+    It also holds what both ends agree on for the session's life: the codec state, the optimizer
+    step count, and the operations waiting to ride on the next request (:meth:`queue`).
+
+    Args:
+        connection: the open link to the cloud.
+        codecs: the codecs of each direction (both ends build their instances from these).
+        faults: reply timeout, reconnection time and heartbeat.
+        reconnect: opens a fresh link to the same cloud; None disables recovery (a fault raises).
+        max_log_bytes: when the requests kept for a replay exceed this, the edge asks the cloud
+            for a checkpoint, after which they are no longer needed.
+    """
+
+    def __init__(self, connection: transports.Connection, *, codecs: Codecs, faults: Faults = Faults(),
+                 metrics: Metrics | None = None, reconnect: Callable[[], transports.Connection] | None = None,
+                 max_log_bytes: int = 256 * 2**20) -> None:
+        self.connection = connection
+        self.codecs = SlotCodecs(codecs.specs, codecs.seed)
+        self.timeout = faults.timeout
+        self.reconnect_timeout = faults.reconnect_timeout
+        self.heartbeat = faults.heartbeat
+        self.metrics = metrics or Metrics()
+        self.max_log_bytes = int(max_log_bytes)
+        self.step = 0  # optimizer steps taken: the id of the latest step (the cloud applies each once)
+        self.optimizer_id = 0
+        self.session_id: str | None = None
+        self.token = ""
+        self.checkpoint_every = 0
+        self.limits: dict[str, int] = {}
+        self.shared = False  # the cloud half is shared with other edges
+        self.recoveries = 0  # times the session was recovered after a fault
+        self.closed = False
+        self._ops: list[dict] = []
+        self._seq = 0
+        self._log = ReplayLog()
+        self._outstanding: set[int] = set()  # numbers of requests whose reply has not been read
+        self._early: dict[int, Reply] = {}  # replies that overtook the one awaited
+        self._lock = threading.RLock()  # autograd may run backward on another thread
+        self._trimming = False
+        self._hello: Hello | None = None
+        self._reconnect = reconnect
+        self._last_io = time.monotonic()
+        self._suspect: BaseException | None = None  # the heartbeat saw the link fail
+        self._stop = threading.Event()
+        self._beats: threading.Thread | None = None
+
+    @property
+    def lock(self) -> threading.RLock:
+        """Held while a request and its reply are under way (the heartbeat waits for it)."""
+        return self._lock
+
+    # ------------------------------------------------------------ operations that ride along
+
+    def queue(self, op: dict) -> None:
+        """An operation for the cloud to apply before the next message it handles."""
+        self._ops.append(op)
+        most = self.limits.get("max_ops")
+        if isinstance(most, int) and len(self._ops) >= most:
+            self.sync()  # the cloud applies at most that many per message: send them now
+
+    def take_ops(self) -> list[dict]:
+        ops, self._ops = self._ops, []
+        return ops
+
+    def requeue(self, ops: list[dict]) -> None:
+        """Operations taken for a message that was not sent: they go first into the next one."""
+        self._ops[:0] = ops
+
+    # ------------------------------------------------------------ requests and replies
+
+    def send(self, msg: protocol.Message, kind: str, traffic: Traffic | None = None) -> int:
+        """Number, log and send a request without waiting; returns its number (0: not numbered).
+
+        Several requests may be in flight (micro-batches); :meth:`await_reply` collects their
+        replies. ``kind`` and ``traffic`` (raw and payload bytes) are what the metrics count.
+        """
+        if self.closed:
+            raise PeerGone("this split session is closed; create a new one to keep training")
+        numbered = _numbered(msg)
+        if numbered:
+            self._seq += 1
+            msg.seq = self._seq  # type: ignore[attr-defined]
+        frames = protocol.encode(msg)
+        try:
+            self._check_limits(frames, msg)
+        except TooLarge:
+            if numbered:
+                self._seq -= 1
+            raise
+        seq = self._seq if numbered else 0
+        if seq:
+            self._log.add(seq, frames, [op["id"] for op in getattr(msg, "ops", ())
+                                        if op.get("op") == "step" and isinstance(op.get("id"), int)],
+                          checkpoint=bool(getattr(msg, "checkpoint", False)))
+        try:
+            with translated():
+                wire = self.connection.send(frames)
+            self.metrics.count("up", kind, raw=traffic.raw if traffic else 0,
+                               payload=traffic.payload if traffic else 0, wire=wire)
+        except AuthError:
+            raise
+        except TransportError as exc:  # a dead link: the await that follows recovers and re-sends
+            if not seq or self._reconnect is None:
+                raise
+            self._suspect = exc
+        finally:
+            self._last_io = time.monotonic()
+        self._outstanding.add(seq)
+        return seq
+
+    def await_reply(self, seq: int, expect: type, timer: str = "wait") -> Reply:
+        """The reply to request ``seq``; errors from the cloud are raised as typed errors.
+
+        The time blocked is added to ``timer``: "wait" for training traffic, which the report
+        splits into wire and cloud time, "handshake" for the hello (the cloud builds its model).
+        A link fault is repaired by :meth:`_recover` when a reconnect function is known; the
+        caller only sees it take longer.
+        """
+        try:
+            reply, wire_in = self._early.pop(seq) if seq in self._early else self._reply_to(seq, timer)
+        finally:
+            self._outstanding.discard(seq)
+            self._last_io = time.monotonic()
+        if isinstance(reply, Error):
+            self.metrics.count("down", "control", wire=wire_in)
+            if seq and reply.seq == 0 and seq == self._seq and not self._outstanding:
+                self._log.drop(seq)  # the cloud could not even read the request: nothing was applied
+                self._seq -= 1
+            raise from_code(reply.code, f"cloud: {reply.message}")
+        if isinstance(reply, Bye):
+            self.metrics.count("down", "control", wire=wire_in)
+            self._drop()
+            raise PeerGone(f"the cloud ended the session: {reply.reason or 'no reason given'}")
+        if not isinstance(reply, expect):
+            raise ProtocolError(f"expected a {expect.TYPE} reply, got {reply.TYPE}")
+        if seq:
+            self._applied(seq)
+        timings = getattr(reply, "timings", None) or {}
+        for name in ("compute", "codec"):
+            if isinstance(timings.get(name), (int, float)):
+                self.metrics.add_time(f"cloud_{name}", float(timings[name]))
+        return reply, wire_in
+
+    def exchange(self, msg: protocol.Message, kind: str, expect: type, traffic: Traffic | None = None,
+                 timer: str = "wait") -> Reply:
+        """Send ``msg`` and wait for its reply."""
+        return self.await_reply(self.send(msg, kind, traffic), expect, timer)
+
+    def _reply_to(self, seq: int, timer: str) -> Reply:
+        with self.metrics.timed(timer):  # blocked on the other side: wire plus cloud work
+            if self._suspect is not None and seq and self._reconnect is not None:
+                fault, self._suspect = self._suspect, None
+                return self._recover(seq, fault)
+            try:
+                return self._receive_guarded(seq)
+            except _LinkFault as fault:
+                if not seq or self._reconnect is None:
+                    raise fault.cause from None
+                return self._recover(seq, fault.cause)
+
+    def _check_limits(self, frames: list, msg: protocol.Message) -> None:
+        most = self.limits.get("max_message_bytes")
+        size = transports.message_nbytes(frames)
+        if isinstance(most, int) and size > most:
+            raise TooLarge(f"this {msg.TYPE} message is {size} bytes; the cloud accepts at most {most}. Send "
+                           "less (a compressing codec, smaller batches) or ask for a larger --max-message-mb")
+        frames_most = self.limits.get("max_frames")
+        if isinstance(frames_most, int) and len(frames) > frames_most:
+            raise TooLarge(f"this {msg.TYPE} message has {len(frames)} frames; the cloud accepts at most {frames_most}")
+
+    def _applied(self, seq: int) -> None:
+        """The cloud answered request ``seq``: forget what can no longer be needed for a replay."""
+        if self.checkpoint_every <= 0:
+            self._log.trim_before(seq + 1)  # no checkpoints: only the request in flight matters
+        elif self._log.checkpointed(seq) or any(s % self.checkpoint_every == 0 for s in self._log.steps_of(seq)):
+            self._log.trim_before(seq)  # the cloud checkpointed right after this request's operations
+        if self._log.nbytes > self.max_log_bytes and self.checkpoint_every > 0 and not self._trimming:
+            self._trimming = True  # no step for a long while: a checkpoint lets the log go
+            try:
+                self.sync(checkpoint=True)
+            finally:
+                self._trimming = False
+
+    def _receive_guarded(self, seq: int) -> Reply:
+        """Wait for the reply to ``seq``; link faults come out as :class:`_LinkFault`."""
+        try:
+            with translated():
+                return self._receive(seq, self.timeout)
+        except AuthError:
+            raise
+        except TransportTimeout as exc:
+            raise _LinkFault(TransportTimeout(
+                f"no reply from the cloud at {getattr(self.connection, 'address', '?')} within "
+                f"{self.timeout:g} s (is `splitft cloud` running there? a slow model may need a larger timeout)"
+            )) from exc
+        except (TransportError, SessionLost) as exc:
+            raise _LinkFault(exc) from exc
+
+    def _receive(self, seq: int, timeout: float) -> Reply:
+        """Read replies until the one to request ``seq``; replies to other requests still in
+        flight are kept for their own awaits, stale ones dropped."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransportTimeout(f"no reply within {timeout:g} s")
+            reply_frames = self.connection.recv(left)
+            reply = protocol.decode(reply_frames)
+            wire_in = transports.message_nbytes(reply_frames)
+            if isinstance(reply, Pong) or (seq and isinstance(reply, Welcome)):
+                continue  # a late answer to a heartbeat, or to a repeated hello
+            reply_seq = getattr(reply, "seq", 0)
+            if seq and reply_seq and reply_seq != seq:
+                if reply_seq in self._outstanding and reply_seq not in self._early:
+                    self._early[reply_seq] = (reply, wire_in)
+                else:
+                    log.info("dropping a stale reply to request %s (waiting for %s)", reply_seq, seq)
+                continue
+            if isinstance(reply, Error) and reply.code == "session":
+                raise SessionLost(reply.message)
+            return reply, wire_in
+
+    # ------------------------------------------------------------ recovery
+
+    def _recover(self, seq: int, fault: BaseException) -> Reply:
+        """Reconnect, resume the session and re-send what the cloud lost; return request ``seq``'s reply."""
+        assert self._reconnect is not None
+        address = getattr(self.connection, "address", "?")
+        deadline = time.monotonic() + self.reconnect_timeout
+        backoff = Backoff()
+        attempt = 0
+        while True:
+            attempt += 1
+            log.warning("link to the cloud at %s failed (%s); reconnecting, attempt %d", address, fault, attempt)
+            self.connection.close()
+            try:
+                with translated():
+                    self.connection = self._reconnect()
+                    welcome = self._resume_handshake(max(0.1, min(self.timeout, deadline - time.monotonic())))
+                    result = self._replay(welcome.seq, seq)
+                self.recoveries += 1
+                log.warning("session %s resumed at request %d (step %d); replayed %d request(s)",
+                            self.session_id, welcome.seq, welcome.steps, seq - min(seq, welcome.seq))
+                return result
+            except (AuthError, HandshakeError, PeerGone):
+                raise  # refused, or the session cannot be resumed: retrying will not change that
+            except (TransportError, SessionLost, CapacityError) as exc:
+                fault = exc
+            delay = backoff.next()
+            if time.monotonic() + delay > deadline:
+                raise TransportTimeout(
+                    f"lost the cloud at {address} and could not get the session back within "
+                    f"{self.reconnect_timeout:g} s (last error: {fault}); is the cloud running, and was it "
+                    "restarted with the same --checkpoint-dir?"
+                ) from None
+            time.sleep(delay)
+
+    def _resume_hello(self) -> Hello:
+        assert self._hello is not None
+        hello = Hello(**{**vars(self._hello), "weights": None, "value_hash": None})
+        hello.resume = {"session": self.session_id, "token": self.token, "step": self.step, "seq": self._seq,
+                        "log_from": self._log.first or self._seq + 1}
+        return hello
+
+    def _resume_handshake(self, timeout: float) -> Welcome:
+        frames = protocol.encode(self._resume_hello())
+        self.metrics.count("up", "control", wire=self.connection.send(frames))
+        reply, wire_in = self._receive(0, timeout)
+        self.metrics.count("down", "control", wire=wire_in)
+        if isinstance(reply, Error):
+            raise from_code(reply.code, f"cloud: {reply.message}")
+        if not isinstance(reply, Welcome) or reply.session != self.session_id:
+            raise HandshakeError(f"expected a welcome back to session {self.session_id}, got {reply.TYPE}")
+        self._welcomed(reply)
+        return reply
+
+    def _replay(self, cloud_seq: int, seq: int) -> Reply:
+        """Re-send what the cloud lost, and what is still awaited; the reply to ``seq`` is the result.
+
+        Requests after ``cloud_seq`` are applied again in order; awaited ones the cloud already
+        applied (only their replies were lost) are answered from its reply cache. Replies to the
+        other requests in flight are kept for their own awaits.
+        """
+        awaited = sorted(self._outstanding | {seq})
+        top = max(awaited)
+        resend = [(s, f) for s, f in self._log.after(cloud_seq) if s <= top]
+        if cloud_seq < top and (not resend or resend[0][0] != cloud_seq + 1):
+            raise HandshakeError(f"cannot replay: the cloud is at request {cloud_seq} but this edge kept requests "
+                                 f"from {self._log.first} on")
+        cached = [(s, self._log.get(s)) for s in awaited if s <= cloud_seq]
+        for s, frames in cached + resend:
+            if frames is None:
+                raise HandshakeError(f"cannot replay request {s}: this edge no longer keeps it")
+            self.metrics.count("up", "control", wire=self.connection.send(frames))
+        self._early.clear()
+        for s in awaited:
+            self._early[s] = self._receive(s, self.timeout)
+        return self._early.pop(seq)
+
+    def _welcomed(self, welcome: Welcome) -> None:
+        self.session_id = welcome.session
+        self.token = welcome.token
+        self.checkpoint_every = int(welcome.checkpoint_every)
+        self.limits = dict(welcome.limits or {})
+        self.shared = bool(welcome.shared)
+
+    # ------------------------------------------------------------ heartbeat
+
+    def _start_heartbeat(self) -> None:
+        if self.heartbeat > 0 and self._beats is None:
+            self._beats = threading.Thread(target=self._beat, name="splitft-heartbeat", daemon=True)
+            self._beats.start()
+
+    def _beat(self) -> None:
+        """Ping the cloud when the session has been idle for a heartbeat interval."""
+        while not self._stop.wait(self.heartbeat / 2):
+            if time.monotonic() - self._last_io < self.heartbeat or not self._lock.acquire(blocking=False):
+                continue
+            try:
+                if self.closed:
+                    return
+                with translated():
+                    self.connection.send(protocol.encode(Ping()))
+                    while True:  # anything but a pong here is stale
+                        reply = protocol.decode(self.connection.recv(min(self.timeout, 3 * self.heartbeat)))
+                        if isinstance(reply, Pong):
+                            break
+                        if isinstance(reply, Error) and reply.code == "session":
+                            raise SessionLost(reply.message)
+            except (TransportError, SplitFTError) as exc:
+                log.warning("heartbeat: the cloud did not answer (%s); the next request reconnects", exc)
+                self._suspect = exc
+            finally:
+                self._last_io = time.monotonic()
+                self._lock.release()
+
+    # ------------------------------------------------------------ opening and closing
+
+    def open(self, hello: Hello, resume: dict | None = None) -> Welcome:
+        """Open the session (or, with ``resume`` from an edge checkpoint, continue one)."""
+        with self._lock:
+            self._hello = hello
+            if resume is not None:
+                self.session_id, self.token = resume["session"], resume["token"]
+                self._seq, self.step, self.optimizer_id = resume["seq"], resume["step"], resume["optimizer_id"]
+                with translated():
+                    welcome = self._resume_handshake(self.timeout)
+                if welcome.seq != self._seq or welcome.steps != self.step:
+                    raise HandshakeError(f"the cloud resumed session {welcome.session} at request {welcome.seq} "
+                                         f"(step {welcome.steps}), but this edge checkpoint is at request "
+                                         f"{self._seq} (step {self.step})")
+            else:
+                reply, wire_in = self.exchange(hello, "control", Welcome, timer="handshake")
+                self.metrics.count("down", "control", wire=wire_in)
+                assert isinstance(reply, Welcome)
+                welcome = reply
+                self._welcomed(welcome)
+            self._start_heartbeat()
+            return welcome
+
+    def sync(self, want_state: bool = False, checkpoint: bool = False,
+             pin: bool = False) -> dict[str, np.ndarray] | None:
+        """Apply pending operations in the cloud now; optionally fetch the cloud part's weights.
+
+        ``checkpoint`` makes the cloud write a checkpoint right after these operations (``pin``:
+        one it keeps until the next pinned one, to match an edge checkpoint).
+        """
+        with self._lock:
+            msg = Sync(ops=self.take_ops(), want_state=want_state, checkpoint=checkpoint or pin, pin=pin)
+            reply, wire_in = self.exchange(msg, "control", Ack)
+            self.metrics.count("down", "control", wire=wire_in)
+            assert isinstance(reply, Ack)
+            return reply.state
+
+    def close(self, reason: str = "done") -> None:
+        """Say goodbye (flushing pending operations) and release the connection. Idempotent."""
+        with self._lock:
+            if self.closed:
+                return
+            try:
+                if self._ops and self._reconnect is not None and reason == "done":
+                    # A step that only rode on the goodbye would not survive a lost goodbye. (After
+                    # an error or Ctrl-C, do not spend another reconnect_timeout on it.)
+                    self.sync()
+                self._seq += 1
+                frames = protocol.encode(Bye(reason=reason, ops=self.take_ops(), seq=self._seq))
+                self.metrics.count("up", "control", wire=self.connection.send(frames))
+                deadline = time.monotonic() + min(self.timeout, 5.0)
+                while (left := deadline - time.monotonic()) > 0:
+                    reply = protocol.decode(self.connection.recv(left))
+                    if isinstance(reply, (Ack, Bye, Error)):
+                        break
+            except (transports.TransportError, SplitFTError) as exc:
+                log.info("cloud did not confirm the goodbye: %s", exc)
+            finally:
+                self._drop()
+
+    def _drop(self) -> None:
+        self.closed = True
+        self._stop.set()
+        self.connection.close()
+
+
+__all__ = ["EdgeSession"]

@@ -1,0 +1,214 @@
+"""The schedule of a remote call: micro-batches, and when the backward runs.
+
+A call of the cloud part is one forward and (when training) one backward. With ``micro_batches``
+= k the batch is cut into k parts, and every part's message is sent before any reply is awaited,
+so the wire and the cloud work at the same time; the parts' outputs are joined back into the
+batch's (concatenated, or a loss averaged) and the gradients split the same way. With eager
+backward (plain split) the cloud runs the backward right after the loss and its reply carries
+the cut's gradient: the edge's backward then sends nothing and scales what came.
+
+Nothing here touches a socket or a codec: the messages of one part are a :class:`Stage`'s job
+(:mod:`splitft.edge.stage`), so the order below can be tested with a stage that records calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from ..coding import Coded, stream_index
+from ..errors import ConfigError
+from ..options import Schedule
+from . import mirror
+
+
+@dataclass
+class Part:
+    """One message pair of a call: the whole batch, or one micro-batch of it."""
+
+    id: int
+    rows: slice
+    sample_ids: np.ndarray | None
+    sent: list[Coded] = field(default_factory=list)
+    received: list[Coded] = field(default_factory=list)
+    out_grad: list[bool] = field(default_factory=list)
+    eager_grads: tuple | None = None  # parsed input gradients that came with the output (eager backward)
+    seq: int = 0  # request number of its forward, then of its backward
+
+
+@dataclass
+class Call:
+    """One remote call of the cloud part, from its forward to its backward."""
+
+    skeleton: Any  # of (args, kwargs, target): see splitft.tree
+    n_leaves: int
+    train: bool
+    grad: bool
+    sample_ids: np.ndarray | None
+    in_grad: list[bool] = field(default_factory=list)
+    in_split: list[bool] = field(default_factory=list)  # which inputs are cut into micro-batches
+    parts: list[Part] = field(default_factory=list)
+    batch: int = 0
+    eager: bool = False  # the cloud runs the backward with the forward
+    out_skeleton: Any = None
+    out_join: list[str] = field(default_factory=list)  # per output: "cat", "mean" or "sum" over parts
+
+    @property
+    def has_target(self) -> bool:
+        return self.skeleton[2] is not None
+
+
+class Stage(Protocol):
+    """One part's messages: encoding, sending, receiving and decoding what crosses."""
+
+    def check(self, call: Call) -> None: ...
+    def can_eager(self) -> bool: ...
+    def send_forward(self, call: Call, part: Part, leaves: list[torch.Tensor], ops: list) -> None: ...
+    def receive_output(self, call: Call, part: Part, leaves: list[torch.Tensor]) -> list[torch.Tensor]: ...
+    def send_backward(self, call: Call, part: Part, grads: list[torch.Tensor | None], ops: list) -> None: ...
+    def receive_input_grads(self, call: Call, part: Part) -> list[torch.Tensor | None]: ...
+    def eager_input_grads(self, call: Call, part: Part, scale: torch.Tensor) -> list[torch.Tensor | None]: ...
+
+
+class Ops(Protocol):
+    """The operations waiting to ride on the next message (:class:`splitft.edge.requests.EdgeSession`)."""
+
+    def queue(self, op: dict) -> None: ...
+    def take_ops(self) -> list[dict]: ...
+    def requeue(self, ops: list[dict]) -> None: ...
+
+
+class Scheduler:
+    """Runs remote calls through a stage: all parts sent before any reply is awaited."""
+
+    def __init__(self, stage: Stage, ops: Ops, lock: threading.RLock, options: Schedule, *, ushape: bool) -> None:
+        self.stage = stage
+        self.ops = ops
+        self.lock = lock
+        self.options = options
+        self.ushape = ushape
+        self.loss_reduction = "mean"  # of the mirrored loss: how a loss's parts add up to the batch's
+        self._ids = itertools.count(1)
+
+    def forward(self, call: Call, leaves: list[torch.Tensor], needs_grad: list[bool]) -> list[torch.Tensor]:
+        """Run the cloud part on ``leaves``; the outputs of the whole batch."""
+        with self.lock:
+            self.stage.check(call)
+            call.in_grad = [bool(g) and call.grad for g in needs_grad]
+            # The cloud's backward can only come with the forward in a plain split with a loss.
+            call.eager = (self.options.eager_backward and call.grad and call.has_target and not self.ushape
+                          and self.stage.can_eager())
+            rows = partition(call, leaves, self.options.micro_batches)
+            ops = self.ops.take_ops()
+            inputs = []
+            for j, part_rows in enumerate(rows):
+                ids = call.sample_ids[part_rows] if call.sample_ids is not None and call.batch else call.sample_ids
+                part = Part(next(self._ids), part_rows, ids)
+                inputs.append(part_inputs(call, leaves, part))
+                self.stage.send_forward(call, part, inputs[-1], ops if j == 0 else [])
+                call.parts.append(part)
+            outputs = [self.stage.receive_output(call, part, x) for part, x in zip(call.parts, inputs)]
+            return join_outputs(call, outputs, self.loss_reduction)
+
+    def backward(self, call: Call, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
+        """Gradients of the call's inputs, given those of its outputs."""
+        with self.lock:
+            ops = self.ops.take_ops()
+            sent_ops = False
+            for part in call.parts:
+                if part.eager_grads is None:
+                    self.stage.send_backward(call, part, part_output_grads(call, part, grads), [] if sent_ops else ops)
+                    sent_ops = True
+            if not sent_ops:
+                self.ops.requeue(ops)  # nothing was sent: the operations wait for the next message
+            per_part = []
+            for part in call.parts:
+                if part.eager_grads is None:
+                    per_part.append(self.stage.receive_input_grads(call, part))
+                    continue
+                (scale,) = part_output_grads(call, part, grads)  # the loss's incoming gradient
+                self.ops.queue(mirror.apply_op(part.id, float(scale)))
+                per_part.append(self.stage.eager_input_grads(call, part, scale))
+            return join_input_grads(call, per_part)
+
+
+def partition(call: Call, leaves: list[torch.Tensor], micro_batches: int) -> list[slice]:
+    """Micro-batch row ranges; inputs with the stream's batch size are cut, others repeated."""
+    stream = stream_index(call.skeleton[0])
+    batch = leaves[stream].shape[0] if stream is not None and leaves[stream].dim() else 0
+    call.batch = batch
+    call.in_split = [t.dim() > 0 and t.shape[0] == batch for t in leaves]
+    k = min(micro_batches, batch) if batch else 1
+    bounds = [batch * j // k for j in range(k + 1)] if k > 1 else [0, batch]
+    return [slice(bounds[j], bounds[j + 1]) for j in range(k)]
+
+
+def part_inputs(call: Call, leaves: list[torch.Tensor], part: Part) -> list[torch.Tensor]:
+    """A part's share of the call's inputs: its rows of those cut into micro-batches, the rest whole."""
+    if part.rows == slice(0, call.batch):
+        return leaves
+    return [t[part.rows] if cut else t for t, cut in zip(leaves, call.in_split)]
+
+
+def join_outputs(call: Call, outputs: list[list[torch.Tensor]], loss_reduction: str = "mean") -> list[torch.Tensor]:
+    """The batch's outputs from its parts': rows concatenated; a scalar loss averaged (or summed)."""
+    if len(outputs) == 1:
+        call.out_join = ["cat"] * len(outputs[0])
+        return outputs[0]
+    joined = []
+    sizes = [p.rows.stop - p.rows.start for p in call.parts]
+    for i, pieces in enumerate(zip(*outputs)):
+        if all(t.dim() > 0 and t.shape[0] == n for t, n in zip(pieces, sizes)):
+            call.out_join.append("cat")
+            joined.append(torch.cat(pieces))
+        elif all(t.dim() == 0 for t in pieces):  # a loss: the batch's mean (or sum) over parts
+            join = "sum" if loss_reduction == "sum" else "mean"
+            call.out_join.append(join)
+            weights = [1.0 if join == "sum" else n / call.batch for n in sizes]
+            joined.append(sum(w * t for w, t in zip(weights, pieces)))
+        else:
+            raise ConfigError(
+                f"output {i} of the cloud part has no batch dimension, so micro-batches cannot be "
+                "joined; use micro_batches=1"
+            )
+    return joined
+
+
+def part_output_grads(call: Call, part: Part, grads: tuple) -> list[torch.Tensor | None]:
+    """The slice (or share) of the outputs' gradients that belongs to one part."""
+    result: list[torch.Tensor | None] = []
+    for coded, grad, needed, join in zip(part.received, grads, part.out_grad, call.out_join):
+        if not needed:
+            result.append(None)
+        elif grad is None:
+            result.append(torch.zeros(coded.shape, dtype=coded.dtype))
+        elif len(call.parts) == 1 or join == "sum":
+            result.append(grad)
+        else:
+            result.append(grad[part.rows] if join == "cat" else
+                          grad * ((part.rows.stop - part.rows.start) / call.batch))
+    return result
+
+
+def join_input_grads(call: Call, per_part: list[list[torch.Tensor | None]]) -> list[torch.Tensor | None]:
+    """The call's input gradients from its parts': rows concatenated, repeated inputs summed."""
+    if len(per_part) == 1:
+        return per_part[0]
+    result: list[torch.Tensor | None] = []
+    for i, pieces in enumerate(zip(*per_part)):
+        if not call.in_grad[i]:
+            result.append(None)
+        elif call.in_split[i]:
+            result.append(torch.cat(pieces))
+        else:
+            result.append(torch.stack(pieces).sum(0))
+    return result
+
+
+__all__ = ["Call", "Part", "Scheduler", "Stage", "join_input_grads", "join_outputs", "part_inputs",
+           "part_output_grads", "partition"]

@@ -1,0 +1,162 @@
+"""The cloud part as one stage of a pipeline: what crosses the cut is encoded, sent, received and decoded here.
+
+The :class:`~splitft.edge.schedule.Scheduler` decides which part goes when; this stage turns one
+part's tensors into a ``forward`` or ``backward`` message through the session's codecs, and the
+cloud's replies back into tensors, counting every byte.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from compressors import CodecContext
+
+from ..coding import Traffic, from_wire, raw_nbytes, stream_index, to_wire
+from ..errors import ConfigError, DesyncError, ProtocolError
+from ..protocol import Backward, Forward, InputGrads, Output
+from .requests import EdgeSession
+from .schedule import Call, Part
+
+log = logging.getLogger(__name__)
+
+
+class CloudStage:
+    """One part's messages to the cloud and back, through ``session``'s codecs."""
+
+    def __init__(self, session: EdgeSession, *, ushape: bool) -> None:
+        self.session = session
+        self.codecs = session.codecs
+        self.metrics = session.metrics
+        self.ushape = ushape
+
+    def check(self, call: Call) -> None:
+        """Refuse a training call without sample ids when a codec keeps state per sample."""
+        if not call.train or call.sample_ids is not None:
+            return
+        for slot in ("fwd", "ret") if self.ushape else ("fwd",):
+            codec = self.codecs.slots[slot]
+            if codec.needs_sample_ids:
+                raise ConfigError(
+                    f"codec {codec.name!r} keeps state per training sample: pass a stable id for "
+                    "each sample, model(x, sample_ids=ids) (ids in 0..N-1, the same every epoch)"
+                )
+
+    def can_eager(self) -> bool:
+        # A cloud that checkpoints sessions gets the backward as a request of its own: after a
+        # restart, a replayed request can rebuild a graph, but not eager gradients lost in memory.
+        return self.session.checkpoint_every <= 0
+
+    # ------------------------------------------------------------ forward
+
+    def _context(self, call: Call, part: Part, resync: bool = False) -> CodecContext:
+        return CodecContext("activation", train=call.train, step=self.session.step, sample_ids=part.sample_ids,
+                            resync=resync)
+
+    def _forward_message(self, call: Call, part: Part, leaves: list[torch.Tensor], ops: list,
+                         ctx: CodecContext) -> tuple[Forward, Traffic]:
+        args_skel, kwargs_skel, target_skel = call.skeleton
+        traffic = Traffic()
+        with self.metrics.timed("encode"):
+            entries, part.sent = self.codecs.encode(leaves, stream_index(args_skel), "fwd", ctx, call.in_grad, traffic)
+        msg = Forward(call=part.id, train=call.train, grad=call.grad, args=to_wire(args_skel, entries),
+                      kwargs=to_wire(kwargs_skel, entries), target=to_wire(target_skel, entries), ops=ops,
+                      step=self.session.step, sample_ids=part.sample_ids, eager=call.eager)
+        return msg, traffic
+
+    def send_forward(self, call: Call, part: Part, leaves: list[torch.Tensor], ops: list) -> None:
+        msg, traffic = self._forward_message(call, part, leaves, ops, self._context(call, part))
+        part.seq = self.session.send(msg, "activation", traffic)
+
+    def receive_output(self, call: Call, part: Part, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The part's outputs, decoded; the cut's gradient too, when it came along (eager backward)."""
+        ctx = self._context(call, part)
+        try:
+            reply, wire_in = self.session.await_reply(part.seq, Output)
+        except DesyncError as exc:
+            # A desync of stateful codecs (a lost or repeated message) is repaired once, by
+            # sending the same rows again at full precision, which resets both ends' state.
+            log.warning("codec state out of step with the cloud (%s); resending at full precision", exc)
+            ctx = self._context(call, part, resync=True)
+            msg, traffic = self._forward_message(call, part, leaves, [], ctx)
+            reply, wire_in = self.session.exchange(msg, "activation", Output, traffic)
+        assert isinstance(reply, Output)
+        out_entries, skeleton = from_wire(reply.value)
+        if call.out_skeleton is None:
+            call.out_skeleton = skeleton
+        elif skeleton != call.out_skeleton:
+            raise ProtocolError("micro-batches of one call came back with different output structures")
+        with self.metrics.timed("decode"):
+            tensors, part.received = self.codecs.decode(out_entries, stream_index(skeleton) if self.ushape else None,
+                                                        "ret", ctx)
+        part.out_grad = [g and call.grad for _, g in out_entries]
+        grad_bytes = 0
+        if reply.grads is not None:  # eager backward: the cut's gradient came along
+            part.eager_grads = from_wire(reply.grads)
+            grad_bytes = sum(p.nbytes for p, _ in part.eager_grads[0])
+            self.metrics.count("down", "gradient", raw=self._input_grad_nbytes(call, part), payload=grad_bytes,
+                               wire=grad_bytes, messages=0)
+        self.metrics.count("down", "activation", raw=sum(t.numel() * t.element_size() for t in tensors),
+                           payload=sum(c.payload.nbytes for c in part.received), wire=wire_in - grad_bytes)
+        return tensors
+
+    # ------------------------------------------------------------ backward
+
+    def send_backward(self, call: Call, part: Part, grads: list[torch.Tensor | None], ops: list) -> None:
+        ctx = CodecContext("gradient", train=True, step=self.session.step, sample_ids=part.sample_ids)
+        traffic = Traffic()
+        entries: list[dict | None] = []
+        with self.metrics.timed("encode"):
+            for coded, grad in zip(part.received, grads):
+                if grad is None:
+                    entries.append(None)
+                    continue
+                grad = self.codecs.grad_for_sender(grad, coded, "ret", ctx)
+                (entry,), _ = self.codecs.encode([grad], 0 if coded.stream else None, "ret_bwd", ctx, [False],
+                                                 traffic, raw=[raw_nbytes(coded.shape, coded.dtype)])
+                entries.append(entry)
+        part.seq = self.session.send(Backward(call=part.id, grads=entries, ops=ops), "gradient", traffic)
+
+    def receive_input_grads(self, call: Call, part: Part) -> list[torch.Tensor | None]:
+        reply, wire_in = self.session.await_reply(part.seq, InputGrads)
+        assert isinstance(reply, InputGrads)
+        got, skeleton = from_wire(reply.grads)
+        result = self._decode_input_grads(call, part, (got, skeleton))
+        self.metrics.count("down", "gradient", raw=self._input_grad_nbytes(call, part),
+                           payload=sum(p.nbytes for p, _ in got), wire=wire_in)
+        return result
+
+    def eager_input_grads(self, call: Call, part: Part, scale: torch.Tensor) -> list[torch.Tensor | None]:
+        assert part.eager_grads is not None
+        return self._decode_input_grads(call, part, part.eager_grads, scale=scale)
+
+    @staticmethod
+    def _input_grad_nbytes(call: Call, part: Part) -> int:
+        return sum(raw_nbytes(c.shape, c.dtype) for c, g in zip(part.sent, call.in_grad) if g)
+
+    def _decode_input_grads(self, call: Call, part: Part, parsed: tuple[list, Any],
+                            scale: torch.Tensor | None = None) -> list[torch.Tensor | None]:
+        """Gradients of a part's inputs from parsed wire entries (times ``scale`` for an eager call)."""
+        ctx = CodecContext("gradient", train=True, step=self.session.step, sample_ids=part.sample_ids)
+        got, skeleton = parsed
+        if not isinstance(skeleton, list) or len(skeleton) != len(part.sent):
+            raise ProtocolError(f"cloud sent {len(skeleton) if isinstance(skeleton, list) else '?'} input "
+                                f"gradients for a call with {len(part.sent)} inputs")
+        result: list[torch.Tensor | None] = []
+        with self.metrics.timed("decode"):
+            for coded, slot, needed in zip(part.sent, skeleton, call.in_grad):
+                if not needed:
+                    result.append(None)
+                    continue
+                if slot is None:
+                    result.append(torch.zeros(coded.shape, dtype=coded.dtype))
+                    continue
+                (grad,), _ = self.codecs.decode([got[slot.index]], 0 if coded.stream else None, "bwd", ctx)
+                grad = self.codecs.grad_at_input(grad, coded, "fwd", ctx)
+                result.append(grad if scale is None else grad * scale)
+        return result
+
+
+__all__ = ["CloudStage"]

@@ -1,0 +1,152 @@
+"""One training run of a registered task through a split: what ``splitft edge``, ``splitft demo``,
+the experiments, the benchmarks and the ablations all run.
+
+A :class:`TaskRun` names a task (:mod:`splitft.tasks`) and overrides its defaults; :func:`prepare`
+loads the data, builds and splits the model and attaches the optimizer; :func:`train` trains,
+evaluates after every epoch and closes the session. :func:`run` does both without disturbing the
+caller's random number generator.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from .data import Split, first
+from .edge import SplitModel, split
+from .errors import ConfigError
+from .factories import load_factory
+from .metrics import Metrics
+from .options import Codecs, Factory, Faults, Link, Schedule
+from .tasks import Task, get_task
+from .train import fit
+
+
+@dataclass(frozen=True)
+class TaskRun:
+    """What to train, and how. Every setting left at None keeps the task's own.
+
+    ``factory`` defaults to the task's model (its weights pushed or built by the cloud as the
+    task says); ``topology`` to the task's ("plain": the cloud computes the loss, "ushape": the
+    head and labels stay on the edge); ``rejoin`` matters for a U-shape cut that is not a slice.
+    ``seed`` orders the data and seeds torch's generator (dropout); the codecs carry their own.
+    """
+
+    task: str = "digits"
+    factory: Factory | None = None
+    cut: str | None = None
+    rejoin: str | None = None
+    topology: Literal["plain", "ushape"] | None = None
+    epochs: int | None = None
+    batch_size: int | None = None
+    lr: float | None = None
+    seed: int = 0
+    limit: int | None = None  # train on the first samples only
+    max_length: int | None = None  # text tasks: tokens per sample
+    codecs: Codecs = field(default_factory=Codecs)
+    schedule: Schedule = field(default_factory=Schedule)
+    faults: Faults = field(default_factory=Faults)
+    freeze_edge: bool = False
+    metrics_path: str | None = None
+    progress: bool = False  # a progress bar per epoch (command line)
+
+    def __post_init__(self) -> None:
+        get_task(self.task)  # an unknown task raises listing the known ones
+        if self.topology not in (None, "plain", "ushape"):
+            raise ConfigError(f"topology is 'plain' or 'ushape', got {self.topology!r}")
+
+
+@dataclass
+class Prepared:
+    """A run ready to train: the split model, its optimizer and loss, and the data."""
+
+    run: TaskRun
+    task: Task
+    model: SplitModel
+    optimizer: torch.optim.Optimizer
+    criterion: Any
+    train: Split
+    test: Split
+    cut: str
+    rejoin: str | None
+    ushape: bool
+    epochs: int
+    batch_size: int
+
+
+@dataclass
+class RunResult:
+    """What a run reached and what it cost on the wire."""
+
+    fwd: str
+    bwd: str
+    seed: int
+    accuracy: float
+    seconds: float  # wall time of training and evaluation, the session's goodbye included
+    steps: int
+    fwd_ratio: float  # raw / wire bytes of activations edge -> cloud
+    bwd_ratio: float  # raw / wire bytes of gradients cloud -> edge
+    bytes_up: int
+    bytes_down: int
+    history: list[dict[str, float]] = field(default_factory=list)
+    metrics: Metrics = field(default_factory=Metrics, repr=False, compare=False)
+
+
+def prepare(run: TaskRun, connect: Any) -> Prepared:
+    """Load the task's data, build and split its model against the cloud at ``connect`` (anything
+    :class:`~splitft.options.Link` takes), attach the optimizer. Seeds torch's generator."""
+    from compressors.binary import keep_latent_weights_clipped
+
+    task = get_task(run.task)
+    factory = run.factory or Factory(task.model, weights=task.weights)  # type: ignore[arg-type]
+    cut = run.cut or task.cut
+    ushape = (run.topology or task.topology) == "ushape"
+    rejoin = (run.rejoin or task.rejoin) if ushape and ":" not in cut else None
+    torch.manual_seed(run.seed)
+    train_data, test_data = task.load(max_length=run.max_length)
+    if run.limit:
+        train_data = first(train_data, run.limit)
+    model = split(load_factory(factory.name)(**factory.kwargs), cut, rejoin, factory=factory, connect=Link.of(connect),
+                  codecs=run.codecs, schedule=run.schedule, faults=run.faults, freeze_edge=run.freeze_edge,
+                  metrics_path=run.metrics_path)
+    try:
+        optimizer = model.attach(getattr(torch.optim, task.optimizer)(model.parameters(), lr=run.lr or task.lr))
+        keep_latent_weights_clipped(optimizer, model)  # binarized edges (B-SL); nothing to clip otherwise
+        criterion = nn.CrossEntropyLoss() if ushape else model.remote_loss(nn.CrossEntropyLoss())
+    except BaseException:
+        model.close("error")
+        raise
+    return Prepared(run, task, model, optimizer, criterion, train_data, test_data, cut, rejoin, ushape,
+                    epochs=run.epochs if run.epochs is not None else task.epochs,
+                    batch_size=run.batch_size or task.batch_size)
+
+
+def train(prepared: Prepared) -> RunResult:
+    """Train and evaluate after every epoch; the session ends with the run (or with its error)."""
+    model, run = prepared.model, prepared.run
+    start = time.perf_counter()
+    with model:
+        result = fit(model, prepared.optimizer, prepared.criterion, prepared.train, prepared.test,
+                     epochs=prepared.epochs, batch_size=prepared.batch_size, seed=run.seed, predict=model.predict,
+                     progress=run.progress, pass_ids=True)
+    seconds = time.perf_counter() - start
+    metrics, specs = model.metrics, model.session.codecs.specs
+    return RunResult(
+        fwd=specs["fwd"], bwd=specs["bwd"], seed=run.seed, accuracy=result.accuracy, seconds=seconds,
+        steps=result.steps, fwd_ratio=metrics.bytes[("up", "activation")].ratio,
+        bwd_ratio=metrics.bytes[("down", "gradient")].ratio, bytes_up=metrics.direction("up").wire,
+        bytes_down=metrics.direction("down").wire, history=result.history, metrics=metrics,
+    )
+
+
+def run(task_run: TaskRun, connect: Any) -> RunResult:
+    """:func:`prepare` then :func:`train`; torch's generator is left as it was found."""
+    with torch.random.fork_rng(devices=[]):
+        return train(prepare(task_run, connect))
+
+
+__all__ = ["Prepared", "RunResult", "TaskRun", "prepare", "run", "train"]
