@@ -2,7 +2,7 @@
 
 The optimizer the user attaches is rebuilt in the cloud by class name and settings; its steps and
 ``zero_grad`` calls, the loss the cloud computes in a plain split, and the scale of an eager
-backward are *operations*: small dicts that ride on the next message the edge sends, which the
+backward are *operations* (:mod:`splitft.operations`) that ride on the next message the edge sends, which the
 cloud applies before that message. So a step costs no extra round trip, and gradient
 accumulation behaves exactly as it does locally.
 """
@@ -17,35 +17,37 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..operations import ApplyEager, AttachOptimizer, SetLoss, Step, ZeroGrad, to_wire
 
 if TYPE_CHECKING:
     from .requests import EdgeSession
 
 # ---------------------------------------------------------------- the operations
+# Typed records (splitft.operations), sent as the maps the cloud checks field by field.
 
 
 def optimizer_op(op_id: int, name: str, settings: dict[str, Any]) -> dict:
     """Build (or, with a known id, keep) the cloud's optimizer: class ``name`` with ``settings``."""
-    return {"op": "optimizer", "id": op_id, "name": name, "settings": settings}
+    return to_wire(AttachOptimizer(name=name, settings=settings, id=op_id))
 
 
 def step_op(step: int, lr: float | None) -> dict:
     """Step ``step`` of the optimizer; the cloud applies each id once, however often it arrives."""
-    return {"op": "step", "id": step, "lr": lr}
+    return to_wire(Step(id=step, lr=lr))
 
 
 def zero_grad_op(set_to_none: bool) -> dict:
-    return {"op": "zero_grad", "set_to_none": bool(set_to_none)}
+    return to_wire(ZeroGrad(set_to_none=bool(set_to_none)))
 
 
 def loss_op(name: str, settings: dict[str, Any]) -> dict:
     """The torch.nn loss the cloud computes at the end of a plain split."""
-    return {"op": "loss", "name": name, "settings": settings}
+    return to_wire(SetLoss(name=name, settings=settings))
 
 
 def apply_op(call: int, scale: float) -> dict:
     """Eager backward: accumulate call ``call``'s parameter gradients, times the loss's incoming gradient."""
-    return {"op": "apply", "call": call, "scale": scale}
+    return to_wire(ApplyEager(call=call, scale=scale))
 
 
 # ---------------------------------------------------------------- optimizer and loss
