@@ -343,11 +343,14 @@ class Protection:
         noise = self.defences.label_gradients
         stream = output if isinstance(output, torch.Tensor) else (
             output[0] if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor) else None)
-        if noise is None or stream is None or not stream.requires_grad:
+        if (noise is None and not self._watchers) or stream is None or not stream.requires_grad:
             return
         call = self._pending or _Call(charged=False)
 
         def protect_gradient(grad: torch.Tensor) -> torch.Tensor:
+            if noise is None:  # only watched
+                self._notify("label_gradient", grad)
+                return grad
             if not call.charged:  # a backward through an uncounted forward: count it before it is sent
                 self._charge()
                 call.charged = True
@@ -414,7 +417,7 @@ def protect(split_model: nn.Module, defences: Defences) -> Protection:
         protection._handles.append(split_model.model.register_forward_pre_hook(protection._capture_input,
                                                                                 with_kwargs=True))
     protection._handles.append(standin.register_forward_pre_hook(protection._before_cut, with_kwargs=True))
-    if defences.label_gradients is not None:
+    if ushape:  # protects label gradients, or only shows them to watchers
         protection._handles.append(standin.register_forward_hook(protection._after_trunk, with_kwargs=True))
     protection._owner.append(split_model)
     split_model.privacy = protection
