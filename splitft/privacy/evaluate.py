@@ -77,7 +77,16 @@ def setting(name: str) -> Setting:
         compressors.canonical_spec(name)
     except compressors.CompressionError as exc:
         raise ValueError(f"{name!r} is neither a preset ({', '.join(PRESETS)}) nor a codec spec: {exc}") from None
-    return Setting(name, codec=name)
+    if supported(name):
+        return Setting(name, codec=name)
+    raise ValueError(f"codec {name!r} keeps per-sample state, which the privacy runs do not measure yet")
+
+
+def supported(codec: str) -> bool:
+    """Whether the privacy runs can measure ``codec`` (stateless codecs: the attack replays them)."""
+    import compressors
+
+    return not compressors.codec_class(compressors.parse_spec(codec)[0]).needs_sample_ids
 
 
 def data(seed: int = 0) -> tuple[Split, Split, Split]:
