@@ -11,7 +11,7 @@ what the cloud received as plain tensors, so they measure any codec and any defe
   label leakage from the gradients a U-shape edge returns (Li et al., "Label leakage and
   protection in two-party split learning"): AUC for two classes, accuracy for more;
 * :func:`token_recovery_accuracy` — which token sits at each position, read from hidden states
-  by a linear probe trained on auxiliary text.
+  by a nearest-neighbour lookup among auxiliary text's states.
 """
 
 from __future__ import annotations
@@ -217,13 +217,14 @@ def label_leak(grads: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
 
 def token_recovery_accuracy(aux_hidden: torch.Tensor, aux_ids: torch.Tensor, target_hidden: torch.Tensor,
                             target_ids: torch.Tensor, *, aux_mask: torch.Tensor | None = None,
-                            target_mask: torch.Tensor | None = None, steps: int = 300, lr: float = 1e-2,
-                            seed: int = 0) -> float:
-    """Share of target positions whose token a linear probe reads from the hidden state.
+                            target_mask: torch.Tensor | None = None, chunk: int = 2048) -> float:
+    """Share of target positions whose token the cloud reads from the hidden state.
 
-    The probe maps each position's hidden state (…, L, H) to the tokens seen in the auxiliary
-    text and is trained there with full-batch Adam; masks (1: a real token) drop padding. A
-    target token never seen in the auxiliary text counts as missed.
+    The attack is a nearest-neighbour lookup: each target position (…, L, H) gets the token of
+    the auxiliary position whose standardised hidden state is most aligned with its own (cosine).
+    It needs no training, and the auxiliary text can be any public text passed through the edge
+    (a public pre-trained edge can be run by the cloud itself). Masks (1: a real token) drop
+    padding; a target token absent from the auxiliary text counts as missed.
     """
     def positions(hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         h = hidden.detach().reshape(-1, hidden.shape[-1]).float()
@@ -235,17 +236,11 @@ def token_recovery_accuracy(aux_hidden: torch.Tensor, aux_ids: torch.Tensor, tar
 
     h_aux, t_aux = positions(aux_hidden, aux_ids, aux_mask)
     h_tgt, t_tgt = positions(target_hidden, target_ids, target_mask)
-    vocab, y_aux = torch.unique(t_aux, return_inverse=True)
     mean, std = h_aux.mean(0), h_aux.std(0).clamp(min=1e-6)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        probe = nn.Linear(h_aux.shape[1], len(vocab))
-        optimizer = torch.optim.Adam(probe.parameters(), lr=lr)
-        for _ in range(steps):
-            loss = F.cross_entropy(probe((h_aux - mean) / std), y_aux)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+    keys = F.normalize((h_aux - mean) / std, dim=1)
+    hits = 0
     with torch.no_grad():
-        guess = vocab[probe((h_tgt - mean) / std).argmax(1)]
-    return float((guess == t_tgt).double().mean())
+        for start in range(0, h_tgt.shape[0], chunk):
+            queries = F.normalize((h_tgt[start:start + chunk] - mean) / std, dim=1)
+            hits += int((t_aux[(queries @ keys.T).argmax(1)] == t_tgt[start:start + chunk]).sum())
+    return hits / max(1, h_tgt.shape[0])

@@ -133,9 +133,9 @@ class Defences:
                 raise ConfigError(f"Defences({name}=Noise(...)) needs budget=Budget(epsilon, delta, sample_rate) "
                                   "so that the privacy spent can be tracked")
             if value is not None and value.noise_multiplier is None and (
-                    self.budget is None or self.budget.planned_steps is None):
+                    self.budget is None or self.budget.planned_steps is None or math.isinf(self.budget.epsilon)):
                 raise ConfigError(f"Defences({name}=Noise(noise_multiplier=None)) is calibrated from the budget: give "
-                                  "Budget(steps=...) or Budget(epochs=...), or a noise_multiplier")
+                                  "a finite Budget(epsilon=...) with steps=... or epochs=..., or a noise_multiplier")
         if self.budget is not None and not isinstance(self.budget, Budget):
             raise ConfigError(f"Defences(budget=...) takes a Budget(...), got {self.budget!r}")
 
@@ -173,7 +173,6 @@ class _Call:
 
     charged: bool
     inputs: torch.Tensor | None = None
-    activation: torch.Tensor | None = None
 
 
 @dataclass

@@ -193,3 +193,44 @@ def run_setting(s: Setting, *, seed: int = 0, epochs: int = 10, batch_size: int 
         "label_leak": leak.get("direction_accuracy", float("nan")), "label_chance": leak.get("chance", float("nan")),
         "epsilon_spent": spent, "noise_multipliers": multipliers,
     }
+
+
+TOKEN_SETTINGS = ["identity", "fp16", "fixpoint:bits=8", "fixpoint:bits=4", "fixpoint:bits=2", "noise-0.001",
+                  "noise-0.003", "noise-0.01"]
+
+
+def token_recovery(settings: list[str] = TOKEN_SETTINGS, *, aux: int = 200, target: int = 100, max_length: int = 64,
+                   seed: int = 0) -> list[dict[str, Any]]:
+    """Token recovery from the MiniLM hidden states that cross the BBC task's cut (input of layer 2).
+
+    The pre-trained edge, before any fine-tuning: the cloud can run the public model itself, so
+    its auxiliary states are BBC training articles passed through the edge, and its targets are
+    test articles. ``noise-S``: per-sample clipping to the median norm and Gaussian noise of
+    multiplier S; anything else is a codec spec. Needs the ``nlp`` extra.
+    """
+    from ..tasks.bbc import load_bbc, minilm_classifier
+    from .attacks import token_recovery_accuracy
+    from .defences import clip_and_noise
+
+    train, test = load_bbc(max_length=max_length, limit=aux)
+    model = minilm_classifier().eval()
+
+    def states(split: Split, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ids, mask = split.x["input_ids"][:count], split.x["attention_mask"][:count]
+        with torch.no_grad():
+            hidden = model.bert(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[2]
+        return hidden, ids, mask
+
+    (h_aux, i_aux, m_aux), (h_tgt, i_tgt, m_tgt) = states(train, aux), states(test, target)
+    clip = float(h_aux.reshape(h_aux.shape[0], -1).norm(dim=1).median())
+    rows = []
+    for name in settings:
+        if name.startswith("noise-"):
+            generator = torch.Generator().manual_seed(seed)
+            sigma = float(name.split("-", 1)[1])
+            a, t = (clip_and_noise(h, clip, sigma, generator) for h in (h_aux, h_tgt))
+        else:
+            a, t = through_codec(h_aux, name, seed=seed), through_codec(h_tgt, name, seed=seed + 1)
+        accuracy = token_recovery_accuracy(a, i_aux, t, i_tgt, aux_mask=m_aux, target_mask=m_tgt)
+        rows.append({"setting": name, "token_recovery": accuracy})
+    return rows

@@ -134,6 +134,19 @@ def plot(summary: list[dict[str, Any]], path: Path) -> Path | None:
     return path
 
 
+def _tokens(out: Path, argv: list[str] | None) -> int:
+    from .evaluate import token_recovery
+
+    rows = token_recovery()
+    lines = ["| setting | token recovery (nearest neighbour) |", "|---|---|"]
+    lines += [f"| {r['setting']} | {r['token_recovery']:.3f} |" for r in rows]
+    command = "python scripts/privacy_eval.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokens.md").write_text(f"<!-- made by: {command} -->\n\n" + "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the grid (settings × seeds), then write the CSV, the markdown table and the plot."""
     parser = argparse.ArgumentParser(
@@ -152,7 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inversion-steps", type=int, default=600, help="decoder training steps (default: 600)")
     parser.add_argument("--inproc", action="store_true", help="run the cloud on a thread of this process")
     parser.add_argument("--summary-only", action="store_true", help="rebuild the table and plot from the CSV")
+    parser.add_argument("--tokens", action="store_true",
+                        help="only measure token recovery from MiniLM's hidden states at the BBC cut (needs the nlp "
+                             "extra); writes tokens.md")
     args = parser.parse_args(argv)
+    if args.tokens:
+        return _tokens(Path(args.out), argv)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
