@@ -106,25 +106,31 @@ def plot(summary: list[dict[str, Any]], path: Path) -> Path | None:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install -e '.[plots]')", file=sys.stderr)
         return None
-    panels = [("inversion_ssim", "inversion SSIM on test images (higher leaks more)"),
-              ("dcor", "distance correlation, inputs vs what crossed"),
-              ("label_leak", "label-leak attack accuracy (chance 0.1)")]
-    fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
-    for ax, (key, label) in zip(axes, panels):
-        for s in summary:
+    panels = [("inversion_ssim", "inversion SSIM on test images (higher leaks more)", None),
+              ("inversion_ssim", "the same, high-accuracy settings only", (0.9, 1.0)),
+              ("dcor", "distance correlation, inputs vs what crossed", None),
+              ("label_leak", "label-leak attack accuracy (chance 0.1)", None)]
+    fig, axes = plt.subplots(2, 2, figsize=(14, 10))
+    colours = {s["name"]: plt.get_cmap("tab20")(i % 20) for i, s in enumerate(summary)}
+    for ax, (key, label, zoom) in zip(axes.flat, panels):
+        shown = [s for s in summary if zoom is None or statistics.mean(s["accuracy"]) >= zoom[0]]
+        for i, s in enumerate(shown):
             xs = [v for v in s[key] if not math.isnan(v)]
             if not xs:
                 continue
             x, y = statistics.mean(xs), statistics.mean(s["accuracy"])
             ax.errorbar(x, y, xerr=statistics.stdev(xs) if len(xs) > 1 else 0,
-                        yerr=statistics.stdev(s["accuracy"]) if len(s["accuracy"]) > 1 else 0, fmt="o", ms=5)
-            ax.annotate(s["name"], (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
-        if key == "inversion_ssim" and summary:
+                        yerr=statistics.stdev(s["accuracy"]) if len(s["accuracy"]) > 1 else 0, fmt="o", ms=5,
+                        color=colours[s["name"]])
+            ax.annotate(s["name"], (x, y), fontsize=8, xytext=(5, 8 if i % 2 else -11), textcoords="offset points")
+        if key == "inversion_ssim" and zoom is None and summary:
             ax.axvline(statistics.mean(summary[0]["baseline_ssim"]), ls="--", c="grey", lw=1)
-            ax.text(statistics.mean(summary[0]["baseline_ssim"]), 0.05, " mean image", fontsize=7, color="grey")
+            ax.text(statistics.mean(summary[0]["baseline_ssim"]), 0.05, " mean image", fontsize=8, color="grey")
         ax.set_xlabel(label)
         ax.set_ylabel("test accuracy")
-        ax.set_ylim(0, 1.02)
+        ax.set_ylim(*(zoom or (0, 1.02)))
+        if zoom is not None:
+            ax.set_ylim(zoom[0], zoom[1] + 0.005)
         ax.grid(alpha=0.3)
     fig.suptitle("digits, U-shape split: accuracy vs leakage (each point: one setting, mean over seeds)")
     fig.tight_layout()
@@ -198,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                 run_all(address)
     rows = [r for r in read_rows(csv_path) if int(r["epochs"]) == args.epochs and r["name"] in names]
     summary, table = summarise(rows, names)
-    command = "python scripts/privacy_eval.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    given = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--summary-only"]
+    command = "python scripts/privacy_eval.py " + " ".join(given)
     (out / "privacy.md").write_text(f"<!-- made by: {command} -->\n\n{table}")
     print(table)
     path = plot(summary, out / "privacy.png")
