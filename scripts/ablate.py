@@ -202,7 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bbc-limit", type=int, default=None,
                         help="train BBC on its first N articles only (MiniLM takes ~1.2 s a step on 2 cores)")
     parser.add_argument("--summary-only", action="store_true", help="rebuild table and plots from the CSV")
+    parser.add_argument("--privacy", action="store_true",
+                        help="instead, per codec and defence: accuracy, bytes, distance correlation, inversion error, "
+                             "label leak and epsilon (privacy.csv/.md/.png in --out; see scripts/privacy_eval.py)")
     args = parser.parse_args(argv)
+    if args.privacy:
+        return _privacy(args)
 
     from tqdm import tqdm
 
@@ -240,6 +245,22 @@ def main(argv: list[str] | None = None) -> int:
     for path in plot(summary, out, args.target):
         print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _privacy(args: argparse.Namespace) -> int:
+    """The privacy grid of :mod:`splitft.privacy.report` over these codecs plus every defence preset."""
+    from splitft.privacy.evaluate import PRESETS, supported
+    from splitft.privacy.report import main as privacy_main
+
+    codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
+    skipped = [c for c in codecs if not supported(c)]
+    if skipped:
+        print(f"--privacy skips codecs with per-sample state: {', '.join(skipped)}", file=sys.stderr)
+    defences = [name for name, s in PRESETS.items() if s.name != s.codec]
+    settings = list(dict.fromkeys([c for c in codecs if c not in skipped] + defences))
+    extra = ["--summary-only"] if args.summary_only else []
+    return privacy_main(["--out", args.out, "--settings", ",".join(settings), "--seeds", str(args.seeds),
+                         "--epochs", str(args.epochs), *extra])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,214 @@
+"""The privacy table: every setting's accuracy and bytes beside what the attacks recover.
+
+``python scripts/privacy_eval.py`` (and ``scripts/ablate.py --privacy``) run :func:`main`. Each
+finished cell (setting, seed) is appended to the CSV at once, so a re-run skips what is done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from .evaluate import FACTORIES, PRESETS, run_setting, setting
+
+FIELDS = ["name", "codec", "leak_loss", "epsilon", "noise_multiplier", "noise_activations", "noise_labels", "clip",
+          "label_clip", "seed", "epochs", "accuracy", "bytes_up", "bytes_down", "activation_bytes", "fwd_ratio",
+          "train_seconds", "dcor", "inversion_mse", "inversion_ssim", "baseline_mse", "baseline_ssim", "label_leak",
+          "label_chance", "epsilon_spent", "noise_multipliers"]
+NUMBERS = ["accuracy", "dcor", "inversion_mse", "inversion_ssim", "label_leak", "epsilon_spent", "activation_bytes",
+           "baseline_mse", "baseline_ssim", "fwd_ratio"]
+
+
+def read_rows(path: Path) -> list[dict[str, str]]:
+    if not path.exists():
+        return []
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def append_row(path: Path, row: dict[str, Any]) -> None:
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
+        if new:
+            writer.writeheader()
+        writer.writerow({k: json.dumps(v) if isinstance(v, dict) else v for k, v in row.items()})
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _mean_std(values: list[float], digits: int = 3) -> str:
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return "—"
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def _epsilon(values: list[float]) -> str:
+    value = statistics.mean(values)
+    if value == 0:
+        return "—"
+    return f"{value:.3g}" if value < 1e4 else f"{value:.1e}"
+
+
+def summarise(rows: list[dict[str, str]], order: list[str] | None = None) -> tuple[list[dict[str, Any]], str]:
+    """Mean over seeds per setting, and the markdown table."""
+    groups: dict[str, list[dict[str, str]]] = defaultdict(list)
+    for row in rows:
+        groups[row["name"]].append(row)
+    position = {name: i for i, name in enumerate(order or list(PRESETS))}
+    summary = []
+    for name in sorted(groups, key=lambda n: (position.get(n, len(position)), n)):
+        cell = groups[name]
+        entry: dict[str, Any] = {"name": name, "codec": cell[0]["codec"], "seeds": len(cell),
+                                 "noise_multipliers": cell[0]["noise_multipliers"]}
+        for key in NUMBERS:
+            entry[key] = [float(r[key]) if r[key] not in ("", "None") else float("nan") for r in cell]
+        summary.append(entry)
+    baseline = summary[0] if summary else None
+    lines = [
+        "| setting | codec | seeds | test accuracy | inversion MSE | inversion SSIM | distance corr. "
+        "| label leak | activation MB | epsilon spent | noise multiplier |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summary:
+        sigmas = json.loads(s["noise_multipliers"] or "{}")
+        sigma = ", ".join(f"{k.split('_')[0]} {v:.3g}" for k, v in sigmas.items()) or "—"
+        lines.append(
+            f"| {s['name']} | {s['codec']} | {s['seeds']} | {_mean_std(s['accuracy'])} | "
+            f"{_mean_std(s['inversion_mse'], 4)} | {_mean_std(s['inversion_ssim'])} | {_mean_std(s['dcor'])} | "
+            f"{_mean_std(s['label_leak'])} | {statistics.mean(s['activation_bytes']) / 1e6:.1f} | "
+            f"{_epsilon(s['epsilon_spent'])} | {sigma} |")
+    if baseline is not None:
+        lines += ["", f"An attack that learned nothing (the auxiliary mean image) scores MSE "
+                      f"{statistics.mean(baseline['baseline_mse']):.4f} and SSIM "
+                      f"{statistics.mean(baseline['baseline_ssim']):.3f}; label-leak chance is 0.100."]
+    return summary, "\n".join(lines) + "\n"
+
+
+def plot(summary: list[dict[str, Any]], path: Path) -> Path | None:
+    """Accuracy against three leakage measures, one point per setting (mean over seeds)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install -e '.[plots]')", file=sys.stderr)
+        return None
+    panels = [("inversion_ssim", "inversion SSIM on test images (higher leaks more)", None),
+              ("inversion_ssim", "the same, high-accuracy settings only", (0.9, 1.0)),
+              ("dcor", "distance correlation, inputs vs what crossed", None),
+              ("label_leak", "label-leak attack accuracy (chance 0.1)", None)]
+    fig, axes = plt.subplots(2, 2, figsize=(14, 10))
+    colours = {s["name"]: plt.get_cmap("tab20")(i % 20) for i, s in enumerate(summary)}
+    for ax, (key, label, zoom) in zip(axes.flat, panels):
+        shown = [s for s in summary if zoom is None or statistics.mean(s["accuracy"]) >= zoom[0]]
+        for i, s in enumerate(shown):
+            xs = [v for v in s[key] if not math.isnan(v)]
+            if not xs:
+                continue
+            x, y = statistics.mean(xs), statistics.mean(s["accuracy"])
+            ax.errorbar(x, y, xerr=statistics.stdev(xs) if len(xs) > 1 else 0,
+                        yerr=statistics.stdev(s["accuracy"]) if len(s["accuracy"]) > 1 else 0, fmt="o", ms=5,
+                        color=colours[s["name"]])
+            ax.annotate(s["name"], (x, y), fontsize=8, xytext=(5, 8 if i % 2 else -11), textcoords="offset points")
+        if key == "inversion_ssim" and zoom is None and summary:
+            ax.axvline(statistics.mean(summary[0]["baseline_ssim"]), ls="--", c="grey", lw=1)
+            ax.text(statistics.mean(summary[0]["baseline_ssim"]), 0.05, " mean image", fontsize=8, color="grey")
+        ax.set_xlabel(label)
+        ax.set_ylabel("test accuracy")
+        ax.set_ylim(*(zoom or (0, 1.02)))
+        if zoom is not None:
+            ax.set_ylim(zoom[0], zoom[1] + 0.005)
+        ax.grid(alpha=0.3)
+    fig.suptitle("digits, U-shape split: accuracy vs leakage (each point: one setting, mean over seeds)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _tokens(out: Path, argv: list[str] | None) -> int:
+    from .evaluate import token_recovery
+
+    rows = token_recovery()
+    lines = ["| setting | token recovery (nearest neighbour) |", "|---|---|"]
+    lines += [f"| {r['setting']} | {r['token_recovery']:.3f} |" for r in rows]
+    command = "python scripts/privacy_eval.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokens.md").write_text(f"<!-- made by: {command} -->\n\n" + "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the grid (settings × seeds), then write the CSV, the markdown table and the plot."""
+    parser = argparse.ArgumentParser(
+        prog="privacy_eval.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Digits split U-shape between two processes, per codec and defence: accuracy, bytes, distance "
+                    "correlation, inversion MSE/SSIM, label leakage and the epsilon spent.",
+        epilog="presets: " + ", ".join(PRESETS) + "\n\nexample:\n  python scripts/privacy_eval.py --out docs/privacy "
+               "--seeds 3 --epochs 10\n  python scripts/privacy_eval.py --settings identity,bsl,dp-eps3 --seeds 1 "
+               "--epochs 2 --inproc")
+    parser.add_argument("--out", default="privacy", help="folder for privacy.csv, privacy.md and privacy.png "
+                                                         "(default: privacy)")
+    parser.add_argument("--settings", default=",".join(PRESETS),
+                        help="comma-separated presets or codec specs (a codec spec is a row with no defence)")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per setting (default: 3)")
+    parser.add_argument("--epochs", type=int, default=10, help="training epochs per run (default: 10)")
+    parser.add_argument("--inversion-steps", type=int, default=600, help="decoder training steps (default: 600)")
+    parser.add_argument("--inproc", action="store_true", help="run the cloud on a thread of this process")
+    parser.add_argument("--summary-only", action="store_true", help="rebuild the table and plot from the CSV")
+    parser.add_argument("--tokens", action="store_true",
+                        help="only measure token recovery from MiniLM's hidden states at the BBC cut (needs the nlp "
+                             "extra); writes tokens.md")
+    args = parser.parse_args(argv)
+    if args.tokens:
+        return _tokens(Path(args.out), argv)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    csv_path = out / "privacy.csv"
+    names = [n.strip() for n in args.settings.split(",") if n.strip()]
+    settings = [setting(n) for n in names]
+    done = {(r["name"], int(r["seed"]), int(r["epochs"])) for r in read_rows(csv_path)}
+    todo = [(s, seed) for s in settings for seed in range(args.seeds) if (s.name, seed, args.epochs) not in done]
+    if todo and not args.summary_only:
+        print(f"running {len(todo)} cells ({len(settings) * args.seeds - len(todo)} already in {csv_path})",
+              file=sys.stderr)
+
+        def run_all(address: str | None) -> None:
+            for i, (s, seed) in enumerate(todo, 1):
+                print(f"[{i}/{len(todo)}] {s.name} seed {seed}", file=sys.stderr)
+                append_row(csv_path, run_setting(s, seed=seed, epochs=args.epochs, address=address,
+                                                 inversion_steps=args.inversion_steps))
+
+        if args.inproc:
+            run_all(None)
+        else:
+            from ..launch import local_cloud
+
+            with local_cloud(FACTORIES, sessions=0, start_timeout=120, exit_timeout=0, quiet=True) as address:
+                run_all(address)
+    rows = [r for r in read_rows(csv_path) if int(r["epochs"]) == args.epochs and r["name"] in names]
+    summary, table = summarise(rows, names)
+    given = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--summary-only"]
+    command = "python scripts/privacy_eval.py " + " ".join(given)
+    (out / "privacy.md").write_text(f"<!-- made by: {command} -->\n\n{table}")
+    print(table)
+    path = plot(summary, out / "privacy.png")
+    if path is not None:
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
