@@ -28,8 +28,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:Optimal order is the")
 
 
 def _split(inproc_cloud, defences: Defences, rejoin: str | None = None):
-    model = splitft.split(digits_cnn(), "block3", rejoin, factory=DIGITS, connection=inproc_cloud.connect(),
-                          timeout=30)
+    model = splitft.split(digits_cnn(), "block3", rejoin, factory=DIGITS, connect=inproc_cloud.connect(),
+                          faults=splitft.Faults(timeout=30))
     protect(model, defences)
     return model
 
@@ -131,8 +131,8 @@ def test_randomized_response_composes_once_per_epoch_with_the_gaussian_part():
 def test_binary_codec_randomized_response_is_accounted():
     cloud = InprocCloud([BSL])
     try:
-        model = splitft.split(digits_bsl(), "block3", factory=BSL, connection=cloud.connect(),
-                              fwd="binary:flip_eps=0.01", timeout=30)
+        model = splitft.split(digits_bsl(), "block3", factory=BSL, connect=cloud.connect(),
+                              codecs="binary:flip_eps=0.01", faults=splitft.Faults(timeout=30))
         protect(model, Defences(budget=Budget(epsilon=math.inf, delta=1e-5, sample_rate=0.5)))
         x, y = load_digits()[0].x[:8], load_digits()[0].y[:8]
         with model:

@@ -52,7 +52,7 @@ def _local(data, *, rejoin: bool, cut: Callable | None = None, trunk_grad: Calla
 
 def _split(data, inproc_cloud, defences: Defences, *, rejoin: bool) -> tuple[dict[str, torch.Tensor], object]:
     model = splitft.split(digits_cnn(), "block3", "head" if rejoin else None, factory=DIGITS,
-                          connection=inproc_cloud.connect(), timeout=30)
+                          connect=inproc_cloud.connect(), faults=splitft.Faults(timeout=30))
     with model:
         protection = protect(model, defences)
         opt = model.attach(torch.optim.Adam(model.parameters(), lr=3e-3))
@@ -107,8 +107,8 @@ def test_label_gradient_noise_is_what_the_cloud_trains_on(inproc_cloud, data):
     defences = Defences(label_gradients=Noise(clip=1e-3, noise_multiplier=0.5), seed=11,
                         budget=Budget(epsilon=math.inf, delta=1e-5, sample_rate=32 / 1437))
     seen: list[torch.Tensor] = []
-    model = splitft.split(digits_cnn(), "block3", "head", factory=DIGITS, connection=inproc_cloud.connect(),
-                          timeout=30)
+    model = splitft.split(digits_cnn(), "block3", "head", factory=DIGITS, connect=inproc_cloud.connect(),
+                          faults=splitft.Faults(timeout=30))
     with model:
         protection = protect(model, defences)
         protection.watch(lambda kind, t: seen.append(t) if kind == "label_gradient" else None)
@@ -124,7 +124,8 @@ def test_label_gradient_noise_is_what_the_cloud_trains_on(inproc_cloud, data):
 
 
 def test_protect_refuses_what_cannot_work(inproc_cloud):
-    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connection=inproc_cloud.connect(), timeout=30)
+    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connect=inproc_cloud.connect(),
+                          faults=splitft.Faults(timeout=30))
     with model:
         budget = Budget(epsilon=3, delta=1e-5, sample_rate=0.05, steps=10)
         with pytest.raises(splitft.ConfigError, match="U-shape"):
@@ -148,7 +149,8 @@ def test_leak_loss_lowers_distance_correlation_on_digits(inproc_cloud):
     train, test = load_digits()
     scores = {}
     for weight in (0.0, 10.0):
-        model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connection=inproc_cloud.connect(), timeout=30)
+        model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connect=inproc_cloud.connect(),
+                          faults=splitft.Faults(timeout=30))
         with model:
             protect(model, Defences(leak_loss=weight))
             opt = model.attach(torch.optim.Adam(model.parameters(), lr=1e-3))

@@ -132,9 +132,10 @@ def run_setting(s: Setting, *, seed: int = 0, epochs: int = 10, batch_size: int 
     grads: list[torch.Tensor] = []
     labels: list[torch.Tensor] = []
     try:
-        model = splitft.split(load_factory(s.factory)(seed=seed), "block3", "head", factory=s.factory,
-                              factory_kwargs={"seed": seed}, connection=connection, fwd=s.codec, ret="identity",
-                              seed=seed, timeout=timeout)
+        model = splitft.split(load_factory(s.factory)(seed=seed), "block3", "head",
+                              factory=splitft.Factory(s.factory, kwargs={"seed": seed}), connect=connection,
+                              codecs=splitft.Codecs(s.codec, ret="identity", seed=seed),
+                              faults=splitft.Faults(timeout=timeout))
         with model:
             protection = protect(model, defences)
             optimizer = model.attach(torch.optim.Adam(model.parameters(), lr=lr))
