@@ -98,6 +98,62 @@ def data(seed: int = 0) -> tuple[Split, Split, Split]:
     return edge, aux, test
 
 
+def _defences(s: Setting, *, seed: int, epochs: int, sample_rate: float, delta: float) -> Defences:
+    noisy = s.epsilon is not None or s.noise_multiplier is not None
+    return Defences(
+        leak_loss=s.leak_loss,
+        activations=Noise(s.clip, s.noise_multiplier) if noisy and s.noise_activations else None,
+        label_gradients=Noise(s.label_clip, s.noise_multiplier) if noisy and s.noise_labels else None,
+        budget=Budget(epsilon=s.epsilon if s.epsilon is not None else math.inf, delta=delta,
+                      sample_rate=sample_rate, epochs=epochs),
+        seed=10_000 + seed,
+    )
+
+
+def _train(model: Any, protection: Any, train: Split, *, epochs: int, batch_size: int, lr: float,
+           seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
+    """Train the split model; return the label gradients seen in the last epoch, their labels, seconds."""
+    from compressors.binary import keep_latent_weights_clipped
+
+    optimizer = model.attach(torch.optim.Adam(model.parameters(), lr=lr))
+    keep_latent_weights_clipped(optimizer, model)
+    criterion = nn.CrossEntropyLoss()
+    grads: list[torch.Tensor] = []
+    labels: list[torch.Tensor] = []
+    current: list[torch.Tensor] = []
+
+    def record(kind: str, tensor: torch.Tensor) -> None:
+        if kind == "label_gradient":
+            grads.append(tensor.reshape(tensor.shape[0], -1).clone())
+            labels.append(current[0])
+
+    start = time.perf_counter()
+    for epoch in range(epochs):
+        model.train()
+        stop = protection.watch(record) if epoch == epochs - 1 else None
+        for x, y, _ in batches(train, batch_size, shuffle=True, seed=seed, epoch=epoch):
+            current[:] = [y]
+            loss = criterion(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if stop is not None:
+            stop()
+    return grads, labels, time.perf_counter() - start
+
+
+def _crossed(model: Any, protection: Any, aux: Split, test: Split) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """What crossed for the auxiliary and the test images (as the cloud would see it), and the logits."""
+    crossed: list[torch.Tensor] = []
+    stop = protection.watch(lambda kind, t: crossed.append(t.clone()) if kind == "activation" else None)
+    model.eval()
+    with torch.no_grad():
+        model(aux.x)
+        logits = model(test.x)
+    stop()
+    return crossed, logits
+
+
 def run_setting(s: Setting, *, seed: int = 0, epochs: int = 10, batch_size: int = 64, lr: float = 1e-3,
                 delta: float = 1e-5, address: str | None = None, inversion_steps: int = 600,
                 timeout: float = 60.0) -> dict[str, Any]:
@@ -106,21 +162,11 @@ def run_setting(s: Setting, *, seed: int = 0, epochs: int = 10, batch_size: int 
     ``address``: a ``splitft cloud`` serving :data:`FACTORIES`; None runs the cloud on a thread.
     """
     import splitft
-    from compressors.binary import keep_latent_weights_clipped
 
     from ..cloud import CloudServer, load_factory, serve_in_thread
 
     train, aux, test = data()
-    sample_rate = batch_size / len(train)
-    noisy = s.epsilon is not None or s.noise_multiplier is not None
-    defences = Defences(
-        leak_loss=s.leak_loss,
-        activations=Noise(s.clip, s.noise_multiplier) if noisy and s.noise_activations else None,
-        label_gradients=Noise(s.label_clip, s.noise_multiplier) if noisy and s.noise_labels else None,
-        budget=Budget(epsilon=s.epsilon if s.epsilon is not None else math.inf, delta=delta,
-                      sample_rate=sample_rate, epochs=epochs),
-        seed=10_000 + seed,
-    )
+    defences = _defences(s, seed=seed, epochs=epochs, sample_rate=batch_size / len(train), delta=delta)
     server = thread = None
     if address is None:
         listener = transports.InprocListener()
@@ -129,8 +175,6 @@ def run_setting(s: Setting, *, seed: int = 0, epochs: int = 10, batch_size: int 
         connection: Any = listener.connect()
     else:
         connection = transports.connect(address)
-    grads: list[torch.Tensor] = []
-    labels: list[torch.Tensor] = []
     try:
         model = splitft.split(load_factory(s.factory)(seed=seed), "block3", "head",
                               factory=splitft.Factory(s.factory, kwargs={"seed": seed}), connect=connection,
@@ -138,43 +182,14 @@ def run_setting(s: Setting, *, seed: int = 0, epochs: int = 10, batch_size: int 
                               faults=splitft.Faults(timeout=timeout))
         with model:
             protection = protect(model, defences)
-            optimizer = model.attach(torch.optim.Adam(model.parameters(), lr=lr))
-            keep_latent_weights_clipped(optimizer, model)
-            criterion = nn.CrossEntropyLoss()
-            start = time.perf_counter()
-            current: list[torch.Tensor] = []
-
-            def record(kind: str, tensor: torch.Tensor) -> None:
-                if kind == "label_gradient":
-                    grads.append(tensor.reshape(tensor.shape[0], -1).clone())
-                    labels.append(current[0])
-
-            for epoch in range(epochs):
-                model.train()
-                stop = protection.watch(record) if epoch == epochs - 1 else None
-                for x, y, _ in batches(train, batch_size, shuffle=True, seed=seed, epoch=epoch):
-                    current[:] = [y]
-                    loss = criterion(model(x), y)
-                    loss.backward()
-                    optimizer.step()
-                    optimizer.zero_grad()
-                if stop is not None:
-                    stop()
-            seconds = time.perf_counter() - start
+            grads, labels, seconds = _train(model, protection, train, epochs=epochs, batch_size=batch_size,
+                                            lr=lr, seed=seed)
             traffic = {"bytes_up": model.metrics.direction("up").wire,
                        "bytes_down": model.metrics.direction("down").wire,
                        "activation_bytes": model.metrics.bytes[("up", "activation")].wire,
                        "fwd_ratio": model.metrics.bytes[("up", "activation")].ratio}
-            spent = protection.spent()
-            multipliers = dict(protection.noise_multipliers)
-
-            crossed: list[torch.Tensor] = []
-            stop = protection.watch(lambda kind, t: crossed.append(t.clone()) if kind == "activation" else None)
-            model.eval()
-            with torch.no_grad():
-                model(aux.x)
-                logits = model(test.x)
-            stop()
+            spent, multipliers = protection.spent(), dict(protection.noise_multipliers)
+            crossed, logits = _crossed(model, protection, aux, test)
             fwd_spec = model.session.codecs.specs["fwd"]
     finally:
         if server is not None:
