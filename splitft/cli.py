@@ -65,6 +65,18 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
                         "time (default: 1; the gradient is the full batch's unless the cloud part has BatchNorm)")
     g.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for any cloud reply (default: 60)")
     g.add_argument("--metrics", default=None, metavar="PATH", help="append one JSON record per step to PATH")
+    g = p.add_argument_group("privacy (docs/privacy.md)")
+    g.add_argument("--leak-loss", type=float, default=0.0, metavar="LAMBDA",
+                   help="train the edge to decorrelate what crosses from its input (distance correlation, "
+                        "weight LAMBDA; default: off)")
+    g.add_argument("--dp-epsilon", type=float, default=None, metavar="EPS",
+                   help="differential privacy on what crosses: per-sample clipping and Gaussian noise "
+                        "calibrated to EPS over the run; training stops before the budget is spent (default: off)")
+    g.add_argument("--dp-delta", type=float, default=1e-5, help="the delta of the budget (default: 1e-5)")
+    g.add_argument("--dp-clip", type=float, default=1.0, help="per-sample L2 bound before noise (default: 1.0)")
+    g.add_argument("--dp-on", choices=("activations", "labels", "both"), default="activations",
+                   help="noise the activation edge -> cloud, the gradient a U-shape edge returns (it carries "
+                        "the labels), or both (default: activations)")
     g = p.add_argument_group("faults")
     g.add_argument("--reconnect-timeout", type=float, default=60.0,
                    help="seconds to keep trying to get the session back after the link fails (default: 60)")
@@ -314,7 +326,16 @@ def _task_run(args: argparse.Namespace) -> TaskRun:
                    seed=args.seed, limit=args.limit, max_length=args.max_length,
                    codecs=Codecs(args.fwd, args.bwd, seed=args.seed), schedule=Schedule(args.micro_batches),
                    faults=Faults(args.timeout, args.reconnect_timeout, args.heartbeat), freeze_edge=args.freeze_edge,
-                   metrics_path=args.metrics, progress=True)
+                   metrics_path=args.metrics, progress=True, privacy=_privacy_run(args))
+
+
+def _privacy_run(args: argparse.Namespace):
+    from .runner import PrivacyRun
+
+    if not args.leak_loss and args.dp_epsilon is None:
+        return None
+    return PrivacyRun(leak_loss=args.leak_loss, epsilon=args.dp_epsilon, delta=args.dp_delta, clip=args.dp_clip,
+                      on=args.dp_on)
 
 
 def _edge(args: argparse.Namespace, address: str) -> int:
@@ -347,6 +368,8 @@ def _edge(args: argparse.Namespace, address: str) -> int:
         return 1
     print(f"\ntest accuracy {result.accuracy:.4f} after {run.epochs} epochs ({result.steps} steps)")
     print(format_report(result.metrics, result.seconds))
+    if result.epsilon is not None:
+        print(f"privacy: epsilon spent {result.epsilon:.3g} (delta {args.dp_delta:g})")
     return 0
 
 

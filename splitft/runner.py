@@ -27,6 +27,34 @@ from .train import fit
 
 
 @dataclass(frozen=True)
+class PrivacyRun:
+    """Defences for a task run, in the command line's terms (see :mod:`splitft.privacy`).
+
+    ``leak_loss``: the weight of the distance-correlation loss trained on the edge.
+    ``epsilon``: differential privacy on what crosses, calibrated to (epsilon, ``delta``) over the
+    run, each sample clipped to L2 norm ``clip``; ``on`` says which tensors are noised: the
+    activation edge → cloud, the gradient a U-shape edge returns (it carries the labels), or both.
+    """
+
+    leak_loss: float = 0.0
+    epsilon: float | None = None
+    delta: float = 1e-5
+    clip: float = 1.0
+    on: Literal["activations", "labels", "both"] = "activations"
+
+    def defences(self, *, sample_rate: float, epochs: int) -> Any:
+        from .privacy import Budget, Defences, Noise
+
+        noise = Noise(self.clip) if self.epsilon is not None else None
+        return Defences(
+            leak_loss=self.leak_loss,
+            activations=noise if self.on in ("activations", "both") else None,
+            label_gradients=noise if self.on in ("labels", "both") else None,
+            budget=Budget(epsilon=self.epsilon, delta=self.delta, sample_rate=sample_rate, epochs=epochs)
+            if self.epsilon is not None else None)
+
+
+@dataclass(frozen=True)
 class TaskRun:
     """What to train, and how. Every setting left at None keeps the task's own.
 
@@ -53,6 +81,7 @@ class TaskRun:
     freeze_edge: bool = False
     metrics_path: str | None = None
     progress: bool = False  # a progress bar per epoch (command line)
+    privacy: PrivacyRun | None = None  # defences on what crosses (splitft.privacy)
 
     def __post_init__(self) -> None:
         get_task(self.task)  # an unknown task raises listing the known ones
@@ -76,6 +105,7 @@ class Prepared:
     ushape: bool
     epochs: int
     batch_size: int
+    protection: Any = None  # splitft.privacy.Protection when defences are on
 
 
 @dataclass
@@ -93,6 +123,7 @@ class RunResult:
     bytes_up: int
     bytes_down: int
     history: list[dict[str, float]] = field(default_factory=list)
+    epsilon: float | None = None  # privacy spent, when a budget was set
     metrics: Metrics = field(default_factory=Metrics, repr=False, compare=False)
 
 
@@ -117,12 +148,19 @@ def prepare(run: TaskRun, connect: Any) -> Prepared:
         optimizer = model.attach(getattr(torch.optim, task.optimizer)(model.parameters(), lr=run.lr or task.lr))
         keep_latent_weights_clipped(optimizer, model)  # binarized edges (B-SL); nothing to clip otherwise
         criterion = nn.CrossEntropyLoss() if ushape else model.remote_loss(nn.CrossEntropyLoss())
+        epochs = run.epochs if run.epochs is not None else task.epochs
+        batch_size = run.batch_size or task.batch_size
+        protection = None
+        if run.privacy is not None:
+            from .privacy import protect
+
+            protection = protect(model, run.privacy.defences(sample_rate=batch_size / len(train_data),
+                                                             epochs=epochs))
     except BaseException:
         model.close("error")
         raise
     return Prepared(run, task, model, optimizer, criterion, train_data, test_data, cut, rejoin, ushape,
-                    epochs=run.epochs if run.epochs is not None else task.epochs,
-                    batch_size=run.batch_size or task.batch_size)
+                    epochs=epochs, batch_size=batch_size, protection=protection)
 
 
 def train(prepared: Prepared) -> RunResult:
@@ -140,6 +178,7 @@ def train(prepared: Prepared) -> RunResult:
         steps=result.steps, fwd_ratio=metrics.bytes[("up", "activation")].ratio,
         bwd_ratio=metrics.bytes[("down", "gradient")].ratio, bytes_up=metrics.direction("up").wire,
         bytes_down=metrics.direction("down").wire, history=result.history, metrics=metrics,
+        epsilon=prepared.protection.spent() if run.privacy is not None and run.privacy.epsilon is not None else None,
     )
 
 
@@ -149,4 +188,4 @@ def run(task_run: TaskRun, connect: Any) -> RunResult:
         return train(prepare(task_run, connect))
 
 
-__all__ = ["Prepared", "RunResult", "TaskRun", "prepare", "run", "train"]
+__all__ = ["Prepared", "PrivacyRun", "RunResult", "TaskRun", "prepare", "run", "train"]

@@ -38,3 +38,32 @@ def test_a_run_trains_counts_its_bytes_and_leaves_the_callers_generator_alone():
     assert result.steps == 2 and len(result.history) == 1 and 0 <= result.accuracy <= 1
     assert result.fwd == "fp16" and result.fwd_ratio == pytest.approx(2.0, rel=0.05)
     assert result.bytes_up == result.metrics.direction("up").wire > 0
+
+
+def test_privacy_options_on_the_command_line_reach_the_run():
+    from splitft.runner import PrivacyRun
+
+    args = _build_parser().parse_args(["demo", "--dp-epsilon", "3", "--dp-on", "labels", "--leak-loss", "0.5"])
+    privacy = _task_run(args).privacy
+    assert privacy == PrivacyRun(leak_loss=0.5, epsilon=3.0, on="labels")
+    defences = privacy.defences(sample_rate=0.1, epochs=2)
+    assert defences.activations is None and defences.label_gradients.clip == 1.0 and defences.leak_loss == 0.5
+    assert defences.budget.epsilon == 3.0 and defences.budget.sample_rate == 0.1
+    assert _task_run(_build_parser().parse_args(["demo"])).privacy is None
+
+
+def test_a_private_run_spends_its_budget_and_no_more():
+    import transports
+    from splitft.cloud import CloudServer, serve_in_thread
+    from splitft.runner import PrivacyRun, run
+
+    listener = transports.InprocListener()
+    server = CloudServer(listener, ["splitft.models:digits_cnn"])
+    thread = serve_in_thread(server)
+    try:
+        result = run(TaskRun(epochs=1, limit=128, batch_size=64, topology="ushape",
+                             privacy=PrivacyRun(epsilon=4.0, on="both")), listener.connect)
+    finally:
+        server.stop()
+        thread.join(timeout=10)
+    assert result.steps == 2 and 0 < result.epsilon <= 4.0 + 1e-6
