@@ -29,7 +29,7 @@ from ..factories import build_chain, load_factory
 from ..limits import Limits
 from ..policy import Policy
 from ..protocol import Ack, Backward, Bye, Error, Forward, Hello, Ping, Pong, Sync, Welcome
-from . import checkpoints, replies
+from . import checkpoints, ops, replies
 from .session import CloudSession, SharedPart, check_codecs, hello_identity
 
 log = logging.getLogger(__name__)
@@ -232,7 +232,7 @@ class CloudServer:
         session = self._session_of(peer, msg)
         before = session.steps
         try:
-            session.apply_ops(msg.ops)
+            ops.apply_ops(session, msg.ops)
         finally:
             # Right after the step, before the request's own work: replaying this request
             # re-applies its operations, which their ids make harmless, then does that work.

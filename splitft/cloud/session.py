@@ -43,7 +43,6 @@ from ..metrics import Metrics
 from ..policy import Policy
 from ..protocol import Backward, Forward, Hello, InputGrads, Output
 from .guard import Stopwatch, blame
-from .ops import apply_ops
 
 log = logging.getLogger(__name__)
 
@@ -239,10 +238,6 @@ class CloudSession:
             self._grads = [p.grad for p in params]
             for p in params:
                 p.grad = None
-
-    def apply_ops(self, ops: list) -> int:
-        """Apply mirrored operations in order (:mod:`splitft.cloud.ops`); returns new optimizer steps."""
-        return apply_ops(self, ops)
 
     # ------------------------------------------------------------ forward
 
