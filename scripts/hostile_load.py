@@ -33,7 +33,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 FACTORY = "splitft.models:tiny_mlp"
 CUT = 2
 BUDGETS = {"--session-memory-mb": "64", "--memory-mb": "512", "--max-decoded-mb": "32",
-           "--handshake-timeout": "2", "--max-ops": "256", "--max-open-sessions": "64"}
+           "--handshake-timeout": "2", "--max-ops": "256", "--max-open-sessions": "64", "--checkpoint-max-mb": "64"}
 
 
 def _start_cloud(folder: Path) -> tuple[subprocess.Popen, str]:
@@ -53,9 +53,10 @@ def _start_cloud(folder: Path) -> tuple[subprocess.Popen, str]:
     return proc, ready.read_text()
 
 
-def _peak_rss(pid: int) -> int:
+def _memory(pid: int, field: str) -> int:
+    """``VmHWM`` (peak) or ``VmRSS`` (now) of a process, in bytes."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
     return 0
 
@@ -195,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         proc, address = _start_cloud(Path(tmp))
         try:
             alone = good_edge(address, args.steps, seed=0)
+            baseline = _memory(proc.pid, "VmHWM")  # the process with torch loaded and one session served
             attacks = _attacks()
             stop, lock, codes = threading.Event(), threading.Lock(), collections.Counter()
             threads = [threading.Thread(target=hostile_client, args=(address, attacks, stop, codes, lock, args.rounds),
@@ -206,9 +208,10 @@ def main(argv: list[str] | None = None) -> int:
             stop.set()
             for t in threads:
                 t.join(timeout=30)
-            peak = _peak_rss(proc.pid)
+            peak = _memory(proc.pid, "VmHWM")
             alive = proc.poll() is None
-            leftovers = sorted(p.name for p in (Path(tmp) / "ck").iterdir()) if (Path(tmp) / "ck").exists() else []
+            folder = Path(tmp) / "ck"
+            checkpoint_bytes = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.exists() else 0
         finally:
             proc.kill()
             proc.wait(timeout=10)
@@ -220,19 +223,20 @@ def main(argv: list[str] | None = None) -> int:
         "alone_p50_ms": 1e3 * statistics.median(alone), "alone_p95_ms": 1e3 * _pct(alone, 95),
         "attacked_p50_ms": 1e3 * statistics.median(attacked), "attacked_p95_ms": 1e3 * _pct(attacked, 95),
         "attacked_max_ms": 1e3 * max(attacked),
-        "cloud_peak_rss_mb": peak / 2**20, "cloud_memory_budget_mb": total_mb,
-        "cloud_alive": alive, "replies": dict(sorted(codes.items())),
+        "cloud_baseline_rss_mb": baseline / 2**20, "cloud_peak_rss_mb": peak / 2**20,
+        "cloud_memory_budget_mb": total_mb, "cloud_alive": alive, "replies": dict(sorted(codes.items())),
         "file_path_attack_wrote_file": Path("/tmp/splitft-hostile.npy").exists(),
-        "checkpoint_folders_left": len(leftovers),
+        "checkpoint_folder_mb": checkpoint_bytes / 2**20,
     }
     print(f"good edge, {args.steps} steps: alone p50 {result['alone_p50_ms']:.1f} ms, p95 {result['alone_p95_ms']:.1f} ms")
     print(f"under {args.hostile} hostile clients: p50 {result['attacked_p50_ms']:.1f} ms "
           f"({result['attacked_p50_ms'] / result['alone_p50_ms']:.2f}x), p95 {result['attacked_p95_ms']:.1f} ms "
           f"({result['attacked_p95_ms'] / result['alone_p95_ms']:.2f}x), worst {result['attacked_max_ms']:.0f} ms")
-    print(f"cloud peak resident memory {result['cloud_peak_rss_mb']:.0f} MiB (sessions' budget {total_mb:.0f} MiB, "
-          f"process baseline included); still serving: {alive}")
-    print(f"file written by the path attack: {result['file_path_attack_wrote_file']}; "
-          f"checkpoint folders left: {len(leftovers)}")
+    print(f"cloud resident memory: {result['cloud_baseline_rss_mb']:.0f} MiB before the attack, peak "
+          f"{result['cloud_peak_rss_mb']:.0f} MiB during it (+{(peak - baseline) / 2**20:.0f} MiB; the sessions' "
+          f"budget is {total_mb:.0f} MiB); still serving: {alive}")
+    print(f"file written by the path attack: {result['file_path_attack_wrote_file']}; checkpoint folder "
+          f"{result['checkpoint_folder_mb']:.1f} MiB (cap {BUDGETS['--checkpoint-max-mb']} MiB)")
     print("what the attackers got back:")
     for key, count in result["replies"].items():
         print(f"  {count:6d}  {key}")
