@@ -27,7 +27,7 @@ from compressors import WIRE_DTYPES, Payload
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: numbered requests, typed operations, welcome.limits with budgets (docs/wire.md)
 _ARRAY_EXT = 1
 MAX_DIMS = 8
 
@@ -55,7 +55,6 @@ class Hello(Message):
     codecs: dict
     seed: int
     factory_kwargs: dict = field(default_factory=dict)
-    loss: str | None = None
     value_hash: str | None = None
     weights: dict | None = None
     client: str = ""
@@ -297,7 +296,7 @@ def decode(frames: list) -> Message:
         raise ProtocolError(f"header must be a map with keys v, t, b; got {_short(head)}")
     if head["v"] != PROTOCOL_VERSION:
         raise ProtocolError(
-            f"protocol version {head['v']!r} received, this side speaks {PROTOCOL_VERSION}; "
+            f"the peer speaks protocol {head['v']!r}, this side speaks {PROTOCOL_VERSION}; "
             "install the same splitft version on edge and cloud"
         )
     cls = MESSAGES.get(head["t"]) if isinstance(head["t"], str) else None

@@ -12,15 +12,15 @@ from splitft.errors import ProtocolError
 
 
 def test_ack_is_exactly_these_bytes():
-    # map{v: 1, t: "ack", b: map{state: nil, seq: 7}}
-    assert protocol.encode(protocol.Ack(seq=7)) == [b"\x83\xa1v\x01\xa1t\xa3ack\xa1b\x82\xa5state\xc0\xa3seq\x07"]
+    # map{v: 2, t: "ack", b: map{state: nil, seq: 7}}
+    assert protocol.encode(protocol.Ack(seq=7)) == [b"\x83\xa1v\x02\xa1t\xa3ack\xa1b\x82\xa5state\xc0\xa3seq\x07"]
 
 
 def test_array_travels_as_extension_reference_plus_raw_frame():
     arr = np.arange(6, dtype=np.float32).reshape(2, 3)
     frames = protocol.encode(protocol.Output(call=7, value=protocol.payload_to_wire(Payload("identity", 1, {"x": arr}), True)))
     assert frames[0] == (
-        b"\x83\xa1v\x01\xa1t\xa6output\xa1b\x85\xa4call\x07\xa5value\x81\xa2$t\x95\xa8identity\x01\x80"
+        b"\x83\xa1v\x02\xa1t\xa6output\xa1b\x85\xa4call\x07\xa5value\x81\xa2$t\x95\xa8identity\x01\x80"
         b"\x81\xa1x"
         b"\xc7\x0d\x01" b"\x93\x00\xa7float32\x92\x02\x03"  # ext8, 13 bytes, type 1: [frame 0, dtype, shape]
         b"\xc3\xa7timings\x80\xa5grads\xc0\xa3seq\x00"
@@ -71,7 +71,7 @@ def test_a_different_array_does_not_compare_equal():
     assert a == protocol.Sync()
 
 
-def _header(body: dict, t: str = "sync", v: int = 1, ext: list | None = None) -> bytes:
+def _header(body: dict, t: str = "sync", v: int = protocol.PROTOCOL_VERSION, ext: list | None = None) -> bytes:
     def default(obj):
         return obj
 
@@ -82,26 +82,28 @@ def _ext(index, dtype, shape) -> msgpack.ExtType:
     return msgpack.ExtType(1, msgpack.packb([index, dtype, shape]))
 
 
+V = protocol.PROTOCOL_VERSION
 MALFORMED = {
     "no frames": [],
     "not msgpack": [b"\xc1\xc1\xc1"],
     "truncated header": [protocol.encode(protocol.Ack())[0][:-3]],
     "header not a map": [msgpack.packb([1, 2, 3])],
     "wrong version": [_header({}, v=99)],
+    "the first version": [_header({}, v=1)],
     "unknown type": [_header({}, t="launch_missiles")],
     "unknown field": [_header({"bogus": 1})],
     "wrong field type": [_header({"call": "seven", "grads": []}, t="backward")],
     "bool as int": [_header({"call": True, "grads": []}, t="backward")],
     "missing field": [_header({"grads": []}, t="backward")],
-    "unknown extension": [msgpack.packb({"v": 1, "t": "sync", "b": {"ops": [msgpack.ExtType(9, b"")]}})],
-    "bad dtype": [msgpack.packb({"v": 1, "t": "sync", "b": {"ops": [_ext(0, "object", [1])]}}), b"12345678"],
-    "shape vs bytes": [msgpack.packb({"v": 1, "t": "sync", "b": {"ops": [_ext(0, "float32", [3])]}}), b"12345678"],
-    "negative dim": [msgpack.packb({"v": 1, "t": "sync", "b": {"ops": [_ext(0, "float32", [-1])]}}), b""],
-    "huge declared shape": [msgpack.packb({"v": 1, "t": "sync", "b": {"ops": [_ext(0, "float64", [2**40, 2**40])]}}), b""],
-    "frame index out of range": [msgpack.packb({"v": 1, "t": "sync", "b": {"ops": [_ext(5, "uint8", [1])]}}), b"x"],
-    "frame used twice": [msgpack.packb({"v": 1, "t": "sync", "b": {"ops": [_ext(0, "uint8", [1]), _ext(0, "uint8", [1])]}}), b"x"],
+    "unknown extension": [msgpack.packb({"v": V, "t": "sync", "b": {"ops": [msgpack.ExtType(9, b"")]}})],
+    "bad dtype": [msgpack.packb({"v": V, "t": "sync", "b": {"ops": [_ext(0, "object", [1])]}}), b"12345678"],
+    "shape vs bytes": [msgpack.packb({"v": V, "t": "sync", "b": {"ops": [_ext(0, "float32", [3])]}}), b"12345678"],
+    "negative dim": [msgpack.packb({"v": V, "t": "sync", "b": {"ops": [_ext(0, "float32", [-1])]}}), b""],
+    "huge declared shape": [msgpack.packb({"v": V, "t": "sync", "b": {"ops": [_ext(0, "float64", [2**40, 2**40])]}}), b""],
+    "frame index out of range": [msgpack.packb({"v": V, "t": "sync", "b": {"ops": [_ext(5, "uint8", [1])]}}), b"x"],
+    "frame used twice": [msgpack.packb({"v": V, "t": "sync", "b": {"ops": [_ext(0, "uint8", [1]), _ext(0, "uint8", [1])]}}), b"x"],
     "extra frame": [protocol.encode(protocol.Ack())[0], b"surplus"],
-    "garbage reference": [msgpack.packb({"v": 1, "t": "sync", "b": {"ops": [msgpack.ExtType(1, b"\xc1")]}})],
+    "garbage reference": [msgpack.packb({"v": V, "t": "sync", "b": {"ops": [msgpack.ExtType(1, b"\xc1")]}})],
 }
 
 

@@ -131,7 +131,8 @@ class CloudSession:
                  restoring: bool = False, policy: Policy | None = None,
                  admit: Callable[[int], None] | None = None) -> None:
         if hello.protocol != protocol.PROTOCOL_VERSION:
-            raise HandshakeError(f"edge speaks protocol {hello.protocol}, cloud speaks {protocol.PROTOCOL_VERSION}")
+            raise HandshakeError(f"the edge speaks protocol {hello.protocol}, this cloud speaks "
+                                 f"{protocol.PROTOCOL_VERSION}; install the same splitft version on both")
         self.limits = limits or Limits()
         self.policy = policy or Policy()
         self.id = secrets.token_hex(8)
