@@ -168,3 +168,23 @@ def test_training_stops_before_sending_once_the_budget_is_spent(inproc_cloud):
         with torch.no_grad():
             model(data[3][0])  # evaluation still runs (noised, not a training step)
     assert isinstance(PrivacyBudgetExceeded("x"), splitft.SplitFTError)
+
+
+def test_the_epsilon_spent_is_in_every_step_record(inproc_cloud, tmp_path):
+    import json
+
+    path = tmp_path / "steps.jsonl"
+    model = splitft.split(digits_cnn(), "block3", "head", factory=DIGITS, connect=inproc_cloud.connect(),
+                          faults=splitft.Faults(timeout=30), metrics_path=str(path))
+    protect(model, Defences(activations=Noise(clip=1.0), budget=Budget(epsilon=8, delta=1e-5, sample_rate=RATE,
+                                                                       steps=10)))
+    with model:
+        opt = model.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+        x, y = load_digits()[0].x[:16], load_digits()[0].y[:16]
+        for _ in range(2):
+            nn.CrossEntropyLoss()(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        spent = model.privacy.spent()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(records) == 2 and 0 < records[0]["privacy"]["epsilon"] < records[1]["privacy"]["epsilon"] == spent

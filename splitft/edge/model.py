@@ -127,8 +127,10 @@ class SplitModel(nn.Module):
         self.metrics.steps += 1
         if self._writer is not None:
             now = time.perf_counter()
+            privacy = getattr(self, "privacy", None)  # set by splitft.privacy.protect
             self._writer.write({"step": self.session.step, "seconds": now - self._last_record}
-                               | self.metrics.snapshot())
+                               | self.metrics.snapshot()
+                               | ({"privacy": privacy.snapshot()} if privacy is not None else {}))
             self._last_record = now
 
     def remote_loss(self, criterion: nn.Module) -> RemoteLoss:
