@@ -189,24 +189,7 @@ def _json_path(stem_or_json: str | os.PathLike) -> Path:
     return path if path.suffix == ".json" else path.with_name(path.name + ".json")
 
 
-def read_meta(stem_or_json: str | os.PathLike) -> dict[str, Any]:
-    """The ``meta`` of a checkpoint alone, without reading its tensors (to check a token first)."""
-    json_path = _json_path(stem_or_json)
-    try:
-        document = json.loads(json_path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"no checkpoint at {json_path}") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{json_path} is not a readable checkpoint: {exc}") from exc
-    meta = document.get("meta") if isinstance(document, dict) else None
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{json_path} is not a splitft checkpoint")
-    return meta
-
-
-def read_checkpoint(stem_or_json: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
-    """``(tree, meta)`` of a checkpoint written by :func:`write_checkpoint`, verified."""
-    json_path = _json_path(stem_or_json)
+def _read_document(json_path: Path) -> dict[str, Any]:
     try:
         document = json.loads(json_path.read_text())
     except FileNotFoundError:
@@ -215,6 +198,18 @@ def read_checkpoint(stem_or_json: str | os.PathLike) -> tuple[Any, dict[str, Any
         raise CheckpointError(f"{json_path} is not a readable checkpoint: {exc}") from exc
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise CheckpointError(f"{json_path} is not a splitft checkpoint")
+    return document
+
+
+def read_meta(stem_or_json: str | os.PathLike) -> dict[str, Any]:
+    """The ``meta`` of a checkpoint alone, without reading its tensors (to check a token first)."""
+    return _read_document(_json_path(stem_or_json)).get("meta") or {}
+
+
+def read_checkpoint(stem_or_json: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
+    """``(tree, meta)`` of a checkpoint written by :func:`write_checkpoint`, verified."""
+    json_path = _json_path(stem_or_json)
+    document = _read_document(json_path)
     if document.get("version") != FORMAT_VERSION:
         raise CheckpointError(f"{json_path} has format version {document.get('version')!r}; this splitft "
                               f"reads version {FORMAT_VERSION}")

@@ -14,12 +14,11 @@ the edge call that queues it.
 from __future__ import annotations
 
 import dataclasses
-import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .errors import ProtocolError
-from .protocol import _accepted_types, _short, _type_name
+from .protocol import _short, build_checked
 
 
 @dataclass
@@ -85,14 +84,6 @@ OPERATIONS: dict[str, type[Operation]] = {
     cls.NAME: cls for cls in (AttachOptimizer, SetLoss, Step, ApplyEager, ZeroGrad)
 }
 
-_SCHEMAS = {
-    cls: [(f.name, typing.get_type_hints(cls)[f.name], _accepted_types(typing.get_type_hints(cls)[f.name]),
-           f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-          for f in dataclasses.fields(cls)]
-    for cls in OPERATIONS.values()
-}
-
-
 def to_wire(op: Operation) -> dict[str, Any]:
     """The map that travels: ``{"op": NAME, ...fields}``."""
     return {"op": op.NAME, **dataclasses.asdict(op)}
@@ -105,21 +96,7 @@ def from_wire(value: Any) -> Operation:
     cls = OPERATIONS.get(value["op"])
     if cls is None:
         raise ProtocolError(f"unknown operation {_short(value['op'])}; known: {', '.join(sorted(OPERATIONS))}")
-    body = {k: v for k, v in value.items() if k != "op"}
-    schema = _SCHEMAS[cls]
-    unknown = set(body) - {name for name, *_ in schema}
-    if unknown:
-        raise ProtocolError(f"operation {cls.NAME} has no field(s) {sorted(map(str, unknown))}")
-    for name, hint, accepted, required in schema:
-        if name not in body:
-            if required:
-                raise ProtocolError(f"operation {cls.NAME} is missing field {name!r}")
-            continue
-        item = body[name]
-        if accepted is not None and (not isinstance(item, accepted)
-                                     or (isinstance(item, bool) and bool not in accepted)):
-            raise ProtocolError(f"operation {cls.NAME}.{name} should be {_type_name(hint)}, got {_short(item)}")
-    return cls(**body)
+    return build_checked(cls, {k: v for k, v in value.items() if k != "op"}, f"operation {cls.NAME}")
 
 
 __all__ = ["ApplyEager", "AttachOptimizer", "OPERATIONS", "Operation", "SetLoss", "Step", "ZeroGrad",

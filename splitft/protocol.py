@@ -208,13 +208,23 @@ def _accepted_types(hint: Any) -> tuple[type, ...] | None:
     return (typing.get_origin(hint) or hint,)
 
 
-_SCHEMAS: dict[type[Message], list[tuple[str, Any, tuple[type, ...] | None, bool]]] = {
-    cls: [(f.name, typing.get_type_hints(cls)[f.name], _accepted_types(typing.get_type_hints(cls)[f.name]),
-           f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-          for f in dataclasses.fields(cls)]
-    for cls in MESSAGES.values()
-}
-_FIELD_NAMES = {cls: [name for name, *_ in schema] for cls, schema in _SCHEMAS.items()}
+_SCHEMAS: dict[type, tuple[list[tuple[str, Any, tuple[type, ...] | None, bool]], frozenset[str]]] = {}
+
+
+def _schema(cls: type) -> tuple[list[tuple[str, Any, tuple[type, ...] | None, bool]], frozenset[str]]:
+    """(field name, hint, accepted types, required) per field of a record class, and the names."""
+    found = _SCHEMAS.get(cls)
+    if found is None:
+        hints = typing.get_type_hints(cls)
+        fields = [(f.name, hints[f.name], _accepted_types(hints[f.name]),
+                   f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+                  for f in dataclasses.fields(cls)]
+        found = _SCHEMAS[cls] = (fields, frozenset(name for name, *_ in fields))
+    return found
+
+
+#: Field names per message type, in declaration order (the order they are encoded in).
+_FIELD_NAMES = {cls: [name for name, *_ in _schema(cls)[0]] for cls in MESSAGES.values()}
 
 
 # ---------------------------------------------------------------- payloads inside bodies
@@ -326,19 +336,27 @@ def _array(frames: list, index: Any, dtype: Any, shape: Any, used: set[int]) -> 
 def _build(cls: type[Message], body: Any) -> Message:
     if not isinstance(body, dict):
         raise ProtocolError(f"{cls.TYPE} body must be a map, got {_short(body)}")
-    schema = _SCHEMAS[cls]
-    if len(body) > len(schema) or not set(body) <= set(_FIELD_NAMES[cls]):
-        unknown = set(body) - set(_FIELD_NAMES[cls])
-        raise ProtocolError(f"{cls.TYPE} has no field(s) {sorted(map(str, unknown))}")
+    return build_checked(cls, body, cls.TYPE)
+
+
+def build_checked(cls: type, body: dict, what: str) -> Any:
+    """``cls(**body)`` for a dataclass record, once every field is checked against its type hint.
+
+    Unknown and missing fields are refused, and an int field refuses a bool. Messages and the
+    mirrored operations (:mod:`splitft.operations`) are both built through here.
+    """
+    schema, names = _schema(cls)
+    if not set(body) <= names:
+        raise ProtocolError(f"{what} has no field(s) {sorted(map(str, set(body) - names))}")
     for name, hint, accepted, required in schema:
         if name not in body:
             if required:
-                raise ProtocolError(f"{cls.TYPE} is missing field {name!r}")
+                raise ProtocolError(f"{what} is missing field {name!r}")
             continue
         value = body[name]
         if accepted is not None and (not isinstance(value, accepted)
                                      or (isinstance(value, bool) and bool not in accepted)):
-            raise ProtocolError(f"{cls.TYPE}.{name} should be {_type_name(hint)}, got {_short(value)}")
+            raise ProtocolError(f"{what}.{name} should be {_type_name(hint)}, got {_short(value)}")
     return cls(**body)
 
 

@@ -23,9 +23,11 @@ torch.set_num_threads(1)  # two processes share 2 cores in these tests; avoid ov
 
 
 class InprocCloud:
-    def __init__(self, factories: list[str]) -> None:
+    """A cloud on a thread of this process; ``options`` go to :class:`CloudServer`."""
+
+    def __init__(self, factories: list[str], **options) -> None:
         self.listener = InprocListener()
-        self.server = CloudServer(self.listener, factories)
+        self.server = CloudServer(self.listener, factories, **options)
         self.thread = serve_in_thread(self.server)
 
     def connect(self):

@@ -24,7 +24,7 @@ from splitft.limits import Limits
 from splitft.options import Faults, Link
 from splitft.policy import Policy
 from splitft.protocol import Forward, Hello, Sync, payload_to_wire
-from tests.conftest import start_cloud, stop
+from tests.conftest import InprocCloud, start_cloud, stop
 from tests.models import mlp
 from tests.test_faults import MLP, _data, assert_same, local_weights, split_weights
 from tests.test_hostile import HELLO, _answer, _deep
@@ -35,20 +35,11 @@ TIGHT = Limits(max_message_bytes=4 * MiB, max_decoded_bytes=16 * MiB, session_me
                handshake_timeout=0.5, sessions_per_peer=64)
 
 
-class Cloud:
-    """An in-process cloud for the requests below; ``talk`` sends raw messages on one connection."""
+class Cloud(InprocCloud):
+    """An in-process cloud with tight budgets, for the requests below."""
 
     def __init__(self, limits: Limits = TIGHT, **options) -> None:
-        self.listener = transports.InprocListener()
-        self.server = CloudServer(self.listener, [MLP], limits=limits, **options)
-        self.thread = serve_in_thread(self.server)
-
-    def connect(self):
-        return self.listener.connect()
-
-    def close(self) -> None:
-        self.server.stop()
-        self.thread.join(timeout=10)
+        super().__init__([MLP], limits=limits, **options)
 
 
 @pytest.fixture
