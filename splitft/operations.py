@@ -80,8 +80,24 @@ class ZeroGrad(Operation):
     set_to_none: bool = True
 
 
+@dataclass
+class ScaleGrads(Operation):
+    """Multiply the cloud half's gradients by ``factor`` (the edge clipped by the global norm)."""
+
+    NAME: ClassVar[str] = "scale_grads"
+    factor: float
+
+
+@dataclass
+class ClampGrads(Operation):
+    """Clamp the cloud half's gradients to ``[-value, value]`` (``clip_grad_value_``)."""
+
+    NAME: ClassVar[str] = "clamp_grads"
+    value: float
+
+
 OPERATIONS: dict[str, type[Operation]] = {
-    cls.NAME: cls for cls in (AttachOptimizer, SetLoss, Step, ApplyEager, ZeroGrad)
+    cls.NAME: cls for cls in (AttachOptimizer, SetLoss, Step, ApplyEager, ZeroGrad, ScaleGrads, ClampGrads)
 }
 
 def to_wire(op: Operation) -> dict[str, Any]:
@@ -99,5 +115,6 @@ def from_wire(value: Any) -> Operation:
     return build_checked(cls, {k: v for k, v in value.items() if k != "op"}, f"operation {cls.NAME}")
 
 
-__all__ = ["ApplyEager", "AttachOptimizer", "OPERATIONS", "Operation", "SetLoss", "Step", "ZeroGrad",
+__all__ = ["ApplyEager", "AttachOptimizer", "ClampGrads", "OPERATIONS", "Operation", "ScaleGrads", "SetLoss", "Step",
+           "ZeroGrad",
            "from_wire", "to_wire"]

@@ -148,6 +148,7 @@ class Sync(Message):
     want_state: bool = False
     checkpoint: bool = False  # write a cloud checkpoint now
     pin: bool = False  # ... and keep it: the edge is saving its own checkpoint to match it
+    grad_norm: float | None = None  # answer with the norm (of this type) of each cloud gradient
     seq: int = 0
 
 
@@ -155,6 +156,7 @@ class Sync(Message):
 class Ack(Message):
     TYPE: ClassVar[str] = "ack"
     state: dict | None = None
+    grad_norms: list | None = None  # per cloud parameter with a gradient, in the half's order
     seq: int = 0
 
 

@@ -12,8 +12,9 @@ from splitft.errors import ProtocolError
 
 
 def test_ack_is_exactly_these_bytes():
-    # map{v: 2, t: "ack", b: map{state: nil, seq: 7}}
-    assert protocol.encode(protocol.Ack(seq=7)) == [b"\x83\xa1v\x02\xa1t\xa3ack\xa1b\x82\xa5state\xc0\xa3seq\x07"]
+    # map{v: 2, t: "ack", b: map{state: nil, grad_norms: nil, seq: 7}}
+    assert protocol.encode(protocol.Ack(seq=7)) == [
+        b"\x83\xa1v\x02\xa1t\xa3ack\xa1b\x83\xa5state\xc0\xaagrad_norms\xc0\xa3seq\x07"]
 
 
 def test_array_travels_as_extension_reference_plus_raw_frame():

@@ -142,12 +142,31 @@ def zero_grad(session: CloudSession, op: o.ZeroGrad) -> None:
             session.chain.zero_grad(set_to_none=op.set_to_none)
 
 
+def scale_grads(session: CloudSession, op: o.ScaleGrads) -> None:
+    _each_grad(session, op.factor, lambda grad: grad.mul_(op.factor))
+
+
+def clamp_grads(session: CloudSession, op: o.ClampGrads) -> None:
+    _each_grad(session, op.value, lambda grad: grad.clamp_(-op.value, op.value))
+
+
+def _each_grad(session: CloudSession, number: float, change: Callable[[torch.Tensor], Any]) -> None:
+    if not math.isfinite(number):
+        raise ProtocolError(f"gradient operations need a finite number, got {number}")
+    with torch.no_grad(), session.own_grads():
+        for param in session.chain.parameters():
+            if param.grad is not None:
+                change(param.grad)
+
+
 HANDLERS: dict[type[o.Operation], Callable[[Any, Any], Any]] = {
     o.AttachOptimizer: attach_optimizer,
     o.SetLoss: set_loss,
     o.Step: step,
     o.ApplyEager: apply_eager,
     o.ZeroGrad: zero_grad,
+    o.ScaleGrads: scale_grads,
+    o.ClampGrads: clamp_grads,
 }
 
 __all__ = ["HANDLERS", "apply_ops"]

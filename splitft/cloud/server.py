@@ -244,7 +244,8 @@ class CloudServer:
         if isinstance(msg, Backward):
             return session.backward(msg)
         if isinstance(msg, Sync):
-            return Ack(state=session.state() if msg.want_state else None)
+            return Ack(state=session.state() if msg.want_state else None,
+                       grad_norms=session.grad_norms(msg.grad_norm) if msg.grad_norm is not None else None)
         checkpoints.save(self, session, (seq or session.last_seq + 1) - 1)
         self._end(peer, msg.reason or "edge said goodbye")
         return Ack()

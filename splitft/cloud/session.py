@@ -15,6 +15,7 @@ another's step.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import time
 from collections import OrderedDict
@@ -419,6 +420,14 @@ class CloudSession:
             outputs.append(out)
             grads.append(grad)
         return outputs, grads
+
+    def grad_norms(self, norm_type: float) -> list[float]:
+        """The ``norm_type`` norm of each parameter gradient of the half (for clipping by the global norm)."""
+        if not (norm_type == math.inf or (math.isfinite(norm_type) and norm_type > 0)):
+            raise ProtocolError(f"a gradient norm's type must be positive, got {norm_type}")
+        with torch.no_grad(), self.own_grads():
+            return [float(torch.linalg.vector_norm(p.grad, norm_type))
+                    for p in self.chain.parameters() if p.grad is not None]
 
     def state(self) -> dict[str, np.ndarray]:
         return {k: v.detach().cpu().numpy() for k, v in self.chain.qualified_state_dict().items()}

@@ -16,7 +16,7 @@ from ..cut import CutSpec, cut_text, extract, fingerprint, install, parse_cut, v
 from ..errors import ConfigError, translated
 from ..options import Codecs, Factory, Faults, Link, Opener, Schedule
 from ..protocol import Hello
-from . import resume
+from . import clipping, resume
 from .model import SplitModel
 from .requests import EdgeSession
 from .schedule import Scheduler
@@ -74,6 +74,7 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
                           ushape=spec.ushape)
     split_model = SplitModel(model, spec, session, scheduler, metrics_path=metrics_path, freeze_edge=freeze_edge)
     install(model, spec, remote=split_model._trunk if spec.ushape else None, check=factory.check_cut)
+    clipping.register(split_model)
     if saved is not None:
         resume.load_edge_half(split_model, saved[0], resume_from)
     return split_model

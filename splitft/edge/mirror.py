@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..operations import ApplyEager, AttachOptimizer, SetLoss, Step, ZeroGrad, to_wire
+from ..operations import ApplyEager, AttachOptimizer, ClampGrads, ScaleGrads, SetLoss, Step, ZeroGrad, to_wire
 
 if TYPE_CHECKING:
     from .requests import EdgeSession
@@ -38,6 +38,15 @@ def step_op(step: int, lr: float | None) -> dict:
 
 def zero_grad_op(set_to_none: bool) -> dict:
     return to_wire(ZeroGrad(set_to_none=bool(set_to_none)))
+
+
+def scale_grads_op(factor: float) -> dict:
+    """Multiply the cloud half's gradients (clipping by the global norm)."""
+    return to_wire(ScaleGrads(factor=float(factor)))
+
+
+def clamp_grads_op(value: float) -> dict:
+    return to_wire(ClampGrads(value=float(value)))
 
 
 def loss_op(name: str, settings: dict[str, Any]) -> dict:
@@ -130,4 +139,4 @@ def _plain(value: Any) -> Any:
 
 
 __all__ = ["apply_op", "attach_optimizer", "loss_op", "loss_settings", "optimizer_op", "optimizer_settings",
-           "step_op", "zero_grad_op"]
+           "step_op", "zero_grad_op", "scale_grads_op", "clamp_grads_op"]

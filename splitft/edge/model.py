@@ -148,6 +148,47 @@ class SplitModel(nn.Module):
         """Make the cloud apply every pending step now (they otherwise ride on the next message)."""
         self.session.sync()
 
+    # ------------------------------------------------------------ both halves' gradients
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of both halves, as ``model.zero_grad()`` does on the unsplit model."""
+        super().zero_grad(set_to_none)
+        self.session.queue(mirror.zero_grad_op(set_to_none))
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip both halves' gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_``
+        does over the unsplit model's parameters; returns that total norm.
+
+        One round trip: the cloud reports the norm of each of its gradients, the edge computes the
+        total, scales its own and sends the cloud the same factor (it rides on the next message).
+        """
+        norm_type = float(norm_type)
+        edge = [p.grad for p in self.parameters() if p.grad is not None]
+        cloud = self.session.sync_reply(grad_norm=norm_type).grad_norms or []
+        norms = [torch.linalg.vector_norm(g.detach(), norm_type) for g in edge]
+        norms += [torch.tensor(n, dtype=torch.float32) for n in cloud]
+        if not norms:
+            return torch.tensor(0.0)
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot "
+                               "be clipped; set error_if_nonfinite=False to clip anyway")
+        factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        with torch.no_grad():
+            for g in edge:
+                g.mul_(factor.to(g.dtype))
+        self.session.queue(mirror.scale_grads_op(float(factor)))
+        return total
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp both halves' gradients to ``[-clip_value, clip_value]`` (``torch.nn.utils.clip_grad_value_``)."""
+        with torch.no_grad():
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad.clamp_(-clip_value, clip_value)
+        self.session.queue(mirror.clamp_grads_op(clip_value))
+
     def cloud_state_dict(self) -> dict[str, torch.Tensor]:
         """The cloud part's current weights, named as in the original model."""
         state = self.session.sync(want_state=True) or {}

@@ -421,17 +421,24 @@ class EdgeSession:
 
     def sync(self, want_state: bool = False, checkpoint: bool = False,
              pin: bool = False) -> dict[str, np.ndarray] | None:
-        """Apply pending operations in the cloud now; optionally fetch the cloud part's weights.
+        """Apply pending operations in the cloud now; the cloud part's weights if ``want_state``."""
+        return self.sync_reply(want_state=want_state, checkpoint=checkpoint, pin=pin).state
+
+    def sync_reply(self, want_state: bool = False, checkpoint: bool = False, pin: bool = False,
+                   grad_norm: float | None = None) -> Ack:
+        """Apply pending operations in the cloud now; its reply carries the cloud part's weights
+        (``want_state``) and the ``grad_norm``-type norm of each of its gradients.
 
         ``checkpoint`` makes the cloud write a checkpoint right after these operations (``pin``:
         one it keeps until the next pinned one, to match an edge checkpoint).
         """
         with self._lock:
-            msg = Sync(ops=self.take_ops(), want_state=want_state, checkpoint=checkpoint or pin, pin=pin)
+            msg = Sync(ops=self.take_ops(), want_state=want_state, checkpoint=checkpoint or pin, pin=pin,
+                       grad_norm=grad_norm)
             reply, wire_in = self.exchange(msg, "control", Ack)
             self.metrics.count("down", "control", wire=wire_in)
             assert isinstance(reply, Ack)
-            return reply.state
+            return reply
 
     def close(self, reason: str = "done") -> None:
         """Say goodbye (flushing pending operations) and release the connection. Idempotent."""

@@ -1,0 +1,116 @@
+"""Loops written the way people write them: `model.zero_grad()`, gradient clipping by the global
+norm or by value, accumulation with `set_to_none=False`. Split must equal local, parameter for
+parameter, plain and U-shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import splitft
+from tests.models import mlp
+from tests.test_faults import MLP, _data, assert_same
+
+NORM, INF = 0.2, 0.05  # below most steps' gradient norms, so the clipping bites
+STYLES = ["model_zero_grad_and_clip_norm", "clip_value_and_set_to_none", "clip_inf_norm_with_accumulation"]
+
+
+def _loop(model, opt, crit, data, style: str, clip) -> list[float]:
+    """One training script per style; ``clip(kind, value)`` clips the way the script's model can."""
+    norms = []
+    for i, (x, y) in enumerate(data):
+        if style == "model_zero_grad_and_clip_norm":
+            model.zero_grad()
+            crit(model(x), y).backward()
+            norms.append(float(clip("norm", NORM)))
+            opt.step()
+        elif style == "clip_value_and_set_to_none":
+            crit(model(x), y).backward()
+            clip("value", 0.05)
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        else:
+            for part in torch.chunk(torch.arange(len(y)), 2):
+                (crit(model(x[part]), y[part]) / 2).backward()
+            norms.append(float(clip("inf", INF)))
+            opt.step()
+            model.zero_grad(set_to_none=False)
+    return norms
+
+
+def _local(data, style):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+
+    def clip(kind, value):
+        if kind == "value":
+            return nn.utils.clip_grad_value_(model.parameters(), value)
+        return nn.utils.clip_grad_norm_(model.parameters(), value, norm_type=2.0 if kind == "norm" else float("inf"))
+
+    norms = _loop(model, opt, nn.CrossEntropyLoss(), data, style, clip)
+    return model.state_dict(), norms
+
+
+def _split(connect, data, style, rejoin, use_free):
+    model = splitft.split(mlp(), 2, rejoin, factory=MLP, connect=connect, faults=splitft.Faults(heartbeat=0))
+    with model:
+        opt = model.attach(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+        crit = nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss())
+
+        def free(kind, value):  # torch's free functions over model.parameters(), as scripts write them
+            if kind == "value":
+                return nn.utils.clip_grad_value_(model.parameters(), value)
+            return nn.utils.clip_grad_norm_(model.parameters(), value, norm_type=2.0 if kind == "norm" else float("inf"))
+
+        def method(kind, value):
+            if kind == "value":
+                return model.clip_grad_value_(value)
+            return model.clip_grad_norm_(value, norm_type=2.0 if kind == "norm" else float("inf"))
+
+        norms = _loop(model, opt, crit, data, style, free if use_free else method)
+        return {**model.model.state_dict(), **model.cloud_state_dict()}, norms
+
+
+@pytest.mark.parametrize("use_free", [True, False], ids=["torch.nn.utils", "model-method"])
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+@pytest.mark.parametrize("style", STYLES)
+def test_ordinary_loops_train_exactly_as_locally(inproc_cloud, style, rejoin, use_free):
+    data = _data(6)
+    local, local_norms = _local(data, style)
+    split, split_norms = _split(inproc_cloud.connect, data, style, rejoin, use_free)
+    assert_same(split, local)
+    torch.testing.assert_close(torch.tensor(split_norms), torch.tensor(local_norms))
+    if local_norms:  # the clipping really clipped
+        assert max(local_norms) > (NORM if style.endswith("norm") else INF)
+
+
+def test_model_zero_grad_clears_the_cloud_half_too(inproc_cloud):
+    """Without the mirrored zero_grad the cloud half would accumulate every step's gradient."""
+    data = _data(4)
+    model = splitft.split(mlp(), 2, factory=MLP, connect=inproc_cloud.connect, faults=splitft.Faults(heartbeat=0))
+    with model:
+        crit = model.remote_loss(nn.CrossEntropyLoss())
+        for x, y in data:
+            model.zero_grad()
+            crit(model(x), y).backward()
+        last = model.clip_grad_norm_(float("inf"))
+    reference = mlp()
+    x, y = data[-1]
+    nn.CrossEntropyLoss()(reference(x), y).backward()
+    torch.testing.assert_close(last, nn.utils.get_total_norm([p.grad for p in reference.parameters()]))
+
+
+def test_clipping_only_some_edge_parameters_is_refused_before_anything_changes(inproc_cloud):
+    model = splitft.split(mlp(), 2, factory=MLP, connect=inproc_cloud.connect, faults=splitft.Faults(heartbeat=0))
+    with model:
+        x, y = _data(1)[0]
+        model.remote_loss(nn.CrossEntropyLoss())(model(x), y).backward()
+        before = [p.grad.clone() for p in model.parameters()]
+        with pytest.raises(splitft.ConfigError, match="model.clip_grad_norm_"):
+            nn.utils.clip_grad_norm_(list(model.parameters())[:1], 1e-3)
+        for p, g in zip(model.parameters(), before):
+            torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+        other = nn.Linear(2, 2)
+        other(torch.ones(1, 2)).sum().backward()
+        assert float(nn.utils.clip_grad_norm_(other.parameters(), 1.0)) > 0  # any other module: torch's own
