@@ -392,6 +392,14 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
     return chain
 
 
+def uninstall(model: nn.Module, chain: Chain) -> nn.Module:
+    """Undo :func:`install`: put the cloud modules of ``chain`` back in place of their stand-ins."""
+    for name, module in zip(chain.names, chain.stages):
+        parent, _, child = name.rpartition(".")
+        setattr(_module(model, parent), child, module)
+    return model
+
+
 def _signature(module: nn.Module) -> inspect.Signature | None:
     try:
         return inspect.signature(module.forward)

@@ -96,8 +96,17 @@ class ClampGrads(Operation):
     value: float
 
 
+@dataclass
+class LoadWeights(Operation):
+    """Replace the cloud half's weights (``model.load_state_dict``): name → array, every name of the half."""
+
+    NAME: ClassVar[str] = "load_weights"
+    weights: dict
+
+
 OPERATIONS: dict[str, type[Operation]] = {
-    cls.NAME: cls for cls in (AttachOptimizer, SetLoss, Step, ApplyEager, ZeroGrad, ScaleGrads, ClampGrads)
+    cls.NAME: cls for cls in (AttachOptimizer, SetLoss, Step, ApplyEager, ZeroGrad, ScaleGrads, ClampGrads,
+                              LoadWeights)
 }
 
 def to_wire(op: Operation) -> dict[str, Any]:
@@ -115,6 +124,6 @@ def from_wire(value: Any) -> Operation:
     return build_checked(cls, {k: v for k, v in value.items() if k != "op"}, f"operation {cls.NAME}")
 
 
-__all__ = ["ApplyEager", "AttachOptimizer", "ClampGrads", "OPERATIONS", "Operation", "ScaleGrads", "SetLoss", "Step",
+__all__ = ["ApplyEager", "AttachOptimizer", "ClampGrads", "LoadWeights", "OPERATIONS", "Operation", "ScaleGrads", "SetLoss", "Step",
            "ZeroGrad",
            "from_wire", "to_wire"]

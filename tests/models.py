@@ -62,3 +62,15 @@ def tiny_bert(seed: int = 0, **config: object) -> TinyBertClassifier:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return TinyBertClassifier(**config)
+
+
+def tiny_bert_pretrained(seed: int = 0) -> nn.Module:
+    """A randomly initialised 4-layer ``BertForSequenceClassification``: a transformers
+    ``PreTrainedModel`` (``save_pretrained``, ``from_pretrained``), no download."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
+                        intermediate_size=37, max_position_embeddings=64, num_labels=3)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return BertForSequenceClassification(config).eval()

@@ -114,3 +114,67 @@ def test_clipping_only_some_edge_parameters_is_refused_before_anything_changes(i
         other = nn.Linear(2, 2)
         other(torch.ones(1, 2)).sum().backward()
         assert float(nn.utils.clip_grad_norm_(other.parameters(), 1.0)) > 0  # any other module: torch's own
+
+
+def test_state_dict_round_trips_through_the_unsplit_model(inproc_cloud, tmp_path):
+    data = _data(3)
+    model = splitft.split(mlp(), 2, 4, factory=MLP, connect=inproc_cloud.connect, faults=splitft.Faults(heartbeat=0))
+    with model:
+        opt = model.attach(torch.optim.Adam(model.parameters(), lr=0.01))
+        for x, y in data:
+            nn.CrossEntropyLoss()(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        torch.save(model.state_dict(), tmp_path / "model.pt")
+        trained = model.state_dict()
+        unsplit = mlp(seed=9)
+        unsplit.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))  # our own file, not received
+        assert_same(unsplit.state_dict(), trained)
+        fresh = mlp(seed=5).state_dict()
+        model.load_state_dict(fresh)  # both halves take it: the cloud's is pushed
+        assert_same(model.state_dict(), fresh)
+        with pytest.raises(splitft.ConfigError, match="missing"):
+            model.load_state_dict({k: v for k, v in fresh.items() if not k.startswith("2.")})
+
+
+def test_unsplit_gives_back_the_whole_trained_model(inproc_cloud):
+    data = _data(3)
+    model = splitft.split(mlp(), 2, factory=MLP, connect=inproc_cloud.connect, faults=splitft.Faults(heartbeat=0))
+    opt = model.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+    crit = model.remote_loss(nn.CrossEntropyLoss())
+    for x, y in data:
+        crit(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    trained = model.state_dict()
+    whole = model.unsplit()
+    assert model.session.closed and type(whole[2]) is nn.Linear
+    assert_same(whole.state_dict(), trained)
+    x = data[0][0]
+    torch.testing.assert_close(whole(x), _forward(trained, x))
+
+
+def _forward(state, x):
+    reference = mlp()
+    reference.load_state_dict(state)
+    return reference(x)
+
+
+def test_save_pretrained_writes_the_whole_transformers_model(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from tests.conftest import InprocCloud
+    from tests.models import tiny_bert_pretrained
+
+    cloud = InprocCloud(["tests.models:tiny_bert_pretrained"])
+    try:
+        model = splitft.split(tiny_bert_pretrained(), "bert.encoder.layer.1:3",
+                              factory="tests.models:tiny_bert_pretrained", connect=cloud.connect,
+                              faults=splitft.Faults(heartbeat=0))
+        with model:
+            model.save_pretrained(tmp_path / "saved")
+            expected = model.state_dict()
+        loaded = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "saved")
+        assert_same({k: v for k, v in loaded.state_dict().items() if k in expected}, expected)
+        assert set(loaded.state_dict()) == set(expected)
+    finally:
+        cloud.close()

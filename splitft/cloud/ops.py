@@ -159,6 +159,16 @@ def _each_grad(session: CloudSession, number: float, change: Callable[[torch.Ten
                 change(param.grad)
 
 
+def load_weights(session: CloudSession, op: o.LoadWeights) -> None:
+    from .session import tensors_from_wire
+
+    weights = tensors_from_wire(op.weights, "load_weights.weights")
+    if not all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point()):
+        raise ProtocolError("the weights to load contain NaN or Inf")
+    with blame(ProtocolError, "the weights to load do not fit the cloud half"):
+        session.chain.load_qualified_state_dict(weights)
+
+
 HANDLERS: dict[type[o.Operation], Callable[[Any, Any], Any]] = {
     o.AttachOptimizer: attach_optimizer,
     o.SetLoss: set_loss,
@@ -167,6 +177,7 @@ HANDLERS: dict[type[o.Operation], Callable[[Any, Any], Any]] = {
     o.ZeroGrad: zero_grad,
     o.ScaleGrads: scale_grads,
     o.ClampGrads: clamp_grads,
+    o.LoadWeights: load_weights,
 }
 
 __all__ = ["HANDLERS", "apply_ops"]

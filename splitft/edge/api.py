@@ -73,7 +73,8 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
     scheduler = Scheduler(CloudStage(session, ushape=spec.ushape), session, session.lock, schedule,
                           ushape=spec.ushape)
     split_model = SplitModel(model, spec, session, scheduler, metrics_path=metrics_path, freeze_edge=freeze_edge)
-    install(model, spec, remote=split_model._trunk if spec.ushape else None, check=factory.check_cut)
+    cloud_modules = install(model, spec, remote=split_model._trunk if spec.ushape else None, check=factory.check_cut)
+    split_model.__dict__["_cloud_modules"] = cloud_modules  # not a submodule: its parameters are the cloud's
     clipping.register(split_model)
     if saved is not None:
         resume.load_edge_half(split_model, saved[0], resume_from)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..operations import ApplyEager, AttachOptimizer, ClampGrads, ScaleGrads, SetLoss, Step, ZeroGrad, to_wire
+from ..operations import ApplyEager, AttachOptimizer, ClampGrads, LoadWeights, ScaleGrads, SetLoss, Step, ZeroGrad, to_wire
 
 if TYPE_CHECKING:
     from .requests import EdgeSession
@@ -47,6 +47,11 @@ def scale_grads_op(factor: float) -> dict:
 
 def clamp_grads_op(value: float) -> dict:
     return to_wire(ClampGrads(value=float(value)))
+
+
+def load_weights_op(weights: dict[str, Any]) -> dict:
+    """Replace the cloud half's weights (arrays by their names in the original model)."""
+    return to_wire(LoadWeights(weights=weights))
 
 
 def loss_op(name: str, settings: dict[str, Any]) -> dict:
@@ -139,4 +144,4 @@ def _plain(value: Any) -> Any:
 
 
 __all__ = ["apply_op", "attach_optimizer", "loss_op", "loss_settings", "optimizer_op", "optimizer_settings",
-           "step_op", "zero_grad_op", "scale_grads_op", "clamp_grads_op"]
+           "step_op", "zero_grad_op", "scale_grads_op", "clamp_grads_op", "load_weights_op"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from ..coding import flatten, sample_ids_array, unflatten
-from ..cut import CutReached, CutSpec
+from ..cut import CutReached, CutSpec, uninstall
 from ..errors import ConfigError, SplitFTError
 from ..metrics import JsonlWriter, Metrics
 from . import mirror, resume
@@ -188,6 +189,51 @@ class SplitModel(nn.Module):
                 if p.grad is not None:
                     p.grad.clamp_(-clip_value, clip_value)
         self.session.queue(mirror.clamp_grads_op(clip_value))
+
+    # ------------------------------------------------------------ the whole model's state
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """The whole model's state under the unsplit model's key names: the edge's tensors and the
+        cloud half's (fetched), so ``torch.save(model.state_dict())`` loads into the unsplit model."""
+        if args:
+            raise ConfigError("state_dict() of a split model takes keyword arguments only")
+        out = self.model.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        for key, value in self.cloud_state_dict().items():
+            out[prefix + key] = value
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load a whole model's state (the unsplit model's key names): the edge's part here, the
+        cloud half's sent to the cloud (every one of its tensors is required)."""
+        cloud_names = set(self.__dict__["_cloud_modules"].qualified_state_dict())
+        cloud = {k: v for k, v in state_dict.items() if k in cloud_names}
+        edge = {k: v for k, v in state_dict.items() if k not in cloud_names}
+        if cloud.keys() != cloud_names and (strict or cloud):
+            missing = sorted(cloud_names - cloud.keys())
+            raise ConfigError(f"load_state_dict: the cloud half's tensors {missing[:5]} are missing; give all of "
+                              "them, or none with strict=False")
+        result = self.model.load_state_dict(edge, strict=strict, assign=assign)
+        if cloud:
+            self.session.queue(mirror.load_weights_op({k: torch.as_tensor(v).detach().cpu().numpy()
+                                                       for k, v in cloud.items()}))
+            self.session.sync()  # applied now, so a bad tensor is reported here
+        return result
+
+    def unsplit(self) -> nn.Module:
+        """The whole trained model, in one piece on the edge: the cloud half's modules back in place
+        with the cloud's weights. Ends the session (the split model cannot train after this)."""
+        modules = self.__dict__["_cloud_modules"]
+        modules.load_qualified_state_dict(self.cloud_state_dict())
+        self.close()
+        return uninstall(self.model, modules)
+
+    def save_pretrained(self, path: str | os.PathLike, **kwargs: Any) -> Any:
+        """``transformers`` models: save the whole model (both halves) with the wrapped model's
+        ``save_pretrained``."""
+        save = getattr(self.model, "save_pretrained", None)
+        if save is None:
+            raise ConfigError(f"{type(self.model).__name__} has no save_pretrained; use torch.save(model.state_dict())")
+        return save(path, state_dict=self.state_dict(), **kwargs)
 
     def cloud_state_dict(self) -> dict[str, torch.Tensor]:
         """The cloud part's current weights, named as in the original model."""
