@@ -65,6 +65,18 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
                         "time (default: 1; the gradient is the full batch's unless the cloud part has BatchNorm)")
     g.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for any cloud reply (default: 60)")
     g.add_argument("--metrics", default=None, metavar="PATH", help="append one JSON record per step to PATH")
+    _add_privacy_options(p)
+    g = p.add_argument_group("faults")
+    g.add_argument("--reconnect-timeout", type=float, default=60.0,
+                   help="seconds to keep trying to get the session back after the link fails (default: 60)")
+    g.add_argument("--heartbeat", type=float, default=10.0,
+                   help="ping the cloud after this many idle seconds, keeping the session alive "
+                        "(0: never; default: 10)")
+
+
+
+def _add_privacy_options(p: argparse.ArgumentParser) -> None:
+    """Defences on what crosses the cut (splitft.privacy), as flags of demo and edge."""
     g = p.add_argument_group("privacy (docs/privacy.md)")
     g.add_argument("--leak-loss", type=float, default=0.0, metavar="LAMBDA",
                    help="train the edge to decorrelate what crosses from its input (distance correlation, "
@@ -77,13 +89,6 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dp-on", choices=("activations", "labels", "both"), default="activations",
                    help="noise the activation edge -> cloud, the gradient a U-shape edge returns (it carries "
                         "the labels), or both (default: activations)")
-    g = p.add_argument_group("faults")
-    g.add_argument("--reconnect-timeout", type=float, default=60.0,
-                   help="seconds to keep trying to get the session back after the link fails (default: 60)")
-    g.add_argument("--heartbeat", type=float, default=10.0,
-                   help="ping the cloud after this many idle seconds, keeping the session alive "
-                        "(0: never; default: 10)")
-
 
 def _task_names() -> list[str]:
     from .tasks import TASKS
