@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from . import _wire
 from .base import Codec, CodecContext, Payload, to_numpy
+from .errors import CompressionError
 from .registry import register
 
 
@@ -16,10 +18,17 @@ class Identity(Codec):
     name = "identity"
 
     def encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
+        if x.dtype == torch.bfloat16:  # numpy has no bfloat16: its 16 bits travel as uint16, exactly
+            return Payload(self.name, self.version, {"x": to_numpy(x.view(torch.uint16))}, {"dtype": "bfloat16"})
         return Payload(self.name, self.version, {"x": to_numpy(x)})
 
     def decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
         self.check(payload)
+        if payload.meta:
+            if payload.meta != {"dtype": "bfloat16"}:
+                raise CompressionError(f"identity payload metadata must be empty or {{'dtype': 'bfloat16'}}, "
+                                       f"got {str(payload.meta)[:80]}")
+            return _wire.tensor(_wire.array(payload, "x", dtype=np.uint16)).view(torch.bfloat16)
         return _wire.tensor(_wire.array(payload, "x"))
 
     def decode_cost(self, payload: Payload, ctx: CodecContext) -> int:

@@ -100,6 +100,7 @@ class Forward(Message):
     step: int = 0
     sample_ids: np.ndarray | None = None
     eager: bool = False  # plain split: run the backward now and send the cut's gradient with the loss
+    autocast: str | None = None  # the edge's forward ran under autocast to this dtype: so does the cloud's
     seq: int = 0
 
 

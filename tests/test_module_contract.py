@@ -178,3 +178,32 @@ def test_save_pretrained_writes_the_whole_transformers_model(tmp_path):
         assert set(loaded.state_dict()) == set(expected)
     finally:
         cloud.close()
+
+
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+def test_bf16_autocast_around_the_forward_reaches_the_cloud(inproc_cloud, rejoin):
+    data = _data(4)
+
+    def train(model, opt, crit):
+        dtypes = []
+        for x, y in data:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+                loss = crit(out, y)
+            dtypes.append(loss.dtype if rejoin is None else out.dtype)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return dtypes
+
+    local = mlp()
+    local_dtypes = train(local, torch.optim.SGD(local.parameters(), lr=0.1), nn.CrossEntropyLoss())
+    model = splitft.split(mlp(), 2, rejoin, factory=MLP, connect=inproc_cloud.connect, faults=splitft.Faults(heartbeat=0))
+    with model:
+        opt = model.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+        crit = nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss())
+        split_dtypes = train(model, opt, crit)
+        weights = model.state_dict()
+    assert split_dtypes == local_dtypes and (rejoin is None or local_dtypes[0] == torch.bfloat16)
+    for name, value in local.state_dict().items():  # within bfloat16's precision
+        torch.testing.assert_close(weights[name], value, rtol=1.6e-2, atol=1e-3)

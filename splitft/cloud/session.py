@@ -14,6 +14,7 @@ another's step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import secrets
@@ -65,6 +66,18 @@ def check_codecs(codecs: Any) -> None:
         raise HandshakeError(f"edge asked for a codec this cloud cannot run: {exc}") from exc
     if canonical != codecs:
         raise HandshakeError(f"codec specs are not in canonical form: {codecs} (expected {canonical})")
+
+
+_AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _autocast(dtype: str | None) -> Any:
+    """The autocast region an edge's forward ran in, for the cloud's half of it."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    if dtype not in _AUTOCAST:
+        raise ProtocolError(f"autocast dtype must be one of {sorted(_AUTOCAST)}, got {protocol._short(dtype)}")
+    return torch.autocast("cpu", dtype=_AUTOCAST[dtype])
 
 
 def tensors_from_wire(arrays: Any, what: str) -> dict[str, torch.Tensor]:
@@ -243,7 +256,8 @@ class CloudSession:
 
     # ------------------------------------------------------------ forward
 
-    def _run(self, inputs: _Inputs, train: bool, grad: bool) -> tuple[list[torch.Tensor], Any, int]:
+    def _run(self, inputs: _Inputs, train: bool, grad: bool,
+             autocast: str | None = None) -> tuple[list[torch.Tensor], Any, int]:
         """Run the cloud part (and the loss) on decoded inputs.
 
         Returns (input leaves, value, bytes autograd saved for the backward).
@@ -257,7 +271,7 @@ class CloudSession:
         target = unflatten(target_skel, leaves[n_args + n_kw:])
         self.chain.train(train)
         with torch.set_grad_enabled(grad), blame(ModelError, "the cloud part failed on the inputs the edge sent"), \
-                GraphMeter(self.chain) as meter:
+                GraphMeter(self.chain) as meter, _autocast(autocast):
             value = self.chain(*args, **kwargs)
             if target is not None:
                 if self.loss_fn is None:
@@ -299,7 +313,7 @@ class CloudSession:
         with watch("codec"):
             inputs = self._decode_forward(msg, ctx)
         with watch("compute"):
-            leaves, value, saved = self._run(inputs, msg.train, msg.grad)
+            leaves, value, saved = self._run(inputs, msg.train, msg.grad, msg.autocast)
         with watch("codec"):
             outs, out_skel = flatten(value)
             stream = stream_index(out_skel) if self.ushape else None
@@ -339,7 +353,7 @@ class CloudSession:
                     out_coded: list[Coded], saved: int) -> None:
         """Keep a forward call's graph for its backward, if it fits the session's memory."""
         def rerun() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-            again, value, _ = self._run(inputs, msg.train, True)
+            again, value, _ = self._run(inputs, msg.train, True, msg.autocast)
             return again, flatten(value)[0]
         nbytes = saved + tensors_nbytes(leaves) + tensors_nbytes(outs)
         self.fits(nbytes, "keeping this forward call's graph for its backward")

@@ -26,6 +26,13 @@ from .requests import EdgeSession
 from .schedule import Call, Scheduler
 
 
+def _autocast_dtype() -> str | None:
+    """The dtype of the CPU autocast region the caller is in (None outside one)."""
+    if not torch.is_autocast_enabled("cpu"):
+        return None
+    return str(torch.get_autocast_dtype("cpu")).removeprefix("torch.")
+
+
 class _RemoteCall(torch.autograd.Function):
     """The cut. Inputs: the call's tensors (and an anchor that keeps the cloud part trainable)."""
 
@@ -96,7 +103,8 @@ class SplitModel(nn.Module):
         leaves, skeleton = flatten((list(args), kwargs, target))
         if self.freeze_edge:  # no input needs a gradient, so none crosses back
             leaves = [t.detach() for t in leaves]
-        call = Call(skeleton, len(leaves), train=self.training, grad=grad, sample_ids=self._sample_ids)
+        call = Call(skeleton, len(leaves), train=self.training, grad=grad, sample_ids=self._sample_ids,
+                    autocast=_autocast_dtype())
         inputs = [*leaves, self._anchor] if grad else leaves
         outputs = _RemoteCall.apply(self.scheduler, call, *inputs)
         return unflatten(call.out_skeleton, list(outputs))

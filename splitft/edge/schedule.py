@@ -55,6 +55,7 @@ class Call:
     parts: list[Part] = field(default_factory=list)
     batch: int = 0
     eager: bool = False  # the cloud runs the backward with the forward
+    autocast: str | None = None  # the autocast dtype the user's forward ran under (the cloud's runs under it too)
     out_skeleton: Any = None
     out_join: list[str] = field(default_factory=list)  # per output: "cat", "mean" or "sum" over parts
 

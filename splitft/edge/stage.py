@@ -63,7 +63,7 @@ class CloudStage:
             entries, part.sent = self.codecs.encode(leaves, stream_index(args_skel), "fwd", ctx, call.in_grad, traffic)
         msg = Forward(call=part.id, train=call.train, grad=call.grad, args=to_wire(args_skel, entries),
                       kwargs=to_wire(kwargs_skel, entries), target=to_wire(target_skel, entries), ops=ops,
-                      step=self.session.step, sample_ids=part.sample_ids, eager=call.eager)
+                      step=self.session.step, sample_ids=part.sample_ids, eager=call.eager, autocast=call.autocast)
         return msg, traffic
 
     def send_forward(self, call: Call, part: Part, leaves: list[torch.Tensor], ops: list) -> None:
