@@ -207,3 +207,25 @@ def test_bf16_autocast_around_the_forward_reaches_the_cloud(inproc_cloud, rejoin
     assert split_dtypes == local_dtypes and (rejoin is None or local_dtypes[0] == torch.bfloat16)
     for name, value in local.state_dict().items():  # within bfloat16's precision
         torch.testing.assert_close(weights[name], value, rtol=1.6e-2, atol=1e-3)
+
+
+def test_optimizers_the_mirror_would_not_carry_exactly_are_refused_before_they_step(inproc_cloud):
+    model = splitft.split(mlp(), 2, factory=MLP, connect=inproc_cloud.connect, faults=splitft.Faults(heartbeat=0))
+    with model:
+        x, y = _data(1)[0]
+        crit = model.remote_loss(nn.CrossEntropyLoss())
+        params = list(model.parameters())
+        with pytest.raises(splitft.ConfigError, match="parameter groups"):
+            model.attach(torch.optim.SGD([{"params": params[:1]}, {"params": params[1:], "lr": 0.5}], lr=0.1))
+        unattached = torch.optim.SGD(model.parameters(), lr=0.1)  # as transformers.Trainer builds its own
+        crit(model(x), y).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(splitft.ConfigError, match="model.attach"):
+            unattached.step()
+        opt = model.attach(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        torch.optim.lr_scheduler.StepLR(opt, 1)  # adds initial_lr, changes lr: both fine
+        opt.param_groups[0]["momentum"] = 0.5  # a scheduler cycling momentum would do this
+        with pytest.raises(splitft.ConfigError, match="momentum changed"):
+            opt.step()
+        for p, b in zip(model.parameters(), before):
+            torch.testing.assert_close(p.detach(), b, rtol=0, atol=0)  # nothing stepped

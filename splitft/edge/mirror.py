@@ -18,6 +18,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..operations import ApplyEager, AttachOptimizer, ClampGrads, LoadWeights, ScaleGrads, SetLoss, Step, ZeroGrad, to_wire
+from . import guards
 
 if TYPE_CHECKING:
     from .requests import EdgeSession
@@ -74,6 +75,7 @@ def attach_optimizer(session: EdgeSession, optimizer: torch.optim.Optimizer, *, 
     ``resume_state`` (from an edge checkpoint) is loaded into it; the cloud then keeps the
     optimizer it restored. ``on_step`` runs after each mirrored step.
     """
+    guards.attached(optimizer)  # refuses, before anything is queued, what the mirror would not carry exactly
     settings = optimizer_settings(optimizer)
     if resume_state is not None:
         optimizer.load_state_dict(resume_state)

@@ -1,4 +1,6 @@
-"""``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` over a split model's parameters.
+"""What a script does with torch's own functions to a split model: mirrored, or refused.
+
+Clipping. ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` over a split model's parameters.
 
 Scripts (and Accelerate, and ``transformers.Trainer`` through it) clip with the free functions
 over ``model.parameters()``. Over a split model those are the edge's parameters only, so a plain
@@ -9,6 +11,11 @@ exactly; a call over some of them raises, naming the fix; any other call is torc
 A reference taken before :func:`splitft.split` ran (``from torch.nn.utils import
 clip_grad_norm_`` at import time) is torch's function and is not routed: call
 ``model.clip_grad_norm_`` instead.
+
+Optimizers. An optimizer over a split model's parameters that was never attached
+(``model.attach(opt)``) would step the edge half alone; one whose parameter groups or settings the
+mirror does not carry (several groups, a scheduler changing momentum) would step the cloud half
+differently. Both are refused before their step runs (a global optimizer step pre-hook), with the fix.
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ from ..errors import ConfigError
 #: parameter itself, since a freed tensor's id may be reused (tensors are not hashable by value).
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 _INSTALLED = False
+_ATTACHED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+#: Optimizers found to hold no split model's parameter, with how many parameters they had then.
+_CLEAN: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 
 
 def register(model: Any) -> None:
@@ -70,10 +80,54 @@ def _route(original: Callable[..., Any], what: str) -> Callable[..., Any]:
     return routed
 
 
+def attached(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer`` is mirrored to the cloud: check before each step that the mirror is exact."""
+    settings = _hyperparameters(optimizer)
+    _check_mirrorable(optimizer, settings)
+    _ATTACHED.add(optimizer)
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: _check_mirrorable(opt, settings))
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each group's settings the constructor took, but the learning rate (mirrored at every step)."""
+    keys = [k for k in optimizer.defaults if k != "lr"]
+    return [{k: group.get(k) for k in keys} for group in optimizer.param_groups]
+
+
+def _check_mirrorable(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]]) -> None:
+    if len(optimizer.param_groups) != 1:
+        raise ConfigError(f"{type(optimizer).__name__} has {len(optimizer.param_groups)} parameter groups; a split "
+                          "model mirrors optimizers with one group (one learning rate and settings) for now: "
+                          "build it from model.parameters()")
+    now = _hyperparameters(optimizer)
+    if now != settings:
+        changed = sorted(k for k in now[0] if now[0].get(k) != settings[0].get(k))
+        raise ConfigError(f"{type(optimizer).__name__}'s {', '.join(changed)} changed since it was attached; a split "
+                          "model mirrors the learning rate of every step, not other settings (a scheduler "
+                          "cycling momentum, say): keep them fixed")
+
+
+def _unattached_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if optimizer in _ATTACHED:
+        return
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    if _CLEAN.get(optimizer) == count:
+        return  # checked already (any other optimizer in the process: one look, not one per step)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if _model_of(param) is not None:
+                raise ConfigError(f"this {type(optimizer).__name__} holds a split model's parameters but was not "
+                                  "attached, so the cloud half would not step: opt = model.attach(opt)")
+    _CLEAN[optimizer] = count
+
+
 def _install() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(_unattached_step)
     import torch.nn.utils as utils
     import torch.nn.utils.clip_grad as clip_grad
 
@@ -84,4 +138,4 @@ def _install() -> None:
     _INSTALLED = True
 
 
-__all__ = ["register"]
+__all__ = ["attached", "register"]
