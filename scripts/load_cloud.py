@@ -176,7 +176,7 @@ def _edge(i: int, address: str, args, out: dict) -> None:
             latencies.append(time.perf_counter() - t)
         model.sync()
         end = time.perf_counter()
-        weights = {**model.model.state_dict(), **model.cloud_state_dict()}
+        weights = {**model.edge_state_dict(), **model.cloud_state_dict()}
         out[i] = {"session": model.session.session_id, "steps": model.session.step, "start": start, "end": end,
                   "latencies": latencies, "recoveries": model.session.recoveries, "weights": weights}
 

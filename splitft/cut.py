@@ -25,9 +25,11 @@ catch tensors it reads through any other channel (:mod:`splitft.audit`).
 
 from __future__ import annotations
 
+import copy
 import difflib
 import hashlib
 import inspect
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -173,6 +175,17 @@ class Chain(nn.Module):
             for name, stage in zip(self.names, self.stages)
             for key, value in stage.state_dict().items()
         }
+
+    def qualified_parameters(self) -> dict[str, nn.Parameter]:
+        """Parameters with the original model's names, each once (the edge's ghosts carry the same names)."""
+        named: dict[str, nn.Parameter] = {}
+        seen: set[int] = set()
+        for name, stage in zip(self.names, self.stages):
+            for key, param in stage.named_parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    named[f"{name}.{key}"] = param
+        return named
 
     def load_qualified_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         expected = self.qualified_state_dict()
@@ -372,10 +385,15 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
     ``remote`` is what the U-shape entry calls; plain splits stop at a :class:`CutPoint`.
     ``check`` (U-shape) runs the trunk once on the edge at the first call to make sure it reads
     nothing that does not cross the cut (see :mod:`splitft.audit`).
+
+    Each stand-in is installed as a *ghost* of the module it replaces (see :func:`ghost`): the
+    model's tree keeps its classes, submodules and parameter names, so scripts that walk it
+    (optimizer groups by name, freezing a layer) see the cloud half where it was.
     """
     chain = extract(model, spec)
     entry: TrunkEntry | None = None
-    for i, name in enumerate(chain.names):
+    memo: dict[int, Any] = {}  # one copy memo for all ghosts: modules shared between them stay shared
+    for i, (name, original) in enumerate(zip(chain.names, chain.stages)):
         parent, _, child = name.rpartition(".")
         if spec.ushape:
             if i == 0:
@@ -388,8 +406,50 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
                 standin = TrunkFollower(name, entry)
         else:
             standin = CutPoint(name) if i == 0 else Unreachable(name)
-        setattr(_module(model, parent), child, standin)
+        setattr(_module(model, parent), child, ghost(original, standin, memo))
     return chain
+
+
+def ghost(module: nn.Module, standin: nn.Module, memo: dict[int, Any] | None = None) -> nn.Module:
+    """A copy of ``module`` whose tensors live on the ``meta`` device and whose forward is ``standin``'s.
+
+    It has the original's class, submodules and parameter names (and each parameter's
+    ``requires_grad``), but no memory: the values are in the cloud. ``.to(device)`` leaves it
+    alone (where the cloud half runs is the cloud's business); a cast to another dtype raises,
+    since the cloud half would not follow.
+    """
+    memo = {} if memo is None else memo
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if id(tensor) not in memo:
+            meta = torch.empty_like(tensor, device="meta")
+            memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+    copied = copy.deepcopy(module, memo)
+    state = copied.__dict__  # instance attributes, set past nn.Module.__setattr__ (standin is not a submodule)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        standin.train(copied.training)
+        return standin(*args, **kwargs)
+
+    def apply(fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        for dtype in {t.dtype for t in itertools.chain(copied.parameters(), copied.buffers())}:
+            if fn(torch.empty(0, dtype=dtype)).dtype != dtype:
+                raise CutError(f"casting the model to another dtype would cast {standin_name(copied)!r}, which runs "
+                               "in the cloud and does not follow; cast the model before split()")
+        return copied
+
+    state.update(forward=forward, _apply=apply, extra_repr=standin.extra_repr, _splitft_standin=standin)
+    return copied
+
+
+def standin_of(module: nn.Module) -> nn.Module | None:
+    """The stand-in behind a ghost installed by :func:`install` (None for any other module)."""
+    return module.__dict__.get("_splitft_standin")
+
+
+def standin_name(module: nn.Module) -> str:
+    standin = standin_of(module)
+    names = getattr(standin, "cloud_names", None) or [getattr(standin, "cloud_name", "?")]
+    return names[0]
 
 
 def uninstall(model: nn.Module, chain: Chain) -> nn.Module:

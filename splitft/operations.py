@@ -39,6 +39,9 @@ class AttachOptimizer(Operation):
     name: str
     settings: dict = field(default_factory=dict)
     id: int | None = None
+    #: The optimizer's parameter groups over the cloud half: ``{"names": [...], "settings": {...}}``
+    #: each, the names those of the unsplit model. None: one group of every cloud parameter.
+    groups: list | None = None
 
 
 @dataclass
@@ -59,7 +62,10 @@ class Step(Operation):
 
     NAME: ClassVar[str] = "step"
     id: int | None = None
-    lr: float | None = None
+    lr: float | None = None  # every group's learning rate
+    lrs: list | None = None  # each group's learning rate (several groups)
+    #: Per group, the settings (other than lr) changed since the last step: a scheduler cycling momentum.
+    changes: list | None = None
 
 
 @dataclass
@@ -78,6 +84,7 @@ class ZeroGrad(Operation):
 
     NAME: ClassVar[str] = "zero_grad"
     set_to_none: bool = True
+    model: bool = False  # model.zero_grad(): every parameter of the half, not just the optimizer's
 
 
 @dataclass
@@ -86,6 +93,7 @@ class ScaleGrads(Operation):
 
     NAME: ClassVar[str] = "scale_grads"
     factor: float
+    names: list | None = None  # only these parameters (unsplit names); None: all
 
 
 @dataclass
@@ -94,6 +102,7 @@ class ClampGrads(Operation):
 
     NAME: ClassVar[str] = "clamp_grads"
     value: float
+    names: list | None = None
 
 
 @dataclass
@@ -104,9 +113,18 @@ class LoadWeights(Operation):
     weights: dict
 
 
+@dataclass
+class SetFrozen(Operation):
+    """The cloud half's parameters with ``requires_grad=False`` (``requires_grad_``, freezing a layer
+    by name); every other parameter of the half trains. Sent when the set changes."""
+
+    NAME: ClassVar[str] = "frozen"
+    names: list
+
+
 OPERATIONS: dict[str, type[Operation]] = {
     cls.NAME: cls for cls in (AttachOptimizer, SetLoss, Step, ApplyEager, ZeroGrad, ScaleGrads, ClampGrads,
-                              LoadWeights)
+                              LoadWeights, SetFrozen)
 }
 
 def to_wire(op: Operation) -> dict[str, Any]:
@@ -124,6 +142,5 @@ def from_wire(value: Any) -> Operation:
     return build_checked(cls, {k: v for k, v in value.items() if k != "op"}, f"operation {cls.NAME}")
 
 
-__all__ = ["ApplyEager", "AttachOptimizer", "ClampGrads", "LoadWeights", "OPERATIONS", "Operation", "ScaleGrads", "SetLoss", "Step",
-           "ZeroGrad",
-           "from_wire", "to_wire"]
+__all__ = ["ApplyEager", "AttachOptimizer", "ClampGrads", "LoadWeights", "OPERATIONS", "Operation", "ScaleGrads",
+           "SetFrozen", "SetLoss", "Step", "ZeroGrad", "from_wire", "to_wire"]

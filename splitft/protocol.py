@@ -27,7 +27,7 @@ from compressors import WIRE_DTYPES, Payload
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 2  # 2: numbered requests, typed operations, welcome.limits with budgets (docs/wire.md)
+PROTOCOL_VERSION = 3  # 3: parameter groups and frozen parameters by name; 2: numbered requests, typed operations, welcome.limits (docs/wire.md)
 _ARRAY_EXT = 1
 MAX_DIMS = 8
 
@@ -150,6 +150,7 @@ class Sync(Message):
     checkpoint: bool = False  # write a cloud checkpoint now
     pin: bool = False  # ... and keep it: the edge is saving its own checkpoint to match it
     grad_norm: float | None = None  # answer with the norm (of this type) of each cloud gradient
+    grad_names: list | None = None  # ... of these parameters only (unsplit names); None: all
     seq: int = 0
 
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from splitft.errors import CutError
 from splitft.models import digits_cnn
-from splitft.cut import cloud_module_names, cut_text, install, parse_cut
+from splitft.cut import cloud_module_names, cut_text, install, parse_cut, standin_of
 from tests.models import mlp, residual_net
 
 
@@ -47,14 +47,16 @@ def test_rejoin_must_be_a_later_sibling():
         parse_cut(digits_cnn(), "block3", "head.1")
 
 
-def test_installed_edge_holds_no_cloud_parameters():
+def test_installed_edge_holds_no_cloud_values_only_named_placeholders():
     model = digits_cnn()
-    total = {n for n, _ in model.named_parameters()}
+    total = {n: (p.shape, p.dtype) for n, p in model.named_parameters()}
     chain = install(model, parse_cut(model, "block3", "head"), remote=lambda *a, **k: None)
-    edge = {n for n, _ in model.named_parameters()}
-    cloud = set(chain.qualified_state_dict())
-    assert edge | {n for n in cloud if n in total} == total
-    assert edge.isdisjoint(cloud)
+    after = dict(model.named_parameters())
+    assert {n: (p.shape, p.dtype) for n, p in after.items()} == total  # same names, shapes, dtypes
+    cloud = set(chain.qualified_parameters())
+    assert cloud and all(after[n].is_meta for n in cloud)
+    assert not any(p.is_meta for n, p in after.items() if n not in cloud)
+    assert type(model.block3) is type(chain.stages[0]) and standin_of(model.block3) is not None
 
 
 def test_a_trunk_whose_modules_are_not_chained_is_detected():
@@ -77,7 +79,7 @@ def test_a_trunk_whose_modules_are_not_chained_is_detected():
 def test_edge_cannot_call_cloud_modules_after_a_plain_cut():
     model = mlp()
     install(model, parse_cut(model, "2"))
-    assert [type(m).__name__ for m in model] == ["Linear", "ReLU", "CutPoint", "Unreachable", "Unreachable"]
+    assert [type(standin_of(m)).__name__ for m in model] == ["NoneType", "NoneType", "CutPoint", "Unreachable", "Unreachable"]
 
 
 @pytest.mark.parametrize("cut, rejoin", [("block3", None), ("block2", "head"), ("block2.0:2", None),

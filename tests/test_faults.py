@@ -47,7 +47,7 @@ def local_weights(data, accumulate: int = 1) -> dict[str, torch.Tensor]:
 def split_weights(model: splitft.SplitModel, data, accumulate: int = 1) -> dict[str, torch.Tensor]:
     opt = model.attach(torch.optim.Adam(model.parameters(), lr=0.01))
     _train(model, opt, model.remote_loss(nn.CrossEntropyLoss()), data, accumulate)
-    return {**model.model.state_dict(), **model.cloud_state_dict()}
+    return {**model.edge_state_dict(), **model.cloud_state_dict()}
 
 
 def assert_same(a: dict, b: dict) -> None:

@@ -61,7 +61,7 @@ def _split(data, inproc_cloud, defences: Defences, *, rejoin: bool) -> tuple[dic
             crit(model(x), y).backward()
             opt.step()
             opt.zero_grad()
-        state = {**model.model.state_dict(), **model.cloud_state_dict()}
+        state = {**model.edge_state_dict(), **model.cloud_state_dict()}
     return state, protection
 
 
@@ -117,7 +117,7 @@ def test_label_gradient_noise_is_what_the_cloud_trains_on(inproc_cloud, data):
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
             opt.zero_grad()
-        state = {**model.model.state_dict(), **model.cloud_state_dict()}
+        state = {**model.edge_state_dict(), **model.cloud_state_dict()}
     generator = torch.Generator().manual_seed(11)
     _assert_same(state, _local(data, rejoin=True, trunk_grad=lambda g: clip_and_noise(g, 1e-3, 0.5, generator)))
     assert len(seen) == STEPS and seen[0].shape == (32, 64, 4, 4)

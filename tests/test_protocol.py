@@ -12,16 +12,16 @@ from splitft.errors import ProtocolError
 
 
 def test_ack_is_exactly_these_bytes():
-    # map{v: 2, t: "ack", b: map{state: nil, grad_norms: nil, seq: 7}}
+    # map{v: 3, t: "ack", b: map{state: nil, grad_norms: nil, seq: 7}}
     assert protocol.encode(protocol.Ack(seq=7)) == [
-        b"\x83\xa1v\x02\xa1t\xa3ack\xa1b\x83\xa5state\xc0\xaagrad_norms\xc0\xa3seq\x07"]
+        b"\x83\xa1v\x03\xa1t\xa3ack\xa1b\x83\xa5state\xc0\xaagrad_norms\xc0\xa3seq\x07"]
 
 
 def test_array_travels_as_extension_reference_plus_raw_frame():
     arr = np.arange(6, dtype=np.float32).reshape(2, 3)
     frames = protocol.encode(protocol.Output(call=7, value=protocol.payload_to_wire(Payload("identity", 1, {"x": arr}), True)))
     assert frames[0] == (
-        b"\x83\xa1v\x02\xa1t\xa6output\xa1b\x85\xa4call\x07\xa5value\x81\xa2$t\x95\xa8identity\x01\x80"
+        b"\x83\xa1v\x03\xa1t\xa6output\xa1b\x85\xa4call\x07\xa5value\x81\xa2$t\x95\xa8identity\x01\x80"
         b"\x81\xa1x"
         b"\xc7\x0d\x01" b"\x93\x00\xa7float32\x92\x02\x03"  # ext8, 13 bytes, type 1: [frame 0, dtype, shape]
         b"\xc3\xa7timings\x80\xa5grads\xc0\xa3seq\x00"

@@ -58,7 +58,7 @@ def test_cloud_crash_mid_step_resumes_from_its_checkpoint(tmp_path):
                 loss.backward()
             opt.step()
             opt.zero_grad()
-        weights = {**model.model.state_dict(), **model.cloud_state_dict()}
+        weights = {**model.edge_state_dict(), **model.cloud_state_dict()}
         assert model.session.recoveries == 2
     finally:
         model.close()
@@ -95,7 +95,7 @@ def test_edge_restarted_from_its_checkpoint_continues_exactly(tmp_path):
                 crit(second(x), y).backward()
                 opt.step()
                 opt.zero_grad()
-            weights = {**second.model.state_dict(), **second.cloud_state_dict()}
+            weights = {**second.edge_state_dict(), **second.cloud_state_dict()}
     finally:
         server.stop()
         thread.join(timeout=10)
@@ -165,7 +165,7 @@ def test_cloud_process_killed_twice_and_restarted_from_its_checkpoint(tmp_path):
         with model:
             opt = model.attach(torch.optim.Adam(model.parameters(), lr=3e-3))
             _digits_run(model, opt, model.remote_loss(nn.CrossEntropyLoss()), data, kill_and_restart)
-            weights = {**model.model.state_dict(), **model.cloud_state_dict()}
+            weights = {**model.edge_state_dict(), **model.cloud_state_dict()}
             assert model.session.recoveries == 2
     finally:
         for proc in clouds:

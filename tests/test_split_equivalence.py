@@ -53,7 +53,7 @@ def _split_run(data, rejoin, connect, micro_batches=1, eager_backward=True):
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
         crit = nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss())
         losses = _train(model, opt, crit, data, sched, ids=True)
-        edge_state = model.model.state_dict()
+        edge_state = model.edge_state_dict()
         cloud_state = model.cloud_state_dict()
         forwards = model.metrics.bytes[("up", "activation")].messages
     assert forwards == STEPS * ACCUMULATE * micro_batches  # each call really went out in parts
@@ -86,7 +86,7 @@ def _train_both_and_compare(local, split_model, make_opt, xs, ys) -> None:
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
             opt.zero_grad()
-    state = {**split_model.model.state_dict(), **split_model.cloud_state_dict()}
+    state = {**split_model.edge_state_dict(), **split_model.cloud_state_dict()}
     split_model.close()
     assert set(state) == set(local.state_dict())
     for name, value in local.state_dict().items():
@@ -157,9 +157,9 @@ def test_frozen_edge_sends_no_gradient_but_trains_the_cloud(inproc_cloud, digits
     """SFT's eliminated link: nothing on the edge needs a gradient, so none crosses back."""
     model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connect=inproc_cloud.connect())
     with model:
-        for p in model.parameters():
+        for p in model.edge_parameters():
             p.requires_grad_(False)
-        opt = model.attach(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+        opt = torch.optim.SGD(model.cloud_parameters(), lr=0.1)
         crit = model.remote_loss(nn.CrossEntropyLoss())
         before = model.cloud_state_dict()["head.1.weight"].clone()
         x, y, _ = next(batches(digits, 32, shuffle=False))

@@ -54,7 +54,7 @@ def test_tiny_bert_ushape_split_equals_local(inproc_cloud, attn):
                           factory=Factory(FACTORY, kwargs={"attn_implementation": attn}), connect=inproc_cloud.connect())
     with model:
         losses = _train(model, model.attach(torch.optim.AdamW(model.parameters(), lr=1e-3)))
-        edge, cloud = model.model.state_dict(), model.cloud_state_dict()
+        edge, cloud = model.edge_state_dict(), model.cloud_state_dict()
         sent = model.metrics.bytes[("up", "activation")]
     assert set(cloud) == {k for k in local.state_dict() if k.startswith(("bert.encoder.layer.1.", "bert.encoder.layer.2."))}
     assert set(edge) | set(cloud) == set(local.state_dict()) and set(edge).isdisjoint(cloud)
@@ -79,7 +79,7 @@ def test_frozen_edge_sends_no_gradient_and_equals_local_with_a_frozen_bottom(inp
     model = splitft.split(tiny_bert(), CUT, factory=FACTORY, connect=inproc_cloud.connect(), freeze_edge=True)
     with model:
         _train(model, model.attach(torch.optim.AdamW(model.parameters(), lr=1e-3)))
-        state = {**model.model.state_dict(), **model.cloud_state_dict()}
+        state = {**model.edge_state_dict(), **model.cloud_state_dict()}
         back = model.metrics.bytes[("down", "gradient")]
     assert back.raw == 0 and back.payload == 0
     for name, value in local.state_dict().items():

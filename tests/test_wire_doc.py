@@ -42,7 +42,7 @@ def test_the_doc_has_the_promised_examples():
 
 def test_examples_decode_to_what_the_doc_says():
     hello = _decode(EXAMPLES["hello"])
-    assert isinstance(hello, protocol.Hello) and hello.protocol == protocol.PROTOCOL_VERSION == 2
+    assert isinstance(hello, protocol.Hello) and hello.protocol == protocol.PROTOCOL_VERSION == 3
     assert (hello.factory, hello.cut, hello.seed, hello.nonce) == ("pkg.models:net", "2", 0, "0123456789abcdef")
     assert set(hello.codecs) == {"fwd", "bwd", "ret", "ret_bwd"}
     forward = _decode(EXAMPLES["forward"])
@@ -104,7 +104,7 @@ def test_a_peer_of_another_version_is_refused_with_both_versions_named():
             conn.send(frames)
             reply = protocol.decode(conn.recv(10))
             assert isinstance(reply, protocol.Error) and reply.code in ("protocol", "handshake")
-            assert "protocol 1" in reply.message and "speaks 2" in reply.message
+            assert "protocol 1" in reply.message and "speaks 3" in reply.message
         assert not server.by_id
     finally:
         conn.close()

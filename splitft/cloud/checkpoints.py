@@ -26,7 +26,7 @@ from ..limits import Limits
 from ..policy import Policy
 from ..protocol import Hello, _short
 from .guard import blame
-from .ops import attach_optimizer, set_loss
+from .ops import attach_optimizer, set_frozen, set_loss
 from .session import CloudSession, hello_identity
 
 if TYPE_CHECKING:
@@ -53,7 +53,8 @@ def snapshot(session: CloudSession) -> tuple[dict[str, Any], dict[str, Any]]:
     meta = {
         "kind": "cloud", "session": session.id, "token": session.token, "seq": session.last_seq,
         "steps": session.steps, "optimizer_id": session.optimizer_id,
-        "optimizer": {"name": spec.name, "settings": spec.settings} if spec is not None else None,
+        "optimizer": {"name": spec.name, "settings": spec.settings, "groups": spec.groups} if spec is not None else None,
+        "frozen": [n for n, p in session.chain.qualified_parameters().items() if not p.requires_grad],
         "loss": o.to_wire(session.loss_spec) if session.loss_spec is not None else None,
         "hello": session.identity,
     }
@@ -73,10 +74,13 @@ def restore(hello: Hello, tree: dict[str, Any], meta: dict[str, Any], factories:
             params[name].grad = grad.clone()
         if meta.get("loss"):
             set_loss(session, o.from_wire(meta["loss"]))
+        set_frozen(session, o.SetFrozen(names=list(meta.get("frozen", []))))
         if meta.get("optimizer"):
             spec = meta["optimizer"]
-            attach_optimizer(session, o.AttachOptimizer(name=spec["name"], settings=spec["settings"]))
-            session.own_optimizer.load_state_dict(tree["optimizer"])
+            attach_optimizer(session, o.AttachOptimizer(name=spec["name"], settings=spec["settings"],
+                                                        groups=spec.get("groups")))
+            if session.own_optimizer is not None:
+                session.own_optimizer.load_state_dict(tree["optimizer"])
         session.optimizer_id = int(meta.get("optimizer_id", 0))
         session.codecs.load_state_dict(tree["codecs"])
         torch.set_rng_state(tree["rng"])

@@ -46,15 +46,16 @@ def _positive_id(value: int | None) -> int | None:
 
 def attach_optimizer(session: CloudSession, op: o.AttachOptimizer) -> None:
     op_id = _positive_id(op.id)
-    if op_id is not None and op_id <= session.optimizer_id and session.optimizer is not None:
+    if op_id is not None and op_id <= session.optimizer_id and session.optimizer_spec is not None:
         return  # a replayed attach: the optimizer (and its state) is already there
     cls = getattr(torch.optim, op.name, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
         raise ConfigError(f"{_short(op.name)} is not a torch.optim optimizer")
+    groups = _param_groups(session, op)
     shared = session.shared
     if shared is not None:
-        spec = (cls.__name__, json.dumps(op.settings, sort_keys=True, default=str))
-        if shared.optimizer is not None:
+        spec = (cls.__name__, json.dumps([op.settings, op.groups], sort_keys=True, default=str))
+        if shared.optimizer_spec is not None:
             if shared.optimizer_spec != spec:
                 raise ConfigError(
                     f"this cloud part is shared and trains with {shared.optimizer_spec[0]}"
@@ -62,19 +63,58 @@ def attach_optimizer(session: CloudSession, op: o.AttachOptimizer) -> None:
                     f"{cls.__name__}({spec[1]})"
                 )
         else:
-            shared.optimizer = _make_optimizer(session.chain, cls, op.settings)
+            shared.optimizer = _make_optimizer(groups, cls, op.settings)
             shared.optimizer_spec = spec
     else:
-        session.own_optimizer = _make_optimizer(session.chain, cls, op.settings)
-    session.optimizer_spec = o.AttachOptimizer(name=cls.__name__, settings=dict(op.settings))
+        session.own_optimizer = _make_optimizer(groups, cls, op.settings)
+    session.optimizer_spec = o.AttachOptimizer(name=cls.__name__, settings=dict(op.settings), groups=op.groups)
     session.optimizer_id = op_id if op_id is not None else session.optimizer_id + 1
 
 
-def _make_optimizer(model: nn.Module, cls: type, settings: dict) -> torch.optim.Optimizer:
+def _param_groups(session: CloudSession, op: o.AttachOptimizer) -> list[dict[str, Any]]:
+    """The optimizer's groups over the half's parameters, by their unsplit names."""
+    if op.groups is None:
+        return [{"params": list(session.chain.parameters())}]
+    if len(op.groups) > _MAX_GROUPS:
+        raise CapacityError(f"an optimizer with {len(op.groups)} parameter groups; at most {_MAX_GROUPS}")
+    groups, seen = [], set()
+    for group in op.groups:
+        if not (isinstance(group, dict) and set(group) == {"names", "settings"} and isinstance(group["names"], list)
+                and isinstance(group["settings"], dict)):
+            raise ProtocolError(f"a parameter group is a map of 'names' (list) and 'settings' (map), got {_short(group)}")
+        unknown = [k for k in group["settings"] if k not in op.settings]
+        if unknown:
+            raise ConfigError(f"a parameter group sets {_short(unknown[0])}, which is not among the optimizer's settings")
+        names = group["names"]
+        if seen.intersection(names) or len(set(names)) != len(names):
+            raise ProtocolError("a parameter appears in more than one parameter group")
+        seen.update(names)
+        groups.append({"params": session.parameters_named(names), **group["settings"]})
+    return groups
+
+
+_MAX_GROUPS = 1024
+
+
+def _make_optimizer(groups: list[dict[str, Any]], cls: type, settings: dict) -> torch.optim.Optimizer | None:
+    """The optimizer, or None when none of its groups holds a parameter of this half (it steps nothing here)."""
+    if not any(group["params"] for group in groups):
+        return None
     try:
-        return cls(model.parameters(), **settings)
+        return cls(groups, **settings)
     except Exception as exc:  # optimizers raise TypeError, ValueError, RuntimeError for bad settings
         raise ConfigError(f"cannot build {cls.__name__} with {_short(settings)}: {exc}") from exc
+
+
+def set_frozen(session: CloudSession, op: o.SetFrozen) -> None:
+    """``requires_grad`` of each parameter of the half, as the edge's script set it."""
+    frozen = {id(p) for p in session.parameters_named(op.names)}
+    params = list(session.chain.parameters())
+    if session.shared is not None and session.shared.sessions > 1:
+        if any((id(p) in frozen) == p.requires_grad for p in params):
+            raise ConfigError("this cloud part is shared: every edge must freeze the same parameters")
+    for param in params:
+        param.requires_grad_(id(param) not in frozen)
 
 
 def set_loss(session: CloudSession, op: o.SetLoss) -> None:
@@ -98,16 +138,14 @@ def step(session: CloudSession, op: o.Step) -> bool:
         if step_id != session.steps + 1:
             raise ProtocolError(f"optimizer step {step_id} arrived but this session is at step {session.steps}; "
                                 "steps in between were lost (resume the session to replay them)")
-    optimizer = session.optimizer
-    if optimizer is None:
+    if session.optimizer_spec is None:
         raise ConfigError("the edge stepped its optimizer, but none was attached: call model.attach(optimizer)")
-    if op.lr is not None:
-        if not math.isfinite(op.lr):
-            raise ProtocolError(f"learning rate {op.lr} is not finite")
-        for group in optimizer.param_groups:
-            group["lr"] = op.lr
-    with session.own_grads(), blame(ModelError, "the optimizer step failed"):
-        optimizer.step()
+    optimizer = session.optimizer
+    if optimizer is not None:
+        _set_hyperparameters(optimizer, op)
+    if optimizer is not None:
+        with session.own_grads(), blame(ModelError, "the optimizer step failed"):
+            optimizer.step()
     session.steps += 1
     if session.shared is not None:
         session.shared.updates += 1
@@ -115,6 +153,39 @@ def step(session: CloudSession, op: o.Step) -> bool:
         session.pending.clear()  # graphs from before a step can no longer be backpropagated correctly
     session.deferred.clear()
     return True
+
+
+def _set_hyperparameters(optimizer: torch.optim.Optimizer, op: o.Step) -> None:
+    """The learning rates (and any other setting a scheduler changed) of this step, per group."""
+    groups = optimizer.param_groups
+    lrs = [op.lr] * len(groups) if op.lrs is None else op.lrs
+    for name, values in (("lrs", op.lrs), ("changes", op.changes)):
+        if values is not None and len(values) != len(groups):
+            raise ProtocolError(f"a step's {name} has {len(values)} entries for {len(groups)} parameter groups")
+    for group, lr, changes in zip(groups, lrs, op.changes or [{}] * len(groups)):
+        if lr is not None:
+            if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr)):
+                raise ProtocolError(f"learning rate {_short(lr)} is not a finite number")
+            group["lr"] = lr
+        if not isinstance(changes, dict):
+            raise ProtocolError(f"a group's changed settings must be a map, got {_short(changes)}")
+        for key, value in changes.items():
+            if key in ("params", "lr") or key not in group:
+                raise ProtocolError(f"a step cannot change the optimizer's {_short(key)}")
+            if not _plain_setting(value, group[key]):
+                raise ProtocolError(f"setting {key} must keep its type, got {_short(value)}")
+            group[key] = tuple(value) if isinstance(group[key], tuple) else value
+
+
+def _plain_setting(value: Any, current: Any) -> bool:
+    if isinstance(current, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(current, bool)
+    if isinstance(current, (int, float)):
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    if isinstance(current, (tuple, list)):
+        return (isinstance(value, list) and len(value) == len(current)
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value))
+    return False
 
 
 def apply_eager(session: CloudSession, op: o.ApplyEager) -> None:
@@ -136,25 +207,27 @@ def apply_eager(session: CloudSession, op: o.ApplyEager) -> None:
 
 def zero_grad(session: CloudSession, op: o.ZeroGrad) -> None:
     with session.own_grads():
-        if session.optimizer is not None and session.shared is None:
-            session.optimizer.zero_grad(set_to_none=op.set_to_none)
-        else:
+        if op.model or session.shared is not None:
             session.chain.zero_grad(set_to_none=op.set_to_none)
+        elif session.optimizer is not None:
+            session.optimizer.zero_grad(set_to_none=op.set_to_none)
 
 
 def scale_grads(session: CloudSession, op: o.ScaleGrads) -> None:
-    _each_grad(session, op.factor, lambda grad: grad.mul_(op.factor))
+    _each_grad(session, op.factor, op.names, lambda grad: grad.mul_(op.factor))
 
 
 def clamp_grads(session: CloudSession, op: o.ClampGrads) -> None:
-    _each_grad(session, op.value, lambda grad: grad.clamp_(-op.value, op.value))
+    _each_grad(session, op.value, op.names, lambda grad: grad.clamp_(-op.value, op.value))
 
 
-def _each_grad(session: CloudSession, number: float, change: Callable[[torch.Tensor], Any]) -> None:
+def _each_grad(session: CloudSession, number: float, names: list | None,
+               change: Callable[[torch.Tensor], Any]) -> None:
     if not math.isfinite(number):
         raise ProtocolError(f"gradient operations need a finite number, got {number}")
+    params = session.parameters_named(names)
     with torch.no_grad(), session.own_grads():
-        for param in session.chain.parameters():
+        for param in params:
             if param.grad is not None:
                 change(param.grad)
 
@@ -178,6 +251,7 @@ HANDLERS: dict[type[o.Operation], Callable[[Any, Any], Any]] = {
     o.ScaleGrads: scale_grads,
     o.ClampGrads: clamp_grads,
     o.LoadWeights: load_weights,
+    o.SetFrozen: set_frozen,
 }
 
 __all__ = ["HANDLERS", "apply_ops"]

@@ -245,7 +245,7 @@ class CloudServer:
             return session.backward(msg)
         if isinstance(msg, Sync):
             return Ack(state=session.state() if msg.want_state else None,
-                       grad_norms=session.grad_norms(msg.grad_norm) if msg.grad_norm is not None else None)
+                       grad_norms=session.grad_norms(msg.grad_norm, msg.grad_names) if msg.grad_norm is not None else None)
         checkpoints.save(self, session, (seq or session.last_seq + 1) - 1)
         self._end(peer, msg.reason or "edge said goodbye")
         return Ack()

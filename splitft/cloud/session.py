@@ -435,13 +435,24 @@ class CloudSession:
             grads.append(grad)
         return outputs, grads
 
-    def grad_norms(self, norm_type: float) -> list[float]:
-        """The ``norm_type`` norm of each parameter gradient of the half (for clipping by the global norm)."""
+    def grad_norms(self, norm_type: float, names: list | None = None) -> list[float]:
+        """The ``norm_type`` norm of each parameter gradient of the half, or of the ``names``d
+        parameters' (for clipping by the global norm)."""
         if not (norm_type == math.inf or (math.isfinite(norm_type) and norm_type > 0)):
             raise ProtocolError(f"a gradient norm's type must be positive, got {norm_type}")
+        params = self.parameters_named(names)
         with torch.no_grad(), self.own_grads():
-            return [float(torch.linalg.vector_norm(p.grad, norm_type))
-                    for p in self.chain.parameters() if p.grad is not None]
+            return [float(torch.linalg.vector_norm(p.grad, norm_type)) for p in params if p.grad is not None]
+
+    def parameters_named(self, names: list | None) -> list[nn.Parameter]:
+        """The half's parameters called ``names`` (unsplit names), all of them for None."""
+        if names is None:
+            return list(self.chain.parameters())
+        known = self.chain.qualified_parameters()
+        unknown = [n for n in names if not isinstance(n, str) or n not in known]
+        if unknown:
+            raise ProtocolError(f"the cloud half has no parameter {protocol._short(unknown[0])}")
+        return [known[n] for n in dict.fromkeys(names)]
 
     def state(self) -> dict[str, np.ndarray]:
         return {k: v.detach().cpu().numpy() for k, v in self.chain.qualified_state_dict().items()}

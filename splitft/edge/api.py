@@ -16,7 +16,7 @@ from ..cut import CutSpec, cut_text, extract, fingerprint, install, parse_cut, v
 from ..errors import ConfigError, translated
 from ..options import Codecs, Factory, Faults, Link, Opener, Schedule
 from ..protocol import Hello
-from . import guards, resume
+from . import resume
 from .model import SplitModel
 from .requests import EdgeSession
 from .schedule import Scheduler
@@ -73,9 +73,8 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
     scheduler = Scheduler(CloudStage(session, ushape=spec.ushape), session, session.lock, schedule,
                           ushape=spec.ushape)
     split_model = SplitModel(model, spec, session, scheduler, metrics_path=metrics_path, freeze_edge=freeze_edge)
-    cloud_modules = install(model, spec, remote=split_model._trunk if spec.ushape else None, check=factory.check_cut)
-    split_model.__dict__["_cloud_modules"] = cloud_modules  # not a submodule: its parameters are the cloud's
-    guards.register(split_model)
+    split_model._bind(install(model, spec, remote=split_model._trunk if spec.ushape else None,
+                              check=factory.check_cut))
     if saved is not None:
         resume.load_edge_half(split_model, saved[0], resume_from)
     return split_model

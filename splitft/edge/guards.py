@@ -1,21 +1,22 @@
-"""What a script does with torch's own functions to a split model: mirrored, or refused.
+"""What a script does with torch's own functions to a split model: mirrored to the cloud half.
 
-Clipping. ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` over a split model's parameters.
+A split model's ``parameters()`` include the cloud half's, as placeholders (see
+:func:`splitft.cut.ghost`), so the usual calls over ``model.parameters()`` reach them. This module
+makes torch's own functions act on both halves when they are given a split model's parameters:
 
-Scripts (and Accelerate, and ``transformers.Trainer`` through it) clip with the free functions
-over ``model.parameters()``. Over a split model those are the edge's parameters only, so a plain
-call would clip by the edge half's norm: a silent divergence. Once a split model exists, the two
-functions are wrapped (looked up on ``torch.nn.utils`` at call time, as those callers do): a call
-over exactly a split model's parameters runs the model's own method, which clips both halves
-exactly; a call over some of them raises, naming the fix; any other call is torch's own.
-A reference taken before :func:`splitft.split` ran (``from torch.nn.utils import
-clip_grad_norm_`` at import time) is torch's function and is not routed: call
-``model.clip_grad_norm_`` instead.
+Optimizers. Any optimizer that holds cloud placeholders is mirrored: the first time it steps or
+is zeroed it is attached to its split model (``model.attach(opt)`` does the same, earlier), so
+optimizers built by ``transformers.Trainer`` or Accelerate are mirrored like the user's own. An
+attached optimizer's steps and ``zero_grad`` calls are forwarded to the cloud (a global step
+pre/post hook and ``Optimizer.zero_grad``); one that only holds edge parameters is local, as it
+would be on the unsplit model.
 
-Optimizers. An optimizer over a split model's parameters that was never attached
-(``model.attach(opt)``) would step the edge half alone; one whose parameter groups or settings the
-mirror does not carry (several groups, a scheduler changing momentum) would step the cloud half
-differently. Both are refused before their step runs (a global optimizer step pre-hook), with the fix.
+Clipping. ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` over (some of) a split
+model's parameters clip exactly those parameters' gradients in both halves, by their global
+norm: the cloud reports the norms of the named ones. They are looked up on ``torch.nn.utils`` at
+call time, as Accelerate and ``transformers.Trainer`` do; a reference taken before
+:func:`splitft.split` first ran (``from torch.nn.utils import clip_grad_norm_`` at import time)
+is torch's function and is not routed: call ``model.clip_grad_norm_`` instead.
 """
 
 from __future__ import annotations
@@ -33,18 +34,25 @@ from ..errors import ConfigError
 #: parameter itself, since a freed tensor's id may be reused (tensors are not hashable by value).
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 _INSTALLED = False
-_ATTACHED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-#: Optimizers found to hold no split model's parameter, with how many parameters they had then.
-_CLEAN: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+#: Optimizers mirrored to a cloud half, with their mirror (see splitft.edge.mirror.OptimizerMirror).
+_MIRRORS: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
+#: Optimizers found to hold no cloud placeholder, with how many parameters they had then.
+_LOCAL: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 
 
 def register(model: Any) -> None:
-    """Route the free clipping functions over ``model``'s parameters to ``model``."""
+    """Route torch's optimizers and clipping functions over ``model``'s parameters to ``model``."""
     for key in [k for k, (p, m) in _OWNERS.items() if p() is None or m() is None]:
         del _OWNERS[key]
     for param in model.parameters():
         _OWNERS[id(param)] = (weakref.ref(param), weakref.ref(model))
     _install()
+
+
+def mirrored(optimizer: torch.optim.Optimizer, mirror: Any) -> None:
+    """``optimizer`` is now mirrored by ``mirror``: its steps and zero_grad calls reach the cloud."""
+    _MIRRORS[optimizer] = mirror
+    _LOCAL.pop(optimizer, None)
 
 
 def _model_of(param: torch.Tensor) -> Any:
@@ -54,80 +62,87 @@ def _model_of(param: torch.Tensor) -> Any:
     return entry[1]()
 
 
-def _owner(parameters: Any, what: str) -> tuple[Any, list]:
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+def _owner(params: list[torch.Tensor], what: str) -> Any:
+    """The one split model these parameters belong to (None: none of them is a split model's)."""
     owners = {id(m): m for m in (_model_of(p) for p in params) if m is not None}
-    if not owners:
-        return None, params
-    model = next(iter(owners.values()))
-    if len(owners) > 1 or {id(p) for p in params} != {id(p) for p in model.parameters()}:
-        raise ConfigError(f"torch.nn.utils.{what} was given some of a split model's edge parameters; it cannot "
-                          f"see the cloud half's gradients. Call model.{what}(...) on the split model, which "
-                          "clips both halves")
-    return model, params
+    if len(owners) > 1:
+        raise ConfigError(f"{what} was given the parameters of {len(owners)} split models at once; call it once per model")
+    return next(iter(owners.values()), None)
+
+
+def _cloud_owner(optimizer: torch.optim.Optimizer) -> Any:
+    """The split model whose cloud placeholders ``optimizer`` holds, or None."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    model = _owner(params, f"{type(optimizer).__name__}")
+    if model is not None and not any(model.is_cloud(p) for p in params):
+        return None  # edge parameters only: a local optimizer, as on the unsplit model
+    return model
+
+
+def _mirror_of(optimizer: torch.optim.Optimizer) -> Any:
+    """``optimizer``'s mirror, attaching it to its split model the first time it is seen holding
+    cloud placeholders; None for an optimizer that holds none."""
+    mirror = _MIRRORS.get(optimizer)
+    if mirror is not None:
+        return mirror
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    if _LOCAL.get(optimizer) == count:
+        return None  # checked already: one look per optimizer, not one per step
+    model = _cloud_owner(optimizer)
+    if model is None:
+        _LOCAL[optimizer] = count
+        return None
+    model.attach(optimizer)
+    return _MIRRORS[optimizer]
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    mirror = _mirror_of(optimizer)
+    if mirror is not None:
+        mirror.before_step()
+
+
+def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    mirror = _MIRRORS.get(optimizer)
+    if mirror is not None:
+        mirror.after_step()
+
+
+def _zero_grad_mirrored(original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original)
+    def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        original(self, set_to_none)
+        mirror = _mirror_of(self)
+        if mirror is not None:
+            mirror.zeroed(set_to_none)
+
+    zero_grad.__splitft_original__ = original  # type: ignore[attr-defined]
+    return zero_grad
 
 
 def _route(original: Callable[..., Any], what: str) -> Callable[..., Any]:
     @functools.wraps(original)
     def routed(parameters: Iterable[torch.Tensor] | torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        model, params = _owner(parameters, what)
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        model = _owner(params, f"torch.nn.utils.{what}")
         if model is None:
             return original(params, *args, **kwargs)
         kwargs.pop("foreach", None)
-        return getattr(model, what)(*args, **kwargs)
+        return getattr(model, f"_{what}")(params, *args, **kwargs)
 
     routed.__splitft_original__ = original  # type: ignore[attr-defined]
     return routed
-
-
-def attached(optimizer: torch.optim.Optimizer) -> None:
-    """``optimizer`` is mirrored to the cloud: check before each step that the mirror is exact."""
-    settings = _hyperparameters(optimizer)
-    _check_mirrorable(optimizer, settings)
-    _ATTACHED.add(optimizer)
-    optimizer.register_step_pre_hook(lambda opt, args, kwargs: _check_mirrorable(opt, settings))
-
-
-def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Each group's settings the constructor took, but the learning rate (mirrored at every step)."""
-    keys = [k for k in optimizer.defaults if k != "lr"]
-    return [{k: group.get(k) for k in keys} for group in optimizer.param_groups]
-
-
-def _check_mirrorable(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]]) -> None:
-    if len(optimizer.param_groups) != 1:
-        raise ConfigError(f"{type(optimizer).__name__} has {len(optimizer.param_groups)} parameter groups; a split "
-                          "model mirrors optimizers with one group (one learning rate and settings) for now: "
-                          "build it from model.parameters()")
-    now = _hyperparameters(optimizer)
-    if now != settings:
-        changed = sorted(k for k in now[0] if now[0].get(k) != settings[0].get(k))
-        raise ConfigError(f"{type(optimizer).__name__}'s {', '.join(changed)} changed since it was attached; a split "
-                          "model mirrors the learning rate of every step, not other settings (a scheduler "
-                          "cycling momentum, say): keep them fixed")
-
-
-def _unattached_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if optimizer in _ATTACHED:
-        return
-    count = sum(len(group["params"]) for group in optimizer.param_groups)
-    if _CLEAN.get(optimizer) == count:
-        return  # checked already (any other optimizer in the process: one look, not one per step)
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if _model_of(param) is not None:
-                raise ConfigError(f"this {type(optimizer).__name__} holds a split model's parameters but was not "
-                                  "attached, so the cloud half would not step: opt = model.attach(opt)")
-    _CLEAN[optimizer] = count
 
 
 def _install() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-    register_optimizer_step_pre_hook(_unattached_step)
+    register_optimizer_step_pre_hook(_before_step)
+    register_optimizer_step_post_hook(_after_step)
+    torch.optim.Optimizer.zero_grad = _zero_grad_mirrored(torch.optim.Optimizer.zero_grad)  # type: ignore[method-assign]
     import torch.nn.utils as utils
     import torch.nn.utils.clip_grad as clip_grad
 
@@ -138,4 +153,4 @@ def _install() -> None:
     _INSTALLED = True
 
 
-__all__ = ["attached", "register"]
+__all__ = ["mirrored", "register"]

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..operations import ApplyEager, AttachOptimizer, ClampGrads, LoadWeights, ScaleGrads, SetLoss, Step, ZeroGrad, to_wire
-from . import guards
+from ..operations import (ApplyEager, AttachOptimizer, ClampGrads, LoadWeights, ScaleGrads, SetFrozen, SetLoss, Step,
+                          ZeroGrad, to_wire)
 
 if TYPE_CHECKING:
     from .requests import EdgeSession
@@ -27,27 +27,32 @@ if TYPE_CHECKING:
 # Typed records (splitft.operations), sent as the maps the cloud checks field by field.
 
 
-def optimizer_op(op_id: int, name: str, settings: dict[str, Any]) -> dict:
-    """Build (or, with a known id, keep) the cloud's optimizer: class ``name`` with ``settings``."""
-    return to_wire(AttachOptimizer(name=name, settings=settings, id=op_id))
+def optimizer_op(op_id: int, name: str, settings: dict[str, Any], groups: list[dict] | None = None) -> dict:
+    """Build (or, with a known id, keep) the cloud's optimizer: class ``name`` with ``settings``
+    over ``groups`` of its parameters (None: one group of all)."""
+    return to_wire(AttachOptimizer(name=name, settings=settings, id=op_id, groups=groups))
 
 
-def step_op(step: int, lr: float | None) -> dict:
+def step_op(step: int, lr: float | None, lrs: list[float] | None = None, changes: list[dict] | None = None) -> dict:
     """Step ``step`` of the optimizer; the cloud applies each id once, however often it arrives."""
-    return to_wire(Step(id=step, lr=lr))
+    return to_wire(Step(id=step, lr=lr, lrs=lrs, changes=changes))
 
 
-def zero_grad_op(set_to_none: bool) -> dict:
-    return to_wire(ZeroGrad(set_to_none=bool(set_to_none)))
+def zero_grad_op(set_to_none: bool, model: bool = False) -> dict:
+    return to_wire(ZeroGrad(set_to_none=bool(set_to_none), model=model))
 
 
-def scale_grads_op(factor: float) -> dict:
+def scale_grads_op(factor: float, names: list[str] | None = None) -> dict:
     """Multiply the cloud half's gradients (clipping by the global norm)."""
-    return to_wire(ScaleGrads(factor=float(factor)))
+    return to_wire(ScaleGrads(factor=float(factor), names=names))
 
 
-def clamp_grads_op(value: float) -> dict:
-    return to_wire(ClampGrads(value=float(value)))
+def clamp_grads_op(value: float, names: list[str] | None = None) -> dict:
+    return to_wire(ClampGrads(value=float(value), names=names))
+
+
+def frozen_op(names: list[str]) -> dict:
+    return to_wire(SetFrozen(names=names))
 
 
 def load_weights_op(weights: dict[str, Any]) -> dict:
@@ -68,41 +73,89 @@ def apply_op(call: int, scale: float) -> dict:
 # ---------------------------------------------------------------- optimizer and loss
 
 
-def attach_optimizer(session: EdgeSession, optimizer: torch.optim.Optimizer, *, resume_state: dict | None,
-                     on_step: Callable[[], None]) -> None:
-    """Mirror ``optimizer`` in the cloud: same class and settings, stepping and zeroing when it does.
+class OptimizerMirror:
+    """The cloud's copy of one optimizer: built when it is attached, stepped and zeroed with it.
 
-    ``resume_state`` (from an edge checkpoint) is loaded into it; the cloud then keeps the
-    optimizer it restored. ``on_step`` runs after each mirrored step.
+    The cloud builds the same class with the same settings over the same parameter groups (by
+    the cloud parameters' names); each step carries the groups' learning rates and any other
+    setting a scheduler changed since the previous one.
+
+    Args:
+        session: the edge's session.
+        optimizer: the user's optimizer.
+        cloud_names: id of each cloud parameter's placeholder -> its name in the unsplit model.
+        resume_state: optimizer state from an edge checkpoint; the cloud kept its optimizer.
+        on_step: runs after each mirrored step.
     """
-    guards.attached(optimizer)  # refuses, before anything is queued, what the mirror would not carry exactly
-    settings = optimizer_settings(optimizer)
-    if resume_state is not None:
-        optimizer.load_state_dict(resume_state)
-        op_id = session.optimizer_id  # the cloud restored its optimizer: this attach is a no-op there
-    else:
-        session.optimizer_id += 1
-        op_id = session.optimizer_id
-    session.queue(optimizer_op(op_id, type(optimizer).__name__, settings))
 
-    def stepped(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        lr = opt.param_groups[0].get("lr")
+    def __init__(self, session: EdgeSession, optimizer: torch.optim.Optimizer, cloud_names: dict[int, str], *,
+                 resume_state: dict | None, on_step: Callable[[], None]) -> None:
+        self.session, self.optimizer, self.on_step = session, optimizer, on_step
+        self.settings = optimizer_settings(optimizer)
+        self.members = _members(optimizer)
+        self.sent = self._group_settings()
+        groups = [{"names": [cloud_names[id(p)] for p in group["params"] if id(p) in cloud_names],
+                   "settings": settings} for group, settings in zip(optimizer.param_groups, self.sent)]
+        if len(groups) == 1 and len(groups[0]["names"]) == len(cloud_names) and self.sent[0] == self.settings:
+            groups = None  # the common case, as small on the wire as it was before groups
+        if resume_state is not None:
+            optimizer.load_state_dict(resume_state)
+            op_id = session.optimizer_id  # the cloud restored its optimizer: this attach is a no-op there
+        else:
+            session.optimizer_id += 1
+            op_id = session.optimizer_id
+        session.queue(optimizer_op(op_id, type(optimizer).__name__, self.settings, groups))
+
+    def _group_settings(self) -> list[dict[str, Any]]:
+        out = []
+        for group in self.optimizer.param_groups:
+            settings = {}
+            for key in self.settings:
+                value = _plain(_scalar(group.get(key)))
+                if value is _NOT_PLAIN:
+                    raise ConfigError(f"{type(self.optimizer).__name__}'s {key} is {group.get(key)!r}; a split model "
+                                      "mirrors plain numbers and flags, not this")
+                settings[key] = value
+            out.append(settings)
+        return out
+
+    def before_step(self) -> None:
+        """Refuse, before the step runs, what the mirror would not carry: groups added or changed."""
+        if _members(self.optimizer) != self.members:
+            raise ConfigError(f"{type(self.optimizer).__name__}'s parameter groups changed since it was attached "
+                              "(add_param_group, or a group's params list edited); a split model mirrors the groups "
+                              "it was attached with: build a new optimizer and attach it")
+
+    def after_step(self) -> None:
+        now = self._group_settings()
+        lrs = [group.get("lr") for group in now]
+        changes = [{k: v for k, v in group.items() if k != "lr" and v != before.get(k)}
+                   for group, before in zip(now, self.sent)]
+        self.sent = now
+        session = self.session
         session.step += 1
-        session.queue(step_op(session.step, float(lr) if isinstance(lr, (int, float)) else None))
+        single = len(lrs) == 1
+        session.queue(step_op(session.step, lrs[0] if single else None, None if single else lrs,
+                              changes if any(changes) else None))
         if session.shared:
             # Other edges train the same cloud half: apply the step now, not with this edge's next
             # message, so it lands between the other edges' steps where the user's loop put it.
             session.sync()
-        on_step()
+        self.on_step()
 
-    optimizer.register_step_post_hook(stepped)
-    original = optimizer.zero_grad
+    def zeroed(self, set_to_none: bool) -> None:
+        self.session.queue(zero_grad_op(set_to_none))
 
-    def zero_grad(set_to_none: bool = True) -> None:
-        original(set_to_none)
-        session.queue(zero_grad_op(set_to_none))
 
-    optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+def _members(optimizer: torch.optim.Optimizer) -> list[tuple[int, ...]]:
+    return [tuple(map(id, group["params"])) for group in optimizer.param_groups]
+
+
+def _scalar(value: Any) -> Any:
+    """A one-element tensor setting (a tensor learning rate) as a number."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return value
 
 
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -145,5 +198,5 @@ def _plain(value: Any) -> Any:
     return _NOT_PLAIN
 
 
-__all__ = ["apply_op", "attach_optimizer", "loss_op", "loss_settings", "optimizer_op", "optimizer_settings",
-           "step_op", "zero_grad_op", "scale_grads_op", "clamp_grads_op", "load_weights_op"]
+__all__ = ["OptimizerMirror", "apply_op", "clamp_grads_op", "frozen_op", "load_weights_op", "loss_op", "loss_settings",
+           "optimizer_op", "optimizer_settings", "scale_grads_op", "step_op", "zero_grad_op"]

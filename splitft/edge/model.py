@@ -7,10 +7,11 @@ gradient at the cut. Optimizer steps and ``zero_grad`` calls are mirrored (:mod:
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -18,10 +19,10 @@ import torch
 from torch import nn
 
 from ..coding import flatten, sample_ids_array, unflatten
-from ..cut import CutReached, CutSpec, uninstall
+from ..cut import Chain, CutReached, CutSpec, uninstall
 from ..errors import ConfigError, SplitFTError
 from ..metrics import JsonlWriter, Metrics
-from . import mirror, resume
+from . import guards, mirror, resume
 from .requests import EdgeSession
 from .schedule import Call, Scheduler
 
@@ -55,9 +56,15 @@ class _RemoteCall(torch.autograd.Function):
 class SplitModel(nn.Module):
     """The user's model with its cloud part cut out. Train it like the original.
 
-    Its parameters are the edge's only; attach the optimizer with :meth:`attach` so the cloud
-    part steps with it. Plain splits return the activation at the cut from ``forward``; the loss
-    comes from :meth:`remote_loss` and predictions from :meth:`predict`.
+    It holds the original model (``.model``), whose cloud modules are *ghosts*: the same
+    classes, names and parameter shapes, with placeholder parameters on the ``meta`` device (the
+    values live in the cloud). ``parameters()`` therefore lists every parameter of the unsplit
+    model, and what a script does over them is mirrored: optimizers (their groups by name, their
+    steps, ``zero_grad``), clipping, ``requires_grad_``. ``edge_parameters()`` and
+    ``cloud_parameters()`` tell which is where. Attribute lookups the split model does not answer
+    go to the wrapped model (``model.config``), and ``forward`` has the wrapped model's signature.
+    Plain splits return the activation at the cut from ``forward``; the loss comes from
+    :meth:`remote_loss` and predictions from :meth:`predict`.
     """
 
     def __init__(self, model: nn.Module, spec: CutSpec, session: EdgeSession, scheduler: Scheduler,
@@ -74,6 +81,52 @@ class SplitModel(nn.Module):
         self._writer = JsonlWriter(metrics_path) if metrics_path else None
         self._last_record = time.perf_counter()
         self._resume_optimizer: dict | None = None  # optimizer state from an edge checkpoint
+        self._cloud: dict[str, nn.Parameter] = {}  # name in the unsplit model -> placeholder
+        self._cloud_ids: dict[int, str] = {}
+        self._frozen_sent: frozenset[str] | None = None
+        self.__dict__["forward"] = _with_signature(self, model)
+
+    def _bind(self, chain: Chain) -> None:
+        """Find the placeholders of the cloud half's parameters the cut installed (named as in the unsplit model)."""
+        for name in chain.names:
+            for key, param in self.model.get_submodule(name).named_parameters():
+                if id(param) not in self._cloud_ids:
+                    self._cloud[f"{name}.{key}"] = param
+                    self._cloud_ids[id(param)] = f"{name}.{key}"
+        self.__dict__["_cloud_modules"] = chain  # not a submodule: the real modules, for unsplit()
+        guards.register(self)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("_modules", {}).get("model")
+            if model is None or name.startswith("_"):
+                raise
+            return getattr(model, name)  # config, main_input_name, num_parameters, ...
+
+    # ------------------------------------------------------------ where the parameters are
+
+    def is_cloud(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is a placeholder of a cloud parameter."""
+        return id(param) in self._cloud_ids and self._cloud[self._cloud_ids[id(param)]] is param
+
+    def cloud_parameters(self) -> Iterator[nn.Parameter]:
+        """The cloud half's parameters, as placeholders on the ``meta`` device (no values)."""
+        return iter(self._cloud.values())
+
+    def named_cloud_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(name in the unsplit model, placeholder) of each cloud parameter."""
+        return iter(self._cloud.items())
+
+    def edge_parameters(self) -> Iterator[nn.Parameter]:
+        """The parameters that live here, on the edge."""
+        return (p for p in self.parameters() if not self.is_cloud(p))
+
+    def edge_state_dict(self) -> dict[str, Any]:
+        """The edge half's state (unsplit names, the cloud half's left out)."""
+        cloud = self.__dict__["_cloud_modules"].qualified_state_dict().keys()
+        return {k: v for k, v in self.model.state_dict().items() if k not in cloud}
 
     @property
     def metrics(self) -> Metrics:
@@ -99,6 +152,7 @@ class SplitModel(nn.Module):
         raise SplitFTError("the model's forward returned without reaching the cut; check the cut name")
 
     def _remote(self, args: tuple, kwargs: dict, target: Any = None) -> Any:
+        self._mirror_frozen()
         grad = torch.is_grad_enabled()
         leaves, skeleton = flatten((list(args), kwargs, target))
         if self.freeze_edge:  # no input needs a gradient, so none crosses back
@@ -123,14 +177,35 @@ class SplitModel(nn.Module):
     # ------------------------------------------------------------ training
 
     def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Mirror ``optimizer`` in the cloud: same class and settings, stepping when it steps.
+        """Mirror ``optimizer`` in the cloud: same class, settings and parameter groups (by name),
+        stepping and zeroing when it does.
 
-        Returns the same optimizer, so ``opt = model.attach(torch.optim.Adam(...))`` reads well.
+        Optimizers holding the cloud half's parameters are attached by themselves the first time
+        they step or zero their gradients; attaching explicitly does it at once. Returns the same
+        optimizer, so ``opt = model.attach(torch.optim.Adam(...))`` reads well.
         """
-        mirror.attach_optimizer(self.session, optimizer, resume_state=self._resume_optimizer, on_step=self._stepped)
+        if self.optimizer is optimizer:
+            return optimizer
+        if self.optimizer is not None:
+            raise ConfigError(f"this split model already mirrors a {type(self.optimizer).__name__}; the cloud half "
+                              "steps with one optimizer: put every group in it (or give the others edge "
+                              "parameters only, which stay local)")
+        if any(state for p, state in optimizer.state.items() if self.is_cloud(p)):
+            raise ConfigError("this optimizer already holds state for cloud parameters (loaded before it was "
+                              "attached); attach it before loading its state_dict")
+        optimizer_mirror = mirror.OptimizerMirror(self.session, optimizer, self._cloud_ids,
+                                                  resume_state=self._resume_optimizer, on_step=self._stepped)
+        guards.mirrored(optimizer, optimizer_mirror)
         self._resume_optimizer = None
         self.optimizer = optimizer
         return optimizer
+
+    def _mirror_frozen(self) -> None:
+        """Tell the cloud which of its parameters the script froze (``requires_grad_(False)``), when that changed."""
+        frozen = frozenset(name for name, param in self._cloud.items() if not param.requires_grad)
+        if frozen != self._frozen_sent:
+            self.session.queue(mirror.frozen_op(sorted(frozen)))
+            self._frozen_sent = frozen
 
     def _stepped(self) -> None:
         self.metrics.steps += 1
@@ -162,21 +237,40 @@ class SplitModel(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of both halves, as ``model.zero_grad()`` does on the unsplit model."""
         super().zero_grad(set_to_none)
-        self.session.queue(mirror.zero_grad_op(set_to_none))
+        self.session.queue(mirror.zero_grad_op(set_to_none, model=True))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip both halves' gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_``
-        does over the unsplit model's parameters; returns that total norm.
+        does over the unsplit model's parameters; returns that total norm."""
+        return self._clip_grad_norm_(list(self.parameters()), max_norm, norm_type, error_if_nonfinite)
 
-        One round trip: the cloud reports the norm of each of its gradients, the edge computes the
-        total, scales its own and sends the cloud the same factor (it rides on the next message).
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp both halves' gradients to ``[-clip_value, clip_value]`` (``torch.nn.utils.clip_grad_value_``)."""
+        self._clip_grad_value_(list(self.parameters()), clip_value)
+
+    def _cloud_names_in(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[str] | None, bool]:
+        """(edge parameters, names of the cloud ones or None for all, whether any is a cloud one)."""
+        edge = [p for p in params if not self.is_cloud(p)]
+        names = list(dict.fromkeys(self._cloud_ids[id(p)] for p in params if self.is_cloud(p)))
+        return edge, (None if len(names) == len(self._cloud) else names), bool(names)
+
+    def _clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                         error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip ``params`` (edge ones and cloud placeholders) by their global norm.
+
+        One round trip when cloud parameters are among them: the cloud reports the norm of each
+        of their gradients, the edge computes the total, scales its own and sends the cloud the
+        same factor (it rides on the next message).
         """
         norm_type = float(norm_type)
-        edge = [p.grad for p in self.parameters() if p.grad is not None]
-        cloud = self.session.sync_reply(grad_norm=norm_type).grad_norms or []
-        norms = [torch.linalg.vector_norm(g.detach(), norm_type) for g in edge]
-        norms += [torch.tensor(n, dtype=torch.float32) for n in cloud]
+        edge, names, any_cloud = self._cloud_names_in(params)
+        grads = [p.grad for p in edge if p.grad is not None]
+        norms = [torch.linalg.vector_norm(g.detach(), norm_type) for g in grads]
+        if any_cloud:
+            self._mirror_frozen()
+            reply = self.session.sync_reply(grad_norm=norm_type, grad_names=names)
+            norms += [torch.tensor(n, dtype=torch.float32) for n in reply.grad_norms or []]
         if not norms:
             return torch.tensor(0.0)
         total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
@@ -185,18 +279,20 @@ class SplitModel(nn.Module):
                                "be clipped; set error_if_nonfinite=False to clip anyway")
         factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         with torch.no_grad():
-            for g in edge:
+            for g in grads:
                 g.mul_(factor.to(g.dtype))
-        self.session.queue(mirror.scale_grads_op(float(factor)))
+        if any_cloud:
+            self.session.queue(mirror.scale_grads_op(float(factor), names))
         return total
 
-    def clip_grad_value_(self, clip_value: float) -> None:
-        """Clamp both halves' gradients to ``[-clip_value, clip_value]`` (``torch.nn.utils.clip_grad_value_``)."""
+    def _clip_grad_value_(self, params: list[torch.Tensor], clip_value: float) -> None:
+        edge, names, any_cloud = self._cloud_names_in(params)
         with torch.no_grad():
-            for p in self.parameters():
+            for p in edge:
                 if p.grad is not None:
                     p.grad.clamp_(-clip_value, clip_value)
-        self.session.queue(mirror.clamp_grads_op(clip_value))
+        if any_cloud:
+            self.session.queue(mirror.clamp_grads_op(clip_value, names))
 
     # ------------------------------------------------------------ the whole model's state
 
@@ -206,7 +302,7 @@ class SplitModel(nn.Module):
         if args:
             raise ConfigError("state_dict() of a split model takes keyword arguments only")
         out = self.model.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-        for key, value in self.cloud_state_dict().items():
+        for key, value in self.cloud_state_dict().items():  # in place of the placeholders
             out[prefix + key] = value
         return out
 
@@ -220,12 +316,16 @@ class SplitModel(nn.Module):
             missing = sorted(cloud_names - cloud.keys())
             raise ConfigError(f"load_state_dict: the cloud half's tensors {missing[:5]} are missing; give all of "
                               "them, or none with strict=False")
-        result = self.model.load_state_dict(edge, strict=strict, assign=assign)
+        result = self.model.load_state_dict(edge, strict=False, assign=assign)
+        missing = [k for k in result.missing_keys if k not in cloud_names]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.model).__name__}: missing keys "
+                               f"{missing[:5]}, unexpected keys {result.unexpected_keys[:5]}")
         if cloud:
             self.session.queue(mirror.load_weights_op({k: torch.as_tensor(v).detach().cpu().numpy()
                                                        for k, v in cloud.items()}))
             self.session.sync()  # applied now, so a bad tensor is reported here
-        return result
+        return type(result)(missing, result.unexpected_keys)
 
     def unsplit(self) -> nn.Module:
         """The whole trained model, in one piece on the edge: the cloud half's modules back in place
@@ -269,6 +369,27 @@ class SplitModel(nn.Module):
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         self.close("interrupted" if exc_type is KeyboardInterrupt else "done" if exc_type is None else "error")
+
+
+def _with_signature(split: SplitModel, model: nn.Module) -> Any:
+    """``split.forward`` under the wrapped model's signature (plus ``sample_ids``), so callers
+    that read it (``transformers.Trainer`` keeps the dataset columns the forward names) see the
+    model they know."""
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return SplitModel.forward(split, *args, **kwargs)
+
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return forward
+    params = list(signature.parameters.values())
+    if "sample_ids" not in signature.parameters:
+        extra = inspect.Parameter("sample_ids", inspect.Parameter.KEYWORD_ONLY, default=None)
+        at = next((i for i, p in enumerate(params) if p.kind is p.VAR_KEYWORD), len(params))
+        params.insert(at, extra)
+    forward.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+    forward.__doc__ = SplitModel.forward.__doc__
+    return forward
 
 
 @dataclass

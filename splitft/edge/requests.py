@@ -425,16 +425,17 @@ class EdgeSession:
         return self.sync_reply(want_state=want_state, checkpoint=checkpoint, pin=pin).state
 
     def sync_reply(self, want_state: bool = False, checkpoint: bool = False, pin: bool = False,
-                   grad_norm: float | None = None) -> Ack:
+                   grad_norm: float | None = None, grad_names: list[str] | None = None) -> Ack:
         """Apply pending operations in the cloud now; its reply carries the cloud part's weights
-        (``want_state``) and the ``grad_norm``-type norm of each of its gradients.
+        (``want_state``) and the ``grad_norm``-type norm of each of its gradients (of the
+        ``grad_names``d parameters' only, when given).
 
         ``checkpoint`` makes the cloud write a checkpoint right after these operations (``pin``:
         one it keeps until the next pinned one, to match an edge checkpoint).
         """
         with self._lock:
             msg = Sync(ops=self.take_ops(), want_state=want_state, checkpoint=checkpoint or pin, pin=pin,
-                       grad_norm=grad_norm)
+                       grad_norm=grad_norm, grad_names=grad_names)
             reply, wire_in = self.exchange(msg, "control", Ack)
             self.metrics.count("down", "control", wire=wire_in)
             assert isinstance(reply, Ack)

@@ -36,7 +36,7 @@ def save(split: SplitModel, path: str | os.PathLike) -> None:
         # The cloud's checkpoint holds the state after that sync's operations, numbered one below
         # it; a resumed edge continues from that number, re-using the sync's.
         optimizer = split.optimizer
-        tree = {"weights": split.model.state_dict(),
+        tree = {"weights": split.edge_state_dict(),
                 "optimizer": optimizer.state_dict() if optimizer is not None else None,
                 "codecs": session.codecs.state_dict()}
         assert session._hello is not None
@@ -65,7 +65,10 @@ def check_identity(hello: Hello, meta: dict[str, Any], path: str | os.PathLike |
 def load_edge_half(split: SplitModel, tree: dict, path: str | os.PathLike | None) -> None:
     """Put the saved edge weights back, and keep the optimizer state for :meth:`SplitModel.attach`."""
     try:
-        split.model.load_state_dict(tree["weights"])
+        split.load_state_dict(tree["weights"], strict=False)
+        missing = split.edge_state_dict().keys() - tree["weights"].keys()
+        if missing or tree["weights"].keys() - split.edge_state_dict().keys():
+            raise RuntimeError(f"its edge weights do not match this model's (missing {sorted(missing)[:5]})")
     except RuntimeError as exc:
         split.session.close("error")
         raise CheckpointError(f"the edge checkpoint {path} does not fit this model: {exc}") from exc

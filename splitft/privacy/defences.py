@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..cut import CutPoint, TrunkEntry
+from ..cut import CutPoint, TrunkEntry, standin_of
 from ..errors import ConfigError, SplitFTError
 from .accountant import PrivacyAccountant, calibrate
 from .dcor import distance_correlation
@@ -366,7 +366,7 @@ def _standin(split_model: nn.Module) -> nn.Module:
     parent = model.get_submodule(spec.parent) if spec.parent else model
     children = list(parent.children())
     standin = children[spec.start] if spec.start < len(children) else None
-    if not isinstance(standin, (CutPoint, TrunkEntry)):
+    if standin is None or not isinstance(standin_of(standin), (CutPoint, TrunkEntry)):
         raise ConfigError(f"protect() expects a model returned by splitft.split(); the module at the cut is a "
                           f"{type(standin).__name__}, not the cut's stand-in")
     return standin
