@@ -187,6 +187,11 @@ class Chain(nn.Module):
                     named[f"{name}.{key}"] = param
         return named
 
+    def qualified_modules(self) -> dict[str, nn.Module]:
+        """Every module of the part (each stage and its submodules) under the original model's names."""
+        return {f"{name}.{key}" if key else name: module
+                for name, stage in zip(self.names, self.stages) for key, module in stage.named_modules()}
+
     def load_qualified_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         expected = self.qualified_state_dict()
         if set(state) != set(expected):

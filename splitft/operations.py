@@ -122,9 +122,19 @@ class SetFrozen(Operation):
     names: list
 
 
+@dataclass
+class SetModes(Operation):
+    """The cloud half's modules whose train/eval mode differs from the split model's own (a layer
+    put in ``eval()`` by name); the cloud flips them after setting each call's mode. Sent when the
+    set changes."""
+
+    NAME: ClassVar[str] = "modes"
+    names: list
+
+
 OPERATIONS: dict[str, type[Operation]] = {
     cls.NAME: cls for cls in (AttachOptimizer, SetLoss, Step, ApplyEager, ZeroGrad, ScaleGrads, ClampGrads,
-                              LoadWeights, SetFrozen)
+                              LoadWeights, SetFrozen, SetModes)
 }
 
 def to_wire(op: Operation) -> dict[str, Any]:
@@ -143,4 +153,4 @@ def from_wire(value: Any) -> Operation:
 
 
 __all__ = ["ApplyEager", "AttachOptimizer", "ClampGrads", "LoadWeights", "OPERATIONS", "Operation", "ScaleGrads",
-           "SetFrozen", "SetLoss", "Step", "ZeroGrad", "from_wire", "to_wire"]
+           "SetFrozen", "SetLoss", "SetModes", "Step", "ZeroGrad", "from_wire", "to_wire"]

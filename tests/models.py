@@ -74,3 +74,25 @@ def tiny_bert_pretrained(seed: int = 0) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return BertForSequenceClassification(config).eval()
+
+
+def tiny_hf(kind: str = "bert", seed: int = 0) -> nn.Module:
+    """A randomly initialised transformers model without dropout (its randomness would differ
+    between the halves): ``"bert"`` for sequence classification, ``"llama"`` a causal LM."""
+    import transformers
+
+    if kind == "bert":
+        config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
+                                         intermediate_size=37, max_position_embeddings=64, num_labels=3,
+                                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        cls = transformers.BertForSequenceClassification
+    elif kind == "llama":
+        config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          tie_word_embeddings=False)
+        cls = transformers.LlamaForCausalLM
+    else:
+        raise ValueError(f"tiny_hf knows 'bert' and 'llama', not {kind!r}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return cls(config).eval()

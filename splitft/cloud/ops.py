@@ -106,6 +106,15 @@ def _make_optimizer(groups: list[dict[str, Any]], cls: type, settings: dict) -> 
         raise ConfigError(f"cannot build {cls.__name__} with {_short(settings)}: {exc}") from exc
 
 
+def set_modes(session: CloudSession, op: o.SetModes) -> None:
+    """Modules to run in the other mode than each call's (``net.layer[3].eval()`` during training)."""
+    modules = session.chain.qualified_modules()
+    unknown = [n for n in op.names if not isinstance(n, str) or n not in modules]
+    if unknown:
+        raise ProtocolError(f"the cloud half has no module {_short(unknown[0])}")
+    session.flipped = [modules[n] for n in dict.fromkeys(op.names)]
+
+
 def set_frozen(session: CloudSession, op: o.SetFrozen) -> None:
     """``requires_grad`` of each parameter of the half, as the edge's script set it."""
     frozen = {id(p) for p in session.parameters_named(op.names)}
@@ -252,6 +261,7 @@ HANDLERS: dict[type[o.Operation], Callable[[Any, Any], Any]] = {
     o.ClampGrads: clamp_grads,
     o.LoadWeights: load_weights,
     o.SetFrozen: set_frozen,
+    o.SetModes: set_modes,
 }
 
 __all__ = ["HANDLERS", "apply_ops"]

@@ -169,6 +169,7 @@ class CloudSession:
         self.own_optimizer: torch.optim.Optimizer | None = None
         self.optimizer_spec: o.AttachOptimizer | None = None
         self.optimizer_id = 0
+        self.flipped: list[nn.Module] = []  # modules the edge runs in the other mode (SetModes)
         self.loss_fn: nn.Module | None = None
         self.loss_spec: o.SetLoss | None = None
         self.pending: OrderedDict[int, Pending] = OrderedDict()
@@ -270,6 +271,8 @@ class CloudSession:
         kwargs = unflatten(kw_skel, leaves[n_args:n_args + n_kw])
         target = unflatten(target_skel, leaves[n_args + n_kw:])
         self.chain.train(train)
+        for module in self.flipped:
+            module.train(not train)
         with torch.set_grad_enabled(grad), blame(ModelError, "the cloud part failed on the inputs the edge sent"), \
                 GraphMeter(self.chain) as meter, _autocast(autocast):
             value = self.chain(*args, **kwargs)

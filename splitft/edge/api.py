@@ -17,7 +17,7 @@ from ..errors import ConfigError, translated
 from ..options import Codecs, Factory, Faults, Link, Opener, Schedule
 from ..protocol import Hello
 from . import resume
-from .model import SplitModel
+from .model import SplitModel, split_class
 from .requests import EdgeSession
 from .schedule import Scheduler
 from .stage import CloudStage
@@ -72,7 +72,7 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
         raise
     scheduler = Scheduler(CloudStage(session, ushape=spec.ushape), session, session.lock, schedule,
                           ushape=spec.ushape)
-    split_model = SplitModel(model, spec, session, scheduler, metrics_path=metrics_path, freeze_edge=freeze_edge)
+    split_model = split_class(type(model))(model, spec, session, scheduler, metrics_path=metrics_path, freeze_edge=freeze_edge)
     split_model._bind(install(model, spec, remote=split_model._trunk if spec.ushape else None,
                               check=factory.check_cut))
     if saved is not None:

@@ -11,6 +11,11 @@ attached optimizer's steps and ``zero_grad`` calls are forwarded to the cloud (a
 pre/post hook and ``Optimizer.zero_grad``); one that only holds edge parameters is local, as it
 would be on the unsplit model.
 
+Optimizer state. ``opt.load_state_dict`` of per-parameter state (moments) over a split model's
+parameters would restore the edge half's only, so it is refused (settings alone load: they are
+mirrored at the next step); ``model.save_checkpoint`` and ``split(resume_from=...)`` restore both
+halves.
+
 Clipping. ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` over (some of) a split
 model's parameters clip exactly those parameters' gradients in both halves, by their global
 norm: the cloud reports the norms of the named ones. They are looked up on ``torch.nn.utils`` at
@@ -120,6 +125,25 @@ def _zero_grad_mirrored(original: Callable[..., None]) -> Callable[..., None]:
     return zero_grad
 
 
+def _load_refused(original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original)
+    def load_state_dict(self: torch.optim.Optimizer, state_dict: dict) -> None:
+        if state_dict.get("state") and (self in _MIRRORS or _cloud_owner(self) is not None):
+            raise ConfigError(f"{type(self).__name__}.load_state_dict over a split model's parameters would restore the "
+                              "edge half's optimizer state only (the cloud keeps its own); checkpoint with "
+                              "model.save_checkpoint(path) and continue with split(..., resume_from=path)")
+        original(self, state_dict)
+
+    load_state_dict.__splitft_original__ = original  # type: ignore[attr-defined]
+    return load_state_dict
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load ``state`` into ``optimizer`` past the refusal above (an edge checkpoint's own state)."""
+    load = type(optimizer).load_state_dict
+    getattr(load, "__splitft_original__", load)(optimizer, state)
+
+
 def _route(original: Callable[..., Any], what: str) -> Callable[..., Any]:
     @functools.wraps(original)
     def routed(parameters: Iterable[torch.Tensor] | torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -143,6 +167,7 @@ def _install() -> None:
     register_optimizer_step_pre_hook(_before_step)
     register_optimizer_step_post_hook(_after_step)
     torch.optim.Optimizer.zero_grad = _zero_grad_mirrored(torch.optim.Optimizer.zero_grad)  # type: ignore[method-assign]
+    torch.optim.Optimizer.load_state_dict = _load_refused(torch.optim.Optimizer.load_state_dict)  # type: ignore[method-assign]
     import torch.nn.utils as utils
     import torch.nn.utils.clip_grad as clip_grad
 
@@ -153,4 +178,4 @@ def _install() -> None:
     _INSTALLED = True
 
 
-__all__ = ["mirrored", "register"]
+__all__ = ["load_optimizer_state", "mirrored", "register"]

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..operations import (ApplyEager, AttachOptimizer, ClampGrads, LoadWeights, ScaleGrads, SetFrozen, SetLoss, Step,
+from . import guards
+from ..operations import (ApplyEager, AttachOptimizer, ClampGrads, LoadWeights, ScaleGrads, SetFrozen, SetLoss, SetModes, Step,
                           ZeroGrad, to_wire)
 
 if TYPE_CHECKING:
@@ -53,6 +54,10 @@ def clamp_grads_op(value: float, names: list[str] | None = None) -> dict:
 
 def frozen_op(names: list[str]) -> dict:
     return to_wire(SetFrozen(names=names))
+
+
+def modes_op(names: list[str]) -> dict:
+    return to_wire(SetModes(names=names))
 
 
 def load_weights_op(weights: dict[str, Any]) -> dict:
@@ -99,7 +104,7 @@ class OptimizerMirror:
         if len(groups) == 1 and len(groups[0]["names"]) == len(cloud_names) and self.sent[0] == self.settings:
             groups = None  # the common case, as small on the wire as it was before groups
         if resume_state is not None:
-            optimizer.load_state_dict(resume_state)
+            guards.load_optimizer_state(optimizer, resume_state)
             op_id = session.optimizer_id  # the cloud restored its optimizer: this attach is a no-op there
         else:
             session.optimizer_id += 1
@@ -198,5 +203,5 @@ def _plain(value: Any) -> Any:
     return _NOT_PLAIN
 
 
-__all__ = ["OptimizerMirror", "apply_op", "clamp_grads_op", "frozen_op", "load_weights_op", "loss_op", "loss_settings",
+__all__ = ["OptimizerMirror", "apply_op", "clamp_grads_op", "frozen_op", "load_weights_op", "modes_op", "loss_op", "loss_settings",
            "optimizer_op", "optimizer_settings", "scale_grads_op", "step_op", "zero_grad_op"]

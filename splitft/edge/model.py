@@ -7,6 +7,7 @@ gradient at the cut. Optimizer steps and ``zero_grad`` calls are mirrored (:mod:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import time
@@ -84,7 +85,7 @@ class SplitModel(nn.Module):
         self._cloud: dict[str, nn.Parameter] = {}  # name in the unsplit model -> placeholder
         self._cloud_ids: dict[int, str] = {}
         self._frozen_sent: frozenset[str] | None = None
-        self.__dict__["forward"] = _with_signature(self, model)
+        self._flipped_sent: list[str] = []
 
     def _bind(self, chain: Chain) -> None:
         """Find the placeholders of the cloud half's parameters the cut installed (named as in the unsplit model)."""
@@ -104,6 +105,34 @@ class SplitModel(nn.Module):
             if model is None or name.startswith("_"):
                 raise
             return getattr(model, name)  # config, main_input_name, num_parameters, ...
+
+    # ------------------------------------------------------------ what cannot reach the cloud half
+
+    def apply(self, fn: Any) -> SplitModel:
+        """Refused: ``fn`` would run on the cloud half's modules, whose values are not here."""
+        raise ConfigError("model.apply(fn) would run fn on the cloud half's modules, which are placeholders here "
+                          "(their values live in the cloud): call it on the model before split(), or on an edge "
+                          "submodule")
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: compile the edge's own submodules instead."""
+        raise ConfigError("torch.compile of a split model is not supported; compile edge submodules "
+                          "(model.model.<name>.compile()) instead")
+
+    def set_submodule(self, target: str, module: nn.Module, strict: bool = False) -> None:
+        name = target.removeprefix("model.")
+        for cloud in self.__dict__["_cloud_modules"].names:
+            if name == cloud or name.startswith(cloud + ".") or cloud.startswith(name + "."):
+                raise ConfigError(f"set_submodule({target!r}) would replace (part of) {cloud!r}, which runs in the "
+                                  "cloud; change the model before split()")
+        super().set_submodule(target, module, strict)
+
+    def _refuse_state_hooks(self, *args: Any, **kwargs: Any) -> Any:
+        raise ConfigError("state_dict hooks on a split model are not run by its state_dict/load_state_dict (which "
+                          "fetch and push the cloud half); register them on the unsplit model")
+
+    register_state_dict_pre_hook = register_state_dict_post_hook = _refuse_state_hooks  # type: ignore[assignment]
+    register_load_state_dict_pre_hook = register_load_state_dict_post_hook = _refuse_state_hooks  # type: ignore[assignment]
 
     # ------------------------------------------------------------ where the parameters are
 
@@ -152,7 +181,7 @@ class SplitModel(nn.Module):
         raise SplitFTError("the model's forward returned without reaching the cut; check the cut name")
 
     def _remote(self, args: tuple, kwargs: dict, target: Any = None) -> Any:
-        self._mirror_frozen()
+        self._mirror_module_state()
         grad = torch.is_grad_enabled()
         leaves, skeleton = flatten((list(args), kwargs, target))
         if self.freeze_edge:  # no input needs a gradient, so none crosses back
@@ -200,12 +229,21 @@ class SplitModel(nn.Module):
         self.optimizer = optimizer
         return optimizer
 
-    def _mirror_frozen(self) -> None:
-        """Tell the cloud which of its parameters the script froze (``requires_grad_(False)``), when that changed."""
+    def _mirror_module_state(self) -> None:
+        """Tell the cloud what the script changed on its modules by name, when that changed: the
+        parameters it froze (``requires_grad_(False)``) and the modules it put in the other mode."""
         frozen = frozenset(name for name, param in self._cloud.items() if not param.requires_grad)
         if frozen != self._frozen_sent:
             self.session.queue(mirror.frozen_op(sorted(frozen)))
             self._frozen_sent = frozen
+        flipped = []
+        for name in self.__dict__["_cloud_modules"].names:
+            for key, module in self.model.get_submodule(name).named_modules():
+                if module.training != self.training:
+                    flipped.append(f"{name}.{key}" if key else name)
+        if flipped != self._flipped_sent:
+            self.session.queue(mirror.modes_op(flipped))
+            self._flipped_sent = flipped
 
     def _stepped(self) -> None:
         self.metrics.steps += 1
@@ -268,7 +306,7 @@ class SplitModel(nn.Module):
         grads = [p.grad for p in edge if p.grad is not None]
         norms = [torch.linalg.vector_norm(g.detach(), norm_type) for g in grads]
         if any_cloud:
-            self._mirror_frozen()
+            self._mirror_module_state()
             reply = self.session.sync_reply(grad_norm=norm_type, grad_names=names)
             norms += [torch.tensor(n, dtype=torch.float32) for n in reply.grad_norms or []]
         if not norms:
@@ -371,25 +409,28 @@ class SplitModel(nn.Module):
         self.close("interrupted" if exc_type is KeyboardInterrupt else "done" if exc_type is None else "error")
 
 
-def _with_signature(split: SplitModel, model: nn.Module) -> Any:
-    """``split.forward`` under the wrapped model's signature (plus ``sample_ids``), so callers
-    that read it (``transformers.Trainer`` keeps the dataset columns the forward names) see the
-    model they know."""
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return SplitModel.forward(split, *args, **kwargs)
-
+@functools.lru_cache(maxsize=None)
+def split_class(model_class: type[nn.Module]) -> type[SplitModel]:
+    """The SplitModel subclass for models of ``model_class``: its ``forward`` has their forward's
+    signature (plus ``sample_ids``), so callers that read it see the model they know —
+    ``transformers.Trainer`` keeps the dataset columns the forward names and finds the labels in
+    it, on the class."""
     try:
-        signature = inspect.signature(model.forward)
+        signature = inspect.signature(model_class.forward)
     except (TypeError, ValueError):
-        return forward
+        return SplitModel
     params = list(signature.parameters.values())
     if "sample_ids" not in signature.parameters:
         extra = inspect.Parameter("sample_ids", inspect.Parameter.KEYWORD_ONLY, default=None)
         at = next((i for i, p in enumerate(params) if p.kind is p.VAR_KEYWORD), len(params))
         params.insert(at, extra)
+
+    def forward(self: SplitModel, *args: Any, **kwargs: Any) -> Any:
+        return SplitModel.forward(self, *args, **kwargs)
+
     forward.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
     forward.__doc__ = SplitModel.forward.__doc__
-    return forward
+    return type(f"Split{model_class.__name__}", (SplitModel,), {"forward": forward, "__module__": __name__})
 
 
 @dataclass
@@ -417,4 +458,4 @@ class RemoteLoss:
         return self.split._remote(args, kwargs, target)
 
 
-__all__ = ["CutActivation", "RemoteLoss", "SplitModel"]
+__all__ = ["CutActivation", "RemoteLoss", "SplitModel", "split_class"]

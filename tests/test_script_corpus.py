@@ -1,0 +1,178 @@
+"""Training scripts in the styles people write, each run on the unsplit model and split against a
+real cloud process (real ZeroMQ): the final full state_dict must be equal.
+
+Each script gets ``model`` (what it trains: the unsplit model, or the split one) and ``net`` (the
+module the user built and kept a reference to; for the split run it holds ghosts of the cloud
+modules), and uses them only the way an ordinary script does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import splitft
+from tests.conftest import start_cloud, stop
+from tests.models import mlp
+from tests.test_faults import _data, assert_same
+
+MLP = "tests.models:mlp"
+DIGITS = "splitft.models:digits_cnn"
+
+
+def _layer(name: str) -> int:
+    """The Sequential index of a parameter name, with or without the split model's ``model.`` prefix."""
+    return int(name.split(".")[-2])
+
+
+def groups_and_warmup(model, net, crit, data):
+    decay = [p for n, p in model.named_parameters() if not n.endswith("bias")]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=2e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3))
+    for x, y in data:
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+        sched.step()
+
+
+def layerwise_lr_decay(model, net, crit, data):
+    groups: dict[int, list] = {}
+    for name, param in model.named_parameters():
+        groups.setdefault(_layer(name), []).append(param)
+    opt = torch.optim.SGD([{"params": ps, "lr": 0.4 * 0.5 ** (4 - layer)} for layer, ps in groups.items()],
+                          lr=0.1, momentum=0.9)
+    for x, y in data:
+        crit(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+
+def one_cycle_with_momentum(model, net, crit, data):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=len(data))  # cycles momentum too
+    for x, y in data:
+        model.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+        sched.step()
+
+
+def freeze_by_name_mid_training(model, net, crit, data):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for i, (x, y) in enumerate(data):
+        if i == 2:
+            for name, param in model.named_parameters():
+                if _layer(name) == 2:  # a layer that runs in the cloud when split
+                    param.requires_grad_(False)
+        if i == 4:
+            net[4].requires_grad_(False)  # by the module, through the user's own reference
+            net[2].requires_grad_(True)
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+
+
+def trainable_only_optimizer(model, net, crit, data):
+    net[2].requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for x, y in data:
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 0.3)
+        opt.step()
+
+
+def eval_between_steps(model, net, crit, data):
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    for x, y in data:
+        model.train()
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+        model.eval()
+        with torch.inference_mode():
+            model(x)
+        with torch.no_grad():
+            model(x)
+
+
+SCRIPTS = [groups_and_warmup, layerwise_lr_decay, one_cycle_with_momentum, freeze_by_name_mid_training,
+           trainable_only_optimizer, eval_between_steps]
+
+
+@pytest.fixture(scope="module")
+def cloud(tmp_path_factory):
+    proc, address, err = start_cloud(tmp_path_factory.mktemp("cloud"), "--sessions", "0", "--model", MLP,
+                                     "--model", DIGITS)
+    yield address
+    stop(proc)
+
+
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda f: f.__name__)
+def test_a_script_trains_split_exactly_as_locally(cloud, script, rejoin):
+    data = _data(6)
+    local = mlp()
+    script(local, local, nn.CrossEntropyLoss(), data)
+    net = mlp()
+    model = splitft.split(net, 2, rejoin, factory=MLP, connect=cloud)
+    with model:
+        crit = nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss())
+        script(model, net, crit, data)
+        state = model.state_dict()
+    assert_same(state, local.state_dict())
+    assert any(not torch.equal(v, mlp().state_dict()[k]) for k, v in state.items())  # it trained
+
+
+def test_a_cloud_layer_put_in_eval_mode_by_name_runs_in_eval_mode_in_the_cloud(cloud):
+    """digits_cnn's block2 holds a BatchNorm: in eval mode it uses (and keeps) its running statistics."""
+    from splitft.models import digits_cnn
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 1, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(3)]
+
+    def script(model, net, crit):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        net.block2[1].eval()
+        for x, y in data:
+            if model.training is False:
+                model.train()
+                net.block2[1].eval()
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+
+    local = digits_cnn()
+    script(local, local, nn.CrossEntropyLoss())
+    net = digits_cnn()
+    model = splitft.split(net, "block2", "head", factory=DIGITS, connect=cloud)
+    with model:
+        script(model, net, nn.CrossEntropyLoss())
+        state = model.state_dict()
+    assert_same(state, local.state_dict())
+    assert int(state["block2.1.num_batches_tracked"]) == 0  # the BatchNorm really ran in eval mode
+
+
+def test_a_second_optimizer_over_the_cloud_half_is_refused_before_it_steps(cloud):
+    net = mlp()
+    model = splitft.split(net, 2, factory=MLP, connect=cloud)
+    with model:
+        first = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = _data(1)[0]
+        model.remote_loss(nn.CrossEntropyLoss())(model(x), y).backward()
+        first.step()
+        second = torch.optim.SGD(net[4].parameters(), lr=0.1)
+        with pytest.raises(splitft.ConfigError, match="one optimizer"):
+            second.step()
+        first.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
+        with pytest.raises(splitft.ConfigError, match="parameter groups changed"):
+            first.step()
+        edge_only = torch.optim.SGD(net[0].parameters(), lr=0.1)  # the edge's own: local, as unsplit
+        edge_only.step()
+        with pytest.raises(splitft.ConfigError, match="save_checkpoint"):
+            first.load_state_dict({"state": {0: {"momentum_buffer": None}}, "param_groups": first.state_dict()["param_groups"]})

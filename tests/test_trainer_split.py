@@ -1,0 +1,114 @@
+"""The training loops people already have, unchanged but for the split() line: a
+``transformers.Trainer`` with its defaults (its own AdamW with no-decay groups, linear warmup,
+clipping at 1.0, accumulation, column removal, evaluation, save_model) and a Hugging Face
+Accelerate loop. Each runs on the unsplit model and split against a real cloud process; the
+final full state_dict must be equal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import splitft
+from tests.conftest import start_cloud, stop
+from tests.models import tiny_hf
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+FACTORY = "tests.models:tiny_hf"
+CUTS = {"bert": "bert.encoder.layer.1:3", "llama": "model.layers.1:3"}
+
+
+def _examples(kind: str, n: int = 24, length: int = 10) -> list[dict]:
+    """Padded examples with an extra column the model does not take (Trainer must drop it)."""
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(n):
+        ids = torch.randint(1, 100, (length,), generator=gen)
+        mask = torch.ones(length, dtype=torch.long)
+        mask[length - i % 4:] = 0  # some rows padded
+        labels = (ids.masked_fill(mask == 0, -100) if kind == "llama"
+                  else torch.tensor(int(ids[0]) % 3))
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels, "note": i})
+    return out
+
+
+def _trainer(model, kind: str, out: Path):
+    args = transformers.TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=4, per_device_eval_batch_size=8,
+        gradient_accumulation_steps=2, num_train_epochs=2, learning_rate=5e-3, weight_decay=0.1, warmup_steps=2,
+        seed=0, use_cpu=True, report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True)
+    return transformers.Trainer(model=model, args=args, train_dataset=_examples(kind),
+                                eval_dataset=_examples(kind, n=8))
+
+
+def _train(model, kind: str, out: Path) -> tuple[dict, dict]:
+    trainer = _trainer(model, kind, out)
+    trainer.train()
+    metrics = trainer.evaluate()
+    trainer.save_model(str(out / "saved"))
+    return metrics, model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def hf_cloud(tmp_path_factory):
+    proc, address, err = start_cloud(tmp_path_factory.mktemp("cloud"), "--sessions", "0", "--model", FACTORY)
+    yield address
+    stop(proc)
+
+
+@pytest.mark.parametrize("kind", ["bert", "llama"])
+def test_trainer_with_its_defaults_trains_the_split_model_exactly_like_the_unsplit_one(hf_cloud, tmp_path, kind):
+    local_metrics, local_state = _train(tiny_hf(kind), kind, tmp_path / "local")
+    model = splitft.split(tiny_hf(kind), CUTS[kind], factory=splitft.Factory(FACTORY, {"kind": kind}),
+                          connect=hf_cloud)
+    with model:
+        metrics, state = _train(model, kind, tmp_path / "split")
+    assert set(state) == set(local_state)
+    for name, value in local_state.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    assert metrics["eval_loss"] == pytest.approx(local_metrics["eval_loss"], rel=1e-4)
+    moved = max(float((state[n] - tiny_hf(kind).state_dict()[n]).abs().max()) for n in state)
+    assert moved > 1e-3  # it really trained
+    from safetensors.torch import load_file
+
+    files = sorted((tmp_path / "split" / "saved").glob("*.safetensors"))
+    assert files, "save_model wrote no weights"
+    written = {k: v for f in files for k, v in load_file(f).items()}
+    for name, value in local_state.items():
+        if name in written:
+            torch.testing.assert_close(written[name], value, rtol=1e-4, atol=1e-5)
+    assert len(written) >= len(local_state) - 1  # (a tied weight may be written once)
+
+
+def test_an_accelerate_loop_trains_the_split_model_exactly_like_the_unsplit_one(hf_cloud):
+    from accelerate import Accelerator
+
+    def run(model):
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        data = torch.utils.data.DataLoader(_examples("bert", 16), batch_size=4,
+                                           collate_fn=lambda rows: {k: torch.stack([torch.as_tensor(r[k]) for r in rows])
+                                                                    for k in ("input_ids", "attention_mask", "labels")})
+        model, opt, data = accelerator.prepare(model, opt, data)
+        model.train()
+        for batch in data:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 0.5)
+                opt.step()
+                opt.zero_grad()
+        return model.state_dict()
+
+    local = run(tiny_hf("bert"))
+    model = splitft.split(tiny_hf("bert"), CUTS["bert"], factory=splitft.Factory(FACTORY, {"kind": "bert"}),
+                          connect=hf_cloud)
+    with model:
+        state = run(model)
+    for name, value in local.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5, msg=name)
