@@ -127,6 +127,14 @@ class SplitModel(nn.Module):
                                   "cloud; change the model before split()")
         super().set_submodule(target, module, strict)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> SplitModel:
+        """``to()``, ``half()``, ...: refuse a cast the cloud half would not follow before anything is cast."""
+        for dtype in {p.dtype for p in self._cloud.values()}:
+            if fn(torch.empty(0, dtype=dtype)).dtype != dtype:
+                raise ConfigError(f"casting the split model to another dtype would leave the cloud half in {dtype}; "
+                                  "cast the model before split(), or run the cloud half in another dtype there")
+        return super()._apply(fn, recurse)
+
     def _refuse_state_hooks(self, *args: Any, **kwargs: Any) -> Any:
         raise ConfigError("state_dict hooks on a split model are not run by its state_dict/load_state_dict (which "
                           "fetch and push the cloud half); register them on the unsplit model")
