@@ -53,7 +53,8 @@ def snapshot(session: CloudSession) -> tuple[dict[str, Any], dict[str, Any]]:
     meta = {
         "kind": "cloud", "session": session.id, "token": session.token, "seq": session.last_seq,
         "steps": session.steps, "optimizer_id": session.optimizer_id,
-        "optimizer": {"name": spec.name, "settings": spec.settings, "groups": spec.groups} if spec is not None else None,
+        "optimizer": ({"name": spec.name, "settings": spec.settings, "groups": spec.groups}
+                      if spec is not None else None),
         "frozen": [n for n, p in session.chain.qualified_parameters().items() if not p.requires_grad],
         "loss": o.to_wire(session.loss_spec) if session.loss_spec is not None else None,
         "hello": session.identity,

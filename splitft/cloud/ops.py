@@ -81,7 +81,8 @@ def _param_groups(session: CloudSession, op: o.AttachOptimizer) -> list[dict[str
     for group in op.groups:
         if not (isinstance(group, dict) and set(group) == {"names", "settings"} and isinstance(group["names"], list)
                 and isinstance(group["settings"], dict)):
-            raise ProtocolError(f"a parameter group is a map of 'names' (list) and 'settings' (map), got {_short(group)}")
+            raise ProtocolError(f"a parameter group is a map of 'names' (list) and 'settings' (map), "
+                                f"got {_short(group)}")
         unknown = [k for k in group["settings"] if k not in op.settings]
         if unknown:
             raise ConfigError(f"a parameter group sets {_short(unknown[0])}, which is not among the optimizer's settings")

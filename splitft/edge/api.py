@@ -72,7 +72,8 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
         raise
     scheduler = Scheduler(CloudStage(session, ushape=spec.ushape), session, session.lock, schedule,
                           ushape=spec.ushape)
-    split_model = split_class(type(model))(model, spec, session, scheduler, metrics_path=metrics_path, freeze_edge=freeze_edge)
+    split_model = split_class(type(model))(model, spec, session, scheduler, metrics_path=metrics_path,
+                                           freeze_edge=freeze_edge)
     split_model._bind(install(model, spec, remote=split_model._trunk if spec.ushape else None,
                               check=factory.check_cut))
     if saved is not None:

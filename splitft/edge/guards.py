@@ -71,7 +71,8 @@ def _owner(params: list[torch.Tensor], what: str) -> Any:
     """The one split model these parameters belong to (None: none of them is a split model's)."""
     owners = {id(m): m for m in (_model_of(p) for p in params) if m is not None}
     if len(owners) > 1:
-        raise ConfigError(f"{what} was given the parameters of {len(owners)} split models at once; call it once per model")
+        raise ConfigError(f"{what} was given the parameters of {len(owners)} split models at once; "
+                          "call it once per model")
     return next(iter(owners.values()), None)
 
 
@@ -129,8 +130,8 @@ def _load_refused(original: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(original)
     def load_state_dict(self: torch.optim.Optimizer, state_dict: dict) -> None:
         if state_dict.get("state") and (self in _MIRRORS or _cloud_owner(self) is not None):
-            raise ConfigError(f"{type(self).__name__}.load_state_dict over a split model's parameters would restore the "
-                              "edge half's optimizer state only (the cloud keeps its own); checkpoint with "
+            raise ConfigError(f"{type(self).__name__}.load_state_dict over a split model's parameters would "
+                              "restore the edge half's optimizer state only (the cloud keeps its own); checkpoint with "
                               "model.save_checkpoint(path) and continue with split(..., resume_from=path)")
         original(self, state_dict)
 
@@ -166,8 +167,9 @@ def _install() -> None:
 
     register_optimizer_step_pre_hook(_before_step)
     register_optimizer_step_post_hook(_after_step)
-    torch.optim.Optimizer.zero_grad = _zero_grad_mirrored(torch.optim.Optimizer.zero_grad)  # type: ignore[method-assign]
-    torch.optim.Optimizer.load_state_dict = _load_refused(torch.optim.Optimizer.load_state_dict)  # type: ignore[method-assign]
+    optimizer = torch.optim.Optimizer
+    optimizer.zero_grad = _zero_grad_mirrored(optimizer.zero_grad)  # type: ignore[method-assign]
+    optimizer.load_state_dict = _load_refused(optimizer.load_state_dict)  # type: ignore[method-assign]
     import torch.nn.utils as utils
     import torch.nn.utils.clip_grad as clip_grad
 

@@ -18,8 +18,8 @@ from torch import nn
 
 from ..errors import ConfigError
 from . import guards
-from ..operations import (ApplyEager, AttachOptimizer, ClampGrads, LoadWeights, ScaleGrads, SetFrozen, SetLoss, SetModes, Step,
-                          ZeroGrad, to_wire)
+from ..operations import (ApplyEager, AttachOptimizer, ClampGrads, LoadWeights, ScaleGrads, SetFrozen, SetLoss,
+                          SetModes, Step, ZeroGrad, to_wire)
 
 if TYPE_CHECKING:
     from .requests import EdgeSession
@@ -203,5 +203,5 @@ def _plain(value: Any) -> Any:
     return _NOT_PLAIN
 
 
-__all__ = ["OptimizerMirror", "apply_op", "clamp_grads_op", "frozen_op", "load_weights_op", "modes_op", "loss_op", "loss_settings",
-           "optimizer_op", "optimizer_settings", "scale_grads_op", "step_op", "zero_grad_op"]
+__all__ = ["OptimizerMirror", "apply_op", "clamp_grads_op", "frozen_op", "load_weights_op", "loss_op", "loss_settings",
+           "modes_op", "optimizer_op", "optimizer_settings", "scale_grads_op", "step_op", "zero_grad_op"]

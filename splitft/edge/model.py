@@ -139,8 +139,10 @@ class SplitModel(nn.Module):
         raise ConfigError("state_dict hooks on a split model are not run by its state_dict/load_state_dict (which "
                           "fetch and push the cloud half); register them on the unsplit model")
 
-    register_state_dict_pre_hook = register_state_dict_post_hook = _refuse_state_hooks  # type: ignore[assignment]
-    register_load_state_dict_pre_hook = register_load_state_dict_post_hook = _refuse_state_hooks  # type: ignore[assignment]
+    register_state_dict_pre_hook = _refuse_state_hooks  # type: ignore[assignment]
+    register_state_dict_post_hook = _refuse_state_hooks  # type: ignore[assignment]
+    register_load_state_dict_pre_hook = _refuse_state_hooks  # type: ignore[assignment]
+    register_load_state_dict_post_hook = _refuse_state_hooks  # type: ignore[assignment]
 
     # ------------------------------------------------------------ where the parameters are
 
