@@ -44,6 +44,21 @@ from .tree import KeyPath, path_text
 SLOTS = ("fwd", "bwd", "ret", "ret_bwd")
 _TUPLE = "$tuple"
 _EXPAND = "$expand"
+_CACHE = "$cache"
+MAX_CACHE_ID = (1 << 31) - 1
+
+
+@dataclass(frozen=True)
+class CacheRef:
+    """A key/value cache kept in the cloud for this session (generation): only its number crosses,
+    never the cache object (see :mod:`splitft.cloud.caches`)."""
+
+    id: int
+
+
+def is_cache(value: Any) -> bool:
+    """A transformers-style key/value cache (``update`` per layer, ``get_seq_length``)."""
+    return hasattr(value, "get_seq_length") and callable(getattr(value, "update", None))
 
 
 def resolve_codecs(fwd: str = "identity", bwd: str | None = None, ret: str | None = None,
@@ -75,6 +90,8 @@ def flatten(tree: Any, where: str = "a value") -> tuple[list[torch.Tensor], Any]
     :class:`ConfigError` naming where in ``where`` it sits.
     """
     def refuse(node: Any, path: KeyPath) -> Any:
+        if isinstance(node, CacheRef):
+            return node
         raise ConfigError(_uncrossable(node, where + path_text(path)))
 
     return trees.flatten(tree, other=refuse)
@@ -108,6 +125,8 @@ def to_wire(skeleton: Any, entries: list[dict]) -> Any:
     """Skeleton → msgpack-able tree, leaves replaced by payload entries, tuples tagged."""
     if isinstance(skeleton, _Leaf):
         return entries[skeleton.index]
+    if isinstance(skeleton, CacheRef):
+        return {_CACHE: skeleton.id}
     if isinstance(skeleton, tuple):
         return {_TUPLE: [to_wire(v, entries) for v in skeleton]}
     if isinstance(skeleton, list):
@@ -142,6 +161,12 @@ def from_wire(tree: Any, depth: int = 0) -> tuple[list[tuple[Payload, bool]], An
                 raise ProtocolError("a compacted tensor cannot ask for a gradient")
             entries.append((payload, grad))
             return _Leaf(len(entries) - 1, shape)
+        if isinstance(node, dict) and _CACHE in node:
+            number = node[_CACHE]
+            if len(node) != 1 or not isinstance(number, int) or isinstance(number, bool) \
+                    or not 0 <= number <= MAX_CACHE_ID:
+                raise ProtocolError(f"malformed {_CACHE} entry: expected a cache number")
+            return CacheRef(number)
         if isinstance(node, dict) and _TUPLE in node:
             items = node[_TUPLE]
             if len(node) != 1 or not isinstance(items, list):

@@ -30,6 +30,7 @@ import difflib
 import hashlib
 import inspect
 import itertools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,7 @@ import torch
 from torch import nn
 
 from .audit import attribute_tensors, audit_trunk
-from .coding import flatten
+from .coding import flatten, is_cache
 from .errors import CutError
 
 
@@ -290,14 +291,20 @@ class TrunkEntry(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.last = None
+        caching = False
         for label, value in _labelled(args, kwargs, self._signature):
-            flatten(value, where=f"{label} of {self.cloud_names[0]!r}")  # raises naming what cannot cross
-        if self._probe:
+            if is_cache(value):  # a key/value cache stays in the cloud: its number crosses
+                caching = True
+            else:
+                flatten(value, where=f"{label} of {self.cloud_names[0]!r}")  # raises naming what cannot cross
+        if self._probe and not caching:  # (checked at the first call without a cache, which it would fill)
             probe = self._probe.pop()
             audit_trunk(probe, args, kwargs, names=self.cloud_names, attributes=self._attributes,
                         training=self.training)
             self._attributes = []
-        self.call_rest = (args[1:], kwargs)
+        # Kept for the followers' check; a cache only by a weak reference, so that it is freed (in the
+        # cloud too) when the model that made it lets it go.
+        self.call_rest = (args[1:], {k: _WeakCache(weakref.ref(v)) if is_cache(v) else v for k, v in kwargs.items()})
         self.last = self._remote(*args, **kwargs)
         return self.last
 
@@ -353,7 +360,14 @@ def _labelled(args: tuple, kwargs: dict, signature: inspect.Signature | None) ->
     return [*zip(names, args), *((f"keyword argument {k!r}", v) for k, v in kwargs.items())]
 
 
+@dataclass(frozen=True)
+class _WeakCache:
+    ref: weakref.ref
+
+
 def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, _WeakCache):
+        return a.ref() is b
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return a is b
     if isinstance(a, (tuple, list)) and type(a) is type(b):

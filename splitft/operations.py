@@ -132,9 +132,17 @@ class SetModes(Operation):
     names: list
 
 
+@dataclass
+class FreeCache(Operation):
+    """The edge's key/value cache ``id`` is gone (its generation ended): free the cloud's."""
+
+    NAME: ClassVar[str] = "free_cache"
+    id: int
+
+
 OPERATIONS: dict[str, type[Operation]] = {
     cls.NAME: cls for cls in (AttachOptimizer, SetLoss, Step, ApplyEager, ZeroGrad, ScaleGrads, ClampGrads,
-                              LoadWeights, SetFrozen, SetModes)
+                              LoadWeights, SetFrozen, SetModes, FreeCache)
 }
 
 def to_wire(op: Operation) -> dict[str, Any]:
@@ -152,5 +160,5 @@ def from_wire(value: Any) -> Operation:
     return build_checked(cls, {k: v for k, v in value.items() if k != "op"}, f"operation {cls.NAME}")
 
 
-__all__ = ["ApplyEager", "AttachOptimizer", "ClampGrads", "LoadWeights", "OPERATIONS", "Operation", "ScaleGrads",
+__all__ = ["ApplyEager", "AttachOptimizer", "ClampGrads", "FreeCache", "LoadWeights", "OPERATIONS", "Operation", "ScaleGrads",
            "SetFrozen", "SetLoss", "SetModes", "Step", "ZeroGrad", "from_wire", "to_wire"]

@@ -107,6 +107,10 @@ def _make_optimizer(groups: list[dict[str, Any]], cls: type, settings: dict) -> 
         raise ConfigError(f"cannot build {cls.__name__} with {_short(settings)}: {exc}") from exc
 
 
+def free_cache(session: CloudSession, op: o.FreeCache) -> None:
+    session.caches.free(op.id)
+
+
 def set_modes(session: CloudSession, op: o.SetModes) -> None:
     """Modules to run in the other mode than each call's (``net.layer[3].eval()`` during training)."""
     modules = session.chain.qualified_modules()
@@ -263,6 +267,7 @@ HANDLERS: dict[type[o.Operation], Callable[[Any, Any], Any]] = {
     o.LoadWeights: load_weights,
     o.SetFrozen: set_frozen,
     o.SetModes: set_modes,
+    o.FreeCache: free_cache,
 }
 
 __all__ = ["HANDLERS", "apply_ops"]

@@ -38,12 +38,13 @@ from ..budget import GraphMeter, MemoryBook, model_nbytes, tensors_nbytes
 from ..coding import SLOTS, Coded, SlotCodecs, Traffic, _Leaf, expansions, flatten, from_wire, stream_index, \
     to_wire, unflatten
 from ..cut import Chain, value_hash
-from ..errors import ConfigError, HandshakeError, ModelError, ProtocolError
+from ..errors import CapacityError, ConfigError, HandshakeError, ModelError, ProtocolError
 from ..factories import build_chain
 from ..limits import Limits
 from ..metrics import Metrics
 from ..policy import Policy
 from ..protocol import Backward, Forward, Hello, InputGrads, Output
+from .caches import SessionCaches
 from .guard import Stopwatch, blame
 
 log = logging.getLogger(__name__)
@@ -170,6 +171,7 @@ class CloudSession:
         self.optimizer_spec: o.AttachOptimizer | None = None
         self.optimizer_id = 0
         self.flipped: list[nn.Module] = []  # modules the edge runs in the other mode (SetModes)
+        self.caches = SessionCaches()  # key/value caches for generation
         self.loss_fn: nn.Module | None = None
         self.loss_spec: o.SetLoss | None = None
         self.pending: OrderedDict[int, Pending] = OrderedDict()
@@ -213,7 +215,8 @@ class CloudSession:
         """What this session holds now (see :mod:`splitft.budget`)."""
         pending = sum(p.nbytes for p in self.pending.values())
         deferred = sum(tensors_nbytes(g for _, g in d) for d in self.deferred.values())
-        return self.model_bytes + self.codecs.held_nbytes() + pending + deferred + self.reply_bytes
+        return (self.model_bytes + self.codecs.held_nbytes() + pending + deferred + self.reply_bytes
+                + self.caches.nbytes())
 
     def fits(self, extra: int, what: str) -> None:
         """Refuse work that would take this session (or the cloud) over its memory budget."""
@@ -267,8 +270,8 @@ class CloudSession:
         n_args, n_kw = inputs.counts
         leaves = [t.detach().requires_grad_() if g and t.is_floating_point() else t
                   for t, g in zip(inputs.tensors, inputs.grads)]
-        args = unflatten(args_skel, leaves[:n_args])
-        kwargs = unflatten(kw_skel, leaves[n_args:n_args + n_kw])
+        args, kwargs = self.caches.bind((unflatten(args_skel, leaves[:n_args]),
+                                         unflatten(kw_skel, leaves[n_args:n_args + n_kw])))
         target = unflatten(target_skel, leaves[n_args + n_kw:])
         self.chain.train(train)
         for module in self.flipped:
@@ -280,6 +283,12 @@ class CloudSession:
                 if self.loss_fn is None:
                     raise ConfigError("a target arrived but no loss was configured: use model.remote_loss(criterion)")
                 value = self.loss_fn(value, target)
+        if (args_skel, kw_skel) != (args, kwargs):  # a key/value cache grew: it must fit
+            try:
+                self.fits(0, "the key/value cache")
+            except CapacityError:
+                self.caches.drop((args_skel, kw_skel))
+                raise
         return leaves, value, meter.nbytes
 
     def _decode_forward(self, msg: Forward, ctx: CodecContext) -> _Inputs:

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from . import guards
-from ..operations import (ApplyEager, AttachOptimizer, ClampGrads, LoadWeights, ScaleGrads, SetFrozen, SetLoss,
+from ..operations import (ApplyEager, AttachOptimizer, ClampGrads, FreeCache, LoadWeights, ScaleGrads, SetFrozen, SetLoss,
                           SetModes, Step, ZeroGrad, to_wire)
 
 if TYPE_CHECKING:
@@ -54,6 +54,10 @@ def clamp_grads_op(value: float, names: list[str] | None = None) -> dict:
 
 def frozen_op(names: list[str]) -> dict:
     return to_wire(SetFrozen(names=names))
+
+
+def free_cache_op(number: int) -> dict:
+    return to_wire(FreeCache(id=number))
 
 
 def modes_op(names: list[str]) -> dict:
@@ -203,5 +207,5 @@ def _plain(value: Any) -> Any:
     return _NOT_PLAIN
 
 
-__all__ = ["OptimizerMirror", "apply_op", "clamp_grads_op", "frozen_op", "load_weights_op", "loss_op", "loss_settings",
+__all__ = ["OptimizerMirror", "apply_op", "clamp_grads_op", "free_cache_op", "frozen_op", "load_weights_op", "loss_op", "loss_settings",
            "modes_op", "optimizer_op", "optimizer_settings", "scale_grads_op", "step_op", "zero_grad_op"]

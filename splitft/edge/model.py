@@ -11,6 +11,7 @@ import functools
 import inspect
 import os
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..coding import flatten, sample_ids_array, unflatten
+from .. import tree as trees
+from ..coding import CacheRef, flatten, is_cache, sample_ids_array, unflatten
 from ..cut import Chain, CutReached, CutSpec, uninstall
 from ..errors import ConfigError, SplitFTError
 from ..metrics import JsonlWriter, Metrics
@@ -86,6 +88,8 @@ class SplitModel(nn.Module):
         self._cloud_ids: dict[int, str] = {}
         self._frozen_sent: frozenset[str] | None = None
         self._flipped_sent: list[str] = []
+        self._cache_numbers: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._next_cache = 0
 
     def _bind(self, chain: Chain) -> None:
         """Find the placeholders of the cloud half's parameters the cut installed (named as in the unsplit model)."""
@@ -181,7 +185,10 @@ class SplitModel(nn.Module):
         """
         self._sample_ids = sample_ids_array(sample_ids)
         if self.spec.ushape:
-            return self.model(*args, **kwargs)
+            try:
+                return self.model(*args, **kwargs)
+            finally:
+                self._sample_ids = None  # the wrapped model called directly (generate) has none
         try:
             self.model(*args, **kwargs)
         except CutReached as cut:
@@ -192,6 +199,7 @@ class SplitModel(nn.Module):
 
     def _remote(self, args: tuple, kwargs: dict, target: Any = None) -> Any:
         self._mirror_module_state()
+        args, kwargs = trees.rebuild((args, kwargs), self._cache_ref, is_leaf=is_cache, other=lambda node, path: node)
         grad = torch.is_grad_enabled()
         leaves, skeleton = flatten((list(args), kwargs, target))
         if self.freeze_edge:  # no input needs a gradient, so none crosses back
@@ -201,6 +209,15 @@ class SplitModel(nn.Module):
         inputs = [*leaves, self._anchor] if grad else leaves
         outputs = _RemoteCall.apply(self.scheduler, call, *inputs)
         return unflatten(call.out_skeleton, list(outputs))
+
+    def _cache_ref(self, cache: Any, path: Any) -> CacheRef:
+        """The number of a key/value cache the cloud keeps for it; freed there when ``cache`` goes."""
+        number = self._cache_numbers.get(cache)
+        if number is None:
+            self._next_cache += 1
+            number = self._cache_numbers[cache] = self._next_cache
+            weakref.finalize(cache, _free_cache, weakref.ref(self), number)
+        return CacheRef(number)
 
     def _trunk(self, *args: Any, **kwargs: Any) -> Any:
         """U-shape: run the cloud's trunk on what the model passes to its first module."""
@@ -417,6 +434,12 @@ class SplitModel(nn.Module):
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         self.close("interrupted" if exc_type is KeyboardInterrupt else "done" if exc_type is None else "error")
+
+
+def _free_cache(split_ref: weakref.ref, number: int) -> None:
+    split = split_ref()
+    if split is not None and not split.session.closed:
+        split.session.queue(mirror.free_cache_op(number))
 
 
 @functools.lru_cache(maxsize=None)
