@@ -47,11 +47,13 @@ OPTIMIZER_MIRRORED = {"step", "zero_grad", "add_param_group", "load_state_dict"}
 #: the step, as they would unsplit.
 OPTIMIZER_LOCAL = {"state_dict", "register_step_pre_hook", "register_step_post_hook", "register_state_dict_pre_hook",
                    "register_state_dict_post_hook", "register_load_state_dict_pre_hook",
-                   "register_load_state_dict_post_hook", "profile_hook_step", "OptimizerPreHook", "OptimizerPostHook"}
+                   "register_load_state_dict_post_hook", "profile_hook_step"}
 
 
 def _public(cls: type) -> set[str]:
-    return {n for n in dir(cls) if not n.startswith("_")} - NOT_METHODS
+    """torch's own public attributes (other libraries add some to nn.Module at import)."""
+    return {n for n in dir(cls) if not n.startswith("_")
+            and getattr(getattr(cls, n), "__module__", "torch").startswith("torch")} - NOT_METHODS
 
 
 def test_every_public_method_is_classified_once():

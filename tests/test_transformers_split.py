@@ -95,11 +95,19 @@ def test_a_misspelt_layer_lists_close_matches():
         parse_cut(tiny_bert(), "bert.encoder.layers.2")
 
 
-def test_a_cache_object_cannot_cross_and_the_error_says_why():
-    """A decoder BERT passes a DynamicCache to every layer; it holds state, so it cannot cross."""
+def test_a_cache_reaches_the_trunk_as_a_cache_and_other_objects_are_refused_by_name():
+    """A decoder BERT passes a DynamicCache to every layer: the cloud keeps its own (only a number
+    crosses, see test_generation_split); an object that is not a cache cannot cross at all."""
     model = tiny_bert(is_decoder=True)
-    install(model, parse_cut(model, CUT), remote=lambda *a, **k: a[0])
+    seen = []
+    install(model, parse_cut(model, CUT), remote=lambda *a, **k: seen.append(k) or a[0])
     ids = torch.randint(1, 100, (2, 5))
-    with pytest.raises(ConfigError, match=r"keyword argument 'past_key_values' of 'bert.encoder.layer.1' is a "
-                                          r"\w*Cache.*use_cache=False"):
-        model(ids, torch.ones_like(ids))
+    model(ids, torch.ones_like(ids))
+    assert type(seen[0]["past_key_values"]).__name__.endswith("Cache")
+
+    class Opaque:
+        pass
+
+    layer = model.bert.encoder.layer[1]
+    with pytest.raises(ConfigError, match=r"keyword argument 'extra' of 'bert.encoder.layer.1' is a Opaque"):
+        layer(torch.zeros(2, 5, 32), extra=Opaque())
