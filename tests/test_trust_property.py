@@ -143,6 +143,17 @@ OPS = st.one_of(
     st.just({"op": "zero_grad", "set_to_none": False}),
     st.just({"op": "loss", "name": "CrossEntropyLoss", "settings": {}}),
     st.builds(lambda c: {"op": "apply", "call": c, "scale": 1.0}, st.integers(0, 5)),
+    st.builds(lambda names, lr: {"op": "optimizer", "name": "AdamW", "settings": {"lr": 0.1, "weight_decay": 0.0},
+                                 "groups": [{"names": names, "settings": {"weight_decay": lr}}, {"names": [], "settings": {}}]},
+              st.sampled_from([["2.weight"], ["2.weight", "2.weight"], ["nope"], [], [7]]), st.floats(-1, 1)),
+    st.builds(lambda i, lrs, changes: {"op": "step", "id": i, "lrs": lrs, "changes": changes}, st.integers(1, 3),
+              st.sampled_from([[0.1], [0.1, 0.2], [float("nan")], ["x"]]),
+              st.sampled_from([None, [{"momentum": 0.5}], [{"params": 1}], [{"lr": True}], ["x"]])),
+    st.builds(lambda names: {"op": "frozen", "names": names}, st.sampled_from([[], ["2.weight"], ["x" * 300], [1]])),
+    st.builds(lambda names: {"op": "modes", "names": names}, st.sampled_from([[], ["2"], ["2.nope"], [None]])),
+    st.builds(lambda i: {"op": "free_cache", "id": i}, st.integers(-5, 2**40)),
+    st.builds(lambda names: {"op": "scale_grads", "factor": 0.5, "names": names},
+              st.sampled_from([None, ["2.bias"], ["missing"]])),
 )
 
 
@@ -157,6 +168,8 @@ def requests(draw) -> list[protocol.Message]:
             if draw(st.booleans()):
                 one = payload_to_wire(compressors.Payload("identity", 1, {"x": np.ones((1, 1), np.float64)}), False)
                 kwargs["mask"] = {"$expand": [one, draw(st.sampled_from([[1, 1], [64, 64], [1 << 14, 1 << 14]]))]}
+            if draw(st.booleans()):
+                kwargs["past"] = {"$cache": draw(st.sampled_from([0, 1, 2**31 - 1, 2**31, -1]))}
             ids = draw(st.sampled_from([None, np.array([0], np.int64), np.array([399_999_999], np.int64)]))
             out.append(Forward(call=seq, train=True, grad=draw(st.booleans()), args=[_tensor(draw)], kwargs=kwargs,
                                ops=ops, sample_ids=ids, seq=seq))

@@ -50,10 +50,15 @@ class SessionCaches:
     def free(self, number: int) -> None:
         self._caches.pop(number, None)
 
-    def drop(self, tree: Any) -> None:
-        """Free the caches ``tree`` names (a forward that failed, or went over the budget)."""
-        for ref in trees.leaves(tree, is_leaf=lambda node: isinstance(node, CacheRef)):
-            self.free(ref.id)
+    @staticmethod
+    def named(tree: Any) -> list[int]:
+        """The cache numbers ``tree`` names."""
+        return [ref.id for ref in trees.leaves(tree, is_leaf=lambda node: isinstance(node, CacheRef))]
+
+    def drop(self, numbers: list[int]) -> None:
+        """Free these caches (a forward that failed, or went over the budget)."""
+        for number in numbers:
+            self.free(number)
 
     def clear(self) -> None:
         self._caches.clear()

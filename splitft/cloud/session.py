@@ -38,7 +38,7 @@ from ..budget import GraphMeter, MemoryBook, model_nbytes, tensors_nbytes
 from ..coding import SLOTS, Coded, SlotCodecs, Traffic, _Leaf, expansions, flatten, from_wire, stream_index, \
     to_wire, unflatten
 from ..cut import Chain, value_hash
-from ..errors import CapacityError, ConfigError, HandshakeError, ModelError, ProtocolError
+from ..errors import ConfigError, HandshakeError, ModelError, ProtocolError
 from ..factories import build_chain
 from ..limits import Limits
 from ..metrics import Metrics
@@ -276,19 +276,21 @@ class CloudSession:
         self.chain.train(train)
         for module in self.flipped:
             module.train(not train)
-        with torch.set_grad_enabled(grad), blame(ModelError, "the cloud part failed on the inputs the edge sent"), \
-                GraphMeter(self.chain) as meter, _autocast(autocast):
-            value = self.chain(*args, **kwargs)
-            if target is not None:
-                if self.loss_fn is None:
-                    raise ConfigError("a target arrived but no loss was configured: use model.remote_loss(criterion)")
-                value = self.loss_fn(value, target)
-        if (args_skel, kw_skel) != (args, kwargs):  # a key/value cache grew: it must fit
-            try:
-                self.fits(0, "the key/value cache")
-            except CapacityError:
-                self.caches.drop((args_skel, kw_skel))
-                raise
+        caching = self.caches.named((args_skel, kw_skel))
+        try:
+            with torch.set_grad_enabled(grad), blame(ModelError, "the cloud part failed on the inputs the edge sent"), \
+                    GraphMeter(self.chain) as meter, _autocast(autocast):
+                value = self.chain(*args, **kwargs)
+                if target is not None:
+                    if self.loss_fn is None:
+                        raise ConfigError("a target arrived but no loss was configured: use "
+                                          "model.remote_loss(criterion)")
+                    value = self.loss_fn(value, target)
+            if caching:
+                self.fits(0, "the key/value cache")  # it grew: it must fit
+        except BaseException:
+            self.caches.drop(caching)  # a failed step leaves no half-filled cache behind
+            raise
         return leaves, value, meter.nbytes
 
     def _decode_forward(self, msg: Forward, ctx: CodecContext) -> _Inputs:
