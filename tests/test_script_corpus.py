@@ -101,8 +101,26 @@ def eval_between_steps(model, net, crit, data):
             model(x)
 
 
+def fp16_with_grad_scaler(model, net, crit, data):
+    """Loss scaling starting far too high: the first steps overflow and are skipped."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 22, growth_interval=100)
+    scales = []
+    for x, y in data * 2:
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = crit(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    assert scales[-1] < 2.0 ** 22  # steps were skipped (and the weights checked to move: others were taken)
+
+
 SCRIPTS = [groups_and_warmup, layerwise_lr_decay, one_cycle_with_momentum, freeze_by_name_mid_training,
-           trainable_only_optimizer, eval_between_steps]
+           trainable_only_optimizer, eval_between_steps, fp16_with_grad_scaler]
 
 
 @pytest.fixture(scope="module")

@@ -443,8 +443,10 @@ class CloudSession:
                 grad = self.codecs.grad_at_input(grad, coded, "ret", ctx)
             if grad.shape != out.shape:
                 raise ProtocolError(f"gradient of shape {tuple(grad.shape)} for an output of shape {tuple(out.shape)}")
-            if grad.is_floating_point() and not torch.isfinite(grad).all():
-                raise ProtocolError("gradient contains NaN or Inf")
+            # An overflow under loss scaling is legitimate (GradScaler skips that step): it only reaches this
+            # session's own gradients. A shared half's would reach the weights every edge trains.
+            if self.shared is not None and grad.is_floating_point() and not torch.isfinite(grad).all():
+                raise ProtocolError("gradient contains NaN or Inf (refused for a shared cloud part)")
             outputs.append(out)
             grads.append(grad)
         return outputs, grads

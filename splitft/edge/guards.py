@@ -16,6 +16,10 @@ parameters would restore the edge half's only, so it is refused (settings alone 
 mirrored at the next step); ``model.save_checkpoint`` and ``split(resume_from=...)`` restore both
 halves.
 
+Loss scaling. ``torch.amp.GradScaler`` unscales, and checks for inf/NaN, the gradients of the
+optimizer's parameters: for a mirrored optimizer the cloud half's are unscaled the same way and
+checked too, so an overflow in either half skips the step in both.
+
 Clipping. ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` over (some of) a split
 model's parameters clip exactly those parameters' gradients in both halves, by their global
 norm: the cloud reports the norms of the named ones. They are looked up on ``torch.nn.utils`` at
@@ -145,6 +149,23 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
     getattr(load, "__splitft_original__", load)(optimizer, state)
 
 
+def _unscale_mirrored(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def unscale_grads(self: Any, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                      allow_fp16: bool) -> dict:
+        found = original(self, optimizer, inv_scale, found_inf, allow_fp16)
+        mirror = _mirror_of(optimizer)
+        if mirror is not None and mirror.unscale(float(inv_scale)):
+            if found:
+                next(iter(found.values())).fill_(1.0)
+            else:
+                found[found_inf.device] = torch.ones_like(found_inf)
+        return found
+
+    unscale_grads.__splitft_original__ = original  # type: ignore[attr-defined]
+    return unscale_grads
+
+
 def _route(original: Callable[..., Any], what: str) -> Callable[..., Any]:
     @functools.wraps(original)
     def routed(parameters: Iterable[torch.Tensor] | torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -170,6 +191,8 @@ def _install() -> None:
     optimizer = torch.optim.Optimizer
     optimizer.zero_grad = _zero_grad_mirrored(optimizer.zero_grad)  # type: ignore[method-assign]
     optimizer.load_state_dict = _load_refused(optimizer.load_state_dict)  # type: ignore[method-assign]
+    scaler = torch.amp.GradScaler
+    scaler._unscale_grads_ = _unscale_mirrored(scaler._unscale_grads_)  # type: ignore[method-assign]
     import torch.nn.utils as utils
     import torch.nn.utils.clip_grad as clip_grad
 

@@ -10,6 +10,7 @@ accumulation behaves exactly as it does locally.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -105,6 +106,9 @@ class OptimizerMirror:
         self.sent = self._group_settings()
         groups = [{"names": [cloud_names[id(p)] for p in group["params"] if id(p) in cloud_names],
                    "settings": settings} for group, settings in zip(optimizer.param_groups, self.sent)]
+        names = [name for group in groups for name in group["names"]]
+        #: The cloud parameters this optimizer holds (None: all of them).
+        self.names: list[str] | None = None if len(names) == len(cloud_names) else names
         if len(groups) == 1 and len(groups[0]["names"]) == len(cloud_names) and self.sent[0] == self.settings:
             groups = None  # the common case, as small on the wire as it was before groups
         if resume_state is not None:
@@ -154,6 +158,16 @@ class OptimizerMirror:
 
     def zeroed(self, set_to_none: bool) -> None:
         self.session.queue(zero_grad_op(set_to_none))
+
+    def unscale(self, inv_scale: float) -> bool:
+        """``GradScaler.unscale_``: multiply the cloud half's gradients by ``inv_scale`` as well;
+        whether any of them is inf or NaN (then the scaler skips the step, which skips it on both)."""
+        if self.names == []:
+            return False
+        norms = self.session.sync_reply(grad_norm=math.inf, grad_names=self.names).grad_norms or []
+        if inv_scale != 1.0:
+            self.session.queue(scale_grads_op(inv_scale, self.names))
+        return not all(math.isfinite(n) for n in norms)
 
 
 def _members(optimizer: torch.optim.Optimizer) -> list[tuple[int, ...]]:

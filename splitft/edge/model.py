@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import os
 import time
 import weakref
@@ -346,8 +347,8 @@ class SplitModel(nn.Module):
         with torch.no_grad():
             for g in grads:
                 g.mul_(factor.to(g.dtype))
-        if any_cloud:
-            self.session.queue(mirror.scale_grads_op(float(factor), names))
+        if any_cloud and math.isfinite(float(factor)):  # (a non-finite norm: the gradients are garbage on both
+            self.session.queue(mirror.scale_grads_op(float(factor), names))  # sides; a loss scaler skips the step)
         return total
 
     def _clip_grad_value_(self, params: list[torch.Tensor], clip_value: float) -> None:

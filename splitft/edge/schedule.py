@@ -102,8 +102,10 @@ class Scheduler:
             self.stage.check(call)
             call.in_grad = [bool(g) and call.grad for g in needs_grad]
             # The cloud's backward can only come with the forward in a plain split with a loss.
+            # Not under float16 autocast: eager backward runs the cloud's half for an incoming gradient of 1
+            # and scales after, so a loss scaler's overflow (which must skip the step) would not happen.
             call.eager = (self.options.eager_backward and call.grad and call.has_target and not self.ushape
-                          and self.stage.can_eager())
+                          and call.autocast != "float16" and self.stage.can_eager())
             rows = partition(call, leaves, self.options.micro_batches)
             ops = self.ops.take_ops()
             inputs = []
