@@ -262,16 +262,22 @@ def payload_from_wire(value: Any) -> tuple[Payload, bool]:
 # ---------------------------------------------------------------- encoding
 
 
+#: Allowed dtypes by value (a dict lookup is much cheaper per message than ``dtype.name``).
+_WIRE_NAMES = {np.dtype(name): name for name in WIRE_DTYPES}
+_WIRE_ITEMSIZE = {name: np.dtype(name).itemsize for name in WIRE_DTYPES}
+
+
 def encode(message: Message) -> list:
     """Frames for ``message``: the header first, then one frame per array, in order of appearance."""
     arrays: list[np.ndarray] = []
 
     def default(obj: Any) -> Any:
         if isinstance(obj, np.ndarray):
-            if obj.dtype.name not in WIRE_DTYPES:
+            name = _WIRE_NAMES.get(obj.dtype)  # native byte order only: the receiver reads native
+            if name is None:
                 raise ProtocolError(f"array dtype {obj.dtype} cannot go on the wire; allowed: {sorted(WIRE_DTYPES)}")
             arrays.append(np.ascontiguousarray(obj))
-            ref = msgpack.packb([len(arrays) - 1, obj.dtype.name, list(obj.shape)])
+            ref = msgpack.packb([len(arrays) - 1, name, list(obj.shape)])
             return msgpack.ExtType(_ARRAY_EXT, ref)
         if isinstance(obj, tuple):
             return list(obj)
@@ -330,7 +336,7 @@ def _array(frames: list, index: Any, dtype: Any, shape: Any, used: set[int]) -> 
             and all(isinstance(d, int) and d >= 0 for d in shape)):
         raise ProtocolError(f"array shape {_short(shape)} must be a list of at most {MAX_DIMS} non-negative ints")
     buf = memoryview(frames[index + 1]).cast("B")
-    expected = math.prod(shape) * np.dtype(dtype).itemsize
+    expected = math.prod(shape) * _WIRE_ITEMSIZE[dtype]
     if expected != buf.nbytes:
         raise ProtocolError(f"array of shape {shape} and dtype {dtype} needs {expected} bytes, its frame has {buf.nbytes}")
     used.add(index)
