@@ -52,6 +52,19 @@ def layerwise_lr_decay(model, net, crit, data):
         opt.zero_grad(set_to_none=False)
 
 
+def accumulation_zero_grad_and_clip(model, net, crit, data):
+    """model.zero_grad(set_to_none=False), two micro-batches per step, clipping by the global norm."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    norms = []
+    for x, y in data:
+        model.zero_grad(set_to_none=False)
+        for part in torch.chunk(torch.arange(len(y)), 2):
+            (crit(model(x[part]), y[part]) / 2).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.2)))
+        opt.step()
+    assert max(norms) > 0.2  # the clipping bites
+
+
 def one_cycle_with_momentum(model, net, crit, data):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=len(data))  # cycles momentum too
@@ -119,7 +132,7 @@ def fp16_with_grad_scaler(model, net, crit, data):
     assert scales[-1] < 2.0 ** 22  # steps were skipped (and the weights checked to move: others were taken)
 
 
-SCRIPTS = [groups_and_warmup, layerwise_lr_decay, one_cycle_with_momentum, freeze_by_name_mid_training,
+SCRIPTS = [accumulation_zero_grad_and_clip, groups_and_warmup, layerwise_lr_decay, one_cycle_with_momentum, freeze_by_name_mid_training,
            trainable_only_optimizer, eval_between_steps, fp16_with_grad_scaler]
 
 

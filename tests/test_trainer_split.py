@@ -65,6 +65,7 @@ def test_trainer_with_its_defaults_trains_the_split_model_exactly_like_the_unspl
     local_metrics, local_state = _train(tiny_hf(kind), kind, tmp_path / "local")
     model = splitft.split(tiny_hf(kind), CUTS[kind], factory=splitft.Factory(FACTORY, {"kind": kind}),
                           connect=hf_cloud)
+    assert model.num_parameters() == tiny_hf(kind).num_parameters()  # the whole model, placeholders included
     with model:
         metrics, state = _train(model, kind, tmp_path / "split")
     assert set(state) == set(local_state)
