@@ -6,7 +6,9 @@ zero-copy and receives with ``copy=False``; "splitft" runs the product's path on
 codec encode + protocol encode (msgpack header, array frames) + ``ZmqConnection.send``, and
 ``ZmqListener.recv`` + protocol decode + codec decode to a torch tensor. Rounds of the two
 alternate against the same receiver process, so machine noise hits both alike; the ratio of the
-medians is printed.
+medians is printed. A third column, "transport", sends the raw round's ``[tag, array]`` frames
+through ``ZmqConnection.send`` / ``ZmqListener.recv`` with no codec and no protocol: it shows
+what the transport itself costs, apart from encoding and decoding.
 
     python scripts/bench_transport.py            # 64 KiB, 1 MiB, 16 MiB; median of 7 rounds each
 """
@@ -28,8 +30,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _receiver(raw_address: str, splitft_address: str) -> None:
-    """Echo an acknowledgement for every message marked last, on both sockets, until told to stop."""
+def _receiver(raw_address: str, splitft_address: str, transport_address: str) -> None:
+    """Echo an acknowledgement for every message marked last, on all sockets, until told to stop."""
     import numpy as np
     import zmq
 
@@ -41,10 +43,12 @@ def _receiver(raw_address: str, splitft_address: str) -> None:
     raw.setsockopt(zmq.LINGER, 0)
     raw.bind(raw_address)
     listener = ZmqListener(splitft_address)
+    plain = ZmqListener(transport_address)
     codec, ctx = compressors.make_codec("identity"), compressors.CodecContext()
     poller = zmq.Poller()
     poller.register(raw, zmq.POLLIN)
     poller.register(listener._sock, zmq.POLLIN)
+    poller.register(plain._sock, zmq.POLLIN)
     while True:
         ready = dict(poller.poll(60_000))
         if not ready:
@@ -56,6 +60,11 @@ def _receiver(raw_address: str, splitft_address: str) -> None:
                 break
             if parts[1].bytes == b"last":
                 raw.send_multipart([parts[0], b"ack"])
+        elif plain._sock in ready:
+            peer, frames = plain.recv(timeout=0)
+            np.frombuffer(frames[1], dtype=np.float32)
+            if bytes(frames[0]) == b"last":
+                plain.send(peer, [b"ack"])
         else:
             peer, frames = listener.recv(timeout=0)
             msg = protocol.decode(frames)
@@ -65,6 +74,7 @@ def _receiver(raw_address: str, splitft_address: str) -> None:
                 listener.send(peer, protocol.encode(protocol.Ack()))
     raw.close(linger=0)
     listener.close()
+    plain.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,13 +90,15 @@ def main(argv: list[str] | None = None) -> None:
     from splitft import protocol
     from transports import ZmqConnection
 
-    raw_address, splitft_address = (f"tcp://127.0.0.1:{_free_port()}" for _ in range(2))
-    proc = mp.get_context("spawn").Process(target=_receiver, args=(raw_address, splitft_address), daemon=True)
+    raw_address, splitft_address, transport_address = (f"tcp://127.0.0.1:{_free_port()}" for _ in range(3))
+    proc = mp.get_context("spawn").Process(target=_receiver, args=(raw_address, splitft_address, transport_address),
+                                           daemon=True)
     proc.start()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(raw_address)
     conn = ZmqConnection(splitft_address)
+    plain = ZmqConnection(transport_address)
     codec, ctx = compressors.make_codec("identity"), compressors.CodecContext()
 
     def raw_round(tensor: torch.Tensor, count: int) -> None:
@@ -96,6 +108,12 @@ def main(argv: list[str] | None = None) -> None:
             raise TimeoutError("receiver did not acknowledge")
         sock.recv_multipart()
 
+    def transport_round(tensor: torch.Tensor, count: int) -> None:
+        array = tensor.numpy()
+        for i in range(count):
+            plain.send([b"last" if i == count - 1 else b"more", array])
+        plain.recv(60)
+
     def splitft_round(tensor: torch.Tensor, count: int) -> None:
         for i in range(count):
             entry = protocol.payload_to_wire(codec.encode(tensor, ctx), True)
@@ -103,8 +121,9 @@ def main(argv: list[str] | None = None) -> None:
                                                        args=[entry], kwargs={})))
         protocol.decode(conn.recv(60))
 
-    rounds = {"raw": raw_round, "splitft": splitft_round}
-    print(f"{'size':>6s} {'raw GB/s':>9s} {'splitft GB/s':>13s} {'ratio':>6s}   (median of {args.rounds} rounds)")
+    rounds = {"raw": raw_round, "transport": transport_round, "splitft": splitft_round}
+    print(f"{'size':>6s} {'raw GB/s':>9s} {'transport GB/s':>15s} {'ratio':>6s} {'splitft GB/s':>13s} {'ratio':>6s}"
+          f"   (median of {args.rounds} rounds)")
     for label, nbytes in SIZES.items():
         tensor = torch.ones(nbytes // 4)
         count = max(8, args.megabytes * 2**20 // nbytes)
@@ -117,12 +136,13 @@ def main(argv: list[str] | None = None) -> None:
                 run(tensor, count)
                 times[name].append(time.perf_counter() - start)
         rate = {name: nbytes * count / statistics.median(t) / 1e9 for name, t in times.items()}
-        print(f"{label:>6s} {rate['raw']:9.2f} {rate['splitft']:13.2f} {rate['splitft'] / rate['raw']:6.2f}x",
-              flush=True)
+        print(f"{label:>6s} {rate['raw']:9.2f} {rate['transport']:15.2f} {rate['transport'] / rate['raw']:6.2f}x "
+              f"{rate['splitft']:13.2f} {rate['splitft'] / rate['raw']:6.2f}x", flush=True)
     sock.send_multipart([b"stop", b""])
     proc.join(timeout=10)
     sock.close(linger=0)
     conn.close()
+    plain.close()
 
 
 if __name__ == "__main__":
