@@ -91,3 +91,38 @@ def test_closed_transports_refuse_use():
     with pytest.raises(transports.TransportClosed):
         conn.send([b"x"])
     listener.close()
+
+
+def test_multipart_messages_keep_every_frame_in_order(pair):
+    """Frames go out one by one and come back whole: empty and large frames included, both ways,
+    and messages queued before the receive are read without waiting."""
+    listener, conn = pair
+    big = np.arange(1 << 16, dtype=np.float32)  # above pyzmq's copy threshold: sent without a copy
+    for i in range(3):
+        conn.send([bytes([i]), b"", big, b"tail"])
+    for i in range(3):
+        peer, frames = listener.recv(timeout=5)
+        assert [bytes(f) for f in (frames[0], frames[1], frames[3])] == [bytes([i]), b"", b"tail"]
+        np.testing.assert_array_equal(np.frombuffer(frames[2], np.float32), big)
+        listener.send(peer, [b"", bytes([i]), big])
+    for i in range(3):
+        frames = conn.recv(timeout=5)
+        assert [bytes(f) for f in frames[:2]] == [b"", bytes([i])]
+        np.testing.assert_array_equal(np.frombuffer(frames[2], np.float32), big)
+
+
+def test_an_empty_message_is_refused_on_both_ends():
+    listener = ZmqListener("tcp://127.0.0.1:0")
+    conn = ZmqConnection(listener.address)
+    try:
+        conn.send([b"hello"])
+        peer, _ = listener.recv(timeout=5)
+        with pytest.raises(TransportError, match="at least one frame"):
+            conn.send([])
+        with pytest.raises(TransportError, match="at least one frame"):
+            listener.send(peer, [])
+        listener.send(peer, [b"still fine"])  # a refused send leaves no half-sent message behind
+        assert [bytes(f) for f in conn.recv(timeout=5)] == [b"still fine"]
+    finally:
+        conn.close()
+        listener.close()

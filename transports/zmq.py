@@ -35,6 +35,34 @@ def _poll_ms(timeout: float | None) -> int | None:
     return None if timeout is None else max(0, int(timeout * 1000))
 
 
+def _send_frames(sock: zmq.Socket, frames: Sequence[Frame], flags: int) -> None:
+    """Send ``frames`` as one message, frame by frame: no list is built per message. pyzmq copies
+    frames under its copy threshold (64 KiB) and hands larger ones to ZeroMQ without a copy."""
+    last = len(frames) - 1
+    more = flags | zmq.SNDMORE
+    for i, frame in enumerate(frames):
+        sock.send(frame, flags if i == last else more, copy=False)
+
+
+def _recv_nowait(sock: zmq.Socket) -> bytes | None:
+    try:
+        return sock.recv(zmq.NOBLOCK)
+    except zmq.Again:
+        return None
+
+
+def _recv_frames(sock: zmq.Socket) -> list[memoryview] | None:
+    """The next whole message as memoryviews of ZeroMQ's buffers, or None if none is queued."""
+    try:
+        first = sock.recv(zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        return None
+    frames = [first.buffer]
+    while sock.get(zmq.RCVMORE):  # the rest of a multipart message is already here
+        frames.append(sock.recv(0, copy=False).buffer)
+    return frames
+
+
 def _heartbeats(sock: zmq.Socket, heartbeat: float | None) -> None:
     """ZMTP pings every ``heartbeat`` s; a peer silent for three of them is dropped."""
     if heartbeat:
@@ -93,7 +121,7 @@ class ZmqConnection(Connection):
         if not frames:
             raise TransportError("a message needs at least one frame")
         try:
-            self._sock.send_multipart(list(frames), copy=False)
+            _send_frames(self._sock, frames, 0)
         except zmq.Again:
             raise TransportTimeout(
                 f"send to {self.address} found no room for the message (is the cloud reachable?)") from None
@@ -104,13 +132,19 @@ class ZmqConnection(Connection):
     def recv(self, timeout: float | None) -> list[memoryview]:
         if self._closed:
             raise TransportClosed(f"connection to {self.address} is closed")
-        deadline = None if timeout is None else time.monotonic() + timeout
         try:
+            # Data first, without a poll: a reply that made it counts even if the link died after.
+            frames = _recv_frames(self._sock)
+            if frames is not None:
+                return frames
+            deadline = None if timeout is None else time.monotonic() + timeout
             while True:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 ready = dict(self._poller.poll(_poll_ms(left)))
-                if self._sock in ready:  # data first: a reply that made it counts even if the link died after
-                    return [p.buffer for p in self._sock.recv_multipart(copy=False)]
+                if self._sock in ready:
+                    frames = _recv_frames(self._sock)
+                    if frames is not None:
+                        return frames
                 if self._monitor in ready:
                     self._read_events()
                     continue
@@ -227,14 +261,19 @@ class ZmqListener(Listener):
                 f"cannot bind {address!r}: {exc} (is another server using it? port 0 picks a free one)"
             ) from exc
         self.address = address
+        self._poller = zmq.Poller()  # kept: building one per receive costs more than the poll
+        self._poller.register(self._sock, zmq.POLLIN)
         self._origins: OrderedDict[PeerId, str] = OrderedDict()
         self._closed = False
 
     def send(self, peer: PeerId, frames: Sequence[Frame]) -> int:
         if self._closed:
             raise TransportClosed("listener is closed")
+        if not frames:
+            raise TransportError("a message needs at least one frame")
         try:
-            self._sock.send_multipart([peer, *frames], copy=False, flags=zmq.NOBLOCK)
+            self._sock.send(peer, zmq.NOBLOCK | zmq.SNDMORE)
+            _send_frames(self._sock, frames, zmq.NOBLOCK)
         except zmq.Again:
             raise TransportError(f"peer {peer.hex()} is not reading its replies; dropped one") from None
         except zmq.ZMQError as exc:
@@ -244,18 +283,28 @@ class ZmqListener(Listener):
     def recv(self, timeout: float | None) -> tuple[PeerId, list[memoryview]]:
         if self._closed:
             raise TransportClosed("listener is closed")
+        sock = self._sock
         try:
-            if not self._sock.poll(_poll_ms(timeout), zmq.POLLIN):
-                raise TransportTimeout(f"no message on {self.address} within {timeout:.1f} s")
-            parts = self._sock.recv_multipart(copy=False)
+            # Try the queue first: a busy server finds a message waiting and pays for no poll.
+            peer = _recv_nowait(sock)
+            if peer is None:
+                deadline = None if timeout is None else time.monotonic() + timeout
+                while peer is None:
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    if self._poller.poll(_poll_ms(left)):
+                        peer = _recv_nowait(sock)
+                    elif deadline is not None and time.monotonic() >= deadline:
+                        raise TransportTimeout(f"no message on {self.address} within {timeout:.1f} s")
+            parts = []  # a ROUTER delivers whole messages: the rest is already here
+            while sock.get(zmq.RCVMORE):
+                parts.append(sock.recv(0, copy=False))
         except zmq.ZMQError as exc:
             raise TransportError(f"receive on {self.address} failed: {exc}") from exc
-        peer = parts[0].bytes
-        if peer not in self._origins and len(parts) > 1:
-            self._origins[peer] = _frame_origin(parts[1], self.curve)
+        if peer not in self._origins and parts:
+            self._origins[peer] = _frame_origin(parts[0], self.curve)
             while len(self._origins) > _ORIGINS_KEPT:
                 self._origins.popitem(last=False)
-        return peer, [p.buffer for p in parts[1:]]
+        return peer, [p.buffer for p in parts]
 
     def origin(self, peer: PeerId) -> str:
         return self._origins.get(peer, "")
