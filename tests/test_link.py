@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import transports
 from transports import (EmulatedConnection, InprocListener, LinkDirection, LinkSchedule, LinkSpec, LinkSpecError,
-                        TransportClosed, TransportTimeout, ZmqListener, emulate)
+                        TransportClosed, TransportTimeout, ZmqConnection, ZmqListener, emulate)
 from transports.link import plan
 
 MIB_PER_S = 8 * 2**20  # bit/s that carry one MiB per second
@@ -404,3 +404,73 @@ def test_link_module_imports_only_stdlib_and_its_own_package():
             assert all(a.name.split(".")[0] in allowed for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             assert (node.module or "").split(".")[0] in allowed
+
+
+class _CannotWake:
+    """A real connection that does not offer wake-ups: the emulator must fall back to polling."""
+
+    supports_wake = False
+
+    def __init__(self, inner) -> None:
+        self.inner, self.address = inner, inner.address
+
+    def send(self, frames):
+        return self.inner.send(frames)
+
+    def recv(self, timeout):
+        return self.inner.recv(timeout)
+
+    def close(self):
+        self.inner.close()
+
+
+@pytest.mark.parametrize("kind", ["zmq", "inproc"])
+def test_on_real_time_an_idle_link_sleeps_instead_of_polling(kind):
+    """Timers, not looking: an idle pump and a waiting recv go round a handful of times, not once
+    a millisecond, and a message sent while the pump sleeps wakes it."""
+    listener = ZmqListener("tcp://127.0.0.1:0") if kind == "zmq" else InprocListener()
+    inner = ZmqConnection(listener.address) if kind == "zmq" else listener.connect()
+    conn = EmulatedConnection(inner, "1gbit,1ms")
+    try:
+        with pytest.raises(TransportTimeout):
+            conn.recv(timeout=0.3)
+        idle_rounds = conn._rounds
+        assert idle_rounds <= 5
+        conn.send([b"ping"])
+        peer, frames = listener.recv(timeout=5)
+        assert [bytes(f) for f in frames] == [b"ping"]
+        listener.send(peer, [b"pong"])
+        assert [bytes(f) for f in conn.recv(timeout=5)] == [b"pong"]
+        assert conn._rounds - idle_rounds <= 10
+    finally:
+        conn.close()
+        listener.close()
+    assert not any(t.name.startswith("link-pump") and t.is_alive() for t in threading.enumerate())
+
+
+def test_a_connection_that_cannot_be_woken_still_works_by_polling():
+    listener = ZmqListener("tcp://127.0.0.1:0")
+    conn = EmulatedConnection(_CannotWake(ZmqConnection(listener.address)), "1gbit,5ms")
+    try:
+        start = time.monotonic()
+        conn.send([b"ping"])
+        peer, _ = listener.recv(timeout=5)
+        listener.send(peer, [b"pong"])
+        assert [bytes(f) for f in conn.recv(timeout=5)] == [b"pong"]
+        assert time.monotonic() - start >= 0.010
+    finally:
+        conn.close()
+        listener.close()
+
+
+def test_closing_a_real_time_link_wakes_a_pump_asleep_on_a_far_timer():
+    listener = ZmqListener("tcp://127.0.0.1:0")
+    conn = EmulatedConnection(ZmqConnection(listener.address), "1kbit,30s")  # the message is due in 30 s
+    conn.send([bytes(100)])
+    start = time.monotonic()
+    conn.close()
+    assert time.monotonic() - start < 10  # not the pump's 10 s join timeout, nor the 30 s timer
+    assert not any(t.name.startswith("link-pump") and t.is_alive() for t in threading.enumerate())
+    with pytest.raises(TransportTimeout):
+        listener.recv(timeout=0.05)  # dropped with the emulated wire
+    listener.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -126,3 +127,55 @@ def test_an_empty_message_is_refused_on_both_ends():
     finally:
         conn.close()
         listener.close()
+
+
+@pytest.fixture(params=["zmq-tcp", "inproc"])
+def wakeable(request):
+    if request.param == "inproc":
+        listener = InprocListener()
+        conn = listener.connect()
+    else:
+        listener = ZmqListener("tcp://127.0.0.1:0")
+        conn = ZmqConnection(listener.address)
+    yield listener, conn
+    conn.close()
+    listener.close()
+
+
+def test_wait_readable_sees_a_message_and_leaves_it_to_recv(wakeable):
+    listener, conn = wakeable
+    assert conn.supports_wake
+    conn.send([b"hello"])
+    peer, _ = listener.recv(timeout=5)
+    listener.send(peer, [b"reply"])
+    assert conn.wait_readable(5)
+    assert [bytes(f) for f in conn.recv(timeout=0)] == [b"reply"]
+
+
+def test_wait_readable_never_returns_before_its_timeout(wakeable):
+    _, conn = wakeable
+    for timeout in (0.0004, 0.002):
+        start = time.monotonic()
+        assert not conn.wait_readable(timeout)
+        assert time.monotonic() - start >= timeout
+
+
+def test_a_wake_ends_a_wait_even_one_that_starts_later(wakeable):
+    _, conn = wakeable
+    conn.wake()  # before the wait: the wait must not miss it
+    start = time.monotonic()
+    assert not conn.wait_readable(30)
+    waker = threading.Timer(0.05, conn.wake)
+    waker.start()
+    assert not conn.wait_readable(30)
+    waker.join()
+    assert time.monotonic() - start < 20  # woken, not timed out
+    assert not conn.wait_readable(0)  # each wake is used once
+
+
+def test_wake_after_close_is_harmless_and_waiting_is_refused(wakeable):
+    _, conn = wakeable
+    conn.close()
+    conn.wake()
+    with pytest.raises(transports.TransportClosed):
+        conn.wait_readable(0)

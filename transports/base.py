@@ -38,6 +38,22 @@ class Connection(ABC):
     def close(self) -> None:
         """Drop anything unsent and release the socket. Safe to call twice."""
 
+    #: Whether :meth:`wait_readable` and :meth:`wake` work. A thread that owns the connection
+    #: (the link emulator's pump) then sleeps until a message comes, a timer runs out, or
+    #: another thread wakes it, instead of waking at intervals to look.
+    supports_wake = False
+
+    def wait_readable(self, timeout: float | None) -> bool:
+        """Block until a message may be received, :meth:`wake` is called, or ``timeout`` seconds
+        pass (never less: a timer that fired early would make its caller spin). True when a
+        message is waiting. A wake that came before the call makes it return at once."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be woken")
+
+    def wake(self) -> None:
+        """Make a :meth:`wait_readable` in another thread return now (or the next one, if none
+        is waiting). Thread-safe; harmless after :meth:`close`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be woken")
+
     def __enter__(self) -> "Connection":
         return self
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+from collections import deque
 from collections.abc import Sequence
 
 from .base import Connection, Frame, Listener, PeerId, message_nbytes
@@ -20,6 +21,37 @@ def _copy(frames: Sequence[Frame]) -> list[memoryview]:
     return [memoryview(bytearray(memoryview(f).tobytes())) for f in frames]
 
 
+class _Mailbox:
+    """An edge's inbox: a queue that a waiter can also be woken from without taking anything."""
+
+    def __init__(self) -> None:
+        self._items: deque = deque()
+        self._cond = threading.Condition()
+        self._woken = False
+
+    def put(self, item: object) -> None:
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify_all()
+
+    def get(self, timeout: float | None) -> object:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._items, timeout):
+                raise queue.Empty
+            return self._items.popleft()
+
+    def wait(self, timeout: float | None) -> bool:
+        with self._cond:
+            self._cond.wait_for(lambda: self._items or self._woken, timeout)
+            self._woken = False
+            return bool(self._items)
+
+    def wake(self) -> None:
+        with self._cond:
+            self._woken = True
+            self._cond.notify_all()
+
+
 class InprocListener(Listener):
     """The cloud side. Edges get their end from :meth:`connect`."""
 
@@ -28,13 +60,13 @@ class InprocListener(Listener):
     def __init__(self, name: str = "inproc") -> None:
         self.address = f"inproc://{name}"
         self._inbox: queue.Queue = queue.Queue()
-        self._peers: dict[PeerId, queue.Queue] = {}
+        self._peers: dict[PeerId, _Mailbox] = {}
         self._lock = threading.Lock()
         self._closed = False
 
     def connect(self) -> "InprocConnection":
         peer = next(self._ids).to_bytes(4, "big")
-        outbox: queue.Queue = queue.Queue()
+        outbox = _Mailbox()
         with self._lock:
             self._peers[peer] = outbox
         return InprocConnection(self, peer, outbox)
@@ -78,7 +110,7 @@ class InprocListener(Listener):
 class InprocConnection(Connection):
     """The edge side of an in-process link."""
 
-    def __init__(self, listener: InprocListener, peer: PeerId, outbox: queue.Queue) -> None:
+    def __init__(self, listener: InprocListener, peer: PeerId, outbox: _Mailbox) -> None:
         self.address = listener.address
         self._listener = listener
         self._peer = peer
@@ -97,6 +129,16 @@ class InprocConnection(Connection):
             return self._outbox.get(timeout=timeout)
         except queue.Empty:
             raise TransportTimeout(f"no message from {self.address} within {timeout:.1f} s") from None
+
+    supports_wake = True
+
+    def wait_readable(self, timeout: float | None) -> bool:
+        if self._closed:
+            raise TransportClosed("connection is closed")
+        return self._outbox.wait(timeout)
+
+    def wake(self) -> None:
+        self._outbox.wake()
 
     def close(self) -> None:
         if not self._closed:

@@ -338,20 +338,27 @@ class EmulatedConnection(Connection):
     "arrived" is not visible: ``recv`` times out as it would on the real link, and the reply is
     still delivered later.
 
+    On real time the emulator is driven by timers, not by looking: when ``inner`` can be woken
+    (:attr:`~transports.base.Connection.supports_wake`, as the ZeroMQ and in-process connections
+    can), the pump sleeps in ``inner.wait_readable`` until a reply comes, the next uplink message
+    is due, or ``send``/``close`` wakes it; ``recv`` sleeps on a condition until the head reply's
+    arrival or its own deadline. An idle link costs no CPU, and a busy one a few wake-ups per
+    message. Uplink deliveries are late by at most the 1 ms granularity of the wait plus the
+    scheduler's latency, never early.
+
     ``clock`` and ``sleep`` make time injectable. With the default (``sleep=None``) the link runs
-    on real time and the pump waits inside ``inner.recv``, so replies are stamped the moment they
-    come out. With a fake clock, pass a ``sleep`` that advances it: the link's time then moves
-    only through that ``sleep``, always after the pump has drained ``inner``, so a test that
-    replies before calling ``recv`` gets exact, repeatable times.
+    on real time. With a fake clock, pass a ``sleep`` that advances it: the link's time then
+    moves only through that ``sleep``, always after the pump has drained ``inner``, so a test
+    that replies before calling ``recv`` gets exact, repeatable times.
 
     ``copy`` snapshots the frames in ``send`` (like a kernel socket buffer), so a caller may
     reuse its arrays while the message is still "on the wire". ``overhead_bytes`` adds a fixed
     per-message cost to the schedule (framing, headers); byte counts returned by ``send`` stay
-    exactly what the inner transport carries. ``poll_interval`` bounds how long the real-time pump
-    blocks in ``inner.recv`` (a generic connection cannot be woken): a message sent while it
-    blocks is due no earlier than one uplink delay later, so it is never late when the delay is
-    at least the interval; the default is the uplink delay clamped to [1 ms, 50 ms]. ``history``
-    is how many :class:`LinkEvent` records :attr:`events` keeps.
+    exactly what the inner transport carries. ``poll_interval`` matters only on real time with
+    an ``inner`` that cannot be woken: the pump then blocks in ``inner.recv`` for at most that
+    long, so a message sent meanwhile is seen within the interval; the default is the uplink
+    delay clamped to [1 ms, 50 ms]. ``history`` is how many :class:`LinkEvent` records
+    :attr:`events` keeps.
     """
 
     def __init__(self, inner: Connection, spec: LinkSpec | str, *,
@@ -373,6 +380,7 @@ class EmulatedConnection(Connection):
         self._sleep = sleep
         self._copy = copy
         self._poll = float(poll_interval)
+        self._timers = sleep is None and getattr(inner, "supports_wake", False)
         self._cond = threading.Condition()
         self._outbound: deque[tuple[Transit, list[Frame]]] = deque()
         self._inbound: deque[tuple[Transit, list[memoryview]]] = deque()
@@ -381,6 +389,7 @@ class EmulatedConnection(Connection):
         self._generation = 0  # bumped on every change the pump may need to see
         self._closed = False
         self._error: BaseException | None = None
+        self._rounds = 0  # times the pump went round its loop: timers keep this near the message count
         log.info("emulating %s on %s", self.spec, self.address)
         self._pump = threading.Thread(target=self._run, name=f"link-pump {self.address}", daemon=True)
         self._pump.start()
@@ -392,8 +401,13 @@ class EmulatedConnection(Connection):
         held = [memoryview(f).tobytes() for f in frames] if self._copy else list(frames)
         with self._cond:
             self._raise_if_unusable()
+            was_idle = not self._outbound
             self._outbound.append((self.up.schedule(nbytes, self.clock()), held))
             self._changed()
+        if was_idle and self._timers:
+            # Arrivals come in send order, so only a message that becomes the head changes when
+            # the pump must wake; a later one is covered by the timer already set for the head.
+            self.inner.wake()
         return nbytes
 
     def recv(self, timeout: float | None) -> list[memoryview]:
@@ -434,6 +448,8 @@ class EmulatedConnection(Connection):
             self._outbound.clear()
             self._inbound.clear()
             self._changed()
+        if self._timers:
+            self.inner.wake()  # the pump may be asleep until a far-off timer
         if threading.current_thread() is not self._pump:
             self._pump.join(timeout=10)
             if self._pump.is_alive():
@@ -480,8 +496,9 @@ class EmulatedConnection(Connection):
 
     def _run(self) -> None:
         try:
-            while self._step():
-                pass
+            step = self._timed_step if self._timers else self._step
+            while step():
+                self._rounds += 1
         except Exception as exc:  # surfaced to the caller on its next send/recv
             log.warning("emulated link to %s failed: %s", self.address, exc)
             with self._cond:
@@ -489,6 +506,26 @@ class EmulatedConnection(Connection):
                 self._changed()
         finally:
             self.inner.close()  # the pump owns inner: no other thread may touch it while it runs
+
+    def _timed_step(self) -> bool:
+        """One round of the real-time pump: deliver what is due, take in replies, then sleep until
+        the next uplink arrival, a reply, or a wake-up from ``send``/``close``."""
+        with self._cond:
+            if self._closed:
+                return False
+            now = self.clock()
+            due = []
+            while self._outbound and self._outbound[0][0].arrival <= now + _EPS:
+                due.append(self._outbound.popleft())
+            until = self._outbound[0][0].arrival if self._outbound else None
+            if due:
+                self._events.extend(LinkEvent("up", transit, now) for transit, _ in due)
+        for _, frames in due:
+            self.inner.send(frames)
+        wait = None if until is None else max(until - self.clock(), 0.0)
+        if wait != 0.0 and self.inner.wait_readable(wait):
+            self._take_replies(0.0)
+        return True
 
     def _step(self) -> bool:
         """One round of the pump: deliver what is due, else take in replies, else let time pass."""

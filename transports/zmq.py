@@ -15,6 +15,9 @@ without closing its TCP connection.
 from __future__ import annotations
 
 import logging
+import math
+import os
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
@@ -106,6 +109,9 @@ class ZmqConnection(Connection):
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
+        self._wake_lock = threading.Lock()
+        self._wake_pipe: tuple[int, int] | None = None  # made by the first wait_readable or wake
+        self._wake_poller: zmq.Poller | None = None
         self.handshakes = 0  # completed handshakes; > 0 means a later disconnect is a dropped link
         self._closed = False
         try:
@@ -153,6 +159,62 @@ class ZmqConnection(Connection):
         except zmq.ZMQError as exc:
             raise TransportError(f"receive from {self.address} failed: {exc}") from exc
 
+    supports_wake = True
+
+    def wait_readable(self, timeout: float | None) -> bool:
+        if self._closed:
+            raise TransportClosed(f"connection to {self.address} is closed")
+        read_fd = self._wake_fds()[0]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                left = None if deadline is None else deadline - time.monotonic()
+                # Whole milliseconds, rounded up: ZeroMQ's poll cannot wait less, and a wait
+                # rounded down to 0 ms would return at once again and again (a busy loop).
+                ready = dict(self._wake_poller.poll(None if left is None else max(0, math.ceil(left * 1000))))
+                if self._monitor in ready:
+                    self._read_events()  # a refused or dropped link raises here, as in recv
+                if read_fd in ready:
+                    try:
+                        while os.read(read_fd, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                    return self._sock in ready
+                if self._sock in ready:
+                    return True
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+        except zmq.ZMQError as exc:
+            raise TransportError(f"waiting on {self.address} failed: {exc}") from exc
+
+    def wake(self) -> None:
+        with self._wake_lock:
+            if self._closed:
+                return
+            if self._wake_pipe is None:
+                self._make_wake_pipe()
+            try:
+                os.write(self._wake_pipe[1], b"!")
+            except BlockingIOError:
+                pass  # the pipe is full of wake-ups already: the waiter will see them
+
+    def _wake_fds(self) -> tuple[int, int]:
+        with self._wake_lock:
+            if self._wake_pipe is None:
+                self._make_wake_pipe()
+            return self._wake_pipe
+
+    def _make_wake_pipe(self) -> None:
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(read_fd, False)
+        os.set_blocking(write_fd, False)
+        self._wake_pipe = (read_fd, write_fd)
+        self._wake_poller = zmq.Poller()
+        self._wake_poller.register(self._sock, zmq.POLLIN)
+        self._wake_poller.register(self._monitor, zmq.POLLIN)
+        self._wake_poller.register(read_fd, zmq.POLLIN)
+
     def _read_events(self) -> None:
         while self._monitor.poll(0):
             event = parse_monitor_message(self._monitor.recv_multipart())
@@ -180,10 +242,16 @@ class ZmqConnection(Connection):
             pass
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
+        with self._wake_lock:  # a wake racing with close must not write to a reused descriptor
+            if self._wake_pipe is not None:
+                for fd in self._wake_pipe:
+                    os.close(fd)
+                self._wake_pipe = self._wake_poller = None
 
     def close(self) -> None:
         if not self._closed:
-            self._closed = True
+            with self._wake_lock:
+                self._closed = True
             self._release()
 
 
