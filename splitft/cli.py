@@ -371,7 +371,8 @@ def _edge(args: argparse.Namespace, address: str) -> int:
     except SplitFTError as exc:
         print(f"\nedge: error: {exc}", file=sys.stderr)
         return 1
-    print(f"\ntest accuracy {result.accuracy:.4f} after {run.epochs} epochs ({result.steps} steps)")
+    print("\n" + (result.summary or f"test accuracy {result.accuracy:.4f} after {run.epochs} epochs "
+                                     f"({result.steps} steps)"))
     print(format_report(result.metrics, result.seconds))
     if result.epsilon is not None:
         print(f"privacy: epsilon spent {result.epsilon:.3g} (delta {args.dp_delta:g})")

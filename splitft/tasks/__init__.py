@@ -33,6 +33,12 @@ class Task:
     optimizer: str  # a torch.optim class name
     weights: str = "push"  # "factory" for pre-trained models both sides load: no weights in the handshake
     options: dict[str, Any] = field(default_factory=dict)  # loader keywords the CLI exposes
+    limit: int | None = None  # train on this many samples unless the run says otherwise (short demos)
+    # "package.module:function"(prepared) -> FitResult, for tasks that do not train a classifier
+    # (splitft.train.fit); a result with .scores and .summary says what the run reached
+    trainer: str | None = None
+    # "package.module:function"(cut=..., freeze_edge=...) -> the factory's arguments for a run
+    factory_kwargs: str | None = None
 
     def load(self, **options: Any) -> tuple[Split, Split]:
         """Train and test splits; ``options`` left at None keep the task's defaults."""
@@ -41,9 +47,21 @@ class Task:
         if unknown:
             raise ConfigError(f"task {self.name!r} takes no option {', '.join(unknown)} "
                               f"(its options: {', '.join(self.options) or 'none'})")
-        module, _, attr = self.loader.partition(":")
-        loader: Callable[..., tuple[Split, Split]] = getattr(importlib.import_module(module), attr)
+        loader: Callable[..., tuple[Split, Split]] = _imported(self.loader)
         return loader(**{**self.options, **given})
+
+    def model_kwargs(self, *, cut: str, freeze_edge: bool) -> dict[str, Any]:
+        """The model factory's arguments for a run with this cut (none unless the task says)."""
+        return _imported(self.factory_kwargs)(cut=cut, freeze_edge=freeze_edge) if self.factory_kwargs else {}
+
+    def train_function(self) -> Callable[..., Any] | None:
+        """The task's own training function (None: the classifier loop, splitft.train.fit)."""
+        return _imported(self.trainer) if self.trainer else None
+
+
+def _imported(name: str) -> Callable[..., Any]:
+    module, _, attr = name.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 TASKS: dict[str, Task] = {
