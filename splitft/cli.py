@@ -58,6 +58,8 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
                    help="train no edge module before the cut, so no gradient crosses back from the cloud "
                         "(SFT's eliminated link); a U-shape head still trains (smollm: LoRA adapters on the "
                         "cloud's layers only)")
+    g.add_argument("--device", default=None, metavar="DEVICE",
+                   help="where the edge's half and its data live: cpu, cuda, cuda:N or mps (default: cpu)")
     g = p.add_argument_group("traffic")
     g.add_argument("--fwd", default="identity", metavar="SPEC",
                    help="codec for activations, e.g. 'fp16' or 'lowrank:rank=4' (default: identity); run "
@@ -117,6 +119,8 @@ def _build_parser() -> argparse.ArgumentParser:
                                       "MiniLM on BBC News with --task bbc) against it from this process, over "
                                       "tcp on 127.0.0.1. Prints accuracy, traffic and timings.")
     _add_training_options(demo)
+    demo.add_argument("--cloud-device", default=None, metavar="DEVICE",
+                      help="the cloud process's --device (default: the first GPU when there is one, else cpu)")
     _add_cloud_parser(sub)
 
     edge = sub.add_parser("edge", help="train the edge half against a running cloud",
@@ -175,6 +179,13 @@ def _add_cloud_parser(sub: argparse._SubParsersAction) -> None:
                    help="what the checkpoint folder may hold in all; new sessions are refused beyond it "
                         "(default: 65536)")
     _add_policy_options(cloud)
+    g = cloud.add_argument_group("hardware")
+    g.add_argument("--device", default=None, metavar="DEVICE",
+                   help="where the cloud halves compute: cpu, cuda, cuda:N or mps (default: the first GPU when "
+                        "there is one, else cpu); a device this machine lacks is refused at start-up")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="keep the cloud halves in this dtype: bfloat16 halves their memory (the edge's tensors "
+                        "are cast on the way in and back on the way out) (default: float32, the model's own)")
     g = cloud.add_argument_group("many edges")
     g.add_argument("--max-open-sessions", type=int, default=256,
                    help="sessions served at once; more hellos are refused (default: 256)")
@@ -278,6 +289,7 @@ def _limits_and_policy(args: argparse.Namespace) -> tuple:
 def _cloud(args: argparse.Namespace) -> int:
     import transports
     from .cloud import CloudServer
+    from .devices import Placement
     from .errors import ConfigError, SplitFTError
 
     def say(text: str) -> None:
@@ -294,6 +306,7 @@ def _cloud(args: argparse.Namespace) -> int:
             _, secret = transports.load_secret_key(args.secret_key)
             allowed = transports.load_allowed_keys(args.allow_edge_keys)
             options |= {"secret_key": secret, "allowed_keys": allowed, "on_refused": say}
+        placement = Placement(args.device, None if args.dtype == "float32" else args.dtype)
         listener = transports.listen(args.bind, **options)
         limits, policy = _limits_and_policy(args)
         from .tasks import get_task
@@ -302,7 +315,7 @@ def _cloud(args: argparse.Namespace) -> int:
                              on_event=say,
                              limits=limits, checkpoint_dir=args.checkpoint_dir,
                              checkpoint_every=args.checkpoint_every, fsync=not args.no_fsync,
-                             shared_model=args.shared_model, policy=policy)
+                             shared_model=args.shared_model, policy=policy, placement=placement)
     except (SplitFTError, transports.TransportError) as exc:
         say(f"error: {exc}")
         return 2
@@ -313,6 +326,7 @@ def _cloud(args: argparse.Namespace) -> int:
         extras.append(f"checkpoints in {args.checkpoint_dir} every {args.checkpoint_every} step(s)")
     if args.shared_model:
         extras.append("one shared cloud half per model")
+    extras.append(f"halves on {placement.device}" + (f" in {args.dtype}" if placement.dtype else ""))
     say(f"listening on {listener.address}, serving {', '.join(server.factories)}"
         + (f" ({'; '.join(extras)})" if extras else "")
         + (f"; exits after {args.sessions} session(s)" if args.sessions else "; Ctrl-C to stop"))
@@ -338,7 +352,7 @@ def _task_run(args: argparse.Namespace) -> TaskRun:
                    seed=args.seed, limit=args.limit, max_length=args.max_length,
                    codecs=Codecs(args.fwd, args.bwd, seed=args.seed), schedule=Schedule(args.micro_batches),
                    faults=Faults(args.timeout, args.reconnect_timeout, args.heartbeat), freeze_edge=args.freeze_edge,
-                   metrics_path=args.metrics, progress=True, privacy=_privacy_run(args))
+                   metrics_path=args.metrics, progress=True, privacy=_privacy_run(args), device=args.device)
 
 
 def _privacy_run(args: argparse.Namespace):
@@ -391,7 +405,17 @@ def _demo(args: argparse.Namespace) -> int:
     from .tasks import get_task
 
     try:
-        with local_cloud([args.model or get_task(args.task).model]) as address:
+        from .devices import resolve_device
+        from .errors import ConfigError
+
+        try:
+            for device in (args.device, args.cloud_device):  # a missing GPU is one line, before anything starts
+                if device is not None:
+                    resolve_device(device)
+        except ConfigError as exc:
+            print(f"demo: {exc}", file=sys.stderr)
+            return 2
+        with local_cloud([args.model or get_task(args.task).model], device=args.cloud_device) as address:
             return _edge(args, address)
     except CloudStartError as exc:
         print(f"demo: {exc}", file=sys.stderr)

@@ -24,6 +24,7 @@ import transports
 from .. import protocol
 from ..budget import MemoryBook
 from ..checkpoint import CheckpointError, CheckpointStore
+from ..devices import Placement
 from ..errors import CapacityError, ConfigError, ProtocolError, SessionLost, SplitFTError, code_of
 from ..factories import build_chain, load_factory
 from ..limits import Limits
@@ -76,12 +77,15 @@ class CloudServer:
         fsync: flush each checkpoint to disk (survives power loss, not only process death).
         shared_model: sessions asking for the same model and cut train one shared cloud part.
         policy: which codecs and codec options edges may ask for (:class:`Policy`).
+        placement: the device (and dtype) every cloud half computes in (:class:`Placement`;
+            default: the CPU).
     """
 
     def __init__(self, listener: transports.Listener, factories: Iterable[str], *, max_sessions: int = 0,
                  on_event: Callable[[str], None] | None = None, limits: Limits | None = None,
                  checkpoint_dir: str | None = None, checkpoint_every: int = 1, keep_checkpoints: int = 2,
-                 fsync: bool = True, shared_model: bool = False, policy: Policy | None = None) -> None:
+                 fsync: bool = True, shared_model: bool = False, policy: Policy | None = None,
+                 placement: Placement | None = None) -> None:
         self.listener = listener
         self.factories = {name: load_factory(name) for name in factories}
         self.max_sessions = max_sessions
@@ -96,6 +100,7 @@ class CloudServer:
             if checkpoint_dir is not None else None
         self.checkpoint_every = checkpoint_every
         self.policy = policy or Policy()
+        self.placement = placement or Placement()
         self.book = MemoryBook(self.limits)
         self.origins: dict[bytes, str] = {}  # peer → who stands behind it, for the per-origin cap
         self.shared_model = shared_model
@@ -264,7 +269,7 @@ class CloudServer:
             check_codecs(msg.codecs)
             self.policy.check(msg.codecs)
             session = CloudSession(msg, self.factories, self.limits, shared=self._shared_part(msg),
-                                   policy=self.policy, admit=self._admit_model)
+                                   policy=self.policy, admit=self._admit_model, placement=self.placement)
             self.book.check(session.id, 0, session.held_bytes(), "opening this session")
             self.bind(peer, session)
             if self.checkpoints is not None:

@@ -24,6 +24,7 @@ from torch import nn
 from .. import tree as trees
 from ..coding import CacheRef, flatten, is_cache, sample_ids_array, unflatten
 from ..cut import Chain, CutReached, CutSpec, uninstall
+from ..devices import autocast_dtype
 from ..errors import ConfigError, SplitFTError
 from ..metrics import JsonlWriter, Metrics
 from . import guards, mirror, resume
@@ -31,11 +32,11 @@ from .requests import EdgeSession
 from .schedule import Call, Scheduler
 
 
-def _autocast_dtype() -> str | None:
-    """The dtype of the CPU autocast region the caller is in (None outside one)."""
-    if not torch.is_autocast_enabled("cpu"):
-        return None
-    return str(torch.get_autocast_dtype("cpu")).removeprefix("torch.")
+def _autocast_dtype(leaves: list[torch.Tensor]) -> str | None:
+    """The dtype of the autocast region the caller is in, for the device its tensors are on
+    (None outside one): the cloud computes its half under the same autocast."""
+    kind = next((t.device.type for t in leaves if t.is_floating_point()), "cpu")
+    return autocast_dtype(kind)
 
 
 class _RemoteCall(torch.autograd.Function):
@@ -206,7 +207,7 @@ class SplitModel(nn.Module):
         if self.freeze_edge:  # no input needs a gradient, so none crosses back
             leaves = [t.detach() for t in leaves]
         call = Call(skeleton, len(leaves), train=self.training, grad=grad, sample_ids=self._sample_ids,
-                    autocast=_autocast_dtype())
+                    autocast=_autocast_dtype(leaves))
         inputs = [*leaves, self._anchor] if grad else leaves
         outputs = _RemoteCall.apply(self.scheduler, call, *inputs)
         return unflatten(call.out_skeleton, list(outputs))
