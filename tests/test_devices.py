@@ -250,6 +250,14 @@ def test_checkpointed_codec_state_is_on_the_host():
     assert codec.state_dict() and all(t.device.type == "cpu" for t in codec.state_dict().values())
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the benchmark would run")
+def test_gpu_benchmark_exits_cleanly_without_a_gpu():
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py")], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "no CUDA GPU" in done.stdout
+
+
 # ---------------------------------------------------------------- with a CUDA GPU
 
 
