@@ -17,6 +17,9 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+#: Payload arrays at least this large go to a CUDA device through pinned host memory.
+PINNED_FROM = 1 << 16
+
 _PORTABLE = contextvars.ContextVar("compressors_portable_kernels", default=False)
 
 
@@ -50,11 +53,14 @@ def upload(a: np.ndarray, device: torch.device | str | None) -> torch.Tensor:
     the copy.
     """
     dev = target(device)
-    if dev.type == "cpu":
-        return torch.from_numpy(a if a.flags.writeable else a.copy())
-    host = torch.from_numpy(a if a.flags.writeable else a.copy()) if a.size < (1 << 16) else \
-        torch.from_numpy(np.array(a, copy=True)).pin_memory()
-    return host.to(dev, non_blocking=host.is_pinned())
+    if dev.type != "cuda" or a.nbytes < PINNED_FROM:
+        host = torch.from_numpy(a if a.flags.writeable else a.copy())
+        return host if dev.type == "cpu" else host.to(dev)
+    # one copy into page-locked memory, from which the transfer runs asynchronously (torch's
+    # host allocator keeps the buffer until the copy is done)
+    pinned = torch.empty(a.shape, dtype=torch.from_numpy(np.empty(0, a.dtype)).dtype, pin_memory=True)
+    pinned.numpy()[...] = a
+    return pinned.to(dev, non_blocking=True)
 
 
 def download(x: torch.Tensor) -> np.ndarray:
