@@ -334,12 +334,13 @@ class SplitModel(nn.Module):
         edge, names, any_cloud = self._cloud_names_in(params)
         grads = [p.grad for p in edge if p.grad is not None]
         norms = [torch.linalg.vector_norm(g.detach(), norm_type) for g in grads]
+        device = grads[0].device if grads else torch.device("cpu")  # the edge's, where the total is returned
         if any_cloud:
             self._mirror_module_state()
             reply = self.session.sync_reply(grad_norm=norm_type, grad_names=names)
-            norms += [torch.tensor(n, dtype=torch.float32) for n in reply.grad_norms or []]
+            norms += [torch.tensor(n, dtype=torch.float32, device=device) for n in reply.grad_norms or []]
         if not norms:
-            return torch.tensor(0.0)
+            return torch.tensor(0.0, device=device)
         total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot "

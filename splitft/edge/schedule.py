@@ -189,7 +189,7 @@ def part_output_grads(call: Call, part: Part, grads: tuple) -> list[torch.Tensor
         if not needed:
             result.append(None)
         elif grad is None:
-            result.append(torch.zeros(coded.shape, dtype=coded.dtype))
+            result.append(torch.zeros(coded.shape, dtype=coded.dtype, device=coded.device))
         elif len(call.parts) == 1 or join == "sum":
             result.append(grad)
         else:
