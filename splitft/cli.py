@@ -69,6 +69,9 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--link", default=None, metavar="SPEC",
                    help="emulate a slower network on the edge's connection: 'RATE,DELAY' such as "
                         "'100mbit,20ms' (one-way delay), or 'up=RATE,DELAY;down=RATE,DELAY'")
+    g.add_argument("--window", type=int, default=1, metavar="W",
+                   help="with --freeze-edge in a plain split: keep up to W steps in flight instead of waiting a "
+                        "round trip per step; the weights equal synchronous training's (default: 1)")
     g.add_argument("--micro-batches", type=int, default=1, metavar="K",
                    help="pipeline each step as K micro-batches, so the wire and the cloud work at the same "
                         "time (default: 1; the gradient is the full batch's unless the cloud part has BatchNorm)")
@@ -350,7 +353,8 @@ def _task_run(args: argparse.Namespace) -> TaskRun:
     return TaskRun(task=args.task, factory=Factory(model) if model else None, cut=args.cut, rejoin=args.rejoin,
                    topology=args.topology, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                    seed=args.seed, limit=args.limit, max_length=args.max_length,
-                   codecs=Codecs(args.fwd, args.bwd, seed=args.seed), schedule=Schedule(args.micro_batches),
+                   codecs=Codecs(args.fwd, args.bwd, seed=args.seed),
+                   schedule=Schedule(args.micro_batches, window=args.window),
                    faults=Faults(args.timeout, args.reconnect_timeout, args.heartbeat), freeze_edge=args.freeze_edge,
                    metrics_path=args.metrics, progress=True, privacy=_privacy_run(args), device=args.device)
 

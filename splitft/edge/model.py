@@ -297,6 +297,7 @@ class SplitModel(nn.Module):
 
     def sync(self) -> None:
         """Make the cloud apply every pending step now (they otherwise ride on the next message)."""
+        self.scheduler.drain()
         self.session.sync()
 
     # ------------------------------------------------------------ both halves' gradients
@@ -413,6 +414,7 @@ class SplitModel(nn.Module):
 
     def cloud_state_dict(self) -> dict[str, torch.Tensor]:
         """The cloud part's current weights, named as in the original model."""
+        self.scheduler.drain()
         state = self.session.sync(want_state=True) or {}
         return {k: torch.from_numpy(np.array(v)) for k, v in state.items()}
 
@@ -425,12 +427,17 @@ class SplitModel(nn.Module):
         files private: the token resumes the session). ``split(..., resume_from=PATH)`` continues
         from here.
         """
+        self.scheduler.drain()
         resume.save(self, path)
 
     def close(self, reason: str = "done") -> None:
         if self._writer is not None:
             self._writer.close()
-        self.session.close(reason)
+        try:
+            if not self.session.closed and reason == "done":
+                self.scheduler.drain()  # an error of a streamed step is raised, never lost
+        finally:
+            self.session.close(reason)
 
     def __enter__(self) -> SplitModel:
         return self
