@@ -21,6 +21,8 @@ from .errors import CompressionError
 
 #: Rows of at least this many 32-bit words (4 GiB) cannot be summed exactly in int64 halves.
 MAX_DEVICE_WORDS = 1 << 30
+#: 32-bit words checksummed at a time on a device: at most ~14 MiB of int64 temporaries.
+CHUNK_WORDS = 1 << 18
 
 
 def hash_weights(count: int) -> np.ndarray:
@@ -85,7 +87,8 @@ def row_checksums_tensor(rows: torch.Tensor, halves: torch.Tensor) -> np.ndarray
     A = sum wl ul, M = sum (wl uh + wh ul), C = sum wh uh: every term is below 2^32 and there
     are fewer than 2^31 of them, so each sum is exact in int64; the wrap modulo 2^64 happens
     on the host, in uint64. Word j holds values 2j (low half) and 2j + 1 (high half), as the
-    little-endian bytes :func:`row_checksums` reads.
+    little-endian bytes :func:`row_checksums` reads. Rows go in chunks of about
+    ``CHUNK_WORDS`` words, so the int64 temporaries stay bounded whatever the batch.
     """
     b, d = rows.shape
     n = row_words_of(d)
@@ -94,22 +97,40 @@ def row_checksums_tensor(rows: torch.Tensor, halves: torch.Tensor) -> np.ndarray
                                f"got {rows.dtype} rows and {halves.dtype} {tuple(halves.shape)} halves")
     if n >= MAX_DEVICE_WORDS:
         raise CompressionError(f"acsgd rows of {d} values are too long to checksum on a device (at most {2 * MAX_DEVICE_WORDS - 2})")
-    bits = rows.contiguous().view(torch.int16)
-    if d % 2:
-        bits = torch.cat([bits, bits.new_zeros(b, 1)], dim=1)
-    u = bits.to(torch.int32).bitwise_and_(0xFFFF)
-    lo, hi = u[:, 0::2], u[:, 1::2]
-    wl, wh = halves[0], halves[1]
-    parts = torch.stack([(lo * wl).sum(1), (lo * wh).sum(1) + (hi * wl).sum(1), (hi * wh).sum(1)])
-    a, m, c = download(parts).astype(np.uint64)
+    step = _chunk_rows(b, n)
+    parts = [_partial_sums(rows[i:i + step], halves) for i in range(0, b, step)]
+    a, m, c = download(torch.cat(parts, 1) if parts else halves.new_zeros(3, 0)).astype(np.uint64)
     return a + (m << np.uint64(16)) + (c << np.uint64(32))
 
 
+def _chunk_rows(b: int, n: int) -> int:
+    return max(1, min(b, CHUNK_WORDS // max(n, 1)))
+
+
+def _partial_sums(rows: torch.Tensor, halves: torch.Tensor) -> torch.Tensor:
+    """(A, M, C) of :func:`row_checksums_tensor` for some rows: a (3, rows) int64 tensor."""
+    bits = rows.contiguous().view(torch.int16)
+    if bits.shape[1] % 2:
+        bits = torch.cat([bits, bits.new_zeros(bits.shape[0], 1)], dim=1)
+    u = bits.to(torch.int64).bitwise_and_(0xFFFF)  # int64 throughout: no mixed-dtype casts
+    lo, hi = u[:, 0::2], u[:, 1::2]
+    wl, wh = halves[0], halves[1]
+    return torch.stack([(lo * wl).sum(1), (lo * wh).sum(1) + (hi * wl).sum(1), (hi * wh).sum(1)])
+
+
 def device_checksum_nbytes(b: int, d: int) -> int:
-    """An upper bound on what :func:`row_checksums_tensor` allocates for B rows of D values: the
-    padded copy, the int32 halves, one int64 product and the partial sums."""
+    """An upper bound on what :func:`row_checksums_tensor` allocates for B rows of D values,
+    its steps summed: per chunk a padded copy, the int64 halves and four products; the
+    partial sums of every row."""
     n = row_words_of(d)
-    return b * (2 * d + 4) + b * n * (8 + 8) + 64 * b
+    return 56 * _chunk_rows(b, n) * n + 64 * b
+
+
+def unpack_tensor_nbytes(count: int, bits: int) -> int:
+    """What ``bitpack.unpack_tensor`` allocates for ``count`` values beyond what
+    ``quant.dequantize_nbytes`` prices (its bit-plane temporaries are int32, a word per bit),
+    bounded from measured peaks on the CPU: the device path's decode must be priced, too."""
+    return 8 * int(bits) * int(count)
 
 
 def index(ids: np.ndarray, device: torch.device) -> torch.Tensor:

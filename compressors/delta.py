@@ -24,7 +24,7 @@ from ._cache import LRU, nbytes_of
 from ._device import target, use_torch
 from ._rows import (device_checksum_nbytes, fits_fp16 as _fits_fp16, gather, hash_weights as _hash_weights,
                     merge as _merge, move_nbytes, place, row_checksums, row_checksums_tensor, row_words,
-                    row_words_of, split as _split, store, weight_halves)
+                    row_words_of, split as _split, store, unpack_tensor_nbytes, weight_halves)
 from .base import Codec, CodecContext, Payload, tensor_meta
 from .errors import CompressionError, DesyncError
 from .quant import FP16_MAX, channel_axis, check_bits, dequantize, dequantize_nbytes, quantize, quantize_parts
@@ -347,7 +347,7 @@ class ACSGD(Codec):
             if bits < 2:
                 raise CompressionError(f"acsgd eval payload: bits {bits} is not 0 or 2..16")
             self._quantized(payload, shape, bits)
-            return dequantize_nbytes(n, bits) + out
+            return dequantize_nbytes(n, bits) + out + (unpack_tensor_nbytes(n, bits) if use_torch(ctx.device) else 0)
         t = self._train_parts(payload, shape, dtype)
         b, d, n_keep = t.b, t.d, t.b - t.x_full.shape[0]
         # buffer rows gathered, in float32, the dequantized deltas, their sum back in fp16
@@ -356,11 +356,11 @@ class ACSGD(Codec):
         merged = 2 * n * 2 + b * (2 * d + 4)
         weights = 0 if row_words_of(d) in self._weights else 6 * 8 * row_words_of(d)
         dev = self._device(ctx.device)
-        if dev is not None:  # the payload's copies there, the summing kernel's, and its weight halves
-            merged += t.packed.nbytes + device_checksum_nbytes(b, d) + 16 * row_words_of(d)
+        if dev is not None:  # the buffer's move there, the payload's copies, the torch kernels' temporaries
+            merged += ((0 if self.path else move_nbytes(self._buf, dev)) + t.packed.nbytes
+                       + unpack_tensor_nbytes(n_keep * d, t.bits) + device_checksum_nbytes(b, d) + 16 * row_words_of(d))
         # the output, and a converted copy of one part, plus the ids' sorted and cast copies
-        return ((0 if self.path else move_nbytes(self._buf, dev)) + self._growth_nbytes(t.ids, d) + int(t.x_full.nbytes) + kept + merged
-                + weights + 2 * out + 64 * b)
+        return self._growth_nbytes(t.ids, d) + int(t.x_full.nbytes) + kept + merged + weights + 2 * out + 64 * b
 
     def decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
         mode, shape, dtype = self._header(payload)
