@@ -356,9 +356,10 @@ class ACSGD(Codec):
         merged = 2 * n * 2 + b * (2 * d + 4)
         weights = 0 if row_words_of(d) in self._weights else 6 * 8 * row_words_of(d)
         dev = self._device(ctx.device)
-        if dev is not None:  # the buffer's move there, the payload's copies, the torch kernels' temporaries
-            merged += ((0 if self.path else move_nbytes(self._buf, dev)) + t.packed.nbytes
-                       + unpack_tensor_nbytes(n_keep * d, t.bits) + device_checksum_nbytes(b, d) + 16 * row_words_of(d))
+        merged += 0 if self.path else move_nbytes(self._buf, dev)  # the buffer's move to where this decode runs
+        if dev is not None:  # the payload's copies there, the torch kernels' temporaries
+            merged += (t.packed.nbytes + unpack_tensor_nbytes(n_keep * d, t.bits) + device_checksum_nbytes(b, d)
+                       + 16 * row_words_of(d))
         # the output, and a converted copy of one part, plus the ids' sorted and cast copies
         return self._growth_nbytes(t.ids, d) + int(t.x_full.nbytes) + kept + merged + weights + 2 * out + 64 * b
 

@@ -70,6 +70,8 @@ class Ends:
 
 @dataclasses.dataclass
 class Step:
+    """One batch: what every pair is given, and the ids its sender is asked to resync first."""
+
     x: torch.Tensor
     ctx: CodecContext
     resync_ids: tuple[int, ...] = ()
@@ -196,9 +198,12 @@ def test_desync_on_the_device_path_raises_and_touches_nothing(where: str) -> Non
     state = ends.cloud.state_dict()
     state["buffer"][4, 7] += 0.25
     ends.cloud.load_state_dict(state)
+    before = ends.cloud.state_dict()
     with pytest.raises(DesyncError) as err:
         ends.step(xs[3], ctx)
     assert err.value.reason == "checksum" and err.value.ids == [4]
+    after = ends.cloud.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def _moved(spec: str, source: Ends, where: str, warm: bool, warm_steps: list[Step]) -> Ends:
