@@ -285,3 +285,33 @@ def test_decode_cost_bounds_the_measured_peak_on_the_device_path(spec: str) -> N
         peak = _status_bytes("VmHWM") - base
     del y
     assert peak <= cost + WORKSPACE_SLACK, f"decode peaked at {peak / 2**20:.1f} MiB, priced {cost / 2**20:.1f} MiB"
+
+
+def test_only_the_payload_crosses_to_the_host(monkeypatch) -> None:
+    """Every device-to-host copy of the device path is counted (on the CPU, each ``.numpy()``
+    of a tensor): an encode copies its payload, the per-channel maxima its scales come from and
+    three partial sums per row for the checksums; a decode only the partial sums."""
+    edge, cloud = make_codec("acsgd"), make_codec("acsgd")
+    b, shape = 16, (16, 8, 24)
+    ids = np.arange(b, dtype=np.int64)
+    ctx = CodecContext(train=True, sample_ids=ids)
+    gen = torch.Generator().manual_seed(0)
+    copied: list[int] = []
+    original = torch.Tensor.numpy
+
+    def counting(self: torch.Tensor, *args, **kwargs) -> np.ndarray:
+        copied.append(self.numel() * self.element_size())
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "numpy", counting)
+    with portable_kernels():
+        for step in range(3):  # the warm-up (rows in full), then deltas
+            x = torch.randn(shape, generator=gen)
+            copied.clear()
+            p = edge.encode(x, ctx)
+            assert sum(copied) <= p.nbytes + 4 * shape[1] + 16 * b
+            if step:
+                assert p.nbytes < x.numel()  # the deltas: far less than the activation crossed
+            copied.clear()
+            cloud.decode(p, ctx)
+            assert sum(copied) <= 24 * b
