@@ -126,13 +126,6 @@ def device_checksum_nbytes(b: int, d: int) -> int:
     return 56 * _chunk_rows(b, n) * n + 64 * b
 
 
-def unpack_tensor_nbytes(count: int, bits: int) -> int:
-    """What ``bitpack.unpack_tensor`` allocates for ``count`` values beyond what
-    ``quant.dequantize_nbytes`` prices (its bit-plane temporaries are int32, a word per bit),
-    bounded from measured peaks on the CPU: the device path's decode must be priced, too."""
-    return 8 * int(bits) * int(count)
-
-
 def index(ids: np.ndarray, device: torch.device) -> torch.Tensor:
     """Host indices as an int64 tensor on ``device`` (one small copy to an accelerator)."""
     return torch.from_numpy(ids).to(device)

@@ -167,7 +167,10 @@ class Binary(Codec):
         """The bytes as gather indices (intp), eight float32 signs per byte, then the output
         dtype: a float64 tensor decodes to over 100 times the bytes that travelled."""
         shape, dtype, packed = self._read(payload)
-        return packed.size * (8 + 8 * 4) + math.prod(shape) * dtype.itemsize
+        n = math.prod(shape)
+        # the device path: the bit planes, then the signs as int32
+        device = bitpack.unpack_tensor_nbytes(n, 1) + 4 * n if use_torch(ctx.device) else 0
+        return packed.size * (8 + 8 * 4) + n * dtype.itemsize + device
 
     def decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
         shape, dtype, packed = self._read(payload)

@@ -157,6 +157,13 @@ def pack_tensor(values: torch.Tensor, bits: int) -> torch.Tensor:
     return (planes.view(-1, 8).to(torch.int32) * weights).sum(1, dtype=torch.int32).to(torch.uint8)
 
 
+def unpack_tensor_nbytes(count: int, bits: int) -> int:
+    """What :func:`unpack_tensor` allocates for ``count`` values beyond the host path's unpacking
+    (``quant.dequantize_nbytes`` prices that): its bit-plane temporaries are int32, a word per
+    bit. Bounded from measured peaks, so a device decode is priced before it runs."""
+    return 8 * int(bits) * int(count)
+
+
 def unpack_tensor(buf: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """:func:`unpack` on ``buf``'s device: ``count`` values as int32."""
     bits = _check_bits(bits)

@@ -24,7 +24,7 @@ from ._cache import LRU, nbytes_of
 from ._device import target, use_torch
 from ._rows import (device_checksum_nbytes, fits_fp16 as _fits_fp16, gather, hash_weights as _hash_weights,
                     merge as _merge, move_nbytes, place, row_checksums, row_checksums_tensor, row_words,
-                    row_words_of, split as _split, store, unpack_tensor_nbytes, weight_halves)
+                    row_words_of, split as _split, store, weight_halves)
 from .base import Codec, CodecContext, Payload, tensor_meta
 from .errors import CompressionError, DesyncError
 from .quant import FP16_MAX, channel_axis, check_bits, dequantize, dequantize_nbytes, quantize, quantize_parts
@@ -347,7 +347,7 @@ class ACSGD(Codec):
             if bits < 2:
                 raise CompressionError(f"acsgd eval payload: bits {bits} is not 0 or 2..16")
             self._quantized(payload, shape, bits)
-            return dequantize_nbytes(n, bits) + out + (unpack_tensor_nbytes(n, bits) if use_torch(ctx.device) else 0)
+            return dequantize_nbytes(n, bits) + out + (bitpack.unpack_tensor_nbytes(n, bits) if use_torch(ctx.device) else 0)
         t = self._train_parts(payload, shape, dtype)
         b, d, n_keep = t.b, t.d, t.b - t.x_full.shape[0]
         # buffer rows gathered, in float32, the dequantized deltas, their sum back in fp16
@@ -358,7 +358,7 @@ class ACSGD(Codec):
         dev = self._device(ctx.device)
         merged += 0 if self.path else move_nbytes(self._buf, dev)  # the buffer's move to where this decode runs
         if dev is not None:  # the payload's copies there, the torch kernels' temporaries
-            merged += (t.packed.nbytes + unpack_tensor_nbytes(n_keep * d, t.bits) + device_checksum_nbytes(b, d)
+            merged += (t.packed.nbytes + bitpack.unpack_tensor_nbytes(n_keep * d, t.bits) + device_checksum_nbytes(b, d)
                        + 16 * row_words_of(d))
         # the output, and a converted copy of one part, plus the ids' sorted and cast copies
         return self._growth_nbytes(t.ids, d) + int(t.x_full.nbytes) + kept + merged + weights + 2 * out + 64 * b

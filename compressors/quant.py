@@ -229,4 +229,5 @@ class Fixpoint(Codec):
         from 2-bit codes to ~80 times the bytes that travelled."""
         shape, dtype, bits, *_ = self._read(payload)
         n = math.prod(shape)
-        return dequantize_nbytes(n, bits) + n * dtype.itemsize
+        device = bitpack.unpack_tensor_nbytes(n, bits) if use_torch(ctx.device) else 0
+        return dequantize_nbytes(n, bits) + n * dtype.itemsize + device
