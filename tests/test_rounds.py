@@ -314,3 +314,15 @@ def test_gradient_compression_specs(spec, expected):
 def test_bad_gradient_compression_specs_are_refused(spec):
     with pytest.raises(ConfigError):
         GradCompression.parse(spec)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--sync-rounds", "2"], "--shared-model"),
+    (["--shared-model", "--sync-rounds", "2", "--grad-compression", "topk"], "gradient compression must be"),
+    (["--shared-model", "--sync-rounds", "2", "--round-timeout", "400"], "session timeout"),
+])
+def test_the_cloud_command_refuses_rounds_it_cannot_run(args, says, capsys):
+    from splitft.cli import main
+
+    assert main(["cloud", "--bind", "tcp://127.0.0.1:0", "--model", MLP, *args]) == 2
+    assert says in capsys.readouterr().err
