@@ -13,7 +13,7 @@ import argparse  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import TYPE_CHECKING  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
 
 if TYPE_CHECKING:
     from .runner import TaskRun
@@ -200,6 +200,17 @@ def _add_cloud_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--shared-model", action="store_true",
                    help="edges asking for the same model and cut train one shared cloud half, in the order "
                         "their requests arrive (sequential split learning); default: a cloud half per edge")
+    g.add_argument("--sync-rounds", type=int, default=0, metavar="N",
+                   help="with --shared-model: train each shared half data-parallel in synchronous rounds of N "
+                        "edges (on this process): the mean of their gradients, one optimizer step per round "
+                        "(SplitFed); across the ranks of a torch.distributed launch, N edges per rank (default: "
+                        "0, steps in arrival order)")
+    g.add_argument("--round-timeout", type=float, default=30.0, metavar="S",
+                   help="a round lasts at most this long; edges that sent no gradient by then are dropped from "
+                        "it (default: 30; keep it below the edges' reply timeout)")
+    g.add_argument("--grad-compression", default="none", metavar="SPEC",
+                   help="how ranks all-reduce a shared half's gradient: none, fp16 or "
+                        "powersgd:rank=R[,start=S][,min_rate=M] (DDP communication hooks; default: none)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -312,13 +323,14 @@ def _cloud(args: argparse.Namespace) -> int:
         placement = Placement(args.device, None if args.dtype == "float32" else args.dtype)
         listener = transports.listen(args.bind, **options)
         limits, policy = _limits_and_policy(args)
+        rounds = _rounds(args, placement)
         from .tasks import get_task
 
         server = CloudServer(listener, args.model or [get_task(args.task).model], max_sessions=args.sessions,
                              on_event=say,
                              limits=limits, checkpoint_dir=args.checkpoint_dir,
                              checkpoint_every=args.checkpoint_every, fsync=not args.no_fsync,
-                             shared_model=args.shared_model, policy=policy, placement=placement)
+                             shared_model=args.shared_model, policy=policy, placement=placement, rounds=rounds)
     except (SplitFTError, transports.TransportError) as exc:
         say(f"error: {exc}")
         return 2
@@ -328,7 +340,9 @@ def _cloud(args: argparse.Namespace) -> int:
     if args.checkpoint_dir:
         extras.append(f"checkpoints in {args.checkpoint_dir} every {args.checkpoint_every} step(s)")
     if args.shared_model:
-        extras.append("one shared cloud half per model")
+        extras.append("one shared cloud half per model" + (
+            f", in rounds of {args.sync_rounds} edge(s) (rank {rounds.rank} of {rounds.world}, all-reduce "
+            f"{args.grad_compression})" if rounds else ""))
     extras.append(f"halves on {placement.device}" + (f" in {args.dtype}" if placement.dtype else ""))
     say(f"listening on {listener.address}, serving {', '.join(server.factories)}"
         + (f" ({'; '.join(extras)})" if extras else "")
@@ -340,7 +354,22 @@ def _cloud(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         say("interrupted; connected edges were told")
         return 130
-    return 0
+    return 1 if rounds is not None and rounds.failure else 0
+
+
+def _rounds(args: argparse.Namespace, placement: Any) -> Any:
+    """Synchronous data-parallel rounds (``--sync-rounds``), on the ranks torchrun's variables describe."""
+    if not args.sync_rounds:
+        return None
+    from .cloud.allreduce import GradCompression, group_from_env
+    from .cloud.rounds import Rounds, RoundSettings
+    from .errors import ConfigError
+
+    if not args.shared_model:
+        raise ConfigError("--sync-rounds trains a shared cloud half: add --shared-model")
+    settings = RoundSettings(args.sync_rounds, args.round_timeout, GradCompression.parse(args.grad_compression))
+    group_from_env("nccl" if placement.device.type == "cuda" else "gloo")
+    return Rounds(settings)
 
 
 def _task_run(args: argparse.Namespace) -> TaskRun:

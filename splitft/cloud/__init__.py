@@ -7,7 +7,9 @@
 - :mod:`.ops` — the operations an edge mirrors (optimizer steps, zero_grad, ...);
 - :mod:`.replies` — request numbers and the reply cache (each request applied once);
 - :mod:`.checkpoints` — snapshots, restores and resuming sessions;
-- :mod:`.guard` — typed blame for the edge's input, stage timers.
+- :mod:`.guard` — typed blame for the edge's input, stage timers;
+- :mod:`.rounds` — a shared half trained in synchronous data-parallel rounds;
+- :mod:`.allreduce` — those rounds across ranks: DDP communication hooks on the gradient bucket.
 
 Model factories (shared with the edge) live in :mod:`splitft.factories`, budgets in
 :mod:`splitft.limits` and :mod:`splitft.budget`, the negotiation policy in :mod:`splitft.policy`.

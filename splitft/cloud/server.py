@@ -79,13 +79,15 @@ class CloudServer:
         policy: which codecs and codec options edges may ask for (:class:`Policy`).
         placement: the device (and dtype) every cloud half computes in (:class:`Placement`;
             default: the CPU).
+        rounds: train shared halves in synchronous data-parallel rounds
+            (:class:`~splitft.cloud.rounds.Rounds`; default: steps in arrival order).
     """
 
     def __init__(self, listener: transports.Listener, factories: Iterable[str], *, max_sessions: int = 0,
                  on_event: Callable[[str], None] | None = None, limits: Limits | None = None,
                  checkpoint_dir: str | None = None, checkpoint_every: int = 1, keep_checkpoints: int = 2,
                  fsync: bool = True, shared_model: bool = False, policy: Policy | None = None,
-                 placement: Placement | None = None) -> None:
+                 placement: Placement | None = None, rounds: Any = None) -> None:
         self.listener = listener
         self.factories = {name: load_factory(name) for name in factories}
         self.max_sessions = max_sessions
@@ -105,6 +107,9 @@ class CloudServer:
         self.origins: dict[bytes, str] = {}  # peer → who stands behind it, for the per-origin cap
         self.shared_model = shared_model
         self.shared: dict[str, SharedPart] = {}
+        self.rounds = rounds
+        if rounds is not None:
+            rounds.bind(self)
         self.sessions: dict[bytes, CloudSession] = {}  # by the peer that speaks for it now
         self.by_id: dict[str, CloudSession] = {}
         self.ended = 0
@@ -131,7 +136,7 @@ class CloudServer:
                     break
                 self.expire()
                 try:
-                    peer, frames = self.listener.recv(poll)
+                    peer, frames = self.listener.recv(poll if self.rounds is None else self.rounds.tick(poll))
                 except transports.TransportTimeout:
                     continue
                 except transports.TransportClosed:
@@ -148,6 +153,8 @@ class CloudServer:
         """Answer one message. Never raises for anything the peer sent."""
         msg: protocol.Message | None = None
         session = self.sessions.get(peer)
+        if self.rounds is not None and self.rounds.hold(peer, frames, session):
+            return  # the edge waits for its round; handled when the round closes
         seq, numbered = 0, False
         try:
             msg = self._decode(frames, session)
@@ -312,6 +319,8 @@ class CloudServer:
                 raise CapacityError("this cloud already trains 16 different shared cloud parts, its limit")
             chain, ushape = build_chain(msg, self.factories, self.limits, self._admit_model)
             part = self.shared[key] = SharedPart(chain, ushape)
+        if self.rounds is not None:
+            self.rounds.admit(part)
         return part
 
     def bind(self, peer: bytes, session: CloudSession) -> None:

@@ -115,6 +115,7 @@ class SharedPart:
     updates: int = 0  # optimizer steps taken by any session; a graph older than this is stale
     sessions: int = 0
     initialized: bool = False  # the first edge's weights are in; later edges' pushed weights are ignored
+    rounds: Any = None  # synchronous data-parallel rounds (:mod:`.rounds`), or None: steps in arrival order
 
 
 @dataclass
