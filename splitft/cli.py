@@ -60,6 +60,18 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
                         "cloud's layers only)")
     g.add_argument("--device", default=None, metavar="DEVICE",
                    help="where the edge's half and its data live: cpu, cuda, cuda:N or mps (default: cpu)")
+    _add_traffic_options(p)
+    _add_privacy_options(p)
+    g = p.add_argument_group("faults")
+    g.add_argument("--reconnect-timeout", type=float, default=60.0,
+                   help="seconds to keep trying to get the session back after the link fails (default: 60)")
+    g.add_argument("--heartbeat", type=float, default=10.0,
+                   help="ping the cloud after this many idle seconds, keeping the session alive "
+                        "(0: never; default: 10)")
+
+
+def _add_traffic_options(p: argparse.ArgumentParser) -> None:
+    """Codecs, the link, the schedule and the edge's reports, as flags of demo and edge."""
     g = p.add_argument_group("traffic")
     g.add_argument("--fwd", default="identity", metavar="SPEC",
                    help="codec for activations, e.g. 'fp16' or 'lowrank:rank=4' (default: identity); run "
@@ -77,14 +89,6 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
                         "time (default: 1; the gradient is the full batch's unless the cloud part has BatchNorm)")
     g.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for any cloud reply (default: 60)")
     g.add_argument("--metrics", default=None, metavar="PATH", help="append one JSON record per step to PATH")
-    _add_privacy_options(p)
-    g = p.add_argument_group("faults")
-    g.add_argument("--reconnect-timeout", type=float, default=60.0,
-                   help="seconds to keep trying to get the session back after the link fails (default: 60)")
-    g.add_argument("--heartbeat", type=float, default=10.0,
-                   help="ping the cloud after this many idle seconds, keeping the session alive "
-                        "(0: never; default: 10)")
-
 
 
 def _add_privacy_options(p: argparse.ArgumentParser) -> None:
@@ -182,13 +186,7 @@ def _add_cloud_parser(sub: argparse._SubParsersAction) -> None:
                    help="what the checkpoint folder may hold in all; new sessions are refused beyond it "
                         "(default: 65536)")
     _add_policy_options(cloud)
-    g = cloud.add_argument_group("hardware")
-    g.add_argument("--device", default=None, metavar="DEVICE",
-                   help="where the cloud halves compute: cpu, cuda, cuda:N or mps (default: the first GPU when "
-                        "there is one, else cpu); a device this machine lacks is refused at start-up")
-    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="keep the cloud halves in this dtype: bfloat16 halves their memory (the edge's tensors "
-                        "are cast on the way in and back on the way out) (default: float32, the model's own)")
+    _add_hardware_options(cloud)
     g = cloud.add_argument_group("many edges")
     g.add_argument("--max-open-sessions", type=int, default=256,
                    help="sessions served at once; more hellos are refused (default: 256)")
@@ -250,6 +248,17 @@ def _keys(args: argparse.Namespace) -> int:
             return 2
         print(f"{name}: public {public}  secret {secret}")
     return 0
+
+
+def _add_hardware_options(cloud: argparse.ArgumentParser) -> None:
+    """Where the cloud halves compute, and in which dtype."""
+    g = cloud.add_argument_group("hardware")
+    g.add_argument("--device", default=None, metavar="DEVICE",
+                   help="where the cloud halves compute: cpu, cuda, cuda:N or mps (default: the first GPU when "
+                        "there is one, else cpu); a device this machine lacks is refused at start-up")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="keep the cloud halves in this dtype: bfloat16 halves their memory (the edge's tensors "
+                        "are cast on the way in and back on the way out) (default: float32, the model's own)")
 
 
 def _add_policy_options(cloud: argparse.ArgumentParser) -> None:

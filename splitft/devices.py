@@ -73,7 +73,8 @@ def resolve_dtype(spec: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def autocast_dtype(device_type: str) -> str | None:
-    """The dtype of the autocast region the caller is in for ``device_type`` (None outside one)."""
+    """The dtype of the autocast region the caller is in for ``device_type`` (None outside one):
+    the edge's forward ran under it, and the cloud computes its half under the same autocast."""
     try:
         if not torch.is_autocast_enabled(device_type):
             return None

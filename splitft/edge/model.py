@@ -32,13 +32,6 @@ from .requests import EdgeSession
 from .schedule import Call, Scheduler
 
 
-def _autocast_dtype(leaves: list[torch.Tensor]) -> str | None:
-    """The dtype of the autocast region the caller is in, for the device its tensors are on
-    (None outside one): the cloud computes its half under the same autocast."""
-    kind = next((t.device.type for t in leaves if t.is_floating_point()), "cpu")
-    return autocast_dtype(kind)
-
-
 class _RemoteCall(torch.autograd.Function):
     """The cut. Inputs: the call's tensors (and an anchor that keeps the cloud part trainable)."""
 
@@ -207,7 +200,7 @@ class SplitModel(nn.Module):
         if self.freeze_edge:  # no input needs a gradient, so none crosses back
             leaves = [t.detach() for t in leaves]
         call = Call(skeleton, len(leaves), train=self.training, grad=grad, sample_ids=self._sample_ids,
-                    autocast=_autocast_dtype(leaves))
+                    autocast=autocast_dtype(next((t.device.type for t in leaves if t.is_floating_point()), "cpu")))
         inputs = [*leaves, self._anchor] if grad else leaves
         outputs = _RemoteCall.apply(self.scheduler, call, *inputs)
         return unflatten(call.out_skeleton, list(outputs))
