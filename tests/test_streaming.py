@@ -106,3 +106,42 @@ def test_window_must_be_a_positive_integer():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ConfigError, match="window"):
             Schedule(window=bad)
+
+
+def _train_local_loss(address, digits, window: int):
+    """An edge trained on its own loss through a small auxiliary head (nothing crosses back), written
+    the way such scripts are: a forward hook takes the edge's activation, both losses backpropagate."""
+    torch.manual_seed(0)
+    aux_head = nn.Sequential(nn.Flatten(), nn.Linear(32 * 8 * 8, 10))
+    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connect=address, freeze_edge=True,
+                          schedule=Schedule(window=window), faults=Faults(timeout=30))
+    seen = {}
+    model.model.block2.register_forward_hook(lambda mod, args, out: seen.__setitem__("act", out))
+    losses = []
+    with model:
+        opt = model.attach(torch.optim.Adam([*model.parameters(), *aux_head.parameters()], lr=3e-3))
+        crit = model.remote_loss(nn.CrossEntropyLoss())
+        it = batches(digits, 32, shuffle=True, seed=4)
+        for _ in range(STEPS):
+            x, y, _ = next(it)
+            loss = crit(model(x), y)
+            local = nn.functional.cross_entropy(aux_head(seen["act"]), y)
+            torch.autograd.backward([loss, local])
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        most = len(model.scheduler.window)
+        state = {**model.edge_state_dict(), **model.cloud_state_dict(),
+                 **{f"aux.{k}": v for k, v in aux_head.state_dict().items()}}
+    return state, [float(v) for v in losses], most
+
+
+def test_an_edge_on_a_local_loss_streams_and_trains_exactly_as_synchronously(cloud_process, digits):
+    _, address, _ = cloud_process
+    sync_state, sync_losses, _ = _train_local_loss(address, digits, window=1)
+    state, losses, most = _train_local_loss(address, digits, window=4)
+    assert most == 4 and losses == sync_losses
+    initial = digits_cnn().state_dict()["block1.0.weight"]
+    assert not torch.equal(state["block1.0.weight"], initial)  # the edge really trains, on its local loss
+    for name, value in sync_state.items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
