@@ -84,6 +84,9 @@ def _add_traffic_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--window", type=int, default=1, metavar="W",
                    help="with --freeze-edge in a plain split: keep up to W steps in flight instead of waiting a "
                         "round trip per step; the weights equal synchronous training's (default: 1)")
+    g.add_argument("--delayed-gradients", action="store_true",
+                   help="with --window W >= 2: stream a trainable edge too, each step's cut gradient applied one "
+                        "step late to the weights it was taken at (asynchronous; converges approximately)")
     g.add_argument("--micro-batches", type=int, default=1, metavar="K",
                    help="pipeline each step as K micro-batches, so the wire and the cloud work at the same "
                         "time (default: 1; the gradient is the full batch's unless the cloud part has BatchNorm)")
@@ -392,7 +395,8 @@ def _task_run(args: argparse.Namespace) -> TaskRun:
                    topology=args.topology, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                    seed=args.seed, limit=args.limit, max_length=args.max_length,
                    codecs=Codecs(args.fwd, args.bwd, seed=args.seed),
-                   schedule=Schedule(args.micro_batches, window=args.window),
+                   schedule=Schedule(args.micro_batches, window=args.window,
+                                     delayed_gradients=args.delayed_gradients),
                    faults=Faults(args.timeout, args.reconnect_timeout, args.heartbeat), freeze_edge=args.freeze_edge,
                    metrics_path=args.metrics, progress=True, privacy=_privacy_run(args), device=args.device)
 

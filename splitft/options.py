@@ -148,12 +148,16 @@ class Schedule:
     scales it by the loss's incoming gradient and has the cloud scale its own the same way. It is
     not used when the cloud checkpoints sessions. ``window`` (a frozen edge in a plain split,
     :mod:`splitft.edge.streaming`): up to this many steps in flight before the edge waits for the
-    oldest reply; the weights equal synchronous training's (1: synchronous).
+    oldest reply; the weights equal synchronous training's (1: synchronous). ``delayed_gradients``
+    lets a trainable edge stream too, asynchronously: each step's cut gradient is applied one step
+    late, to the edge weights that step ran with (kept per step in flight); it converges like
+    synchronous training only approximately (README).
     """
 
     micro_batches: int = 1
     eager_backward: bool = True
     window: int = 1
+    delayed_gradients: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
@@ -162,6 +166,10 @@ class Schedule:
             raise ConfigError(f"eager_backward is True or False, got {self.eager_backward!r}")
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ConfigError(f"window (steps in flight) must be a positive integer, got {self.window!r}")
+        if not isinstance(self.delayed_gradients, bool):
+            raise ConfigError(f"delayed_gradients is True or False, got {self.delayed_gradients!r}")
+        if self.delayed_gradients and self.window < 2:
+            raise ConfigError("delayed_gradients streams a trainable edge's steps: give it window=2 or more")
 
 
 @dataclass(frozen=True)

@@ -145,3 +145,58 @@ def test_an_edge_on_a_local_loss_streams_and_trains_exactly_as_synchronously(clo
     assert not torch.equal(state["block1.0.weight"], initial)  # the edge really trains, on its local loss
     for name, value in sync_state.items():
         torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+def _delayed_reference(digits, steps: int, lr: float, delay: bool = True) -> dict[str, torch.Tensor]:
+    """Delayed-gradient SGD in one process: the cloud half steps on its gradient of this step, the
+    edge on its gradient of the step before (computed then, at the weights of then). The first
+    step is synchronous; the second has no earlier gradient for the edge."""
+    model = digits_cnn()
+    edge = [p for n, p in model.named_parameters() if n.startswith(("block1", "block2"))]
+    cloud = [p for n, p in model.named_parameters() if not n.startswith(("block1", "block2"))]
+    it = batches(digits, 32, shuffle=True, seed=2)
+    due: list[torch.Tensor] | None = None
+    for step in range(steps):
+        x, y, _ = next(it)
+        loss = nn.functional.cross_entropy(model(x), y)
+        grads = torch.autograd.grad(loss, edge + cloud)
+        now_edge, now_cloud = grads[:len(edge)], grads[len(edge):]
+        apply_edge = now_edge if step == 0 or not delay else due
+        due = None if step == 0 else list(now_edge)
+        with torch.no_grad():
+            for p, g in zip(cloud, now_cloud):
+                p -= lr * g
+            for p, g in zip(edge, apply_edge or []):
+                p -= lr * g
+    return model.state_dict()
+
+
+def test_delayed_gradients_apply_each_cut_gradient_one_step_late_to_the_weights_it_was_taken_at(
+        cloud_process, digits):
+    _, address, _ = cloud_process
+    lr = 0.05
+    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connect=address, faults=Faults(timeout=30),
+                          schedule=Schedule(window=2, delayed_gradients=True))
+    with model:
+        opt = model.attach(torch.optim.SGD(model.parameters(), lr=lr))
+        crit = model.remote_loss(nn.CrossEntropyLoss())
+        it = batches(digits, 32, shuffle=True, seed=2)
+        for _ in range(STEPS):
+            x, y, _ = next(it)
+            loss = crit(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        streamed = isinstance(loss, PendingTensor)
+        state = {**model.edge_state_dict(), **model.cloud_state_dict()}
+    assert streamed
+    reference = _delayed_reference(digits, STEPS, lr)
+    for name, value in reference.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    synchronous = _delayed_reference(digits, STEPS, lr, delay=False)  # what the delay changes
+    assert not torch.allclose(state["block1.0.weight"], synchronous["block1.0.weight"], atol=1e-4)
+
+
+def test_delayed_gradients_need_a_window():
+    with pytest.raises(ConfigError, match="window"):
+        Schedule(delayed_gradients=True)

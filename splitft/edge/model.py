@@ -14,7 +14,6 @@ import os
 import time
 import weakref
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,7 +28,9 @@ from ..errors import ConfigError, SplitFTError
 from ..metrics import JsonlWriter, Metrics
 from . import guards, mirror, resume
 from .requests import EdgeSession
+from .remote_loss import CutActivation, RemoteLoss, call_parts
 from .schedule import Call, Scheduler
+from .streaming import stash_weights
 
 
 class _RemoteCall(torch.autograd.Function):
@@ -75,6 +76,7 @@ class SplitModel(nn.Module):
         self.freeze_edge = bool(freeze_edge)
         self.optimizer: torch.optim.Optimizer | None = None
         self._anchor = torch.zeros((), requires_grad=True)
+        self._stash: list | None = None  # delayed gradients: the weights this step's edge forward ran with
         self._sample_ids: np.ndarray | None = None
         self._writer = JsonlWriter(metrics_path) if metrics_path else None
         self._last_record = time.perf_counter()
@@ -185,7 +187,11 @@ class SplitModel(nn.Module):
             finally:
                 self._sample_ids = None  # the wrapped model called directly (generate) has none
         try:
-            self.model(*args, **kwargs)
+            if self.scheduler.options.delayed_gradients and self.training and torch.is_grad_enabled():
+                self._stash, copies = stash_weights(self.model, self._cloud.values())
+                torch.func.functional_call(self.model, copies, args, kwargs, strict=False)
+            else:
+                self.model(*args, **kwargs)
         except CutReached as cut:
             if len(cut.call_args) == 1 and not cut.call_kwargs:
                 return cut.call_args[0]
@@ -199,7 +205,12 @@ class SplitModel(nn.Module):
         leaves, skeleton = flatten((list(args), kwargs, target))
         if self.freeze_edge:  # no input needs a gradient, so none crosses back
             leaves = [t.detach() for t in leaves]
+        stash, self._stash = self._stash, None
+        attached = leaves
+        if stash is not None and grad:  # the edge's graph stays apart; the scheduler backpropagates it
+            leaves = [t.detach().requires_grad_() if t.requires_grad else t for t in leaves]
         call = Call(skeleton, len(leaves), train=self.training, grad=grad, sample_ids=self._sample_ids,
+                    stash=stash if grad else None, leaves=attached if stash is not None else [],
                     autocast=autocast_dtype(next((t.device.type for t in leaves if t.is_floating_point()), "cpu")))
         inputs = [*leaves, self._anchor] if grad else leaves
         outputs = _RemoteCall.apply(self.scheduler, call, *inputs)
@@ -223,7 +234,7 @@ class SplitModel(nn.Module):
         if self.spec.ushape:
             return self(*args, sample_ids=sample_ids, **kwargs)
         cut = self(*args, sample_ids=sample_ids, **kwargs)
-        return self._remote(*_call_parts(cut))
+        return self._remote(*call_parts(cut))
 
     # ------------------------------------------------------------ training
 
@@ -467,31 +478,6 @@ def split_class(model_class: type[nn.Module]) -> type[SplitModel]:
     forward.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
     forward.__doc__ = SplitModel.forward.__doc__
     return type(f"Split{model_class.__name__}", (SplitModel,), {"forward": forward, "__module__": __name__})
-
-
-@dataclass
-class CutActivation:
-    """What reaches a plain cut when more than one value crosses (e.g. hidden states and a mask)."""
-
-    args: tuple
-    kwargs: dict
-
-
-def _call_parts(cut: Any) -> tuple[tuple, dict]:
-    if isinstance(cut, CutActivation):
-        return cut.args, cut.kwargs
-    return (cut,), {}
-
-
-class RemoteLoss:
-    """``crit(out, target)`` for a plain split: the cloud runs its part and the loss."""
-
-    def __init__(self, split: SplitModel) -> None:
-        self.split = split
-
-    def __call__(self, out: Any, target: torch.Tensor) -> torch.Tensor:
-        args, kwargs = _call_parts(out)
-        return self.split._remote(args, kwargs, target)
 
 
 __all__ = ["CutActivation", "RemoteLoss", "SplitModel", "split_class"]

@@ -60,6 +60,11 @@ class Call:
     out_skeleton: Any = None
     out_join: list[str] = field(default_factory=list)  # per output: "cat", "mean" or "sum" over parts
     streamed: bool = False  # sent without waiting for its reply (splitft.edge.streaming)
+    stash: list | None = None  # delayed gradients: (edge parameter, the copy this call's forward ran with)
+    # delayed gradients: the cut's inputs with the edge's graph (the call itself got detached copies,
+    # so that the loss's backward does not free that graph before the gradient for it arrives)
+    leaves: list[torch.Tensor] = field(default_factory=list)
+    inflight: Inflight | None = None
 
     @property
     def has_target(self) -> bool:
@@ -99,6 +104,7 @@ class Scheduler:
         self._ids = itertools.count(1)
         self.window = Window()
         self._template: _Template | None = None  # the last synchronous call a streamed one may copy
+        self._delayed: tuple[Call, torch.Tensor] | None = None  # a streamed call whose cut gradient is due
 
     def forward(self, call: Call, leaves: list[torch.Tensor], needs_grad: list[bool]) -> list[torch.Tensor]:
         """Run the cloud part on ``leaves``; the outputs of the whole batch."""
@@ -133,8 +139,9 @@ class Scheduler:
         """A step that needs nothing back (frozen edge, loss and backward in the cloud), shaped
         like the last synchronous one, may go without waiting for its reply."""
         t = self._template
+        needs_nothing_back = not any(call.in_grad) or (self.options.delayed_gradients and call.stash is not None)
         return (self.options.window > 1 and self.options.micro_batches == 1 and call.eager and call.train
-                and not any(call.in_grad) and t is not None and _same(t.skeleton, call.skeleton))
+                and needs_nothing_back and t is not None and _same(t.skeleton, call.skeleton))
 
     def _remember(self, call: Call, outputs: list[torch.Tensor]) -> None:
         """Keep a synchronous call's shape of reply: later calls like it may be streamed."""
@@ -163,13 +170,30 @@ class Scheduler:
                                     "gradients would be lost; use Schedule(window=1) with this cloud")
             return values
 
-        self.window.push(Inflight(settle, outputs))
+        call.inflight = Inflight(settle, outputs)
+        self.window.push(call.inflight)
         return outputs
 
     def drain(self) -> None:
-        """Settle every streamed step still in flight (raises a cloud error one of them met)."""
+        """Settle every streamed step still in flight (raises a cloud error one of them met).
+
+        A delayed cut gradient still due is dropped: no optimizer step is coming for it.
+        """
         with self.lock:
+            self._delayed = None
             self.window.drain()
+
+    def _apply_delayed(self) -> None:
+        """Delayed gradients: backpropagate the previous streamed call's cut gradient through the
+        edge weights that call ran with, and add the result to the edge's gradients."""
+        if self._delayed is None:
+            return
+        call, scale = self._delayed
+        self._delayed = None
+        assert call.inflight is not None and call.stash is not None
+        self.window.settle_through(call.inflight)
+        (part,) = call.parts
+        self._backprop_edge(call, self.stage.eager_input_grads(call, part, scale))
 
     def backward(self, call: Call, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
         """Gradients of the call's inputs, given those of its outputs."""
@@ -182,17 +206,33 @@ class Scheduler:
                     sent_ops = True
             if not sent_ops:
                 self.ops.requeue(ops)  # nothing was sent: the operations wait for the next message
-            per_part = []
-            for part in call.parts:
-                if part.eager_grads is None and not call.streamed:
-                    per_part.append(self.stage.receive_input_grads(call, part))
-                    continue
-                # the loss's incoming gradient (a streamed call has one part and one output, the loss)
-                (scale,) = (grads[0],) if call.streamed else part_output_grads(call, part, grads)
-                self.ops.queue(mirror.apply_op(part.id, float(scale)))
-                per_part.append([None] * len(part.sent) if call.streamed  # nothing crosses back: frozen edge
-                                else self.stage.eager_input_grads(call, part, scale))
-            return join_input_grads(call, per_part)
+            if call.stash is not None and not call.streamed:  # delayed-gradient mode, a synchronous step
+                return self._backprop_edge(call, self._input_grads(call, grads))
+            return self._input_grads(call, grads)
+
+    def _backprop_edge(self, call: Call, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Backpropagate the cut's gradients through the edge's graph (kept apart from the call's)."""
+        pairs = [(leaf, g) for leaf, g, need in zip(call.leaves, grads, call.in_grad) if need and g is not None]
+        if pairs:  # the stashed copies pass their gradients on to the weights (SplitModel._stashed_forward)
+            torch.autograd.backward([leaf for leaf, _ in pairs], [g for _, g in pairs])
+        return [None] * len(grads)
+
+    def _input_grads(self, call: Call, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
+        """The call's input gradients from its parts' replies (or from what came with the outputs)."""
+        per_part = []
+        for part in call.parts:
+            if part.eager_grads is None and not call.streamed:
+                per_part.append(self.stage.receive_input_grads(call, part))
+                continue
+            # the loss's incoming gradient (a streamed call has one part and one output, the loss)
+            (scale,) = (grads[0],) if call.streamed else part_output_grads(call, part, grads)
+            self.ops.queue(mirror.apply_op(part.id, float(scale)))
+            if call.streamed and any(call.in_grad):  # delayed gradients: the previous call's is due now
+                self._apply_delayed()
+                self._delayed = (call, scale)
+            per_part.append([None] * len(part.sent) if call.streamed  # nothing crosses back now
+                            else self.stage.eager_input_grads(call, part, scale))
+        return join_input_grads(call, per_part)
 
 
 @dataclass

@@ -17,14 +17,36 @@ step is settled: at a later step, at the next synchronous call, or when the sess
 
 from __future__ import annotations
 
+import functools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..errors import ProtocolError, SplitFTError
+
+
+def stash_weights(model: torch.nn.Module, skip: Iterable[torch.Tensor]) -> tuple[list, dict[str, torch.Tensor]]:
+    """Delayed gradients: copies of ``model``'s weights (those not in ``skip``) for this step's
+    forward to run on (``torch.func.functional_call``), kept until its cut gradient arrives a step
+    later, when the optimizer has already changed the weights. Returns (weight, copy) pairs and
+    the copies by name; a copy's gradient, whenever it comes, is added to its weight's."""
+    skipped = set(map(id, skip))
+    named = [(n, p) for n, p in model.named_parameters() if id(p) not in skipped]
+    copies = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in named}
+    for n, p in named:
+        if p.requires_grad:
+            copies[n].register_post_accumulate_grad_hook(functools.partial(_into_grad, p))
+    return [(p, copies[n]) for n, p in named], copies
+
+
+def _into_grad(param: torch.Tensor, copy: torch.Tensor) -> None:
+    """Add a stashed copy's gradient to its weight's, as if the forward had used the weight."""
+    with torch.no_grad():
+        param.grad = copy.grad if param.grad is None else param.grad + copy.grad
+    copy.grad = None
 
 
 class StreamError(SplitFTError):
@@ -136,4 +158,4 @@ class Window:
             raise StreamError(f"an earlier streamed step failed: {self._failed}") from self._failed
 
 
-__all__ = ["Inflight", "PendingTensor", "StreamError", "Window", "fill", "pending_like"]
+__all__ = ["Inflight", "PendingTensor", "StreamError", "Window", "fill", "pending_like", "stash_weights"]
