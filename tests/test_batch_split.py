@@ -25,9 +25,9 @@ from splitft import Faults
 from splitft.cli import main
 from splitft.errors import ConfigError
 from tests.conftest import ROOT, PipeReader, stop
-from tests.models import mlp, mlp_batchnorm, residual_net
+from tests.models import mlp, mlp_batchnorm, residual_net, tiny_bert
 
-MODELS = ("tests.models:mlp", "tests.models:residual_net", "tests.models:mlp_batchnorm")
+MODELS = ("tests.models:mlp", "tests.models:residual_net", "tests.models:mlp_batchnorm", "tests.models:tiny_bert")
 STEPS = 5
 
 
@@ -93,10 +93,30 @@ def _train(connect: str, net: nn.Module, factory: str, cut, rejoin=None, seed: i
         return {"edge": model.edge_state_dict(), "cloud": model.cloud_state_dict(), "losses": losses}
 
 
+def _train_bert(connect: str) -> dict:
+    """A transformer trunk (U-shape): token rows of uneven length, the attention mask as a kwarg."""
+    model = splitft.split(tiny_bert(), "bert.encoder.layer.1:3", factory=MODELS[3], connect=connect,
+                          faults=Faults(timeout=60))
+    g = torch.Generator().manual_seed(3)
+    with model:
+        opt = model.attach(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        losses = []
+        for _ in range(3):
+            ids = torch.randint(0, 100, (5, 10), generator=g)
+            mask = (torch.arange(10) < torch.randint(4, 11, (5, 1), generator=g)).long()
+            loss = nn.functional.cross_entropy(model(ids, mask), torch.randint(0, 3, (5,), generator=g))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+        return {"edge": model.edge_state_dict(), "cloud": model.cloud_state_dict(), "losses": losses}
+
+
 RUNS = {
     "plain split, loss in the cloud": lambda c: _train(c, mlp(), MODELS[0], 2),
     "U-shape": lambda c: _train(c, mlp(), MODELS[0], 2, 4, seed=1),
     "residual net, U-shape": lambda c: _train(c, residual_net(), MODELS[1], "stage1", "head", seed=2),
+    "tiny BERT trunk, attention mask": _train_bert,
 }
 
 
