@@ -212,6 +212,9 @@ def _add_cloud_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--grad-compression", default="none", metavar="SPEC",
                    help="how ranks all-reduce a shared half's gradient: none, fp16 or "
                         "powersgd:rank=R[,start=S][,min_rate=M] (DDP communication hooks; default: none)")
+    g.add_argument("--split-batch", action="store_true",
+                   help="launched as N ranks (torchrun): one edge's heavy half is replicated on every rank and "
+                        "each of its batches split by rows across them; rank 0 serves the edge, one at a time")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,6 +336,9 @@ def _cloud(args: argparse.Namespace) -> int:
             allowed = transports.load_allowed_keys(args.allow_edge_keys)
             options |= {"secret_key": secret, "allowed_keys": allowed, "on_refused": say}
         placement = Placement(args.device, None if args.dtype == "float32" else args.dtype)
+        batch = _batch_split(args, placement)
+        if batch is not None and batch.rank > 0:
+            return _batch_worker(args, batch, placement)
         listener = transports.listen(args.bind, **options)
         limits, policy = _limits_and_policy(args)
         rounds = _rounds(args, placement)
@@ -342,7 +348,8 @@ def _cloud(args: argparse.Namespace) -> int:
                              on_event=say,
                              limits=limits, checkpoint_dir=args.checkpoint_dir,
                              checkpoint_every=args.checkpoint_every, fsync=not args.no_fsync,
-                             shared_model=args.shared_model, policy=policy, placement=placement, rounds=rounds)
+                             shared_model=args.shared_model, policy=policy, placement=placement, rounds=rounds,
+                             **({"make_session": batch.make_session()} if batch is not None else {}))
     except (SplitFTError, transports.TransportError) as exc:
         say(f"error: {exc}")
         return 2
@@ -355,6 +362,8 @@ def _cloud(args: argparse.Namespace) -> int:
         extras.append("one shared cloud half per model" + (
             f", in rounds of {args.sync_rounds} edge(s) (rank {rounds.rank} of {rounds.world}, all-reduce "
             f"{args.grad_compression})" if rounds else ""))
+    if batch is not None:
+        extras.append(f"each batch split over {batch.world} rank(s), one edge at a time")
     extras.append(f"halves on {placement.device}" + (f" in {args.dtype}" if placement.dtype else ""))
     say(f"listening on {listener.address}, serving {', '.join(server.factories)}"
         + (f" ({'; '.join(extras)})" if extras else "")
@@ -366,6 +375,9 @@ def _cloud(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         say("interrupted; connected edges were told")
         return 130
+    finally:
+        if batch is not None:
+            batch.stop()
     return 1 if rounds is not None and rounds.failure else 0
 
 
@@ -382,6 +394,38 @@ def _rounds(args: argparse.Namespace, placement: Any) -> Any:
     settings = RoundSettings(args.sync_rounds, args.round_timeout, GradCompression.parse(args.grad_compression))
     group_from_env("nccl" if placement.device.type == "cuda" else "gloo")
     return Rounds(settings)
+
+
+def _batch_split(args: argparse.Namespace, placement: Any) -> Any:
+    """Each batch split across the ranks torchrun's variables describe (``--split-batch``)."""
+    if not args.split_batch:
+        return None
+    from datetime import timedelta
+
+    from .cloud.allreduce import group_from_env
+    from .cloud.batch_split import BatchSplit
+    from .errors import ConfigError
+
+    if args.shared_model or args.sync_rounds or args.checkpoint_dir:
+        raise ConfigError("--split-batch splits one edge's batches across ranks; it does not combine with "
+                          "--shared-model, --sync-rounds or --checkpoint-dir")
+    # The other ranks wait for rank 0's next command as long as the cloud is idle.
+    group_from_env("nccl" if placement.device.type == "cuda" else "gloo", timeout=timedelta(days=30))
+    args.max_open_sessions = 1
+    return BatchSplit()
+
+
+def _batch_worker(args: argparse.Namespace, batch: Any, placement: Any) -> int:
+    """A rank >= 1 of a --split-batch cloud: replicas of rank 0's session, until rank 0 stops."""
+    from .factories import load_factory
+    from .tasks import get_task
+
+    factories = {name: load_factory(name) for name in args.model or [get_task(args.task).model]}
+    limits, _ = _limits_and_policy(args)
+    print(f"cloud: rank {batch.rank} of {batch.world}: computes its rows of rank 0's batches", file=sys.stderr,
+          flush=True)
+    batch.serve_worker(factories, limits, placement)
+    return 0
 
 
 def _task_run(args: argparse.Namespace) -> TaskRun:

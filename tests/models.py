@@ -96,3 +96,10 @@ def tiny_hf(kind: str = "bert", seed: int = 0) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return cls(config).eval()
+
+
+def mlp_batchnorm(seed: int = 0) -> nn.Sequential:
+    """An MLP whose cloud half normalizes over the batch: a half ``--split-batch`` must refuse."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Linear(16, 3))

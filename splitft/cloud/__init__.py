@@ -10,6 +10,8 @@
 - :mod:`.guard` — typed blame for the edge's input, stage timers;
 - :mod:`.rounds` — a shared half trained in synchronous data-parallel rounds;
 - :mod:`.allreduce` — those rounds across ranks: DDP communication hooks on the gradient bucket.
+- :mod:`.batch_split` — one edge's batch split by rows across ranks, replicas of its half;
+- :mod:`.batch_link` — the commands, tensors and gradient sums those ranks exchange.
 
 Model factories (shared with the edge) live in :mod:`splitft.factories`, budgets in
 :mod:`splitft.limits` and :mod:`splitft.budget`, the negotiation policy in :mod:`splitft.policy`.

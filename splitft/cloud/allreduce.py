@@ -23,6 +23,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -83,11 +84,11 @@ class GradCompression:
         return f"powersgd:rank={self.rank},start={self.start},min_rate={self.min_rate:g}"
 
 
-def group_from_env(backend: str = "gloo") -> bool:
+def group_from_env(backend: str = "gloo", timeout: timedelta | None = None) -> bool:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 
     Returns whether this process is one rank of several. A group created by the launcher beforehand
-    is used as it is.
+    is used as it is. ``timeout``: how long a collective may wait (default: torch's).
     """
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size() > 1
@@ -96,7 +97,7 @@ def group_from_env(backend: str = "gloo") -> bool:
     missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing:
         raise ConfigError(f"WORLD_SIZE is set but {', '.join(missing)} is not: launch the ranks with torchrun")
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, **({"timeout": timeout} if timeout is not None else {}))
     log.info("rank %d of %d joined the %s group", dist.get_rank(), dist.get_world_size(), backend)
     return True
 

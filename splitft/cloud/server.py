@@ -30,7 +30,7 @@ from ..factories import build_chain, load_factory
 from ..limits import Limits
 from ..policy import Policy
 from ..protocol import Ack, Backward, Bye, Error, Forward, Hello, Ping, Pong, Sync, Welcome
-from . import checkpoints, ops, replies
+from . import checkpoints, replies
 from .session import CloudSession, SharedPart, check_codecs, hello_identity
 
 log = logging.getLogger(__name__)
@@ -81,13 +81,16 @@ class CloudServer:
             default: the CPU).
         rounds: train shared halves in synchronous data-parallel rounds
             (:class:`~splitft.cloud.rounds.Rounds`; default: steps in arrival order).
+        make_session: builds each new session, with :class:`CloudSession`'s arguments (default:
+            :class:`CloudSession`; :mod:`.batch_split` gives sessions whose batches span ranks).
     """
 
     def __init__(self, listener: transports.Listener, factories: Iterable[str], *, max_sessions: int = 0,
                  on_event: Callable[[str], None] | None = None, limits: Limits | None = None,
                  checkpoint_dir: str | None = None, checkpoint_every: int = 1, keep_checkpoints: int = 2,
                  fsync: bool = True, shared_model: bool = False, policy: Policy | None = None,
-                 placement: Placement | None = None, rounds: Any = None) -> None:
+                 placement: Placement | None = None, rounds: Any = None,
+                 make_session: Callable[..., CloudSession] = CloudSession) -> None:
         self.listener = listener
         self.factories = {name: load_factory(name) for name in factories}
         self.max_sessions = max_sessions
@@ -108,6 +111,7 @@ class CloudServer:
         self.shared_model = shared_model
         self.shared: dict[str, SharedPart] = {}
         self.rounds = rounds
+        self.make_session = make_session
         if rounds is not None:
             rounds.bind(self)
         self.sessions: dict[bytes, CloudSession] = {}  # by the peer that speaks for it now
@@ -244,7 +248,7 @@ class CloudServer:
         session = self._session_of(peer, msg)
         before = session.steps
         try:
-            ops.apply_ops(session, msg.ops)
+            session.apply_ops(msg.ops)
         finally:
             # Right after the step, before the request's own work: replaying this request
             # re-applies its operations, which their ids make harmless, then does that work.
@@ -275,7 +279,7 @@ class CloudServer:
             self.admit(peer)
             check_codecs(msg.codecs)
             self.policy.check(msg.codecs)
-            session = CloudSession(msg, self.factories, self.limits, shared=self._shared_part(msg),
+            session = self.make_session(msg, self.factories, self.limits, shared=self._shared_part(msg),
                                    policy=self.policy, admit=self._admit_model, placement=self.placement)
             self.book.check(session.id, 0, session.held_bytes(), "opening this session")
             self.bind(peer, session)

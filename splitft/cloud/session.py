@@ -47,6 +47,7 @@ from ..policy import Policy
 from ..protocol import Backward, Forward, Hello, InputGrads, Output
 from .caches import SessionCaches
 from .guard import Stopwatch, blame
+from .ops import apply_ops
 
 log = logging.getLogger(__name__)
 
@@ -427,12 +428,20 @@ class CloudSession:
         del self.pending[msg.call]
         with watch("compute"):
             if outputs:
-                with self.own_grads(), blame(ModelError, "backpropagating the edge's gradient failed"):
-                    torch.autograd.backward(outputs, grads)
+                self._backpropagate(msg.call, outputs, grads)
         with watch("codec"):
             entries = self._encode_input_grads(pending.inputs, pending.in_coded, pending.in_grad,
                                                [leaf.grad for leaf in pending.inputs], ctx)
         return InputGrads(call=msg.call, grads=entries, timings=watch.seconds)
+
+    def _backpropagate(self, call: int, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """The backward of forward call ``call`` (a batch split across ranks overrides it)."""
+        with self.own_grads(), blame(ModelError, "backpropagating the edge's gradient failed"):
+            torch.autograd.backward(outputs, grads)
+
+    def apply_ops(self, values: list) -> int:
+        """Apply the operations the edge mirrored (a batch split across ranks also sends them on)."""
+        return apply_ops(self, values)
 
     def _decode_backward(self, msg: Backward, pending: Pending,
                          ctx: CodecContext) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
