@@ -7,11 +7,14 @@ typo or a missing GPU is one clear line at start-up, not a traceback in the midd
 
 from __future__ import annotations
 
+import contextlib
 import re
+from typing import Any
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, ProtocolError
+from .protocol import _short
 
 _DEVICE = re.compile(r"^(cpu|mps|cuda)(?::(\d+))?$")
 #: The dtypes a cloud half may be kept in (``--dtype``); the edge's tensors keep their own.
@@ -85,6 +88,19 @@ def autocast_dtype(device_type: str) -> str | None:
 
 
 
+_AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def autocast_region(dtype: str | None, device: torch.device) -> Any:
+    """The autocast region an edge's forward ran in (its dtype, as the edge named it), for the
+    cloud's half of it on ``device``; a dtype other than bfloat16 or float16 is refused."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    if dtype not in _AUTOCAST:
+        raise ProtocolError(f"autocast dtype must be one of {sorted(_AUTOCAST)}, got {_short(dtype)}")
+    return torch.autocast(device.type, dtype=_AUTOCAST[dtype])
+
+
 class Placement:
     """Where a cloud half lives and computes: a device, and optionally a dtype it is kept in.
 
@@ -113,4 +129,4 @@ class Placement:
         return f"Placement({self.device}{', ' + str(self.dtype).removeprefix('torch.') if self.dtype else ''})"
 
 
-__all__ = ["DTYPES", "Placement", "autocast_dtype", "default_device", "resolve_device", "resolve_dtype"]
+__all__ = ["DTYPES", "Placement", "autocast_dtype", "autocast_region", "default_device", "resolve_device", "resolve_dtype"]

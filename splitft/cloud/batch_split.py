@@ -32,12 +32,13 @@ from torch import nn
 
 from .. import protocol
 from ..coding import SLOTS, flatten, unflatten
+from ..devices import autocast_region
 from ..errors import ConfigError, ModelError, ProtocolError, SplitFTError
 from ..tree import Leaf
 from .batch_link import DTYPES, BatchLink, shard_sizes, spec
 from .guard import blame
 from .ops import apply_ops
-from .session import CloudSession, Pending, _autocast, _Inputs
+from .session import CloudSession, Pending, _Inputs
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +228,7 @@ class BatchSplitSession(CloudSession):
             if self.loss_fn is None:
                 raise ConfigError("a target arrived but no loss was configured: use model.remote_loss(criterion)")
             with torch.set_grad_enabled(grad), blame(ModelError, "the loss failed on the cloud half's outputs"), \
-                    _autocast(autocast, self.placement.device):
+                    autocast_region(autocast, self.placement.device):
                 value = self.loss_fn(value, target)
         self._last = _Shards(rows, leaves[:n_in], own_leaves, own_outs, joined)
         return leaves, value, saved

@@ -14,7 +14,6 @@ another's step.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import secrets
@@ -38,7 +37,7 @@ from ..budget import GraphMeter, MemoryBook, model_nbytes, tensors_nbytes
 from ..coding import SLOTS, Coded, SlotCodecs, Traffic, _Leaf, expansions, flatten, from_wire, stream_index, \
     to_wire, unflatten
 from ..cut import Chain, value_hash
-from ..devices import Placement
+from ..devices import Placement, autocast_region
 from ..errors import ConfigError, HandshakeError, ModelError, ProtocolError
 from ..factories import build_chain
 from ..limits import Limits
@@ -69,18 +68,6 @@ def check_codecs(codecs: Any) -> None:
         raise HandshakeError(f"edge asked for a codec this cloud cannot run: {exc}") from exc
     if canonical != codecs:
         raise HandshakeError(f"codec specs are not in canonical form: {codecs} (expected {canonical})")
-
-
-_AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _autocast(dtype: str | None, device: torch.device) -> Any:
-    """The autocast region an edge's forward ran in, for the cloud's half of it (on its device)."""
-    if dtype is None:
-        return contextlib.nullcontext()
-    if dtype not in _AUTOCAST:
-        raise ProtocolError(f"autocast dtype must be one of {sorted(_AUTOCAST)}, got {protocol._short(dtype)}")
-    return torch.autocast(device.type, dtype=_AUTOCAST[dtype])
 
 
 def tensors_from_wire(arrays: Any, what: str) -> dict[str, torch.Tensor]:
@@ -286,7 +273,7 @@ class CloudSession:
         caching = self.caches.named((args_skel, kw_skel))
         try:
             with torch.set_grad_enabled(grad), blame(ModelError, "the cloud part failed on the inputs the edge sent"), \
-                    GraphMeter(self.chain) as meter, _autocast(autocast, self.placement.device):
+                    GraphMeter(self.chain) as meter, autocast_region(autocast, self.placement.device):
                 value = self._edge_dtype(self.chain(*args, **kwargs), inputs.tensors)
                 if target is not None:
                     if self.loss_fn is None:
