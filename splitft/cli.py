@@ -186,10 +186,26 @@ def _add_cloud_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--shared-model", action="store_true",
                    help="edges asking for the same model and cut train one shared cloud half, in the order "
                         "their requests arrive (sequential split learning); default: a cloud half per edge")
+    g = cloud.add_argument_group(
+        "several processes (torch.distributed)", "Under torchrun (or with --workers) every rank serves its own "
+        "edges; rank 0 listens on --bind and places each new edge on the least-loaded live rank.")
+    g.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="start N ranks on this machine with torch's launcher (as 'torchrun --standalone "
+                        "--nproc-per-node N -m splitft cloud ...' would); ignored under torchrun (default: 1)")
+    g.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                   help="with --workers: times the launcher starts the group again after a rank dies (default: 3)")
+    g.add_argument("--rank-timeout", type=float, default=5.0, metavar="S",
+                   help="a rank whose heartbeat did not move for this long gets no more edges (default: 5)")
+    g.add_argument("--rank-host", default=None, metavar="HOST",
+                   help="the host name edges reach this machine's ranks at (default: the --bind host; "
+                        "needed when --bind listens on every interface)")
+    g.add_argument("--rank-port", type=int, default=None, metavar="PORT",
+                   help="ranks other than the front door listen on PORT + their local rank (default: free ports)")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "codecs":
@@ -277,13 +293,18 @@ def _limits_and_policy(args: argparse.Namespace) -> tuple:
 
 def _cloud(args: argparse.Namespace) -> int:
     import transports
-    from .cloud import CloudServer
+    from .cloud import CloudServer, workers
     from .errors import ConfigError, SplitFTError
 
+    if args.workers > 1 and not workers.launched():
+        return workers.launch(args.workers, args.argv, max_restarts=args.max_restarts)
+    group = None
+
     def say(text: str) -> None:
-        print(f"cloud: {text}", file=sys.stderr, flush=True)
+        print(f"cloud{workers.tag(group)}: {text}", file=sys.stderr, flush=True)
 
     try:
+        group = workers.join(args)
         limit = int(args.max_message_mb * 2**20)
         # ZeroMQ cuts off a peer whose single frame exceeds twice the limit (before buffering it
         # whole); anything smaller is read and, if over the limit, refused with a typed reply.
@@ -294,11 +315,12 @@ def _cloud(args: argparse.Namespace) -> int:
             _, secret = transports.load_secret_key(args.secret_key)
             allowed = transports.load_allowed_keys(args.allow_edge_keys)
             options |= {"secret_key": secret, "allowed_keys": allowed, "on_refused": say}
-        listener = transports.listen(args.bind, **options)
+        listener = transports.listen(workers.bind_address(group, args), **options)
         limits, policy = _limits_and_policy(args)
         from .tasks import get_task
 
-        server = CloudServer(listener, args.model or [get_task(args.task).model], max_sessions=args.sessions,
+        server_class, limits = workers.server_class(group, CloudServer, listener, args, limits)
+        server = server_class(listener, args.model or [get_task(args.task).model], max_sessions=args.sessions,
                              on_event=say,
                              limits=limits, checkpoint_dir=args.checkpoint_dir,
                              checkpoint_every=args.checkpoint_every, fsync=not args.no_fsync,
@@ -316,13 +338,15 @@ def _cloud(args: argparse.Namespace) -> int:
     say(f"listening on {listener.address}, serving {', '.join(server.factories)}"
         + (f" ({'; '.join(extras)})" if extras else "")
         + (f"; exits after {args.sessions} session(s)" if args.sessions else "; Ctrl-C to stop"))
-    if args.ready_file:
+    if workers.ready(group, say) and args.ready_file:
         Path(args.ready_file).write_text(listener.address)
     try:
         server.serve()
     except KeyboardInterrupt:
         say("interrupted; connected edges were told")
         return 130
+    finally:
+        workers.leave(group)
     return 0
 
 

@@ -7,7 +7,11 @@
 - :mod:`.ops` — the operations an edge mirrors (optimizer steps, zero_grad, ...);
 - :mod:`.replies` — request numbers and the reply cache (each request applied once);
 - :mod:`.checkpoints` — snapshots, restores and resuming sessions;
-- :mod:`.guard` — typed blame for the edge's input, stage timers.
+- :mod:`.guard` — typed blame for the edge's input, stage timers;
+- :mod:`.ranks` — one rank of a cloud of several processes (torch.distributed): addresses,
+  heartbeats and placement through the job's store; :mod:`.rank_server` — the front door's
+  redirects and the bookkeeping ranks share; :mod:`.workers` — ``--workers N`` on torch's
+  launcher, and the cloud command's hooks.
 
 Model factories (shared with the edge) live in :mod:`splitft.factories`, budgets in
 :mod:`splitft.limits` and :mod:`splitft.budget`, the negotiation policy in :mod:`splitft.policy`.
