@@ -85,10 +85,12 @@ class RankEnv:
 
 @dataclass
 class _View:
-    """What the front door last saw of a rank's heartbeat, and when (by its own clock) it last moved."""
+    """What the front door last saw of a rank's heartbeat: when (by its own clock) it first saw the
+    current beat, and when it last looked."""
 
     beat: int = -1
     moved_at: float = float("-inf")
+    seen_at: float = float("-inf")
     sessions: int = 0
     hellos: int = 0
     stopped: bool = False
@@ -131,10 +133,15 @@ class RankGroup:
             backend = "cpu:gloo,cuda:nccl"
         else:
             backend = "gloo"
+        # torchrun's agent hosts the store and keeps it across restarts of the group; without an
+        # agent, rank 0 hosts it. The group's own keys go under this attempt's prefix: gloo must not
+        # find the addresses of the ranks a restart replaced.
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0 and not agent,
+                              timeout=timedelta(seconds=store_timeout), wait_for_workers=False)
         dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
+                                store=dist.PrefixStore(f"splitft/attempt{env.attempt}/group", store),
                                 timeout=timedelta(seconds=max(60.0, store_timeout)))
-        store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
-                              timeout=timedelta(seconds=store_timeout))
         log.info("rank %d/%d joined the group (%s, attempt %d)", env.rank, env.world_size, backend, env.attempt)
         return cls(env, store, rank_timeout=rank_timeout)
 
@@ -214,8 +221,9 @@ class RankGroup:
                                                 bool(beat["stopped"]))
             except (ValueError, KeyError, TypeError):
                 continue
+            view.seen_at = self._clock()
             if n != view.beat:
-                view.beat, view.moved_at = n, self._clock()
+                view.beat, view.moved_at = n, view.seen_at
             sent = self._sent[r]
             for _ in range(max(0, hellos - view.hellos)):  # placements that have arrived there
                 if sent:
@@ -223,12 +231,21 @@ class RankGroup:
             view.sessions, view.hellos, view.stopped = sessions, hellos, stopped
 
     def live(self, rank: int) -> bool:
-        """Whether ``rank`` is serving: itself, or a beat that moved within ``rank_timeout``."""
+        """Whether ``rank`` is serving: itself, or a beat that did not stand still for ``rank_timeout``.
+
+        Judged between the front door's own looks at the beat, so a front door that was busy for a
+        while does not take a rank for dead; :meth:`fresh` looks again first.
+        """
         if rank == self.rank:
             return True
         view = self._views.get(rank)
         return (view is not None and rank in self.addresses and not view.stopped
-                and self._clock() - view.moved_at <= self.rank_timeout)
+                and view.seen_at - view.moved_at <= self.rank_timeout)
+
+    def fresh(self) -> None:
+        """Look at the beats again unless that was done within the last beat."""
+        if any(self._clock() - v.seen_at > BEAT_EVERY for v in self._views.values()):
+            self.observe()
 
     # ------------------------------------------------------------ placement (the front door)
 
@@ -242,6 +259,7 @@ class RankGroup:
 
     def place(self, own: int, capacity: int) -> int:
         """The least-loaded live rank with room (ties: the lowest), this one when none has."""
+        self.fresh()
         loads = {r: self.load(r, own) for r in range(self.world_size) if self.live(r)}
         roomy = [r for r, n in loads.items() if n < capacity] or [self.rank]
         target = min(roomy, key=lambda r: (loads.get(r, 0), r))
@@ -252,6 +270,7 @@ class RankGroup:
     def route(self, session: str, own: int, capacity: int) -> int:
         """Where a resuming edge goes: the live rank that holds ``session``, else a placement."""
         owner = self.owner(session)
+        self.fresh()
         if owner is not None and self.live(owner):
             return owner
         return self.place(own, capacity)
