@@ -190,16 +190,17 @@ class RankGroup:
 
     def start_heartbeat(self, sessions: Callable[[], int]) -> None:
         """Publish this rank's beat every :data:`BEAT_EVERY` seconds on a thread of its own."""
-        self._beat(sessions())
+        self.beat(sessions())
 
         def run() -> None:
             while not self._stop.wait(BEAT_EVERY):
-                self._beat(sessions())
+                self.beat(sessions())
 
         self._beats = threading.Thread(target=run, name="splitft-rank-beat", daemon=True)
         self._beats.start()
 
-    def _beat(self, sessions: int, stopped: bool = False) -> None:
+    def beat(self, sessions: int, stopped: bool = False) -> None:
+        """Publish this rank's heartbeat now (the heartbeat thread does it every beat)."""
         value = json.dumps({"n": time.monotonic_ns(), "sessions": sessions, "hellos": self.hellos,
                             "stopped": stopped})
         self._set(self._now, f"beat/{self.rank}", value)
@@ -317,7 +318,7 @@ class RankGroup:
         self._stop.set()
         if self._beats is not None:
             self._beats.join(timeout=5)
-        self._beat(0, stopped=True)
+        self.beat(0, stopped=True)
         if dist.is_initialized():
             dist.destroy_process_group()
 
