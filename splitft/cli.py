@@ -186,6 +186,11 @@ def _add_cloud_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--shared-model", action="store_true",
                    help="edges asking for the same model and cut train one shared cloud half, in the order "
                         "their requests arrive (sequential split learning); default: a cloud half per edge")
+    _add_rank_options(cloud)
+
+
+def _add_rank_options(cloud: argparse.ArgumentParser) -> None:
+    """A cloud of several processes: torchrun, or --workers on torch's launcher (splitft.cloud.workers)."""
     g = cloud.add_argument_group(
         "several processes (torch.distributed)", "Under torchrun (or with --workers) every rank serves its own "
         "edges; rank 0 listens on --bind and places each new edge on the least-loaded live rank.")
