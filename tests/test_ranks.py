@@ -129,10 +129,10 @@ def _edges(address: str, at_step=lambda i, rank, step: None) -> dict[int, dict]:
                 full = mlp(seed=i)
             model = splitft.split(full, 2, factory=MLP, connect=address, faults=FAULTS)
             with model:
-                placed = model.session.placement.rank
+                placed = model.session.route.rank
                 opened.wait()
                 weights = _train(model, _data(STEPS, seed=i), lambda step: at_step(i, placed, step))
-                out[i] = {"placed": placed, "now": model.session.placement.rank, "weights": weights,
+                out[i] = {"placed": placed, "now": model.session.route.rank, "weights": weights,
                           "recoveries": model.session.recoveries}
         except BaseException as exc:  # noqa: BLE001 — re-raised in the test's thread
             errors.append(exc)

@@ -37,7 +37,7 @@ from ..errors import (AuthError, CapacityError, HandshakeError, PeerGone, Protoc
 from ..metrics import Metrics
 from ..options import Codecs, Faults
 from ..protocol import Ack, Bye, Error, Hello, Ping, Pong, Redirect, Sync, Welcome
-from .placement import Follow, Placement
+from .route import Follow, Route
 from .replay import Backoff, ReplayLog
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class EdgeSession:
         max_log_bytes: when the requests kept for a replay exceed this, the edge asks the cloud
             for a checkpoint, after which they are no longer needed.
         follow: opens a link to another rank of the cloud, for a front door's redirect (None:
-            a redirect is refused; :mod:`.placement`).
+            a redirect is refused; :mod:`.route`).
     """
 
     def __init__(self, connection: transports.Connection, *, codecs: Codecs, faults: Faults = Faults(),
@@ -103,7 +103,7 @@ class EdgeSession:
         self._trimming = False
         self._hello: Hello | None = None
         self._reconnect = reconnect
-        self.placement = Placement(follow)
+        self.route = Route(follow)
         self._last_io = time.monotonic()
         self._suspect: BaseException | None = None  # the heartbeat saw the link fail
         self._stop = threading.Event()
@@ -252,8 +252,10 @@ class EdgeSession:
         try:
             with translated():
                 return self._receive(seq, self.timeout)
-        except AuthError:
-            raise
+        except AuthError as exc:
+            if self.session_id is None:
+                raise  # the first handshake: these keys are refused
+            raise _LinkFault(exc) from exc  # ZeroMQ reconnected underneath to something else on that port
         except TransportTimeout as exc:
             raise _LinkFault(TransportTimeout(
                 f"no reply from the cloud at {getattr(self.connection, 'address', '?')} within "
@@ -302,17 +304,17 @@ class EdgeSession:
             try:
                 with translated():
                     self.connection = self._reconnect()
-                    self.placement.back_to_front_door()
+                    self.route.back_to_front_door()
                     welcome = self._resume_handshake(max(0.1, min(self.timeout, deadline - time.monotonic())))
                     result = self._replay(welcome.seq, seq)
                 self.recoveries += 1
                 log.warning("session %s resumed at request %d (step %d); replayed %d request(s)",
                             self.session_id, welcome.seq, welcome.steps, seq - min(seq, welcome.seq))
                 return result
-            except (AuthError, HandshakeError, PeerGone):
-                raise  # refused, or the session cannot be resumed: retrying will not change that
-            except (TransportError, SessionLost, CapacityError) as exc:
-                fault = exc
+            except (HandshakeError, PeerGone):
+                raise  # the session cannot be resumed: retrying will not change that
+            except (TransportError, SessionLost, CapacityError) as exc:  # a refusal too: the keys opened
+                fault = exc  # the session, so a port is held for a moment by another (restart, reused port)
             delay = backoff.next()
             if time.monotonic() + delay > deadline:
                 raise TransportTimeout(
@@ -350,10 +352,10 @@ class EdgeSession:
         """The answer to the hello ``ask`` sends, after following the front door's redirect, if any."""
         reply = ask()
         if isinstance(reply, Redirect):
-            self.connection = self.placement.go(reply, self.connection)
+            self.connection = self.route.go(reply, self.connection)
             reply = ask()
             if isinstance(reply, Redirect):
-                self.placement.go(reply, self.connection)  # raises: a second hop is never taken
+                self.route.go(reply, self.connection)  # raises: a second hop is never taken
         return reply
 
     def _replay(self, cloud_seq: int, seq: int) -> Reply:

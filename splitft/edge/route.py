@@ -28,7 +28,7 @@ MAX_ADDRESS = 256
 Follow = Callable[[str], transports.Connection]
 
 
-class Placement:
+class Route:
     """The rank this edge's session lives on (0 and no address: the front door itself).
 
     Args:
@@ -74,4 +74,4 @@ class Placement:
         return connection
 
 
-__all__ = ["Follow", "Placement"]
+__all__ = ["Follow", "Route"]
