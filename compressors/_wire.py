@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._device import download, upload
 from .base import Payload, torch_dtype
 from .errors import CompressionError
 
@@ -97,18 +98,19 @@ def all_finite(x: torch.Tensor) -> bool:
     return bool(torch.isfinite(x.detach()).all())
 
 
-def tensor(a: np.ndarray) -> torch.Tensor:
-    """A tensor from a received array. Arrays rebuilt from wire frames are read-only, and a
-    tensor over read-only memory is undefined behaviour once written, so those are copied."""
-    return torch.from_numpy(a if a.flags.writeable else a.copy())
+def tensor(a: np.ndarray, device: torch.device | str | None = None) -> torch.Tensor:
+    """A tensor from a received array, on ``device`` (the host when None). Arrays rebuilt from
+    wire frames are read-only, and a tensor over read-only memory is undefined behaviour once
+    written, so those are copied (see :func:`compressors._device.upload`)."""
+    return upload(a, device)
 
 
 def wire_float(x: torch.Tensor) -> np.ndarray:
     """A float tensor as a numpy array in its own dtype (bfloat16, which numpy lacks, as float32)."""
-    x = x.detach().cpu()
+    x = x.detach()
     if x.dtype == torch.bfloat16:
         x = x.float()
-    return x.contiguous().numpy()
+    return download(x)
 
 
 def wire_float_dtype(dtype: torch.dtype) -> np.dtype:

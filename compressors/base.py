@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import numpy as np
 import torch
 
+from ._device import download
 from .errors import CompressionError
 
 if TYPE_CHECKING:
@@ -76,14 +77,14 @@ class CodecContext:
     #: Ask a stateful codec (AC-SGD) to send this batch in full precision and reset the state
     #: both ends keep for its samples; set after the receiver reported a :class:`DesyncError`.
     resync: bool = False
+    #: Where a decode puts its tensor (and does its work): the receiver's compute device, so that
+    #: only the payload crosses to it. None: the host.
+    device: torch.device | str | None = None
 
 
 def to_numpy(x: torch.Tensor) -> np.ndarray:
     """A numpy view of a CPU tensor (copied only when it must be: non-contiguous or on device)."""
-    x = x.detach()
-    if x.device.type != "cpu":
-        x = x.cpu()
-    return x.contiguous().numpy()
+    return download(x)
 
 
 def tensor_meta(x: torch.Tensor) -> dict[str, Any]:

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _wire
+from . import _wire, bitpack
+from ._device import download, upload, use_torch
 from .base import Codec, CodecContext, Payload, tensor_meta
 from .errors import CompressionError
 from .registry import register
@@ -132,8 +133,8 @@ class Binary(Codec):
 
     def encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         _wire.require_float(self.name, x)
-        flat = x.detach().cpu().reshape(-1)
-        if flat.dtype in (torch.float16, torch.bfloat16):
+        flat = x.detach().reshape(-1)
+        if flat.dtype in (torch.float16, torch.bfloat16) and not use_torch(flat.device):
             # numpy has no bfloat16 and compares float16 in software; signs and +-1 survive the cast
             flat = flat.float()
         if not self.take_sign and flat.numel():
@@ -146,11 +147,13 @@ class Binary(Codec):
                     f"binary codes +-1 tensors, got {int(bad.sum())} other values (e.g. {sample}); "
                     "end the edge model with compressors.binary.BinaryActivation, or use 'binary:take_sign=true'"
                 )
-        # numpy compares several times faster than torch here, which builds its bool tensor slowly
-        positive = flat.numpy() >= 0
-        if self.flip_eps is not None:
-            positive ^= (torch.rand(flat.numel(), generator=self._gen) < self.flip_probability).numpy()
-        packed = np.packbits(positive, bitorder="little")
+        if use_torch(flat.device):  # packed where the tensor lives; only the bits cross
+            packed = download(bitpack.pack_tensor(flat >= 0, 1))
+        else:  # numpy compares several times faster than torch here, which builds its bool tensor slowly
+            packed = np.packbits(flat.numpy() >= 0, bitorder="little")
+        if self.flip_eps is not None:  # drawn on the host, from the seeded generator, on every device
+            flips = (torch.rand(flat.numel(), generator=self._gen) < self.flip_probability).numpy()
+            packed ^= np.packbits(flips, bitorder="little")
         return Payload(self.name, self.version, {"bits": packed}, tensor_meta(x))
 
     def _read(self, payload: Payload) -> tuple[tuple[int, ...], torch.dtype, np.ndarray]:
@@ -164,11 +167,17 @@ class Binary(Codec):
         """The bytes as gather indices (intp), eight float32 signs per byte, then the output
         dtype: a float64 tensor decodes to over 100 times the bytes that travelled."""
         shape, dtype, packed = self._read(payload)
-        return packed.size * (8 + 8 * 4) + math.prod(shape) * dtype.itemsize
+        n = math.prod(shape)
+        # the device path: the bit planes, then the signs as int32
+        device = bitpack.unpack_tensor_nbytes(n, 1) + 4 * n if use_torch(ctx.device) else 0
+        return packed.size * (8 + 8 * 4) + n * dtype.itemsize + device
 
     def decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
         shape, dtype, packed = self._read(payload)
         n = math.prod(shape)
+        if use_torch(ctx.device):
+            bits = bitpack.unpack_tensor(upload(packed, ctx.device), 1, n)
+            return (bits * 2 - 1).to(dtype).reshape(shape)
         # one table row per byte value: its eight +-1 values in one gather, no unpack-then-scale
         signs = np.take(_SIGNS_OF_BYTE, packed, axis=0).reshape(-1)[:n]
         return torch.from_numpy(signs).to(dtype).reshape(shape)

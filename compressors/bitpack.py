@@ -10,6 +10,7 @@ bytes of the general path; the tests pin that down.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from .errors import CompressionError
 
@@ -128,3 +129,53 @@ def unpack(buf: np.ndarray, bits: int, count: int) -> np.ndarray:
     for t in range(bits):
         out |= planes[:, t].astype(np.uint16) << np.uint16(t)
     return out.astype(np.uint8 if bits < 8 else np.uint16, copy=False)
+
+
+# ---------------------------------------------------------------- the same layout in torch
+# For tensors on an accelerator: the values are packed where they live, and only the packed
+# bytes cross to the host. One general bit-plane kernel serves every width; it writes exactly
+# the bytes of the numpy paths above (the tests compare them).
+
+
+def pack_tensor(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`pack` for a tensor of non-negative integers, on its device: a uint8 tensor."""
+    bits = _check_bits(bits)
+    v = values.reshape(-1).to(torch.int32)
+    if v.numel():
+        lo, hi = torch.aminmax(v)
+        if int(lo) < 0 or int(hi) >= (1 << bits):
+            raise CompressionError(f"pack: values must be integers in [0, {(1 << bits) - 1}] for {bits} bits, "
+                                   f"got values in [{int(lo)}, {int(hi)}]")
+    if bits == 8:
+        return v.to(torch.uint8)
+    shifts = torch.arange(bits, device=v.device, dtype=torch.int32)
+    planes = ((v.unsqueeze(1) >> shifts) & 1).to(torch.uint8).reshape(-1)
+    pad = -planes.numel() % 8
+    if pad:
+        planes = torch.cat([planes, planes.new_zeros(pad)])
+    weights = torch.tensor([1 << k for k in range(8)], device=v.device, dtype=torch.int32)
+    return (planes.view(-1, 8).to(torch.int32) * weights).sum(1, dtype=torch.int32).to(torch.uint8)
+
+
+def unpack_tensor_nbytes(count: int, bits: int) -> int:
+    """What :func:`unpack_tensor` allocates for ``count`` values beyond the host path's unpacking
+    (``quant.dequantize_nbytes`` prices that): its bit-plane temporaries are int32, a word per
+    bit. Bounded from measured peaks, so a device decode is priced before it runs."""
+    return 8 * int(bits) * int(count)
+
+
+def unpack_tensor(buf: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """:func:`unpack` on ``buf``'s device: ``count`` values as int32."""
+    bits = _check_bits(bits)
+    count = int(count)
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != packed_nbytes(count, bits):
+        raise CompressionError(
+            f"unpack: expected {packed_nbytes(count, bits)} uint8 bytes for {count} values of "
+            f"{bits} bits, got {buf.numel()} of dtype {buf.dtype} (ndim {buf.dim()})"
+        )
+    b = buf.to(torch.int32)
+    if bits == 8:
+        return b
+    stream = ((b.unsqueeze(1) >> torch.arange(8, device=b.device, dtype=torch.int32)) & 1).reshape(-1)
+    planes = stream[: count * bits].view(count, bits)
+    return (planes << torch.arange(bits, device=b.device, dtype=torch.int32)).sum(1, dtype=torch.int32)

@@ -24,8 +24,8 @@ from .registry import register
 #: Row sizes whose keys an instance keeps (each R x D float64); others are rebuilt when seen.
 KEY_SIZES = 4
 
-#: What is cached per row size D: the keys, their checksum, their spectra per (dtype, conjugated).
-_KeyEntry = tuple[torch.Tensor, int, dict[tuple[torch.dtype, bool], torch.Tensor]]
+#: What is cached per row size D: the keys, their checksum, their spectra per (dtype, conjugated, device).
+_KeyEntry = tuple[torch.Tensor, int, dict[tuple[torch.dtype, bool, torch.device], torch.Tensor]]
 
 
 def make_keys(r: int, d: int, seed: int) -> torch.Tensor:
@@ -96,7 +96,7 @@ class C3SL(Codec):
         if not isinstance(r, int) or isinstance(r, bool) or r < 1:
             raise CompressionError(f"c3sl option r (samples bound per vector) must be an int >= 1, got {r!r}")
         self.r = r
-        # a D in use has at most four spectra: the working dtype is float32 or float64
+        # a D in use has at most four spectra per device: the working dtype is float32 or float64
         self._keys: LRU[int, _KeyEntry] = LRU(KEY_SIZES)
 
     def keys(self, d: int) -> torch.Tensor:
@@ -113,10 +113,12 @@ class C3SL(Codec):
     def _spectrum(self, d: int, dtype: torch.dtype, device: torch.device, conj: bool = False) -> torch.Tensor:
         """The keys' rfft (conjugated for unbinding), cached per (D, dtype) with the keys."""
         keys, _, spectra = self._key_entry(d)
-        if (dtype, conj) not in spectra:
-            spectrum = torch.fft.rfft(keys.to(dtype), n=d) if d else torch.zeros(self.r, 0)
-            spectra[dtype, conj] = spectrum.conj().resolve_conj() if conj else spectrum
-        return spectra[dtype, conj].to(device)
+        key = (dtype, conj, torch.device(device))
+        if key not in spectra:
+            spectrum = torch.fft.rfft(keys.to(device=device, dtype=dtype), n=d) if d \
+                else torch.zeros(self.r, 0, device=device)
+            spectra[key] = spectrum.conj().resolve_conj() if conj else spectrum
+        return spectra[key]
 
     def held_nbytes(self) -> int:
         """The cached keys and spectra: at most ``KEY_SIZES`` row sizes' worth."""
@@ -166,7 +168,7 @@ class C3SL(Codec):
         if x.dim() == 0:
             raise CompressionError("c3sl binds samples of a batch; got a 0-D tensor (add a batch dim)")
         work = self._work(x.dtype)
-        z = self._grouped(x.cpu(), work)
+        z = self._grouped(x, work)
         d = z.shape[-1]
         v = _bind(self._spectrum(d, work, z.device), z).to(x.dtype)
         if x.dtype == torch.float16 and not _wire.all_finite(v) and _wire.all_finite(x):
@@ -177,7 +179,7 @@ class C3SL(Codec):
     def decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
         shape, groups, d = self._layout(payload)
         dtype = _wire.meta_float_dtype(payload)
-        v = _wire.tensor(_wire.array(payload, "v", _wire.wire_float_dtype(dtype), (groups, d)))
+        v = _wire.tensor(_wire.array(payload, "v", _wire.wire_float_dtype(dtype), (groups, d)), ctx.device)
         work = self._work(dtype)
         z = _unbind(self._spectrum(d, work, v.device, conj=True), v.to(work))
         return z.reshape(groups * self.r, d)[: shape[0]].reshape(shape).to(dtype)

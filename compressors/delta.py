@@ -20,7 +20,11 @@ import numpy as np
 import torch
 
 from . import _wire, bitpack
-from ._cache import LRU
+from ._cache import LRU, nbytes_of
+from ._device import target, use_torch
+from ._rows import (device_checksum_nbytes, fits_fp16 as _fits_fp16, gather, hash_weights as _hash_weights,
+                    merge as _merge, move_nbytes, place, row_checksums, row_checksums_tensor, row_words,
+                    row_words_of, split as _split, store, weight_halves)
 from .base import Codec, CodecContext, Payload, tensor_meta
 from .errors import CompressionError, DesyncError
 from .quant import FP16_MAX, channel_axis, check_bits, dequantize, dequantize_nbytes, quantize, quantize_parts
@@ -31,54 +35,6 @@ log = logging.getLogger(__name__)
 #: Buffers that grow on demand stop at this many bytes, so a stray (or hostile) sample id
 #: cannot make an end allocate without bound; beyond it, give ``capacity`` (and ``path``).
 MAX_GROWN_BYTES = 4 << 30
-
-
-def _hash_weights(count: int) -> np.ndarray:
-    """``count`` odd 32-bit weights, a fixed function of the position (a splitmix64 stream), so
-    every machine and library version derives the same ones."""
-    z = np.arange(1, count + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    z ^= z >> np.uint64(31)
-    return (z >> np.uint64(32)).astype(np.uint32) | np.uint32(1)
-
-
-def row_words(rows: np.ndarray) -> int:
-    """32-bit words per row that :func:`row_checksums` sums (the row's bytes, zero-padded)."""
-    return -(-(rows.dtype.itemsize * math.prod(rows.shape[1:])) // 4)
-
-
-def row_words_of(d: int) -> int:
-    """:func:`row_words` for rows of D fp16 values."""
-    return -(-2 * d // 4)
-
-
-def row_checksums(rows: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
-    """A 64-bit checksum of each row's bytes: sum over its 32-bit words u_j of w_j * u_j mod 2^64.
-
-    One vectorised multiply-add pass, about 2x cheaper than zlib.crc32 row by row. Each product
-    fits in 64 bits, so a change confined to one word always changes the sum, and no fixed bit
-    pattern (a sign or exponent flip repeated in several words) is shifted out of it as with
-    64-bit words; changes in several words cancel only if their weighted sum happens to be a
-    multiple of 2^64. Rows whose size is not a multiple of 4 bytes are padded with zeros.
-
-    ``weights`` are ``_hash_weights(row_words(rows))``, for a caller that keeps them between
-    calls (a codec instance does; nothing is cached at module level).
-    """
-    rows = np.ascontiguousarray(rows)
-    b = rows.shape[0]
-    raw = rows.reshape(b, math.prod(rows.shape[1:])).view(np.uint8)
-    if raw.shape[1] % 4:
-        padded = np.zeros((b, -(-raw.shape[1] // 4) * 4), dtype=np.uint8)
-        padded[:, : raw.shape[1]] = raw
-        raw = padded
-    words = raw.view("<u4")
-    n = words.shape[1]
-    if weights is None:
-        weights = _hash_weights(n)
-    elif weights.shape != (n,) or weights.dtype != np.uint32:
-        raise CompressionError(f"row_checksums: expected {n} uint32 weights, got {weights.dtype} {weights.shape}")
-    return np.einsum("ij,j->i", words, weights, dtype=np.uint64, casting="safe")
 
 
 class _TrainParts(NamedTuple):
@@ -95,41 +51,6 @@ class _TrainParts(NamedTuple):
     packed: np.ndarray
     scale: np.ndarray
     axis: int | None
-
-
-def _split(z: torch.Tensor, full: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows of ``z`` where ``full``, rows where not), without a copy when either side is empty.
-
-    Boolean-mask indexing is several times slower than index lists in torch; the mixed case
-    (a partial resync) uses index lists.
-    """
-    n_full = int(full.sum())
-    if n_full == 0:
-        return z[:0], z
-    if n_full == full.size:
-        return z, z[:0]
-    return z[torch.from_numpy(np.flatnonzero(full))], z[torch.from_numpy(np.flatnonzero(~full))]
-
-
-def _fits_fp16(x: torch.Tensor) -> bool:
-    """Whether a float32 tensor rounds to finite fp16 values: |x| < 65520, one min/max pass
-    (cheaper than converting and then testing the fp16 values)."""
-    if x.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(x)
-    return -65520.0 < lo.item() and hi.item() < 65520.0
-
-
-def _merge(full: np.ndarray, full_rows: torch.Tensor, keep_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`_split`: a (B, D) tensor of ``dtype``, ``full_rows`` where ``full``."""
-    if not full.any():
-        return keep_rows.to(dtype)
-    if full.all():
-        return full_rows.to(dtype)
-    out = torch.empty((full.size, full_rows.shape[1]), dtype=dtype)
-    out[torch.from_numpy(np.flatnonzero(full))] = full_rows.to(dtype)
-    out[torch.from_numpy(np.flatnonzero(~full))] = keep_rows.to(dtype)
-    return out
 
 
 @register
@@ -153,7 +74,12 @@ class ACSGD(Codec):
     resync) carries the activation in its own dtype; both buffers then hold its fp16 value.
     The gradient is not a delta: it goes straight through to the 8-bit fixpoint gradient codec.
 
-    ``path`` names a file of this machine, so it is local-only: never accepted from a peer.
+    The buffer lives where the traffic is coded: a numpy array on the host, a torch tensor on
+    the device of the activations an encode gets (or ``CodecContext.device`` for a decode), so
+    only payloads cross PCIe; it moves there on first use (after a checkpoint is loaded, say).
+
+    ``path`` names a file of this machine, so it is local-only: never accepted from a peer; the
+    memory map is host memory, so a codec with ``path`` refuses to code on an accelerator.
     The buffers are (largest sample id + 1) x (2 D + 8) bytes, so a peer-facing codec
     (``make_codec(..., bounds=...)``) refuses ids at or beyond ``Bounds.max_ids``, and
     :meth:`decode_cost` counts the growth a payload's ids would cause.
@@ -183,14 +109,32 @@ class ACSGD(Codec):
         if path and capacity == 0:
             raise CompressionError("acsgd option path (a memory-mapped buffer) needs a fixed capacity: add capacity=<number of samples>")
         self.warmup, self.capacity, self.path, self.channel_dim = warmup, capacity, path, channel_dim
-        self._buf: np.ndarray | None = None  # (ids, D) float16, or a memmap of it
+        self._buf: np.ndarray | torch.Tensor | None = None  # (ids, D) float16: host array or memmap, or device tensor
         self._steps = np.zeros(0, dtype=np.int64)  # sends applied per id
         self._resync: set[int] = set()
         self._weights: LRU[int, np.ndarray] = LRU(2)  # checksum weights per row size
+        self._halves: LRU[tuple[int, str], torch.Tensor] = LRU(2)  # the same, split, on a device
 
     # -- buffers ---------------------------------------------------------------------------
 
-    def _allocate(self, rows: int, d: int) -> np.ndarray:
+    def _device(self, device: torch.device | str | None) -> torch.device | None:
+        """Where a call on ``device`` codes: None for the host's numpy path, else the torch device."""
+        if not use_torch(device):
+            return None
+        dev = torch.empty(0, device=target(device)).device  # "cuda" named as the tensors name it, "cuda:0"
+        if self.path and dev.type != "cpu":
+            raise CompressionError(
+                f"acsgd option path keeps the buffer in a memory map in host memory, but this codec codes on {dev}; "
+                "drop path (a fixed capacity still works) to keep the buffer on the device, or code on the CPU"
+            )
+        return dev
+
+    def _allocate(self, rows: int, d: int, dev: torch.device | None = None) -> np.ndarray | torch.Tensor:
+        if dev is not None and not self.path:
+            try:
+                return torch.zeros((rows, d), dtype=torch.float16, device=dev)
+            except (MemoryError, torch.OutOfMemoryError):
+                raise CompressionError(f"acsgd cannot hold buffers for {rows} samples x {d} values on {dev}") from None
         if self.path:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             return np.lib.format.open_memmap(self.path, mode="w+", dtype=np.float16, shape=(rows, d))
@@ -237,13 +181,16 @@ class ACSGD(Codec):
             return 0
         return rows * (2 * d + 8)
 
-    def _ensure(self, ids: np.ndarray, d: int) -> np.ndarray:
-        """The buffer, after making sure it has rows of D values covering every id in ``ids``."""
+    def _ensure(self, ids: np.ndarray, d: int, dev: torch.device | None = None) -> np.ndarray | torch.Tensor:
+        """The buffer, where a call on ``dev`` codes (:meth:`_device`), after making sure it has
+        rows of D values covering every id in ``ids``."""
         rows = self._rows_for(ids, d)
+        if not self.path:  # a memory map stays one; the device path on the CPU works on a view of it
+            self._buf = place(self._buf, dev)
         have = 0 if self._buf is None else self._buf.shape[0]
         if self._buf is not None and rows == have:
             return self._buf
-        grown = self._allocate(rows, d)
+        grown = self._allocate(rows, d, dev)
         if self._buf is not None:
             grown[:have] = self._buf
         self._buf = grown
@@ -282,12 +229,18 @@ class ACSGD(Codec):
     def held_nbytes(self) -> int:
         """The per-sample buffer (memory-mapped or not) and step counts, pending resync ids and
         the checksum weights."""
-        buf = 0 if self._buf is None else int(self._buf.nbytes)
-        return buf + int(self._steps.nbytes) + 64 * len(self._resync) + self._weights.nbytes()
+        return (nbytes_of(self._buf) + int(self._steps.nbytes) + 64 * len(self._resync)
+                + self._weights.nbytes() + self._halves.nbytes())
 
     def _checksums(self, rows: np.ndarray) -> np.ndarray:
         n = row_words(rows)
         return row_checksums(rows, self._weights.get(n, lambda: _hash_weights(n)))
+
+    def _device_checksums(self, rows: torch.Tensor) -> np.ndarray:
+        """:meth:`_checksums` of fp16 rows summed on their device; the same values."""
+        n, dev = row_words_of(rows.shape[1]), rows.device
+        halves = self._halves.get((n, str(dev)), lambda: weight_halves(self._weights.get(n, lambda: _hash_weights(n)), dev))
+        return row_checksums_tensor(rows, halves)
 
     @property
     def pending_resync(self) -> list[int]:
@@ -307,7 +260,8 @@ class ACSGD(Codec):
         ids = self._check_ids(ctx.sample_ids, b, "CodecContext.sample_ids")
         if not _wire.all_finite(x):
             raise CompressionError("acsgd got non-finite activations (inf or NaN); they would poison both buffers")
-        buf = self._ensure(ids, d)
+        dev = self._device(x.device)  # None: x is on the host, coded with numpy
+        buf = self._ensure(ids, d, dev)
         steps = self._steps[ids].copy()
         full = steps < self.warmup
         if ctx.resync:
@@ -317,9 +271,8 @@ class ACSGD(Codec):
         keep = ~full
         axis = channel_axis(len(shape), self.channel_dim)
 
-        z = x.detach().cpu().reshape(b, d)
-        x_full, z_keep = _split(z, full)
-        m = torch.from_numpy(buf[ids[keep]]).to(torch.float32)
+        x_full, z_keep = _split(x.detach().reshape(b, d), full)
+        m = gather(buf, ids[keep], dev)
         delta = (z_keep.to(torch.float32) - m).reshape(-1, *shape[1:])
         packed, scale, codes, step = quantize_parts(delta, self.bits, axis)
         # m + deQ(q) as _updated computes it from the payload, without unpacking the codes just
@@ -331,10 +284,10 @@ class ACSGD(Codec):
                 f"acsgd keeps fp16 buffers, and this activation reaches |x| = {x.abs().max().item():.3g} > {FP16_MAX:g}; "
                 "normalise it or use another codec"
             )
-        rows_np = _merge(full, full16, updated, torch.float16).numpy()
-        check = self._checksums(rows_np)
+        rows = _merge(full, full16, updated, torch.float16)
+        check = self._checksums(rows.numpy()) if dev is None else self._device_checksums(rows)
 
-        buf[ids] = rows_np
+        store(buf, ids, rows, dev)
         self._steps[ids] += 1
         self._resync.difference_update(ids.tolist())
         arrays = {
@@ -355,8 +308,8 @@ class ACSGD(Codec):
     @staticmethod
     def _updated(m: torch.Tensor, packed: np.ndarray, scale: np.ndarray, bits: int, axis: int | None,
                  shape: tuple[int, ...]) -> torch.Tensor:
-        """fp16(m + deQ(q)): the one computation both ends must do identically."""
-        deq = dequantize(packed, scale, bits, shape, axis).reshape(m.shape)
+        """fp16(m + deQ(q)) on m's device: the one computation both ends must do identically."""
+        deq = dequantize(packed, scale, bits, shape, axis, m.device).reshape(m.shape)
         return deq.add_(m).to(torch.float16)
 
     # -- decode ----------------------------------------------------------------------------
@@ -394,7 +347,7 @@ class ACSGD(Codec):
             if bits < 2:
                 raise CompressionError(f"acsgd eval payload: bits {bits} is not 0 or 2..16")
             self._quantized(payload, shape, bits)
-            return dequantize_nbytes(n, bits) + out
+            return dequantize_nbytes(n, bits) + out + (bitpack.unpack_tensor_nbytes(n, bits) if use_torch(ctx.device) else 0)
         t = self._train_parts(payload, shape, dtype)
         b, d, n_keep = t.b, t.d, t.b - t.x_full.shape[0]
         # buffer rows gathered, in float32, the dequantized deltas, their sum back in fp16
@@ -402,20 +355,24 @@ class ACSGD(Codec):
         # the merged fp16 rows and a converted copy of one part, and the checksum's padded rows
         merged = 2 * n * 2 + b * (2 * d + 4)
         weights = 0 if row_words_of(d) in self._weights else 6 * 8 * row_words_of(d)
+        dev = self._device(ctx.device)
+        merged += 0 if self.path else move_nbytes(self._buf, dev)  # the buffer's move to where this decode runs
+        if dev is not None:  # the payload's copies there, the torch kernels' temporaries
+            merged += (t.packed.nbytes + bitpack.unpack_tensor_nbytes(n_keep * d, t.bits) + device_checksum_nbytes(b, d)
+                       + 16 * row_words_of(d))
         # the output, and a converted copy of one part, plus the ids' sorted and cast copies
-        return (self._growth_nbytes(t.ids, d) + int(t.x_full.nbytes) + kept + merged + weights
-                + 2 * out + 64 * b)
+        return self._growth_nbytes(t.ids, d) + int(t.x_full.nbytes) + kept + merged + weights + 2 * out + 64 * b
 
     def decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
         mode, shape, dtype = self._header(payload)
         if mode == "eval":
             bits = _wire.meta_int(payload, "bits", 0, 16)
             if bits == 0:
-                return _wire.tensor(_wire.array(payload, "x", _wire.wire_float_dtype(dtype), shape)).to(dtype)
+                return _wire.tensor(_wire.array(payload, "x", _wire.wire_float_dtype(dtype), shape), ctx.device).to(dtype)
             if bits < 2:
                 raise CompressionError(f"acsgd eval payload: bits {bits} is not 0 or 2..16")
             packed, scale, axis = self._quantized(payload, shape, bits)
-            return dequantize(packed, scale, bits, shape, axis).to(dtype)
+            return dequantize(packed, scale, bits, shape, axis, ctx.device).to(dtype)
         return self._decode_train(payload, shape, dtype, ctx)
 
     def _train_parts(self, payload: Payload, shape: tuple[int, ...], dtype: torch.dtype) -> _TrainParts:
@@ -437,10 +394,10 @@ class ACSGD(Codec):
             raise CompressionError("acsgd payload carries other sample ids than CodecContext.sample_ids on this end")
         keep = ~full
         n_full = x_arr.shape[0]
-        x_full = _wire.tensor(x_arr).reshape(n_full, d)
         delta_shape = (b - n_full, *shape[1:])
+        dev = self._device(ctx.device)  # None: decoded on the host, with numpy
 
-        buf = self._ensure(ids, d)
+        buf = self._ensure(ids, d, dev)
         behind = keep & (self._steps[ids] != steps)
         if behind.any():
             bad = ids[behind]
@@ -451,11 +408,11 @@ class ACSGD(Codec):
                 "resend these samples in full (request_resync(ids) or CodecContext(resync=True))",
                 ids=bad.tolist(), reason="steps",
             )
-        m = torch.from_numpy(buf[ids[keep]]).to(torch.float32)
+        x_full = _wire.tensor(x_arr, dev).reshape(n_full, d)
+        m = gather(buf, ids[keep], dev)
         updated = self._updated(m, packed, scale, bits, axis, delta_shape)
         rows = _merge(full, x_full, updated, torch.float16)
-        rows_np = rows.numpy()
-        wrong = self._checksums(rows_np) != check
+        wrong = (self._checksums(rows.numpy()) if dev is None else self._device_checksums(rows)) != check
         if wrong.any():
             bad = ids[wrong]
             raise DesyncError(
@@ -464,7 +421,7 @@ class ACSGD(Codec):
                 ids=bad.tolist(), reason="checksum",
             )
 
-        buf[ids] = rows_np
+        store(buf, ids, rows, dev)
         self._steps[ids] = steps + 1
         # full rows decode to what was sent, the others to the fp16 buffer row
         return _merge(full, x_full, updated, dtype).reshape(shape)
@@ -472,13 +429,17 @@ class ACSGD(Codec):
     # -- state -----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """``buffer`` (ids x D, fp16), ``steps`` (per id) and ``resync`` (pending ids).
+        """``buffer`` (ids x D, fp16), ``steps`` (per id) and ``resync`` (pending ids), all on
+        the host wherever the codec runs, so a checkpoint written on a GPU resumes on a CPU.
 
         With ``path`` the buffer is a view of the memory map, not a copy.
         """
         if self._buf is None:
             return {"resync": torch.tensor(self.pending_resync, dtype=torch.int64)} if self._resync else {}
-        buf = torch.from_numpy(self._buf if self.path else self._buf.copy())
+        if isinstance(self._buf, torch.Tensor):
+            buf = self._buf.detach().to("cpu", copy=True)
+        else:
+            buf = torch.from_numpy(self._buf if self.path else self._buf.copy())
         return {"buffer": buf, "steps": torch.from_numpy(self._steps.copy()),
                 "resync": torch.tensor(self.pending_resync, dtype=torch.int64)}
 
@@ -499,12 +460,22 @@ class ACSGD(Codec):
                 raise CompressionError(f"acsgd state 'steps' must be an int64 tensor of {buf.shape[0]} counts")
             if self.capacity and buf.shape[0] != self.capacity:
                 raise CompressionError(f"acsgd state holds {buf.shape[0]} ids but this codec has capacity={self.capacity}")
-            src = buf.detach().cpu().numpy()
-            if self._buf is not None and self._buf.shape == src.shape:
-                target = self._buf  # in place: src may be a view of this very memory map
-            else:
-                target = self._allocate(*src.shape)
-            target[:] = src
-            self._buf, self._steps = target, steps.detach().cpu().numpy().astype(np.int64).copy()
+            self._load_buffer(buf.detach())
+            self._steps = steps.detach().cpu().numpy().astype(np.int64).copy()
         self._resync = {int(i) for i in torch.as_tensor(resync).tolist()}
         log.debug("acsgd state loaded: %d ids, %d pending resync", self._steps.size, len(self._resync))
+
+    def _load_buffer(self, buf: torch.Tensor) -> None:
+        """Copy a saved buffer into the one this codec holds when the shapes match (on its device;
+        ``buf`` may be a view of this very memory map), else into a new host one, which moves to
+        where the codec runs at its next call."""
+        if isinstance(self._buf, torch.Tensor) and tuple(self._buf.shape) == tuple(buf.shape):
+            self._buf.copy_(buf)
+            return
+        src = buf.cpu().numpy()
+        if isinstance(self._buf, np.ndarray) and self._buf.shape == src.shape:
+            target = self._buf
+        else:
+            target = self._allocate(*src.shape)
+        target[:] = src
+        self._buf = target

@@ -28,8 +28,8 @@ class Identity(Codec):
             if payload.meta != {"dtype": "bfloat16"}:
                 raise CompressionError(f"identity payload metadata must be empty or {{'dtype': 'bfloat16'}}, "
                                        f"got {str(payload.meta)[:80]}")
-            return _wire.tensor(_wire.array(payload, "x", dtype=np.uint16)).view(torch.bfloat16)
-        return _wire.tensor(_wire.array(payload, "x"))
+            return _wire.tensor(_wire.array(payload, "x", dtype=np.uint16), ctx.device).view(torch.bfloat16)
+        return _wire.tensor(_wire.array(payload, "x"), ctx.device)
 
     def decode_cost(self, payload: Payload, ctx: CodecContext) -> int:
         """The array itself: decode copies it once when it is read-only (received bytes)."""

@@ -17,7 +17,7 @@ import torch
 
 from . import _wire
 from ._cache import LRU
-from .base import Codec, CodecContext, Payload, tensor_meta
+from .base import Codec, CodecContext, Payload, tensor_meta, to_numpy
 from .errors import CompressionError
 from .registry import register
 
@@ -99,6 +99,14 @@ class LowRank(Codec):
 
         return self._warm.get((h, r), fresh)
 
+    def _warm_on(self, h: int, r: int, device: torch.device) -> torch.Tensor:
+        """The warm start for (H, r), moved to ``device`` (and kept there for the next batch)."""
+        start = self._warm_start(h, r)
+        if start.device != device:
+            start = start.to(device)
+            self._warm.put((h, r), start)
+        return start
+
     def held_nbytes(self) -> int:
         """The warm-start subspaces (at most ``WARM_SHAPES`` of them, H x r float32 each)."""
         return self._warm.nbytes()
@@ -120,13 +128,13 @@ class LowRank(Codec):
             return self._raw(x, "no gain: factors would not be smaller than the tensor")
 
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
-        m = x.detach().cpu().to(work).reshape(b, l, h)
+        m = x.detach().to(work).reshape(b, l, h)
         if not _wire.all_finite(m):
             raise CompressionError("lowrank got non-finite values (inf or NaN); they have no low-rank form")
         # Q is carried transposed (B, r, H): P^T M is a fast batched product, M^T P (a transposed
         # view of M on the left) is several times slower. The first product uses the shared
         # (H, r) start as one matrix for the whole batch.
-        p = orthonormalize(m @ self._warm_start(h, r).to(work))
+        p = orthonormalize(m @ self._warm_on(h, r, m.device).to(work))
         for _ in range(self.iters - 1):
             # (Q^T M^T)^T: M on the right keeps the product fast, and the result is already in
             # the column-major layout LAPACK's QR works in
@@ -144,7 +152,7 @@ class LowRank(Codec):
             if _wire.all_finite(nxt):
                 self._warm.put((h, r), nxt)
         meta = {**tensor_meta(x), "mode": "lowrank", "rank": r}
-        return Payload(self.name, self.version, {"P": p_wire.contiguous().numpy(), "Q": q_wire.numpy()}, meta)
+        return Payload(self.name, self.version, {"P": to_numpy(p_wire), "Q": to_numpy(q_wire)}, meta)
 
     # -- receiver --------------------------------------------------------------------------
 
@@ -167,7 +175,7 @@ class LowRank(Codec):
     def _work(factor: np.ndarray, device: torch.device | None = None) -> torch.Tensor:
         """A factor as a tensor in the precision the products run in (float32, or float64)."""
         work = torch.float64 if factor.dtype == np.float64 else torch.float32
-        return _wire.tensor(factor).to(device=device, dtype=work)
+        return _wire.tensor(factor, device).to(dtype=work)
 
     def _mode(self, payload: Payload) -> str:
         self.check(payload)
@@ -178,9 +186,9 @@ class LowRank(Codec):
         dtype = _wire.meta_float_dtype(payload)
         if mode == "raw":
             shape = _wire.meta_shape(payload)
-            return _wire.tensor(_wire.array(payload, "x", _wire.wire_float_dtype(dtype), shape)).to(dtype)
+            return _wire.tensor(_wire.array(payload, "x", _wire.wire_float_dtype(dtype), shape), ctx.device).to(dtype)
         p, q, shape = self._factors(payload)
-        return _outer(self._work(p), self._work(q).transpose(1, 2)).reshape(shape).to(dtype)
+        return _outer(self._work(p, ctx.device), self._work(q, ctx.device).transpose(1, 2)).reshape(shape).to(dtype)
 
     def decode_cost(self, payload: Payload, ctx: CodecContext) -> int:
         """Raw: the copied array and the output. Factors: their copies in the working precision,
@@ -236,7 +244,7 @@ class LowRank(Codec):
 
     def state_dict(self) -> dict[str, Any]:
         """The warm-start subspaces, one per (H, r) seen: ``warm.<H>x<r>``."""
-        return {f"warm.{h}x{r}": q.clone() for (h, r), q in sorted(self._warm.items(), key=lambda kv: kv[0])}
+        return {f"warm.{h}x{r}": q.detach().to("cpu", copy=True) for (h, r), q in sorted(self._warm.items(), key=lambda kv: kv[0])}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         warm: LRU[tuple[int, int], torch.Tensor] = LRU(WARM_SHAPES)

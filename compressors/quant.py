@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from . import _wire, bitpack
+from ._device import download, upload, use_torch
 from .base import Codec, CodecContext, Payload, tensor_meta, to_numpy
 from .errors import CompressionError
 from .registry import register
@@ -55,7 +56,7 @@ class FP16(Codec):
     def decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
         self.check(payload)
         dtype = _wire.meta_float_dtype(payload)
-        return _wire.tensor(_wire.array(payload, "x", np.float16, _wire.meta_shape(payload))).to(dtype)
+        return _wire.tensor(_wire.array(payload, "x", np.float16, _wire.meta_shape(payload)), ctx.device).to(dtype)
 
 
 def check_bits(bits: object, lo: int = 2, hi: int = 16) -> int:
@@ -134,9 +135,12 @@ def quantize_parts(x: torch.Tensor, bits: int, axis: int | None
     :func:`dequantize` returns, without unpacking what was just packed."""
     scale = channel_scales(x, axis)
     half = 1 << (bits - 1)
-    x32 = x.detach().cpu().to(torch.float32)
-    step = _steps(scale, half, tuple(x.shape), axis)
+    x32 = x.detach().to(torch.float32)
+    step = _steps(scale, half, tuple(x.shape), axis).to(x32.device)
     q = torch.div(x32, step).round_().clamp_(-half, half - 1)
+    if use_torch(x.device):  # packed where the tensor lives; only the packed bytes cross
+        packed = bitpack.pack_tensor(q.to(torch.int32) + half, bits)
+        return download(packed), scale, q, step
     # The signed codes fit the signed integer of the packed width; adding 2^(b-1) to its two's
     # complement bits, wrapping, gives the offset code (q + 2^(b-1)) without a wider copy.
     codes = q.to(torch.int8 if bits <= 8 else torch.int16).numpy()
@@ -153,12 +157,16 @@ def dequantize_nbytes(count: int, bits: int) -> int:
 
 
 def dequantize(packed: np.ndarray, scale: np.ndarray, bits: int, shape: tuple[int, ...],
-               axis: int | None) -> torch.Tensor:
-    """Inverse of :func:`quantize` in float32. Both ends of a link get bit-identical values."""
+               axis: int | None, device: torch.device | str | None = None) -> torch.Tensor:
+    """Inverse of :func:`quantize` in float32, on ``device`` (the host when None). Both ends of a
+    link get bit-identical values."""
     if not np.isfinite(scale).all():
         raise CompressionError("payload carries non-finite quantizer scales, which no sender makes")
     half = 1 << (bits - 1)
     n = math.prod(shape)
+    if use_torch(device):  # only the packed bytes travel to the device; they are expanded there
+        codes32 = bitpack.unpack_tensor(upload(packed, device), bits, n) - half
+        return codes32.to(torch.float32).reshape(shape).mul_(_steps(scale, half, shape, axis).to(codes32.device))
     codes = bitpack.unpack(packed, bits, n)
     # the inverse of the wrap in quantize: code - 2^(b-1), wrapping, read as signed
     codes -= codes.dtype.type(half)
@@ -213,7 +221,7 @@ class Fixpoint(Codec):
 
     def decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
         shape, dtype, bits, axis, scale, packed = self._read(payload)
-        return dequantize(packed, scale, bits, shape, axis).to(dtype)
+        return dequantize(packed, scale, bits, shape, axis, ctx.device).to(dtype)
 
     def decode_cost(self, payload: Payload, ctx: CodecContext) -> int:
         """Unpacking and dequantizing in float32, then the output dtype: up to ~27 bytes per
@@ -221,4 +229,5 @@ class Fixpoint(Codec):
         from 2-bit codes to ~80 times the bytes that travelled."""
         shape, dtype, bits, *_ = self._read(payload)
         n = math.prod(shape)
-        return dequantize_nbytes(n, bits) + n * dtype.itemsize
+        device = bitpack.unpack_tensor_nbytes(n, bits) if use_torch(ctx.device) else 0
+        return dequantize_nbytes(n, bits) + n * dtype.itemsize + device

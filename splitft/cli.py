@@ -13,7 +13,7 @@ import argparse  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import TYPE_CHECKING  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
 
 if TYPE_CHECKING:
     from .runner import TaskRun
@@ -58,6 +58,20 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
                    help="train no edge module before the cut, so no gradient crosses back from the cloud "
                         "(SFT's eliminated link); a U-shape head still trains (smollm: LoRA adapters on the "
                         "cloud's layers only)")
+    g.add_argument("--device", default=None, metavar="DEVICE",
+                   help="where the edge's half and its data live: cpu, cuda, cuda:N or mps (default: cpu)")
+    _add_traffic_options(p)
+    _add_privacy_options(p)
+    g = p.add_argument_group("faults")
+    g.add_argument("--reconnect-timeout", type=float, default=60.0,
+                   help="seconds to keep trying to get the session back after the link fails (default: 60)")
+    g.add_argument("--heartbeat", type=float, default=10.0,
+                   help="ping the cloud after this many idle seconds, keeping the session alive "
+                        "(0: never; default: 10)")
+
+
+def _add_traffic_options(p: argparse.ArgumentParser) -> None:
+    """Codecs, the link, the schedule and the edge's reports, as flags of demo and edge."""
     g = p.add_argument_group("traffic")
     g.add_argument("--fwd", default="identity", metavar="SPEC",
                    help="codec for activations, e.g. 'fp16' or 'lowrank:rank=4' (default: identity); run "
@@ -67,19 +81,14 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--link", default=None, metavar="SPEC",
                    help="emulate a slower network on the edge's connection: 'RATE,DELAY' such as "
                         "'100mbit,20ms' (one-way delay), or 'up=RATE,DELAY;down=RATE,DELAY'")
+    g.add_argument("--window", type=int, default=1, metavar="W",
+                   help="with --freeze-edge in a plain split: keep up to W steps in flight instead of waiting a "
+                        "round trip per step; the weights equal synchronous training's (default: 1)")
     g.add_argument("--micro-batches", type=int, default=1, metavar="K",
                    help="pipeline each step as K micro-batches, so the wire and the cloud work at the same "
                         "time (default: 1; the gradient is the full batch's unless the cloud part has BatchNorm)")
     g.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for any cloud reply (default: 60)")
     g.add_argument("--metrics", default=None, metavar="PATH", help="append one JSON record per step to PATH")
-    _add_privacy_options(p)
-    g = p.add_argument_group("faults")
-    g.add_argument("--reconnect-timeout", type=float, default=60.0,
-                   help="seconds to keep trying to get the session back after the link fails (default: 60)")
-    g.add_argument("--heartbeat", type=float, default=10.0,
-                   help="ping the cloud after this many idle seconds, keeping the session alive "
-                        "(0: never; default: 10)")
-
 
 
 def _add_privacy_options(p: argparse.ArgumentParser) -> None:
@@ -117,6 +126,8 @@ def _build_parser() -> argparse.ArgumentParser:
                                       "MiniLM on BBC News with --task bbc) against it from this process, over "
                                       "tcp on 127.0.0.1. Prints accuracy, traffic and timings.")
     _add_training_options(demo)
+    demo.add_argument("--cloud-device", default=None, metavar="DEVICE",
+                      help="the cloud process's --device (default: the first GPU when there is one, else cpu)")
     _add_cloud_parser(sub)
 
     edge = sub.add_parser("edge", help="train the edge half against a running cloud",
@@ -175,6 +186,7 @@ def _add_cloud_parser(sub: argparse._SubParsersAction) -> None:
                    help="what the checkpoint folder may hold in all; new sessions are refused beyond it "
                         "(default: 65536)")
     _add_policy_options(cloud)
+    _add_hardware_options(cloud)
     g = cloud.add_argument_group("many edges")
     g.add_argument("--max-open-sessions", type=int, default=256,
                    help="sessions served at once; more hellos are refused (default: 256)")
@@ -186,6 +198,17 @@ def _add_cloud_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--shared-model", action="store_true",
                    help="edges asking for the same model and cut train one shared cloud half, in the order "
                         "their requests arrive (sequential split learning); default: a cloud half per edge")
+    g.add_argument("--sync-rounds", type=int, default=0, metavar="N",
+                   help="with --shared-model: train each shared half data-parallel in synchronous rounds of N "
+                        "edges (on this process): the mean of their gradients, one optimizer step per round "
+                        "(SplitFed); across the ranks of a torch.distributed launch, N edges per rank (default: "
+                        "0, steps in arrival order)")
+    g.add_argument("--round-timeout", type=float, default=30.0, metavar="S",
+                   help="a round lasts at most this long; edges that sent no gradient by then are dropped from "
+                        "it (default: 30; keep it below the edges' reply timeout)")
+    g.add_argument("--grad-compression", default="none", metavar="SPEC",
+                   help="how ranks all-reduce a shared half's gradient: none, fp16 or "
+                        "powersgd:rank=R[,start=S][,min_rate=M] (DDP communication hooks; default: none)")
     _add_rank_options(cloud)
 
 
@@ -248,6 +271,17 @@ def _keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_hardware_options(cloud: argparse.ArgumentParser) -> None:
+    """Where the cloud halves compute, and in which dtype."""
+    g = cloud.add_argument_group("hardware")
+    g.add_argument("--device", default=None, metavar="DEVICE",
+                   help="where the cloud halves compute: cpu, cuda, cuda:N or mps (default: the first GPU when "
+                        "there is one, else cpu); a device this machine lacks is refused at start-up")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="keep the cloud halves in this dtype: bfloat16 halves their memory (the edge's tensors "
+                        "are cast on the way in and back on the way out) (default: float32, the model's own)")
+
+
 def _add_policy_options(cloud: argparse.ArgumentParser) -> None:
     """What an edge may make this cloud do: codecs, codec options, work and memory per message."""
     from compressors import Bounds
@@ -299,10 +333,11 @@ def _limits_and_policy(args: argparse.Namespace) -> tuple:
 def _cloud(args: argparse.Namespace) -> int:
     import transports
     from .cloud import CloudServer, workers
+    from .devices import Placement
     from .errors import ConfigError, SplitFTError
 
     if args.workers > 1 and not workers.launched():
-        return workers.launch(args.workers, args.argv, max_restarts=args.max_restarts)
+        return workers.launch_for(args)
     group = None
 
     def say(text: str) -> None:
@@ -320,8 +355,10 @@ def _cloud(args: argparse.Namespace) -> int:
             _, secret = transports.load_secret_key(args.secret_key)
             allowed = transports.load_allowed_keys(args.allow_edge_keys)
             options |= {"secret_key": secret, "allowed_keys": allowed, "on_refused": say}
+        placement = Placement(workers.device(group, args.device), None if args.dtype == "float32" else args.dtype)
         listener = transports.listen(workers.bind_address(group, args), **options)
         limits, policy = _limits_and_policy(args)
+        rounds = _rounds(args, placement)
         from .tasks import get_task
 
         server_class, limits = workers.server_class(group, CloudServer, listener, args, limits)
@@ -329,7 +366,7 @@ def _cloud(args: argparse.Namespace) -> int:
                              on_event=say,
                              limits=limits, checkpoint_dir=args.checkpoint_dir,
                              checkpoint_every=args.checkpoint_every, fsync=not args.no_fsync,
-                             shared_model=args.shared_model, policy=policy)
+                             shared_model=args.shared_model, policy=policy, placement=placement, rounds=rounds)
     except (SplitFTError, transports.TransportError) as exc:
         say(f"error: {exc}")
         return 2
@@ -339,7 +376,10 @@ def _cloud(args: argparse.Namespace) -> int:
     if args.checkpoint_dir:
         extras.append(f"checkpoints in {args.checkpoint_dir} every {args.checkpoint_every} step(s)")
     if args.shared_model:
-        extras.append("one shared cloud half per model")
+        extras.append("one shared cloud half per model" + (
+            f", in rounds of {args.sync_rounds} edge(s) (rank {rounds.rank} of {rounds.world}, all-reduce "
+            f"{args.grad_compression})" if rounds else ""))
+    extras.append(f"halves on {placement.device}" + (f" in {args.dtype}" if placement.dtype else ""))
     say(f"listening on {listener.address}, serving {', '.join(server.factories)}"
         + (f" ({'; '.join(extras)})" if extras else "")
         + (f"; exits after {args.sessions} session(s)" if args.sessions else "; Ctrl-C to stop"))
@@ -352,7 +392,22 @@ def _cloud(args: argparse.Namespace) -> int:
         return 130
     finally:
         workers.leave(group)
-    return 0
+    return 1 if rounds is not None and rounds.failure else 0
+
+
+def _rounds(args: argparse.Namespace, placement: Any) -> Any:
+    """Synchronous data-parallel rounds (``--sync-rounds``), on the ranks torchrun's variables describe."""
+    if not args.sync_rounds:
+        return None
+    from .cloud.allreduce import GradCompression, group_from_env
+    from .cloud.rounds import Rounds, RoundSettings
+    from .errors import ConfigError
+
+    if not args.shared_model:
+        raise ConfigError("--sync-rounds trains a shared cloud half: add --shared-model")
+    settings = RoundSettings(args.sync_rounds, args.round_timeout, GradCompression.parse(args.grad_compression))
+    group_from_env("nccl" if placement.device.type == "cuda" else "gloo")
+    return Rounds(settings)
 
 
 def _task_run(args: argparse.Namespace) -> TaskRun:
@@ -365,9 +420,10 @@ def _task_run(args: argparse.Namespace) -> TaskRun:
     return TaskRun(task=args.task, factory=Factory(model) if model else None, cut=args.cut, rejoin=args.rejoin,
                    topology=args.topology, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                    seed=args.seed, limit=args.limit, max_length=args.max_length,
-                   codecs=Codecs(args.fwd, args.bwd, seed=args.seed), schedule=Schedule(args.micro_batches),
+                   codecs=Codecs(args.fwd, args.bwd, seed=args.seed),
+                   schedule=Schedule(args.micro_batches, window=args.window),
                    faults=Faults(args.timeout, args.reconnect_timeout, args.heartbeat), freeze_edge=args.freeze_edge,
-                   metrics_path=args.metrics, progress=True, privacy=_privacy_run(args))
+                   metrics_path=args.metrics, progress=True, privacy=_privacy_run(args), device=args.device)
 
 
 def _privacy_run(args: argparse.Namespace):
@@ -420,7 +476,17 @@ def _demo(args: argparse.Namespace) -> int:
     from .tasks import get_task
 
     try:
-        with local_cloud([args.model or get_task(args.task).model]) as address:
+        from .devices import resolve_device
+        from .errors import ConfigError
+
+        try:
+            for device in (args.device, args.cloud_device):  # a missing GPU is one line, before anything starts
+                if device is not None:
+                    resolve_device(device)
+        except ConfigError as exc:
+            print(f"demo: {exc}", file=sys.stderr)
+            return 2
+        with local_cloud([args.model or get_task(args.task).model], device=args.cloud_device) as address:
             return _edge(args, address)
     except CloudStartError as exc:
         print(f"demo: {exc}", file=sys.stderr)

@@ -258,6 +258,7 @@ class Coded:
     stream: bool
     shape: tuple[int, ...]
     dtype: torch.dtype
+    device: torch.device = torch.device("cpu")  # where the tensor lived: its gradient is decoded there
 
 
 @dataclass
@@ -349,7 +350,7 @@ class SlotCodecs:
                     traffic.raw += raw[i] - tensor.numel() * tensor.element_size()
                 entry = payload_to_wire(payload, grads[i])
                 entries.append(entry if small is None else {_EXPAND: [entry, list(tensor.shape)]})
-                coded.append(Coded(payload, is_stream, tuple(tensor.shape), tensor.dtype))
+                coded.append(Coded(payload, is_stream, tuple(tensor.shape), tensor.dtype, tensor.device))
         return entries, coded
 
     def decode(self, entries: list[tuple[Payload, bool]], stream: int | None, slot: str | None,
@@ -360,8 +361,10 @@ class SlotCodecs:
                 is_stream = i == stream
                 codec = self._checked_codec(payload, i, slot, is_stream)
                 tensor = codec.decode(payload, ctx)
+                if ctx.device is not None and tensor.device != torch.device(ctx.device):
+                    tensor = tensor.to(ctx.device)  # a codec that decodes on the host only
                 tensors.append(tensor)
-                coded.append(Coded(payload, is_stream, tuple(tensor.shape), tensor.dtype))
+                coded.append(Coded(payload, is_stream, tuple(tensor.shape), tensor.dtype, tensor.device))
         return tensors, coded
 
     def grad_for_sender(self, grad: torch.Tensor, coded: Coded, slot: str | None, ctx: CodecContext) -> torch.Tensor:
@@ -373,7 +376,7 @@ class SlotCodecs:
         """Sender side: gradient w.r.t. what was sent → gradient w.r.t. the tensor encoded."""
         with translated():
             grad = self._codec(slot, coded.stream).encode_adjoint(grad, coded.payload, ctx)
-        return grad.reshape(coded.shape).to(coded.dtype)
+        return grad.reshape(coded.shape).to(device=coded.device, dtype=coded.dtype)
 
     def state_dict(self) -> dict[str, Any]:
         return {slot: codec.state_dict() for slot, codec in self.slots.items()}

@@ -61,6 +61,12 @@ def first(split: Split, n: int) -> Split:
     return Split(take(split.x, idx), split.y[idx], split.ids[idx])
 
 
+def moved(split: Split, device: torch.device | str) -> Split:
+    """``split`` with every tensor on ``device`` (once, rather than batch by batch)."""
+    x = {k: v.to(device) for k, v in split.x.items()} if isinstance(split.x, dict) else split.x.to(device)
+    return Split(x, split.y.to(device), split.ids.to(device))
+
+
 def take(x: Inputs, idx: torch.Tensor) -> Inputs:
     """Rows ``idx`` of a tensor, or of every tensor in a dict of them."""
     return {k: v[idx] for k, v in x.items()} if isinstance(x, dict) else x[idx]

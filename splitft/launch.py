@@ -27,14 +27,15 @@ class CloudStartError(SplitFTError):
 
 @contextlib.contextmanager
 def local_cloud(models: Iterable[str], *, sessions: int = 1, start_timeout: float = 60.0,
-                exit_timeout: float = 10.0, quiet: bool = False) -> Iterator[str]:
+                exit_timeout: float = 10.0, quiet: bool = False, device: str | None = None) -> Iterator[str]:
     """Run ``splitft cloud`` on a free port of 127.0.0.1 for the duration of the block.
 
     Yields the address to connect to. The cloud serves ``models`` (factory strings) and exits
     after ``sessions`` sessions; when the block ends it is given ``exit_timeout`` seconds to do so
     and is then terminated. It runs in a session of its own, so Ctrl-C in the terminal reaches the
     edge only, which then tells the cloud. ``quiet`` silences its session messages (for scripts
-    that draw progress bars).
+    that draw progress bars). ``device`` is its ``--device`` (default: its own, the first GPU
+    when there is one).
     """
     with tempfile.TemporaryDirectory(prefix="splitft-cloud-") as tmp:
         ready = Path(tmp) / "address"
@@ -42,6 +43,8 @@ def local_cloud(models: Iterable[str], *, sessions: int = 1, start_timeout: floa
                "--ready-file", str(ready)]
         for model in models:
             cmd += ["--model", model]
+        if device is not None:
+            cmd += ["--device", device]
         proc = subprocess.Popen(cmd, start_new_session=True, env=os.environ.copy(), stdin=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL if quiet else None)
         try:

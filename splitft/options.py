@@ -146,17 +146,22 @@ class Schedule:
     keep 1 for those. ``eager_backward`` (plain split): the cloud runs the backward right after
     the loss and sends the cut's gradient with it, one round trip per step instead of two; the edge
     scales it by the loss's incoming gradient and has the cloud scale its own the same way. It is
-    not used when the cloud checkpoints sessions.
+    not used when the cloud checkpoints sessions. ``window`` (a frozen edge in a plain split,
+    :mod:`splitft.edge.streaming`): up to this many steps in flight before the edge waits for the
+    oldest reply; the weights equal synchronous training's (1: synchronous).
     """
 
     micro_batches: int = 1
     eager_backward: bool = True
+    window: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             raise ConfigError(f"micro_batches must be a positive integer, got {self.micro_batches!r}")
         if not isinstance(self.eager_backward, bool):
             raise ConfigError(f"eager_backward is True or False, got {self.eager_backward!r}")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ConfigError(f"window (steps in flight) must be a positive integer, got {self.window!r}")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .data import Split, first
+from .data import Split, first, moved
+from .devices import resolve_device
 from .edge import SplitModel, split
 from .errors import ConfigError
 from .factories import load_factory
@@ -82,6 +83,7 @@ class TaskRun:
     metrics_path: str | None = None
     progress: bool = False  # a progress bar per epoch (command line)
     privacy: PrivacyRun | None = None  # defences on what crosses (splitft.privacy)
+    device: str | None = None  # where the edge half and its data live (None: the CPU)
 
     def __post_init__(self) -> None:
         get_task(self.task)  # an unknown task raises listing the known ones
@@ -144,9 +146,11 @@ def prepare(run: TaskRun, connect: Any) -> Prepared:
     train_data, test_data = task.load(max_length=run.max_length)
     if run.limit or task.limit:
         train_data = first(train_data, run.limit or task.limit)
+    if run.device is not None:
+        train_data, test_data = moved(train_data, resolve_device(run.device)), moved(test_data, resolve_device(run.device))
     model = split(load_factory(factory.name)(**factory.kwargs), cut, rejoin, factory=factory, connect=Link.of(connect),
                   codecs=run.codecs, schedule=run.schedule, faults=run.faults, freeze_edge=run.freeze_edge,
-                  metrics_path=run.metrics_path)
+                  metrics_path=run.metrics_path, device=run.device)
     try:
         optimizer = model.attach(getattr(torch.optim, task.optimizer)(model.parameters(), lr=run.lr or task.lr))
         keep_latent_weights_clipped(optimizer, model)  # binarized edges (B-SL); nothing to clip otherwise

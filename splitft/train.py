@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,20 @@ def accuracy(predict: Callable[..., torch.Tensor], data: Split, batch_size: int 
     return correct / max(1, len(data))
 
 
+#: Steps a loss is read after it was computed: reading a streamed step's loss waits for its
+#: reply (splitft.edge.streaming), so the loop reads it only once the window moved past it.
+LOSS_LAG = 64
+
+
+def _read(unread: deque[tuple[torch.Tensor, int]], count: int, total: float, seen: int) -> tuple[float, int]:
+    """Add the oldest ``count`` unread losses (weighted by their batch sizes) to the running sum."""
+    for _ in range(count):
+        loss, n = unread.popleft()
+        total += float(loss) * n
+        seen += n
+    return total, seen
+
+
 def fit(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Callable[[Any, torch.Tensor], torch.Tensor],
         train: Split, test: Split, *, epochs: int, batch_size: int, seed: int = 0,
         predict: Callable[..., torch.Tensor] | None = None, progress: bool = False,
@@ -53,16 +68,19 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Callable[
         bar = tqdm(batches(train, batch_size, shuffle=True, seed=seed, epoch=epoch), total=steps_per_epoch,
                    desc=f"epoch {epoch + 1:>2}/{epochs}", disable=not progress, leave=True,
                    dynamic_ncols=True, unit="step")
+        unread: deque[tuple[torch.Tensor, int]] = deque()  # losses not read yet (see LOSS_LAG)
         for x, y, ids in bar:
             out = call(model, x, sample_ids=ids) if pass_ids else call(model, x)
             loss = criterion(out, y)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-            total_loss += float(loss.detach()) * len(y)
-            seen += len(y)
+            unread.append((loss.detach(), len(y)))
             result.steps += 1
-            bar.set_postfix(loss=f"{total_loss / seen:.4f}")
+            if len(unread) > LOSS_LAG:
+                total_loss, seen = _read(unread, 1, total_loss, seen)
+                bar.set_postfix(loss=f"{total_loss / seen:.4f}")
+        total_loss, seen = _read(unread, len(unread), total_loss, seen)
         training += time.perf_counter() - epoch_start
         model.eval()
         acc = accuracy(predict, test)

@@ -11,7 +11,9 @@
 - :mod:`.ranks` — one rank of a cloud of several processes (torch.distributed): addresses,
   heartbeats and placement through the job's store; :mod:`.rank_server` — the front door's
   redirects and the bookkeeping ranks share; :mod:`.workers` — ``--workers N`` on torch's
-  launcher, and the cloud command's hooks.
+  launcher, and the cloud command's hooks;
+- :mod:`.rounds` — a shared half trained in synchronous data-parallel rounds;
+- :mod:`.allreduce` — those rounds across ranks: DDP communication hooks on the gradient bucket.
 
 Model factories (shared with the edge) live in :mod:`splitft.factories`, budgets in
 :mod:`splitft.limits` and :mod:`splitft.budget`, the negotiation policy in :mod:`splitft.policy`.

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .. import operations as o
+from ..devices import Placement
 from ..errors import CheckpointError, ProtocolError, ResumeError
 from ..limits import Limits
 from ..policy import Policy
@@ -49,6 +50,8 @@ def snapshot(session: CloudSession) -> tuple[dict[str, Any], dict[str, Any]]:
             "codecs": session.codecs.state_dict(),
             "rng": torch.get_rng_state(),
         }
+        if session.placement.device.type == "cuda":  # dropout in a half on a GPU draws from its generator
+            tree["cuda_rng"] = torch.cuda.get_rng_state(session.placement.device)
     spec = session.optimizer_spec
     meta = {
         "kind": "cloud", "session": session.id, "token": session.token, "seq": session.last_seq,
@@ -63,16 +66,21 @@ def snapshot(session: CloudSession) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def restore(hello: Hello, tree: dict[str, Any], meta: dict[str, Any], factories: dict[str, Callable[..., nn.Module]],
-            limits: Limits | None = None, policy: Policy | None = None) -> CloudSession:
-    """The session a checkpoint describes, rebuilt from the factory and the stored state."""
-    session = CloudSession(hello, factories, limits, restoring=True, policy=policy)
+            limits: Limits | None = None, policy: Policy | None = None,
+            placement: Placement | None = None) -> CloudSession:
+    """The session a checkpoint describes, rebuilt from the factory and the stored state.
+
+    Checkpoints hold host tensors, so one written by a cloud on a GPU resumes on a CPU and the
+    other way round: everything is loaded onto ``placement``'s device.
+    """
+    session = CloudSession(hello, factories, limits, restoring=True, policy=policy, placement=placement)
     session.id, session.token = meta["session"], meta["token"]
     session.last_seq, session.steps = int(meta["seq"]), int(meta["steps"])
     with blame(CheckpointError, f"checkpoint of session {session.id} does not fit its model"):
         session.chain.load_qualified_state_dict(tree["weights"])
         params = dict(session.chain.named_parameters())
         for name, grad in tree["grads"].items():
-            params[name].grad = grad.clone()
+            params[name].grad = grad.to(device=params[name].device, dtype=params[name].dtype, copy=True)
         if meta.get("loss"):
             set_loss(session, o.from_wire(meta["loss"]))
         set_frozen(session, o.SetFrozen(names=list(meta.get("frozen", []))))
@@ -85,6 +93,8 @@ def restore(hello: Hello, tree: dict[str, Any], meta: dict[str, Any], factories:
         session.optimizer_id = int(meta.get("optimizer_id", 0))
         session.codecs.load_state_dict(tree["codecs"])
         torch.set_rng_state(tree["rng"])
+        if "cuda_rng" in tree and session.placement.device.type == "cuda":
+            torch.cuda.set_rng_state(tree["cuda_rng"], session.placement.device)
     return session
 
 
@@ -147,7 +157,7 @@ def resume(server: CloudServer, peer: bytes, msg: Hello) -> CloudSession:
     if live is None:
         server.admit(peer)
     tree, meta = server.checkpoints.load(sid, usable[-1])
-    session = restore(msg, tree, meta, server.factories, server.limits, server.policy)
+    session = restore(msg, tree, meta, server.factories, server.limits, server.policy, server.placement)
     if live is not None:
         server.unbind(live)
     server.bind(peer, session)

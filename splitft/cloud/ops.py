@@ -154,15 +154,16 @@ def step(session: CloudSession, op: o.Step) -> bool:
                                 "steps in between were lost (resume the session to replay them)")
     if session.optimizer_spec is None:
         raise ConfigError("the edge stepped its optimizer, but none was attached: call model.attach(optimizer)")
-    optimizer = session.optimizer
-    if optimizer is not None:
+    rounds = session.shared.rounds if session.shared is not None else None
+    if rounds is not None:
+        rounds.contribute(session, op)  # one optimizer step for all the round's edges, when it closes
+    elif (optimizer := session.optimizer) is not None:
         _set_hyperparameters(optimizer, op)
-    if optimizer is not None:
         with session.own_grads(), blame(ModelError, "the optimizer step failed"):
             optimizer.step()
     session.steps += 1
     if session.shared is not None:
-        session.shared.updates += 1
+        session.shared.updates += rounds is None
     else:
         session.pending.clear()  # graphs from before a step can no longer be backpropagated correctly
     session.deferred.clear()

@@ -24,6 +24,7 @@ import transports
 from .. import protocol
 from ..budget import MemoryBook
 from ..checkpoint import CheckpointError, CheckpointStore
+from ..devices import Placement
 from ..errors import CapacityError, ConfigError, ProtocolError, SessionLost, SplitFTError, code_of
 from ..factories import build_chain, load_factory
 from ..limits import Limits
@@ -76,12 +77,17 @@ class CloudServer:
         fsync: flush each checkpoint to disk (survives power loss, not only process death).
         shared_model: sessions asking for the same model and cut train one shared cloud part.
         policy: which codecs and codec options edges may ask for (:class:`Policy`).
+        placement: the device (and dtype) every cloud half computes in (:class:`Placement`;
+            default: the CPU).
+        rounds: train shared halves in synchronous data-parallel rounds
+            (:class:`~splitft.cloud.rounds.Rounds`; default: steps in arrival order).
     """
 
     def __init__(self, listener: transports.Listener, factories: Iterable[str], *, max_sessions: int = 0,
                  on_event: Callable[[str], None] | None = None, limits: Limits | None = None,
                  checkpoint_dir: str | None = None, checkpoint_every: int = 1, keep_checkpoints: int = 2,
-                 fsync: bool = True, shared_model: bool = False, policy: Policy | None = None) -> None:
+                 fsync: bool = True, shared_model: bool = False, policy: Policy | None = None,
+                 placement: Placement | None = None, rounds: Any = None) -> None:
         self.listener = listener
         self.factories = {name: load_factory(name) for name in factories}
         self.max_sessions = max_sessions
@@ -96,10 +102,14 @@ class CloudServer:
             if checkpoint_dir is not None else None
         self.checkpoint_every = checkpoint_every
         self.policy = policy or Policy()
+        self.placement = placement or Placement()
         self.book = MemoryBook(self.limits)
         self.origins: dict[bytes, str] = {}  # peer → who stands behind it, for the per-origin cap
         self.shared_model = shared_model
         self.shared: dict[str, SharedPart] = {}
+        self.rounds = rounds
+        if rounds is not None:
+            rounds.bind(self)
         self.sessions: dict[bytes, CloudSession] = {}  # by the peer that speaks for it now
         self.by_id: dict[str, CloudSession] = {}
         self.ended = 0
@@ -126,7 +136,7 @@ class CloudServer:
                     break
                 self.expire()
                 try:
-                    peer, frames = self.listener.recv(poll)
+                    peer, frames = self.listener.recv(poll if self.rounds is None else self.rounds.tick(poll))
                 except transports.TransportTimeout:
                     continue
                 except transports.TransportClosed:
@@ -143,6 +153,8 @@ class CloudServer:
         """Answer one message. Never raises for anything the peer sent."""
         msg: protocol.Message | None = None
         session = self.sessions.get(peer)
+        if self.rounds is not None and self.rounds.hold(peer, frames, session):
+            return  # the edge waits for its round; handled when the round closes
         seq, numbered = 0, False
         try:
             msg = self._decode(frames, session)
@@ -264,7 +276,7 @@ class CloudServer:
             check_codecs(msg.codecs)
             self.policy.check(msg.codecs)
             session = CloudSession(msg, self.factories, self.limits, shared=self._shared_part(msg),
-                                   policy=self.policy, admit=self._admit_model)
+                                   policy=self.policy, admit=self._admit_model, placement=self.placement)
             self.book.check(session.id, 0, session.held_bytes(), "opening this session")
             self.bind(peer, session)
             if self.checkpoints is not None:
@@ -307,6 +319,8 @@ class CloudServer:
                 raise CapacityError("this cloud already trains 16 different shared cloud parts, its limit")
             chain, ushape = build_chain(msg, self.factories, self.limits, self._admit_model)
             part = self.shared[key] = SharedPart(chain, ushape)
+        if self.rounds is not None:
+            self.rounds.admit(part)
         return part
 
     def bind(self, peer: bytes, session: CloudSession) -> None:

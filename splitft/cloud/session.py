@@ -38,6 +38,7 @@ from ..budget import GraphMeter, MemoryBook, model_nbytes, tensors_nbytes
 from ..coding import SLOTS, Coded, SlotCodecs, Traffic, _Leaf, expansions, flatten, from_wire, stream_index, \
     to_wire, unflatten
 from ..cut import Chain, value_hash
+from ..devices import Placement
 from ..errors import ConfigError, HandshakeError, ModelError, ProtocolError
 from ..factories import build_chain
 from ..limits import Limits
@@ -72,13 +73,13 @@ def check_codecs(codecs: Any) -> None:
 _AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _autocast(dtype: str | None) -> Any:
-    """The autocast region an edge's forward ran in, for the cloud's half of it."""
+def _autocast(dtype: str | None, device: torch.device) -> Any:
+    """The autocast region an edge's forward ran in, for the cloud's half of it (on its device)."""
     if dtype is None:
         return contextlib.nullcontext()
     if dtype not in _AUTOCAST:
         raise ProtocolError(f"autocast dtype must be one of {sorted(_AUTOCAST)}, got {protocol._short(dtype)}")
-    return torch.autocast("cpu", dtype=_AUTOCAST[dtype])
+    return torch.autocast(device.type, dtype=_AUTOCAST[dtype])
 
 
 def tensors_from_wire(arrays: Any, what: str) -> dict[str, torch.Tensor]:
@@ -114,6 +115,7 @@ class SharedPart:
     updates: int = 0  # optimizer steps taken by any session; a graph older than this is stale
     sessions: int = 0
     initialized: bool = False  # the first edge's weights are in; later edges' pushed weights are ignored
+    rounds: Any = None  # synchronous data-parallel rounds (:mod:`.rounds`), or None: steps in arrival order
 
 
 @dataclass
@@ -139,12 +141,13 @@ class CloudSession:
         restoring: the weights come from a checkpoint, not from the hello.
         policy: the codecs and codec options this cloud accepts.
         admit: called with a model's estimated bytes before it is built; may refuse it.
+        placement: the device (and dtype) the half computes in (default: the CPU).
     """
 
     def __init__(self, hello: Hello, factories: dict[str, Callable[..., nn.Module]],
                  limits: Limits | None = None, shared: SharedPart | None = None,
                  restoring: bool = False, policy: Policy | None = None,
-                 admit: Callable[[int], None] | None = None) -> None:
+                 admit: Callable[[int], None] | None = None, placement: Placement | None = None) -> None:
         if hello.protocol != protocol.PROTOCOL_VERSION:
             raise HandshakeError(f"the edge speaks protocol {hello.protocol}, this cloud speaks "
                                  f"{protocol.PROTOCOL_VERSION}; install the same splitft version on both")
@@ -163,6 +166,8 @@ class CloudSession:
             self.chain, self.ushape = build_chain(hello, factories, self.limits, admit)
         if not restoring and not (shared is not None and shared.initialized):
             self._initial_weights(hello)
+        self.placement = placement or Placement()
+        self.placement.place(self.chain)
         self.codecs = SlotCodecs(hello.codecs, hello.seed, bounds=self.policy.bounds)
         #: What this session's own copy of the cloud half holds when trained (0 for a shared half).
         self.model_bytes = model_nbytes(self.chain) if shared is None else 0
@@ -270,8 +275,9 @@ class CloudSession:
         n_args, n_kw = inputs.counts
         leaves = [t.detach().requires_grad_() if g and t.is_floating_point() else t
                   for t, g in zip(inputs.tensors, inputs.grads)]
-        args, kwargs = self.caches.bind((unflatten(args_skel, leaves[:n_args]),
-                                         unflatten(kw_skel, leaves[n_args:n_args + n_kw])))
+        cast = [self.placement.cast_in(t) for t in leaves[:n_args + n_kw]]  # in the graph: grads keep the edge's dtype
+        args, kwargs = self.caches.bind((unflatten(args_skel, cast[:n_args]),
+                                         unflatten(kw_skel, cast[n_args:n_args + n_kw])))
         target = unflatten(target_skel, leaves[n_args + n_kw:])
         self.chain.train(train)
         for module in self.flipped:
@@ -279,8 +285,8 @@ class CloudSession:
         caching = self.caches.named((args_skel, kw_skel))
         try:
             with torch.set_grad_enabled(grad), blame(ModelError, "the cloud part failed on the inputs the edge sent"), \
-                    GraphMeter(self.chain) as meter, _autocast(autocast):
-                value = self.chain(*args, **kwargs)
+                    GraphMeter(self.chain) as meter, _autocast(autocast, self.placement.device):
+                value = self._edge_dtype(self.chain(*args, **kwargs), inputs.tensors)
                 if target is not None:
                     if self.loss_fn is None:
                         raise ConfigError("a target arrived but no loss was configured: use "
@@ -292,6 +298,18 @@ class CloudSession:
             self.caches.drop(caching)  # a failed step leaves no half-filled cache behind
             raise
         return leaves, value, meter.nbytes
+
+    def _edge_dtype(self, value: Any, received: list[torch.Tensor]) -> Any:
+        """A half kept in another dtype (``--dtype``) answers in the edge's floating dtype."""
+        if self.placement.dtype is None:
+            return value
+        edge = next((t.dtype for t in received if t.is_floating_point()), torch.float32)
+        outs, skeleton = flatten(value)
+        return unflatten(skeleton, [t.to(edge) if t.is_floating_point() else t for t in outs])
+
+    def _context(self, role: compressors.base.Role, train: bool, step: int, sample_ids: Any) -> CodecContext:
+        """A codec context for this session: decodes land on the half's device."""
+        return CodecContext(role, train=train, step=step, sample_ids=sample_ids, device=self.placement.device)
 
     def _decode_forward(self, msg: Forward, ctx: CodecContext) -> _Inputs:
         """A forward request's tensors, priced, then decoded and checked."""
@@ -323,7 +341,7 @@ class CloudSession:
 
     def forward(self, msg: Forward) -> Output:
         watch = Stopwatch()
-        ctx = CodecContext("activation", train=msg.train, step=msg.step, sample_ids=msg.sample_ids)
+        ctx = self._context("activation", msg.train, msg.step, msg.sample_ids)
         with watch("codec"):
             inputs = self._decode_forward(msg, ctx)
         with watch("compute"):
@@ -360,8 +378,8 @@ class CloudSession:
         by_leaf = iter(found[:len(needed)])
         leaf_grads = [next(by_leaf) if g else None for g in inputs.grads]
         with watch("codec"):
-            return self._encode_input_grads(leaves, inputs.coded, inputs.grads, leaf_grads, CodecContext(
-                "gradient", train=True, step=self.steps, sample_ids=msg.sample_ids))
+            return self._encode_input_grads(leaves, inputs.coded, inputs.grads, leaf_grads,
+                                            self._context("gradient", True, self.steps, msg.sample_ids))
 
     def _keep_graph(self, msg: Forward, leaves: list[torch.Tensor], inputs: _Inputs, outs: list[torch.Tensor],
                     out_coded: list[Coded], saved: int) -> None:
@@ -403,7 +421,7 @@ class CloudSession:
                 "grad, or freed by an optimizer step)"
             )
         watch = Stopwatch()
-        ctx = CodecContext("gradient", train=True, step=self.steps, sample_ids=pending.sample_ids)
+        ctx = self._context("gradient", True, self.steps, pending.sample_ids)
         with watch("codec"):
             outputs, grads = self._decode_backward(msg, pending, ctx)
         del self.pending[msg.call]
@@ -471,7 +489,9 @@ class CloudSession:
         return [known[n] for n in dict.fromkeys(names)]
 
     def state(self) -> dict[str, np.ndarray]:
-        return {k: v.detach().cpu().numpy() for k, v in self.chain.qualified_state_dict().items()}
+        """The half's weights on the host (bfloat16, which numpy lacks, as float32)."""
+        return {k: (v.float() if v.dtype == torch.bfloat16 else v).detach().cpu().numpy()
+                for k, v in self.chain.qualified_state_dict().items()}
 
 
 __all__ = ["CloudSession", "Pending", "SharedPart", "check_codecs", "hello_identity", "tensors_from_wire"]

@@ -45,10 +45,35 @@ def launch(workers: int, argv: list[str], *, max_restarts: int = 3, monitor_inte
     return 0
 
 
+def launch_for(args: argparse.Namespace) -> int:
+    """``--workers N``: the job, or 2 when it cannot be placed (a shared half takes its own ranks)."""
+    if args.shared_model:
+        print("cloud: error: --workers places per-edge sessions on ranks; a shared half (--shared-model "
+              "--sync-rounds) runs one listener per rank: start those ranks with torchrun", file=sys.stderr)
+        return 2
+    return launch(args.workers, args.argv, max_restarts=args.max_restarts)
+
+
 def join(args: argparse.Namespace) -> RankGroup | None:
-    """This process's rank in the job, its group joined (None: one process, nothing changes)."""
+    """This process's rank in the job, its group joined (None: one process, nothing changes).
+
+    A shared half (``--shared-model``) joins its ranks itself, for its data-parallel rounds, and
+    places no session: every rank serves the edges that connect to it.
+    """
     env = RankEnv.from_environ()
-    return None if env is None else RankGroup.join(env, rank_timeout=args.rank_timeout)
+    if env is None or args.shared_model:
+        return None
+    return RankGroup.join(env, rank_timeout=args.rank_timeout)
+
+
+def device(group: RankGroup | None, spec: str | None) -> str | None:
+    """The device of this rank's halves: with several ranks on a GPU machine, the local rank's GPU
+    unless ``--device`` names one."""
+    import torch
+
+    if group is None or spec not in (None, "auto", "cuda") or not torch.cuda.is_available():
+        return spec
+    return f"cuda:{group.env.local_rank % torch.cuda.device_count()}"
 
 
 def tag(group: RankGroup | None) -> str:
@@ -91,4 +116,5 @@ def leave(group: RankGroup | None) -> None:
         group.close()
 
 
-__all__ = ["bind_address", "join", "launch", "launched", "leave", "ready", "server_class", "tag"]
+__all__ = ["bind_address", "device", "join", "launch", "launch_for", "launched", "leave", "ready", "server_class",
+           "tag"]

@@ -7,12 +7,14 @@ import secrets
 from collections.abc import Callable
 from typing import TypeVar
 
+import torch
 from torch import nn
 
 import transports
 
 from .. import protocol
 from ..cut import CutSpec, cut_text, extract, fingerprint, install, parse_cut, value_hash
+from ..devices import resolve_device
 from ..errors import ConfigError, translated
 from ..options import Codecs, Factory, Faults, Link, Opener, Schedule
 from ..protocol import Hello
@@ -29,7 +31,8 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
           factory: str | Factory, connect: str | transports.Connection | Opener | Link,
           codecs: str | Codecs = "identity", schedule: Schedule | None = None, faults: Faults | None = None,
           freeze_edge: bool = False, metrics_path: str | os.PathLike | None = None,
-          resume_from: str | os.PathLike | None = None) -> SplitModel:
+          resume_from: str | os.PathLike | None = None,
+          device: str | torch.device | None = None) -> SplitModel:
     """Cut ``model`` and connect its cloud part; returns the edge's model to train.
 
     Args:
@@ -52,7 +55,10 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
         metrics_path: append one JSON record of traffic and timings per optimizer step here.
         resume_from: an edge checkpoint written by :meth:`SplitModel.save_checkpoint`: load the
             edge's half from it and continue the session where both halves were saved.
+        device: move the edge's half there (``"cuda"``, ``"cpu"``; default: leave it where it
+            is). The cloud half's device is the cloud's choice (``splitft cloud --device``).
     """
+    edge_device = resolve_device(device) if device is not None else None  # a missing GPU fails before connecting
     factory, link, codecs = Factory.of(factory), Link.of(connect), Codecs.of(codecs)
     schedule = _given(schedule, Schedule, "schedule")
     faults = _given(faults, Faults, "faults")
@@ -78,6 +84,8 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
                               check=factory.check_cut))
     if saved is not None:
         resume.load_edge_half(split_model, saved[0], resume_from)
+    if edge_device is not None:
+        split_model.to(edge_device)
     return split_model
 
 

@@ -24,18 +24,12 @@ from torch import nn
 from .. import tree as trees
 from ..coding import CacheRef, flatten, is_cache, sample_ids_array, unflatten
 from ..cut import Chain, CutReached, CutSpec, uninstall
+from ..devices import autocast_dtype
 from ..errors import ConfigError, SplitFTError
 from ..metrics import JsonlWriter, Metrics
 from . import guards, mirror, resume
 from .requests import EdgeSession
 from .schedule import Call, Scheduler
-
-
-def _autocast_dtype() -> str | None:
-    """The dtype of the CPU autocast region the caller is in (None outside one)."""
-    if not torch.is_autocast_enabled("cpu"):
-        return None
-    return str(torch.get_autocast_dtype("cpu")).removeprefix("torch.")
 
 
 class _RemoteCall(torch.autograd.Function):
@@ -206,7 +200,7 @@ class SplitModel(nn.Module):
         if self.freeze_edge:  # no input needs a gradient, so none crosses back
             leaves = [t.detach() for t in leaves]
         call = Call(skeleton, len(leaves), train=self.training, grad=grad, sample_ids=self._sample_ids,
-                    autocast=_autocast_dtype())
+                    autocast=autocast_dtype(next((t.device.type for t in leaves if t.is_floating_point()), "cpu")))
         inputs = [*leaves, self._anchor] if grad else leaves
         outputs = _RemoteCall.apply(self.scheduler, call, *inputs)
         return unflatten(call.out_skeleton, list(outputs))
@@ -296,6 +290,7 @@ class SplitModel(nn.Module):
 
     def sync(self) -> None:
         """Make the cloud apply every pending step now (they otherwise ride on the next message)."""
+        self.scheduler.drain()
         self.session.sync()
 
     # ------------------------------------------------------------ both halves' gradients
@@ -333,12 +328,13 @@ class SplitModel(nn.Module):
         edge, names, any_cloud = self._cloud_names_in(params)
         grads = [p.grad for p in edge if p.grad is not None]
         norms = [torch.linalg.vector_norm(g.detach(), norm_type) for g in grads]
+        device = grads[0].device if grads else torch.device("cpu")  # the edge's, where the total is returned
         if any_cloud:
             self._mirror_module_state()
             reply = self.session.sync_reply(grad_norm=norm_type, grad_names=names)
-            norms += [torch.tensor(n, dtype=torch.float32) for n in reply.grad_norms or []]
+            norms += [torch.tensor(n, dtype=torch.float32, device=device) for n in reply.grad_norms or []]
         if not norms:
-            return torch.tensor(0.0)
+            return torch.tensor(0.0, device=device)
         total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot "
@@ -411,6 +407,7 @@ class SplitModel(nn.Module):
 
     def cloud_state_dict(self) -> dict[str, torch.Tensor]:
         """The cloud part's current weights, named as in the original model."""
+        self.scheduler.drain()
         state = self.session.sync(want_state=True) or {}
         return {k: torch.from_numpy(np.array(v)) for k, v in state.items()}
 
@@ -423,12 +420,17 @@ class SplitModel(nn.Module):
         files private: the token resumes the session). ``split(..., resume_from=PATH)`` continues
         from here.
         """
+        self.scheduler.drain()
         resume.save(self, path)
 
     def close(self, reason: str = "done") -> None:
         if self._writer is not None:
             self._writer.close()
-        self.session.close(reason)
+        try:
+            if not self.session.closed and reason == "done":
+                self.scheduler.drain()  # an error of a streamed step is raised, never lost
+        finally:
+            self.session.close(reason)
 
     def __enter__(self) -> SplitModel:
         return self

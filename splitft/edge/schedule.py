@@ -22,9 +22,10 @@ import numpy as np
 import torch
 
 from ..coding import Coded, stream_index
-from ..errors import ConfigError
+from ..errors import ConfigError, ProtocolError
 from ..options import Schedule
 from . import mirror
+from .streaming import Inflight, Window, pending_like
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Call:
     autocast: str | None = None  # the autocast dtype the user's forward ran under (the cloud's runs under it too)
     out_skeleton: Any = None
     out_join: list[str] = field(default_factory=list)  # per output: "cat", "mean" or "sum" over parts
+    streamed: bool = False  # sent without waiting for its reply (splitft.edge.streaming)
 
     @property
     def has_target(self) -> bool:
@@ -95,6 +97,8 @@ class Scheduler:
         self.ushape = ushape
         self.loss_reduction = "mean"  # of the mirrored loss: how a loss's parts add up to the batch's
         self._ids = itertools.count(1)
+        self.window = Window()
+        self._template: _Template | None = None  # the last synchronous call a streamed one may copy
 
     def forward(self, call: Call, leaves: list[torch.Tensor], needs_grad: list[bool]) -> list[torch.Tensor]:
         """Run the cloud part on ``leaves``; the outputs of the whole batch."""
@@ -106,6 +110,9 @@ class Scheduler:
             # and scales after, so a loss scaler's overflow (which must skip the step) would not happen.
             call.eager = (self.options.eager_backward and call.grad and call.has_target and not self.ushape
                           and call.autocast != "float16" and self.stage.can_eager())
+            if self._streamable(call):
+                return self._stream(call, leaves)
+            self.window.drain()
             rows = partition(call, leaves, self.options.micro_batches)
             ops = self.ops.take_ops()
             inputs = []
@@ -116,7 +123,53 @@ class Scheduler:
                 self.stage.send_forward(call, part, inputs[-1], ops if j == 0 else [])
                 call.parts.append(part)
             outputs = [self.stage.receive_output(call, part, x) for part, x in zip(call.parts, inputs)]
-            return join_outputs(call, outputs, self.loss_reduction)
+            joined = join_outputs(call, outputs, self.loss_reduction)
+            self._remember(call, joined)
+            return joined
+
+    # ------------------------------------------------------------ streaming
+
+    def _streamable(self, call: Call) -> bool:
+        """A step that needs nothing back (frozen edge, loss and backward in the cloud), shaped
+        like the last synchronous one, may go without waiting for its reply."""
+        t = self._template
+        return (self.options.window > 1 and self.options.micro_batches == 1 and call.eager and call.train
+                and not any(call.in_grad) and t is not None and _same(t.skeleton, call.skeleton))
+
+    def _remember(self, call: Call, outputs: list[torch.Tensor]) -> None:
+        """Keep a synchronous call's shape of reply: later calls like it may be streamed."""
+        if (self.options.window > 1 and call.eager and len(call.parts) == 1 and call.parts[0].eager_grads is not None
+                and all(t.dim() == 0 for t in outputs)):
+            self._template = _Template(call.skeleton, call.out_skeleton, list(call.out_join),
+                                       list(call.parts[0].out_grad), [(t.dtype, t.device) for t in outputs])
+
+    def _stream(self, call: Call, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        t = self._template
+        assert t is not None
+        self.window.make_room(self.options.window)
+        (rows,) = partition(call, leaves, 1)
+        part = Part(next(self._ids), rows, call.sample_ids)
+        self.stage.send_forward(call, part, leaves, self.ops.take_ops())
+        call.parts.append(part)
+        call.streamed, call.out_skeleton, call.out_join = True, t.out_skeleton, list(t.out_join)
+        part.out_grad = list(t.out_grad)
+        outputs = [pending_like((), dtype, device) for dtype, device in t.outputs]
+
+        def settle() -> list[torch.Tensor]:
+            with self.lock:
+                values = self.stage.receive_output(call, part, leaves)
+            if part.eager_grads is None:
+                raise ProtocolError("the cloud did not backpropagate a streamed step with its forward, so its "
+                                    "gradients would be lost; use Schedule(window=1) with this cloud")
+            return values
+
+        self.window.push(Inflight(settle, outputs))
+        return outputs
+
+    def drain(self) -> None:
+        """Settle every streamed step still in flight (raises a cloud error one of them met)."""
+        with self.lock:
+            self.window.drain()
 
     def backward(self, call: Call, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
         """Gradients of the call's inputs, given those of its outputs."""
@@ -124,20 +177,40 @@ class Scheduler:
             ops = self.ops.take_ops()
             sent_ops = False
             for part in call.parts:
-                if part.eager_grads is None:
+                if part.eager_grads is None and not call.streamed:
                     self.stage.send_backward(call, part, part_output_grads(call, part, grads), [] if sent_ops else ops)
                     sent_ops = True
             if not sent_ops:
                 self.ops.requeue(ops)  # nothing was sent: the operations wait for the next message
             per_part = []
             for part in call.parts:
-                if part.eager_grads is None:
+                if part.eager_grads is None and not call.streamed:
                     per_part.append(self.stage.receive_input_grads(call, part))
                     continue
-                (scale,) = part_output_grads(call, part, grads)  # the loss's incoming gradient
+                # the loss's incoming gradient (a streamed call has one part and one output, the loss)
+                (scale,) = (grads[0],) if call.streamed else part_output_grads(call, part, grads)
                 self.ops.queue(mirror.apply_op(part.id, float(scale)))
-                per_part.append(self.stage.eager_input_grads(call, part, scale))
+                per_part.append([None] * len(part.sent) if call.streamed  # nothing crosses back: frozen edge
+                                else self.stage.eager_input_grads(call, part, scale))
             return join_input_grads(call, per_part)
+
+
+@dataclass
+class _Template:
+    """What a streamed call copies from the last synchronous call of its shape."""
+
+    skeleton: Any
+    out_skeleton: Any
+    out_join: list[str]
+    out_grad: list[bool]
+    outputs: list[tuple[torch.dtype, torch.device]]
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 — skeletons that cannot be compared are not the same
+        return False
 
 
 def partition(call: Call, leaves: list[torch.Tensor], micro_batches: int) -> list[slice]:
@@ -189,7 +262,7 @@ def part_output_grads(call: Call, part: Part, grads: tuple) -> list[torch.Tensor
         if not needed:
             result.append(None)
         elif grad is None:
-            result.append(torch.zeros(coded.shape, dtype=coded.dtype))
+            result.append(torch.zeros(coded.shape, dtype=coded.dtype, device=coded.device))
         elif len(call.parts) == 1 or join == "sum":
             result.append(grad)
         else:

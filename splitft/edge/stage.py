@@ -7,6 +7,7 @@ cloud's replies back into tensors, counting every byte.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -52,8 +53,10 @@ class CloudStage:
     # ------------------------------------------------------------ forward
 
     def _context(self, call: Call, part: Part, resync: bool = False) -> CodecContext:
+        """The activation context; what comes back is decoded where the call's tensors live."""
+        device = next((c.device for c in part.sent if c.dtype.is_floating_point), None) if part.sent else None
         return CodecContext("activation", train=call.train, step=self.session.step, sample_ids=part.sample_ids,
-                            resync=resync)
+                            resync=resync, device=device)
 
     def _forward_message(self, call: Call, part: Part, leaves: list[torch.Tensor], ops: list,
                          ctx: CodecContext) -> tuple[Forward, Traffic]:
@@ -151,9 +154,10 @@ class CloudStage:
                     result.append(None)
                     continue
                 if slot is None:
-                    result.append(torch.zeros(coded.shape, dtype=coded.dtype))
+                    result.append(torch.zeros(coded.shape, dtype=coded.dtype, device=coded.device))
                     continue
-                (grad,), _ = self.codecs.decode([got[slot.index]], 0 if coded.stream else None, "bwd", ctx)
+                (grad,), _ = self.codecs.decode([got[slot.index]], 0 if coded.stream else None, "bwd",
+                                                dataclasses.replace(ctx, device=coded.device))
                 grad = self.codecs.grad_at_input(grad, coded, "fwd", ctx)
                 result.append(grad if scale is None else grad * scale)
         return result

@@ -1,0 +1,74 @@
+"""Where a codec computes: on the tensor's own device, so only the payload crosses to the host.
+
+A codec encodes a tensor where it lives (a GPU activation is quantized, factored or bound on
+the GPU) and copies only the payload's arrays to the host; it decodes a payload by copying
+those small arrays to the device the receiver names (``CodecContext.device``) and expanding
+them there. Numpy kernels (bit packing, sign tables) stay the fast path for CPU tensors; the
+torch kernels that replace them elsewhere produce the same bytes, which
+:func:`portable_kernels` lets a CPU-only machine check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+#: Payload arrays at least this large go to a CUDA device through pinned host memory.
+PINNED_FROM = 1 << 16
+
+_PORTABLE = contextvars.ContextVar("compressors_portable_kernels", default=False)
+
+
+@contextlib.contextmanager
+def portable_kernels(enabled: bool = True) -> Iterator[None]:
+    """Within the block, codecs use their torch kernels (the ones accelerators run) on CPU
+    tensors too, instead of their numpy fast paths: for tests and benchmarks of the device path
+    on machines without an accelerator."""
+    token = _PORTABLE.set(enabled)
+    try:
+        yield
+    finally:
+        _PORTABLE.reset(token)
+
+
+def use_torch(device: torch.device | str | None) -> bool:
+    """Whether work on ``device`` takes the torch kernels (an accelerator, or forced)."""
+    return _PORTABLE.get() or (device is not None and torch.device(device).type != "cpu")
+
+
+def target(device: torch.device | str | None) -> torch.device:
+    """The device a decode produces its tensor on (the host when none is named)."""
+    return torch.device("cpu") if device is None else torch.device(device)
+
+
+def upload(a: np.ndarray, device: torch.device | str | None) -> torch.Tensor:
+    """A received array as a tensor on ``device``, safe to write to.
+
+    Arrays rebuilt from wire frames are read-only: on the host they are copied (a tensor over
+    read-only memory is undefined behaviour once written); to an accelerator the transfer is
+    the copy.
+    """
+    dev = target(device)
+    if dev.type != "cuda" or a.nbytes < PINNED_FROM:
+        host = torch.from_numpy(a if a.flags.writeable else a.copy())
+        return host if dev.type == "cpu" else host.to(dev)
+    # one copy into page-locked memory, from which the transfer runs asynchronously (torch's
+    # host allocator keeps the buffer until the copy is done)
+    pinned = torch.empty(a.shape, dtype=torch.from_numpy(np.empty(0, a.dtype)).dtype, pin_memory=True)
+    pinned.numpy()[...] = a
+    return pinned.to(dev, non_blocking=True)
+
+
+def download(x: torch.Tensor) -> np.ndarray:
+    """A tensor's values as a host numpy array (one copy when it lives on an accelerator)."""
+    x = x.detach()
+    if x.device.type != "cpu":
+        x = x.to("cpu")
+    return x.contiguous().numpy()
+
+
+__all__ = ["download", "portable_kernels", "target", "upload", "use_torch"]
