@@ -17,9 +17,15 @@ number of steps on its own random data, with Adam. Afterwards:
 costs the edge a timeout, a reconnection and a resumed session; the step counts must still match.
 ``--checkpoint-every N`` makes the cloud checkpoint each session (to a temporary folder).
 
+``--ranks N`` runs the same load twice in one go: against a one-process cloud, then against a
+cloud of N ranks (a torch.distributed job on gloo, started by torch's launcher; rank 0 places each
+edge on the least-loaded rank). The figures are the N-rank run's, with the one-process run's
+throughput, latency and memory beside them and the ratio of the two throughputs.
+
     python scripts/load_cloud.py                          # 32 edges x 200 steps
     python scripts/load_cloud.py --drop 0.01 --timeout 0.5
     python scripts/load_cloud.py --checkpoint-every 1 --json result.json
+    python scripts/load_cloud.py --ranks 2 --edges 16 --steps 50
 """
 
 from __future__ import annotations
@@ -103,6 +109,53 @@ def _cloud_main(conn, checkpoint_every: int, folder: str | None) -> None:
     server.stop()
     thread.join(timeout=30)
     conn.send({"base_rss": base, "peak_rss": peak, "peak_sessions": peak_sessions, "finished": list(server.finished)})
+
+
+def _rank_main(checkpoint_every: int, folder: str | None, sessions: int, ready: str) -> dict:
+    """One rank of an N-rank cloud (torch's launcher runs it); its memory and finished sessions."""
+    import gc
+
+    import torch
+
+    import transports
+    from splitft.cloud import serve_in_thread
+    from splitft.cloud.rank_server import RankServer
+    from splitft.cloud.ranks import RankEnv, RankGroup
+
+    torch.set_num_threads(1)
+    group = RankGroup.join(RankEnv.from_environ())
+    _warm_up()
+    gc.collect()
+    listener = transports.listen(group.bind_address("tcp://127.0.0.1:0"))
+    group.publish(listener.address)
+    # The job ends itself: every rank stops once the job has ended ``sessions`` sessions.
+    server = RankServer(listener, [FACTORY], group=group, max_sessions=sessions, checkpoint_dir=folder,
+                        checkpoint_every=max(1, checkpoint_every), fsync=False, on_event=lambda text: None)
+    thread = serve_in_thread(server)
+    time.sleep(0.2)
+    base = _rss_bytes()
+    if group.rank == 0:
+        group.wait_for_ranks(60)
+        Path(ready).write_text(listener.address)
+    peak, peak_sessions = base, 0
+    while thread.is_alive():
+        open_now, rss = len(server.by_id), _rss_bytes()
+        if open_now > peak_sessions or (open_now == peak_sessions and rss > peak):
+            peak, peak_sessions = max(peak, rss), max(peak_sessions, open_now)
+        thread.join(0.05)
+    group.close()
+    return {"base_rss": base, "peak_rss": peak, "peak_sessions": peak_sessions, "finished": list(server.finished)}
+
+
+def _ranks_main(conn, ranks: int, checkpoint_every: int, folder: str | None, sessions: int, ready: str) -> None:
+    import uuid
+
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.2,
+                          start_method="spawn")
+    conn.send(elastic_launch(config, _rank_main)(checkpoint_every, folder, sessions, ready))
 
 
 # ---------------------------------------------------------------- edge processes
@@ -222,14 +275,61 @@ def run(args: argparse.Namespace) -> dict:
     # pool of spinning OpenMP workers per edge thread would swamp two cores.
     os.environ["OMP_NUM_THREADS"] = "1"
     ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="splitft-load-") as tmp:
-        folder = tmp if args.checkpoint_every else None
-        cloud_end, here = ctx.Pipe()
+    figures = _run_once(args, ctx, ranks=1)
+    if args.ranks <= 1:
+        return figures
+    several = _run_once(args, ctx, ranks=args.ranks)
+    baseline = {f"one_rank_{k}": figures[k] for k in ("steps_lost", "steps_repeated", "weights_equal_to_local",
+                                                      "steps_per_s", "step_latency_ms_median", "cloud_kib_per_session")}
+    return {**several, **baseline, "throughput_vs_one_rank": several["steps_per_s"] / figures["steps_per_s"]}
+
+
+def _start_cloud(ctx, args: argparse.Namespace, ranks: int, tmp: str):
+    """The cloud's address, and a function that waits for its report once the edges are done."""
+    folder = os.path.join(tmp, "checkpoints") if args.checkpoint_every else None
+    cloud_end, here = ctx.Pipe()
+    if ranks == 1:
         cloud = ctx.Process(target=_cloud_main, args=(cloud_end, args.checkpoint_every, folder), daemon=True)
         cloud.start()
         if not here.poll(120):
             raise RuntimeError("the cloud process did not start")
         address = here.recv()
+
+        def finish() -> dict:
+            here.send("stop")
+            report = here.recv()
+            cloud.join(timeout=60)
+            return report
+
+        return address, finish
+    ready = Path(tmp) / "address"
+    cloud = ctx.Process(target=_ranks_main, args=(cloud_end, ranks, args.checkpoint_every, folder, args.edges,
+                                                   str(ready)))
+    cloud.start()
+    deadline = time.monotonic() + 120
+    while not (ready.exists() and ready.read_text()):
+        if time.monotonic() > deadline or not cloud.is_alive():
+            raise RuntimeError(f"the cloud of {ranks} ranks did not start")
+        time.sleep(0.05)
+
+    def finish_ranks() -> dict:
+        if not here.poll(120):
+            cloud.terminate()
+            raise RuntimeError("the ranks did not stop after the last session ended")
+        per_rank = here.recv()
+        cloud.join(timeout=60)
+        reports = [per_rank[r] for r in sorted(per_rank)]
+        return {"base_rss": sum(r["base_rss"] for r in reports), "peak_rss": sum(r["peak_rss"] for r in reports),
+                "peak_sessions": sum(r["peak_sessions"] for r in reports),
+                "sessions_per_rank": [len(r["finished"]) for r in reports],
+                "finished": [f for r in reports for f in r["finished"]]}
+
+    return ready.read_text(), finish_ranks
+
+
+def _run_once(args: argparse.Namespace, ctx, ranks: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="splitft-load-") as tmp:
+        address, finish = _start_cloud(ctx, args, ranks, tmp)
         groups = [list(range(args.edges))[p::args.procs] for p in range(args.procs)]
         pipes, procs = [], []
         for ids in groups:
@@ -241,9 +341,7 @@ def run(args: argparse.Namespace) -> dict:
         reports = [p.recv() for p in pipes]
         for proc in procs:
             proc.join(timeout=60)
-        here.send("stop")
-        cloud_report = here.recv()
-        cloud.join(timeout=60)
+        cloud_report = finish()
 
     results = {i: r for rep in reports for i, r in rep["results"].items()}
     verified = {i: ok for rep in reports for i, ok in rep["verified"].items()}
@@ -258,7 +356,7 @@ def run(args: argparse.Namespace) -> dict:
     latencies = sorted(x for r in results.values() for x in r["latencies"])
     sessions = max(1, cloud_report["peak_sessions"])
     return {
-        "edges": args.edges, "steps_per_edge": args.steps, "edge_processes": args.procs, "batch": args.batch,
+        "ranks": ranks, "edges": args.edges, "steps_per_edge": args.steps, "edge_processes": args.procs, "batch": args.batch,
         "drop": args.drop, "checkpoint_every": args.checkpoint_every,
         "steps_total": sum(r["steps"] for r in results.values()),
         "steps_applied_by_cloud": sum(cloud_steps.get(r["session"], {}).get("steps", 0) for r in results.values()),
@@ -273,6 +371,7 @@ def run(args: argparse.Namespace) -> dict:
         "cloud_rss_peak_mib": cloud_report["peak_rss"] / 2**20,
         "sessions_open_at_peak": cloud_report["peak_sessions"],
         "cloud_kib_per_session": (cloud_report["peak_rss"] - cloud_report["base_rss"]) / sessions / 1024,
+        **({"sessions_per_rank": cloud_report["sessions_per_rank"]} if "sessions_per_rank" in cloud_report else {}),
     }
 
 
@@ -292,18 +391,25 @@ def main(argv: list[str] | None = None) -> int:
                         help="cloud checkpoints every N steps into a temporary folder (default: 0, none)")
     parser.add_argument("--no-verify", dest="verify", action="store_false",
                         help="skip comparing each edge's final weights with a one-process run")
+    parser.add_argument("--ranks", type=int, default=1, metavar="N",
+                        help="also run the load against a cloud of N ranks (torch.distributed, gloo) and compare "
+                             "(default: 1, one process only)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
     args = parser.parse_args(argv)
     if args.edges < 1 or args.steps < 1 or not 1 <= args.procs <= args.edges or not 0 <= args.drop < 1:
         parser.error("need edges >= 1, steps >= 1, 1 <= procs <= edges and 0 <= drop < 1")
+    if args.ranks > 1 and args.drop:
+        parser.error("--drop wraps each edge's link in a lossy opener, which cannot follow a rank's redirect; "
+                     "use --drop without --ranks")
     figures = run(args)
     width = max(map(len, figures))
     for key, value in figures.items():
         print(f"{key:<{width}}  {value:.2f}" if isinstance(value, float) else f"{key:<{width}}  {value}")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
-    ok = figures["steps_lost"] == 0 and figures["steps_repeated"] == 0 and \
-        figures["weights_equal_to_local"] in ("not checked", f"{args.edges}/{args.edges}")
+    ok = all(figures.get(f"{run}{k}", 0) == 0 for run in ("", "one_rank_") for k in ("steps_lost", "steps_repeated")) \
+        and all(figures.get(f"{run}weights_equal_to_local", "not checked") in ("not checked", f"{args.edges}/{args.edges}")
+                for run in ("", "one_rank_"))
     return 0 if ok else 1
 
 

@@ -28,7 +28,7 @@ _EXPORTS = {
     "HandshakeError": "errors", "PeerGone": "errors", "ProtocolError": "errors", "RemoteError": "errors",
     "SplitFTError": "errors", "TransportError": "errors", "TransportTimeout": "errors",
     "AuthError": "errors", "CapacityError": "errors", "CheckpointError": "errors", "ModelError": "errors",
-    "ResumeError": "errors", "SessionLost": "errors", "TooLarge": "errors",
+    "RedirectError": "errors", "ResumeError": "errors", "SessionLost": "errors", "TooLarge": "errors",
     "CheckpointStore": "checkpoint", "read_checkpoint": "checkpoint", "write_checkpoint": "checkpoint",
     "Limits": "limits",
     "Metrics": "metrics",

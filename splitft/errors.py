@@ -34,6 +34,11 @@ class HandshakeError(SplitFTError):
     """Edge and cloud disagree on something both must share (version, model, codecs, seed)."""
 
 
+class RedirectError(HandshakeError):
+    """The cloud sent this edge to another rank and the edge will not go: a second hop, an address
+    that is not ``tcp://`` or ``ipc://``, or a link that can only reach the address it was given."""
+
+
 class RemoteError(SplitFTError):
     """The peer reported an error; ``code`` says which kind."""
 

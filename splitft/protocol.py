@@ -85,6 +85,21 @@ class Welcome(Message):
 
 
 @dataclass
+class Redirect(Message):
+    """Cloud front door → edge, in answer to a ``hello``: the session lives on another rank.
+
+    A cloud of several processes (``splitft cloud --workers N``, torchrun) places each new session
+    on its least-loaded rank. The edge sends the same hello to ``address`` and talks to that rank
+    directly from then on; it follows a redirect only from the address it was given, and at most
+    one per handshake.
+    """
+
+    TYPE: ClassVar[str] = "redirect"
+    address: str  # tcp://HOST:PORT or ipc://PATH of the rank
+    rank: int
+
+
+@dataclass
 class Forward(Message):
     """Run the cloud part on ``args``/``kwargs`` (tensors as encoded payloads)."""
 
@@ -196,7 +211,7 @@ class Pong(Message):
 
 MESSAGES: dict[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Hello, Welcome, Forward, Output, Backward, InputGrads, Sync, Ack, Error, Bye, Ping, Pong)
+    for cls in (Hello, Welcome, Redirect, Forward, Output, Backward, InputGrads, Sync, Ack, Error, Bye, Ping, Pong)
 }
 
 # Per message type: (field name, type hint, required), resolved once; decode is on the hot path.

@@ -36,7 +36,7 @@ def _decode(frames: list[bytes]) -> protocol.Message:
 
 
 def test_the_doc_has_the_promised_examples():
-    assert set(EXAMPLES) == {"hello", "forward", "error", "ping"}
+    assert set(EXAMPLES) == {"hello", "forward", "error", "ping", "redirect"}
     assert len(EXAMPLES["forward"]) == 2
 
 
@@ -55,6 +55,8 @@ def test_examples_decode_to_what_the_doc_says():
     error = _decode(EXAMPLES["error"])
     assert (error.code, error.message, error.seq) == ("capacity", "too big", 2)
     assert isinstance(_decode(EXAMPLES["ping"]), protocol.Ping)
+    redirect = _decode(EXAMPLES["redirect"])
+    assert (redirect.address, redirect.rank) == ("tcp://10.0.0.2:6001", 1)
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))

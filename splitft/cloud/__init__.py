@@ -8,6 +8,10 @@
 - :mod:`.replies` — request numbers and the reply cache (each request applied once);
 - :mod:`.checkpoints` — snapshots, restores and resuming sessions;
 - :mod:`.guard` — typed blame for the edge's input, stage timers;
+- :mod:`.ranks` — one rank of a cloud of several processes (torch.distributed): addresses,
+  heartbeats and placement through the job's store; :mod:`.rank_server` — the front door's
+  redirects and the bookkeeping ranks share; :mod:`.workers` — ``--workers N`` on torch's
+  launcher, and the cloud command's hooks;
 - :mod:`.rounds` — a shared half trained in synchronous data-parallel rounds;
 - :mod:`.allreduce` — those rounds across ranks: DDP communication hooks on the gradient bucket.
 - :mod:`.batch_split` — one edge's batch split by rows across ranks, replicas of its half;

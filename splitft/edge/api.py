@@ -68,7 +68,7 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
     if saved is not None:
         resume.check_identity(hello, saved[1], resume_from)
     connection, reconnect = open_link(link)
-    session = EdgeSession(connection, codecs=codecs, faults=faults, reconnect=reconnect)
+    session = EdgeSession(connection, codecs=codecs, faults=faults, reconnect=reconnect, follow=follow_link(link))
     try:
         if saved is not None:
             session.codecs.load_state_dict(saved[0]["codecs"])
@@ -136,6 +136,19 @@ def open_link(link: Link) -> tuple[transports.Connection, Callable[[], transport
     return reopen(), reopen
 
 
+def follow_link(link: Link) -> Callable[[str], transports.Connection] | None:
+    """How to reach another rank of the cloud with ``link``'s settings (None: ``link`` is no address)."""
+    if not isinstance(link.connect, str):
+        return None
+    with translated():
+        options = _curve_options(link)
+
+    def follow(address: str) -> transports.Connection:
+        return transports.connect(address, link=link.emulate, **options)
+
+    return follow
+
+
 def _curve_options(link: Link) -> dict:
     if link.cloud_key is None:
         return {}
@@ -143,4 +156,4 @@ def _curve_options(link: Link) -> dict:
     return {"server_key": transports.load_public_key(link.cloud_key), "public_key": public, "secret_key": secret}
 
 
-__all__ = ["hello_for", "open_link", "split"]
+__all__ = ["follow_link", "hello_for", "open_link", "split"]

@@ -36,7 +36,8 @@ from ..errors import (AuthError, CapacityError, HandshakeError, PeerGone, Protoc
                       TooLarge, TransportError, TransportTimeout, from_code, translated)
 from ..metrics import Metrics
 from ..options import Codecs, Faults
-from ..protocol import Ack, Bye, Error, Hello, Ping, Pong, Sync, Welcome
+from ..protocol import Ack, Bye, Error, Hello, Ping, Pong, Redirect, Sync, Welcome
+from .route import Follow, Route
 from .replay import Backoff, ReplayLog
 
 log = logging.getLogger(__name__)
@@ -70,11 +71,13 @@ class EdgeSession:
         reconnect: opens a fresh link to the same cloud; None disables recovery (a fault raises).
         max_log_bytes: when the requests kept for a replay exceed this, the edge asks the cloud
             for a checkpoint, after which they are no longer needed.
+        follow: opens a link to another rank of the cloud, for a front door's redirect (None:
+            a redirect is refused; :mod:`.route`).
     """
 
     def __init__(self, connection: transports.Connection, *, codecs: Codecs, faults: Faults = Faults(),
                  metrics: Metrics | None = None, reconnect: Callable[[], transports.Connection] | None = None,
-                 max_log_bytes: int = 256 * 2**20) -> None:
+                 max_log_bytes: int = 256 * 2**20, follow: Follow | None = None) -> None:
         self.connection = connection
         self.codecs = SlotCodecs(codecs.specs, codecs.seed)
         self.timeout = faults.timeout
@@ -100,6 +103,7 @@ class EdgeSession:
         self._trimming = False
         self._hello: Hello | None = None
         self._reconnect = reconnect
+        self.route = Route(follow)
         self._last_io = time.monotonic()
         self._suspect: BaseException | None = None  # the heartbeat saw the link fail
         self._stop = threading.Event()
@@ -169,7 +173,7 @@ class EdgeSession:
         self._outstanding.add(seq)
         return seq
 
-    def await_reply(self, seq: int, expect: type, timer: str = "wait") -> Reply:
+    def await_reply(self, seq: int, expect: type | tuple[type, ...], timer: str = "wait") -> Reply:
         """The reply to request ``seq``; errors from the cloud are raised as typed errors.
 
         The time blocked is added to ``timer``: "wait" for training traffic, which the report
@@ -193,7 +197,8 @@ class EdgeSession:
             self._drop()
             raise PeerGone(f"the cloud ended the session: {reply.reason or 'no reason given'}")
         if not isinstance(reply, expect):
-            raise ProtocolError(f"expected a {expect.TYPE} reply, got {reply.TYPE}")
+            wanted = " or ".join(t.TYPE for t in (expect if isinstance(expect, tuple) else (expect,)))
+            raise ProtocolError(f"expected a {wanted} reply, got {reply.TYPE}")
         if seq:
             self._applied(seq)
         timings = getattr(reply, "timings", None) or {}
@@ -202,7 +207,7 @@ class EdgeSession:
                 self.metrics.add_time(f"cloud_{name}", float(timings[name]))
         return reply, wire_in
 
-    def exchange(self, msg: protocol.Message, kind: str, expect: type, traffic: Traffic | None = None,
+    def exchange(self, msg: protocol.Message, kind: str, expect: type | tuple[type, ...], traffic: Traffic | None = None,
                  timer: str = "wait") -> Reply:
         """Send ``msg`` and wait for its reply."""
         return self.await_reply(self.send(msg, kind, traffic), expect, timer)
@@ -247,8 +252,10 @@ class EdgeSession:
         try:
             with translated():
                 return self._receive(seq, self.timeout)
-        except AuthError:
-            raise
+        except AuthError as exc:
+            if self.session_id is None:
+                raise  # the first handshake: these keys are refused
+            raise _LinkFault(exc) from exc  # ZeroMQ reconnected underneath to something else on that port
         except TransportTimeout as exc:
             raise _LinkFault(TransportTimeout(
                 f"no reply from the cloud at {getattr(self.connection, 'address', '?')} within "
@@ -268,7 +275,7 @@ class EdgeSession:
             reply_frames = self.connection.recv(left)
             reply = protocol.decode(reply_frames)
             wire_in = transports.message_nbytes(reply_frames)
-            if isinstance(reply, Pong) or (seq and isinstance(reply, Welcome)):
+            if isinstance(reply, Pong) or (seq and isinstance(reply, (Welcome, Redirect))):
                 continue  # a late answer to a heartbeat, or to a repeated hello
             reply_seq = getattr(reply, "seq", 0)
             if seq and reply_seq and reply_seq != seq:
@@ -297,16 +304,17 @@ class EdgeSession:
             try:
                 with translated():
                     self.connection = self._reconnect()
+                    self.route.back_to_front_door()
                     welcome = self._resume_handshake(max(0.1, min(self.timeout, deadline - time.monotonic())))
                     result = self._replay(welcome.seq, seq)
                 self.recoveries += 1
                 log.warning("session %s resumed at request %d (step %d); replayed %d request(s)",
                             self.session_id, welcome.seq, welcome.steps, seq - min(seq, welcome.seq))
                 return result
-            except (AuthError, HandshakeError, PeerGone):
-                raise  # refused, or the session cannot be resumed: retrying will not change that
-            except (TransportError, SessionLost, CapacityError) as exc:
-                fault = exc
+            except (HandshakeError, PeerGone):
+                raise  # the session cannot be resumed: retrying will not change that
+            except (TransportError, SessionLost, CapacityError) as exc:  # a refusal too: the keys opened
+                fault = exc  # the session, so a port is held for a moment by another (restart, reused port)
             delay = backoff.next()
             if time.monotonic() + delay > deadline:
                 raise TransportTimeout(
@@ -325,14 +333,29 @@ class EdgeSession:
 
     def _resume_handshake(self, timeout: float) -> Welcome:
         frames = protocol.encode(self._resume_hello())
-        self.metrics.count("up", "control", wire=self.connection.send(frames))
-        reply, wire_in = self._receive(0, timeout)
-        self.metrics.count("down", "control", wire=wire_in)
-        if isinstance(reply, Error):
-            raise from_code(reply.code, f"cloud: {reply.message}")
+
+        def ask() -> protocol.Message:
+            self.metrics.count("up", "control", wire=self.connection.send(frames))
+            reply, wire_in = self._receive(0, timeout)
+            self.metrics.count("down", "control", wire=wire_in)
+            if isinstance(reply, Error):
+                raise from_code(reply.code, f"cloud: {reply.message}")
+            return reply
+
+        reply = self._placed(ask)
         if not isinstance(reply, Welcome) or reply.session != self.session_id:
             raise HandshakeError(f"expected a welcome back to session {self.session_id}, got {reply.TYPE}")
         self._welcomed(reply)
+        return reply
+
+    def _placed(self, ask: Callable[[], protocol.Message]) -> protocol.Message:
+        """The answer to the hello ``ask`` sends, after following the front door's redirect, if any."""
+        reply = ask()
+        if isinstance(reply, Redirect):
+            self.connection = self.route.go(reply, self.connection)
+            reply = ask()
+            if isinstance(reply, Redirect):
+                self.route.go(reply, self.connection)  # raises: a second hop is never taken
         return reply
 
     def _replay(self, cloud_seq: int, seq: int) -> Reply:
@@ -411,10 +434,13 @@ class EdgeSession:
                                          f"(step {welcome.steps}), but this edge checkpoint is at request "
                                          f"{self._seq} (step {self.step})")
             else:
-                reply, wire_in = self.exchange(hello, "control", Welcome, timer="handshake")
-                self.metrics.count("down", "control", wire=wire_in)
-                assert isinstance(reply, Welcome)
-                welcome = reply
+                def ask() -> protocol.Message:
+                    reply, wire_in = self.exchange(hello, "control", (Welcome, Redirect), timer="handshake")
+                    self.metrics.count("down", "control", wire=wire_in)
+                    return reply
+
+                welcome = self._placed(ask)
+                assert isinstance(welcome, Welcome)
                 self._welcomed(welcome)
             self._start_heartbeat()
             return welcome
