@@ -189,7 +189,8 @@ def test_two_ranks_each_serving_two_edges_equal_one_process(runs):
         _same(two[i]["cloud"], one[0]["cloud"])
         _same(two[i]["edge"], one[i]["edge"])
     numel = sum(p.numel() for p in mlp()[2:].parameters())
-    assert _round_bytes(log) == [4 * numel] * ROUNDS  # plain all-reduce: the whole fp32 bucket
+    sent = _round_bytes(log)  # a loaded machine can log one more round as the edges leave
+    assert sent[:ROUNDS] == [4 * numel] * ROUNDS and set(sent) == {4 * numel}  # plain: the whole fp32 bucket
 
 
 def test_powersgd_differs_from_plain_all_reduce_yet_trains_on_fewer_bytes(runs):
