@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 import threading
 import types
 import typing
@@ -268,9 +267,8 @@ def payload_from_wire(value: Any) -> tuple[Payload, bool]:
 _WIRE_NAMES = {np.dtype(name): name for name in WIRE_DTYPES}
 _WIRE_ITEMSIZE = {name: np.dtype(name).itemsize for name in WIRE_DTYPES}
 
-#: Per message type: its field names and one getter that reads them all, in declaration order.
-_GETTERS = {cls: (names, operator.attrgetter(*names) if len(names) > 1 else None)
-            for cls, names in _FIELD_NAMES.items()}
+#: Per message type: its field names, in declaration order (the order they are encoded in).
+_FIELD_TUPLES = {cls: tuple(names) for cls, names in _FIELD_NAMES.items()}
 #: Per message type: the packed ``{"v": ..., "t": TYPE, "b":`` that opens its header.
 _PREFIXES = {cls: b"\x83\xa1v" + msgpack.packb(PROTOCOL_VERSION) + b"\xa1t" + msgpack.packb(cls.TYPE) + b"\xa1b"
              for cls in MESSAGES.values()}
@@ -317,10 +315,9 @@ _ENCODER = _Encoder()
 def encode(message: Message) -> list:
     """Frames for ``message``: the header first, then one frame per array, in order of appearance."""
     cls = type(message)
-    names, getter = _GETTERS[cls]
-    if getter is not None:
-        body = dict(zip(names, getter(message)))
-    else:
+    names = _FIELD_TUPLES[cls]
+    body = message.__dict__  # a record's attributes are its fields, set in order by __init__ ...
+    if tuple(body) != names:  # ... unless someone added one or reordered them: read them one by one
         body = {name: getattr(message, name) for name in names}
     encoder = _ENCODER
     arrays = encoder.arrays = []
@@ -340,10 +337,17 @@ def decode(frames: list) -> Message:
     def ext_hook(code: int, data: bytes) -> Any:
         if code != _ARRAY_EXT:
             raise ProtocolError(f"unknown msgpack extension type {code}; only arrays (type {_ARRAY_EXT}) are allowed")
-        ref = _REFS_SEEN.get(data)
-        if ref is None:
-            ref = _array_ref(data)
-        return _array(frames, ref, used)
+        index, dtype, shape, nbytes = _REFS_SEEN.get(data) or _array_ref(data)
+        if not index < len(frames) - 1 or index in used:
+            raise ProtocolError(f"array reference to frame {index!r}: out of range or used twice "
+                                f"({len(frames) - 1} array frames)")
+        buf = memoryview(frames[index + 1]).cast("B")
+        if nbytes != buf.nbytes:
+            raise ProtocolError(f"array of shape {list(shape)} and dtype {dtype} needs {nbytes} bytes, "
+                                f"its frame has {buf.nbytes}")
+        used.add(index)
+        array = np.frombuffer(buf, dtype=dtype)
+        return array if len(shape) == 1 else array.reshape(shape)
 
     try:
         head = msgpack.unpackb(frames[0], raw=False, ext_hook=ext_hook, strict_map_key=True)
@@ -369,14 +373,8 @@ def decode(frames: list) -> Message:
 _HEAD_KEYS = frozenset(("v", "t", "b"))
 
 
-@dataclass(frozen=True)
-class _ArrayRef:
-    """A checked array reference: what its bytes say, apart from the frames it points into."""
-
-    index: int
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    nbytes: int
+#: A checked array reference: (frame index, dtype, shape, bytes), what its bytes say.
+_ArrayRef = tuple[int, np.dtype, tuple[int, ...], int]
 
 
 #: Array references already parsed and checked, by their bytes (a few distinct ones per model).
@@ -397,7 +395,7 @@ def _array_ref(data: bytes) -> _ArrayRef:
     if not (isinstance(shape, list) and len(shape) <= MAX_DIMS
             and all(isinstance(d, int) and d >= 0 for d in shape)):
         raise ProtocolError(f"array shape {_short(shape)} must be a list of at most {MAX_DIMS} non-negative ints")
-    ref = _ArrayRef(index, _WIRE_DTYPE_OBJECTS[dtype], tuple(shape), math.prod(shape) * _WIRE_ITEMSIZE[dtype])
+    ref = (index, _WIRE_DTYPE_OBJECTS[dtype], tuple(shape), math.prod(shape) * _WIRE_ITEMSIZE[dtype])
     if len(_REFS_SEEN) >= _CACHE_LIMIT:
         _REFS_SEEN.clear()
     _REFS_SEEN[bytes(data)] = ref
@@ -405,19 +403,6 @@ def _array_ref(data: bytes) -> _ArrayRef:
 
 
 _WIRE_DTYPE_OBJECTS = {name: np.dtype(name) for name in WIRE_DTYPES}
-
-
-def _array(frames: list, ref: _ArrayRef, used: set[int]) -> np.ndarray:
-    index = ref.index
-    if not index < len(frames) - 1 or index in used:
-        raise ProtocolError(f"array reference to frame {index!r}: out of range or used twice ({len(frames) - 1} array frames)")
-    buf = memoryview(frames[index + 1]).cast("B")
-    if ref.nbytes != buf.nbytes:
-        raise ProtocolError(f"array of shape {list(ref.shape)} and dtype {ref.dtype} needs {ref.nbytes} bytes, "
-                            f"its frame has {buf.nbytes}")
-    used.add(index)
-    array = np.frombuffer(buf, dtype=ref.dtype)
-    return array if len(ref.shape) == 1 else array.reshape(ref.shape)
 
 
 def _build(cls: type[Message], body: Any) -> Message:
@@ -432,6 +417,9 @@ def build_checked(cls: type, body: dict, what: str) -> Any:
     Unknown and missing fields are refused, and an int field refuses a bool. Messages and the
     mirrored operations (:mod:`splitft.operations`) are both built through here.
     """
+    signature = (cls, tuple(body), tuple(map(type, body.values())))
+    if signature in _PASSED:
+        return cls(**body)
     names, required, checks = _checks(cls)
     keys = body.keys()
     if keys <= names and required <= keys:
@@ -440,10 +428,16 @@ def build_checked(cls: type, body: dict, what: str) -> Any:
             if check is not None and (not isinstance(value, check[0]) or (check[1] and value.__class__ is bool)):
                 break
         else:
+            if len(_PASSED) >= _CACHE_LIMIT:
+                _PASSED.clear()
+            _PASSED.add(signature)
             return cls(**body)
     _refuse(cls, body, what)
 
 
+#: (class, field names, value types) of bodies that passed: whether a body passes depends on
+#: nothing else, and a stream of messages repeats a few of these.
+_PASSED: set[tuple] = set()
 _CHECKS: dict[type, tuple[frozenset[str], frozenset[str], dict[str, tuple[tuple[type, ...], bool] | None]]] = {}
 
 
