@@ -102,6 +102,8 @@ def tensor(a: np.ndarray, device: torch.device | str | None = None) -> torch.Ten
     """A tensor from a received array, on ``device`` (the host when None). Arrays rebuilt from
     wire frames are read-only, and a tensor over read-only memory is undefined behaviour once
     written, so those are copied (see :func:`compressors._device.upload`)."""
+    if device is None:  # the host: skip building a device per received tensor
+        return torch.from_numpy(a if a.flags.writeable else a.copy())
     return upload(a, device)
 
 

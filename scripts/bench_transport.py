@@ -8,7 +8,8 @@ codec encode + protocol encode (msgpack header, array frames) + ``ZmqConnection.
 alternate against the same receiver process, so machine noise hits both alike; the ratio of the
 medians is printed. A third column, "transport", sends the raw round's ``[tag, array]`` frames
 through ``ZmqConnection.send`` / ``ZmqListener.recv`` with no codec and no protocol: it shows
-what the transport itself costs, apart from encoding and decoding.
+what the transport itself costs, apart from encoding and decoding. The last column is the
+message path's fixed cost: its median time per message minus raw's.
 
     python scripts/bench_transport.py            # 64 KiB, 1 MiB, 16 MiB; median of 7 rounds each
 """
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
 
     rounds = {"raw": raw_round, "transport": transport_round, "splitft": splitft_round}
     print(f"{'size':>6s} {'raw GB/s':>9s} {'transport GB/s':>15s} {'ratio':>6s} {'splitft GB/s':>13s} {'ratio':>6s}"
-          f"   (median of {args.rounds} rounds)")
+          f" {'us/msg over raw':>16s}   (median of {args.rounds} rounds)")
     for label, nbytes in SIZES.items():
         tensor = torch.ones(nbytes // 4)
         count = max(8, args.megabytes * 2**20 // nbytes)
@@ -136,8 +137,9 @@ def main(argv: list[str] | None = None) -> None:
                 run(tensor, count)
                 times[name].append(time.perf_counter() - start)
         rate = {name: nbytes * count / statistics.median(t) / 1e9 for name, t in times.items()}
+        extra = (statistics.median(times["splitft"]) - statistics.median(times["raw"])) / count * 1e6
         print(f"{label:>6s} {rate['raw']:9.2f} {rate['transport']:15.2f} {rate['transport'] / rate['raw']:6.2f}x "
-              f"{rate['splitft']:13.2f} {rate['splitft'] / rate['raw']:6.2f}x", flush=True)
+              f"{rate['splitft']:13.2f} {rate['splitft'] / rate['raw']:6.2f}x {extra:16.1f}", flush=True)
     sock.send_multipart([b"stop", b""])
     proc.join(timeout=10)
     sock.close(linger=0)

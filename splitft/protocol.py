@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import types
 import typing
 from dataclasses import dataclass, field
@@ -281,28 +282,64 @@ def payload_from_wire(value: Any) -> tuple[Payload, bool]:
 _WIRE_NAMES = {np.dtype(name): name for name in WIRE_DTYPES}
 _WIRE_ITEMSIZE = {name: np.dtype(name).itemsize for name in WIRE_DTYPES}
 
+#: Per message type: its field names, in declaration order (the order they are encoded in).
+_FIELD_TUPLES = {cls: tuple(names) for cls, names in _FIELD_NAMES.items()}
+#: Per message type: the packed ``{"v": ..., "t": TYPE, "b":`` that opens its header.
+_PREFIXES = {cls: b"\x83\xa1v" + msgpack.packb(PROTOCOL_VERSION) + b"\xa1t" + msgpack.packb(cls.TYPE) + b"\xa1b"
+             for cls in MESSAGES.values()}
+#: Extension references already built, by (frame index, dtype name, shape); a few per model.
+_REF_CACHE: dict[tuple, msgpack.ExtType] = {}
+_CACHE_LIMIT = 1024
 
-def encode(message: Message) -> list:
-    """Frames for ``message``: the header first, then one frame per array, in order of appearance."""
-    arrays: list[np.ndarray] = []
 
-    def default(obj: Any) -> Any:
+class _Encoder(threading.local):
+    """One msgpack packer per thread, reused: building one costs as much as packing a header.
+
+    ``arrays`` collects the arrays met while one header is packed; the packer resets itself
+    after an error, so a failed encode leaves nothing behind.
+    """
+
+    def __init__(self) -> None:
+        self.arrays: list[np.ndarray] = []
+        self.packer = msgpack.Packer(default=self.default, use_bin_type=True)
+
+    def default(self, obj: Any) -> Any:
         if isinstance(obj, np.ndarray):
             name = _WIRE_NAMES.get(obj.dtype)  # native byte order only: the receiver reads native
             if name is None:
                 raise ProtocolError(f"array dtype {obj.dtype} cannot go on the wire; allowed: {sorted(WIRE_DTYPES)}")
+            arrays = self.arrays
+            key = (len(arrays), name, obj.shape)
+            ref = _REF_CACHE.get(key)
+            if ref is None:
+                if len(_REF_CACHE) >= _CACHE_LIMIT:
+                    _REF_CACHE.clear()
+                ref = _REF_CACHE[key] = msgpack.ExtType(_ARRAY_EXT, msgpack.packb([len(arrays), name, list(obj.shape)]))
             arrays.append(np.ascontiguousarray(obj))
-            ref = msgpack.packb([len(arrays) - 1, name, list(obj.shape)])
-            return msgpack.ExtType(_ARRAY_EXT, ref)
+            return ref
         if isinstance(obj, tuple):
             return list(obj)
         if isinstance(obj, (np.integer, np.floating, np.bool_)):
             return obj.item()
         raise ProtocolError(f"cannot put a {type(obj).__name__} on the wire (only plain values and numpy arrays)")
 
-    body = {name: getattr(message, name) for name in _FIELD_NAMES[type(message)]}
-    header = msgpack.packb({"v": PROTOCOL_VERSION, "t": message.TYPE, "b": body},
-                           default=default, use_bin_type=True)
+
+_ENCODER = _Encoder()
+
+
+def encode(message: Message) -> list:
+    """Frames for ``message``: the header first, then one frame per array, in order of appearance."""
+    cls = type(message)
+    names = _FIELD_TUPLES[cls]
+    body = message.__dict__  # a record's attributes are its fields, set in order by __init__ ...
+    if tuple(body) != names:  # ... unless someone added one or reordered them: read them one by one
+        body = {name: getattr(message, name) for name in names}
+    encoder = _ENCODER
+    arrays = encoder.arrays = []
+    try:
+        header = _PREFIXES[cls] + encoder.packer.pack(body)
+    finally:
+        encoder.arrays = []
     return [header, *arrays]
 
 
@@ -315,11 +352,17 @@ def decode(frames: list) -> Message:
     def ext_hook(code: int, data: bytes) -> Any:
         if code != _ARRAY_EXT:
             raise ProtocolError(f"unknown msgpack extension type {code}; only arrays (type {_ARRAY_EXT}) are allowed")
-        try:
-            index, dtype, shape = msgpack.unpackb(data, raw=False)
-        except Exception as exc:
-            raise ProtocolError(f"malformed array reference: {exc}") from None
-        return _array(frames, index, dtype, shape, used)
+        index, dtype, shape, nbytes = _REFS_SEEN.get(data) or _array_ref(data)
+        if not index < len(frames) - 1 or index in used:
+            raise ProtocolError(f"array reference to frame {index!r}: out of range or used twice "
+                                f"({len(frames) - 1} array frames)")
+        buf = memoryview(frames[index + 1]).cast("B")
+        if nbytes != buf.nbytes:
+            raise ProtocolError(f"array of shape {list(shape)} and dtype {dtype} needs {nbytes} bytes, "
+                                f"its frame has {buf.nbytes}")
+        used.add(index)
+        array = np.frombuffer(buf, dtype=dtype)
+        return array if len(shape) == 1 else array.reshape(shape)
 
     try:
         head = msgpack.unpackb(frames[0], raw=False, ext_hook=ext_hook, strict_map_key=True)
@@ -327,7 +370,7 @@ def decode(frames: list) -> Message:
         raise
     except Exception as exc:  # msgpack raises several types for garbage
         raise ProtocolError(f"header frame is not valid msgpack: {type(exc).__name__}: {exc}") from None
-    if not isinstance(head, dict) or set(head) != {"v", "t", "b"}:
+    if not isinstance(head, dict) or head.keys() != _HEAD_KEYS:
         raise ProtocolError(f"header must be a map with keys v, t, b; got {_short(head)}")
     if head["v"] != PROTOCOL_VERSION:
         raise ProtocolError(
@@ -342,20 +385,39 @@ def decode(frames: list) -> Message:
     return _build(cls, head["b"])
 
 
-def _array(frames: list, index: Any, dtype: Any, shape: Any, used: set[int]) -> np.ndarray:
-    if not isinstance(index, int) or not 0 <= index < len(frames) - 1 or index in used:
-        raise ProtocolError(f"array reference to frame {index!r}: out of range or used twice ({len(frames) - 1} array frames)")
+_HEAD_KEYS = frozenset(("v", "t", "b"))
+
+
+#: A checked array reference: (frame index, dtype, shape, bytes), what its bytes say.
+_ArrayRef = tuple[int, np.dtype, tuple[int, ...], int]
+
+
+#: Array references already parsed and checked, by their bytes (a few distinct ones per model).
+#: The frame-dependent checks (index in range, used once, size of the frame) run every time.
+_REFS_SEEN: dict[bytes, _ArrayRef] = {}
+
+
+def _array_ref(data: bytes) -> _ArrayRef:
+    """Parse and check an array reference's bytes: ``[frame index, dtype, shape]``."""
+    try:
+        index, dtype, shape = msgpack.unpackb(data, raw=False)
+    except Exception as exc:
+        raise ProtocolError(f"malformed array reference: {exc}") from None
+    if not isinstance(index, int) or index < 0:
+        raise ProtocolError(f"array reference to frame {index!r}: out of range")
     if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
         raise ProtocolError(f"array dtype {_short(dtype)} is not allowed; allowed: {', '.join(sorted(WIRE_DTYPES))}")
     if not (isinstance(shape, list) and len(shape) <= MAX_DIMS
             and all(isinstance(d, int) and d >= 0 for d in shape)):
         raise ProtocolError(f"array shape {_short(shape)} must be a list of at most {MAX_DIMS} non-negative ints")
-    buf = memoryview(frames[index + 1]).cast("B")
-    expected = math.prod(shape) * _WIRE_ITEMSIZE[dtype]
-    if expected != buf.nbytes:
-        raise ProtocolError(f"array of shape {shape} and dtype {dtype} needs {expected} bytes, its frame has {buf.nbytes}")
-    used.add(index)
-    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+    ref = (index, _WIRE_DTYPE_OBJECTS[dtype], tuple(shape), math.prod(shape) * _WIRE_ITEMSIZE[dtype])
+    if len(_REFS_SEEN) >= _CACHE_LIMIT:
+        _REFS_SEEN.clear()
+    _REFS_SEEN[bytes(data)] = ref
+    return ref
+
+
+_WIRE_DTYPE_OBJECTS = {name: np.dtype(name) for name in WIRE_DTYPES}
 
 
 def _build(cls: type[Message], body: Any) -> Message:
@@ -370,6 +432,46 @@ def build_checked(cls: type, body: dict, what: str) -> Any:
     Unknown and missing fields are refused, and an int field refuses a bool. Messages and the
     mirrored operations (:mod:`splitft.operations`) are both built through here.
     """
+    signature = (cls, tuple(body), tuple(map(type, body.values())))
+    if signature in _PASSED:
+        return cls(**body)
+    names, required, checks = _checks(cls)
+    keys = body.keys()
+    if keys <= names and required <= keys:
+        for name, value in body.items():
+            check = checks[name]
+            if check is not None and (not isinstance(value, check[0]) or (check[1] and value.__class__ is bool)):
+                break
+        else:
+            if len(_PASSED) >= _CACHE_LIMIT:
+                _PASSED.clear()
+            _PASSED.add(signature)
+            return cls(**body)
+    _refuse(cls, body, what)
+
+
+#: (class, field names, value types) of bodies that passed: whether a body passes depends on
+#: nothing else, and a stream of messages repeats a few of these.
+_PASSED: set[tuple] = set()
+_CHECKS: dict[type, tuple[frozenset[str], frozenset[str], dict[str, tuple[tuple[type, ...], bool] | None]]] = {}
+
+
+def _checks(cls: type) -> tuple[frozenset[str], frozenset[str], dict[str, tuple[tuple[type, ...], bool] | None]]:
+    """Per record class: its field names, the required ones, and per field (accepted types,
+    refuses bool) or None for a field that takes anything."""
+    found = _CHECKS.get(cls)
+    if found is None:
+        schema, names = _schema(cls)
+        found = _CHECKS[cls] = (
+            names,
+            frozenset(name for name, _, _, required in schema if required),
+            {name: None if accepted is None else (accepted, bool not in accepted) for name, _, accepted, _ in schema},
+        )
+    return found
+
+
+def _refuse(cls: type, body: dict, what: str) -> None:
+    """Raise the first problem of a body that failed :func:`build_checked`, in field order."""
     schema, names = _schema(cls)
     if not set(body) <= names:
         raise ProtocolError(f"{what} has no field(s) {sorted(map(str, set(body) - names))}")
@@ -382,7 +484,7 @@ def build_checked(cls: type, body: dict, what: str) -> Any:
         if accepted is not None and (not isinstance(value, accepted)
                                      or (isinstance(value, bool) and bool not in accepted)):
             raise ProtocolError(f"{what}.{name} should be {_type_name(hint)}, got {_short(value)}")
-    return cls(**body)
+    raise ProtocolError(f"{what} is malformed")
 
 
 def _type_name(hint: Any) -> str:

@@ -117,3 +117,95 @@ def test_malformed_messages_raise_protocol_error(name):
 def test_unsupported_array_dtype_is_refused_on_encode():
     with pytest.raises(ProtocolError, match="dtype"):
         protocol.encode(protocol.Sync(ops=[{"x": np.array(["a"], dtype=object)}]))
+
+
+# ---------------------------------------------------------------- the fast paths keep every check
+
+
+def _forward_frames(n: int = 4) -> list:
+    arr = np.arange(n, dtype=np.float32)
+    entry = protocol.payload_to_wire(Payload("identity", 1, {"x": arr}), True)
+    frames = protocol.encode(protocol.Forward(call=1, train=True, grad=True, args=[entry], kwargs={}))
+    return [memoryview(bytes(memoryview(f).cast("B"))) for f in frames]
+
+
+def test_a_remembered_array_reference_still_checks_its_frame():
+    good = _forward_frames()
+    protocol.decode(good)  # the reference [0, float32, [4]] is now remembered
+    with pytest.raises(ProtocolError, match="needs 16 bytes"):
+        protocol.decode([good[0], memoryview(b"\0" * 12)])
+    with pytest.raises(ProtocolError, match="array frames arrived"):
+        protocol.decode([good[0], good[1], good[1]])
+    with pytest.raises(ProtocolError, match="out of range"):
+        protocol.decode([good[0]])
+    twice = msgpack.packb({"v": V, "t": "sync", "b": {"ops": [_ext(0, "float32", [4]), _ext(0, "float32", [4])]}})
+    with pytest.raises(ProtocolError, match="used twice"):
+        protocol.decode([twice, good[1]])
+
+
+def test_a_body_that_passed_does_not_let_other_types_through():
+    ok = msgpack.packb({"v": V, "t": "backward", "b": {"call": 1, "grads": [], "ops": [], "seq": 2}})
+    assert protocol.decode([ok]) == protocol.Backward(call=1, grads=[], seq=2)
+    for body in ({"call": True, "grads": [], "ops": [], "seq": 2}, {"call": 1, "grads": {}, "ops": [], "seq": 2},
+                 {"call": 1, "grads": [], "ops": [], "seq": 2.0}, {"call": 1, "grads": [], "ops": [], "sq": 2}):
+        with pytest.raises(ProtocolError):
+            protocol.decode([msgpack.packb({"v": V, "t": "backward", "b": body})])
+
+
+def test_the_first_problem_in_field_order_is_the_one_reported():
+    body = {"grads": "not a list", "call": "not an int"}
+    with pytest.raises(ProtocolError, match=r"backward\.call should be int"):
+        protocol.decode([_header(body, t="backward")])
+
+
+def test_remembered_references_and_bodies_stay_bounded():
+    for n in range(protocol._CACHE_LIMIT + 50):
+        frames = [msgpack.packb({"v": V, "t": "sync", "b": {"ops": [_ext(0, "uint8", [n])]}}), b"\0" * n]
+        protocol.decode(frames)
+    assert len(protocol._REFS_SEEN) <= protocol._CACHE_LIMIT
+    assert len(protocol._PASSED) <= protocol._CACHE_LIMIT
+
+
+def test_a_failed_encode_leaves_nothing_for_the_next():
+    with pytest.raises(ProtocolError):
+        protocol.encode(protocol.Sync(ops=[{"a": np.zeros(2, np.float32)}, {"x": np.array(["a"], dtype=object)}]))
+    frames = protocol.encode(protocol.Sync(ops=[{"a": np.ones(3, np.float32)}]))
+    assert len(frames) == 2
+    assert protocol.decode(frames).ops[0]["a"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_encoding_from_many_threads_keeps_each_message_whole():
+    import sys
+    import threading
+
+    failures = []
+
+    def work(k: int) -> None:
+        try:
+            for i in range(300):
+                arrays = [np.full(k + 1, i, np.int64), np.full(2, k, np.int32), np.full(3, i + k, np.int16)]
+                ops = [{"a": arrays[0]}, {"b": arrays[1]}, {"c": arrays[2]}]
+                frames = protocol.encode(protocol.Sync(ops=ops, seq=i))
+                back = protocol.decode([memoryview(bytes(memoryview(f).cast("B"))) for f in frames])
+                if back.seq != i or [list(op.values())[0].tolist() for op in back.ops] != [a.tolist() for a in arrays]:
+                    failures.append((k, i))
+        except Exception as exc:  # noqa: BLE001 - reported below, from the test's thread
+            failures.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible, inside encodes too
+    try:
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not any(t.is_alive() for t in threads) and not failures, failures[:3]
+
+
+def test_a_message_with_an_extra_attribute_encodes_only_its_fields():
+    msg = protocol.Ack(seq=7)
+    msg.note = "local only"  # type: ignore[attr-defined]
+    assert protocol.encode(msg) == protocol.encode(protocol.Ack(seq=7))

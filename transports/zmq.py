@@ -25,7 +25,7 @@ from collections.abc import Callable, Collection, Sequence
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from .base import Connection, Frame, Listener, PeerId, message_nbytes
+from .base import Connection, Frame, Listener, PeerId
 from .errors import TransportClosed, TransportDisconnected, TransportError, TransportRefused, TransportTimeout
 
 log = logging.getLogger(__name__)
@@ -38,13 +38,17 @@ def _poll_ms(timeout: float | None) -> int | None:
     return None if timeout is None else max(0, int(timeout * 1000))
 
 
-def _send_frames(sock: zmq.Socket, frames: Sequence[Frame], flags: int) -> None:
-    """Send ``frames`` as one message, frame by frame: no list is built per message. pyzmq copies
-    frames under its copy threshold (64 KiB) and hands larger ones to ZeroMQ without a copy."""
+def _send_frames(sock: zmq.Socket, frames: Sequence[Frame], flags: int) -> int:
+    """Send ``frames`` as one message, frame by frame, and return its bytes: no list is built per
+    message. pyzmq copies frames under its copy threshold (64 KiB) and hands larger ones to
+    ZeroMQ without a copy."""
     last = len(frames) - 1
     more = flags | zmq.SNDMORE
+    nbytes = 0
     for i, frame in enumerate(frames):
         sock.send(frame, flags if i == last else more, copy=False)
+        nbytes += memoryview(frame).nbytes
+    return nbytes
 
 
 def _recv_nowait(sock: zmq.Socket) -> bytes | None:
@@ -127,13 +131,12 @@ class ZmqConnection(Connection):
         if not frames:
             raise TransportError("a message needs at least one frame")
         try:
-            _send_frames(self._sock, frames, 0)
+            return _send_frames(self._sock, frames, 0)
         except zmq.Again:
             raise TransportTimeout(
                 f"send to {self.address} found no room for the message (is the cloud reachable?)") from None
         except zmq.ZMQError as exc:
             raise TransportError(f"send to {self.address} failed: {exc}") from exc
-        return message_nbytes(frames)
 
     def recv(self, timeout: float | None) -> list[memoryview]:
         if self._closed:
@@ -341,12 +344,11 @@ class ZmqListener(Listener):
             raise TransportError("a message needs at least one frame")
         try:
             self._sock.send(peer, zmq.NOBLOCK | zmq.SNDMORE)
-            _send_frames(self._sock, frames, zmq.NOBLOCK)
+            return _send_frames(self._sock, frames, zmq.NOBLOCK)
         except zmq.Again:
             raise TransportError(f"peer {peer.hex()} is not reading its replies; dropped one") from None
         except zmq.ZMQError as exc:
             raise TransportError(f"send to peer {peer.hex()} failed: {exc} (did it disconnect?)") from exc
-        return message_nbytes(frames)
 
     def recv(self, timeout: float | None) -> tuple[PeerId, list[memoryview]]:
         if self._closed:
