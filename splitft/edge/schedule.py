@@ -213,7 +213,7 @@ class Scheduler:
     def _backprop_edge(self, call: Call, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Backpropagate the cut's gradients through the edge's graph (kept apart from the call's)."""
         pairs = [(leaf, g) for leaf, g, need in zip(call.leaves, grads, call.in_grad) if need and g is not None]
-        if pairs:  # the stashed copies pass their gradients on to the weights (SplitModel._stashed_forward)
+        if pairs:  # the stashed copies pass their gradients on to the weights (streaming.stash_weights)
             torch.autograd.backward([leaf for leaf, _ in pairs], [g for _, g in pairs])
         return [None] * len(grads)
 
