@@ -168,16 +168,16 @@ class Binary(Codec):
         dtype: a float64 tensor decodes to over 100 times the bytes that travelled."""
         shape, dtype, packed = self._read(payload)
         n = math.prod(shape)
-        # the device path: the bit planes, then the signs as int32
-        device = bitpack.unpack_tensor_nbytes(n, 1) + 4 * n if use_torch(ctx.device) else 0
-        return packed.size * (8 + 8 * 4) + n * dtype.itemsize + device
+        if use_torch(ctx.device):  # the bit planes' int32 temporaries, summed step by step, then the output
+            return packed.size + 4 * 4 * n + bitpack.unpack_tensor_nbytes(n, 1) + n * dtype.itemsize
+        return packed.size * (8 + 8 * 4) + n * dtype.itemsize
 
     def decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
         shape, dtype, packed = self._read(payload)
         n = math.prod(shape)
         if use_torch(ctx.device):
             bits = bitpack.unpack_tensor(upload(packed, ctx.device), 1, n)
-            return (bits * 2 - 1).to(dtype).reshape(shape)
+            return bits.to(dtype).mul_(2).sub_(1).reshape(shape)
         # one table row per byte value: its eight +-1 values in one gather, no unpack-then-scale
         signs = np.take(_SIGNS_OF_BYTE, packed, axis=0).reshape(-1)[:n]
         return torch.from_numpy(signs).to(dtype).reshape(shape)

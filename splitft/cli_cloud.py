@@ -173,7 +173,12 @@ def run_cloud(args: argparse.Namespace) -> int:
     from .errors import SplitFTError
 
     if args.workers > 1 and not workers.launched():
-        return workers.launch_for(args)
+        try:
+            workers.launch_for(args)
+        except SplitFTError as exc:
+            print(f"cloud: error: {exc}", file=sys.stderr, flush=True)
+            return 1 if isinstance(exc, workers.RanksFailed) else 2
+        return 0
     group = None
 
     def say(text: str) -> None:

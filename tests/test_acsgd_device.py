@@ -20,8 +20,7 @@ from compressors import CodecContext, CompressionError, DesyncError, Payload, ma
 from compressors._device import portable_kernels
 from compressors._rows import CHUNK_WORDS, hash_weights, row_checksums_tensor, row_words_of, weight_halves
 from compressors.delta import ACSGD, row_checksums
-from tests.test_codec_policy import WORKSPACE_SLACK, _release_free_memory, _rss_peak_reset, _status_bytes
-from tests.test_registry_walk import ctx_for, make_input, over_the_wire
+from tests.test_codec_policy import assert_decode_peak_priced
 
 CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU")])
@@ -268,23 +267,7 @@ def test_a_memory_mapped_buffer_works_under_the_portable_kernels(tmp_path) -> No
 def test_decode_cost_bounds_the_measured_peak_on_the_device_path(spec: str) -> None:
     """As ``test_codec_policy`` measures the host path: the device path's kernels (unpacking,
     the checksum's halves) on the CPU must stay within the price, too."""
-    if _rss_peak_reset() is None or not _release_free_memory():
-        pytest.skip("needs Linux /proc/self/clear_refs and glibc malloc_trim to measure a peak")
-    with portable_kernels():
-        x = make_input(spec, (64, 64, 1024), torch.float32, strided=False)  # 4 Mi values
-        enc, dec, warm = make_codec(spec), make_codec(spec), make_codec(spec)
-        ctx = ctx_for(spec, x, train="eval_bits" not in spec)
-        wire = over_the_wire(enc.encode(x, ctx))
-        del x, enc
-        cost = dec.decode_cost(wire, ctx)
-        warm.decode(wire, ctx)
-        del warm
-        _release_free_memory()
-        base = _rss_peak_reset()
-        y = dec.decode(wire, ctx)
-        peak = _status_bytes("VmHWM") - base
-    del y
-    assert peak <= cost + WORKSPACE_SLACK, f"decode peaked at {peak / 2**20:.1f} MiB, priced {cost / 2**20:.1f} MiB"
+    assert_decode_peak_priced(spec, torch.float32, portable=True)
 
 
 def test_only_the_payload_crosses_to_the_host(monkeypatch) -> None:

@@ -36,6 +36,7 @@ from compressors import (
     check_spec,
     make_codec,
 )
+from compressors._device import portable_kernels
 from compressors.circconv import KEY_SIZES
 from compressors.lowrank import WARM_SHAPES
 from compressors.policy import bound_names
@@ -521,20 +522,33 @@ WORKSPACE_SLACK = 4 << 20
                                   "acsgd:eval_bits=8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
 def test_decode_cost_bounds_the_measured_peak(spec: str, dtype: torch.dtype) -> None:
+    assert_decode_peak_priced(spec, dtype)
+
+
+@pytest.mark.parametrize("spec", ["fixpoint:bits=3", "fixpoint:bits=8", "binary"])
+def test_decode_cost_bounds_the_measured_peak_of_the_device_kernels(spec: str) -> None:
+    """The torch kernels an accelerator runs (bit planes, signs), measured on the CPU."""
+    assert_decode_peak_priced(spec, torch.float32, portable=True)
+
+
+def assert_decode_peak_priced(spec: str, dtype: torch.dtype, portable: bool = False) -> None:
+    """Decode a 4 Mi-value payload of ``spec`` and compare the process's measured peak with the
+    codec's ``decode_cost`` (``portable``: through the device kernels)."""
     if _rss_peak_reset() is None or not _release_free_memory():
         pytest.skip("needs Linux /proc/self/clear_refs and glibc malloc_trim to measure a peak")
-    x = make_input(spec, (64, 64, 1024), dtype, strided=False)  # 4 Mi values
-    enc, dec, warm = make_codec(spec), make_codec(spec), make_codec(spec)
-    ctx = ctx_for(spec, x, train="eval_bits" not in spec)
-    wire = over_the_wire(enc.encode(x, ctx))
-    del x, enc
-    cost = dec.decode_cost(wire, ctx)
-    warm.decode(wire, ctx)  # code pages and one-off library state are not the decode's cost
-    del warm
-    _release_free_memory()
-    base = _rss_peak_reset()
-    y = dec.decode(wire, ctx)
-    peak = _status_bytes("VmHWM") - base
+    with portable_kernels(portable):
+        x = make_input(spec, (64, 64, 1024), dtype, strided=False)  # 4 Mi values
+        enc, dec, warm = make_codec(spec), make_codec(spec), make_codec(spec)
+        ctx = ctx_for(spec, x, train="eval_bits" not in spec)
+        wire = over_the_wire(enc.encode(x, ctx))
+        del x, enc
+        cost = dec.decode_cost(wire, ctx)
+        warm.decode(wire, ctx)  # code pages and one-off library state are not the decode's cost
+        del warm
+        _release_free_memory()
+        base = _rss_peak_reset()
+        y = dec.decode(wire, ctx)
+        peak = _status_bytes("VmHWM") - base
     del y
     assert peak <= cost + WORKSPACE_SLACK, (
         f"decode of {spec} peaked at {peak / 2**20:.1f} MiB, priced {cost / 2**20:.1f} MiB")

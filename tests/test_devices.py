@@ -285,6 +285,17 @@ def test_split_with_the_cloud_on_a_gpu_equals_local(tmp_path, digits, rejoin):
     _assert_close(_local(digits), split, rtol=1e-3, atol=1e-4)
 
 
+def _half_of_the_steps(model, it) -> None:
+    """STEPS // 2 of :func:`_local`'s steps (Adam, attached after a resume too), from ``it``."""
+    opt = model.attach(torch.optim.Adam(model.parameters(), lr=3e-3))
+    crit = model.remote_loss(nn.CrossEntropyLoss())
+    for _ in range(STEPS // 2):
+        x, y, _ = next(it)
+        crit(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 @cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("first,second", [("cuda", "cpu"), ("cpu", "cuda")])
@@ -294,13 +305,7 @@ def test_a_session_checkpointed_on_one_device_resumes_on_the_other(tmp_path, dig
     proc, address, _ = start_cloud(tmp_path, *extra, "--device", first)
     it = batches(digits, 32, shuffle=True, seed=3)
     model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connect=address, faults=Faults(timeout=60))
-    opt = model.attach(torch.optim.Adam(model.parameters(), lr=3e-3))
-    crit = model.remote_loss(nn.CrossEntropyLoss())
-    for _ in range(STEPS // 2):
-        x, y, _ = next(it)
-        crit(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    _half_of_the_steps(model, it)
     model.save_checkpoint(tmp_path / "edge")
     model.session._drop()
     stop(proc)
@@ -308,13 +313,7 @@ def test_a_session_checkpointed_on_one_device_resumes_on_the_other(tmp_path, dig
     try:
         with splitft.split(digits_cnn(), "block3", factory=DIGITS, connect=address, faults=Faults(timeout=60),
                            resume_from=tmp_path / "edge") as model:
-            opt = model.attach(torch.optim.Adam(model.parameters(), lr=3e-3))
-            crit = model.remote_loss(nn.CrossEntropyLoss())
-            for _ in range(STEPS // 2):
-                x, y, _ = next(it)
-                crit(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
+            _half_of_the_steps(model, it)
             state = {**model.edge_state_dict(), **model.cloud_state_dict()}
     finally:
         stop(proc)

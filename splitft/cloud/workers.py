@@ -22,12 +22,17 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import ConfigError, SplitFTError
 from ..limits import Limits
 from .ranks import RankEnv, RankGroup, launched
 
 
-def launch(workers: int, argv: list[str], *, max_restarts: int = 3, monitor_interval: float = 0.2) -> int:
-    """Run ``splitft <argv>`` as ``workers`` ranks on this machine; the exit status of the job."""
+class RanksFailed(SplitFTError):
+    """The group of ranks kept failing: the launcher gave up after its restarts."""
+
+
+def launch(workers: int, argv: list[str], *, max_restarts: int = 3, monitor_interval: float = 0.2) -> None:
+    """Run ``splitft <argv>`` as ``workers`` ranks on this machine, until the job ends."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -39,19 +44,15 @@ def launch(workers: int, argv: list[str], *, max_restarts: int = 3, monitor_inte
     try:
         elastic_launch(config, sys.executable)("-m", "splitft", *argv)
     except ChildFailedError as exc:
-        print(f"cloud: the group of {workers} ranks failed after {max_restarts} restart(s): {exc}",
-              file=sys.stderr, flush=True)
-        return 1
-    return 0
+        raise RanksFailed(f"the group of {workers} ranks failed after {max_restarts} restart(s): {exc}") from None
 
 
-def launch_for(args: argparse.Namespace) -> int:
-    """``--workers N``: the job, or 2 when it cannot be placed (a shared half takes its own ranks)."""
+def launch_for(args: argparse.Namespace) -> None:
+    """``--workers N``: the job; a shared half takes its own ranks, so it is refused."""
     if args.shared_model:
-        print("cloud: error: --workers places per-edge sessions on ranks; a shared half (--shared-model "
-              "--sync-rounds) runs one listener per rank: start those ranks with torchrun", file=sys.stderr)
-        return 2
-    return launch(args.workers, args.argv, max_restarts=args.max_restarts)
+        raise ConfigError("--workers places per-edge sessions on ranks; a shared half (--shared-model "
+                          "--sync-rounds) runs one listener per rank: start those ranks with torchrun")
+    launch(args.workers, args.argv, max_restarts=args.max_restarts)
 
 
 def join(args: argparse.Namespace) -> RankGroup | None:
@@ -117,5 +118,5 @@ def leave(group: RankGroup | None) -> None:
         group.close()
 
 
-__all__ = ["bind_address", "device", "join", "launch", "launch_for", "launched", "leave", "ready", "server_class",
+__all__ = ["RanksFailed", "bind_address", "device", "join", "launch", "launch_for", "launched", "leave", "ready", "server_class",
            "tag"]
