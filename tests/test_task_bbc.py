@@ -39,3 +39,59 @@ def test_the_model_is_the_same_on_both_sides_and_cuts_inside_the_encoder():
     ids = torch.tensor([[101, 7592, 2088, 102, 0, 0]])
     with torch.no_grad():
         assert a(ids, (ids != 0).long()).shape == (1, 5)
+
+
+def test_the_chain_is_the_classifier_as_a_sequential_cut_plain():
+    from splitft.tasks.bbc import minilm_chain
+
+    chain, classifier = minilm_chain(), minilm_classifier()
+    assert isinstance(chain, torch.nn.Sequential)
+    spec = parse_cut(chain, get_task("bbc-plain").cut)
+    assert cloud_module_names(chain, spec) == [f"layer{i}" for i in range(2, 6)] + ["pool", "head"]
+    ids = load_bbc(max_length=32)[1].x["input_ids"][:4]
+    with torch.no_grad():
+        torch.testing.assert_close(chain(ids), classifier.eval()(ids, torch.ones_like(ids)), rtol=0, atol=1e-5)
+
+
+def test_windows_keep_only_articles_that_fill_them():
+    from splitft.tasks.bbc import load_bbc_windows
+
+    train, test = load_bbc_windows(max_length=128)
+    assert (len(train), len(test)) == (1780, 444)  # one training article is shorter than 128 tokens
+    assert isinstance(train.x, torch.Tensor) and train.x.shape == (1780, 128)
+    assert (train.x != 0).all() and torch.equal(train.ids, torch.arange(1780))
+
+
+def test_a_frozen_edge_streaming_minilm_trains_exactly_as_synchronous():
+    """Streaming on a real pre-trained transformer: the cloud's weights equal synchronous training's."""
+    import transports
+    from splitft.cloud import CloudServer, serve_in_thread
+    from splitft.data import batches
+    from splitft.options import Link, Schedule
+    from splitft.runner import TaskRun, prepare
+
+    listener = transports.InprocListener()
+    server = CloudServer(listener, [get_task("bbc-plain").model])
+    thread = serve_in_thread(server)
+    weights, losses = [], []
+    try:
+        for window in (1, 3):
+            prepared = prepare(TaskRun(task="bbc-plain", freeze_edge=True, schedule=Schedule(window=window),
+                                       limit=40, max_length=16, batch_size=8), Link(listener.connect()))
+            model, opt = prepared.model, prepared.optimizer
+            with model:
+                run = []
+                for x, y, _ in batches(prepared.train, 8, shuffle=True, seed=0, epoch=0):
+                    loss = prepared.criterion(model(x), y)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    run.append(loss.detach())
+                losses.append([float(v) for v in run])
+                weights.append(model.cloud_state_dict())
+    finally:
+        server.stop()
+        thread.join(timeout=10)
+    assert losses[0] == losses[1] and len(losses[0]) == 5
+    for name, value in weights[0].items():
+        assert torch.equal(value, weights[1][name]), name

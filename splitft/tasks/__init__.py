@@ -76,6 +76,13 @@ TASKS: dict[str, Task] = {
         loader="splitft.tasks.bbc:load_bbc", epochs=1, batch_size=32, lr=3e-4, optimizer="AdamW", weights="factory",
         options={"max_length": 128},
     ),
+    "bbc-plain": Task(
+        name="bbc-plain", summary="BBC News as 128-token windows (1780 train / 444 test), all-MiniLM-L6-v2 as a chain "
+                                  "cut plain: the loss in the cloud, so a frozen edge can stream (--window)",
+        model="splitft.tasks.bbc:minilm_chain", cut="layer2", rejoin=None, topology="plain",
+        loader="splitft.tasks.bbc:load_bbc_windows", epochs=1, batch_size=32, lr=3e-4, optimizer="AdamW",
+        weights="factory", options={"max_length": 128},
+    ),
     "smollm": Task(
         name="smollm", summary="BBC News text as a language-modelling corpus, pre-trained SmolLM2-135M with LoRA "
                                "(held-out perplexity before and after)",

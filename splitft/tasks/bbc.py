@@ -7,6 +7,8 @@ U-shape inside the encoder: the edge runs the embeddings and the first layers, t
 rest of the encoder, and the pooling, head, loss and labels stay on the edge.
 
 Both edge and cloud name the model by its factory, ``splitft.tasks.bbc:minilm_classifier``.
+``minilm_chain`` (task ``bbc-plain``) is the same network as one ``nn.Sequential`` over unpadded
+windows of text, cut plain: the loss runs in the cloud, so a frozen edge can stream its steps.
 """
 
 from __future__ import annotations
@@ -147,3 +149,58 @@ def minilm_classifier(num_classes: int = len(CLASSES), seed: int = 0) -> MiniLMC
     finally:
         if bar:
             hf_logging.enable_progress_bar()
+
+
+class _Layer(nn.Module):
+    """One encoder layer as a chain link: hidden states in, hidden states out."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.layer(hidden)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class MeanPool(nn.Module):
+    """The mean over the sequence: every token is real in a window of unpadded articles."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.mean(dim=1)
+
+
+def minilm_chain(num_classes: int = len(CLASSES), seed: int = 0) -> nn.Sequential:
+    """all-MiniLM-L6-v2 as one ``nn.Sequential`` (embeddings, ``layer0``-``layer5``, pool, head),
+    so it can be cut *plain*: the cloud runs everything from the cut on, loss included, and an
+    edge needs nothing back before its next step when its own layers are frozen (streaming).
+
+    It reads token ids only, with no attention mask, so it suits windows of text with no padding:
+    :func:`load_bbc_windows` keeps the articles that fill the window (all but one here). The same
+    pre-trained weights and head initialisation as :func:`minilm_classifier`.
+    """
+    from collections import OrderedDict
+
+    classifier = minilm_classifier(num_classes, seed)
+    bert = classifier.bert
+    layers = [(f"layer{i}", _Layer(layer)) for i, layer in enumerate(bert.encoder.layer)]
+    return nn.Sequential(OrderedDict([("embeddings", bert.embeddings), *layers, ("pool", MeanPool()),
+                                      ("head", classifier.head)]))
+
+
+def load_bbc_windows(max_length: int = 128, test_fraction: float = 0.2, seed: int = 0,
+                     limit: int | None = None) -> tuple[Split, Split]:
+    """:func:`load_bbc`'s split as token ids alone, keeping only the articles at least
+    ``max_length`` tokens long (BBC articles are long: at 128 tokens one training article of
+    1781 is shorter), so a model without an attention mask sees no padding."""
+    train, test = load_bbc(max_length=max_length, test_fraction=test_fraction, seed=seed, limit=limit)
+
+    def windows(split: Split) -> Split:
+        full = split.x["attention_mask"].all(dim=1)
+        dropped = int((~full).sum())
+        if dropped:
+            log.info("BBC windows: %d of %d articles are shorter than %d tokens and left out",
+                     dropped, len(full), max_length)
+        return Split(split.x["input_ids"][full], split.y[full], torch.arange(int(full.sum())))
+
+    return windows(train), windows(test)

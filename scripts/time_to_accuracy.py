@@ -1,0 +1,248 @@
+"""Time to accuracy on slow links: MiniLM on BBC News, synchronous codecs against a streaming frozen edge.
+
+The task is ``bbc-plain`` (all-MiniLM-L6-v2 cut plain after its second encoder layer: the cloud
+runs layers 2-5, the pooling, the head and the loss; batch 32 of 128-token windows, AdamW 3e-4).
+Each row of the table is a way to train it:
+
+  identity, fp16, lowrank:rank=1, acsgd:bits=4 (8-bit gradients)   synchronous: one round trip a step
+  frozen+CODEC        the edge's layers frozen, ``window`` steps in flight (streaming): no round trip
+  delayed+CODEC       a trainable edge streaming with its cut gradients applied one step late
+
+Two phases, one real ``splitft cloud`` process on tcp loopback:
+
+1. **Steps to the target**, on loopback: each row trains with a test evaluation every
+   ``--eval-every`` steps until test accuracy reaches ``--target``. Training is deterministic (the
+   codecs are seeded, the link changes only time), so the same steps reach it on any link.
+2. **Time on each link**: the same row trains exactly that many steps again through the link
+   emulator, and the training time (the last streamed step's reply included) is its time to the
+   target. Its losses are checked against phase 1's, step by step. From the same run come the
+   step's *physical limit* — max(edge compute, cloud compute, wire time) per step, plus one round
+   trip when the step is synchronous — and the measured step time's ratio to it. Wire time is the
+   busier direction's bytes at the link's rate (the link is full duplex).
+
+Each finished cell is appended to ``--out``/tta.csv at once; a re-run skips what is there.
+
+    python scripts/time_to_accuracy.py                                   # the table in docs/time_to_accuracy.md
+    python scripts/time_to_accuracy.py --rows identity,frozen+fp16 --links "10mbit,50ms" --target 0.8
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # edge and cloud share this machine's cores
+
+import argparse  # noqa: E402
+import csv  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+TASK = "bbc-plain"
+ROWS = ["identity", "fp16", "lowrank:rank=1", "acsgd:bits=4", "frozen+identity", "frozen+fp16",
+        "frozen+lowrank:rank=1", "delayed+fp16"]
+LINKS = ["10mbit,50ms", "100mbit,20ms"]
+GRADIENT_CODEC = {"acsgd": "fixpoint:bits=8"}  # AC-SGD's paper pairs 4-bit activations with 8-bit gradients
+FIELDS = ["row", "link", "steps", "target", "seconds", "step_s", "edge_s", "cloud_s", "wire_s", "round_trip_s",
+          "limit_s", "losses_equal", "bytes_up", "bytes_down", "history"]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One way to train: a codec, and whether the edge is frozen or streams with delayed gradients."""
+
+    name: str
+    codec: str
+    frozen: bool
+    delayed: bool
+    window: int
+
+    @classmethod
+    def parse(cls, name: str, window: int) -> "Row":
+        mode, _, codec = name.rpartition("+")
+        if mode not in ("", "frozen", "delayed"):
+            raise SystemExit(f"unknown row {name!r}: CODEC, frozen+CODEC or delayed+CODEC")
+        return cls(name, codec, mode == "frozen", mode == "delayed", window if mode else 1)
+
+    @property
+    def streams(self) -> bool:
+        return self.window > 1
+
+    def task_run(self, seed: int) -> object:
+        from splitft.options import Codecs, Faults, Schedule
+        from splitft.runner import TaskRun
+
+        bwd = GRADIENT_CODEC.get(self.codec.split(":")[0], self.codec)
+        return TaskRun(task=TASK, seed=seed, codecs=Codecs(self.codec, bwd, seed=seed), freeze_edge=self.frozen,
+                       schedule=Schedule(window=self.window, delayed_gradients=self.delayed),
+                       faults=Faults(timeout=600.0))
+
+
+def endless(prepared: object, seed: int) -> Iterator[tuple]:
+    """The task's training batches, epoch after epoch, in the order every run sees them."""
+    from splitft.data import batches
+
+    epoch = 0
+    while True:
+        yield from batches(prepared.train, prepared.batch_size, shuffle=True, seed=seed, epoch=epoch)
+        epoch += 1
+
+
+def train(row: Row, address: str, link: str | None, *, seed: int, steps: int | None, target: float,
+          eval_every: int, max_steps: int) -> dict:
+    """Train ``row`` through ``link``: until the target (``steps`` None: evaluating every
+    ``eval_every`` steps, at most ``max_steps``) or exactly ``steps`` steps, timed."""
+    from splitft.data import call
+    from splitft.options import Link
+    from splitft.runner import prepare
+    from splitft.train import accuracy
+
+    with torch.random.fork_rng(devices=[]):
+        prepared = prepare(row.task_run(seed), Link(address, emulate=link))
+        model, optimizer, criterion = prepared.model, prepared.optimizer, prepared.criterion
+        losses, history, seconds = [], [], 0.0
+        with model:
+            for done, (x, y, _ids) in enumerate(endless(prepared, seed), start=1):
+                start = time.perf_counter()
+                loss = criterion(call(model, x), y)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.detach())
+                if done == (steps or max_steps):
+                    model.sync()  # the last streamed step's reply, and its optimizer step, belong to the time
+                seconds += time.perf_counter() - start
+                if steps is None and done % eval_every == 0:
+                    model.eval()
+                    history.append((done, accuracy(model.predict, prepared.test)))
+                    model.train()
+                    if history[-1][1] >= target:
+                        break
+                if done == (steps or max_steps):
+                    break
+            breakdown = model.metrics.breakdown(seconds)
+            up, down = model.metrics.direction("up").wire, model.metrics.direction("down").wire
+    return {"steps": done, "seconds": seconds, "losses": [float(v) for v in losses], "history": history,
+            "breakdown": breakdown, "bytes_up": up, "bytes_down": down}
+
+
+def cell(row: Row, link: str, result: dict, target: float, reference: list[float] | None) -> dict:
+    """A CSV row: the run's time, where a step's time could go at best, and the losses check."""
+    import transports
+
+    steps, spec = result["steps"], transports.LinkSpec.coerce(link)
+    b = result["breakdown"]
+    edge, cloud = (b["edge_compute"] + b["edge_codec"]) / steps, (b["cloud_compute"] + b["cloud_codec"]) / steps
+    wire = max(spec.up.serialise_s(result["bytes_up"] / steps), spec.down.serialise_s(result["bytes_down"] / steps))
+    round_trip = 0.0 if row.streams else spec.up.delay_s + spec.down.delay_s
+    equal = "" if reference is None else str(all(abs(a - b) <= 1e-5 * max(1.0, abs(b))
+                                                 for a, b in zip(result["losses"], reference, strict=True)))
+    return {"row": row.name, "link": link, "steps": steps, "target": target, "seconds": f"{result['seconds']:.3f}",
+            "step_s": f"{result['seconds'] / steps:.4f}", "edge_s": f"{edge:.4f}", "cloud_s": f"{cloud:.4f}",
+            "wire_s": f"{wire:.4f}", "round_trip_s": f"{round_trip:.4f}",
+            "limit_s": f"{max(edge, cloud, wire) + round_trip:.4f}", "losses_equal": equal,
+            "bytes_up": result["bytes_up"], "bytes_down": result["bytes_down"],
+            "history": json.dumps({"accuracy": result["history"], "losses": result["losses"]})}
+
+
+def read_cells(path: Path) -> dict[tuple[str, str], dict]:
+    if not path.exists():
+        return {}
+    with path.open(newline="") as f:
+        return {(r["row"], r["link"]): r for r in csv.DictReader(f)}
+
+
+def append_cell(path: Path, values: dict) -> None:
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        if new:
+            writer.writeheader()
+        writer.writerow(values)
+
+
+def table(cells: dict[tuple[str, str], dict], rows: list[str], links: list[str], target: float) -> str:
+    """Markdown: per link, each row's time to the target, its speedup and its step against the limit."""
+    lines = []
+    for link in links:
+        base = cells.get(("identity", link))
+        lines += ["", f"#### {link}", "",
+                  f"| row | steps to {target:.0%} | time to {target:.0%} (s) | speedup vs identity | s/step "
+                  "| edge s | cloud s | wire s | round trip s | limit s | step / limit | MB up / down per step "
+                  "| losses as on loopback |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for name in rows:
+            c = cells.get((name, link))
+            if c is None:
+                continue
+            speedup = f"{float(base['seconds']) / float(c['seconds']):.2f}x" if base else "—"
+            per_step = [int(c[k]) / int(c["steps"]) / 1e6 for k in ("bytes_up", "bytes_down")]
+            lines.append(
+                f"| {name} | {c['steps']} | {float(c['seconds']):.1f} | {speedup} | {float(c['step_s']):.3f} | "
+                f"{float(c['edge_s']):.3f} | {float(c['cloud_s']):.3f} | {float(c['wire_s']):.3f} | "
+                f"{float(c['round_trip_s']):.3f} | {float(c['limit_s']):.3f} | "
+                f"{float(c['step_s']) / float(c['limit_s']):.2f} | {per_step[0]:.2f} / {per_step[1]:.2f} | "
+                f"{'yes' if c['losses_equal'] == 'True' else 'NO'} |")
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--out", default="docs/time_to_accuracy", help="folder for tta.csv and tta.md (default: %(default)s)")
+    parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows (default: %(default)s)")
+    parser.add_argument("--links", default=";".join(LINKS), help="semicolon-separated links (default: %(default)s)")
+    parser.add_argument("--target", type=float, default=0.9, help="test accuracy to reach (default: %(default)s)")
+    parser.add_argument("--eval-every", type=int, default=4, help="steps between evaluations in phase 1 (default: 4)")
+    parser.add_argument("--max-steps", type=int, default=112, help="give up on a row after this many steps (2 epochs)")
+    parser.add_argument("--window", type=int, default=4, help="steps in flight of a streaming row (default: 4)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--summary-only", action="store_true", help="rebuild tta.md from the CSV")
+    args = parser.parse_args(argv)
+    rows = [Row.parse(name.strip(), args.window) for name in args.rows.split(",") if name.strip()]
+    links = [link.strip() for link in args.links.split(";") if link.strip()]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "tta.csv"
+    if not args.summary_only:
+        run_cells(rows, links, path, args)
+    text = table(read_cells(path), [r.name for r in rows], links, args.target)
+    command = "python scripts/time_to_accuracy.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    (out / "tta.md").write_text(f"<!-- made by: {command} -->\n\n{text}")
+    print(text)
+    return 0
+
+
+def run_cells(rows: list[Row], links: list[str], path: Path, args: argparse.Namespace) -> None:
+    """Phase 1 on loopback, then phase 2 on every link, skipping the cells already in ``path``."""
+    from splitft.launch import local_cloud
+    from splitft.tasks import get_task
+
+    common = {"seed": args.seed, "target": args.target, "eval_every": args.eval_every, "max_steps": args.max_steps}
+    with local_cloud([get_task(TASK).model], sessions=0, start_timeout=120, exit_timeout=0, quiet=True) as address:
+        for row in rows:
+            cells = read_cells(path)
+            if (row.name, "loopback") not in cells:
+                print(f"{row.name}: steps to {args.target:.0%} on loopback", file=sys.stderr)
+                result = train(row, address, None, steps=None, **common)
+                append_cell(path, cell(row, "loopback", result, args.target, None))
+                cells = read_cells(path)
+            first = cells[(row.name, "loopback")]
+            history = json.loads(first["history"])
+            if not history["accuracy"] or history["accuracy"][-1][1] < args.target:
+                print(f"{row.name}: did not reach {args.target:.0%} in {args.max_steps} steps", file=sys.stderr)
+                continue
+            for link in links:
+                if (row.name, link) not in cells:
+                    print(f"{row.name}: {first['steps']} steps over {link}", file=sys.stderr)
+                    result = train(row, address, link, steps=int(first["steps"]), **common)
+                    append_cell(path, cell(row, link, result, args.target, history["losses"]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
