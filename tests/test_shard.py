@@ -127,3 +127,14 @@ def test_a_batch_with_fewer_rows_than_ranks_is_refused_and_the_cloud_goes_on(clo
 def test_shard_without_split_batch_is_a_clear_command_line_error(capsys):
     assert main(["cloud", "--bind", "tcp://127.0.0.1:0", "--model", MODELS[0], "--shard"]) == 2
     assert "--shard shards the half that --split-batch splits" in capsys.readouterr().err
+
+
+def test_a_half_whose_modules_share_a_parameter_is_refused_before_anything_is_sharded():
+    from splitft.cloud.shard import shard_half
+    from splitft.cut import Chain
+
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    second.weight = first.weight  # tied, as an embedding and an output layer often are
+    with pytest.raises(ConfigError, match="share a parameter.*--split-batch alone"):
+        shard_half(Chain([("embed", first), ("out", second)]), mesh=None)
+    assert not isinstance(first.weight, torch.distributed.tensor.DTensor)
