@@ -15,7 +15,8 @@ and applied on every rank in the order rank 0 applies them; the weights come fro
 With the identity codec N ranks equal one process (up to the order of floating-point sums).
 What cannot be split exactly is refused: BatchNorm in the half (its batch statistics would be a
 shard's), key/value caches, outputs without the batch as first dim. An edge's eager backward is
-answered as a forward, then a backward request.
+answered as a forward, then a backward request. With ``--shard`` (:mod:`.shard`) each rank holds
+a shard of the half instead of a replica, and FSDP2's collectives replace the gradient sum.
 """
 
 from __future__ import annotations
