@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,6 +36,36 @@ def model_nbytes(module: nn.Module) -> int:
     return MODEL_STATE_FACTOR * params + buffers
 
 
+@dataclass(frozen=True)
+class Holdings:
+    """What one rank keeps of a half it may hold only a shard of (``--split-batch --shard``)."""
+
+    held: int  # parameter values on this rank
+    total: int  # parameter values of the whole half
+    param_bytes: int
+    optimizer_bytes: int
+
+    def describe(self) -> str:
+        return (f"holds {self.held:,} of the half's {self.total:,} parameter values "
+                f"({self.param_bytes / 2**20:.2f} MiB) and {self.optimizer_bytes / 2**20:.2f} MiB of optimizer state")
+
+
+def holdings(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdings:
+    """Parameters and optimizer state this process holds: a sharded tensor counts its local shard only."""
+    params = list(module.parameters())
+    local = [_local(p) for p in params]
+    state = [_local(v) for entry in (optimizer.state.values() if optimizer is not None else ())
+             for v in entry.values() if isinstance(v, torch.Tensor)]
+    return Holdings(sum(t.numel() for t in local), sum(p.numel() for p in params), tensors_nbytes(local),
+                    tensors_nbytes(state))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (a plain tensor as it is)."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
 def nested_nbytes(frames: Iterable[Any]) -> int:
     return sum(memoryview(f).nbytes for f in frames)
 
@@ -42,16 +73,19 @@ def nested_nbytes(frames: Iterable[Any]) -> int:
 class GraphMeter:
     """Counts the bytes autograd saves for backward inside a ``with`` block.
 
-    Parameters are not counted (they are held anyway); each storage is counted once.
+    Parameters are not counted (they are held anyway; a sharded half's gathered ones are freed
+    after its forward); each storage is counted once.
     """
 
     def __init__(self, module: nn.Module) -> None:
-        self._held = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self._held = {_local(p).untyped_storage().data_ptr() for p in module.parameters()}
         self._seen: set[int] = set()
         self.nbytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if isinstance(tensor, nn.Parameter):
+            return tensor
         try:
             storage = tensor.untyped_storage()
             ptr = storage.data_ptr()
@@ -109,4 +143,4 @@ class MemoryBook:
         self.held.pop(session, None)
 
 
-__all__ = ["GraphMeter", "MemoryBook", "model_nbytes", "tensors_nbytes"]
+__all__ = ["GraphMeter", "Holdings", "MemoryBook", "holdings", "model_nbytes", "tensors_nbytes"]

@@ -66,6 +66,11 @@ def add_cloud_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--split-batch", action="store_true",
                    help="launched as N ranks (torchrun): one edge's heavy half is replicated on every rank and "
                         "each of its batches split by rows across them; rank 0 serves the edge, one at a time")
+    g.add_argument("--shard", action="store_true",
+                   help="with --split-batch: for a half that does not fit one device's memory, each rank holds "
+                        "1/N of its parameters, gradients and optimizer state (FSDP2) instead of a replica; "
+                        "every layer's weights are gathered for its forward and backward, so each step moves "
+                        "about 3x the half's weights between ranks (a replica's all-reduce moves 2x)")
     _add_rank_options(cloud)
 
 
@@ -188,7 +193,7 @@ def run_cloud(args: argparse.Namespace) -> int:
         group = workers.join(args)
         options = _listener_options(args, say)
         placement = Placement(workers.device(group, args.device), None if args.dtype == "float32" else args.dtype)
-        batch = _batch_split(args, placement)
+        batch = _batch_split(args, placement, say)
         if batch is not None and batch.rank > 0:
             return _batch_worker(args, batch, placement)
         listener = transports.listen(workers.bind_address(group, args), **options)
@@ -251,7 +256,8 @@ def _announce(args: argparse.Namespace, say: Any, listener: Any, server: Any, ro
             f", in rounds of {args.sync_rounds} edge(s) (rank {rounds.rank} of {rounds.world}, all-reduce "
             f"{args.grad_compression})" if rounds else ""))
     if batch is not None:
-        extras.append(f"each batch split over {batch.world} rank(s), one edge at a time")
+        extras.append(f"each batch split over {batch.world} rank(s), one edge at a time"
+                      + (", the half sharded across them" if batch.mesh is not None else ""))
     extras.append(f"halves on {placement.device}" + (f" in {args.dtype}" if placement.dtype else ""))
     say(f"listening on {listener.address}, serving {', '.join(server.factories)}"
         + (f" ({'; '.join(extras)})" if extras else "")
@@ -273,15 +279,19 @@ def _rounds(args: argparse.Namespace, placement: Any) -> Any:
     return Rounds(settings)
 
 
-def _batch_split(args: argparse.Namespace, placement: Any) -> Any:
+def _batch_split(args: argparse.Namespace, placement: Any, say: Any) -> Any:
     """Each batch split across the ranks torchrun's variables describe (``--split-batch``)."""
+    from .errors import ConfigError
+
+    if args.shard and not args.split_batch:
+        raise ConfigError("--shard shards the half that --split-batch splits each batch of: add --split-batch "
+                          "(and launch the cloud as N ranks, with torchrun)")
     if not args.split_batch:
         return None
     from datetime import timedelta
 
     from .cloud.allreduce import group_from_env
     from .cloud.batch_split import BatchSplit
-    from .errors import ConfigError
 
     if args.shared_model or args.sync_rounds or args.checkpoint_dir:
         raise ConfigError("--split-batch splits one edge's batches across ranks; it does not combine with "
@@ -289,7 +299,7 @@ def _batch_split(args: argparse.Namespace, placement: Any) -> Any:
     # The other ranks wait for rank 0's next command as long as the cloud is idle.
     group_from_env("nccl" if placement.device.type == "cuda" else "gloo", timeout=timedelta(days=30))
     args.max_open_sessions = 1
-    return BatchSplit()
+    return BatchSplit(shard=args.shard, device=placement.device, report=say)
 
 
 def _batch_worker(args: argparse.Namespace, batch: Any, placement: Any) -> int:
@@ -299,8 +309,12 @@ def _batch_worker(args: argparse.Namespace, batch: Any, placement: Any) -> int:
 
     factories = {name: load_factory(name) for name in args.model or [get_task(args.task).model]}
     limits, _ = _limits_and_policy(args)
-    print(f"cloud: rank {batch.rank} of {batch.world}: computes its rows of rank 0's batches", file=sys.stderr,
-          flush=True)
+    def say(text: str) -> None:
+        print(f"cloud: {text}", file=sys.stderr, flush=True)
+
+    say(f"rank {batch.rank} of {batch.world}: computes its rows of rank 0's batches"
+        + (", holding a shard of the half" if batch.mesh is not None else ""))
+    batch.report = say
     batch.serve_worker(factories, limits, placement)
     return 0
 

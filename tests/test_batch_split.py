@@ -37,13 +37,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cloud(tmp_path: Path, ranks: int) -> tuple[list[subprocess.Popen], str, list[PipeReader]]:
-    """``ranks`` real cloud processes (with --split-batch when more than one); rank 0's address."""
+def _cloud(tmp_path: Path, ranks: int, *flags: str) -> tuple[list[subprocess.Popen], str, list[PipeReader]]:
+    """``ranks`` real cloud processes (with --split-batch and ``flags`` when more than one); rank 0's address."""
     port, ready = _free_port(), tmp_path / f"address-{ranks}-{time.monotonic_ns()}"
     procs, errs = [], []
     for rank in range(ranks):
         env = os.environ | {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        extra = ["--split-batch"] if ranks > 1 else []
+        extra = ["--split-batch", *flags] if ranks > 1 else []
         if ranks > 1:
             env |= {"RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
@@ -73,11 +73,15 @@ def _batches(seed: int, rows: int = 15) -> list[tuple[torch.Tensor, torch.Tensor
     return out
 
 
-def _train(connect: str, net: nn.Module, factory: str, cut, rejoin=None, seed: int = 0) -> dict:
+def _sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.2, momentum=0.9)
+
+
+def _train(connect: str, net: nn.Module, factory: str, cut, rejoin=None, seed: int = 0, optimizer=_sgd) -> dict:
     """STEPS steps, each accumulating two backward calls over odd-sized halves; clipping, a scheduler."""
     model = splitft.split(net, cut, rejoin, factory=factory, connect=connect, faults=Faults(timeout=60))
     with model:
-        opt = model.attach(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9))
+        opt = model.attach(optimizer(model.parameters()))
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
         crit = nn.CrossEntropyLoss() if rejoin is not None else model.remote_loss(nn.CrossEntropyLoss())
         losses = []

@@ -15,6 +15,7 @@
 - :mod:`.rounds` — a shared half trained in synchronous data-parallel rounds;
 - :mod:`.allreduce` — those rounds across ranks: DDP communication hooks on the gradient bucket.
 - :mod:`.batch_split` — one edge's batch split by rows across ranks, replicas of its half;
+- :mod:`.shard` — the same with the half sharded across the ranks (FSDP2) instead of replicated;
 - :mod:`.batch_link` — the commands, tensors and gradient sums those ranks exchange.
 
 Model factories (shared with the edge) live in :mod:`splitft.factories`, budgets in

@@ -15,7 +15,8 @@ and applied on every rank in the order rank 0 applies them; the weights come fro
 With the identity codec N ranks equal one process (up to the order of floating-point sums).
 What cannot be split exactly is refused: BatchNorm in the half (its batch statistics would be a
 shard's), key/value caches, outputs without the batch as first dim. An edge's eager backward is
-answered as a forward, then a backward request.
+answered as a forward, then a backward request. With ``--shard`` (:mod:`.shard`) each rank holds
+a shard of the half instead of a replica, and FSDP2's collectives replace the gradient sum.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch import nn
 
 from .. import protocol
 from ..coding import SLOTS, flatten, unflatten
+from ..budget import holdings
 from ..devices import autocast_region
 from ..errors import ConfigError, ModelError, ProtocolError, SplitFTError
 from ..tree import Leaf
@@ -156,12 +158,15 @@ def backward_shard(link: BatchLink, params: list[torch.Tensor], outs: list[torch
 class BatchSplitSession(CloudSession):
     """Rank 0's session: an edge's half whose every batch is computed by all the ranks together."""
 
-    def __init__(self, hello: protocol.Hello, *args: Any, link: BatchLink, **kwargs: Any) -> None:
+    def __init__(self, hello: protocol.Hello, *args: Any, link: BatchLink,
+                 report: Callable[[str], None] | None = None, **kwargs: Any) -> None:
         super().__init__(hello, *args, **kwargs)
         if self.shared is not None:
             raise ConfigError("--split-batch serves one heavy half per edge; it cannot be a --shared-model")
         refuse_unsplittable(self.chain)
         self.link = link
+        self.report = report
+        self._reported = False
         self.shards: dict[int, _Shards] = {}
         self._call = 0
         self._last: _Shards | None = None
@@ -180,6 +185,7 @@ class BatchSplitSession(CloudSession):
             return super().apply_ops(values)
         finally:
             self._prune()
+            self._reported = self._reported or report_holdings(self, self.link.rank, self.report)
 
     def _prune(self) -> None:
         for call in [c for c in self.shards if c not in self.pending]:
@@ -200,7 +206,7 @@ class BatchSplitSession(CloudSession):
                               "use_cache=False, or serve it without --split-batch")
         tensors = list(inputs.tensors)
         skeleton = _materialized((args_skel, kw_skel), tensors)
-        rows = shard_sizes(batch_rows(tensors[:n_in]), self.link.world)
+        rows = self._split_rows(batch_rows(tensors[:n_in]))
         leaves = [t.detach().requires_grad_() if g and t.is_floating_point() else t
                   for t, g in zip(tensors, inputs.grads)]
         pieces = [t.detach().split(rows) for t in tensors[:n_in]]
@@ -232,6 +238,14 @@ class BatchSplitSession(CloudSession):
                 value = self.loss_fn(value, target)
         self._last = _Shards(rows, leaves[:n_in], own_leaves, own_outs, joined)
         return leaves, value, saved
+
+    def _split_rows(self, total: int) -> list[int]:
+        """Rows per rank for a batch of ``total`` rows."""
+        return shard_sizes(total, self.link.world)
+
+    def _sum_grads(self, params: list[torch.Tensor]) -> None:
+        """Every replica's gradient becomes the sum over the ranks' rows."""
+        self.link.sum_grads(params)
 
     def _gather(self, rank: int, rows: int) -> list[torch.Tensor]:
         status = self.link.recv_header(rank)
@@ -281,7 +295,7 @@ class BatchSplitSession(CloudSession):
             error = backward_shard(self.link, params, shards.own_outs,
                                    [None if g is None else g[0] for g in out_grads])
             theirs = [self._gather_input_grads(r) for r in range(1, self.link.world)]
-            self.link.sum_grads(params)
+            self._sum_grads(params)
             failed = [(r, e) for r, (e, _) in enumerate([(error, None), *theirs]) if e]
             if failed:
                 raise ModelError("backpropagating the edge's gradient failed on rank "
@@ -309,13 +323,19 @@ class Worker:
     """A rank >= 1: a replica of the session's half, computing the rows rank 0 sends it."""
 
     def __init__(self, link: BatchLink, factories: dict[str, Callable[..., nn.Module]], limits: Any = None,
-                 placement: Any = None) -> None:
+                 placement: Any = None, report: Callable[[str], None] | None = None) -> None:
         self.link, self.factories, self.limits, self.placement = link, factories, limits, placement
+        self.report = report
         self.session: CloudSession | None = None
+        self._reported = False
+
+    def handlers(self) -> dict[str, Callable[[dict, list[bytes]], None]]:
+        """The commands this rank follows, by name."""
+        return {"open": self._open, "ops": self._ops, "forward": self._forward, "backward": self._backward}
 
     def serve(self) -> None:
         """Follow rank 0's commands until it says stop (or its process is gone)."""
-        handlers = {"open": self._open, "ops": self._ops, "forward": self._forward, "backward": self._backward}
+        handlers = self.handlers()
         while True:
             header, frames = self.link.broadcast()
             if header.get("op") == "stop":
@@ -324,9 +344,10 @@ class Worker:
 
     def _open(self, header: dict, frames: list[bytes]) -> None:
         state = self.link.broadcast_tensors([torch.empty(shape, dtype=_dtype(d)) for d, shape in header["state"]])
+        self._reported = False
         try:
             hello = protocol.decode(frames)
-            session = CloudSession(hello, self.factories, self.limits, restoring=True, placement=self.placement)
+            session = self._replica(hello)
             with torch.no_grad():
                 for target, value in zip(session.chain.state_dict().values(), state, strict=True):
                     target.copy_(value)
@@ -336,6 +357,10 @@ class Worker:
             self.session = None
             log.warning("rank %d: cannot open the replica: %s", self.link.rank, exc)
 
+    def _replica(self, hello: protocol.Hello) -> CloudSession:
+        """This rank's copy of the half, before rank 0's weights are copied in."""
+        return CloudSession(hello, self.factories, self.limits, restoring=True, placement=self.placement)
+
     def _ops(self, header: dict, frames: list[bytes]) -> None:
         if self.session is None:
             return
@@ -343,6 +368,10 @@ class Worker:
             apply_ops(self.session, protocol.decode(frames).ops)
         except SplitFTError as exc:  # rank 0 met the same, and told the edge
             log.debug("rank %d: operations refused: %s", self.link.rank, exc)
+        self._reported = self._reported or report_holdings(self.session, self.link.rank, self.report)
+
+    def _sum_grads(self, params: list[torch.Tensor]) -> None:
+        self.link.sum_grads(params)
 
     def _forward(self, header: dict, frames: list[bytes]) -> None:
         rows = header["rows"][self.link.rank]
@@ -386,9 +415,18 @@ class Worker:
             self.link.send_header({"error": error, "grads": [spec(g) for g in back]}, 0)
             for g in back:
                 self.link.send(g, 0)
-            self.link.sum_grads(params)
+            self._sum_grads(params)
         finally:
             _restore(params, prior)
+
+
+def report_holdings(session: CloudSession, rank: int, report: Callable[[str], None] | None) -> bool:
+    """Once the first optimizer step made its state: say what this rank holds; whether it was said."""
+    if session.steps < 1 or session.optimizer is None:
+        return False
+    if report is not None:
+        report(f"rank {rank}: {holdings(session.chain, session.optimizer).describe()}")
+    return True
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -398,10 +436,24 @@ def _dtype(name: str) -> torch.dtype:
 
 
 class BatchSplit:
-    """A cloud's ranks splitting each batch: sessions on rank 0, :class:`Worker` on the others."""
+    """A cloud's ranks splitting each batch: sessions on rank 0, :class:`Worker` on the others.
 
-    def __init__(self, link: BatchLink | None = None) -> None:
+    Args:
+        link: the ranks (default: the world torch.distributed was initialized with).
+        shard: hold 1/N of the half on each rank (FSDP2, :mod:`.shard`) instead of a replica.
+        device: where the half computes (the device mesh's kind when sharding).
+        report: called with a line saying what a rank holds, once its first optimizer step is done.
+    """
+
+    def __init__(self, link: BatchLink | None = None, shard: bool = False, device: torch.device | None = None,
+                 report: Callable[[str], None] | None = None) -> None:
         self.link = link or BatchLink()
+        self.report = report
+        self.mesh = None
+        if shard:
+            from .shard import make_mesh
+
+            self.mesh = make_mesh(device or torch.device("cpu"), self.link)
 
     @property
     def rank(self) -> int:
@@ -413,11 +465,21 @@ class BatchSplit:
 
     def make_session(self) -> Callable[..., CloudSession]:
         """What rank 0's server builds its sessions with."""
-        return functools.partial(BatchSplitSession, link=self.link)
+        if self.mesh is not None:
+            from .shard import ShardedSession
+
+            return functools.partial(ShardedSession, link=self.link, report=self.report, mesh=self.mesh)
+        return functools.partial(BatchSplitSession, link=self.link, report=self.report)
 
     def serve_worker(self, factories: dict[str, Callable[..., nn.Module]], limits: Any = None,
                      placement: Any = None) -> None:
-        Worker(self.link, factories, limits, placement).serve()
+        """A rank >= 1: follow rank 0's commands until it stops."""
+        if self.mesh is not None:
+            from .shard import ShardedWorker
+
+            ShardedWorker(self.link, factories, limits, placement, self.report, mesh=self.mesh).serve()
+        else:
+            Worker(self.link, factories, limits, placement, self.report).serve()
 
     def stop(self) -> None:
         """Rank 0: let the workers return."""

@@ -38,6 +38,12 @@ def apply_ops(session: CloudSession, ops: list) -> int:
     return stepped
 
 
+def check_norm_type(norm_type: float) -> None:
+    """A gradient norm's type the edge may ask for: positive, or inf."""
+    if not (norm_type == math.inf or (math.isfinite(norm_type) and norm_type > 0)):
+        raise ProtocolError(f"a gradient norm's type must be positive, got {norm_type}")
+
+
 def _positive_id(value: int | None) -> int | None:
     if value is not None and value < 1:
         raise ProtocolError(f"operation id must be a positive int, got {value}")
@@ -271,4 +277,4 @@ HANDLERS: dict[type[o.Operation], Callable[[Any, Any], Any]] = {
     o.FreeCache: free_cache,
 }
 
-__all__ = ["HANDLERS", "apply_ops"]
+__all__ = ["HANDLERS", "apply_ops", "check_norm_type"]

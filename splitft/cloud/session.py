@@ -15,7 +15,6 @@ another's step.
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 import time
 from collections import OrderedDict
@@ -46,7 +45,7 @@ from ..policy import Policy
 from ..protocol import Backward, Forward, Hello, InputGrads, Output
 from .caches import SessionCaches
 from .guard import Stopwatch, blame
-from .ops import apply_ops
+from .ops import apply_ops, check_norm_type
 
 log = logging.getLogger(__name__)
 
@@ -468,8 +467,7 @@ class CloudSession:
     def grad_norms(self, norm_type: float, names: list | None = None) -> list[float]:
         """The ``norm_type`` norm of each parameter gradient of the half, or of the ``names``d
         parameters' (for clipping by the global norm)."""
-        if not (norm_type == math.inf or (math.isfinite(norm_type) and norm_type > 0)):
-            raise ProtocolError(f"a gradient norm's type must be positive, got {norm_type}")
+        check_norm_type(norm_type)
         params = self.parameters_named(names)
         with torch.no_grad(), self.own_grads():
             return [float(torch.linalg.vector_norm(p.grad, norm_type)) for p in params if p.grad is not None]
@@ -487,7 +485,11 @@ class CloudSession:
     def state(self) -> dict[str, np.ndarray]:
         """The half's weights on the host (bfloat16, which numpy lacks, as float32)."""
         return {k: (v.float() if v.dtype == torch.bfloat16 else v).detach().cpu().numpy()
-                for k, v in self.chain.qualified_state_dict().items()}
+                for k, v in self.weights().items()}
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The half's whole state under the original model's names (a sharded half gathers it)."""
+        return self.chain.qualified_state_dict()
 
 
 __all__ = ["CloudSession", "Pending", "SharedPart", "check_codecs", "hello_identity", "tensors_from_wire"]
