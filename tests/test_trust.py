@@ -359,3 +359,14 @@ def test_shared_half_refuses_weights_that_overflow_its_dtype_and_frees_its_optim
             second.sync()
     finally:
         c.close()
+
+
+def test_a_goodbye_that_fails_still_ends_the_session(cloud):
+    """An edge interrupted between numbering a request and sending it says goodbye past a gap; it
+    is leaving whatever the cloud answers, so the session ends rather than waiting for its timeout."""
+    conn = cloud.connect()
+    opened(conn)
+    assert cloud.server.by_id
+    reply = ask(conn, protocol.Bye(reason="interrupted", seq=3))  # request 1 and 2 never arrived
+    assert isinstance(reply, protocol.Error) and reply.code == "session"
+    assert not cloud.server.by_id and not cloud.server.sessions

@@ -180,6 +180,8 @@ class CloudServer:
                 self._errors.report(exc, peer)
             numbered = numbered and not isinstance(exc, SessionLost)  # nothing applied: the number stays free
             reply = self._error(exc, seq, getattr(msg, "call", 0))
+            if isinstance(msg, Bye):  # the edge is leaving whatever we answer (a request lost to Ctrl-C, an op refused)
+                self._end(peer, f"edge said goodbye ({msg.reason or 'no reason'}); its goodbye failed: {exc}")
         if reply is not None:
             self._reply(peer, session, reply, seq, numbered)
 
