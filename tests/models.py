@@ -98,6 +98,13 @@ def tiny_hf(kind: str = "bert", seed: int = 0) -> nn.Module:
         return cls(config).eval()
 
 
+def mlp_dropout(seed: int = 0) -> nn.Sequential:
+    """An MLP with dropout in its cloud half (cut at 2): its masks come from the cloud's generator."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 3))
+
+
 def mlp_batchnorm(seed: int = 0) -> nn.Sequential:
     """An MLP whose cloud half normalizes over the batch: a half ``--split-batch`` must refuse."""
     with torch.random.fork_rng(devices=[]):

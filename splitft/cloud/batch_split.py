@@ -40,6 +40,7 @@ from ..tree import Leaf
 from .batch_link import DTYPES, BatchLink, shard_sizes, spec
 from .guard import blame
 from .ops import apply_ops
+from .randomness import SessionRandom
 from .session import CloudSession, Pending, _Inputs
 
 log = logging.getLogger(__name__)
@@ -348,6 +349,8 @@ class Worker:
         try:
             hello = protocol.decode(frames)
             session = self._replica(hello)
+            # dropout: this rank's rows draw a stream of their own, not a copy of rank 0's masks
+            session.random = SessionRandom(hello.seed, session.placement.device, stream=self.link.rank)
             with torch.no_grad():
                 for target, value in zip(session.chain.state_dict().values(), state, strict=True):
                     target.copy_(value)

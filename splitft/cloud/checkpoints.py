@@ -48,10 +48,8 @@ def snapshot(session: CloudSession) -> tuple[dict[str, Any], dict[str, Any]]:
             "grads": {n: p.grad for n, p in session.chain.named_parameters() if p.grad is not None},
             "optimizer": session.own_optimizer.state_dict() if session.own_optimizer is not None else None,
             "codecs": session.codecs.state_dict(),
-            "rng": torch.get_rng_state(),
+            **session.random.state(),
         }
-        if session.placement.device.type == "cuda":  # dropout in a half on a GPU draws from its generator
-            tree["cuda_rng"] = torch.cuda.get_rng_state(session.placement.device)
     spec = session.optimizer_spec
     meta = {
         "kind": "cloud", "session": session.id, "token": session.token, "seq": session.last_seq,
@@ -92,9 +90,7 @@ def restore(hello: Hello, tree: dict[str, Any], meta: dict[str, Any], factories:
                 session.own_optimizer.load_state_dict(tree["optimizer"])
         session.optimizer_id = int(meta.get("optimizer_id", 0))
         session.codecs.load_state_dict(tree["codecs"])
-        torch.set_rng_state(tree["rng"])
-        if "cuda_rng" in tree and session.placement.device.type == "cuda":
-            torch.cuda.set_rng_state(tree["cuda_rng"], session.placement.device)
+        session.random.load(tree)
     return session
 
 

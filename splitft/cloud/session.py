@@ -38,6 +38,7 @@ from ..coding import SLOTS, Coded, SlotCodecs, Traffic, _Leaf, expansions, flatt
 from ..cut import Chain, value_hash
 from ..devices import Placement, autocast_region
 from ..errors import ConfigError, HandshakeError, ModelError, ProtocolError
+from .randomness import SessionRandom
 from ..factories import build_chain
 from ..limits import Limits
 from ..metrics import Metrics
@@ -155,6 +156,7 @@ class CloudSession:
             self._initial_weights(hello)
         self.placement = placement or Placement()
         self.placement.place(self.chain)
+        self.random = SessionRandom(hello.seed, self.placement.device)
         self.codecs = SlotCodecs(hello.codecs, hello.seed, bounds=self.policy.bounds)
         #: What this session's own copy of the cloud half holds when trained (0 for a shared half).
         self.model_bytes = model_nbytes(self.chain) if shared is None else 0
@@ -272,7 +274,8 @@ class CloudSession:
         caching = self.caches.named((args_skel, kw_skel))
         try:
             with torch.set_grad_enabled(grad), blame(ModelError, "the cloud part failed on the inputs the edge sent"), \
-                    GraphMeter(self.chain) as meter, autocast_region(autocast, self.placement.device):
+                    GraphMeter(self.chain) as meter, autocast_region(autocast, self.placement.device), \
+                    self.random.active():
                 value = self._edge_dtype(self.chain(*args, **kwargs), inputs.tensors)
                 if target is not None:
                     if self.loss_fn is None:

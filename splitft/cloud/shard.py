@@ -118,6 +118,7 @@ class ShardedSession(BatchSplitSession):
         if failed:
             raise ConfigError("--shard: a rank could not hold its shard of the half (" + "; ".join(failed) + ")")
         self.placement = target
+        self.random = self.random.on(target.device)
         self.model_bytes = _shard_nbytes(self.chain)
 
     def _split_rows(self, total: int) -> list[int]:
@@ -166,6 +167,7 @@ class ShardedWorker(Worker):
             try:
                 shard_half(self.session.chain, self.mesh)
                 self.session.placement = self.placement or Placement()
+                self.session.random = self.session.random.on(self.session.placement.device)
             except SplitFTError as exc:
                 error, self.session = str(exc), None
         self.link.send_header({"error": error}, 0)
