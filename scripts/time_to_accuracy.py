@@ -73,12 +73,12 @@ class Row:
     def streams(self) -> bool:
         return self.window > 1
 
-    def task_run(self, seed: int) -> object:
+    def task_run(self, task: str, seed: int) -> object:
         from splitft.options import Codecs, Faults, Schedule
         from splitft.runner import TaskRun
 
         bwd = GRADIENT_CODEC.get(self.codec.split(":")[0], self.codec)
-        return TaskRun(task=TASK, seed=seed, codecs=Codecs(self.codec, bwd, seed=seed), freeze_edge=self.frozen,
+        return TaskRun(task=task, seed=seed, codecs=Codecs(self.codec, bwd, seed=seed), freeze_edge=self.frozen,
                        schedule=Schedule(window=self.window, delayed_gradients=self.delayed),
                        faults=Faults(timeout=600.0))
 
@@ -93,7 +93,7 @@ def endless(prepared: object, seed: int) -> Iterator[tuple]:
         epoch += 1
 
 
-def train(row: Row, address: str, link: str | None, *, seed: int, steps: int | None, target: float,
+def train(row: Row, address: str, link: str | None, *, task: str, seed: int, steps: int | None, target: float,
           eval_every: int, max_steps: int) -> dict:
     """Train ``row`` through ``link``: until the target (``steps`` None: evaluating every
     ``eval_every`` steps, at most ``max_steps``) or exactly ``steps`` steps, timed."""
@@ -103,7 +103,7 @@ def train(row: Row, address: str, link: str | None, *, seed: int, steps: int | N
     from splitft.train import accuracy
 
     with torch.random.fork_rng(devices=[]):
-        prepared = prepare(row.task_run(seed), Link(address, emulate=link))
+        prepared = prepare(row.task_run(task, seed), Link(address, emulate=link))
         model, optimizer, criterion = prepared.model, prepared.optimizer, prepared.criterion
         losses, history, seconds = [], [], 0.0
         model.train()  # a pre-trained model loads in eval mode: fine-tune it with its dropout on
@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=112, help="give up on a row after this many steps (2 epochs)")
     parser.add_argument("--window", type=int, default=4, help="steps in flight of a streaming row (default: 4)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--task", default=TASK, help="a task cut plain (default: %(default)s; digits for a quick look)")
     parser.add_argument("--summary-only", action="store_true", help="rebuild tta.md from the CSV")
     args = parser.parse_args(argv)
     rows = [Row.parse(name.strip(), args.window) for name in args.rows.split(",") if name.strip()]
@@ -223,7 +224,7 @@ def run_cells(rows: list[Row], links: list[str], path: Path, args: argparse.Name
     """Phase 1 on loopback for every row, then phase 2 link by link, skipping the cells already in
     ``path``. Each run gets a cloud process of its own: the cloud half's dropout draws from its
     process's generator, so a fresh process gives every run of a row the same masks."""
-    common = {"seed": args.seed, "target": args.target, "eval_every": args.eval_every, "max_steps": args.max_steps}
+    common = {"task": args.task, "seed": args.seed, "target": args.target, "eval_every": args.eval_every, "max_steps": args.max_steps}
     for link in ["loopback", *links]:
         for row in rows:
             cells = read_cells(path)
@@ -243,13 +244,13 @@ def run_cells(rows: list[Row], links: list[str], path: Path, args: argparse.Name
             append_cell(path, cell(row, link, result, args.target, history["losses"]))
 
 
-def fresh_cloud(row: Row, link: str | None, **options: object) -> dict:
+def fresh_cloud(row: Row, link: str | None, *, task: str, **options: object) -> dict:
     """:func:`train` against a ``splitft cloud`` process started for this run alone."""
     from splitft.launch import local_cloud
     from splitft.tasks import get_task
 
-    with local_cloud([get_task(TASK).model], sessions=1, start_timeout=120, quiet=True) as address:
-        return train(row, address, link, **options)
+    with local_cloud([get_task(task).model], sessions=1, start_timeout=120, quiet=True) as address:
+        return train(row, address, link, task=task, **options)
 
 
 if __name__ == "__main__":
