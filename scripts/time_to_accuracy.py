@@ -227,9 +227,10 @@ def run_cells(rows: list[Row], links: list[str], path: Path, args: argparse.Name
     common = {"task": args.task, "seed": args.seed, "target": args.target, "eval_every": args.eval_every, "max_steps": args.max_steps}
     for link in ["loopback", *links]:
         for row in rows:
-            cells = read_cells(path)
-            if (row.name, link) in cells:
-                continue
+            cells = read_cells(path)  # the newest line per (row, link) counts
+            first = cells.get((row.name, "loopback"))
+            if (row.name, link) in cells and (first is None or cells[(row.name, link)]["steps"] == first["steps"]):
+                continue  # done (a link's cell timed with another step count than phase 1 found is redone)
             if link == "loopback":
                 print(f"{row.name}: steps to {args.target:.0%} on loopback", file=sys.stderr)
                 append_cell(path, cell(row, link, fresh_cloud(row, None, steps=None, **common), args.target, None))

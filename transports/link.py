@@ -500,7 +500,9 @@ class EmulatedConnection(Connection):
             while step():
                 self._rounds += 1
         except Exception as exc:  # surfaced to the caller on its next send/recv
-            log.warning("emulated link to %s failed: %s", self.address, exc)
+            # a peer that went away (a cloud that exits after its last session) is the caller's to judge
+            log.log(logging.INFO if isinstance(exc, TransportClosed) else logging.WARNING,
+                    "emulated link to %s failed: %s", self.address, exc)
             with self._cond:
                 self._error = exc
                 self._changed()
