@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .base import Connection, Frame, message_nbytes
-from .errors import LinkSpecError, TransportClosed, TransportError, TransportTimeout
+from .errors import LinkSpecError, TransportClosed, TransportDisconnected, TransportError, TransportTimeout
 
 log = logging.getLogger(__name__)
 
@@ -501,7 +501,7 @@ class EmulatedConnection(Connection):
                 self._rounds += 1
         except Exception as exc:  # surfaced to the caller on its next send/recv
             # a peer that went away (a cloud that exits after its last session) is the caller's to judge
-            log.log(logging.INFO if isinstance(exc, TransportClosed) else logging.WARNING,
+            log.log(logging.INFO if isinstance(exc, (TransportClosed, TransportDisconnected)) else logging.WARNING,
                     "emulated link to %s failed: %s", self.address, exc)
             with self._cond:
                 self._error = exc
