@@ -44,7 +44,8 @@ class SessionRandom:
             torch.set_rng_state(self.host)
             if cuda:
                 if self.accelerator is None:
-                    torch.cuda.manual_seed(self.seed)
+                    with torch.cuda.device(self.device):  # manual_seed seeds the current device
+                        torch.cuda.manual_seed(self.seed)
                 else:
                     torch.cuda.set_rng_state(self.accelerator, self.device)
             try:

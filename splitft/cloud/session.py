@@ -38,7 +38,6 @@ from ..coding import SLOTS, Coded, SlotCodecs, Traffic, _Leaf, expansions, flatt
 from ..cut import Chain, value_hash
 from ..devices import Placement, autocast_region
 from ..errors import ConfigError, HandshakeError, ModelError, ProtocolError
-from .randomness import SessionRandom
 from ..factories import build_chain
 from ..limits import Limits
 from ..metrics import Metrics
@@ -47,6 +46,7 @@ from ..protocol import Backward, Forward, Hello, InputGrads, Output
 from .caches import SessionCaches
 from .guard import Stopwatch, blame
 from .ops import apply_ops, check_norm_type
+from .randomness import SessionRandom
 
 log = logging.getLogger(__name__)
 
