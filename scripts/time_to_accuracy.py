@@ -12,8 +12,8 @@ Two phases, each run against a ``splitft cloud`` process of its own on tcp loopb
 
 1. **Steps to the target**, on loopback: each row trains with a test evaluation every
    ``--eval-every`` steps until test accuracy reaches ``--target``. Training is deterministic (the
-   codecs are seeded, dropout draws from freshly started processes, the link changes only time),
-   so the same steps reach it on any link.
+   codecs are seeded, the cloud half's dropout draws from the session's own seeded generator, the
+   link changes only time), so the same steps reach it on any link.
 2. **Time on each link**: the same row trains exactly that many steps again through the link
    emulator, and the training time (the last streamed step's reply included) is its time to the
    target. Its losses are checked against phase 1's, step by step. From the same run come the
@@ -230,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_cells(rows: list[Row], links: list[str], path: Path, args: argparse.Namespace) -> None:
     """Phase 1 on loopback for every row, then phase 2 link by link, skipping the cells already in
-    ``path``. Each run gets a cloud process of its own: the cloud half's dropout draws from its
-    process's generator, so a fresh process gives every run of a row the same masks."""
+    ``path``. Each run gets a cloud process of its own, so nothing one run leaves in the cloud
+    (memory, a slow teardown) touches the next one's timing."""
     common = {"task": args.task, "seed": args.seed, "target": args.target, "eval_every": args.eval_every, "max_steps": args.max_steps}
     for link in ["loopback", *links]:
         for row in rows:
