@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -70,10 +71,17 @@ class PipeReader:
         return needle in self.text
 
 
+def _interruptible() -> None:
+    """Ctrl-C as in a terminal: a test run started in the background inherits SIGINT ignored,
+    and Python then installs no KeyboardInterrupt handler in the children either."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def splitft_process(*args: str) -> subprocess.Popen:
     env = os.environ | {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "splitft", *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            preexec_fn=_interruptible)
 
 
 def stop(proc: subprocess.Popen) -> None:
