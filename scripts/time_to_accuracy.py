@@ -21,10 +21,15 @@ Two phases, each run against a ``splitft cloud`` process of its own on tcp loopb
    trip when the step is synchronous — and the measured step time's ratio to it. Wire time is the
    busier direction's bytes at the link's rate (the link is full duplex).
 
+The target is test accuracy for a classifier; for ``smollm-plain`` (SmolLM2-135M with LoRA, cut
+plain after its second decoder layer) it is held-out perplexity, to get down to, measured through
+the remote loss (only a scalar comes back, never the logits).
+
 Each finished cell is appended to ``--out``/tta.csv at once; a re-run skips what is there.
 
     python scripts/time_to_accuracy.py                                   # the table in docs/time_to_accuracy.md
     python scripts/time_to_accuracy.py --rows identity,frozen+fp16 --links "10mbit,50ms" --target 0.8
+    python scripts/time_to_accuracy.py --task smollm-plain --max-length 64 --target 60 --out docs/time_to_accuracy/smollm
 """
 
 from __future__ import annotations
@@ -73,12 +78,12 @@ class Row:
     def streams(self) -> bool:
         return self.window > 1
 
-    def task_run(self, task: str, seed: int) -> object:
+    def task_run(self, task: str, seed: int, max_length: int | None = None) -> object:
         from splitft.options import Codecs, Faults, Schedule
         from splitft.runner import TaskRun
 
         bwd = GRADIENT_CODEC.get(self.codec.split(":")[0], self.codec)
-        return TaskRun(task=task, seed=seed, codecs=Codecs(self.codec, bwd, seed=seed), freeze_edge=self.frozen,
+        return TaskRun(task=task, seed=seed, max_length=max_length, codecs=Codecs(self.codec, bwd, seed=seed), freeze_edge=self.frozen,
                        schedule=Schedule(window=self.window, delayed_gradients=self.delayed),
                        faults=Faults(timeout=600.0))
 
@@ -93,17 +98,45 @@ def endless(prepared: object, seed: int) -> Iterator[tuple]:
         epoch += 1
 
 
+class Metric:
+    """What phase 1 measures on the test data, and when it has reached the target."""
+
+    def __init__(self, task: str) -> None:
+        self.perplexity = task == "smollm-plain"
+        self.name = "held-out perplexity" if self.perplexity else "test accuracy"
+
+    def measure(self, prepared: object) -> float:
+        model = prepared.model
+        model.eval()
+        try:
+            if self.perplexity:
+                from splitft.tasks.smollm_chain import perplexity
+
+                return perplexity(prepared.criterion, model, prepared.test)
+            from splitft.train import accuracy
+
+            return accuracy(model.predict, prepared.test)
+        finally:
+            model.train()
+
+    def reached(self, value: float, target: float) -> bool:
+        return value <= target if self.perplexity else value >= target
+
+    def label(self, target: float) -> str:
+        return f"perplexity {target:g}" if self.perplexity else f"{target:.0%}"
+
+
 def train(row: Row, address: str, link: str | None, *, task: str, seed: int, steps: int | None, target: float,
-          eval_every: int, max_steps: int) -> dict:
+          eval_every: int, max_steps: int, max_length: int | None = None) -> dict:
     """Train ``row`` through ``link``: until the target (``steps`` None: evaluating every
     ``eval_every`` steps, at most ``max_steps``) or exactly ``steps`` steps, timed."""
     from splitft.data import call
     from splitft.options import Link
     from splitft.runner import prepare
-    from splitft.train import accuracy
 
+    metric = Metric(task)
     with torch.random.fork_rng(devices=[]):
-        prepared = prepare(row.task_run(task, seed), Link(address, emulate=link))
+        prepared = prepare(row.task_run(task, seed, max_length), Link(address, emulate=link))
         model, optimizer, criterion = prepared.model, prepared.optimizer, prepared.criterion
         losses, history, seconds = [], [], 0.0
         model.train()  # a pre-trained model loads in eval mode: fine-tune it with its dropout on
@@ -119,10 +152,9 @@ def train(row: Row, address: str, link: str | None, *, task: str, seed: int, ste
                     model.sync()  # the last streamed step's reply, and its optimizer step, belong to the time
                 seconds += time.perf_counter() - start
                 if steps is None and done % eval_every == 0:
-                    model.eval()
-                    history.append((done, accuracy(model.predict, prepared.test)))
-                    model.train()
-                    if history[-1][1] >= target:
+                    history.append((done, metric.measure(prepared)))
+                    print(f"  step {done}: {metric.name} {history[-1][1]:.4f}", file=sys.stderr)
+                    if metric.reached(history[-1][1], target):
                         break
                 if done == (steps or max_steps):
                     break
@@ -148,6 +180,7 @@ def cell(row: Row, link: str, result: dict, target: float, reference: list[float
             "wire_s": f"{wire:.4f}", "round_trip_s": f"{round_trip:.4f}",
             "limit_s": f"{max(edge, cloud, wire) + round_trip:.4f}", "losses_equal": equal,
             "bytes_up": result["bytes_up"], "bytes_down": result["bytes_down"],
+            # "accuracy": the metric's (step, value) pairs, test accuracy or perplexity
             "history": json.dumps({"accuracy": result["history"], "losses": result["losses"]})}
 
 
@@ -175,18 +208,26 @@ def append_cell(path: Path, values: dict) -> None:
         writer.writerow(values)
 
 
-def table(cells: dict[tuple[str, str], dict], rows: list[str], links: list[str], target: float) -> str:
-    """Markdown: per link, each row's time to the target, its speedup and its step against the limit."""
+def table(cells: dict[tuple[str, str], dict], rows: list[str], links: list[str], metric: Metric,
+          target: float) -> str:
+    """Markdown: per link, each row's time to the target, its speedup and its step against the limit;
+    a row that did not reach the target on loopback says so."""
+    label = metric.label(target)
     lines = []
     for link in links:
         base = cells.get(("identity", link))
         lines += ["", f"#### {link}", "",
-                  f"| row | steps to {target:.0%} | time to {target:.0%} (s) | speedup vs identity | s/step "
+                  f"| row | steps to {label} | time to {label} (s) | speedup vs identity | s/step "
                   "| edge s | cloud s | wire s | round trip s | limit s | step / limit | MB up / down per step "
                   "| losses as on loopback |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name in rows:
             c = cells.get((name, link))
+            first = cells.get((name, "loopback"))
+            evaluated = json.loads(first["history"])["accuracy"] if first is not None else []
+            if c is None and evaluated and not metric.reached(evaluated[-1][1], target):
+                lines.append(f"| {name} | not reached in {first['steps']} steps ({evaluated[-1][1]:.4g} at the last "
+                             "evaluation) |" + " |" * 11)
             if c is None:
                 continue
             speedup = f"{float(base['seconds']) / float(c['seconds']):.2f}x" if base else "—"
@@ -206,14 +247,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="docs/time_to_accuracy", help="folder for tta.csv and tta.md (default: %(default)s)")
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows (default: %(default)s)")
     parser.add_argument("--links", default=";".join(LINKS), help="semicolon-separated links (default: %(default)s)")
-    parser.add_argument("--target", type=float, default=0.95, help="test accuracy to reach (default: %(default)s)")
+    parser.add_argument("--target", type=float, default=None,
+                        help="test accuracy to reach (default: 0.95), or for smollm-plain the held-out perplexity to "
+                             "get down to (default: 60)")
     parser.add_argument("--eval-every", type=int, default=4, help="steps between evaluations in phase 1 (default: 4)")
     parser.add_argument("--max-steps", type=int, default=112, help="give up on a row after this many steps (2 epochs)")
     parser.add_argument("--window", type=int, default=4, help="steps in flight of a streaming row (default: 4)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--task", default=TASK, help="a task cut plain (default: %(default)s; digits for a quick look)")
+    parser.add_argument("--task", default=TASK, help="a task cut plain (default: %(default)s; digits for a quick look, "
+                                                     "smollm-plain for the language model)")
+    parser.add_argument("--max-length", type=int, default=None, help="tokens per window (default: the task's)")
     parser.add_argument("--summary-only", action="store_true", help="rebuild tta.md from the CSV")
     args = parser.parse_args(argv)
+    metric = Metric(args.task)
+    if args.target is None:
+        args.target = 60.0 if metric.perplexity else 0.95
     rows = [Row.parse(name.strip(), args.window) for name in args.rows.split(",") if name.strip()]
     links = [link.strip() for link in args.links.split(";") if link.strip()]
     out = Path(args.out)
@@ -221,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     path = out / "tta.csv"
     if not args.summary_only:
         run_cells(rows, links, path, args)
-    text = table(read_cells(path), [r.name for r in rows], links, args.target)
+    text = table(read_cells(path), [r.name for r in rows], links, metric, args.target)
     command = "python scripts/time_to_accuracy.py " + " ".join(sys.argv[1:] if argv is None else argv)
     (out / "tta.md").write_text(f"<!-- made by: {command} -->\n\n{text}")
     print(text)
@@ -232,7 +280,9 @@ def run_cells(rows: list[Row], links: list[str], path: Path, args: argparse.Name
     """Phase 1 on loopback for every row, then phase 2 link by link, skipping the cells already in
     ``path``. Each run gets a cloud process of its own, so nothing one run leaves in the cloud
     (memory, a slow teardown) touches the next one's timing."""
-    common = {"task": args.task, "seed": args.seed, "target": args.target, "eval_every": args.eval_every, "max_steps": args.max_steps}
+    common = {"task": args.task, "seed": args.seed, "target": args.target, "eval_every": args.eval_every,
+              "max_steps": args.max_steps, "max_length": args.max_length}
+    metric = Metric(args.task)
     for link in ["loopback", *links]:
         for row in rows:
             cells = read_cells(path)  # the newest line per (row, link) counts
@@ -240,12 +290,13 @@ def run_cells(rows: list[Row], links: list[str], path: Path, args: argparse.Name
             if (row.name, link) in cells and (first is None or cells[(row.name, link)]["steps"] == first["steps"]):
                 continue  # done (a link's cell timed with another step count than phase 1 found is redone)
             if link == "loopback":
-                print(f"{row.name}: steps to {args.target:.0%} on loopback", file=sys.stderr)
+                print(f"{row.name}: steps to {metric.label(args.target)} on loopback", file=sys.stderr)
                 append_cell(path, cell(row, link, fresh_cloud(row, None, steps=None, **common), args.target, None))
                 continue
             history = json.loads(cells[(row.name, "loopback")]["history"])
-            if not history["accuracy"] or history["accuracy"][-1][1] < args.target:
-                print(f"{row.name}: did not reach {args.target:.0%} in {args.max_steps} steps", file=sys.stderr)
+            if not history["accuracy"] or not metric.reached(history["accuracy"][-1][1], args.target):
+                print(f"{row.name}: did not reach {metric.label(args.target)} in {args.max_steps} steps",
+                      file=sys.stderr)
                 continue
             steps = int(cells[(row.name, "loopback")]["steps"])
             print(f"{row.name}: {steps} steps over {link}", file=sys.stderr)

@@ -24,6 +24,7 @@ from splitft.data import first
 from splitft.runner import TaskRun, run
 from splitft.tasks import get_task
 from splitft.tasks.smollm import CUT, FACTORY, cut_layers, factory_kwargs, fine_tune, load_news, smollm_lora
+from splitft.tasks.smollm_chain import FACTORY as CHAIN
 from tests.conftest import ROOT, start_cloud, stop
 
 pytestmark = pytest.mark.timeout(240)
@@ -41,7 +42,8 @@ BATCH = 2
 def cloud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real ``splitft cloud`` process serving the task's model; it loads the model at the first
     session and copies it for the next."""
-    proc, address, err = start_cloud(tmp_path_factory.mktemp("cloud"), "--sessions", "0", "--model", FACTORY)
+    proc, address, err = start_cloud(tmp_path_factory.mktemp("cloud"), "--sessions", "0", "--model", FACTORY,
+                                     "--model", CHAIN)
     yield address
     stop(proc)
 
@@ -108,6 +110,61 @@ def test_the_task_runner_with_a_frozen_edge_trains_cloud_adapters_only(cloud):
     assert result.summary is not None and result.summary.startswith("held-out perplexity")
     assert result.metrics.bytes[("down", "gradient")].raw == 0  # the frozen edge asks for no gradient
     assert result.metrics.bytes[("up", "gradient")].raw > 0  # the cloud's adapters still get theirs
+
+
+def test_the_chain_gives_the_cloud_every_layer_from_its_cut():
+    from splitft.tasks.smollm_chain import cloud_layers, factory_kwargs
+
+    assert cloud_layers("layer2") == list(range(2, 30))
+    assert factory_kwargs(cut="layer28", freeze_edge=True) == {"layers": [28, 29]}
+    assert factory_kwargs(cut="layer2", freeze_edge=False) == {}
+    for cut in ("layer0", "layer30", "head", "layer2:5"):
+        with pytest.raises(splitft.ConfigError, match="at a decoder layer"):
+            factory_kwargs(cut=cut, freeze_edge=True)
+    task = get_task("smollm-plain")
+    assert task.model == CHAIN and task.topology == "plain" and task.cut == "layer2"
+
+
+@needs_model
+def test_the_chain_is_the_lora_model_as_a_sequential_cut_plain():
+    """Same logits as the peft model, the loss the model computes from labels= equals the plain
+    split's cross-entropy over the next tokens, and the head no longer shares the embeddings."""
+    from splitft.tasks.smollm_chain import load_windows, smollm_chain
+
+    chain, model = smollm_chain(), smollm_lora()
+    names = cloud_module_names(chain, parse_cut(chain, "layer2"))
+    assert names == [f"layer{i}" for i in range(2, 30)] + ["norm", "head"]
+    assert chain.head.head.weight is not chain.embed.weight and not chain.head.head.weight.requires_grad
+    trainable = [(n, p) for n, p in chain.named_parameters() if p.requires_grad]
+    assert all("lora_" in n for n, _ in trainable)
+    assert sum(p.numel() for _, p in trainable) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    train, test = load_windows(max_length=LENGTH, eval_windows=2)
+    assert torch.equal(train.y, train.x[:, 1:]) and test.x.shape == (2, LENGTH)
+    with torch.no_grad():
+        logits = chain.eval()(test.x)
+        expected = model.eval()(input_ids=test.x)
+        torch.testing.assert_close(logits, expected.logits[:, :-1].transpose(1, 2), rtol=0, atol=1e-5)
+        torch.testing.assert_close(torch.nn.functional.cross_entropy(logits, test.y),
+                                   model(input_ids=test.x, labels=test.x).loss, rtol=1e-4, atol=0)  # summed apart
+
+
+@needs_model
+def test_a_frozen_edge_streams_the_chain_exactly_as_synchronous_training(cloud):
+    """``splitft demo --task smollm-plain --freeze-edge --window 3`` against a real cloud process:
+    the same losses and perplexities as one step at a time, and no gradient comes down."""
+    from splitft.options import Schedule
+
+    results = [run(TaskRun(task="smollm-plain", freeze_edge=True, schedule=Schedule(window=window), limit=4 * BATCH,
+                           batch_size=BATCH, max_length=LENGTH, faults=splitft.Faults(timeout=120)), cloud)
+               for window in (1, 3)]
+    sync, stream = results
+    assert sync.steps == stream.steps == 4
+    assert sync.scores == stream.scores and set(sync.scores) == {"perplexity_before", "perplexity_after"}
+    assert sync.scores["perplexity_after"] < sync.scores["perplexity_before"]
+    assert sync.history[0]["loss"] == stream.history[0]["loss"]
+    assert sync.summary.startswith("held-out perplexity") and "next-token accuracy" not in sync.summary
+    for result in results:
+        assert result.metrics.bytes[("down", "gradient")].raw == 0
 
 
 def _bench():

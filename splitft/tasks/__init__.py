@@ -91,6 +91,14 @@ TASKS: dict[str, Task] = {
         optimizer="AdamW", weights="factory", options={"max_length": 128}, limit=192,
         trainer="splitft.tasks.smollm:train_run", factory_kwargs="splitft.tasks.smollm:factory_kwargs",
     ),
+    "smollm-plain": Task(
+        name="smollm-plain", summary="the smollm task's model and text as a chain cut plain: the loss in the cloud, so "
+                                     "a frozen edge can stream (--window)",
+        model="splitft.tasks.smollm_chain:smollm_chain", cut="layer2", rejoin=None, topology="plain",
+        loader="splitft.tasks.smollm_chain:load_windows", epochs=1, batch_size=8, lr=1e-3, optimizer="AdamW",
+        weights="factory", options={"max_length": 128}, limit=192, trainer="splitft.tasks.smollm_chain:train_run",
+        factory_kwargs="splitft.tasks.smollm_chain:factory_kwargs",
+    ),
 }
 
 

@@ -325,7 +325,9 @@ class LMFit(FitResult):
         out: dict[str, float] = {}
         for name, p in (("before", self.before), ("after", self.after)):
             if p is not None:
-                out |= {f"perplexity_{name}": p.perplexity, f"token_accuracy_{name}": p.accuracy}
+                out[f"perplexity_{name}"] = p.perplexity
+                if not math.isnan(p.accuracy):  # nan: not measured (a plain cut's logits stay in the cloud)
+                    out[f"token_accuracy_{name}"] = p.accuracy
         return out
 
     @property
@@ -333,8 +335,10 @@ class LMFit(FitResult):
         before, after = self.before, self.after
         if before is None or after is None:
             return f"trained {self.steps} steps"
-        return (f"held-out perplexity {before.perplexity:.2f} -> {after.perplexity:.2f} after {self.steps} steps "
-                f"(next-token accuracy {before.accuracy:.4f} -> {after.accuracy:.4f}, {after.tokens} tokens)")
+        figures = f"held-out perplexity {before.perplexity:.2f} -> {after.perplexity:.2f} after {self.steps} steps"
+        if math.isnan(after.accuracy):
+            return f"{figures} ({after.tokens} tokens)"
+        return f"{figures} (next-token accuracy {before.accuracy:.4f} -> {after.accuracy:.4f}, {after.tokens} tokens)"
 
 
 def train_epochs(model: nn.Module, optimizer: torch.optim.Optimizer, train: Split, *, epochs: int, batch_size: int,
