@@ -22,10 +22,12 @@ at all), the emulator with its polling pump (the design before timers; still wha
 that cannot be woken gets), and the emulator with timers (the ZeroMQ connection can be woken).
 
 ``--kernel`` (root; a benchmark, never a test) runs the same short split training (digits,
-identity, 2 epochs) twice: over two network namespaces joined by a veth pair shaped with tc tbf
-to the link's rate, and over loopback through the emulator at the same rate; it prints both
-times and their ratio. tbf shapes rate only (the kernel here has no netem), so the emulator
-runs with 0 ms delay. The namespaces are deleted afterwards.
+identity, 2 epochs) over two network namespaces joined by a veth pair shaped with tc tbf to the
+link's rate, and over loopback through the emulator at the same rate, alternating
+(``--kernel-repeats``, 3 each); it prints every run and the ratio of the median times. tbf's
+bucket (``--kernel-burst``) is kept small, as a line of that rate has none. tbf shapes rate only
+(the kernel here has no netem), so the emulator runs with 0 ms delay. The namespaces are deleted
+afterwards.
 
     python scripts/bench_link.py                       # 100mbit,20ms and 10mbit,50ms; 64 KiB, 1 MiB, 8 MiB
     python scripts/bench_link.py --link 1gbit,5ms --sizes 1MiB --repeats 9
@@ -93,12 +95,18 @@ def main(argv: list[str] | None = None) -> None:
                         help="compare a training run over a tc-shaped veth link with the emulator (root)")
     parser.add_argument("--kernel-rate", default="100mbit", help="rate of the --kernel comparison (default 100mbit)")
     parser.add_argument("--kernel-epochs", type=int, default=2, help="epochs of the --kernel training run")
+    parser.add_argument("--kernel-burst", default="15kb",
+                        help="tc tbf's bucket: bytes that pass at the veth's own speed after an idle spell (default "
+                             "15kb, about 1 ms at 100mbit). The emulator, like a line of that rate, has none; a 64kb "
+                             "bucket lets a step's small messages through unshaped after each compute pause")
+    parser.add_argument("--kernel-repeats", type=int, default=3,
+                        help="--kernel runs of each kind, alternating; their medians are compared (default 3)")
     parser.add_argument("--edge-run", nargs=3, metavar=("ADDRESS", "LINK", "EPOCHS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.edge_run:
         return _edge_run(*args.edge_run)
     if args.kernel:
-        return _kernel(args.kernel_rate, args.kernel_epochs)
+        return _kernel(args.kernel_rate, args.kernel_epochs, args.kernel_repeats, args.kernel_burst)
 
     import transports
     from transports import LinkSpec, message_nbytes
@@ -228,7 +236,7 @@ def _sh(*cmd: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True, text=True)
 
 
-def _netns_up(rate: str) -> None:
+def _netns_up(rate: str, burst: str) -> None:
     (a, b), (va, vb) = _NETNS, _VETH
     _netns_down()
     _sh("ip", "netns", "add", a)
@@ -239,7 +247,7 @@ def _netns_up(rate: str) -> None:
         _sh("ip", "-n", ns, "link", "set", dev, "up")
         _sh("ip", "-n", ns, "link", "set", "lo", "up")
         _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
-            "burst", "64kb", "latency", "100ms")
+            "burst", burst, "latency", "100ms")
 
 
 def _netns_down() -> None:
@@ -258,8 +266,9 @@ def _edge_run(address: str, link: str, epochs: str) -> None:
 
 
 def _train(cloud_prefix: list[str], edge_prefix: list[str], bind: str, address: str, link: str,
-           epochs: int) -> tuple[float, float, float]:
-    """Start a cloud, run one edge to the end, stop the cloud: (seconds, edge CPU s, accuracy)."""
+           epochs: int) -> tuple[float, ...]:
+    """Start a cloud, run one edge to the end, stop the cloud: (seconds, edge CPU s, accuracy,
+    bytes up, bytes down)."""
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     cloud = subprocess.Popen([*cloud_prefix, sys.executable, "-m", "splitft", "cloud", "--bind", bind],
                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -272,8 +281,7 @@ def _train(cloud_prefix: list[str], edge_prefix: list[str], bind: str, address: 
         lines = [ln for ln in edge.stdout.splitlines() if ln.startswith("RESULT ")]
         if edge.returncode or not lines:
             raise RuntimeError(f"the edge failed ({edge.returncode}): {edge.stderr[-2000:]}")
-        seconds, cpu, accuracy = (float(x) for x in lines[-1].split()[1:4])
-        return seconds, cpu, accuracy
+        return tuple(float(x) for x in lines[-1].split()[1:6])
     finally:
         cloud.terminate()
         try:
@@ -282,27 +290,34 @@ def _train(cloud_prefix: list[str], edge_prefix: list[str], bind: str, address: 
             cloud.kill()
 
 
-def _kernel(rate: str, epochs: int) -> None:
+def _kernel(rate: str, epochs: int, repeats: int, burst: str) -> None:
+    """Alternate kernel-shaped and emulated runs ``repeats`` times each (machine noise hits both
+    alike) and print each run and the ratio of the medians."""
     from transports import LinkSpec
 
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         raise SystemExit("--kernel needs root and the ip and tc tools (network namespaces, veth, tc tbf)")
     link = LinkSpec.parse(f"{rate},0ms")
     port = 5599
-    print(f"digits, identity, {epochs} epoch(s): veth + tc tbf {rate} between two namespaces vs the emulator "
-          f"at {link.to_text()} over loopback")
+    print(f"digits, identity, {epochs} epoch(s): veth + tc tbf {rate} (burst {burst}) between two namespaces vs "
+          f"the emulator at {link.to_text()} over loopback, {repeats} run(s) each, alternating")
+    print(f"{'link':>28s} {'seconds':>8s} {'edge CPU s':>11s} {'accuracy':>9s} {'MB up':>7s} {'MB down':>8s}")
+    runs: dict[str, list[tuple[float, ...]]] = {"kernel": [], "emulator": []}
     try:
-        _netns_up(rate)
-        kernel = _train(["ip", "netns", "exec", _NETNS[0]], ["ip", "netns", "exec", _NETNS[1]],
-                        f"tcp://{_ADDRS[0]}:{port}", f"tcp://{_ADDRS[0]}:{port}", "none", epochs)
+        _netns_up(rate, burst)
+        for _ in range(repeats):
+            runs["kernel"].append(_train(["ip", "netns", "exec", _NETNS[0]], ["ip", "netns", "exec", _NETNS[1]],
+                                         f"tcp://{_ADDRS[0]}:{port}", f"tcp://{_ADDRS[0]}:{port}", "none", epochs))
+            local = f"tcp://127.0.0.1:{_free_port()}"
+            runs["emulator"].append(_train([], [], local, local, link.to_text(), epochs))
+            for name, label in (("kernel", "kernel (veth + tbf)"), ("emulator", f"emulator ({link.to_text()})")):
+                seconds, cpu, accuracy, up, down = runs[name][-1]
+                print(f"{label:>28s} {seconds:8.2f} {cpu:11.2f} {accuracy:9.4f} {up / 1e6:7.2f} {down / 1e6:8.2f}",
+                      flush=True)
     finally:
         _netns_down()
-    local = f"tcp://127.0.0.1:{_free_port()}"
-    emulated = _train([], [], local, local, link.to_text(), epochs)
-    print(f"{'link':>28s} {'seconds':>8s} {'edge CPU s':>11s} {'accuracy':>9s}")
-    print(f"{'kernel (veth + tbf)':>28s} {kernel[0]:8.2f} {kernel[1]:11.2f} {kernel[2]:9.4f}")
-    print(f"{'emulator (' + link.to_text() + ')':>28s} {emulated[0]:8.2f} {emulated[1]:11.2f} {emulated[2]:9.4f}")
-    print(f"emulator / kernel: {emulated[0] / kernel[0]:.3f}")
+    kernel, emulated = (statistics.median(r[0] for r in runs[name]) for name in ("kernel", "emulator"))
+    print(f"median seconds: kernel {kernel:.2f}, emulator {emulated:.2f}; emulator / kernel: {emulated / kernel:.3f}")
 
 
 def _one_way(conn, frames) -> float:

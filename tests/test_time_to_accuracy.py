@@ -46,3 +46,17 @@ def test_steps_on_loopback_then_the_same_steps_timed_on_a_link(tmp_path: Path):
     assert "#### 1gbit,5ms" in table and "| frozen+fp16 |" in table and "| NO |" not in table
     assert tta.main(args) == 0  # every cell is done: nothing runs again
     assert len(list(csv.DictReader((tmp_path / "tta.csv").open()))) == 4
+
+
+def test_a_language_model_gets_down_to_a_perplexity_and_a_row_that_never_did_says_so():
+    tta = _script()
+    metric = tta.Metric("smollm-plain")
+    assert metric.reached(46.9, 47) and not metric.reached(47.1, 47) and metric.label(47.0) == "perplexity 47"
+    accuracy = tta.Metric("bbc-plain")
+    assert accuracy.reached(0.95, 0.95) and not accuracy.reached(0.94, 0.95) and accuracy.label(0.95) == "95%"
+    history = json.dumps({"accuracy": [[4, 900.0], [8, 812.5]], "losses": [7.0] * 8})
+    cells = {("lowrank:rank=1", "loopback"): {"row": "lowrank:rank=1", "link": "loopback", "steps": "8",
+                                              "history": history}}
+    table = tta.table(cells, ["lowrank:rank=1"], ["10mbit,50ms"], metric, 47.0)
+    assert "steps to perplexity 47" in table
+    assert "| lowrank:rank=1 | not reached in 8 steps (812.5 at the last evaluation) |" in table
