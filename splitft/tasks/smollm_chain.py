@@ -19,7 +19,6 @@ no attention mask crosses: the decoder layers use the causal mask the model's ow
 from __future__ import annotations
 
 import copy
-import logging
 import math
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
@@ -33,8 +32,6 @@ from . import smollm
 
 if TYPE_CHECKING:
     from ..runner import Prepared
-
-log = logging.getLogger(__name__)
 
 FACTORY = "splitft.tasks.smollm_chain:smollm_chain"
 CUT = "layer2"  # the edge runs the embeddings and decoder layers 0-1
