@@ -1,4 +1,4 @@
-r"""Time to accuracy on slow links: MiniLM on BBC News (and SmolLM2), synchronous codecs against a streaming frozen edge.
+r"""Time to accuracy on slow links, MiniLM and SmolLM2: synchronous codecs against a streaming edge.
 
 The task is ``bbc-plain`` (all-MiniLM-L6-v2 cut plain after its second encoder layer: the cloud
 runs layers 2-5, the pooling, the head and the loss; batch 32 of 128-token windows, AdamW 3e-4).
