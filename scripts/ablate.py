@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
 def _privacy(args: argparse.Namespace) -> int:
     """The privacy grid of :mod:`splitft.privacy.report` over these codecs plus every defence preset."""
     from splitft.privacy.evaluate import PRESETS, supported
-    from splitft.privacy.report import main as privacy_main
+    from splitft.privacy.report import run_grid
 
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
     skipped = [c for c in codecs if not supported(c)]
@@ -258,9 +258,9 @@ def _privacy(args: argparse.Namespace) -> int:
         print(f"--privacy skips codecs with per-sample state: {', '.join(skipped)}", file=sys.stderr)
     defences = [name for name, s in PRESETS.items() if s.name != s.codec]
     settings = list(dict.fromkeys([c for c in codecs if c not in skipped] + defences))
-    extra = ["--summary-only"] if args.summary_only else []
-    return privacy_main(["--out", args.out, "--settings", ",".join(settings), "--seeds", str(args.seeds),
-                         "--epochs", str(args.epochs), *extra])
+    print(run_grid(Path(args.out), settings, seeds=args.seeds, epochs=args.epochs, summary_only=args.summary_only,
+                   progress=lambda line: print(line, file=sys.stderr, flush=True)))
+    return 0
 
 
 if __name__ == "__main__":

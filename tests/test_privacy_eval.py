@@ -46,11 +46,11 @@ def test_ablate_privacy_delegates_with_its_codecs_and_the_defences(tmp_path: Pat
     import splitft.privacy.report as report
 
     calls = []
-    monkeypatch.setattr(report, "main", lambda argv: calls.append(argv) or 0)
+    monkeypatch.setattr(report, "run_grid", lambda out, names, **options: calls.append((out, names, options)) or "")
     assert ablate.main(["--privacy", "--out", str(tmp_path), "--codecs", "identity,acsgd:bits=4,fp16",
                         "--seeds", "2", "--epochs", "3"]) == 0
-    (argv,) = calls
-    settings = argv[argv.index("--settings") + 1].split(",")
+    ((out, settings, options),) = calls
+    assert out == tmp_path
     assert settings[:2] == ["identity", "fp16"] and "acsgd:bits=4" not in settings
     assert {"bsl", "leak", "dp-eps1", "dp-eps3", "dp-eps8", "label-dp-eps3"} <= set(settings)
-    assert argv[argv.index("--seeds") + 1] == "2" and argv[argv.index("--epochs") + 1] == "3"
+    assert options["seeds"] == 2 and options["epochs"] == 3 and not options["summary_only"]

@@ -1,23 +1,28 @@
 """The privacy table: every setting's accuracy and bytes beside what the attacks recover.
 
-``python scripts/privacy_eval.py`` (and ``scripts/ablate.py --privacy``) run :func:`main`. Each
+``python scripts/privacy_eval.py`` (and ``scripts/ablate.py --privacy``) run :func:`run_grid`. Each
 finished cell (setting, seed) is appended to the CSV at once, so a re-run skips what is done.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
+import logging
 import math
 import os
 import statistics
-import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .evaluate import FACTORIES, PRESETS, run_setting, setting
+
+log = logging.getLogger(__name__)
+
+#: Steps the model-inversion decoder trains for, unless a run says otherwise.
+INVERSION_STEPS = 600
 
 FIELDS = ["name", "codec", "leak_loss", "epsilon", "noise_multiplier", "noise_activations", "noise_labels", "clip",
           "label_clip", "seed", "epochs", "accuracy", "bytes_up", "bytes_down", "activation_bytes", "fwd_ratio",
@@ -104,7 +109,7 @@ def plot(summary: list[dict[str, Any]], path: Path) -> Path | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no plot (pip install -e '.[plots]')", file=sys.stderr)
+        log.warning("matplotlib is not installed: no plot (pip install -e '.[plots]')")
         return None
     panels = [("inversion_ssim", "inversion SSIM on test images (higher leaks more)", None),
               ("inversion_ssim", "the same, high-accuracy settings only", (0.9, 1.0)),
@@ -140,75 +145,55 @@ def plot(summary: list[dict[str, Any]], path: Path) -> Path | None:
     return path
 
 
-def _tokens(out: Path, argv: list[str] | None) -> int:
+def token_table(out: Path, command: str) -> str:
+    """Token recovery from MiniLM's hidden states at the BBC cut, written to ``out``/tokens.md
+    (headed by ``command``, what made it); returns the table."""
     from .evaluate import token_recovery
 
     rows = token_recovery()
     lines = ["| setting | token recovery (nearest neighbour) |", "|---|---|"]
     lines += [f"| {r['setting']} | {r['token_recovery']:.3f} |" for r in rows]
-    command = "python scripts/privacy_eval.py " + " ".join(sys.argv[1:] if argv is None else argv)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "tokens.md").write_text(f"<!-- made by: {command} -->\n\n" + "\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+    table = "\n".join(lines) + "\n"
+    (out / "tokens.md").write_text(f"<!-- made by: {command} -->\n\n{table}")
+    return table
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the grid (settings × seeds), then write the CSV, the markdown table and the plot."""
-    parser = argparse.ArgumentParser(
-        prog="privacy_eval.py", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Digits split U-shape between two processes, per codec and defence: accuracy, bytes, distance "
-                    "correlation, inversion MSE/SSIM, label leakage and the epsilon spent.",
-        epilog="presets: " + ", ".join(PRESETS) + "\n\nexample:\n  python scripts/privacy_eval.py --out docs/privacy "
-               "--seeds 3 --epochs 10\n  python scripts/privacy_eval.py --settings identity,bsl,dp-eps3 --seeds 1 "
-               "--epochs 2 --inproc")
-    parser.add_argument("--out", default="privacy", help="folder for privacy.csv, privacy.md and privacy.png "
-                                                         "(default: privacy)")
-    parser.add_argument("--settings", default=",".join(PRESETS),
-                        help="comma-separated presets or codec specs (a codec spec is a row with no defence)")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds per setting (default: 3)")
-    parser.add_argument("--epochs", type=int, default=10, help="training epochs per run (default: 10)")
-    parser.add_argument("--inversion-steps", type=int, default=600, help="decoder training steps (default: 600)")
-    parser.add_argument("--inproc", action="store_true", help="run the cloud on a thread of this process")
-    parser.add_argument("--summary-only", action="store_true", help="rebuild the table and plot from the CSV")
-    parser.add_argument("--tokens", action="store_true",
-                        help="only measure token recovery from MiniLM's hidden states at the BBC cut (needs the nlp "
-                             "extra); writes tokens.md")
-    args = parser.parse_args(argv)
-    if args.tokens:
-        return _tokens(Path(args.out), argv)
-
-    out = Path(args.out)
+def run_grid(out: Path, names: list[str], *, seeds: int, epochs: int, inversion_steps: int = INVERSION_STEPS,
+             inproc: bool = False, summary_only: bool = False,
+             progress: Callable[[str], None] = lambda line: None) -> str:
+    """Run the cells of the grid (settings ``names`` x ``seeds``) that ``out``/privacy.csv does not
+    hold yet, each appended as it finishes, then write privacy.md and privacy.png from the CSV and
+    return the table. ``progress`` gets a line per cell started; ``inproc`` runs the cloud on a
+    thread of this process instead of a ``splitft cloud`` process."""
     out.mkdir(parents=True, exist_ok=True)
     csv_path = out / "privacy.csv"
-    names = [n.strip() for n in args.settings.split(",") if n.strip()]
     settings = [setting(n) for n in names]
     done = {(r["name"], int(r["seed"]), int(r["epochs"])) for r in read_rows(csv_path)}
-    todo = [(s, seed) for s in settings for seed in range(args.seeds) if (s.name, seed, args.epochs) not in done]
-    if todo and not args.summary_only:
-        print(f"running {len(todo)} cells ({len(settings) * args.seeds - len(todo)} already in {csv_path})",
-              file=sys.stderr)
+    todo = [(s, seed) for s in settings for seed in range(seeds) if (s.name, seed, epochs) not in done]
+    if todo and not summary_only:
+        progress(f"running {len(todo)} cells ({len(settings) * seeds - len(todo)} already in {csv_path})")
 
         def run_all(address: str | None) -> None:
             for i, (s, seed) in enumerate(todo, 1):
-                print(f"[{i}/{len(todo)}] {s.name} seed {seed}", file=sys.stderr)
-                append_row(csv_path, run_setting(s, seed=seed, epochs=args.epochs, address=address,
-                                                 inversion_steps=args.inversion_steps))
+                progress(f"[{i}/{len(todo)}] {s.name} seed {seed}")
+                append_row(csv_path, run_setting(s, seed=seed, epochs=epochs, address=address,
+                                                 inversion_steps=inversion_steps))
 
-        if args.inproc:
+        if inproc:
             run_all(None)
         else:
             from ..launch import local_cloud
 
             with local_cloud(FACTORIES, sessions=0, start_timeout=120, exit_timeout=0, quiet=True) as address:
                 run_all(address)
-    rows = [r for r in read_rows(csv_path) if int(r["epochs"]) == args.epochs and r["name"] in names]
+    rows = [r for r in read_rows(csv_path) if int(r["epochs"]) == epochs and r["name"] in names]
     summary, table = summarise(rows, names)
-    given = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--summary-only"]
-    command = "python scripts/privacy_eval.py " + " ".join(given)
+    command = (f"python scripts/privacy_eval.py --out {out} --settings {','.join(names)} --seeds {seeds} "
+               f"--epochs {epochs}" + (f" --inversion-steps {inversion_steps}"
+                                       if inversion_steps != INVERSION_STEPS else "") + (" --inproc" if inproc else ""))
     (out / "privacy.md").write_text(f"<!-- made by: {command} -->\n\n{table}")
-    print(table)
     path = plot(summary, out / "privacy.png")
     if path is not None:
-        print(f"wrote {path}", file=sys.stderr)
-    return 0
+        progress(f"wrote {path}")
+    return table
