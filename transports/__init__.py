@@ -5,7 +5,8 @@ from .curve import generate_keypair, load_allowed_keys, load_public_key, load_se
 from .errors import (LinkSpecError, TransportClosed, TransportDisconnected, TransportError, TransportRefused,
                      TransportTimeout)
 from .inproc import InprocConnection, InprocListener
-from .link import EmulatedConnection, LinkDirection, LinkEvent, LinkSchedule, LinkSpec, Transit, emulate
+from .link import EmulatedConnection, LinkEvent, LinkSchedule, Transit, emulate
+from .link_spec import LinkDirection, LinkSpec
 from .zmq import ZmqConnection, ZmqListener
 
 
