@@ -21,9 +21,9 @@ Two phases, each run against a ``splitft cloud`` process of its own on tcp loopb
    trip when the step is synchronous — and the measured step time's ratio to it. Wire time is the
    busier direction's bytes at the link's rate (the link is full duplex).
 
-The target is test accuracy for a classifier; for ``smollm-plain`` (SmolLM2-135M with LoRA, cut
-plain after its second decoder layer) it is held-out perplexity, to get down to, measured through
-the remote loss (only a scalar comes back, never the logits).
+The target is the task's metric: test accuracy for a classifier; for ``smollm-plain`` (SmolLM2-135M
+with LoRA, cut plain after its second decoder layer) held-out perplexity, to get down to, measured
+through the remote loss (only a scalar comes back, never the logits).
 
 Each finished cell is appended to ``--out``/tta.csv at once; a re-run skips what is there.
 
@@ -103,7 +103,9 @@ class Metric:
     """What phase 1 measures on the test data, and when it has reached the target."""
 
     def __init__(self, task: str) -> None:
-        self.perplexity = task == "smollm-plain"
+        from splitft.tasks import get_task
+
+        self.perplexity = get_task(task).metric == "perplexity"
         self.name = "held-out perplexity" if self.perplexity else "test accuracy"
 
     def measure(self, prepared: object) -> float:

@@ -48,11 +48,12 @@ def _read(unread: deque[tuple[torch.Tensor, int]], count: int, total: float, see
 def fit(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Callable[[Any, torch.Tensor], torch.Tensor],
         train: Split, test: Split, *, epochs: int, batch_size: int, seed: int = 0,
         predict: Callable[..., torch.Tensor] | None = None, progress: bool = False,
-        pass_ids: bool = False) -> FitResult:
+        pass_ids: bool = False, evaluate: bool = True) -> FitResult:
     """Train ``epochs`` epochs, evaluating after each; shows a bar per epoch when ``progress``.
 
     ``pass_ids`` gives the model each sample's stable id (``model(x, sample_ids=ids)``), which
-    codecs with per-sample state need.
+    codecs with per-sample state need. ``evaluate=False`` skips the test accuracy, for a task
+    that measures itself otherwise (a language model's perplexity).
     """
     from tqdm.auto import tqdm
 
@@ -82,12 +83,12 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Callable[
                 bar.set_postfix(loss=f"{total_loss / seen:.4f}")
         total_loss, seen = _read(unread, len(unread), total_loss, seen)
         training += time.perf_counter() - epoch_start
-        model.eval()
-        acc = accuracy(predict, test)
-        result.accuracy = acc
-        result.history.append({"epoch": epoch + 1, "loss": total_loss / max(1, seen), "accuracy": acc,
-                               "seconds": time.perf_counter() - start, "train_seconds": training})
-        bar.set_postfix(loss=f"{total_loss / max(1, seen):.4f}", test_acc=f"{acc:.4f}")
+        record = {"epoch": epoch + 1, "loss": total_loss / max(1, seen)}
+        if evaluate:
+            model.eval()
+            result.accuracy = record["accuracy"] = accuracy(predict, test)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", test_acc=f"{result.accuracy:.4f}")
+        result.history.append(record | {"seconds": time.perf_counter() - start, "train_seconds": training})
         bar.close()
     result.seconds = time.perf_counter() - start
     return result

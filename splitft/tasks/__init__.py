@@ -39,6 +39,8 @@ class Task:
     trainer: str | None = None
     # "package.module:function"(cut=..., freeze_edge=...) -> the factory's arguments for a run
     factory_kwargs: str | None = None
+    # what a run is judged by: "accuracy" (test accuracy, higher is better) or "perplexity" (held-out, lower)
+    metric: str = "accuracy"
 
     def load(self, **options: Any) -> tuple[Split, Split]:
         """Train and test splits; ``options`` left at None keep the task's defaults."""
@@ -90,6 +92,7 @@ TASKS: dict[str, Task] = {
         topology="ushape", loader="splitft.tasks.smollm:load_news", epochs=1, batch_size=8, lr=1e-3,
         optimizer="AdamW", weights="factory", options={"max_length": 128}, limit=192,
         trainer="splitft.tasks.smollm:train_run", factory_kwargs="splitft.tasks.smollm:factory_kwargs",
+        metric="perplexity",
     ),
     "smollm-plain": Task(
         name="smollm-plain", summary="the smollm task's model and text as a chain cut plain: the loss in the cloud, so "
@@ -97,7 +100,7 @@ TASKS: dict[str, Task] = {
         model="splitft.tasks.smollm_chain:smollm_chain", cut="layer2", rejoin=None, topology="plain",
         loader="splitft.tasks.smollm_chain:load_windows", epochs=1, batch_size=8, lr=1e-3, optimizer="AdamW",
         weights="factory", options={"max_length": 128}, limit=192, trainer="splitft.tasks.smollm_chain:train_run",
-        factory_kwargs="splitft.tasks.smollm_chain:factory_kwargs",
+        factory_kwargs="splitft.tasks.smollm_chain:factory_kwargs", metric="perplexity",
     ),
 }
 

@@ -140,34 +140,19 @@ def perplexity(criterion: Any, model: nn.Module, data: Split, batch_size: int = 
 
 
 def train_run(prepared: Prepared) -> smollm.LMFit:
-    """The task's training: held-out perplexity before, an ordinary loop with the remote loss, and after."""
-    from tqdm.auto import tqdm
-
-    from ..train import LOSS_LAG
+    """The task's training: held-out perplexity before, the ordinary training loop
+    (:func:`splitft.train.fit`) with the remote loss, and perplexity after."""
+    from ..train import fit
 
     model, criterion, run = prepared.model, prepared.criterion, prepared.run
-    result = smollm.LMFit(accuracy=0.0)
     before = perplexity(criterion, model, prepared.test)
-    pending: list[torch.Tensor] = []
-    for epoch in range(prepared.epochs):
-        model.train()
-        steps = -(-len(prepared.train) // prepared.batch_size)
-        for x, y, ids in tqdm(batches(prepared.train, prepared.batch_size, shuffle=True, seed=run.seed, epoch=epoch),
-                              total=steps, desc=f"epoch {epoch + 1}/{prepared.epochs}", unit="step",
-                              disable=not run.progress, leave=True, dynamic_ncols=True):
-            loss = criterion(model(x, sample_ids=ids), y)
-            loss.backward()
-            prepared.optimizer.step()
-            prepared.optimizer.zero_grad()
-            pending.append(loss.detach())
-            result.steps += 1
-            if len(pending) > LOSS_LAG:  # a streamed step's loss is read once the window moved past it
-                result.losses.append(float(pending.pop(0)))
-        result.losses += [float(v) for v in pending]
-        pending.clear()
-        result.history.append({"epoch": epoch + 1, "loss": sum(result.losses[-steps:]) / max(1, steps)})
+    fitted = fit(model, prepared.optimizer, criterion, prepared.train, prepared.test, epochs=prepared.epochs,
+                 batch_size=prepared.batch_size, seed=run.seed, progress=run.progress, pass_ids=True, evaluate=False)
     after = perplexity(criterion, model, prepared.test)
-    result.before, result.after = (smollm.Perplexity(p, math.nan, prepared.test.y.numel()) for p in (before, after))
+    tokens = prepared.test.y.numel()
+    result = smollm.LMFit(accuracy=0.0, history=fitted.history, seconds=fitted.seconds, steps=fitted.steps,
+                          before=smollm.Perplexity(before, math.nan, tokens),
+                          after=smollm.Perplexity(after, math.nan, tokens), train_seconds=fitted.seconds)
     result.history[-1]["perplexity"] = after
     return result
 
