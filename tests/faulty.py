@@ -6,21 +6,23 @@ from collections.abc import Callable, Sequence
 
 import msgpack
 
+from splitft import protocol
 from transports import Connection, TransportTimeout
 
 
 def message_type(frames: Sequence) -> str:
-    """The ``t`` of a splitft header frame, without the rest of the protocol."""
+    """The type of a splitft header frame (``[version, type, fields...]``), without the rest of
+    the protocol."""
     try:
-        return msgpack.unpackb(bytes(memoryview(frames[0])), raw=False, ext_hook=lambda c, d: None)["t"]
+        return msgpack.unpackb(bytes(memoryview(frames[0])), raw=False, ext_hook=lambda c, d: None)[1]
     except Exception:  # noqa: BLE001 — only a test helper
         return "?"
 
 
 def carries_step(frames: Sequence) -> bool:
     try:
-        head = msgpack.unpackb(bytes(memoryview(frames[0])), raw=False, ext_hook=lambda c, d: None)
-        return any(isinstance(op, dict) and op.get("op") == "step" for op in head["b"].get("ops", []))
+        message = protocol.decode([memoryview(bytearray(memoryview(f).cast("B"))) for f in frames])
+        return any(isinstance(op, dict) and op.get("op") == "step" for op in getattr(message, "ops", []))
     except Exception:  # noqa: BLE001
         return False
 

@@ -141,6 +141,14 @@ def _paths(node, out, depth=0):
         _paths(value, out, depth + 1)
 
 
+def _fields(tree, out):
+    """(container, key) pairs below the header's fields: ``[version, type, field, ...]``."""
+    if isinstance(tree, list):
+        for index in range(2, len(tree)):
+            out.append((tree, index))
+            _paths(tree[index], out, 1)
+
+
 def _exts(node, out, depth=0):
     if depth > 12:
         return
@@ -163,7 +171,7 @@ def _retree(frames, rng, change):
         if rng.random() < 0.7:
             arrays = _keep_referenced(tree, arrays)
         return [_pack(tree), *arrays]
-    except (OverflowError, ValueError, TypeError):  # an earlier mutation left nothing to lie about, or
+    except (OverflowError, ValueError, TypeError, IndexError, KeyError):  # an earlier mutation left nothing to lie about, or
         return frames  # not even msgpack can carry the lie: no one can send it
 
 
@@ -188,7 +196,7 @@ def _keep_referenced(tree, arrays):
 def m_field(frames, rng):
     def change(tree, rng):
         paths: list = []
-        _paths(tree.get("b", tree), paths)
+        _fields(tree, paths)
         if paths:
             node, key = rng.choice(paths)
             node[key] = rng.choice(ODD_VALUES)
@@ -218,7 +226,7 @@ def m_drop(frames, rng):
     """Remove one entry of a map or list somewhere in the body (a missing field, array, option)."""
     def change(tree, rng):
         paths: list = []
-        _paths(tree.get("b", tree), paths)
+        _fields(tree, paths)
         containers = [node[key] for node, key in paths if isinstance(node[key], (dict, list)) and node[key]]
         if containers:
             node = rng.choice(containers)
@@ -248,7 +256,7 @@ def m_retype(frames, rng):
 
     def change(tree, rng):
         paths: list = []
-        _paths(tree.get("b", tree), paths)
+        _fields(tree, paths)
         if paths:
             node, key = rng.choice(paths)
             node[key] = other(node[key])
@@ -266,16 +274,17 @@ def m_backward(frames, rng):
 def m_envelope(frames, rng):
     def change(tree, rng):
         if rng.random() < 0.5:
-            tree["v"] = rng.choice([0, 2, 99, "1", None, -1])
+            tree[0] = rng.choice([0, 2, 3, 99, "1", None, -1, True])
         else:
-            tree["t"] = rng.choice([*protocol.MESSAGES, "launch", "", 7, None])
+            tree[1] = rng.choice([*protocol.MESSAGES, "launch", "", 7, None])
     return _retree(frames, rng, change)
 
 
 def m_seq(frames, rng):
     def change(tree, rng):
-        if isinstance(tree.get("b"), dict):
-            tree["b"]["seq"] = rng.choice([0, 1, 2, 3, -5, 2**63, 10**6])
+        cls = protocol.MESSAGES.get(tree[1])
+        if cls is not None and "seq" in protocol._FIELD_TUPLES[cls]:
+            tree[2 + protocol._FIELD_TUPLES[cls].index("seq")] = rng.choice([0, 1, 2, 3, -5, 2**63, 10**6])
     return _retree(frames, rng, change)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgpack
 import numpy as np
 import pytest
@@ -12,19 +14,18 @@ from splitft.errors import ProtocolError
 
 
 def test_ack_is_exactly_these_bytes():
-    # map{v: 3, t: "ack", b: map{state: nil, grad_norms: nil, seq: 7}}
-    assert protocol.encode(protocol.Ack(seq=7)) == [
-        b"\x83\xa1v\x03\xa1t\xa3ack\xa1b\x83\xa5state\xc0\xaagrad_norms\xc0\xa3seq\x07"]
+    # array[4, "ack", state: nil, grad_norms: nil, seq: 7]
+    assert protocol.encode(protocol.Ack(seq=7)) == [b"\x95\x04\xa3ack\xc0\xc0\x07"]
 
 
 def test_array_travels_as_extension_reference_plus_raw_frame():
     arr = np.arange(6, dtype=np.float32).reshape(2, 3)
     frames = protocol.encode(protocol.Output(call=7, value=protocol.payload_to_wire(Payload("identity", 1, {"x": arr}), True)))
     assert frames[0] == (
-        b"\x83\xa1v\x03\xa1t\xa6output\xa1b\x85\xa4call\x07\xa5value\x81\xa2$t\x95\xa8identity\x01\x80"
+        b"\x97\x04\xa6output\x07\x81\xa2$t\x95\xa8identity\x01\x80"  # [4, "output", call 7, value: {"$t": [...
         b"\x81\xa1x"
         b"\xc7\x0d\x01" b"\x93\x00\xa7float32\x92\x02\x03"  # ext8, 13 bytes, type 1: [frame 0, dtype, shape]
-        b"\xc3\xa7timings\x80\xa5grads\xc0\xa3seq\x00"
+        b"\xc3\x80\xc0\x00"  # ...grad]}, timings {}, grads nil, seq 0]
     )
     assert len(frames) == 2
     assert bytes(memoryview(frames[1])) == bytes.fromhex("000000000000803f0000004000004040000080400000a040")
@@ -72,11 +73,21 @@ def test_a_different_array_does_not_compare_equal():
     assert a == protocol.Sync()
 
 
-def _header(body: dict, t: str = "sync", v: int = protocol.PROTOCOL_VERSION, ext: list | None = None) -> bytes:
-    def default(obj):
-        return obj
-
-    return msgpack.packb({"v": v, "t": t, "b": body}, use_bin_type=True, default=default)
+def _header(body: dict, t: str = "sync", v: int = protocol.PROTOCOL_VERSION) -> bytes:
+    """A header from named fields: the message's defaults fill the rest, in order; a name that is
+    not a field of ``t`` goes at the end, as an extra position."""
+    cls = protocol.MESSAGES.get(t)
+    fields = [] if cls is None else [f for f in dataclasses.fields(cls)]
+    values = []
+    for f in fields:
+        if f.name in body:
+            values.append(body[f.name])
+        elif f.default is not dataclasses.MISSING:
+            values.append(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            values.append(f.default_factory())
+    values += [value for name, value in body.items() if name not in {f.name for f in fields}]
+    return msgpack.packb([v, t, *values], use_bin_type=True)
 
 
 def _ext(index, dtype, shape) -> msgpack.ExtType:
@@ -88,24 +99,33 @@ MALFORMED = {
     "no frames": [],
     "not msgpack": [b"\xc1\xc1\xc1"],
     "truncated header": [protocol.encode(protocol.Ack())[0][:-3]],
-    "header not a map": [msgpack.packb([1, 2, 3])],
+    "header not an array": [msgpack.packb({"t": "sync"})],
+    "header of one item": [msgpack.packb([protocol.PROTOCOL_VERSION])],
+    "a version-3 map header": [msgpack.packb({"v": 3, "t": "sync", "b": {}})],
+    "version as a bool": [msgpack.packb([True, "ping"])],
     "wrong version": [_header({}, v=99)],
     "the first version": [_header({}, v=1)],
     "unknown type": [_header({}, t="launch_missiles")],
     "unknown field": [_header({"bogus": 1})],
     "wrong field type": [_header({"call": "seven", "grads": []}, t="backward")],
     "bool as int": [_header({"call": True, "grads": []}, t="backward")],
-    "missing field": [_header({"grads": []}, t="backward")],
-    "unknown extension": [msgpack.packb({"v": V, "t": "sync", "b": {"ops": [msgpack.ExtType(9, b"")]}})],
-    "bad dtype": [msgpack.packb({"v": V, "t": "sync", "b": {"ops": [_ext(0, "object", [1])]}}), b"12345678"],
-    "shape vs bytes": [msgpack.packb({"v": V, "t": "sync", "b": {"ops": [_ext(0, "float32", [3])]}}), b"12345678"],
-    "negative dim": [msgpack.packb({"v": V, "t": "sync", "b": {"ops": [_ext(0, "float32", [-1])]}}), b""],
-    "huge declared shape": [msgpack.packb({"v": V, "t": "sync", "b": {"ops": [_ext(0, "float64", [2**40, 2**40])]}}), b""],
-    "frame index out of range": [msgpack.packb({"v": V, "t": "sync", "b": {"ops": [_ext(5, "uint8", [1])]}}), b"x"],
-    "frame used twice": [msgpack.packb({"v": V, "t": "sync", "b": {"ops": [_ext(0, "uint8", [1]), _ext(0, "uint8", [1])]}}), b"x"],
+    "missing field": [msgpack.packb([V, "backward", 1, []])],
+    "one field too many": [msgpack.packb([V, "ping", 0])],
+    "unknown extension": [_header({"ops": [msgpack.ExtType(9, b"")]})],
+    "bad dtype": [_header({"ops": [_ext(0, "object", [1])]}), b"12345678"],
+    "shape vs bytes": [_header({"ops": [_ext(0, "float32", [3])]}), b"12345678"],
+    "negative dim": [_header({"ops": [_ext(0, "float32", [-1])]}), b""],
+    "huge declared shape": [_header({"ops": [_ext(0, "float64", [2**40, 2**40])]}), b""],
+    "frame index out of range": [_header({"ops": [_ext(5, "uint8", [1])]}), b"x"],
+    "frame used twice": [_header({"ops": [_ext(0, "uint8", [1]), _ext(0, "uint8", [1])]}), b"x"],
     "extra frame": [protocol.encode(protocol.Ack())[0], b"surplus"],
-    "garbage reference": [msgpack.packb({"v": V, "t": "sync", "b": {"ops": [msgpack.ExtType(1, b"\xc1")]}})],
+    "garbage reference": [_header({"ops": [msgpack.ExtType(1, b"\xc1")]})],
 }
+
+
+def test_a_version_3_header_is_named_as_such():
+    with pytest.raises(ProtocolError, match="the peer speaks protocol 3, this side speaks 4"):
+        protocol.decode([msgpack.packb({"v": 3, "t": "ack", "b": {"seq": 1}})])
 
 
 @pytest.mark.parametrize("name", sorted(MALFORMED))
@@ -138,18 +158,17 @@ def test_a_remembered_array_reference_still_checks_its_frame():
         protocol.decode([good[0], good[1], good[1]])
     with pytest.raises(ProtocolError, match="out of range"):
         protocol.decode([good[0]])
-    twice = msgpack.packb({"v": V, "t": "sync", "b": {"ops": [_ext(0, "float32", [4]), _ext(0, "float32", [4])]}})
+    twice = _header({"ops": [_ext(0, "float32", [4]), _ext(0, "float32", [4])]})
     with pytest.raises(ProtocolError, match="used twice"):
         protocol.decode([twice, good[1]])
 
 
 def test_a_body_that_passed_does_not_let_other_types_through():
-    ok = msgpack.packb({"v": V, "t": "backward", "b": {"call": 1, "grads": [], "ops": [], "seq": 2}})
+    ok = msgpack.packb([V, "backward", 1, [], [], 2])
     assert protocol.decode([ok]) == protocol.Backward(call=1, grads=[], seq=2)
-    for body in ({"call": True, "grads": [], "ops": [], "seq": 2}, {"call": 1, "grads": {}, "ops": [], "seq": 2},
-                 {"call": 1, "grads": [], "ops": [], "seq": 2.0}, {"call": 1, "grads": [], "ops": [], "sq": 2}):
+    for fields in ([True, [], [], 2], [1, {}, [], 2], [1, [], [], 2.0], [1, [], [], 2, 2], [1, [], []]):
         with pytest.raises(ProtocolError):
-            protocol.decode([msgpack.packb({"v": V, "t": "backward", "b": body})])
+            protocol.decode([msgpack.packb([V, "backward", *fields])])
 
 
 def test_the_first_problem_in_field_order_is_the_one_reported():
@@ -160,10 +179,10 @@ def test_the_first_problem_in_field_order_is_the_one_reported():
 
 def test_remembered_references_and_bodies_stay_bounded():
     for n in range(protocol._CACHE_LIMIT + 50):
-        frames = [msgpack.packb({"v": V, "t": "sync", "b": {"ops": [_ext(0, "uint8", [n])]}}), b"\0" * n]
+        frames = [_header({"ops": [_ext(0, "uint8", [n])]}), b"\0" * n]
         protocol.decode(frames)
     assert len(protocol._REFS_SEEN) <= protocol._CACHE_LIMIT
-    assert len(protocol._PASSED) <= protocol._CACHE_LIMIT
+    assert len(protocol._PASSED_FIELDS) <= protocol._CACHE_LIMIT
 
 
 def test_a_failed_encode_leaves_nothing_for_the_next():
