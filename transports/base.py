@@ -31,7 +31,7 @@ class Connection(ABC):
         """Queue one message; return the bytes it puts on the wire."""
 
     @abstractmethod
-    def recv(self, timeout: float | None) -> list[memoryview]:
+    def recv(self, timeout: float | None) -> list[Frame]:
         """Next message, or :class:`TransportTimeout` after ``timeout`` seconds (None: wait forever)."""
 
     @abstractmethod
@@ -71,7 +71,7 @@ class Listener(ABC):
         """Queue one message to ``peer``; return the bytes it puts on the wire."""
 
     @abstractmethod
-    def recv(self, timeout: float | None) -> tuple[PeerId, list[memoryview]]:
+    def recv(self, timeout: float | None) -> tuple[PeerId, list[Frame]]:
         """Next message from any peer, or :class:`TransportTimeout`."""
 
     @abstractmethod

@@ -1,8 +1,9 @@
 """ZeroMQ transport: DEALER on the edge, ROUTER on the cloud, tcp:// or ipc://, plain or CurveZMQ.
 
 Arrays travel as their own frames with ``copy=False``, so a large tensor is never copied into a
-Python bytes object on the way out; received frames are exposed as memoryviews of ZeroMQ's own
-buffers. Every socket closes with linger=0, so a dead peer never blocks shutdown, and every send
+Python bytes object on the way out; received frames after the first are exposed as memoryviews of
+ZeroMQ's own buffers. A message's first frame (a header: small) is read as bytes, which costs a
+third of wrapping it in a zero-copy frame object, a saving every message pays. Every socket closes with linger=0, so a dead peer never blocks shutdown, and every send
 and receive is bounded in time.
 
 Faults a DEALER cannot see in its data (a refused CURVE handshake looks like silence, a dead
@@ -58,13 +59,14 @@ def _recv_nowait(sock: zmq.Socket) -> bytes | None:
         return None
 
 
-def _recv_frames(sock: zmq.Socket) -> list[memoryview] | None:
-    """The next whole message as memoryviews of ZeroMQ's buffers, or None if none is queued."""
+def _recv_frames(sock: zmq.Socket) -> list[Frame] | None:
+    """The next whole message, or None if none is queued: its first frame as bytes, the rest as
+    memoryviews of ZeroMQ's buffers."""
     try:
-        first = sock.recv(zmq.NOBLOCK, copy=False)
+        first = sock.recv(zmq.NOBLOCK)
     except zmq.Again:
         return None
-    frames = [first.buffer]
+    frames: list[Frame] = [first]
     while sock.get(zmq.RCVMORE):  # the rest of a multipart message is already here
         frames.append(sock.recv(0, copy=False).buffer)
     return frames
@@ -138,7 +140,7 @@ class ZmqConnection(Connection):
         except zmq.ZMQError as exc:
             raise TransportError(f"send to {self.address} failed: {exc}") from exc
 
-    def recv(self, timeout: float | None) -> list[memoryview]:
+    def recv(self, timeout: float | None) -> list[Frame]:
         if self._closed:
             raise TransportClosed(f"connection to {self.address} is closed")
         try:
@@ -350,7 +352,7 @@ class ZmqListener(Listener):
         except zmq.ZMQError as exc:
             raise TransportError(f"send to peer {peer.hex()} failed: {exc} (did it disconnect?)") from exc
 
-    def recv(self, timeout: float | None) -> tuple[PeerId, list[memoryview]]:
+    def recv(self, timeout: float | None) -> tuple[PeerId, list[Frame]]:
         if self._closed:
             raise TransportClosed("listener is closed")
         sock = self._sock
@@ -365,16 +367,20 @@ class ZmqListener(Listener):
                         peer = _recv_nowait(sock)
                     elif deadline is not None and time.monotonic() >= deadline:
                         raise TransportTimeout(f"no message on {self.address} within {timeout:.1f} s")
-            parts = []  # a ROUTER delivers whole messages: the rest is already here
+            # A ROUTER delivers whole messages: the rest is already here. A known peer's first
+            # frame comes as bytes; a new peer's as a frame object, which carries its origin.
+            known = peer in self._origins
+            parts: list = [sock.recv(0, copy=known)] if sock.get(zmq.RCVMORE) else []
             while sock.get(zmq.RCVMORE):
-                parts.append(sock.recv(0, copy=False))
+                parts.append(sock.recv(0, copy=False).buffer)
         except zmq.ZMQError as exc:
             raise TransportError(f"receive on {self.address} failed: {exc}") from exc
-        if peer not in self._origins and parts:
+        if not known and parts:
             self._origins[peer] = _frame_origin(parts[0], self.curve)
             while len(self._origins) > _ORIGINS_KEPT:
                 self._origins.popitem(last=False)
-        return peer, [p.buffer for p in parts]
+            parts[0] = parts[0].buffer
+        return peer, parts
 
     def origin(self, peer: PeerId) -> str:
         return self._origins.get(peer, "")
