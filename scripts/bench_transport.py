@@ -11,7 +11,7 @@ through ``ZmqConnection.send`` / ``ZmqListener.recv`` with no codec and no proto
 what the transport itself costs, apart from encoding and decoding. The last column is the
 message path's fixed cost: its median time per message minus raw's.
 
-    python scripts/bench_transport.py            # 64 KiB, 1 MiB, 16 MiB; median of 7 rounds each
+    python scripts/bench_transport.py            # 64 KiB, 1 MiB, 16 MiB; median of 11 rounds each
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _receiver(raw_address: str, splitft_address: str, transport_address: str) ->
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7, help="timed rounds per cell; medians are compared")
+    parser.add_argument("--rounds", type=int, default=11, help="timed rounds per cell; medians are compared (default: 11)")
     parser.add_argument("--megabytes", type=int, default=128, help="data streamed per round (default 128)")
     args = parser.parse_args(argv)
 
