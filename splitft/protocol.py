@@ -454,8 +454,9 @@ _WIRE_DTYPE_OBJECTS = {name: np.dtype(name) for name in WIRE_DTYPES}
 def build_checked(cls: type, body: dict, what: str) -> Any:
     """``cls(**body)`` for a dataclass record, once every field is checked against its type hint.
 
-    Unknown and missing fields are refused, and an int field refuses a bool. Messages and the
-    mirrored operations (:mod:`splitft.operations`) are both built through here.
+    Unknown and missing fields are refused, and an int field refuses a bool. The mirrored
+    operations (:mod:`splitft.operations`), maps by name inside a message, are built through here;
+    messages themselves, whose fields travel by position, through :func:`_build_fields`.
     """
     signature = (cls, tuple(body), tuple(map(type, body.values())))
     if signature in _PASSED:

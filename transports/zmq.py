@@ -3,8 +3,9 @@
 Arrays travel as their own frames with ``copy=False``, so a large tensor is never copied into a
 Python bytes object on the way out; received frames after the first are exposed as memoryviews of
 ZeroMQ's own buffers. A message's first frame (a header: small) is read as bytes, which costs a
-third of wrapping it in a zero-copy frame object, a saving every message pays. Every socket closes with linger=0, so a dead peer never blocks shutdown, and every send
-and receive is bounded in time.
+third of wrapping it in a zero-copy frame object, a saving every message pays. Every socket
+closes with linger=0, so a dead peer never blocks shutdown, and every send and receive is bounded
+in time.
 
 Faults a DEALER cannot see in its data (a refused CURVE handshake looks like silence, a dead
 cloud like a slow one) are read from the socket monitor: the edge's :meth:`ZmqConnection.recv`
