@@ -67,9 +67,18 @@ def _recv_frames(sock: zmq.Socket) -> list[Frame] | None:
         first = sock.recv(zmq.NOBLOCK)
     except zmq.Again:
         return None
-    frames: list[Frame] = [first]
-    while sock.get(zmq.RCVMORE):  # the rest of a multipart message is already here
-        frames.append(sock.recv(0, copy=False).buffer)
+    return [first, *_rest_of_message(sock, sock.get(zmq.RCVMORE))]
+
+
+def _rest_of_message(sock: zmq.Socket, more: bool) -> list[memoryview]:
+    """The frames that follow, as memoryviews of ZeroMQ's buffers (a multipart message arrives
+    whole, so they are already here). Each frame says whether another follows, which is far
+    cheaper than asking the socket (``RCVMORE``) once per frame."""
+    frames = []
+    while more:
+        frame = sock.recv(0, copy=False)
+        frames.append(frame.buffer)
+        more = frame.more
     return frames
 
 
@@ -371,9 +380,10 @@ class ZmqListener(Listener):
             # A ROUTER delivers whole messages: the rest is already here. A known peer's first
             # frame comes as bytes; a new peer's as a frame object, which carries its origin.
             known = peer in self._origins
-            parts: list = [sock.recv(0, copy=known)] if sock.get(zmq.RCVMORE) else []
-            while sock.get(zmq.RCVMORE):
-                parts.append(sock.recv(0, copy=False).buffer)
+            parts: list = []
+            if sock.get(zmq.RCVMORE):
+                first = sock.recv(0, copy=known)
+                parts = [first, *_rest_of_message(sock, sock.get(zmq.RCVMORE) if known else first.more)]
         except zmq.ZMQError as exc:
             raise TransportError(f"receive on {self.address} failed: {exc}") from exc
         if not known and parts:
