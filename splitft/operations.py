@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .errors import ProtocolError
-from .protocol import _short, build_checked
+from .records import _short, build_checked
 
 
 @dataclass

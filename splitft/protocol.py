@@ -16,13 +16,10 @@ request whose reply it never saw (``seq`` 0: unsequenced, never deduplicated).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import threading
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 import msgpack
 import numpy as np
@@ -30,6 +27,7 @@ import numpy as np
 from compressors import WIRE_DTYPES, Payload
 
 from .errors import ProtocolError
+from .records import _short, build_checked, record_fields
 
 PROTOCOL_VERSION = 4  # 4: fields by position; 3: parameter groups and frozen parameters by name; 2: numbered requests, typed operations, welcome.limits (docs/wire.md)
 _ARRAY_EXT = 1
@@ -218,36 +216,8 @@ MESSAGES: dict[str, type[Message]] = {
     for cls in (Hello, Welcome, Redirect, Forward, Output, Backward, InputGrads, Sync, Ack, Error, Bye, Ping, Pong)
 }
 
-# Per message type: (field name, type hint, required), resolved once; decode is on the hot path.
-def _accepted_types(hint: Any) -> tuple[type, ...] | None:
-    """The Python types msgpack decoding may produce for a field hint (None: anything)."""
-    if hint is Any:
-        return None
-    if typing.get_origin(hint) in (Union, types.UnionType):
-        parts = [_accepted_types(h) for h in typing.get_args(hint)]
-        return None if any(p is None for p in parts) else tuple(t for p in parts for t in p)
-    if hint is float:
-        return (int, float)
-    return (typing.get_origin(hint) or hint,)
-
-
-_SCHEMAS: dict[type, tuple[list[tuple[str, Any, tuple[type, ...] | None, bool]], frozenset[str]]] = {}
-
-
-def _schema(cls: type) -> tuple[list[tuple[str, Any, tuple[type, ...] | None, bool]], frozenset[str]]:
-    """(field name, hint, accepted types, required) per field of a record class, and the names."""
-    found = _SCHEMAS.get(cls)
-    if found is None:
-        hints = typing.get_type_hints(cls)
-        fields = [(f.name, hints[f.name], _accepted_types(hints[f.name]),
-                   f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-                  for f in dataclasses.fields(cls)]
-        found = _SCHEMAS[cls] = (fields, frozenset(name for name, *_ in fields))
-    return found
-
-
 #: Field names per message type, in declaration order (the order they are encoded in).
-_FIELD_NAMES = {cls: [name for name, *_ in _schema(cls)[0]] for cls in MESSAGES.values()}
+_FIELD_NAMES = {cls: [name for name, *_ in record_fields(cls)[0]] for cls in MESSAGES.values()}
 
 
 # ---------------------------------------------------------------- payloads inside bodies
@@ -402,17 +372,14 @@ def _build_fields(cls: type[Message], values: list) -> Message:
     signature = (cls, *map(type, values))
     if signature in _PASSED_FIELDS:
         return cls(*values)
-    schema, _ = _schema(cls)
-    if len(values) != len(schema):
-        raise ProtocolError(f"{cls.TYPE} has {len(schema)} fields, its header holds {len(values)}")
-    for (_, _, accepted, _), value in zip(schema, values):
-        if accepted is not None and (not isinstance(value, accepted)
-                                     or (value.__class__ is bool and bool not in accepted)):
-            _refuse(cls, dict(zip(_FIELD_TUPLES[cls], values)), cls.TYPE)
+    names = _FIELD_TUPLES[cls]
+    if len(values) != len(names):
+        raise ProtocolError(f"{cls.TYPE} has {len(names)} fields, its header holds {len(values)}")
+    message = build_checked(cls, dict(zip(names, values)), cls.TYPE)  # a new signature: check by name
     if len(_PASSED_FIELDS) >= _CACHE_LIMIT:
         _PASSED_FIELDS.clear()
     _PASSED_FIELDS.add(signature)
-    return cls(*values)
+    return message
 
 
 #: (class, value type per field) of headers that passed :func:`_build_fields`.
@@ -449,74 +416,3 @@ def _array_ref(data: bytes) -> _ArrayRef:
 
 
 _WIRE_DTYPE_OBJECTS = {name: np.dtype(name) for name in WIRE_DTYPES}
-
-
-def build_checked(cls: type, body: dict, what: str) -> Any:
-    """``cls(**body)`` for a dataclass record, once every field is checked against its type hint.
-
-    Unknown and missing fields are refused, and an int field refuses a bool. The mirrored
-    operations (:mod:`splitft.operations`), maps by name inside a message, are built through here;
-    messages themselves, whose fields travel by position, through :func:`_build_fields`.
-    """
-    signature = (cls, tuple(body), tuple(map(type, body.values())))
-    if signature in _PASSED:
-        return cls(**body)
-    names, required, checks = _checks(cls)
-    keys = body.keys()
-    if keys <= names and required <= keys:
-        for name, value in body.items():
-            check = checks[name]
-            if check is not None and (not isinstance(value, check[0]) or (check[1] and value.__class__ is bool)):
-                break
-        else:
-            if len(_PASSED) >= _CACHE_LIMIT:
-                _PASSED.clear()
-            _PASSED.add(signature)
-            return cls(**body)
-    _refuse(cls, body, what)
-
-
-#: (class, field names, value types) of bodies that passed: whether a body passes depends on
-#: nothing else, and a stream of messages repeats a few of these.
-_PASSED: set[tuple] = set()
-_CHECKS: dict[type, tuple[frozenset[str], frozenset[str], dict[str, tuple[tuple[type, ...], bool] | None]]] = {}
-
-
-def _checks(cls: type) -> tuple[frozenset[str], frozenset[str], dict[str, tuple[tuple[type, ...], bool] | None]]:
-    """Per record class: its field names, the required ones, and per field (accepted types,
-    refuses bool) or None for a field that takes anything."""
-    found = _CHECKS.get(cls)
-    if found is None:
-        schema, names = _schema(cls)
-        found = _CHECKS[cls] = (
-            names,
-            frozenset(name for name, _, _, required in schema if required),
-            {name: None if accepted is None else (accepted, bool not in accepted) for name, _, accepted, _ in schema},
-        )
-    return found
-
-
-def _refuse(cls: type, body: dict, what: str) -> None:
-    """Raise the first problem of a body that failed :func:`build_checked`, in field order."""
-    schema, names = _schema(cls)
-    if not set(body) <= names:
-        raise ProtocolError(f"{what} has no field(s) {sorted(map(str, set(body) - names))}")
-    for name, hint, accepted, required in schema:
-        if name not in body:
-            if required:
-                raise ProtocolError(f"{what} is missing field {name!r}")
-            continue
-        value = body[name]
-        if accepted is not None and (not isinstance(value, accepted)
-                                     or (isinstance(value, bool) and bool not in accepted)):
-            raise ProtocolError(f"{what}.{name} should be {_type_name(hint)}, got {_short(value)}")
-    raise ProtocolError(f"{what} is malformed")
-
-
-def _type_name(hint: Any) -> str:
-    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
