@@ -110,3 +110,10 @@ def cloud_process(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str, PipeR
                                      "--model", "tests.models:residual_net")
     yield proc, address, err
     stop(proc)
+
+
+def thread_errors(errors: list[BaseException]) -> str:
+    """The exceptions worker threads collected, each with its traceback (a bare repr hides where)."""
+    import traceback
+
+    return "\n".join("".join(traceback.format_exception(exc)) for exc in errors)

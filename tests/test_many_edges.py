@@ -11,6 +11,7 @@ from torch import nn
 import splitft
 from splitft import Codecs
 from splitft.cloud import CloudServer, serve_in_thread
+from tests.conftest import thread_errors
 from tests.test_faults import MLP, _data, assert_same, local_weights, split_weights
 from tests.models import mlp
 from transports import InprocListener
@@ -55,7 +56,7 @@ def test_concurrent_edges_have_isolated_sessions(cloud):
         t.start()
     for t in threads:
         t.join(timeout=60)
-    assert not errors, errors
+    assert not errors, thread_errors(errors)
     for i in range(4):
         assert_same(results[i], local_weights(_data(5, seed=i)))
 
@@ -158,3 +159,49 @@ def test_shared_cloud_half_recomputes_a_graph_another_edge_made_stale(shared_clo
     assert_same(got, {k: v for k, v in model.state_dict().items() if not k.startswith("0.")})
     for m in edges:
         m.close()
+
+
+_CONCURRENT_SPLITS = r"""
+import sys
+import threading
+import torch
+from torch import nn
+from torch.optim import optimizer as torch_optimizer
+from splitft.edge import guards
+
+sys.setswitchinterval(1e-6)  # threads take turns as often as they can: a race shows at once
+barrier = threading.Barrier(8)
+errors, models = [], []
+
+def edge():
+    try:
+        barrier.wait(30)
+        for _ in range(20):
+            models.append(nn.Sequential(*[nn.Linear(1, 1) for _ in range(100)]))
+            guards.register(models[-1])
+    except BaseException as exc:
+        errors.append(repr(exc))
+
+threads = [threading.Thread(target=edge) for _ in range(8)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join(120)
+hooks = [h for h in torch_optimizer._global_optimizer_pre_hooks.values() if h is guards._before_step]
+wrapped = getattr(torch.optim.Optimizer.zero_grad, "__splitft_original__", None)
+print(errors, len(hooks), wrapped is not None and not hasattr(wrapped, "__splitft_original__"))
+"""
+
+
+def test_edges_split_in_many_threads_of_one_process_register_without_a_race():
+    """Models split in threads at once: the parameter registry is pruned while others fill it,
+    and torch's optimizer hooks go in once (twice would mirror every step twice)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    result = subprocess.run([sys.executable, "-c", _CONCURRENT_SPLITS], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": ""})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[0] == "[] 1 True", result.stdout

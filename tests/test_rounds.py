@@ -25,7 +25,7 @@ from splitft.cloud import CloudServer, serve_in_thread
 from splitft.cloud.allreduce import GradCompression
 from splitft.cloud.rounds import Rounds, RoundSettings
 from splitft.errors import CapacityError, ConfigError
-from tests.conftest import ROOT, PipeReader, stop
+from tests.conftest import ROOT, PipeReader, stop, thread_errors
 from tests.models import mlp
 from transports import InprocListener
 
@@ -101,7 +101,7 @@ def _train(connects: list, datas: list) -> dict:
         t.start()
     for t in threads:
         t.join(timeout=120)
-    assert not errors, errors
+    assert not errors, thread_errors(errors)
     assert len(out) == len(datas)
     return out
 
@@ -239,7 +239,7 @@ def test_a_silent_edge_is_dropped_from_its_round_and_the_others_go_on():
         took = time.monotonic() - started
         pause.set()
         silent.join(timeout=60)
-        assert not errors, errors
+        assert not errors, thread_errors(errors)
         assert took < 15, took  # one timeout, not one per round
         assert any("dropped from the round" in e for e in events), events
         assert any("discarded" in e for e in events), events  # the silent edge's late step

@@ -31,6 +31,7 @@ is torch's function and is not routed: call ``model.clip_grad_norm_`` instead.
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -43,6 +44,9 @@ from ..errors import ConfigError
 #: parameter itself, since a freed tensor's id may be reused (tensors are not hashable by value).
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 _INSTALLED = False
+#: Held while _OWNERS is pruned and filled and while the hooks are installed: edges split in
+#: several threads of one process register at once, and the hooks must go in exactly once.
+_REGISTERING = threading.Lock()
 #: Optimizers mirrored to a cloud half, with their mirror (see splitft.edge.mirror.OptimizerMirror).
 _MIRRORS: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
 #: Optimizers found to hold no cloud placeholder, with how many parameters they had then.
@@ -51,11 +55,12 @@ _LOCAL: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyD
 
 def register(model: Any) -> None:
     """Route torch's optimizers and clipping functions over ``model``'s parameters to ``model``."""
-    for key in [k for k, (p, m) in _OWNERS.items() if p() is None or m() is None]:
-        del _OWNERS[key]
-    for param in model.parameters():
-        _OWNERS[id(param)] = (weakref.ref(param), weakref.ref(model))
-    _install()
+    with _REGISTERING:
+        for key in [k for k, (p, m) in _OWNERS.items() if p() is None or m() is None]:
+            del _OWNERS[key]
+        for param in model.parameters():
+            _OWNERS[id(param)] = (weakref.ref(param), weakref.ref(model))
+        _install()
 
 
 def mirrored(optimizer: torch.optim.Optimizer, mirror: Any) -> None:
