@@ -77,19 +77,21 @@ def _two_terminals(tmp_path):
     return cloud, cloud_err, edge, edge_err
 
 
-def _exit_code(proc, *readers, timeout: float = 60) -> int:
+def _exit_code(proc, *readers, timeout: float = 60, expected: int) -> None:
+    said = "; the processes said:\n" + "\n---\n".join(r.text[-3000:] for r in readers)
     try:
-        return proc.wait(timeout=timeout)
+        code = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        pytest.fail("process did not exit; its peers said:\n" + "\n---\n".join(r.text[-3000:] for r in readers))
+        pytest.fail("process did not exit" + said)
+    assert code == expected, f"exit code {code}, expected {expected}" + said
 
 
 def test_ctrl_c_on_the_edge_ends_both_cleanly(tmp_path):
     cloud, cloud_err, edge, edge_err = _two_terminals(tmp_path)
     try:
         edge.send_signal(signal.SIGINT)
-        assert _exit_code(edge, edge_err, cloud_err) == 130
-        assert _exit_code(cloud, edge_err, cloud_err) == 0
+        _exit_code(edge, edge_err, cloud_err, expected=130)
+        _exit_code(cloud, edge_err, cloud_err, expected=0)
     finally:
         stop(edge)
         stop(cloud)
@@ -101,8 +103,8 @@ def test_ctrl_c_on_the_cloud_ends_both_cleanly(tmp_path):
     cloud, cloud_err, edge, edge_err = _two_terminals(tmp_path)
     try:
         cloud.send_signal(signal.SIGINT)
-        assert _exit_code(cloud, edge_err, cloud_err) == 130
-        assert _exit_code(edge, edge_err, cloud_err) == 1
+        _exit_code(cloud, edge_err, cloud_err, expected=130)
+        _exit_code(edge, edge_err, cloud_err, expected=1)
     finally:
         stop(edge)
         stop(cloud)
