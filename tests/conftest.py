@@ -78,7 +78,10 @@ def _interruptible() -> None:
 
 
 def splitft_process(*args: str) -> subprocess.Popen:
-    env = os.environ | {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    # PYTHONFAULTHANDLER: a child killed by a fatal signal (an abort in a C library) prints every
+    # thread's Python stack on its stderr, which the failing test then shows.
+    env = os.environ | {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                        "PYTHONFAULTHANDLER": "1"}
     return subprocess.Popen([sys.executable, "-m", "splitft", *args], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                             preexec_fn=_interruptible)
