@@ -77,7 +77,7 @@ def _two_terminals(tmp_path):
     return cloud, cloud_err, edge, edge_err
 
 
-def _exit_code(proc, *readers, timeout: float = 60, expected: int) -> None:
+def _assert_exit(proc, *readers, timeout: float = 60, expected: int) -> None:
     said = "; the processes said:\n" + "\n---\n".join(r.text[-3000:] for r in readers)
     try:
         code = proc.wait(timeout=timeout)
@@ -90,8 +90,8 @@ def test_ctrl_c_on_the_edge_ends_both_cleanly(tmp_path):
     cloud, cloud_err, edge, edge_err = _two_terminals(tmp_path)
     try:
         edge.send_signal(signal.SIGINT)
-        _exit_code(edge, edge_err, cloud_err, expected=130)
-        _exit_code(cloud, edge_err, cloud_err, expected=0)
+        _assert_exit(edge, edge_err, cloud_err, expected=130)
+        _assert_exit(cloud, edge_err, cloud_err, expected=0)
     finally:
         stop(edge)
         stop(cloud)
@@ -103,8 +103,8 @@ def test_ctrl_c_on_the_cloud_ends_both_cleanly(tmp_path):
     cloud, cloud_err, edge, edge_err = _two_terminals(tmp_path)
     try:
         cloud.send_signal(signal.SIGINT)
-        _exit_code(cloud, edge_err, cloud_err, expected=130)
-        _exit_code(edge, edge_err, cloud_err, expected=1)
+        _assert_exit(cloud, edge_err, cloud_err, expected=130)
+        _assert_exit(edge, edge_err, cloud_err, expected=1)
     finally:
         stop(edge)
         stop(cloud)
