@@ -176,8 +176,8 @@ errors, models = [], []
 def edge():
     try:
         barrier.wait(30)
-        for _ in range(20):
-            models.append(nn.Sequential(*[nn.Linear(1, 1) for _ in range(100)]))
+        for _ in range(10):
+            models.append(nn.Sequential(*[nn.Linear(1, 1) for _ in range(50)]))
             guards.register(models[-1])
     except BaseException as exc:
         errors.append(repr(exc))
