@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -11,7 +14,7 @@ from torch import nn
 import splitft
 from splitft import Codecs
 from splitft.cloud import CloudServer, serve_in_thread
-from tests.conftest import thread_errors
+from tests.conftest import ROOT, thread_errors
 from tests.test_faults import MLP, _data, assert_same, local_weights, split_weights
 from tests.models import mlp
 from transports import InprocListener
@@ -195,13 +198,9 @@ print(errors, len(hooks), wrapped is not None and not hasattr(wrapped, "__splitf
 
 def test_edges_split_in_many_threads_of_one_process_register_without_a_race():
     """Models split in threads at once: the parameter registry is pruned while others fill it,
-    and torch's optimizer hooks go in once (twice would mirror every step twice)."""
-    import subprocess
-    import sys
-
-    from tests.conftest import ROOT
-
+    and torch's optimizer hooks go in once (twice would mirror every step twice). A fresh
+    interpreter, so that the hooks are installed here and not by an earlier test."""
     result = subprocess.run([sys.executable, "-c", _CONCURRENT_SPLITS], cwd=ROOT, capture_output=True, text=True,
-                            timeout=300, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": ""})
+                            timeout=300, env=os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[0] == "[] 1 True", result.stdout
