@@ -27,7 +27,7 @@ import numpy as np
 from compressors import WIRE_DTYPES, Payload
 
 from .errors import ProtocolError
-from .records import _short, build_checked, record_fields
+from .records import _CACHE_LIMIT, _short, build_checked, record_fields
 
 PROTOCOL_VERSION = 4  # 4: fields by position; 3: parameter groups and frozen parameters by name; 2: numbered requests, typed operations, welcome.limits (docs/wire.md)
 _ARRAY_EXT = 1
@@ -259,7 +259,6 @@ _WIRE_ITEMSIZE = {name: np.dtype(name).itemsize for name in WIRE_DTYPES}
 _FIELD_TUPLES = {cls: tuple(names) for cls, names in _FIELD_NAMES.items()}
 #: Extension references already built, by (frame index, dtype name, shape); a few per model.
 _REF_CACHE: dict[tuple, msgpack.ExtType] = {}
-_CACHE_LIMIT = 1024
 
 
 class _Encoder(threading.local):

@@ -15,6 +15,8 @@ from typing import Any, Union
 
 from .errors import ProtocolError
 
+#: How many entries each cache of checked shapes keeps (here and in :mod:`splitft.protocol`):
+#: a peer that sends ever-new shapes cannot grow them without bound.
 _CACHE_LIMIT = 1024
 
 

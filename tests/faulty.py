@@ -21,7 +21,7 @@ def message_type(frames: Sequence) -> str:
 
 def carries_step(frames: Sequence) -> bool:
     try:
-        message = protocol.decode([memoryview(bytearray(memoryview(f).cast("B"))) for f in frames])
+        message = protocol.decode(list(frames))
         return any(isinstance(op, dict) and op.get("op") == "step" for op in getattr(message, "ops", []))
     except Exception:  # noqa: BLE001
         return False

@@ -77,7 +77,8 @@ def _header(body: dict, t: str = "sync", v: int = protocol.PROTOCOL_VERSION) -> 
     """A header from named fields: the message's defaults fill the rest, in order; a name that is
     not a field of ``t`` goes at the end, as an extra position."""
     cls = protocol.MESSAGES.get(t)
-    fields = [] if cls is None else [f for f in dataclasses.fields(cls)]
+    fields = [] if cls is None else dataclasses.fields(cls)
+    names = {f.name for f in fields}
     values = []
     for f in fields:
         if f.name in body:
@@ -86,7 +87,7 @@ def _header(body: dict, t: str = "sync", v: int = protocol.PROTOCOL_VERSION) -> 
             values.append(f.default)
         elif f.default_factory is not dataclasses.MISSING:
             values.append(f.default_factory())
-    values += [value for name, value in body.items() if name not in {f.name for f in fields}]
+    values += [value for name, value in body.items() if name not in names]
     return msgpack.packb([v, t, *values], use_bin_type=True)
 
 
