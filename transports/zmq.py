@@ -2,8 +2,9 @@
 
 Arrays travel as their own frames with ``copy=False``, so a large tensor is never copied into a
 Python bytes object on the way out; received frames after the first are exposed as memoryviews of
-ZeroMQ's own buffers. A message's first frame (a header: small) is read as bytes, which costs a
-third of wrapping it in a zero-copy frame object, a saving every message pays. Every socket
+ZeroMQ's own buffers. A message's first frame (a header: small) is handed on as bytes. Whether
+another frame follows is read from each received frame, never asked of the socket: pyzmq builds an
+option enum for every ``RCVMORE`` query, which costs more than the frame itself. Every socket
 closes with linger=0, so a dead peer never blocks shutdown, and every send and receive is bounded
 in time.
 
@@ -40,22 +41,31 @@ def _poll_ms(timeout: float | None) -> int | None:
     return None if timeout is None else max(0, int(timeout * 1000))
 
 
+#: Flags as plain ints: or-ing pyzmq's enum flags costs about a microsecond a message.
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
+
+#: pyzmq's ``Socket.send`` adds routing-id and group options (unused here) in Python on top of
+#: this one; calling it directly saves that layer on every frame.
+_send = zmq.backend.Socket.send
+
+
 def _send_frames(sock: zmq.Socket, frames: Sequence[Frame], flags: int) -> int:
     """Send ``frames`` as one message, frame by frame, and return its bytes: no list is built per
     message. pyzmq copies frames under its copy threshold (64 KiB) and hands larger ones to
-    ZeroMQ without a copy."""
+    ZeroMQ without a copy. ``flags`` is a plain int (0 or ``_NOBLOCK``)."""
     last = len(frames) - 1
-    more = flags | zmq.SNDMORE
+    more = flags | _SNDMORE
     nbytes = 0
     for i, frame in enumerate(frames):
-        sock.send(frame, flags if i == last else more, copy=False)
+        _send(sock, frame, flags if i == last else more, copy=False)
         nbytes += memoryview(frame).nbytes
     return nbytes
 
 
 def _recv_nowait(sock: zmq.Socket) -> bytes | None:
     try:
-        return sock.recv(zmq.NOBLOCK)
+        return sock.recv(_NOBLOCK)
     except zmq.Again:
         return None
 
@@ -64,16 +74,15 @@ def _recv_frames(sock: zmq.Socket) -> list[Frame] | None:
     """The next whole message, or None if none is queued: its first frame as bytes, the rest as
     memoryviews of ZeroMQ's buffers."""
     try:
-        first = sock.recv(zmq.NOBLOCK)
+        first = sock.recv(_NOBLOCK, copy=False)
     except zmq.Again:
         return None
-    return [first, *_rest_of_message(sock, sock.get(zmq.RCVMORE))]
+    return [first.bytes, *_rest_of_message(sock, first.more)]
 
 
 def _rest_of_message(sock: zmq.Socket, more: bool) -> list[memoryview]:
     """The frames that follow, as memoryviews of ZeroMQ's buffers (a multipart message arrives
-    whole, so they are already here). Each frame says whether another follows, which is far
-    cheaper than asking the socket (``RCVMORE``) once per frame."""
+    whole, so they are already here)."""
     frames = []
     while more:
         frame = sock.recv(0, copy=False)
@@ -355,8 +364,8 @@ class ZmqListener(Listener):
         if not frames:
             raise TransportError("a message needs at least one frame")
         try:
-            self._sock.send(peer, zmq.NOBLOCK | zmq.SNDMORE)
-            return _send_frames(self._sock, frames, zmq.NOBLOCK)
+            _send(self._sock, peer, _NOBLOCK | _SNDMORE)
+            return _send_frames(self._sock, frames, _NOBLOCK)
         except zmq.Again:
             raise TransportError(f"peer {peer.hex()} is not reading its replies; dropped one") from None
         except zmq.ZMQError as exc:
@@ -377,20 +386,18 @@ class ZmqListener(Listener):
                         peer = _recv_nowait(sock)
                     elif deadline is not None and time.monotonic() >= deadline:
                         raise TransportTimeout(f"no message on {self.address} within {timeout:.1f} s")
-            # A ROUTER delivers whole messages: the rest is already here. A known peer's first
-            # frame comes as bytes; a new peer's as a frame object, which carries its origin.
-            known = peer in self._origins
-            parts: list = []
-            if sock.get(zmq.RCVMORE):
-                first = sock.recv(0, copy=known)
-                parts = [first, *_rest_of_message(sock, sock.get(zmq.RCVMORE) if known else first.more)]
+            # A ROUTER delivers whole messages, a body after the routing id: it is already here.
+            try:
+                first = sock.recv(_NOBLOCK, copy=False)
+            except zmq.Again:  # a body-less message, which ZeroMQ never delivers
+                return peer, []
+            parts = [first.bytes, *_rest_of_message(sock, first.more)]
         except zmq.ZMQError as exc:
             raise TransportError(f"receive on {self.address} failed: {exc}") from exc
-        if not known and parts:
-            self._origins[peer] = _frame_origin(parts[0], self.curve)
+        if peer not in self._origins:  # a new peer: its first frame carries its origin
+            self._origins[peer] = _frame_origin(first, self.curve)
             while len(self._origins) > _ORIGINS_KEPT:
                 self._origins.popitem(last=False)
-            parts[0] = parts[0].buffer
         return peer, parts
 
     def origin(self, peer: PeerId) -> str:
