@@ -327,13 +327,13 @@ def decode(frames: list) -> Message:
         if not index < arrays or index in used:
             raise ProtocolError(f"array reference to frame {index!r}: out of range or used twice "
                                 f"({arrays} array frames)")
-        buf = memoryview(frames[index + 1]).cast("B")
+        buf = memoryview(frames[index + 1])
         if nbytes != buf.nbytes:
             raise ProtocolError(f"array of shape {list(shape)} and dtype {dtype} needs {nbytes} bytes, "
                                 f"its frame has {buf.nbytes}")
         used.add(index)
-        array = np.frombuffer(buf, dtype=dtype)
-        return array if len(shape) == 1 else array.reshape(shape)
+        # Positional arguments: numpy parses keywords slower than it builds the array.
+        return np.frombuffer(buf, dtype) if len(shape) == 1 else np.ndarray(shape, dtype, buf)
 
     try:
         head = msgpack.unpackb(frames[0], raw=False, ext_hook=ext_hook, strict_map_key=True)
