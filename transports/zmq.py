@@ -3,10 +3,10 @@
 Arrays travel as their own frames with ``copy=False``, so a large tensor is never copied into a
 Python bytes object on the way out; received frames after the first are exposed as memoryviews of
 ZeroMQ's own buffers. A message's first frame (a header: small) is handed on as bytes. Whether
-another frame follows is read from each received frame, never asked of the socket: pyzmq builds an
-option enum for every ``RCVMORE`` query, which costs more than the frame itself. Every socket
-closes with linger=0, so a dead peer never blocks shutdown, and every send and receive is bounded
-in time.
+another frame follows is read from each received frame, never asked of the socket: pyzmq builds
+an option enum for every ``RCVMORE`` query, which costs about as much as receiving the frame.
+Every socket closes with linger=0, so a dead peer never blocks shutdown, and every send and
+receive is bounded in time.
 
 Faults a DEALER cannot see in its data (a refused CURVE handshake looks like silence, a dead
 cloud like a slow one) are read from the socket monitor: the edge's :meth:`ZmqConnection.recv`
