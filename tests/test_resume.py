@@ -67,6 +67,34 @@ def test_cloud_crash_mid_step_resumes_from_its_checkpoint(tmp_path):
     assert_same(weights, local_weights(data, accumulate=2))
 
 
+def test_a_goodbye_to_a_cloud_that_restarted_ends_the_session_there(tmp_path):
+    """The cloud restarts between the last step and the goodbye: the edge gets the session back
+    to end it, so the cloud counts it as ended (``--sessions N`` exits) and drops its checkpoints,
+    instead of keeping a session nobody will resume."""
+    data = _data(3)
+    cloud = RestartableCloud(tmp_path / "ck")
+    model = splitft.split(mlp(), 2, factory=MLP, connect=cloud.connect, faults=Faults(timeout=0.5, heartbeat=0))
+    try:
+        opt = model.attach(torch.optim.Adam(model.parameters(), lr=0.01))
+        crit = model.remote_loss(nn.CrossEntropyLoss())
+        for x, y in data:
+            crit(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        model.cloud_state_dict()  # saving the weights carries the last step: nothing rides on the goodbye
+        assert [p for p in (tmp_path / "ck").rglob("*") if p.is_file()]  # the session's checkpoints
+        cloud.crash()
+        cloud.start()
+        model.close()
+        assert model.session.recoveries == 1
+        assert cloud.server.ended == 1, cloud.server.finished
+        assert [f["reason"] for f in cloud.server.finished] == [f"ended after {len(data)} steps: done"]
+        assert [p for p in (tmp_path / "ck").rglob("*") if p.is_file()] == []
+    finally:
+        model.close()
+        cloud.crash()
+
+
 def test_edge_restarted_from_its_checkpoint_continues_exactly(tmp_path):
     data = _data(7)
     listener = InprocListener()

@@ -468,15 +468,21 @@ class EdgeSession:
             return reply
 
     def close(self, reason: str = "done") -> None:
-        """Say goodbye (flushing pending operations) and release the connection. Idempotent."""
+        """Say goodbye (flushing pending operations) and release the connection. Idempotent.
+
+        A normal goodbye ("done") on a link that can reconnect is a request like any other: if the
+        cloud restarted meanwhile, the edge gets the session back and ends it there, so the steps
+        riding on it are applied, the cloud counts the session as ended and drops its checkpoints.
+        After an error or Ctrl-C the goodbye gets one try of a few seconds.
+        """
         with self._lock:
             if self.closed:
                 return
             try:
-                if self._ops and self._reconnect is not None and reason == "done":
-                    # A step that only rode on the goodbye would not survive a lost goodbye. (After
-                    # an error or Ctrl-C, do not spend another reconnect_timeout on it.)
-                    self.sync()
+                if self._reconnect is not None and reason == "done":
+                    _, wire_in = self.exchange(Bye(reason=reason, ops=self.take_ops()), "control", Ack)
+                    self.metrics.count("down", "control", wire=wire_in)
+                    return
                 self._seq += 1
                 frames = protocol.encode(Bye(reason=reason, ops=self.take_ops(), seq=self._seq))
                 self.metrics.count("up", "control", wire=self.connection.send(frames))
