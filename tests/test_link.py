@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 
 import transports
 from transports import (EmulatedConnection, InprocListener, LinkDirection, LinkSchedule, LinkSpec, LinkSpecError,
-                        TransportClosed, TransportTimeout, ZmqConnection, ZmqListener, emulate)
+                        TransportClosed, TransportDisconnected, TransportError, TransportTimeout, ZmqConnection,
+                        ZmqListener, emulate)
 from transports.link import plan
 
 MIB_PER_S = 8 * 2**20  # bit/s that carry one MiB per second
@@ -446,6 +447,49 @@ def test_on_real_time_an_idle_link_sleeps_instead_of_polling(kind):
         conn.close()
         listener.close()
     assert not any(t.name.startswith("link-pump") and t.is_alive() for t in threading.enumerate())
+
+
+def _reply_then_go_away(conn, listener: ZmqListener) -> None:
+    """The cloud answers ``conn``'s request and closes once the answer has reached the edge's
+    socket; returns when the edge's side has seen the connection drop."""
+    conn.send([b"bye"])
+    peer, _ = listener.recv(timeout=5)
+    listener.send(peer, [b"ack"])
+    time.sleep(0.1)  # loopback: the ack is in the edge's socket long before this
+    listener.close()
+    time.sleep(0.3)
+
+
+@pytest.mark.parametrize("link", ["1gbit,1ms", "1gbit,200ms"])
+def test_a_reply_sent_just_before_the_cloud_went_away_is_still_delivered(link):
+    """A real link delivers what arrived before the connection dropped, then reports the drop;
+    so does the emulator, whether the reply had arrived (1 ms) or was still on the emulated
+    downlink (200 ms) when the drop came. A cloud that exits right after answering a goodbye
+    must not look, to the edge, like a cloud that never answered."""
+    listener = ZmqListener("tcp://127.0.0.1:0")
+    conn = transports.connect(listener.address, link=link)
+    try:
+        _reply_then_go_away(conn, listener)
+        assert [bytes(f) for f in conn.recv(timeout=5)] == [b"ack"]
+        with pytest.raises(TransportError, match="dropped"):
+            conn.recv(timeout=5)
+    finally:
+        conn.close()
+
+
+def test_waiting_for_data_reports_the_reply_before_the_drop_that_followed_it():
+    """What the emulator's pump waits with: data that came before a drop is readable first, and
+    the wait after it raises the drop."""
+    listener = ZmqListener("tcp://127.0.0.1:0")
+    conn = ZmqConnection(listener.address)
+    try:
+        _reply_then_go_away(conn, listener)
+        assert conn.wait_readable(5)
+        assert [bytes(f) for f in conn.recv(timeout=5)] == [b"ack"]
+        with pytest.raises(TransportDisconnected, match="dropped"):
+            conn.wait_readable(5)
+    finally:
+        conn.close()
 
 
 def test_a_connection_that_cannot_be_woken_still_works_by_polling():

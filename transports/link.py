@@ -197,7 +197,7 @@ class EmulatedConnection(Connection):
 
     def recv(self, timeout: float | None) -> list[memoryview]:
         with self._cond:
-            self._raise_if_unusable()
+            self._raise_if_closed()
             deadline = None if timeout is None else self.clock() + max(float(timeout), 0.0)
             self._receivers += 1
             if deadline is not None:
@@ -205,7 +205,12 @@ class EmulatedConnection(Connection):
             self._changed()
             try:
                 while True:
-                    self._raise_if_unusable()
+                    # What arrived before the link failed is still delivered, in order: a
+                    # reply sent just before the peer went away counts, as on a real link.
+                    if self._inbound:
+                        self._raise_if_closed()
+                    else:
+                        self._raise_if_unusable()
                     now = self.clock()
                     head = self._inbound[0][0].arrival if self._inbound else None
                     if head is not None and head <= now + _EPS:
@@ -266,9 +271,12 @@ class EmulatedConnection(Connection):
         self._generation += 1
         self._cond.notify_all()
 
-    def _raise_if_unusable(self) -> None:
+    def _raise_if_closed(self) -> None:
         if self._closed:
             raise TransportClosed(f"connection to {self.address} is closed")
+
+    def _raise_if_unusable(self) -> None:
+        self._raise_if_closed()
         if self._error is not None:
             cls = TransportClosed if isinstance(self._error, TransportClosed) else TransportError
             raise cls(f"the emulated link to {self.address} failed in the background: {self._error}") from self._error

@@ -91,6 +91,15 @@ def _rest_of_message(sock: zmq.Socket, more: bool) -> list[memoryview]:
     return frames
 
 
+def _drain(fd: int) -> None:
+    """Empty a non-blocking wake-up pipe."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
 def _heartbeats(sock: zmq.Socket, heartbeat: float | None) -> None:
     """ZMTP pings every ``heartbeat`` s; a peer silent for three of them is dropped."""
     if heartbeat:
@@ -196,17 +205,16 @@ class ZmqConnection(Connection):
                 # Whole milliseconds, rounded up: ZeroMQ's poll cannot wait less, and a wait
                 # rounded down to 0 ms would return at once again and again (a busy loop).
                 ready = dict(self._wake_poller.poll(None if left is None else max(0, math.ceil(left * 1000))))
+                if read_fd in ready:
+                    _drain(read_fd)
+                # Data first, as in recv: a reply that made it counts even if the link died after
+                # it (the caller reads it, and its next wait sees the drop).
+                if self._sock in ready:
+                    return True
                 if self._monitor in ready:
                     self._read_events()  # a refused or dropped link raises here, as in recv
                 if read_fd in ready:
-                    try:
-                        while os.read(read_fd, 4096):
-                            pass
-                    except BlockingIOError:
-                        pass
-                    return self._sock in ready
-                if self._sock in ready:
-                    return True
+                    return False
                 if deadline is not None and time.monotonic() >= deadline:
                     return False
         except zmq.ZMQError as exc:
