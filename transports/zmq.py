@@ -308,7 +308,9 @@ class ZmqListener(Listener):
     Args:
         address: ``tcp://HOST:PORT`` (port 0 picks a free one) or ``ipc://PATH``.
         max_message_bytes: ZeroMQ drops the connection of a peer that sends a bigger frame,
-            before any of it is buffered whole (-1: no limit).
+            before any of it is buffered whole (-1: no limit). It bounds each frame only: a
+            message's frames, and up to ``RCVHWM`` (1000) messages per connection, are
+            buffered before :meth:`recv` returns the first of them.
         secret_key: this cloud's CURVE secret key (Z85): the link becomes encrypted.
         allowed_keys: the edge public keys that may connect (a ZAP handler checks each
             handshake). None with a secret key: any key may connect (encrypted, not authenticated).
