@@ -254,10 +254,14 @@ def _demo(args: argparse.Namespace) -> int:
         from .devices import resolve_device
         from .errors import ConfigError
 
-        try:
-            for device in (args.device, args.cloud_device):  # a missing GPU is one line, before anything starts
+        from .options import Link
+
+        try:  # a bad setting is one line, before a cloud starts for nothing
+            for device in (args.device, args.cloud_device):
                 if device is not None:
                     resolve_device(device)
+            _task_run(args)  # codecs, schedule, faults, privacy: each checks itself when built
+            Link("tcp://127.0.0.1:0", emulate=args.link)
         except ConfigError as exc:
             print(f"demo: {exc}", file=sys.stderr)
             return 2

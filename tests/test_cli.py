@@ -57,6 +57,20 @@ def test_bad_codec_is_a_one_line_error_not_a_traceback(tmp_path):
     assert "valid names" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("bad, says", [
+    (["--window", "0"], "window (steps in flight) must be a positive integer"),
+    (["--delayed-gradients"], "give it window=2 or more"),
+    (["--link", "fast"], "cannot read link 'fast'"),
+    (["--fwd", "zip"], "unknown codec 'zip'"),
+    (["--dp-epsilon", "-1"], "must be a number > 0"),
+])
+def test_a_bad_demo_setting_is_one_line_before_any_cloud_starts(bad, says):
+    result = _run("demo", "--epochs", "1", *bad, timeout=60)
+    assert result.returncode == 2
+    assert says in result.stderr and "Traceback" not in result.stderr
+    assert "cloud:" not in result.stderr  # no cloud was started (and told nothing) for a run that cannot start
+
+
 @pytest.mark.slow
 def test_demo_trains_digits_to_95_percent():
     result = _run("demo", timeout=300)
