@@ -200,3 +200,18 @@ def test_delayed_gradients_apply_each_cut_gradient_one_step_late_to_the_weights_
 def test_delayed_gradients_need_a_window():
     with pytest.raises(ConfigError, match="window"):
         Schedule(delayed_gradients=True)
+
+
+def test_a_window_that_cannot_apply_says_why_once_instead_of_being_ignored(cloud_process, digits, caplog):
+    """A trainable edge asks for a window without delayed gradients: its steps go synchronously,
+    as they must, and the user is told why (once), not left to find the window did nothing."""
+    _, address, _ = cloud_process
+    with caplog.at_level("WARNING", logger="splitft.edge.schedule"):
+        _, _, most = _train(address, digits, window=4, freeze=False)
+    said = [r.getMessage() for r in caplog.records if r.name == "splitft.edge.schedule"]
+    assert most == 0
+    assert len(said) == 1 and "window=4 has no effect" in said[0] and "freeze the edge" in said[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="splitft.edge.schedule"):
+        _, _, most = _train(address, digits, window=4)  # a frozen edge: the window applies, nothing to say
+    assert most == 4 and not [r for r in caplog.records if r.name == "splitft.edge.schedule"]

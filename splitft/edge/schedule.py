@@ -14,6 +14,7 @@ Nothing here touches a socket or a codec: the messages of one part are a :class:
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -26,6 +27,8 @@ from ..errors import ConfigError, ProtocolError
 from ..options import Schedule
 from . import mirror
 from .streaming import Inflight, Window, pending_like
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -105,6 +108,7 @@ class Scheduler:
         self.window = Window()
         self._template: _Template | None = None  # the last synchronous call a streamed one may copy
         self._delayed: tuple[Call, torch.Tensor] | None = None  # a streamed call whose cut gradient is due
+        self._said_why_synchronous = False
 
     def forward(self, call: Call, leaves: list[torch.Tensor], needs_grad: list[bool]) -> list[torch.Tensor]:
         """Run the cloud part on ``leaves``; the outputs of the whole batch."""
@@ -118,6 +122,7 @@ class Scheduler:
                           and call.autocast != "float16" and self.stage.can_eager())
             if self._streamable(call):
                 return self._stream(call, leaves)
+            self._say_why_synchronous(call)
             self.window.drain()
             rows = partition(call, leaves, self.options.micro_batches)
             ops = self.ops.take_ops()
@@ -142,6 +147,26 @@ class Scheduler:
         needs_nothing_back = not any(call.in_grad) or (self.options.delayed_gradients and call.stash is not None)
         return (self.options.window > 1 and self.options.micro_batches == 1 and call.eager and call.train
                 and needs_nothing_back and t is not None and _same(t.skeleton, call.skeleton))
+
+    def _say_why_synchronous(self, call: Call) -> None:
+        """Once: why training steps wait a round trip each although a window was asked for, so a
+        window that cannot apply is not silently ignored."""
+        if self.options.window < 2 or self._said_why_synchronous or not (call.train and call.grad):
+            return
+        if self.options.micro_batches > 1:
+            why = f"micro-batches run synchronously (micro_batches={self.options.micro_batches})"
+        elif not call.eager:
+            why = ("only a step whose backward the cloud runs with its forward can stream: a plain split whose "
+                   "loss the cloud computes, eager_backward on, no float16 autocast, a cloud that does not "
+                   "checkpoint sessions")
+        elif any(call.in_grad) and not self.options.delayed_gradients:
+            why = ("the edge trains, so each step needs its cut gradient back first: freeze the edge, or "
+                   "stream asynchronously with delayed_gradients=True (--delayed-gradients)")
+        else:
+            return  # streamable in kind: the first step of a shape goes synchronously to learn its reply
+        self._said_why_synchronous = True
+        log.warning("window=%d has no effect here; each training step waits for its reply: %s",
+                    self.options.window, why)
 
     def _remember(self, call: Call, outputs: list[torch.Tensor]) -> None:
         """Keep a synchronous call's shape of reply: later calls like it may be streamed."""
