@@ -313,6 +313,20 @@ def test_a_delivery_error_is_raised_on_the_next_call(virtual):
         conn.send([b"again"])
 
 
+def test_a_reply_taken_in_before_the_link_failed_is_delivered_then_the_failure(virtual):
+    """On a fake clock too: the pump is gone with the failure, so nothing moves time to the
+    reply's arrival any more; it is handed over at once instead of never."""
+    clock, listener, conn = virtual
+    conn.send([b"request"])
+    peer, _ = listener.recv(timeout=5)
+    listener.send(peer, [b"reply"])
+    listener.close()
+    conn.send([b"doomed"])  # the pump takes the reply in, then fails to deliver this one
+    assert [bytes(f) for f in conn.recv(timeout=10)] == [b"reply"]
+    with pytest.raises(TransportClosed, match="failed in the background"):
+        conn.recv(timeout=10)
+
+
 def test_close_drops_what_is_in_flight_and_stops_the_pump():
     clock = VirtualClock()
     listener = InprocListener()

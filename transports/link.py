@@ -205,15 +205,16 @@ class EmulatedConnection(Connection):
             self._changed()
             try:
                 while True:
-                    # What arrived before the link failed is still delivered, in order: a
-                    # reply sent just before the peer went away counts, as on a real link.
+                    # What came in before the link failed is still delivered, in order (at once:
+                    # with the pump gone, a fake clock would never reach its arrival): a reply
+                    # sent just before the peer went away counts, as on a real link.
                     if self._inbound:
                         self._raise_if_closed()
                     else:
                         self._raise_if_unusable()
                     now = self.clock()
                     head = self._inbound[0][0].arrival if self._inbound else None
-                    if head is not None and head <= now + _EPS:
+                    if head is not None and (head <= now + _EPS or self._error is not None):
                         transit, frames = self._inbound.popleft()
                         self._events.append(LinkEvent("down", transit, now))
                         return frames
