@@ -261,7 +261,7 @@ def _demo(args: argparse.Namespace) -> int:
                 if device is not None:
                     resolve_device(device)
             _task_run(args)  # codecs, schedule, faults, privacy: each checks itself when built
-            Link("tcp://127.0.0.1:0", emulate=args.link)
+            Link("tcp://127.0.0.1:0", emulate=args.link)  # the link spec; the cloud's address comes later
         except ConfigError as exc:
             print(f"demo: {exc}", file=sys.stderr)
             return 2

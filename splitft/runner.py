@@ -46,7 +46,7 @@ class PrivacyRun:
     def __post_init__(self) -> None:
         if self.on not in ("activations", "labels", "both"):
             raise ConfigError(f"PrivacyRun(on=...) is 'activations', 'labels' or 'both', got {self.on!r}")
-        self.defences(sample_rate=1.0, epochs=1)  # each defence checks its settings as it is built: now, not after connecting
+        self.defences(sample_rate=1.0, epochs=1)  # each defence checks itself when built: now, not after connecting
 
     def defences(self, *, sample_rate: float, epochs: int) -> Any:
         from .privacy import Budget, Defences, Noise
