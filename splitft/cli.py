@@ -87,7 +87,7 @@ def _add_traffic_options(p: argparse.ArgumentParser) -> None:
                         "step late to the weights it was taken at (asynchronous; converges approximately)")
     g.add_argument("--micro-batches", type=int, default=1, metavar="K",
                    help="pipeline each step as K micro-batches, so the wire and the cloud work at the same "
-                        "time (default: 1; the gradient is the full batch's unless the cloud part has BatchNorm)")
+                        "time (default: 1; exact; refused through BatchNorm in the cloud part)")
     g.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for any cloud reply (default: 60)")
     g.add_argument("--metrics", default=None, metavar="PATH", help="append one JSON record per step to PATH")
 

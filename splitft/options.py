@@ -141,9 +141,9 @@ class Schedule:
     """How a training step's messages are ordered.
 
     ``micro_batches``: cut each call into this many micro-batches, all sent before any reply is
-    awaited, so the wire and the cloud work at the same time. The gradient is the full batch's,
-    unless the cloud part has batch-statistics layers (BatchNorm), which then see micro-batches:
-    keep 1 for those. ``eager_backward`` (plain split): the cloud runs the backward right after
+    awaited, so the wire and the cloud work at the same time. The gradient is the full batch's;
+    a BatchNorm layer of the cloud part in training mode would see micro-batches, so a call
+    through one is refused (keep 1 for those). ``eager_backward`` (plain split): the cloud runs the backward right after
     the loss and sends the cut's gradient with it, one round trip per step instead of two; the edge
     scales it by the loss's incoming gradient and has the cloud scale its own the same way. It is
     not used when the cloud checkpoints sessions. ``window`` (a frozen edge in a plain split,

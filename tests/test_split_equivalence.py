@@ -12,6 +12,7 @@ import splitft
 from splitft import Faults, Schedule
 import transports
 from splitft.data import batches, load_digits
+from splitft.errors import ConfigError
 from splitft.models import digits_cnn
 from tests.conftest import DIGITS
 from tests.models import mlp, residual_net
@@ -177,3 +178,21 @@ def test_adamw_settings_are_mirrored(inproc_cloud):
     local = mlp()
     split_model = splitft.split(mlp(), "2", "4", factory="tests.models:mlp", connect=inproc_cloud.connect())
     _train_both_and_compare(local, split_model, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1), xs, ys)
+
+
+def test_micro_batches_through_a_cloud_batchnorm_are_refused_before_anything_diverges(inproc_cloud, digits):
+    """BatchNorm in the cloud half, in training mode, would normalize each micro-batch by its own
+    statistics: the step would not be the unsplit model's. Refused at the first cloud call, before
+    anything is sent; in eval mode it uses running statistics and micro-batches stay exact."""
+    x, y = digits.x[:16], digits.y[:16]
+    local = digits_cnn()
+    local.block1(x)  # what the refused call did: the edge's half ran (its BatchNorm statistics moved), the cloud's not
+    local.eval()
+    with splitft.split(digits_cnn(), "block2", factory=DIGITS, connect=inproc_cloud.connect(),
+                       schedule=Schedule(micro_batches=2)) as model:
+        crit = model.remote_loss(nn.CrossEntropyLoss())
+        with pytest.raises(ConfigError, match=r"micro_batches=2 would run block2\.1 \(BatchNorm2d\)"):
+            crit(model(x), y)
+        model.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(crit(model(x), y), nn.functional.cross_entropy(local(x), y))

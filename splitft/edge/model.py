@@ -96,6 +96,9 @@ class SplitModel(nn.Module):
                     self._cloud[f"{name}.{key}"] = param
                     self._cloud_ids[id(param)] = f"{name}.{key}"
         self.__dict__["_cloud_modules"] = chain  # not a submodule: the real modules, for unsplit()
+        self._cloud_batchnorms = [(f"{name}.{key}" if key else name, module) for name in chain.names
+                                  for key, module in self.model.get_submodule(name).named_modules()
+                                  if isinstance(module, nn.modules.batchnorm._BatchNorm)]
         guards.register(self)
 
     def __getattr__(self, name: str) -> Any:
@@ -199,6 +202,7 @@ class SplitModel(nn.Module):
         raise SplitFTError("the model's forward returned without reaching the cut; check the cut name")
 
     def _remote(self, args: tuple, kwargs: dict, target: Any = None) -> Any:
+        self._refuse_batch_statistics_of_micro_batches()
         self._mirror_module_state()
         args, kwargs = trees.rebuild((args, kwargs), self._cache_ref, is_leaf=is_cache, other=lambda node, path: node)
         grad = torch.is_grad_enabled()
@@ -261,6 +265,20 @@ class SplitModel(nn.Module):
         self._resume_optimizer = None
         self.optimizer = optimizer
         return optimizer
+
+    def _refuse_batch_statistics_of_micro_batches(self) -> None:
+        """Micro-batches run the cloud half on pieces of the batch: a BatchNorm there that
+        normalizes by batch statistics would use each piece's, and the step would not be the
+        unsplit model's. Refused before anything is sent; in eval mode (running statistics) it is exact."""
+        parts = self.scheduler.options.micro_batches
+        if parts == 1:
+            return
+        for name, module in self._cloud_batchnorms:
+            if module.training or not module.track_running_stats:
+                raise ConfigError(f"micro_batches={parts} would run {name} ({type(module).__name__}) in the cloud on "
+                                  "each micro-batch's statistics, not the batch's, so training would differ from "
+                                  "the unsplit model. Use micro_batches=1 with this cut, or cut after the "
+                                  "BatchNorm layers")
 
     def _mirror_module_state(self) -> None:
         """Tell the cloud what the script changed on its modules by name, when that changed: the
