@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from . import clipping
 
 #: id(parameter) -> (the parameter, its split model), both weakly: ids are checked against the
 #: parameter itself, since a freed tensor's id may be reused (tensors are not hashable by value).
@@ -179,7 +180,7 @@ def _route(original: Callable[..., Any], what: str) -> Callable[..., Any]:
         if model is None:
             return original(params, *args, **kwargs)
         kwargs.pop("foreach", None)
-        return getattr(model, f"_{what}")(params, *args, **kwargs)
+        return getattr(clipping, what)(model, params, *args, **kwargs)
 
     routed.__splitft_original__ = original  # type: ignore[attr-defined]
     return routed

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 import os
 import time
 import weakref
@@ -26,7 +25,7 @@ from ..cut import Chain, CutReached, CutSpec, uninstall
 from ..devices import autocast_dtype
 from ..errors import ConfigError, SplitFTError
 from ..metrics import JsonlWriter, Metrics
-from . import guards, mirror, resume
+from . import clipping, guards, mirror, resume
 from .requests import EdgeSession
 from .remote_loss import CutActivation, RemoteLoss, call_parts
 from .schedule import Call, Scheduler
@@ -333,57 +332,11 @@ class SplitModel(nn.Module):
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip both halves' gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_``
         does over the unsplit model's parameters; returns that total norm."""
-        return self._clip_grad_norm_(list(self.parameters()), max_norm, norm_type, error_if_nonfinite)
+        return clipping.clip_grad_norm_(self, list(self.parameters()), max_norm, norm_type, error_if_nonfinite)
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp both halves' gradients to ``[-clip_value, clip_value]`` (``torch.nn.utils.clip_grad_value_``)."""
-        self._clip_grad_value_(list(self.parameters()), clip_value)
-
-    def _cloud_names_in(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[str] | None, bool]:
-        """(edge parameters, names of the cloud ones or None for all, whether any is a cloud one)."""
-        edge = [p for p in params if not self.is_cloud(p)]
-        names = list(dict.fromkeys(self._cloud_ids[id(p)] for p in params if self.is_cloud(p)))
-        return edge, (None if len(names) == len(self._cloud) else names), bool(names)
-
-    def _clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
-                         error_if_nonfinite: bool = False) -> torch.Tensor:
-        """Clip ``params`` (edge ones and cloud placeholders) by their global norm.
-
-        One round trip when cloud parameters are among them: the cloud reports the norm of each
-        of their gradients, the edge computes the total, scales its own and sends the cloud the
-        same factor (it rides on the next message).
-        """
-        norm_type = float(norm_type)
-        edge, names, any_cloud = self._cloud_names_in(params)
-        grads = [p.grad for p in edge if p.grad is not None]
-        norms = [torch.linalg.vector_norm(g.detach(), norm_type) for g in grads]
-        device = grads[0].device if grads else torch.device("cpu")  # the edge's, where the total is returned
-        if any_cloud:
-            self._mirror_module_state()
-            reply = self.session.sync_reply(grad_norm=norm_type, grad_names=names)
-            norms += [torch.tensor(n, dtype=torch.float32, device=device) for n in reply.grad_norms or []]
-        if not norms:
-            return torch.tensor(0.0, device=device)
-        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot "
-                               "be clipped; set error_if_nonfinite=False to clip anyway")
-        factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        with torch.no_grad():
-            for g in grads:
-                g.mul_(factor.to(g.dtype))
-        if any_cloud and math.isfinite(float(factor)):  # (a non-finite norm: the gradients are garbage on both
-            self.session.queue(mirror.scale_grads_op(float(factor), names))  # sides; a loss scaler skips the step)
-        return total
-
-    def _clip_grad_value_(self, params: list[torch.Tensor], clip_value: float) -> None:
-        edge, names, any_cloud = self._cloud_names_in(params)
-        with torch.no_grad():
-            for p in edge:
-                if p.grad is not None:
-                    p.grad.clamp_(-clip_value, clip_value)
-        if any_cloud:
-            self.session.queue(mirror.clamp_grads_op(clip_value, names))
+        clipping.clip_grad_value_(self, list(self.parameters()), clip_value)
 
     # ------------------------------------------------------------ the whole model's state
 

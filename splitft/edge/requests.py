@@ -36,7 +36,8 @@ from ..errors import (AuthError, CapacityError, HandshakeError, PeerGone, Protoc
                       TooLarge, TransportError, TransportTimeout, from_code, translated)
 from ..metrics import Metrics
 from ..options import Codecs, Faults
-from ..protocol import Ack, Bye, Error, Hello, Ping, Pong, Redirect, Sync, Welcome
+from ..protocol import Ack, Bye, Error, Hello, Pong, Redirect, Sync, Welcome
+from .heartbeat import Heartbeat
 from .route import Follow, Route
 from .replay import Backoff, ReplayLog
 
@@ -106,8 +107,7 @@ class EdgeSession:
         self.route = Route(follow)
         self._last_io = time.monotonic()
         self._suspect: BaseException | None = None  # the heartbeat saw the link fail
-        self._stop = threading.Event()
-        self._beats: threading.Thread | None = None
+        self._heartbeat = Heartbeat(self, self.heartbeat)
 
     @property
     def lock(self) -> threading.RLock:
@@ -388,36 +388,6 @@ class EdgeSession:
         self.limits = dict(welcome.limits or {})
         self.shared = bool(welcome.shared)
 
-    # ------------------------------------------------------------ heartbeat
-
-    def _start_heartbeat(self) -> None:
-        if self.heartbeat > 0 and self._beats is None:
-            self._beats = threading.Thread(target=self._beat, name="splitft-heartbeat", daemon=True)
-            self._beats.start()
-
-    def _beat(self) -> None:
-        """Ping the cloud when the session has been idle for a heartbeat interval."""
-        while not self._stop.wait(self.heartbeat / 2):
-            if time.monotonic() - self._last_io < self.heartbeat or not self._lock.acquire(blocking=False):
-                continue
-            try:
-                if self.closed:
-                    return
-                with translated():
-                    self.connection.send(protocol.encode(Ping()))
-                    while True:  # anything but a pong here is stale
-                        reply = protocol.decode(self.connection.recv(min(self.timeout, 3 * self.heartbeat)))
-                        if isinstance(reply, Pong):
-                            break
-                        if isinstance(reply, Error) and reply.code == "session":
-                            raise SessionLost(reply.message)
-            except (TransportError, SplitFTError) as exc:
-                log.warning("heartbeat: the cloud did not answer (%s); the next request reconnects", exc)
-                self._suspect = exc
-            finally:
-                self._last_io = time.monotonic()
-                self._lock.release()
-
     # ------------------------------------------------------------ opening and closing
 
     def open(self, hello: Hello, resume: dict | None = None) -> Welcome:
@@ -442,7 +412,7 @@ class EdgeSession:
                 welcome = self._placed(ask)
                 assert isinstance(welcome, Welcome)
                 self._welcomed(welcome)
-            self._start_heartbeat()
+            self._heartbeat.start()
             return welcome
 
     def sync(self, want_state: bool = False, checkpoint: bool = False,
@@ -498,7 +468,7 @@ class EdgeSession:
 
     def _drop(self) -> None:
         self.closed = True
-        self._stop.set()
+        self._heartbeat.stop()
         self.connection.close()
 
 
