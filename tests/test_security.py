@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+import zmq
 from torch import nn
 
 import splitft
@@ -142,6 +143,23 @@ def test_an_edge_with_an_unknown_key_is_refused_clearly_on_both_sides(keys):
     finally:
         server.stop()
         thread.join(timeout=10)
+
+
+def test_a_send_that_cannot_leave_because_the_handshake_failed_says_so():
+    """A plain edge against an encrypted cloud: its sends queue until the queue is full, and
+    the send that finds no room raises the refused handshake, not a timeout that hides it."""
+    _, cloud_secret = zmq.curve_keypair()
+    edge_public, _ = zmq.curve_keypair()
+    listener = transports.listen("tcp://127.0.0.1:0", secret_key=cloud_secret, allowed_keys=[edge_public])
+    conn = transports.ZmqConnection(listener.address, send_timeout=0.2)
+    try:
+        time.sleep(0.5)  # the handshake is refused meanwhile
+        with pytest.raises(transports.TransportRefused, match="expects an encrypted link"):
+            for _ in range(5000):  # more than ZeroMQ queues for a peer (1000)
+                conn.send([bytes(100)])
+    finally:
+        conn.close()
+        listener.close()
 
 
 def test_cli_refusal_is_a_clear_message_in_both_terminals(keys, tmp_path):

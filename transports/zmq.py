@@ -163,6 +163,7 @@ class ZmqConnection(Connection):
         try:
             return _send_frames(self._sock, frames, 0)
         except zmq.Again:
+            self._read_events()  # a refused handshake is why nothing leaves: that is raised instead
             raise TransportTimeout(
                 f"send to {self.address} found no room for the message (is the cloud reachable?)") from None
         except zmq.ZMQError as exc:
