@@ -73,7 +73,7 @@ def test_a_goodbye_to_a_cloud_that_restarted_ends_the_session_there(tmp_path):
     instead of keeping a session nobody will resume."""
     data = _data(3)
     cloud = RestartableCloud(tmp_path / "ck")
-    model = splitft.split(mlp(), 2, factory=MLP, connect=cloud.connect, faults=Faults(timeout=0.5, heartbeat=0))
+    model = splitft.split(mlp(), 2, factory=MLP, connect=cloud.connect, faults=Faults(timeout=30, heartbeat=0))
     try:
         # Reading the cloud's weights carries the last step: nothing rides on the goodbye.
         assert_same(split_weights(model, data), local_weights(data))
@@ -201,7 +201,9 @@ def test_cloud_process_killed_twice_and_restarted_from_its_checkpoint(tmp_path):
 def test_replay_log_stays_bounded_when_the_edge_never_steps(tmp_path):
     """A long evaluation sends requests but no step; the edge asks for checkpoints to let them go."""
     cloud = RestartableCloud(tmp_path / "ck")
-    model = splitft.split(mlp(), 2, factory=MLP, connect=cloud.connect, faults=Faults(timeout=0.5, heartbeat=0))
+    # The crash closes the listener, which the edge sees at once: a long timeout keeps a loaded
+    # machine's slow reply from counting as a second recovery.
+    model = splitft.split(mlp(), 2, factory=MLP, connect=cloud.connect, faults=Faults(timeout=30, heartbeat=0))
     model.session.max_log_bytes = 20_000
     try:
         x = _data(1)[0][0]
