@@ -108,8 +108,9 @@ def test_lost_replies_cost_a_retry_not_a_step(cloud):
     with model:
         weights = split_weights(model, data)
         (session,) = server.sessions.values()
-        assert session.steps == STEPS and session.duplicates == len(dropped) >= STEPS - 1
-        assert model.session.recoveries == len(dropped)
+        # a loaded machine's slow reply may add a retry through the 0.25 s timeout: never a step
+        assert session.steps == STEPS and session.duplicates >= len(dropped) >= STEPS - 1
+        assert model.session.recoveries >= len(dropped)
     assert_same(weights, local_weights(data))
 
 
