@@ -349,9 +349,7 @@ class ZmqListener(Listener):
         _heartbeats(self._sock, heartbeat)
         if self.curve:
             self._sock.curve_server = True
-            self._sock.curve_secretkey = secret_key
-            if self._auth is None:
-                self._sock.zap_domain = b""  # no ZAP handler: accept any client key
+            self._sock.curve_secretkey = secret_key  # no ZAP handler in the context: any client key
         try:
             if address.startswith("tcp://") and address.endswith(":0"):
                 port = self._sock.bind_to_random_port(address[: -len(":0")])
