@@ -93,13 +93,20 @@ def _activations(data) -> bytes:
     return b"".join(torch.relu(model[0](x)).detach().numpy().tobytes() for x, _ in data[:1])
 
 
-@pytest.mark.parametrize("encrypted", [True, False], ids=["curve", "plain"])
-def test_captured_stream_holds_no_raw_activation_when_encrypted(keys, encrypted):
+@pytest.mark.parametrize("mode", ["curve", "curve-any-key", "plain"])
+def test_captured_stream_holds_no_raw_activation_when_encrypted(keys, mode, caplog):
     data = _data(1)
     refused: list[str] = []
-    if encrypted:
+    if mode == "curve":
         listener, server, thread = _curve_cloud(keys, refused)
         options = {"cloud_key": keys / "cloud.key", "key": keys / "edge1.key_secret"}
+    elif mode == "curve-any-key":  # no allow-list: encrypted, not authenticated, and said so at start
+        _, secret = transports.load_secret_key(keys / "cloud.key_secret")
+        listener = transports.listen("tcp://127.0.0.1:0", secret_key=secret)
+        assert "any edge key may connect" in caplog.text
+        server = CloudServer(listener, [MLP])
+        thread = serve_in_thread(server)
+        options = {"cloud_key": keys / "cloud.key", "key": keys / "stranger.key_secret"}
     else:
         listener = transports.listen("tcp://127.0.0.1:0")
         server = CloudServer(listener, [MLP])
@@ -117,29 +124,8 @@ def test_captured_stream_holds_no_raw_activation_when_encrypted(keys, encrypted)
     secret = _activations(data)
     assert len(relay.captured) > len(secret)
     # The activation's first 64 bytes: present in the clear, absent from the encrypted stream.
-    assert (secret[:64] in relay.captured) is (not encrypted)
+    assert (secret[:64] in relay.captured) is (mode == "plain")
     assert not refused
-
-
-def test_a_cloud_without_an_allow_list_encrypts_for_any_edge_key(keys, caplog):
-    """A secret key and no allow-list: encrypted, not authenticated, and said so when it starts."""
-    _, secret = transports.load_secret_key(keys / "cloud.key_secret")
-    listener = transports.listen("tcp://127.0.0.1:0", secret_key=secret)
-    assert "any edge key may connect" in caplog.text
-    server = CloudServer(listener, [MLP])
-    thread = serve_in_thread(server)
-    relay = Relay(listener.address)
-    data = _data(1)
-    try:
-        link = Link(relay.address, cloud_key=keys / "cloud.key", key=keys / "stranger.key_secret")
-        model = splitft.split(mlp(), 2, factory=MLP, connect=link, faults=Faults(timeout=10))
-        with model:
-            assert_same(split_weights(model, data), local_weights(data))
-    finally:
-        relay.close()
-        server.stop()
-        thread.join(timeout=10)
-    assert _activations(data)[:64] not in relay.captured
 
 
 def test_an_edge_with_an_unknown_key_is_refused_clearly_on_both_sides(keys):
