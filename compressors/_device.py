@@ -54,13 +54,30 @@ def upload(a: np.ndarray, device: torch.device | str | None) -> torch.Tensor:
     """
     dev = target(device)
     if dev.type != "cuda" or a.nbytes < PINNED_FROM:
-        host = torch.from_numpy(a if a.flags.writeable else a.copy())
+        host = host_tensor(a)
         return host if dev.type == "cpu" else host.to(dev)
     # one copy into page-locked memory, from which the transfer runs asynchronously (torch's
     # host allocator keeps the buffer until the copy is done)
     pinned = torch.empty(a.shape, dtype=torch.from_numpy(np.empty(0, a.dtype)).dtype, pin_memory=True)
     pinned.numpy()[...] = a
     return pinned.to(dev, non_blocking=True)
+
+
+#: Where torch's own allocator puts a tensor's first byte. A received frame can start anywhere (ZeroMQ
+#: hands over slices of its receive buffer), and math libraries pick their kernels, and so the order of
+#: their sums, by alignment: the same values at another address can give results an ulp apart.
+ALIGNMENT = 64
+
+
+def host_tensor(a: np.ndarray) -> torch.Tensor:
+    """A received array as a host tensor, safe to write to and aligned as torch aligns its own
+    tensors, so what is computed from it is bitwise what the sender would compute. Zero-copy when
+    the array already is both; else one copy (a read-only frame needed one anyway)."""
+    if a.flags.writeable and a.flags.c_contiguous and a.ctypes.data % ALIGNMENT == 0:
+        return torch.from_numpy(a)
+    out = torch.empty(a.shape, dtype=torch.from_numpy(np.empty(0, a.dtype)).dtype)
+    out.numpy()[...] = a
+    return out
 
 
 def download(x: torch.Tensor) -> np.ndarray:
@@ -71,4 +88,4 @@ def download(x: torch.Tensor) -> np.ndarray:
     return x.contiguous().numpy()
 
 
-__all__ = ["download", "portable_kernels", "target", "upload", "use_torch"]
+__all__ = ["ALIGNMENT", "download", "host_tensor", "portable_kernels", "target", "upload", "use_torch"]

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._device import download, upload
+from ._device import download, host_tensor, upload
 from .base import Payload, torch_dtype
 from .errors import CompressionError
 
@@ -103,7 +103,7 @@ def tensor(a: np.ndarray, device: torch.device | str | None = None) -> torch.Ten
     wire frames are read-only, and a tensor over read-only memory is undefined behaviour once
     written, so those are copied (see :func:`compressors._device.upload`)."""
     if device is None:  # the host: skip building a device per received tensor
-        return torch.from_numpy(a if a.flags.writeable else a.copy())
+        return host_tensor(a)
     return upload(a, device)
 
 

@@ -30,6 +30,7 @@ import difflib
 import hashlib
 import inspect
 import itertools
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from torch import nn
 from .audit import attribute_tensors, audit_trunk
 from .coding import flatten, is_cache
 from .errors import CutError
+from .intermediate import hand_over
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,8 @@ class Chain(nn.Module):
         super().__init__()
         self.names = [n for n, _ in named]
         self.stages = nn.ModuleList(m for _, m in named)
+        #: (placeholder, twin holding the values) of each tensor :func:`install` turned into a placeholder.
+        self.swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def forward(self, first: Any, *args: Any, **kwargs: Any) -> Any:
         out = first
@@ -193,14 +197,15 @@ class Chain(nn.Module):
         return {f"{name}.{key}" if key else name: module
                 for name, stage in zip(self.names, self.stages) for key, module in stage.named_modules()}
 
-    def load_qualified_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_qualified_state_dict(self, state: dict[str, torch.Tensor], partial: bool = False) -> None:
+        """Copy ``state`` into the part's tensors: all of them, or (``partial``) those it names."""
         expected = self.qualified_state_dict()
-        if set(state) != set(expected):
-            missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        if extra or (missing and not partial):
             raise CutError(f"cloud weights do not match the cut: missing {missing[:5]}, unexpected {extra[:5]}")
         with torch.no_grad():
-            for key, target in expected.items():
-                source = state[key]
+            for key in state:
+                target, source = expected[key], state[key]
                 if tuple(source.shape) != tuple(target.shape):
                     raise CutError(f"weight {key!r}: expected shape {tuple(target.shape)}, got {tuple(source.shape)}")
                 target.copy_(source)
@@ -286,11 +291,12 @@ class TrunkEntry(nn.Module):
         self._signature = signature
         self._probe = [probe] if probe is not None else []  # a list: not a submodule, not a parameter
         self._attributes = attribute_tensors(probe) if probe is not None else []
-        self.last: Any = None
+        self.last: Any = None  # the trunk's output
+        self.handed: Any = None  # what the trunk module the forward called last handed back to it
         self.call_rest: tuple[tuple, dict] = ((), {})
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.last = None
+        self.last = self.handed = None
         caching = False
         for label, value in _labelled(args, kwargs, self._signature):
             if is_cache(value):  # a key/value cache stays in the cloud: its number crosses
@@ -306,7 +312,10 @@ class TrunkEntry(nn.Module):
         # cloud too) when the model that made it lets it go.
         self.call_rest = (args[1:], {k: _WeakCache(weakref.ref(v)) if is_cache(v) else v for k, v in kwargs.items()})
         self.last = self._remote(*args, **kwargs)
-        return self.last
+        # An inner module's output is not what the cloud returns: the forward may pass it on, not read it.
+        self.handed = self.last if len(self.cloud_names) == 1 else hand_over(self.last, self.cloud_names[0],
+                                                                             self.cloud_names)
+        return self.handed
 
     def extra_repr(self) -> str:
         return f"runs in the cloud: {', '.join(self.cloud_names)}"
@@ -320,15 +329,16 @@ class TrunkFollower(nn.Module):
     the cloud compute something different from the model.
     """
 
-    def __init__(self, name: str, entry: TrunkEntry) -> None:
+    def __init__(self, name: str, entry: TrunkEntry, *, last: bool = True) -> None:
         super().__init__()
         self.cloud_name = name
+        self.is_last = last
         self._entry = [entry]  # a list, so the entry is not registered twice as a submodule
 
     def forward(self, first: Any, *args: Any, **kwargs: Any) -> Any:
         entry = self._entry[0]
-        last = entry.last
-        if last is None or (first is not last and first is not _stream(last)):
+        handed = entry.handed
+        if handed is None or (first is not handed and first is not _stream(handed)):
             raise CutError(
                 f"the model's forward does not feed {self.cloud_name!r} with the previous trunk "
                 "module's output, so the trunk cannot run as one chain in the cloud; choose a cut "
@@ -343,7 +353,8 @@ class TrunkFollower(nn.Module):
                 "the first one's arguments, so it would compute something else. Choose a trunk whose "
                 "modules share their extra arguments (or a trunk of one module)"
             )
-        return last
+        entry.handed = entry.last if self.is_last else hand_over(entry.last, self.cloud_name, entry.cloud_names)
+        return entry.handed
 
     def extra_repr(self) -> str:
         return f"runs in the cloud: {self.cloud_name}"
@@ -398,66 +409,162 @@ def _difference(args_a: tuple, kwargs_a: dict, args_b: tuple, kwargs_b: dict) ->
 
 
 def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None = None, *,
-            check: bool = True) -> Chain:
-    """Replace the cloud modules of ``model`` with stand-ins; return them as a Chain.
+            check: bool = True, placeholder: Placeholder | None = None) -> Chain:
+    """Turn the cloud modules of ``model`` into ghosts; return their real twins as a Chain.
 
-    ``remote`` is what the U-shape entry calls; plain splits stop at a :class:`CutPoint`.
-    ``check`` (U-shape) runs the trunk once on the edge at the first call to make sure it reads
-    nothing that does not cross the cut (see :mod:`splitft.audit`).
+    Every parameter and buffer of the cloud modules becomes a placeholder *in place*: the very
+    objects the model, its modules and anything built from them before the cut hold (an
+    optimizer, a reference to a layer, an EMA's source) are the placeholders from now on, so none
+    of them can go on computing with values the cloud no longer shares. ``placeholder(tensor,
+    name)`` makes each one (default: an empty tensor on the ``meta`` device). The returned Chain
+    holds the values, in a copy of the modules' structure (no tensor is copied), for the weights
+    the edge pushes, the first call's trunk check and :func:`uninstall`.
 
-    Each stand-in is installed as a *ghost* of the module it replaces (see :func:`ghost`): the
-    model's tree keeps its classes, submodules and parameter names, so scripts that walk it
-    (optimizer groups by name, freezing a layer) see the cloud half where it was.
+    The cloud modules themselves stay in the tree as *ghosts* (see :func:`ghost`): their classes,
+    submodules and parameter names are kept, so scripts that walk the model (optimizer groups by
+    name, freezing a layer) see the cloud half where it was. ``remote`` is what the U-shape entry
+    calls; plain splits stop at a :class:`CutPoint`. ``check`` (U-shape) runs the trunk once on the
+    edge at the first call to make sure it reads nothing that does not cross the cut (see
+    :mod:`splitft.audit`).
     """
-    chain = extract(model, spec)
+    stages = extract(model, spec)
+    tensors = _cloud_tensors(stages)
+    _refuse_ties(model, stages, tensors)
+    make = placeholder or _meta_placeholder
+    memo: dict[int, Any] = {}
+    swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for name, tensor in tensors.items():
+        twin = make(tensor, name)
+        swapped.append((tensor, twin))
+        memo[id(tensor)] = twin
+    failure = _swap_all(swapped)  # each object the model held is its placeholder now, its twin the values
+    if failure is not None:
+        raise CutError(f"cannot turn the cloud half's tensors into placeholders ({failure}); split the model before "
+                       "anything keeps a weak reference to its parameters")
+    chain = Chain([(name, _twin(module, memo)) for name, module in zip(stages.names, stages.stages)])
+    chain.swapped = swapped
     entry: TrunkEntry | None = None
-    memo: dict[int, Any] = {}  # one copy memo for all ghosts: modules shared between them stay shared
-    for i, (name, original) in enumerate(zip(chain.names, chain.stages)):
-        parent, _, child = name.rpartition(".")
+    for i, (name, module) in enumerate(zip(stages.names, stages.stages)):
         if spec.ushape:
             if i == 0:
                 if remote is None:
                     raise CutError("a U-shape cut needs a remote callable for its trunk")
-                entry = TrunkEntry(chain.names, remote, _signature(chain.stages[0]), chain if check else None)
+                entry = TrunkEntry(chain.names, remote, _signature(module), chain if check else None)
                 standin: nn.Module = entry
             else:
                 assert entry is not None
-                standin = TrunkFollower(name, entry)
+                standin = TrunkFollower(name, entry, last=i == len(stages.names) - 1)
         else:
             standin = CutPoint(name) if i == 0 else Unreachable(name)
-        setattr(_module(model, parent), child, ghost(original, standin, memo))
+        # A plain split's first ghost runs its pre-hooks (then stops the forward), the others run nothing.
+        never = () if spec.ushape else _HOOKS[1:] if i == 0 else _HOOKS
+        ghost(module, standin, never_run=never)
     return chain
 
 
-def ghost(module: nn.Module, standin: nn.Module, memo: dict[int, Any] | None = None) -> nn.Module:
-    """A copy of ``module`` whose tensors live on the ``meta`` device and whose forward is ``standin``'s.
+def _twin(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """A copy of ``module``'s tree of modules holding the tensors ``memo`` maps its own to.
 
-    It has the original's class, submodules and parameter names (and each parameter's
-    ``requires_grad``), but no memory: the values are in the cloud. ``.to(device)`` leaves it
-    alone (where the cloud half runs is the cloud's business); a cast to another dtype raises,
-    since the cloud half would not follow.
+    Only the modules are copied: every other attribute (a config, a dict the model's forward
+    shares with the module, a plain tensor) is the same object, as it was for the original.
     """
-    memo = {} if memo is None else memo
-    for tensor in itertools.chain(module.parameters(), module.buffers()):
-        if id(tensor) not in memo:
-            meta = torch.empty_like(tensor, device="meta")
-            memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-    copied = copy.deepcopy(module, memo)
-    state = copied.__dict__  # instance attributes, set past nn.Module.__setattr__ (standin is not a submodule)
+    if id(module) in memo:
+        return memo[id(module)]
+    twin = memo[id(module)] = copy.copy(module)
+    state = twin.__dict__
+    state["_parameters"] = {k: memo.get(id(v), v) for k, v in module._parameters.items()}
+    state["_buffers"] = {k: memo.get(id(v), v) for k, v in module._buffers.items()}
+    state["_modules"] = {k: None if v is None else _twin(v, memo) for k, v in module._modules.items()}
+    for key, value in module.__dict__.items():
+        if key.endswith(("hooks", "hooks_with_kwargs", "hooks_always_called")) and isinstance(value, dict):
+            state[key] = copy.copy(value)  # hooks registered on one of the two later are not on both
+    return twin
+
+
+#: Makes the placeholder of a cloud tensor, given the tensor and its name in the unsplit model.
+Placeholder = Callable[[torch.Tensor, str], torch.Tensor]
+
+
+def _meta_placeholder(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    meta = torch.empty_like(tensor, device="meta")
+    return nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+
+
+def _cloud_tensors(stages: Chain) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of the cloud modules, once each, by its name in the unsplit model."""
+    found: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, module in zip(stages.names, stages.stages):
+        for key, tensor in itertools.chain(module.named_parameters(prefix=name), module.named_buffers(prefix=name)):
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                found[key] = tensor
+    return found
+
+
+def _refuse_ties(model: nn.Module, stages: Chain, tensors: dict[str, torch.Tensor]) -> None:
+    """A tensor the edge's modules share with the cloud's (tied weights across the cut) would be
+    trained twice, apart: refused before anything is cut."""
+    cloud = {id(t): name for name, t in tensors.items()}
+    prefixes = tuple(f"{name}." for name in stages.names)
+    for key, tensor in itertools.chain(model.named_parameters(remove_duplicate=False),
+                                       model.named_buffers(remove_duplicate=False)):
+        if id(tensor) in cloud and not key.startswith(prefixes):
+            raise CutError(f"{key!r} runs on the edge but is the same tensor as {cloud[id(tensor)]!r}, which runs in "
+                           "the cloud (tied weights across the cut); the two halves would train it apart. Cut so "
+                           "that both modules are on the same side")
+
+
+def ghost(module: nn.Module, standin: nn.Module, *, never_run: tuple[str, ...] = ()) -> nn.Module:
+    """Make ``module`` (whose tensors are placeholders now) the edge's ghost of a cloud module.
+
+    It keeps its class, submodules and parameter names; its forward is ``standin``'s.
+    ``.to(device)`` leaves it alone (where the cloud half runs is the cloud's business); a cast
+    to another dtype raises, since the cloud half would not follow. Hooks that would never run
+    are refused when registered: any on its submodules (their code runs in the cloud), and the
+    kinds ``never_run`` names on the module itself.
+    """
+    state = module.__dict__  # instance attributes, set past nn.Module.__setattr__ (standin is not a submodule)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        standin.train(copied.training)
+        standin.train(module.training)
         return standin(*args, **kwargs)
 
     def apply(fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
-        for dtype in {t.dtype for t in itertools.chain(copied.parameters(), copied.buffers())}:
+        for dtype in {t.dtype for t in itertools.chain(module.parameters(), module.buffers())}:
             if fn(torch.empty(0, dtype=dtype)).dtype != dtype:
-                raise CutError(f"casting the model to another dtype would cast {standin_name(copied)!r}, which runs "
+                raise CutError(f"casting the model to another dtype would cast {standin_name(module)!r}, which runs "
                                "in the cloud and does not follow; cast the model before split()")
-        return copied
+        return module
 
     state.update(forward=forward, _apply=apply, extra_repr=standin.extra_repr, _splitft_standin=standin)
-    return copied
+    for key, sub in module.named_modules():
+        where = f"{standin_name(module)}.{key}" if key else standin_name(module)
+        sub.__dict__.update({hook: _refused_hook(where, hook) for hook in (_HOOKS if key else never_run)})
+        sub.__dict__["_load_from_state_dict"] = _quiet_load(sub._load_from_state_dict)
+    return module
+
+
+def _quiet_load(load: Callable[..., Any]) -> Callable[..., Any]:
+    """Loading a ghost's state reaches the cloud (a placeholder's ``copy_``); torch would warn that
+    copying into a ``meta`` tensor does nothing, which is not so here."""
+    def quiet(*args: Any, **kwargs: Any) -> Any:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter")
+            return load(*args, **kwargs)
+    return quiet
+
+
+_HOOKS = ("register_forward_pre_hook", "register_forward_hook", "register_full_backward_hook",
+          "register_full_backward_pre_hook", "register_backward_hook")
+_GHOST_ATTRIBUTES = ("forward", "_apply", "extra_repr", "_splitft_standin", "_load_from_state_dict", *_HOOKS)
+
+
+def _refused_hook(where: str, hook: str) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise CutError(f"{hook} on {where!r}: that module runs in the cloud, so the hook would never run; "
+                       "register it before split() on a module that stays on the edge, or cut elsewhere")
+    return refuse
 
 
 def standin_of(module: nn.Module) -> nn.Module | None:
@@ -472,11 +579,36 @@ def standin_name(module: nn.Module) -> str:
 
 
 def uninstall(model: nn.Module, chain: Chain) -> nn.Module:
-    """Undo :func:`install`: put the cloud modules of ``chain`` back in place of their stand-ins."""
-    for name, module in zip(chain.names, chain.stages):
-        parent, _, child = name.rpartition(".")
-        setattr(_module(model, parent), child, module)
+    """Undo :func:`install`: the ghosts become the cloud modules again, with ``chain``'s values.
+
+    The placeholders take their values back in place, so every reference a script holds (the
+    model, a layer, an optimizer's parameters) is whole and trained again.
+    """
+    if _swap_all(chain.swapped) is not None:  # a placeholder still referenced elsewhere: put the twins in place
+        for name, module in zip(chain.names, chain.stages):
+            parent, _, child = name.rpartition(".")
+            setattr(_module(model, parent), child, module)
+        return model
+    chain.swapped = []
+    for name in chain.names:
+        for sub in _module(model, name).modules():
+            for attribute in _GHOST_ATTRIBUTES:
+                sub.__dict__.pop(attribute, None)
     return model
+
+
+def _swap_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
+    """Swap the contents of each pair of tensors (all of them, or none); why it could not, or None."""
+    done = 0
+    try:
+        for a, b in pairs:
+            torch.utils.swap_tensors(a, b)
+            done += 1
+    except RuntimeError as exc:
+        for a, b in pairs[:done]:
+            torch.utils.swap_tensors(a, b)
+        return str(exc)
+    return None
 
 
 def _signature(module: nn.Module) -> inspect.Signature | None:

@@ -26,6 +26,11 @@ class CutError(ConfigError):
     """A model cannot be cut as asked."""
 
 
+class PlaceholderError(ConfigError, RuntimeError):
+    """A script touched the cloud half's tensors in a way that cannot reach the cloud (its values
+    are not on the edge); raised before anything diverges, with the fix."""
+
+
 class ProtocolError(SplitFTError):
     """A message that does not follow the wire protocol."""
 

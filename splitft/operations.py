@@ -85,32 +85,39 @@ class ZeroGrad(Operation):
     NAME: ClassVar[str] = "zero_grad"
     set_to_none: bool = True
     model: bool = False  # model.zero_grad(): every parameter of the half, not just the optimizer's
+    names: list | None = None  # only these parameters' gradients (``p.grad = None``, ``p.grad.zero_()``)
 
 
 @dataclass
 class ScaleGrads(Operation):
-    """Multiply the cloud half's gradients by ``factor`` (the edge clipped by the global norm)."""
+    """Multiply (``divide``: divide) the cloud half's gradients by ``factor``: clipping by the
+    global norm, loss scaling, a script's ``p.grad.mul_(x)``."""
 
     NAME: ClassVar[str] = "scale_grads"
     factor: float
     names: list | None = None  # only these parameters (unsplit names); None: all
+    divide: bool = False
 
 
 @dataclass
 class ClampGrads(Operation):
-    """Clamp the cloud half's gradients to ``[-value, value]`` (``clip_grad_value_``)."""
+    """Clamp the cloud half's gradients to ``[low, high]`` (``clip_grad_value_``, ``p.grad.clamp_``);
+    a bound that is None does not clamp."""
 
     NAME: ClassVar[str] = "clamp_grads"
-    value: float
+    low: float | None = None
+    high: float | None = None
     names: list | None = None
 
 
 @dataclass
 class LoadWeights(Operation):
-    """Replace the cloud half's weights (``model.load_state_dict``): name → array, every name of the half."""
+    """Replace the cloud half's weights (``model.load_state_dict``): name → array, every name of the
+    half; with ``partial``, only the named tensors (``p.copy_(tensor)`` on a placeholder)."""
 
     NAME: ClassVar[str] = "load_weights"
     weights: dict
+    partial: bool = False
 
 
 @dataclass
@@ -145,6 +152,32 @@ OPERATIONS: dict[str, type[Operation]] = {
                               LoadWeights, SetFrozen, SetModes, FreeCache)
 }
 
+#: Operations that act alike on a list of named parameters: two in a row over different
+#: parameters are one operation over both (``zero_grad`` clears parameters one at a time).
+_BY_NAMES = {ZeroGrad.NAME, ScaleGrads.NAME, ClampGrads.NAME}
+
+
+def merged(previous: dict[str, Any], op: dict[str, Any], seen: set[str]) -> bool:
+    """Fold ``op`` into ``previous`` (queued just before it) when they are one operation over two
+    sets of parameters; ``seen`` holds ``previous``'s names and grows with them. Whether it did."""
+    kind = op["op"]
+    if previous["op"] != kind:
+        return False
+    if kind == LoadWeights.NAME:
+        if not (previous["partial"] and op["partial"]):
+            return False
+        previous["weights"].update(op["weights"])
+        return True
+    names, earlier = op.get("names"), previous.get("names")
+    if kind not in _BY_NAMES or names is None or earlier is None or not seen.isdisjoint(names):
+        return False
+    if any(previous[k] != v for k, v in op.items() if k != "names"):
+        return False
+    earlier.extend(names)
+    seen.update(names)
+    return True
+
+
 def to_wire(op: Operation) -> dict[str, Any]:
     """The map that travels: ``{"op": NAME, ...fields}``."""
     return {"op": op.NAME, **dataclasses.asdict(op)}
@@ -161,4 +194,4 @@ def from_wire(value: Any) -> Operation:
 
 
 __all__ = ["ApplyEager", "AttachOptimizer", "ClampGrads", "FreeCache", "LoadWeights", "OPERATIONS", "Operation", "ScaleGrads",
-           "SetFrozen", "SetLoss", "SetModes", "Step", "ZeroGrad", "from_wire", "to_wire"]
+           "SetFrozen", "SetLoss", "SetModes", "Step", "ZeroGrad", "from_wire", "merged", "to_wire"]

@@ -29,7 +29,7 @@ from compressors import WIRE_DTYPES, Payload
 from .errors import ProtocolError
 from .records import _CACHE_LIMIT, _short, build_checked, record_fields
 
-PROTOCOL_VERSION = 4  # 4: fields by position; 3: parameter groups and frozen parameters by name; 2: numbered requests, typed operations, welcome.limits (docs/wire.md)
+PROTOCOL_VERSION = 5  # 5: gradients a backward did not reach, gradient norms per parameter, operations by parameter name; 4: fields by position; 3: parameter groups and frozen parameters by name; 2: numbered requests, typed operations, welcome.limits (docs/wire.md)
 _ARRAY_EXT = 1
 MAX_DIMS = 8
 
@@ -130,6 +130,9 @@ class Output(Message):
     value: Any
     timings: dict = field(default_factory=dict)
     grads: list | None = None  # eager forward: gradients of the inputs, for an incoming gradient of 1
+    #: Eager forward: the cloud parameters that required a gradient but that this call's graph
+    #: does not reach (they get none); None when there are none.
+    unreached: list | None = None
     seq: int = 0
 
 
@@ -153,6 +156,8 @@ class InputGrads(Message):
     call: int
     grads: list
     timings: dict = field(default_factory=dict)
+    #: The cloud parameters that required a gradient and still have none after this backward.
+    unreached: list | None = None
     seq: int = 0
 
 
@@ -175,7 +180,8 @@ class Sync(Message):
 class Ack(Message):
     TYPE: ClassVar[str] = "ack"
     state: dict | None = None
-    grad_norms: list | None = None  # per cloud parameter with a gradient, in the half's order
+    #: Per parameter of the half (or per one asked for), in order; None where it has no gradient.
+    grad_norms: list | None = None
     seq: int = 0
 
 

@@ -18,7 +18,7 @@ NOT_METHODS = {"T_destination", "dump_patches", "call_super_init"}
 
 #: Mirrored: the cloud half does the same. Checked below; train/eval by name in test_script_corpus (a BatchNorm
 #: in the cloud), state_dict/load_state_dict in test_module_contract, forward everywhere.
-MODULE_MIRRORED = {"zero_grad", "requires_grad_", "train", "eval", "state_dict", "load_state_dict", "forward"}
+MODULE_MIRRORED = {"zero_grad", "requires_grad_", "train", "eval", "state_dict", "load_state_dict", "forward", "apply"}
 #: Local by nature: views that report the unsplit model (cloud parameters as meta placeholders),
 #: hooks around the split model's own forward/backward, what is added to the split model itself,
 #: and device moves (where the cloud half runs is the cloud's choice).
@@ -30,7 +30,6 @@ MODULE_LOCAL = {"parameters", "named_parameters", "buffers", "named_buffers", "c
                 "xpu", "ipu", "mtia", "float", "type", "share_memory", "to_empty"}
 #: Refused with the fix (they would change the cloud half without it following).
 MODULE_REFUSED = {
-    "apply": lambda m: m.apply(lambda module: None),
     "compile": lambda m: m.compile(),
     "set_submodule": lambda m: m.set_submodule("model.2", nn.Linear(16, 16)),
     "half": lambda m: m.half(),
@@ -118,6 +117,10 @@ MIRRORED_SCRIPTS = {
                                                       crit(model(x[:4]), y[:4]).backward(), opt.step()),
     "requires_grad_": lambda model, net, crit, opt, x, y: (model.requires_grad_(False), net[0].requires_grad_(True),
                                                            crit(model(x), y).backward(), opt.step()),
+    # fn runs on every module, the cloud half's ghosts too: what it does to their tensors reaches the cloud
+    "apply": lambda model, net, crit, opt, x, y: (
+        model.apply(lambda m: (nn.init.zeros_(m.bias), m.weight.data.fill_(0.05)) if isinstance(m, nn.Linear) else None),
+        crit(model(x), y).backward(), opt.step()),
     "optimizer.add_param_group": lambda model, net, crit, opt, x, y: (
         opt.add_param_group({"params": list(net[2].parameters()), "lr": 0.05}), crit(model(x), y).backward(),
         opt.step()),

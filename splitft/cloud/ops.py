@@ -227,6 +227,15 @@ def apply_eager(session: CloudSession, op: o.ApplyEager) -> None:
 
 
 def zero_grad(session: CloudSession, op: o.ZeroGrad) -> None:
+    if op.names is not None:  # p.grad = None / p.grad.zero_() on the edge, parameter by parameter
+        params = session.parameters_named(op.names)
+        with torch.no_grad(), session.own_grads():
+            for param in params:
+                if op.set_to_none:
+                    param.grad = None
+                elif param.grad is not None:
+                    param.grad.zero_()
+        return
     with session.own_grads():
         if op.model or session.shared is not None:
             session.chain.zero_grad(set_to_none=op.set_to_none)
@@ -235,17 +244,25 @@ def zero_grad(session: CloudSession, op: o.ZeroGrad) -> None:
 
 
 def scale_grads(session: CloudSession, op: o.ScaleGrads) -> None:
-    _each_grad(session, op.factor, op.names, lambda grad: grad.mul_(op.factor))
+    if op.divide:
+        _each_grad(session, (op.factor,), op.names, lambda grad: grad.div_(op.factor))
+    else:
+        _each_grad(session, (op.factor,), op.names, lambda grad: grad.mul_(op.factor))
 
 
 def clamp_grads(session: CloudSession, op: o.ClampGrads) -> None:
-    _each_grad(session, op.value, op.names, lambda grad: grad.clamp_(-op.value, op.value))
+    bounds = tuple(b for b in (op.low, op.high) if b is not None)
+    if not bounds:
+        raise ProtocolError("clamp_grads needs a low or a high bound")
+    _each_grad(session, bounds, op.names, lambda grad: grad.clamp_(op.low, op.high))
 
 
-def _each_grad(session: CloudSession, number: float, names: list | None,
+def _each_grad(session: CloudSession, numbers: tuple[float, ...], names: list | None,
                change: Callable[[torch.Tensor], Any]) -> None:
-    if not math.isfinite(number):
-        raise ProtocolError(f"gradient operations need a finite number, got {number}")
+    # A non-finite factor is what torch's clip_grad_norm_ applies after an overflow (the loss scaler then
+    # skips the step): mirrored on the session's own half, refused where other edges' weights would take it.
+    if session.shared is not None and not all(math.isfinite(n) for n in numbers):
+        raise ProtocolError(f"gradient operations on a shared cloud part need finite numbers, got {numbers}")
     params = session.parameters_named(names)
     with torch.no_grad(), session.own_grads():
         for param in params:
@@ -260,7 +277,7 @@ def load_weights(session: CloudSession, op: o.LoadWeights) -> None:
     if not all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point()):
         raise ProtocolError("the weights to load contain NaN or Inf")
     with blame(ProtocolError, "the weights to load do not fit the cloud half"):
-        session.chain.load_qualified_state_dict(weights)
+        session.chain.load_qualified_state_dict(weights, partial=op.partial)
 
 
 HANDLERS: dict[type[o.Operation], Callable[[Any, Any], Any]] = {

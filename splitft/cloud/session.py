@@ -341,13 +341,15 @@ class CloudSession:
             stream = stream_index(out_skel) if self.ushape else None
             entries, out_coded = self.codecs.encode(outs, stream, "ret", ctx, [t.requires_grad for t in outs],
                                                     Traffic())
-        eager_grads = None
+        eager_grads, unreached = None, None
         if (msg.grad and msg.eager and msg.target is not None and self.shared is None
                 and isinstance(value, torch.Tensor) and value.dim() == 0 and value.requires_grad):
             eager_grads = self._eager_backward(msg, value, leaves, inputs, watch)
+            unreached = [self._param_names[id(p)] for p, g in self.deferred[msg.call] if g is None] or None
         elif msg.grad:
             self._keep_graph(msg, leaves, inputs, outs, out_coded, saved)
-        return Output(call=msg.call, value=to_wire(out_skel, entries), timings=watch.seconds, grads=eager_grads)
+        return Output(call=msg.call, value=to_wire(out_skel, entries), timings=watch.seconds, grads=eager_grads,
+                      unreached=unreached)
 
     def _eager_backward(self, msg: Forward, loss: torch.Tensor, leaves: list[torch.Tensor], inputs: _Inputs,
                         watch: Stopwatch) -> list[dict | None]:
@@ -421,7 +423,7 @@ class CloudSession:
         with watch("codec"):
             entries = self._encode_input_grads(pending.inputs, pending.in_coded, pending.in_grad,
                                                [leaf.grad for leaf in pending.inputs], ctx)
-        return InputGrads(call=msg.call, grads=entries, timings=watch.seconds)
+        return InputGrads(call=msg.call, grads=entries, timings=watch.seconds, unreached=self.unreached())
 
     def _backpropagate(self, call: int, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """The backward of forward call ``call`` (a batch split across ranks overrides it)."""
@@ -467,19 +469,41 @@ class CloudSession:
             grads.append(grad)
         return outputs, grads
 
-    def grad_norms(self, norm_type: float, names: list | None = None) -> list[float]:
+    def grad_norms(self, norm_type: float, names: list | None = None) -> list[float | None]:
         """The ``norm_type`` norm of each parameter gradient of the half, or of the ``names``d
-        parameters' (for clipping by the global norm)."""
+        parameters' (for clipping by the global norm); None for a parameter without a gradient."""
         check_norm_type(norm_type)
         params = self.parameters_named(names)
         with torch.no_grad(), self.own_grads():
-            return [float(torch.linalg.vector_norm(p.grad, norm_type)) for p in params if p.grad is not None]
+            return [None if p.grad is None else float(torch.linalg.vector_norm(p.grad, norm_type)) for p in params]
+
+    def unreached(self) -> list[str] | None:
+        """After a backward: the parameters that require a gradient and still have none, so the
+        edge knows exactly which ``p.grad`` exist there; None when there are none."""
+        with self.own_grads():
+            names = [name for name, p in self.named_params.items() if p.requires_grad and p.grad is None]
+        return names or None
+
+    @property
+    def named_params(self) -> dict[str, nn.Parameter]:
+        """The half's parameters by unsplit name, in the order :meth:`grad_norms` answers for all."""
+        named = self.__dict__.get("_named_params")
+        if named is None:
+            named = self.__dict__["_named_params"] = self.chain.qualified_parameters()
+        return named
+
+    @property
+    def _param_names(self) -> dict[int, str]:
+        names = self.__dict__.get("_names_by_id")
+        if names is None:
+            names = self.__dict__["_names_by_id"] = {id(p): n for n, p in self.named_params.items()}
+        return names
 
     def parameters_named(self, names: list | None) -> list[nn.Parameter]:
         """The half's parameters called ``names`` (unsplit names), all of them for None."""
         if names is None:
-            return list(self.chain.parameters())
-        known = self.chain.qualified_parameters()
+            return list(self.named_params.values())
+        known = self.named_params
         unknown = [n for n in names if not isinstance(n, str) or n not in known]
         if unknown:
             raise ProtocolError(f"the cloud half has no parameter {protocol._short(unknown[0])}")

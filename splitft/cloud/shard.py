@@ -78,14 +78,16 @@ def full_weights(chain: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in chain.qualified_state_dict().items()}
 
 
-def gradient_norms(params: list[nn.Parameter], norm_type: float) -> list[float]:
-    """Each gradient's whole norm from the ranks' shards; collective: every rank calls it."""
-    norms = []
+def gradient_norms(params: list[nn.Parameter], norm_type: float) -> list[float | None]:
+    """Each gradient's whole norm from the ranks' shards (None: no gradient); collective: every rank calls it."""
+    norms: list[float | None] = []
     with torch.no_grad():
         for p in params:
-            if p.grad is not None:
-                norm = torch.linalg.vector_norm(p.grad, norm_type)
-                norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
+            if p.grad is None:
+                norms.append(None)
+                continue
+            norm = torch.linalg.vector_norm(p.grad, norm_type)
+            norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
     return norms
 
 
@@ -135,7 +137,7 @@ class ShardedSession(BatchSplitSession):
         with implicit_replication():  # whole weights an edge loads are cut into each rank's shard
             return super().apply_ops(values)
 
-    def grad_norms(self, norm_type: float, names: list | None = None) -> list[float]:
+    def grad_norms(self, norm_type: float, names: list | None = None) -> list[float | None]:
         check_norm_type(norm_type)
         params = self.parameters_named(names)  # checked before the other ranks are asked
         self.link.broadcast({"op": "norms", "norm_type": norm_type, "names": names})

@@ -19,7 +19,9 @@ from ..errors import ConfigError, translated
 from ..options import Codecs, Factory, Faults, Link, Opener, Schedule
 from ..protocol import Hello
 from . import resume
+from .cloud_half import CloudHalf
 from .model import SplitModel, split_class
+from .placeholders import CloudTensor
 from .requests import EdgeSession
 from .schedule import Scheduler
 from .stage import CloudStage
@@ -78,10 +80,18 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
         raise
     scheduler = Scheduler(CloudStage(session, ushape=spec.ushape), session, session.lock, schedule,
                           ushape=spec.ushape)
+    cloud_half = CloudHalf(session.queue, lambda norm_type: session.sync_reply(grad_norm=norm_type).grad_norms or [],
+                           [])
     split_model = split_class(type(model))(model, spec, session, scheduler, metrics_path=metrics_path,
-                                           freeze_edge=freeze_edge)
-    split_model._bind(install(model, spec, remote=split_model._trunk if spec.ushape else None,
-                              check=factory.check_cut))
+                                           freeze_edge=freeze_edge, cloud_half=cloud_half)
+    try:
+        chain = install(model, spec, remote=split_model._trunk if spec.ushape else None, check=factory.check_cut,
+                        placeholder=lambda tensor, name: CloudTensor(tensor, name, cloud_half))
+    except BaseException:
+        session.close("error")
+        raise
+    cloud_half.order = list(chain.qualified_parameters())
+    split_model._bind(chain)
     if saved is not None:
         resume.load_edge_half(split_model, saved[0], resume_from)
     if edge_device is not None:

@@ -10,7 +10,6 @@ accumulation behaves exactly as it does locally.
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -19,8 +18,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from . import guards
-from ..operations import (ApplyEager, AttachOptimizer, ClampGrads, FreeCache, LoadWeights, ScaleGrads, SetFrozen, SetLoss,
-                          SetModes, Step, ZeroGrad, to_wire)
+from ..operations import ApplyEager, AttachOptimizer, FreeCache, LoadWeights, SetFrozen, SetLoss, SetModes, Step, to_wire
 
 if TYPE_CHECKING:
     from .requests import EdgeSession
@@ -38,19 +36,6 @@ def optimizer_op(op_id: int, name: str, settings: dict[str, Any], groups: list[d
 def step_op(step: int, lr: float | None, lrs: list[float] | None = None, changes: list[dict] | None = None) -> dict:
     """Step ``step`` of the optimizer; the cloud applies each id once, however often it arrives."""
     return to_wire(Step(id=step, lr=lr, lrs=lrs, changes=changes))
-
-
-def zero_grad_op(set_to_none: bool, model: bool = False) -> dict:
-    return to_wire(ZeroGrad(set_to_none=bool(set_to_none), model=model))
-
-
-def scale_grads_op(factor: float, names: list[str] | None = None) -> dict:
-    """Multiply the cloud half's gradients (clipping by the global norm)."""
-    return to_wire(ScaleGrads(factor=float(factor), names=names))
-
-
-def clamp_grads_op(value: float, names: list[str] | None = None) -> dict:
-    return to_wire(ClampGrads(value=float(value), names=names))
 
 
 def frozen_op(names: list[str]) -> dict:
@@ -88,19 +73,22 @@ class OptimizerMirror:
 
     The cloud builds the same class with the same settings over the same parameter groups (by
     the cloud parameters' names); each step carries the groups' learning rates and any other
-    setting a scheduler changed since the previous one.
+    setting a scheduler changed since the previous one. While the edge's optimizer steps, the
+    cloud's gradients are hidden from it (``cloud_half.hidden``): the cloud steps its parameters.
 
     Args:
         session: the edge's session.
         optimizer: the user's optimizer.
         cloud_names: id of each cloud parameter's placeholder -> its name in the unsplit model.
+        cloud_half: the edge's record of the cloud's gradients.
         resume_state: optimizer state from an edge checkpoint; the cloud kept its optimizer.
         on_step: runs after each mirrored step.
     """
 
-    def __init__(self, session: EdgeSession, optimizer: torch.optim.Optimizer, cloud_names: dict[int, str], *,
-                 resume_state: dict | None, on_step: Callable[[], None]) -> None:
+    def __init__(self, session: EdgeSession, optimizer: torch.optim.Optimizer, cloud_names: dict[int, str],
+                 cloud_half: Any, *, resume_state: dict | None, on_step: Callable[[], None]) -> None:
         self.session, self.optimizer, self.on_step = session, optimizer, on_step
+        self.cloud_half = cloud_half
         self.settings = optimizer_settings(optimizer)
         self.members = _members(optimizer)
         self.sent = self._group_settings()
@@ -138,8 +126,10 @@ class OptimizerMirror:
             raise ConfigError(f"{type(self.optimizer).__name__}'s parameter groups changed since it was attached "
                               "(add_param_group, or a group's params list edited); a split model mirrors the groups "
                               "it was attached with: build a new optimizer and attach it")
+        self.cloud_half.hidden = True
 
     def after_step(self) -> None:
+        self.cloud_half.hidden = False
         now = self._group_settings()
         lrs = [group.get("lr") for group in now]
         changes = [{k: v for k, v in group.items() if k != "lr" and v != before.get(k)}
@@ -155,19 +145,6 @@ class OptimizerMirror:
             # message, so it lands between the other edges' steps where the user's loop put it.
             session.sync()
         self.on_step()
-
-    def zeroed(self, set_to_none: bool) -> None:
-        self.session.queue(zero_grad_op(set_to_none))
-
-    def unscale(self, inv_scale: float) -> bool:
-        """``GradScaler.unscale_``: multiply the cloud half's gradients by ``inv_scale`` as well;
-        whether any of them is inf or NaN (then the scaler skips the step, which skips it on both)."""
-        if self.names == []:
-            return False
-        norms = self.session.sync_reply(grad_norm=math.inf, grad_names=self.names).grad_norms or []
-        if inv_scale != 1.0:
-            self.session.queue(scale_grads_op(inv_scale, self.names))
-        return not all(math.isfinite(n) for n in norms)
 
 
 def _members(optimizer: torch.optim.Optimizer) -> list[tuple[int, ...]]:
@@ -221,5 +198,5 @@ def _plain(value: Any) -> Any:
     return _NOT_PLAIN
 
 
-__all__ = ["OptimizerMirror", "apply_op", "clamp_grads_op", "free_cache_op", "frozen_op", "load_weights_op", "loss_op", "loss_settings",
-           "modes_op", "optimizer_op", "optimizer_settings", "scale_grads_op", "step_op", "zero_grad_op"]
+__all__ = ["OptimizerMirror", "apply_op", "free_cache_op", "frozen_op", "load_weights_op", "loss_op", "loss_settings",
+           "modes_op", "optimizer_op", "optimizer_settings", "step_op"]

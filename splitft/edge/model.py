@@ -25,7 +25,9 @@ from ..cut import Chain, CutReached, CutSpec, uninstall
 from ..devices import autocast_dtype
 from ..errors import ConfigError, SplitFTError
 from ..metrics import JsonlWriter, Metrics
-from . import clipping, guards, mirror, resume
+from . import guards, mirror, resume
+from .cloud_half import CloudHalf
+from .placeholders import CloudTensor
 from .requests import EdgeSession
 from .remote_loss import CutActivation, RemoteLoss, call_parts
 from .schedule import Call, Scheduler
@@ -47,6 +49,7 @@ class _RemoteCall(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         call: Call = ctx.call
         input_grads = ctx.scheduler.backward(call, grads)
+        call.cloud_half.backward_reached(call.trainable, call.unreached)
         extra = len(ctx.needs_input_grad) - 2 - call.n_leaves
         return (None, None, *input_grads, *([None] * extra))
 
@@ -57,21 +60,25 @@ class SplitModel(nn.Module):
     It holds the original model (``.model``), whose cloud modules are *ghosts*: the same
     classes, names and parameter shapes, with placeholder parameters on the ``meta`` device (the
     values live in the cloud). ``parameters()`` therefore lists every parameter of the unsplit
-    model, and what a script does over them is mirrored: optimizers (their groups by name, their
-    steps, ``zero_grad``), clipping, ``requires_grad_``. ``edge_parameters()`` and
-    ``cloud_parameters()`` tell which is where. Attribute lookups the split model does not answer
+    model, and whatever a script does to them reaches the cloud or raises
+    (:mod:`.placeholders`): optimizers (their groups by name, their steps), ``p.grad`` (cleared,
+    clipped, unscaled by torch's own functions), ``requires_grad_``, new values.
+    ``edge_parameters()`` and ``cloud_parameters()`` tell which is where. Attribute lookups the split model does not answer
     go to the wrapped model (``model.config``), and ``forward`` has the wrapped model's signature.
     Plain splits return the activation at the cut from ``forward``; the loss comes from
     :meth:`remote_loss` and predictions from :meth:`predict`.
     """
 
     def __init__(self, model: nn.Module, spec: CutSpec, session: EdgeSession, scheduler: Scheduler,
-                 metrics_path: str | os.PathLike | None = None, freeze_edge: bool = False) -> None:
+                 metrics_path: str | os.PathLike | None = None, freeze_edge: bool = False,
+                 cloud_half: CloudHalf | None = None) -> None:
         super().__init__()
         self.model = model
         self.spec = spec
         self.session = session
         self.scheduler = scheduler
+        self.cloud_half = cloud_half if cloud_half is not None else CloudHalf(session.queue, _no_norms, [])
+        self.cloud_half.model = weakref.ref(self)
         self.freeze_edge = bool(freeze_edge)
         self.optimizer: torch.optim.Optimizer | None = None
         self._anchor = torch.zeros((), requires_grad=True)
@@ -83,6 +90,7 @@ class SplitModel(nn.Module):
         self._cloud: dict[str, nn.Parameter] = {}  # name in the unsplit model -> placeholder
         self._cloud_ids: dict[int, str] = {}
         self._frozen_sent: frozenset[str] | None = None
+        self._trainable: frozenset[str] = frozenset()
         self._flipped_sent: list[str] = []
         self._cache_numbers: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._next_cache = 0
@@ -94,11 +102,14 @@ class SplitModel(nn.Module):
                 if id(param) not in self._cloud_ids:
                     self._cloud[f"{name}.{key}"] = param
                     self._cloud_ids[id(param)] = f"{name}.{key}"
+        self.cloud_half.params = dict(self._cloud)
+        self.cloud_half.before_fetch = self._mirror_module_state
+        self.cloud_half.device = next((p.device for p in self.edge_parameters()), torch.device("cpu"))
         self.__dict__["_cloud_modules"] = chain  # not a submodule: the real modules, for unsplit()
         self._cloud_batchnorms = [(f"{name}.{key}" if key else name, module) for name in chain.names
                                   for key, module in self.model.get_submodule(name).named_modules()
                                   if isinstance(module, nn.modules.batchnorm._BatchNorm)]
-        guards.register(self)
+        guards.install()
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -111,11 +122,15 @@ class SplitModel(nn.Module):
 
     # ------------------------------------------------------------ what cannot reach the cloud half
 
-    def apply(self, fn: Any) -> SplitModel:
-        """Refused: ``fn`` would run on the cloud half's modules, whose values are not here."""
-        raise ConfigError("model.apply(fn) would run fn on the cloud half's modules, which are placeholders here "
-                          "(their values live in the cloud): call it on the model before split(), or on an edge "
-                          "submodule")
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise ConfigError("a split model cannot be copied: its cloud half's values live in the cloud, and its session "
+                          "is one connection. For an EMA of the weights (AveragedModel, deepcopy + update), keep it "
+                          "on the unsplit model before split(), or average the weights you fetch with "
+                          "model.state_dict()")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise ConfigError("a split model cannot be pickled (torch.save(model)): save model.state_dict(), which fetches "
+                          "the cloud half, or use model.save_checkpoint(path)")
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """Refused: compile the edge's own submodules instead."""
@@ -136,7 +151,10 @@ class SplitModel(nn.Module):
             if fn(torch.empty(0, dtype=dtype)).dtype != dtype:
                 raise ConfigError(f"casting the split model to another dtype would leave the cloud half in {dtype}; "
                                   "cast the model before split(), or run the cloud half in another dtype there")
-        return super()._apply(fn, recurse)
+        result = super()._apply(fn, recurse)
+        # The cloud gradients' handles report where the edge's tensors are, as the unsplit model's would.
+        self.cloud_half.device = fn(torch.empty(0, device=self.cloud_half.device)).device
+        return result
 
     def _refuse_state_hooks(self, *args: Any, **kwargs: Any) -> Any:
         raise ConfigError("state_dict hooks on a split model are not run by its state_dict/load_state_dict (which "
@@ -150,8 +168,8 @@ class SplitModel(nn.Module):
     # ------------------------------------------------------------ where the parameters are
 
     def is_cloud(self, param: torch.Tensor) -> bool:
-        """Whether ``param`` is a placeholder of a cloud parameter."""
-        return id(param) in self._cloud_ids and self._cloud[self._cloud_ids[id(param)]] is param
+        """Whether ``param`` is a placeholder of this model's cloud parameters."""
+        return isinstance(param, CloudTensor) and param._splitft_remote is self.cloud_half
 
     def cloud_parameters(self) -> Iterator[nn.Parameter]:
         """The cloud half's parameters, as placeholders on the ``meta`` device (no values)."""
@@ -203,6 +221,7 @@ class SplitModel(nn.Module):
     def _remote(self, args: tuple, kwargs: dict, target: Any = None) -> Any:
         self._refuse_batch_statistics_of_micro_batches()
         self._mirror_module_state()
+        self.cloud_half.hidden = False  # an optimizer step that raised left them hidden
         args, kwargs = trees.rebuild((args, kwargs), self._cache_ref, is_leaf=is_cache, other=lambda node, path: node)
         grad = torch.is_grad_enabled()
         leaves, skeleton = flatten((list(args), kwargs, target))
@@ -214,7 +233,8 @@ class SplitModel(nn.Module):
             leaves = [t.detach().requires_grad_() if t.requires_grad else t for t in leaves]
         call = Call(skeleton, len(leaves), train=self.training, grad=grad, sample_ids=self._sample_ids,
                     stash=stash if grad else None, leaves=attached if stash is not None else [],
-                    autocast=autocast_dtype(next((t.device.type for t in leaves if t.is_floating_point()), "cpu")))
+                    autocast=autocast_dtype(next((t.device.type for t in leaves if t.is_floating_point()), "cpu")),
+                    cloud_half=self.cloud_half, trainable=self._trainable)
         inputs = [*leaves, self._anchor] if grad else leaves
         outputs = _RemoteCall.apply(self.scheduler, call, *inputs)
         return unflatten(call.out_skeleton, list(outputs))
@@ -258,7 +278,7 @@ class SplitModel(nn.Module):
         if any(state for p, state in optimizer.state.items() if self.is_cloud(p)):
             raise ConfigError("this optimizer already holds state for cloud parameters (loaded before it was "
                               "attached); attach it before loading its state_dict")
-        optimizer_mirror = mirror.OptimizerMirror(self.session, optimizer, self._cloud_ids,
+        optimizer_mirror = mirror.OptimizerMirror(self.session, optimizer, self._cloud_ids, self.cloud_half,
                                                   resume_state=self._resume_optimizer, on_step=self._stepped)
         guards.mirrored(optimizer, optimizer_mirror)
         self._resume_optimizer = None
@@ -286,6 +306,7 @@ class SplitModel(nn.Module):
         if frozen != self._frozen_sent:
             self.session.queue(mirror.frozen_op(sorted(frozen)))
             self._frozen_sent = frozen
+            self._trainable = frozenset(self._cloud) - frozen
         flipped = []
         for name in self.__dict__["_cloud_modules"].names:
             for key, module in self.model.get_submodule(name).named_modules():
@@ -323,20 +344,15 @@ class SplitModel(nn.Module):
 
     # ------------------------------------------------------------ both halves' gradients
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients of both halves, as ``model.zero_grad()`` does on the unsplit model."""
-        super().zero_grad(set_to_none)
-        self.session.queue(mirror.zero_grad_op(set_to_none, model=True))
-
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
-        """Clip both halves' gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_``
-        does over the unsplit model's parameters; returns that total norm."""
-        return clipping.clip_grad_norm_(self, list(self.parameters()), max_norm, norm_type, error_if_nonfinite)
+        """Clip both halves' gradients by their global norm (``torch.nn.utils.clip_grad_norm_``
+        over the whole model's parameters, which reaches the cloud's); returns that total norm."""
+        return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type, error_if_nonfinite)
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp both halves' gradients to ``[-clip_value, clip_value]`` (``torch.nn.utils.clip_grad_value_``)."""
-        clipping.clip_grad_value_(self, list(self.parameters()), clip_value)
+        torch.nn.utils.clip_grad_value_(self.parameters(), clip_value)
 
     # ------------------------------------------------------------ the whole model's state
 
@@ -377,6 +393,7 @@ class SplitModel(nn.Module):
         modules = self.__dict__["_cloud_modules"]
         modules.load_qualified_state_dict(self.cloud_state_dict())
         self.close()
+        self.cloud_half.has_grad.clear()
         return uninstall(self.model, modules)
 
     def save_pretrained(self, path: str | os.PathLike, **kwargs: Any) -> Any:
@@ -419,6 +436,10 @@ class SplitModel(nn.Module):
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         self.close("interrupted" if exc_type is KeyboardInterrupt else "done" if exc_type is None else "error")
+
+
+def _no_norms(norm_type: float) -> list[float | None]:
+    raise ConfigError("this split model fetches no gradient norms")
 
 
 def _free_cache(split_ref: weakref.ref, number: int) -> None:

@@ -36,6 +36,7 @@ from ..errors import (AuthError, CapacityError, HandshakeError, PeerGone, Protoc
                       TooLarge, TransportError, TransportTimeout, from_code, translated)
 from ..metrics import Metrics
 from ..options import Codecs, Faults
+from ..operations import merged
 from ..protocol import Ack, Bye, Error, Hello, Pong, Redirect, Sync, Welcome
 from .heartbeat import Heartbeat
 from .route import Follow, Route
@@ -96,6 +97,7 @@ class EdgeSession:
         self.recoveries = 0  # times the session was recovered after a fault
         self.closed = False
         self._ops: list[dict] = []
+        self._merged_names: set[str] = set()  # the names of the last queued operation
         self._seq = 0
         self._log = ReplayLog()
         self._outstanding: set[int] = set()  # numbers of requests whose reply has not been read
@@ -118,18 +120,24 @@ class EdgeSession:
 
     def queue(self, op: dict) -> None:
         """An operation for the cloud to apply before the next message it handles."""
-        self._ops.append(op)
+        ops = self._ops
+        if ops and merged(ops[-1], op, self._merged_names):
+            return
+        self._merged_names = set(op.get("names") or ())
+        ops.append(op)
         most = self.limits.get("max_ops")
         if isinstance(most, int) and len(self._ops) >= most:
             self.sync()  # the cloud applies at most that many per message: send them now
 
     def take_ops(self) -> list[dict]:
         ops, self._ops = self._ops, []
+        self._merged_names = set()
         return ops
 
     def requeue(self, ops: list[dict]) -> None:
         """Operations taken for a message that was not sent: they go first into the next one."""
         self._ops[:0] = ops
+        self._merged_names = set(self._ops[-1].get("names") or ()) if self._ops else set()
 
     # ------------------------------------------------------------ requests and replies
 

@@ -68,6 +68,15 @@ class Call:
     # so that the loss's backward does not free that graph before the gradient for it arrives)
     leaves: list[torch.Tensor] = field(default_factory=list)
     inflight: Inflight | None = None
+    cloud_half: Any = None  # the edge's record of the cloud's gradients (splitft.edge.cloud_half), told of the backward
+    trainable: frozenset[str] = frozenset()  # the cloud parameters that required a gradient at the forward
+    #: Those of them the cloud said its graph did not reach (across the parts' replies); None: no word yet.
+    unreached: set[str] | None = None
+
+    def reported_unreached(self, names: list[str] | None) -> None:
+        """A reply's word on the parameters its part's graph did not reach: reached by any part is reached."""
+        found = set(names or ())
+        self.unreached = found if self.unreached is None else self.unreached & found
 
     @property
     def has_target(self) -> bool:

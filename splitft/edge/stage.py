@@ -97,6 +97,7 @@ class CloudStage:
         part.out_grad = [g and call.grad for _, g in out_entries]
         grad_bytes = 0
         if reply.grads is not None:  # eager backward: the cut's gradient came along
+            call.reported_unreached(reply.unreached)
             part.eager_grads = from_wire(reply.grads)
             grad_bytes = sum(p.nbytes for p, _ in part.eager_grads[0])
             self.metrics.count("down", "gradient", raw=self._input_grad_nbytes(call, part), payload=grad_bytes,
@@ -125,6 +126,7 @@ class CloudStage:
     def receive_input_grads(self, call: Call, part: Part) -> list[torch.Tensor | None]:
         reply, wire_in = self.session.await_reply(part.seq, InputGrads)
         assert isinstance(reply, InputGrads)
+        call.reported_unreached(reply.unreached)
         got, skeleton = from_wire(reply.grads)
         result = self._decode_input_grads(call, part, (got, skeleton))
         self.metrics.count("down", "gradient", raw=self._input_grad_nbytes(call, part),

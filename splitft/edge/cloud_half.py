@@ -1,0 +1,127 @@
+"""The edge's handle on the cloud half's tensors: which gradients exist there, and the operations
+that reach them.
+
+The placeholders (:mod:`.placeholders`) ask this room for everything they cannot answer from
+their shape: ``p.grad`` (the cloud has a gradient for ``p`` exactly when this room says so), its
+norm (fetched in one round trip for every cloud gradient, then kept until a gradient changes),
+and the changes a script makes (clearing, scaling, clamping gradients; new values for a weight),
+which ride as operations on the next message in the order the script made them.
+
+Which gradients exist is known without asking: a backward through the cut gives one to every
+cloud parameter that required a gradient at the forward, except those the cloud reported its
+graph did not reach (``unreached`` in the reply); clearing ``p.grad`` removes it. While a
+mirrored optimizer steps, the cloud's gradients are hidden, so the edge's optimizer leaves the
+cloud's parameters to the cloud's step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import PlaceholderError
+from ..operations import ClampGrads, LoadWeights, ScaleGrads, ZeroGrad, to_wire
+from .placeholders import CloudGrad, CloudTensor
+
+log = logging.getLogger(__name__)
+
+
+class CloudHalf:
+    """The cloud half's tensors as the edge tracks them.
+
+    Args:
+        queue: puts an operation on the next message (:meth:`EdgeSession.queue`).
+        fetch_norms: asks the cloud for the ``norm_type`` norm of each of its parameters'
+            gradients, in ``order``; None where it has none (one round trip).
+        order: the cloud half's parameter names, in the order the cloud answers norms.
+    """
+
+    def __init__(self, queue: Callable[[dict], None], fetch_norms: Callable[[float], list[float | None]],
+                 order: list[str]) -> None:
+        self._queue = queue
+        self._fetch_norms = fetch_norms
+        self.order = order
+        self.params: dict[str, CloudTensor] = {}
+        self.has_grad: set[str] = set()
+        self.unreached: frozenset[str] = frozenset()  # trainable, but the last reported graph gave no gradient
+        self._grads: dict[str, CloudGrad] = {}
+        self._norms: dict[float, dict[str, torch.Tensor]] = {}
+        self.hidden = False  # a mirrored optimizer is stepping: the cloud steps its own parameters
+        self.device = torch.device("cpu")  # where the edge's tensors (and so the gradients' handles) are
+        self.before_fetch: Callable[[], None] = lambda: None
+
+    # ------------------------------------------------------------ gradients
+
+    def grad_of(self, name: str) -> CloudGrad | None:
+        if self.hidden or name not in self.has_grad:
+            return None
+        grad = self._grads.get(name)
+        if grad is None or grad.device != self.device:
+            grad = self._grads[name] = CloudGrad(self.params[name], name, self, self.device)
+        return grad
+
+    def clear_grad(self, name: str) -> None:
+        """``p.grad = None``: the cloud clears it too (``zero_grad()``, by the optimizer or the model)."""
+        if name in self.has_grad:
+            self.has_grad.discard(name)
+            self._grads.pop(name, None)
+            self._changed()
+            self._queue(to_wire(ZeroGrad(set_to_none=True, names=[name])))
+
+    def refuse_grad(self, name: str, value: Any) -> None:
+        raise PlaceholderError(f"assigning a tensor to p.grad of cloud parameter {name!r}: its gradient lives in the "
+                               "cloud, which computes it from the backward. Set p.grad = None to clear it")
+
+    def backward_reached(self, trainable: Iterable[str], unreached: Iterable[str] | None) -> None:
+        """A backward reached the cut: the cloud's parameters that required a gradient at the
+        forward have one now, but those the cloud said its graph did not reach."""
+        if unreached is not None:
+            self.unreached = frozenset(unreached)
+        self.has_grad.update(n for n in trainable if n not in self.unreached)
+        self._changed()
+
+    def grad_norms(self, names: list[str], norm_type: float) -> list[torch.Tensor]:
+        """The ``norm_type`` norm of each named gradient, as the cloud computed it (bitwise)."""
+        norms = self._norms.get(norm_type)
+        if norms is None or any(n not in norms for n in names):
+            self.before_fetch()
+            fetched = self._fetch_norms(norm_type)
+            norms = self._norms[norm_type] = {}
+            for name, norm in zip(self.order, fetched):
+                if norm is not None:
+                    norms[name] = torch.tensor(norm, dtype=self.params[name].dtype, device=self.device)
+            missing = [n for n in names if n not in norms]
+            if missing:
+                raise PlaceholderError(f"the cloud has no gradient for {missing[:3]}, which the edge expected after "
+                                       "the last backward; the session's record of gradients is out of step")
+        return [norms[n] for n in names]
+
+    def change_grads(self, names: list[str], kind: str, value: Any) -> None:
+        """In-place changes of cloud gradients (``mul_``, ``div_``, ``clamp_``..., ``zero_``), in the cloud."""
+        self._changed()
+        if kind in ("mul", "div"):
+            self._queue(to_wire(ScaleGrads(factor=float(value), names=list(names), divide=kind == "div")))
+        elif kind == "zero":
+            self._queue(to_wire(ZeroGrad(set_to_none=False, names=list(names))))
+        else:
+            low, high = value
+            self._queue(to_wire(ClampGrads(low=low, high=high, names=list(names))))
+
+    def _changed(self) -> None:
+        self._norms.clear()
+
+    # ------------------------------------------------------------ values
+
+    def push_values(self, name: str, value: torch.Tensor) -> None:
+        """New values for a cloud parameter or buffer (``copy_``, ``zero_``, ``fill_`` on its placeholder)."""
+        if value.dtype == torch.bfloat16:  # numpy has no bfloat16; the cloud casts it back exactly
+            value = value.float()
+        array: np.ndarray = value.contiguous().numpy()
+        self._queue(to_wire(LoadWeights(weights={name: array}, partial=True)))
+
+
+__all__ = ["CloudHalf"]

@@ -1,0 +1,376 @@
+"""The cloud half's tensors as the edge sees them: every operation reaches the cloud or raises.
+
+After :func:`splitft.split` the cloud half's parameters and buffers are :class:`CloudTensor`
+placeholders: tensors with the shape, dtype and ``requires_grad`` of the originals but no values
+(those live in the cloud), reported on the ``meta`` device. Their gradients are
+:class:`CloudGrad` handles, reported on the edge's device so torch groups them with the edge's
+gradients in parameter order. Both are tensor subclasses that own every torch operation on them,
+as ``DTensor`` and ``FakeTensor`` own theirs: what the cloud can mirror is routed to it
+(:class:`Remote`), what reads no values (shape, dtype, ``requires_grad``) answers here, and
+anything else raises a :class:`~splitft.errors.PlaceholderError` naming the fix. So a script's
+unforeseen use of a cloud tensor can never be a silent no-op.
+
+What is mirrored:
+
+* on a parameter or buffer: ``copy_(tensor)``, ``zero_()``, ``fill_(value)`` push the new values
+  to the cloud (``load_state_dict`` of a submodule, ``reset_running_stats``, ``nn.init.zeros_``);
+  ``requires_grad_`` is sent with the next forward;
+* ``p.grad`` is the cloud's gradient: ``None`` exactly when the cloud's is; assigning ``None``
+  clears the cloud's; its norm (``torch.linalg.vector_norm``, ``Tensor.norm``, ``_foreach_norm``)
+  is fetched from the cloud; ``mul_``, ``div_``, ``clamp_``, ``zero_`` and torch's foreach and
+  loss-scaling kernels over it are applied there. Torch's own ``clip_grad_norm_``,
+  ``clip_grad_value_`` and ``GradScaler`` therefore act on both halves, however they were imported.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from ..errors import PlaceholderError
+
+Tensor = torch.Tensor
+
+
+class Remote(Protocol):
+    """What the placeholders need from the edge's handle on the cloud half (:class:`~.cloud_half.CloudHalf`)."""
+
+    def grad_of(self, name: str) -> CloudGrad | None: ...
+    def clear_grad(self, name: str) -> None: ...
+    def grad_norms(self, names: list[str], norm_type: float) -> list[Tensor]: ...
+    def change_grads(self, names: list[str], kind: str, value: Any) -> None: ...
+    def push_values(self, name: str, value: Tensor) -> None: ...
+    def refuse_grad(self, name: str, value: Any) -> None: ...
+
+
+class RemoteTensor(Tensor):
+    """A tensor without values here: the base of :class:`CloudTensor` and :class:`CloudGrad`."""
+
+    _splitft_name: str
+    _splitft_remote: Remote
+
+    @staticmethod
+    def _make(cls: type, like: Tensor, name: str, remote: Remote, device: torch.device | str,
+              requires_grad: bool) -> Any:
+        made = Tensor._make_wrapper_subclass(cls, like.shape, strides=like.stride(), dtype=like.dtype,
+                                             device=device, requires_grad=requires_grad)
+        made._splitft_name = name
+        made._splitft_remote = remote
+        return made
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return (f"{type(self).__name__}({self._splitft_name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+                "values in the cloud)")
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise PlaceholderError(f"copying {self._what()}: its values live in the cloud. Copy the model before "
+                               "split(), or fetch the whole model's weights with model.state_dict()")
+
+    def __reduce_ex__(self, proto: Any) -> Any:
+        raise PlaceholderError(f"saving {self._what()}: its values live in the cloud. Save model.state_dict() "
+                               "(it fetches the cloud half) or use model.save_checkpoint(path)")
+
+    def _what(self) -> str:
+        return f"cloud parameter {self._splitft_name!r}"
+
+    @classmethod
+    def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        remote = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, RemoteTensor)]
+        self = args[0] if args else None
+        if isinstance(self, CloudGrad) or (isinstance(self, list) and any(isinstance(t, CloudGrad) for t in self)):
+            handler = _GRAD_OPS.get(func)
+            if handler is not None and all(isinstance(t, CloudGrad) for t in remote):
+                return handler(*args, **kwargs)
+        elif isinstance(self, CloudTensor) and len(remote) == 1:
+            handler = _VALUE_OPS.get(func)
+            if handler is not None:
+                return handler(*args, **kwargs)
+        raise PlaceholderError(_refusal(func, remote[0] if remote else self))
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        # Reached only past __torch_function__ (torch internals that disable it): refuse all the same.
+        remote = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, RemoteTensor)]
+        raise PlaceholderError(_refusal(func, remote[0] if remote else None))
+
+
+class CloudTensor(RemoteTensor):
+    """A parameter or buffer of the cloud half, without its values.
+
+    ``isinstance(p, nn.Parameter)`` holds for the parameters' (``_is_param``), so modules keep
+    them registered where the originals were.
+    """
+
+    @staticmethod
+    def __new__(cls, like: Tensor, name: str, remote: Remote) -> CloudTensor:
+        made = RemoteTensor._make(cls, like, name, remote, "meta", like.requires_grad)
+        if isinstance(like, torch.nn.Parameter):
+            made._is_param = True
+        return made
+
+    def alias(self) -> CloudTensor:
+        """``p.data`` / ``p.detach()``: the same cloud tensor, not a parameter, no gradient."""
+        made = RemoteTensor._make(CloudTensor, self, self._splitft_name, self._splitft_remote, "meta", False)
+        return made
+
+    @property  # type: ignore[override]
+    def grad(self) -> CloudGrad | None:
+        return self._splitft_remote.grad_of(self._splitft_name)
+
+    @grad.setter
+    def grad(self, value: Any) -> None:
+        if value is None:
+            self._splitft_remote.clear_grad(self._splitft_name)
+        else:
+            self._splitft_remote.refuse_grad(self._splitft_name, value)
+
+
+class CloudGrad(RemoteTensor):
+    """The gradient of a cloud parameter, as ``p.grad`` shows it: its values stay in the cloud."""
+
+    @staticmethod
+    def __new__(cls, param: Tensor, name: str, remote: Remote, device: torch.device) -> CloudGrad:
+        return RemoteTensor._make(cls, param, name, remote, device, False)
+
+    def _what(self) -> str:
+        return f"the gradient of cloud parameter {self._splitft_name!r}"
+
+
+# ---------------------------------------------------------------- what reads no values
+
+_PROPERTIES = ("shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "ndim", "layout", "names",
+               "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_sparse_csr", "is_quantized", "is_mkldnn", "is_nested",
+               "is_xpu", "is_mps", "is_mtia", "is_xla", "is_ipu", "is_vulkan", "is_maia", "itemsize", "nbytes",
+               "output_nr", "_version", "_is_view", "is_complex", "is_floating_point", "is_signed", "dim", "ndimension",
+               "size", "numel", "nelement", "element_size", "get_device", "is_contiguous", "stride", "storage_offset",
+               "__len__", "__hash__", "__format__", "__dir__", "requires_grad_", "is_inference", "has_names",
+               "_is_zerotensor", "is_conj", "is_neg", "_grad_fn")
+
+
+def _metadata() -> set[Any]:
+    found: set[Any] = set()
+    for name in _PROPERTIES:
+        attribute = torch.Tensor.__dict__.get(name) or getattr(torch._C.TensorBase, name, None)
+        if attribute is None:
+            continue
+        found.add(attribute.__get__ if hasattr(attribute, "__set__") else attribute)
+        if name == "requires_grad":
+            found.add(attribute.__set__)
+    return found
+
+
+#: Operations that read no values: answered here, from the placeholder's own shape and dtype.
+#: ``requires_grad_`` is among them: the edge sends the cloud half's frozen set with each forward.
+_METADATA = _metadata()
+
+
+# ---------------------------------------------------------------- a parameter's or buffer's values
+
+
+def _values_like(target: CloudTensor, fill: Callable[[Tensor], Any]) -> Tensor:
+    if torch.is_grad_enabled() and target.requires_grad:
+        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+    value = torch.empty(target.shape, dtype=target.dtype)
+    fill(value)
+    target._splitft_remote.push_values(target._splitft_name, value)
+    return target
+
+
+def _copy(target: CloudTensor, source: Tensor, non_blocking: bool = False) -> CloudTensor:
+    return _values_like(target, lambda value: value.copy_(source.detach().to("cpu")))
+
+
+def _fill(target: CloudTensor, number: Any) -> CloudTensor:
+    return _values_like(target, lambda value: value.fill_(number))
+
+
+def _zero(target: CloudTensor) -> CloudTensor:
+    return _values_like(target, lambda value: value.zero_())
+
+
+_VALUE_OPS: dict[Any, Callable[..., Any]] = {
+    Tensor.copy_: _copy, Tensor.fill_: _fill, Tensor.zero_: _zero,
+    Tensor.detach: CloudTensor.alias, Tensor.data.__get__: CloudTensor.alias,
+}
+
+
+# ---------------------------------------------------------------- a cloud gradient
+
+
+def _split(tensors: list[Tensor]) -> tuple[list[int], list[Tensor], list[CloudGrad]]:
+    """Indexes of the cloud gradients in ``tensors``, the edge's tensors, the cloud gradients."""
+    cloud = [i for i, t in enumerate(tensors) if isinstance(t, CloudGrad)]
+    at = set(cloud)
+    return cloud, [t for i, t in enumerate(tensors) if i not in at], [tensors[i] for i in cloud]
+
+
+def _names(grads: list[CloudGrad]) -> list[str]:
+    return [g._splitft_name for g in grads]
+
+
+def _remote_of(grads: list[CloudGrad]) -> Remote:
+    owners = {id(g._splitft_remote): g._splitft_remote for g in grads}
+    if len(owners) > 1:
+        raise PlaceholderError("one operation over the gradients of several split models; call it once per model")
+    return next(iter(owners.values()))
+
+
+def _norm_type(value: Any) -> float:
+    if value is None or value == "fro":
+        return 2.0
+    if isinstance(value, Tensor):
+        value = value.item()
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise PlaceholderError(f"a norm of type {value!r} of a cloud gradient is not mirrored; use a number or inf")
+    return float(value)
+
+
+def _whole(what: str, dim: Any, keepdim: bool, dtype: Any) -> None:
+    if dim is not None or keepdim or dtype is not None:
+        raise PlaceholderError(f"{what} of a cloud gradient is mirrored for the whole tensor only (no dim, keepdim "
+                               "or dtype)")
+
+
+def _vector_norm(grad: CloudGrad, ord: Any = 2, dim: Any = None, keepdim: bool = False, *, dtype: Any = None,
+                 out: Any = None) -> Tensor:
+    _whole("torch.linalg.vector_norm", dim, keepdim, dtype)
+    return grad._splitft_remote.grad_norms([grad._splitft_name], _norm_type(ord))[0]
+
+
+def _norm(grad: CloudGrad, p: Any = "fro", dim: Any = None, keepdim: bool = False, dtype: Any = None, out: Any = None) -> Tensor:
+    _whole("norm", dim, keepdim, dtype)
+    return grad._splitft_remote.grad_norms([grad._splitft_name], _norm_type(p))[0]
+
+
+def _foreach_norm(tensors: list[Tensor], ord: Any = 2, dtype: Any = None) -> tuple[Tensor, ...]:
+    if dtype is not None:
+        raise PlaceholderError("torch._foreach_norm over cloud gradients is mirrored without dtype=")
+    at, edge, cloud = _split(list(tensors))
+    norms = list(torch._foreach_norm(edge, ord)) if edge else []
+    fetched = _remote_of(cloud).grad_norms(_names(cloud), _norm_type(ord))
+    return tuple(_merge(len(tensors), at, norms, fetched))
+
+
+def _merge(count: int, at: list[int], edge: list[Any], cloud: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    cloud_iter, edge_iter, wanted = iter(cloud), iter(edge), set(at)
+    for i in range(count):
+        out.append(next(cloud_iter) if i in wanted else next(edge_iter))
+    return out
+
+
+def _number(value: Any, what: str) -> float:
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise PlaceholderError(f"{what} of a cloud gradient by a tensor is mirrored for a single number only")
+        value = value.item()
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise PlaceholderError(f"{what} of a cloud gradient by {value!r} is not mirrored; use a number")
+    return float(value)
+
+
+def _change(kind: str, value_of: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The in-place method and the foreach kernel that change gradients the same way in the cloud."""
+
+    def method(grad: CloudGrad, *args: Any, **kwargs: Any) -> CloudGrad:
+        grad._splitft_remote.change_grads([grad._splitft_name], kind, value_of(*args, **kwargs))
+        return grad
+
+    def foreach(tensors: list[Tensor], *args: Any, **kwargs: Any) -> None:
+        _at, edge, cloud = _split(list(tensors))
+        if edge:
+            getattr(torch, f"_foreach_{kind}_")(edge, *args, **kwargs)
+        _remote_of(cloud).change_grads(_names(cloud), kind, value_of(*args, **kwargs))
+
+    return method, foreach
+
+
+def _scalar(what: str) -> Callable[..., float]:
+    def value(other: Any = None, *, alpha: Any = None, rounding_mode: Any = None) -> float:
+        if alpha is not None or rounding_mode is not None:
+            raise PlaceholderError(f"{what} of a cloud gradient is mirrored without alpha= or rounding_mode=")
+        return _number(other, what)
+    return value
+
+
+def _bounds(min: Any = None, max: Any = None) -> tuple[float | None, float | None]:
+    low = None if min is None else _number(min, "clamp")
+    high = None if max is None else _number(max, "clamp")
+    return low, high
+
+
+def _low(scalar: Any) -> tuple[float | None, float | None]:
+    return _number(scalar, "clamp_min"), None
+
+
+def _high(scalar: Any) -> tuple[float | None, float | None]:
+    return None, _number(scalar, "clamp_max")
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+_MUL, _FOREACH_MUL = _change("mul", _scalar("mul_"))
+_DIV, _FOREACH_DIV = _change("div", _scalar("div_"))
+_CLAMP = _change("clamp", _bounds)[0]
+_CLAMP_MIN, _FOREACH_CLAMP_MIN = _change("clamp_min", _low)
+_CLAMP_MAX, _FOREACH_CLAMP_MAX = _change("clamp_max", _high)
+_ZERO, _FOREACH_ZERO = _change("zero", _nothing)
+
+
+def _unscale(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+    """``GradScaler.unscale_``: the cloud's gradients are checked for inf/NaN, then multiplied too."""
+    _at, edge, cloud = _split(list(grads))
+    if edge:
+        torch._amp_foreach_non_finite_check_and_unscale_(edge, found_inf, inv_scale)
+    remote = _remote_of(cloud)
+    names = _names(cloud)
+    if not all(math.isfinite(float(n)) for n in remote.grad_norms(names, math.inf)):
+        found_inf.fill_(1.0)
+    remote.change_grads(names, "mul", float(inv_scale))
+
+
+def _same(grad: CloudGrad, *args: Any, **kwargs: Any) -> CloudGrad:
+    """``detach()``, ``.data``, ``requires_grad_(False)``: a gradient is already all of these."""
+    return grad
+
+
+_GRAD_OPS: dict[Any, Callable[..., Any]] = {
+    torch.linalg.vector_norm: _vector_norm, Tensor.norm: _norm, torch.norm: _norm,
+    torch._foreach_norm: _foreach_norm,
+    Tensor.mul_: _MUL, Tensor.div_: _DIV, torch._foreach_mul_: _FOREACH_MUL, torch._foreach_div_: _FOREACH_DIV,
+    Tensor.clamp_: _CLAMP, Tensor.clip_: _CLAMP, Tensor.clamp_min_: _CLAMP_MIN, Tensor.clamp_max_: _CLAMP_MAX,
+    torch._foreach_clamp_min_: _FOREACH_CLAMP_MIN, torch._foreach_clamp_max_: _FOREACH_CLAMP_MAX,
+    Tensor.zero_: _ZERO, torch._foreach_zero_: _FOREACH_ZERO,
+    torch._amp_foreach_non_finite_check_and_unscale_: _unscale,
+    Tensor.detach: _same, Tensor.detach_: _same, Tensor.data.__get__: _same,
+}
+
+#: Every torch function that reaches the cloud rather than raising, by the kind of tensor it takes.
+MIRRORED: dict[str, frozenset[Any]] = {"values": frozenset(_VALUE_OPS), "gradients": frozenset(_GRAD_OPS)}
+
+
+def _refusal(func: Any, tensor: Any) -> str:
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or str(func)
+    if name.endswith("__get__") or name.endswith("__set__"):
+        name = f"{getattr(func, '__self__', func)!s}"
+    what = tensor._what() if isinstance(tensor, RemoteTensor) else "a cloud tensor"
+    if isinstance(tensor, CloudGrad):
+        return (f"{name} on {what}: the gradient lives in the cloud, and only these reach it there: its norm "
+                "(torch.linalg.vector_norm, .norm(), clip_grad_norm_), mul_, div_, clamp_, zero_, and "
+                "setting p.grad = None (zero_grad). Clip with torch.nn.utils.clip_grad_norm_ / clip_grad_value_")
+    return (f"{name} on {what}: its values live in the cloud, so this would compute on nothing (split "
+            "training would silently differ from the unsplit model). Do it before split(); read the weights "
+            "with model.state_dict(); set them with model.load_state_dict(...) or p.copy_(tensor)")
+
+
+__all__ = ["CloudGrad", "CloudTensor", "MIRRORED", "Remote", "RemoteTensor"]

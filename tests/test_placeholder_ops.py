@@ -1,0 +1,211 @@
+"""Every torch operation on a cloud placeholder reaches the cloud or raises: none silently succeeds.
+
+Torch's own lists of operations drive this, so an operation torch adds later is covered the day
+it appears: every function that tensor subclasses can override
+(``torch.overrides.get_testing_overrides``, called with arguments of the types its schema names)
+and every operator of the OpInfo database (called on its own sample inputs), each applied to a
+cloud parameter's placeholder, a cloud gradient's handle and an inner trunk output. Each call
+must raise a splitft error, unless the function is in a written list: what reads no values
+(shape, dtype, ``requires_grad``...) or what is mirrored to the cloud.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from splitft.edge.cloud_half import CloudHalf
+from splitft.edge.placeholders import MIRRORED, CloudGrad, CloudTensor, RemoteTensor
+from splitft.errors import CutError, PlaceholderError
+from splitft.intermediate import TrunkIntermediate
+
+pytest.importorskip("expecttest")  # torch.testing._internal needs it (the test extra installs it)
+from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
+from torch.testing._internal.generated.annotated_fn_args import annotated_args  # noqa: E402
+
+#: What may answer without the cloud: it reads the shape, dtype, device or flags, never a value.
+METADATA = {"shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "ndim", "layout", "names", "is_cuda",
+            "is_cpu", "is_meta", "is_sparse", "is_sparse_csr", "is_quantized", "is_mkldnn", "is_nested", "is_xpu",
+            "is_mps", "is_mtia", "is_xla", "is_ipu", "is_vulkan", "is_maia", "itemsize", "nbytes", "output_nr",
+            "_version", "_is_view", "is_complex", "is_floating_point", "is_signed", "dim", "ndimension", "size",
+            "numel", "nelement", "element_size", "get_device", "is_contiguous", "stride", "storage_offset",
+            "__len__", "__hash__", "__format__", "__dir__", "requires_grad_", "is_inference", "has_names",
+            "_is_zerotensor", "is_conj", "is_neg", "__repr__", "_grad_fn"}
+
+
+class ReachedTheCloud(BaseException):
+    """An operation of the walk reached the cloud half: none may (mirrored ones are left out)."""
+
+
+class _NoCloud(CloudHalf):
+    """A cloud half whose every operation fails the test: nothing in the walk may reach it."""
+
+    def __init__(self) -> None:
+        super().__init__(self._reached, self._reached, [])
+
+    def _reached(self, *args: Any) -> Any:
+        raise ReachedTheCloud(args)
+
+
+REMOTE = _NoCloud()
+
+
+def _placeholder(like: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "parameter":
+        return CloudTensor(torch.nn.Parameter(like.detach().float(), requires_grad=True), "block.weight", REMOTE)
+    if kind == "gradient":
+        return CloudGrad(like.detach().float(), "block.weight", REMOTE, torch.device("cpu"))
+    return TrunkIntermediate(like.detach().float(), "block.1", ["block.0", "block.1", "block.2"])
+
+
+KINDS = ["parameter", "gradient", "inner trunk output"]
+REFUSALS = (PlaceholderError, CutError)
+
+
+def _name(func: Any) -> str:
+    """``add_``, ``linalg.vector_norm``, ``grad.__get__`` (a property's getter)."""
+    owner = getattr(func, "__self__", None)
+    if owner is not None and not isinstance(owner, type) and hasattr(owner, "__objclass__"):
+        return f"{owner.__name__}.{func.__name__}"
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    return name.removeprefix("TensorBase.").removeprefix("Tensor.")
+
+
+def _allowed(func: Any, kind: str) -> bool:
+    """In the written lists: reads no values, or (parameter, gradient) is mirrored to the cloud."""
+    name = _name(func)
+    if name.removesuffix(".__get__").removesuffix(".__set__").split(".")[-1] in METADATA:
+        return True
+    mirrored = MIRRORED["values"] if kind == "parameter" else MIRRORED["gradients"] if kind == "gradient" else set()
+    return func in mirrored
+
+
+_VALUES: dict[str, Callable[[torch.Tensor], Any]] = {
+    "Tensor": lambda t: torch.ones_like(t), "Tensor?": lambda t: None, "TensorList": lambda t: [torch.ones_like(t)],
+    "int64_t": lambda t: 0, "SymInt": lambda t: 1, "int64_t?": lambda t: None, "bool": lambda t: False,
+    "bool?": lambda t: None, "double": lambda t: 1.0, "double?": lambda t: None, "Scalar": lambda t: 1,
+    "Scalar?": lambda t: None, "IntArrayRef": lambda t: [1], "SymIntArrayRef": lambda t: list(t.shape),
+    "IntArrayRef?": lambda t: None, "ScalarType": lambda t: torch.float32, "ScalarType?": lambda t: None,
+    "c10::string_view": lambda t: "none", "c10::string_view?": lambda t: None, "ScalarList": lambda t: [1.0],
+    "Generator?": lambda t: None, "Layout": lambda t: torch.strided, "Device": lambda t: torch.device("cpu"),
+    "DeviceIndex": lambda t: 0, "ArrayRef<double>?": lambda t: None,
+    "c10::List<::std::optional<Tensor>>": lambda t: [None],
+}
+
+
+def _arguments(func: Any, target: torch.Tensor, like: torch.Tensor) -> tuple[list, dict] | None:
+    """Arguments of the types ``func``'s schema names, ``target`` first (in a list for a TensorList)."""
+    schema = annotated_args.get(func)
+    if schema is not None:
+        args: list = []
+        kwargs: dict = {}
+        for i, arg in enumerate(schema):
+            kind = arg["simple_type"]
+            maker = _VALUES.get(kind)
+            if maker is None:
+                return None
+            value = (target if kind.startswith("Tensor") and kind != "TensorList" else [target]) if i == 0 else maker(like)
+            if arg.get("is_kwarg_only") == "True":
+                kwargs[arg["name"]] = value
+            else:
+                args.append(value)
+        return args, kwargs
+    override = torch.overrides.get_testing_overrides().get(func)
+    if override is None:
+        return None
+    params = [p for p in inspect.signature(override).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    return [target] + [torch.ones_like(like) for _ in params[1:]], {}
+
+
+def _outcome(call: Callable[[], Any]) -> str:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            call()
+    except REFUSALS:
+        return "refused"
+    except Exception:  # noqa: BLE001 — torch refused the arguments before the placeholder saw the call
+        return "not called"
+    return "returned"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_no_overridable_torch_function_silently_succeeds_on_a_cloud_tensor(kind):
+    like = torch.ones(2, 3)
+    returned, refused, total = [], 0, 0
+    for func in torch.overrides.get_testing_overrides():
+        if kind != "inner trunk output" and func in MIRRORED["values" if kind == "parameter" else "gradients"]:
+            continue  # mirrored: reaches the cloud (tested with a real cloud in test_script_corpus)
+        built = _arguments(func, _placeholder(like, kind), like)
+        if built is None:
+            continue
+        total += 1
+        outcome = _outcome(lambda: func(*built[0], **built[1]))
+        refused += outcome == "refused"
+        if outcome == "returned" and not _allowed(func, kind):
+            returned.append(_name(func))
+    assert not returned, f"these succeeded silently on a cloud {kind}: {sorted(returned)}"
+    assert total > 1000 and refused > 0.6 * total, (refused, total)  # most calls really reached the placeholder
+
+
+def _op_calls(op: Any) -> list[tuple[str, Callable[..., Any]]]:
+    variants = [("function", op.op), ("method", op.method_variant), ("inplace", op.inplace_variant)]
+    return [(name, f) for name, f in variants if f is not None]
+
+
+@pytest.fixture(scope="module")
+def op_samples() -> list[tuple[Any, Any]]:
+    """(operator, its first float32 sample input on the CPU) for each OpInfo with a dense tensor input."""
+    found = []
+    for op in op_db:
+        try:
+            sample = next(iter(op.sample_inputs("cpu", torch.float32)), None)
+        except Exception:  # noqa: BLE001 — an operator without float32 samples on this build
+            continue
+        if (sample is not None and isinstance(sample.input, torch.Tensor) and sample.input.is_floating_point()
+                and sample.input.layout == torch.strided):
+            found.append((op, sample))
+    return found
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_opinfo_operator_on_a_cloud_tensor_raises_a_splitft_error(kind, op_samples):
+    returned, refused = [], 0
+    for op, sample in op_samples:
+        for variant, call in _op_calls(op):
+            if _allowed(call, kind):
+                continue  # mirrored, or reads no values
+            target = _placeholder(sample.input, kind)
+            outcome = _outcome(lambda: call(target, *sample.args, **sample.kwargs))
+            refused += outcome == "refused"
+            if outcome == "returned":
+                returned.append(f"{op.name} ({variant})")
+    assert not returned, f"these succeeded silently on a cloud {kind}: {sorted(returned)}"
+    assert refused > 500, refused
+
+
+def test_a_refusal_names_the_tensor_and_the_fix():
+    weight = _placeholder(torch.ones(2, 3), "parameter")
+    with pytest.raises(PlaceholderError, match=r"cloud parameter 'block.weight'.*before split\(\)"):
+        torch.nn.init.xavier_uniform_(weight)
+    grad = _placeholder(torch.ones(2, 3), "gradient")
+    with pytest.raises(PlaceholderError, match=r"gradient of cloud parameter 'block.weight'.*clip_grad_norm_"):
+        grad.add_(1.0)
+    inner = _placeholder(torch.ones(2, 3), "inner trunk output")
+    with pytest.raises(CutError, match=r"output of 'block.1', an inner module of the trunk 'block.0'..'block.2'"):
+        torch.relu(inner)
+
+
+def test_a_placeholder_is_a_parameter_of_the_right_shape_on_the_meta_device():
+    weight = _placeholder(torch.ones(2, 3), "parameter")
+    assert isinstance(weight, torch.nn.Parameter) and isinstance(weight, RemoteTensor)
+    assert weight.shape == (2, 3) and weight.dtype == torch.float32 and weight.is_meta and weight.requires_grad
+    assert math.prod(weight.shape) == weight.numel() == 6
+    assert "values in the cloud" in repr(weight)
