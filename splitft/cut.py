@@ -224,6 +224,22 @@ def fingerprint(chain: Chain) -> str:
     return digest.hexdigest()[:16]
 
 
+def structure(chain: Chain) -> dict[str, str]:
+    """A hash of each cloud module's ``repr``: its layers and their settings (a dropout's ``p``,
+    a norm's ``eps``), which the parameter fingerprint does not see, by the module's name."""
+    return {name: hashlib.sha256(repr(stage).encode()).hexdigest()[:16] for name, stage in zip(chain.names, chain.stages)}
+
+
+def check_structure(chain: Chain, theirs: dict) -> None:
+    """Refuse a cloud half whose modules differ from the ones the edge cut (``theirs``: its :func:`structure`)."""
+    for name, digest in structure(chain).items():
+        if theirs.get(name) != digest:
+            shown = repr(chain.stages[chain.names.index(name)])
+            raise CutError(f"the cloud's {name!r} differs from the edge's model (a layer replaced or a setting such "
+                           f"as a dropout's p changed on one side): the cloud builds {shown[:400]}. Make the same "
+                           "change in the cloud's factory, or leave the model as the factory builds it")
+
+
 def value_hash(chain: Chain) -> str:
     """Hash of the cloud part's values: do both sides start from the same weights?"""
     digest = hashlib.sha256()
@@ -542,7 +558,49 @@ def ghost(module: nn.Module, standin: nn.Module, *, never_run: tuple[str, ...] =
         where = f"{standin_name(module)}.{key}" if key else standin_name(module)
         sub.__dict__.update({hook: _refused_hook(where, hook) for hook in (_HOOKS if key else never_run)})
         sub.__dict__["_load_from_state_dict"] = _quiet_load(sub._load_from_state_dict)
+        sub.__dict__["_splitft_where"] = where
+        sub.__class__ = ghost_class(type(sub))
     return module
+
+
+def ghost_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """``cls`` for a ghost: the same name and behaviour, but changing its attributes or children
+    (``m.p = 0.0``, a layer replaced by a module walk, PEFT injecting adapters) raises, since the
+    cloud's module would not change with it; and it is called plainly (a layer that checkpoints
+    itself leaves that to the cloud, which computes the same values either way)."""
+    if issubclass(cls, _Ghost):
+        return cls
+    made = _GHOST_CLASSES.get(cls)
+    if made is None:
+        made = _GHOST_CLASSES[cls] = type(cls.__name__, (_Ghost, cls), {"__module__": cls.__module__,
+                                                                       "__qualname__": cls.__qualname__})
+    return made
+
+
+class _Ghost(nn.Module):
+    """The mixin of :func:`ghost_class`."""
+
+    __call__ = nn.Module.__call__
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _SETTABLE or (name.startswith("_") and name not in ("_parameters", "_buffers", "_modules")):
+            super().__setattr__(name, value)
+            return
+        raise CutError(f"setting {name!r} of {self.__dict__.get('_splitft_where', '?')!r}: that module runs in the "
+                       "cloud, built by the factory, and would not change with it (split training would silently "
+                       "differ). Change the model before split(), and the cloud's factory the same way")
+
+    def __delattr__(self, name: str) -> None:
+        if name.startswith("_"):
+            super().__delattr__(name)
+            return
+        self.__setattr__(name, None)  # refused like a change
+
+
+#: What a script may set on a ghost: its mode (mirrored with each forward) and the flags with which
+#: ``gradient_checkpointing_enable()`` marks every layer (the cloud's computes the same values).
+_SETTABLE = {"training", "gradient_checkpointing"}
+_GHOST_CLASSES: dict[type, type] = {}
 
 
 def _quiet_load(load: Callable[..., Any]) -> Callable[..., Any]:
@@ -557,7 +615,8 @@ def _quiet_load(load: Callable[..., Any]) -> Callable[..., Any]:
 
 _HOOKS = ("register_forward_pre_hook", "register_forward_hook", "register_full_backward_hook",
           "register_full_backward_pre_hook", "register_backward_hook")
-_GHOST_ATTRIBUTES = ("forward", "_apply", "extra_repr", "_splitft_standin", "_load_from_state_dict", *_HOOKS)
+_GHOST_ATTRIBUTES = ("forward", "_apply", "extra_repr", "_splitft_standin", "_load_from_state_dict", "_splitft_where",
+                     *_HOOKS)
 
 
 def _refused_hook(where: str, hook: str) -> Callable[..., Any]:
@@ -594,6 +653,8 @@ def uninstall(model: nn.Module, chain: Chain) -> nn.Module:
         for sub in _module(model, name).modules():
             for attribute in _GHOST_ATTRIBUTES:
                 sub.__dict__.pop(attribute, None)
+            if isinstance(sub, _Ghost):
+                sub.__class__ = sub.__class__.__mro__[2]  # the model's own class, behind _Ghost
     return model
 
 

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from .budget import MODEL_STATE_FACTOR
-from .cut import Chain, extract, fingerprint, parse_cut
-from .errors import CapacityError, ConfigError, HandshakeError
+from .cut import Chain, check_structure, extract, fingerprint, parse_cut
+from .errors import CapacityError, ConfigError, CutError, HandshakeError
 from .limits import Limits
 
 if TYPE_CHECKING:
@@ -101,6 +101,11 @@ def build_chain(hello: Hello, factories: dict[str, Callable[..., nn.Module]], li
             f"(parameter names/shapes fingerprint {hello.fingerprint} vs {mine}); "
             "both sides must build the same architecture (same factory arguments, same code version)"
         )
+    if hello.structure:
+        try:
+            check_structure(chain, hello.structure)
+        except CutError as exc:
+            raise HandshakeError(str(exc)) from None
     return chain, spec.ushape
 
 

@@ -64,6 +64,8 @@ class Hello(Message):
     resume: dict | None = None
     #: Random per split(): a repeated hello (same nonce) gets the same session, not a fresh one.
     nonce: str = ""
+    #: A hash of each cloud module's layers and settings, by name (see splitft.cut.structure).
+    structure: dict = field(default_factory=dict)
 
 
 @dataclass

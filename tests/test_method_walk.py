@@ -79,7 +79,7 @@ def test_a_refused_module_method_raises_naming_the_fix_and_changes_nothing(split
         MODULE_REFUSED[name](model)
     assert len(str(caught.value)) > 40  # says what to do instead
     assert {n: (p.dtype, p.device) for n, p in model.named_parameters()} == before
-    assert type(model.model[2]) is nn.Linear and model.model[2].weight.is_meta
+    assert isinstance(model.model[2], nn.Linear) and model.model[2].weight.is_meta
 
 
 def test_views_report_the_unsplit_model_with_the_cloud_half_as_placeholders(split_mlp):

@@ -13,7 +13,7 @@ from torch import nn
 import transports
 
 from .. import protocol
-from ..cut import CutSpec, cut_text, extract, fingerprint, install, parse_cut, value_hash
+from ..cut import CutSpec, cut_text, extract, fingerprint, install, parse_cut, structure, value_hash
 from ..devices import resolve_device
 from ..errors import ConfigError, translated
 from ..options import Codecs, Factory, Faults, Link, Opener, Schedule
@@ -121,7 +121,7 @@ def hello_for(model: nn.Module, spec: CutSpec, factory: Factory, codecs: Codecs,
         seed=codecs.seed, value_hash=value_hash(chain) if push and factory.weights == "factory" else None,
         weights={k: v.detach().cpu().numpy() for k, v in chain.qualified_state_dict().items()}
         if push and factory.weights == "push" else None,
-        client="splitft", nonce=secrets.token_hex(8),
+        client="splitft", nonce=secrets.token_hex(8), structure=structure(chain),
     )
 
 
