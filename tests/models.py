@@ -110,3 +110,43 @@ def mlp_batchnorm(seed: int = 0) -> nn.Sequential:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Linear(16, 3))
+
+
+class DeepSupervised(nn.Module):
+    """An auxiliary head reads the output of ``l2``, the first of the two layers ``l2``, ``l3``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(12, 16)
+        self.l2 = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+        self.l3 = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+        self.head = nn.Linear(16, 3)
+        self.aux = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h2 = self.l2(F.relu(self.stem(x)))
+        return self.head(self.l3(h2)), self.aux(h2)
+
+
+def deep_supervised(seed: int = 0) -> DeepSupervised:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return DeepSupervised()
+
+
+class CheckpointedMLP(nn.Module):
+    """:func:`mlp` whose first layer, on the edge, is checkpointed (and compiled, if asked)."""
+
+    def __init__(self, compile_stem: bool = False) -> None:
+        super().__init__()
+        self.body = mlp()
+        if compile_stem:
+            self.body[0] = torch.compile(self.body[0], backend="aot_eager")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        stem = torch.utils.checkpoint.checkpoint(lambda t: self.body[1](self.body[0](t)), x, use_reentrant=False)
+        return self.body[4](self.body[3](self.body[2](stem)))
+
+
+def checkpointed_mlp(compile_stem: bool = False) -> CheckpointedMLP:
+    return CheckpointedMLP(compile_stem)

@@ -21,7 +21,7 @@ from torch import nn
 
 from .. import tree as trees
 from ..coding import CacheRef, flatten, is_cache, sample_ids_array, unflatten
-from ..cut import Chain, CutReached, CutSpec, uninstall
+from ..cut import Chain, CutReached, CutSpec, standin_name, uninstall
 from ..devices import autocast_dtype
 from ..errors import ConfigError, SplitFTError
 from ..metrics import JsonlWriter, Metrics
@@ -47,6 +47,11 @@ class _RemoteCall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if torch.is_grad_enabled():  # create_graph=True: the cloud's part of the gradient would carry no graph
+            raise ConfigError("backward(create_graph=True) / autograd.grad(create_graph=True) through a split model: "
+                              "the gradient that comes back from the cloud is a number, not a graph, so a gradient "
+                              "of it (a gradient penalty, second-order methods) would silently leave the cloud half "
+                              "out. Compute the penalty on edge modules only, or train this model unsplit")
         call: Call = ctx.call
         input_grads = ctx.scheduler.backward(call, grads)
         call.cloud_half.backward_reached(call.trainable, call.unreached)
@@ -106,6 +111,9 @@ class SplitModel(nn.Module):
         self.cloud_half.before_fetch = self._mirror_module_state
         self.cloud_half.device = next((p.device for p in self.edge_parameters()), torch.device("cpu"))
         self.__dict__["_cloud_modules"] = chain  # not a submodule: the real modules, for unsplit()
+        self.__dict__["_ghosts"] = [(self.model.get_submodule(parent) if parent else self.model, child,
+                                     self.model.get_submodule(name))
+                                    for name in chain.names for parent, _, child in [name.rpartition(".")]]
         self._cloud_batchnorms = [(f"{name}.{key}" if key else name, module) for name in chain.names
                                   for key, module in self.model.get_submodule(name).named_modules()
                                   if isinstance(module, nn.modules.batchnorm._BatchNorm)]
@@ -121,6 +129,32 @@ class SplitModel(nn.Module):
             return getattr(model, name)  # config, main_input_name, num_parameters, ...
 
     # ------------------------------------------------------------ what cannot reach the cloud half
+
+    def apply(self, fn: Any) -> SplitModel:
+        """``fn`` on every module, as on the unsplit model, the cloud half's ghosts first: what it
+        does to their tensors reaches the cloud, and what cannot raises before ``fn`` touched
+        anything else."""
+        ghosts = {id(ghost) for _, _, ghost in self.__dict__["_ghosts"]}
+        for _, _, ghost in self.__dict__["_ghosts"]:
+            ghost.apply(fn)
+
+        def rest(module: nn.Module) -> None:
+            for child in module.children():
+                if id(child) not in ghosts:
+                    rest(child)
+            fn(module)
+
+        rest(self)
+        return self
+
+    def _check_ghosts(self) -> None:
+        """Refuse a forward after a script replaced a module that runs in the cloud (a module walk
+        swapping layers): the cloud would still run the one it has."""
+        for parent, child, ghost in self.__dict__["_ghosts"]:
+            if parent._modules.get(child) is not ghost:
+                raise ConfigError(f"{standin_name(ghost)!r} runs in the cloud, but the model's forward would call "
+                                  f"another module there: it was replaced after split(). Replace layers before "
+                                  "split(), in the cloud's factory too")
 
     def __deepcopy__(self, memo: dict) -> Any:
         raise ConfigError("a split model cannot be copied: its cloud half's values live in the cloud, and its session "
@@ -151,6 +185,11 @@ class SplitModel(nn.Module):
             if fn(torch.empty(0, dtype=dtype)).dtype != dtype:
                 raise ConfigError(f"casting the split model to another dtype would leave the cloud half in {dtype}; "
                                   "cast the model before split(), or run the cloud half in another dtype there")
+        if not fn(torch.empty(1, 2, 3, 4)).is_contiguous() and any(p.dim() == 4 for p in self._cloud.values()):
+            raise ConfigError("model.to(memory_format=...) would change the layout of the edge's tensors only: the "
+                              "cloud half's convolutions would compute in another layout than the unsplit model's, "
+                              "a few bits apart. Convert edge submodules you choose (model.model.<name>.to(...)) or "
+                              "leave the layout as it is")
         result = super()._apply(fn, recurse)
         # The cloud gradients' handles report where the edge's tensors are, as the unsplit model's would.
         self.cloud_half.device = fn(torch.empty(0, device=self.cloud_half.device)).device
@@ -201,6 +240,7 @@ class SplitModel(nn.Module):
         per-sample state, such as ``acsgd``.
         """
         self._sample_ids = sample_ids_array(sample_ids)
+        self._check_ghosts()
         if self.spec.ushape:
             try:
                 return self.model(*args, **kwargs)

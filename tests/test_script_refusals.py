@@ -1,0 +1,240 @@
+"""Idioms a split model cannot mirror raise a splitft error naming the fix, before anything
+diverges; idioms whose shape the script corpus cannot express (an optimizer built before the cut,
+an import made before splitft, a compiled or checkpointed edge block) train exactly.
+
+Every test runs against a real cloud process. A refused idiom runs after a few ordinary steps
+taken the same way unsplit: the error comes, and the split model's state is still bitwise the
+unsplit model's at that point, so the refusal lost nothing and let nothing diverge.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import splitft
+from splitft.errors import ConfigError, CutError, HandshakeError, PlaceholderError
+from tests.conftest import ROOT, start_cloud, stop
+from tests.models import checkpointed_mlp, deep_supervised, mlp, mlp_dropout
+from tests.test_faults import _data
+from tests.test_script_corpus import assert_bitwise
+
+MLP = "tests.models:mlp"
+DIGITS = "splitft.models:digits_cnn"
+
+
+@pytest.fixture(scope="module")
+def cloud(tmp_path_factory):
+    proc, address, err = start_cloud(tmp_path_factory.mktemp("cloud"), "--sessions", "0", "--model", MLP,
+                                     "--model", DIGITS, "--model", "tests.models:deep_supervised",
+                                     "--model", "tests.models:mlp_dropout", "--model", "tests.models:checkpointed_mlp")
+    yield address
+    stop(proc)
+
+
+def _steps(model, opt, crit, data) -> None:
+    for x, y in data:
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+
+
+#: Each: (what the script does after two ordinary steps, the error, what its message says).
+REFUSED: dict[str, tuple[Callable, type, str]] = {
+    "weight decay by hand on p.data": (
+        lambda model, net, opt: [p.data.mul_(0.99) for p in model.parameters()], PlaceholderError, r"before split"),
+    "gradient noise added in place": (
+        lambda model, net, opt: [p.grad.add_(torch.randn_like(p.grad)) for p in model.parameters()],
+        PlaceholderError, r"gradient of cloud parameter"),
+    "parameters flattened to one vector": (
+        lambda model, net, opt: torch.nn.utils.parameters_to_vector(model.parameters()), PlaceholderError,
+        r"cloud parameter '2.weight'"),
+    "a random re-initialisation by module walk": (
+        lambda model, net, opt: model.apply(lambda m: nn.init.xavier_uniform_(m.weight) if isinstance(m, nn.Linear)
+                                            else None), PlaceholderError, r"before split"),
+    "a cloud layer replaced by a module walk": (
+        lambda model, net, opt: ([setattr(m, "3", nn.GELU()) for m in model.modules() if isinstance(m, nn.Sequential)],
+                                 model(_data(1)[0][0])), ConfigError, r"'3' runs in the cloud.*replaced"),
+    "a dropout's p changed on a cloud layer": (
+        lambda model, net, opt: [setattr(m, "p", 0.0) for m in model.modules() if isinstance(m, nn.Dropout)],
+        CutError, r"setting 'p' of '3'"),
+    "a forward hook on a cloud layer's submodule": (
+        lambda model, net, opt: net[2].register_forward_hook(lambda *a: None), CutError, r"would never run"),
+    "a parameter group added after the first step": (
+        lambda model, net, opt: (opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)]}), opt.step()),
+        ConfigError, r"parameter groups changed"),
+    "optimizer state saved and loaded back": (
+        lambda model, net, opt: opt.load_state_dict(opt.state_dict()), ConfigError, r"save_checkpoint"),
+    "a copy of the model for an EMA": (lambda model, net, opt: copy.deepcopy(model), ConfigError, r"EMA"),
+    "torch.optim.swa_utils.AveragedModel": (
+        lambda model, net, opt: torch.optim.swa_utils.AveragedModel(model), ConfigError, r"EMA"),
+    "an EMA kept from before the cut, updated from model.parameters()": (
+        lambda model, net, opt: [e.mul_(0.9).add_(p.detach(), alpha=0.1)
+                                 for e, p in zip([q.detach().clone() for q in mlp_dropout().parameters()],
+                                                 model.parameters())],
+        PlaceholderError, r"cloud parameter"),
+    "a gradient penalty (create_graph=True)": (
+        lambda model, net, opt: torch.autograd.grad(model.remote_loss(nn.CrossEntropyLoss())(
+            model(_data(1)[0][0]), _data(1)[0][1]), list(net[0].parameters()), create_graph=True),
+        ConfigError, r"create_graph"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_an_idiom_that_cannot_be_mirrored_raises_before_anything_diverges(cloud, name):
+    """The error comes before anything reaches the cloud half: its weights are still the unsplit
+    model's (a loop over all parameters may have changed edge ones before it met a cloud one)."""
+    action, error, message = REFUSED[name]
+    data = _data(2)
+    local = mlp_dropout().eval()
+    _steps(local, torch.optim.SGD(local.parameters(), lr=0.1, momentum=0.9), nn.CrossEntropyLoss(), data)
+    net = mlp_dropout()
+    model = splitft.split(net, 2, factory="tests.models:mlp_dropout", connect=cloud)
+    with model:
+        model.eval()  # the dropout off: both runs are deterministic
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        _steps(model, opt, model.remote_loss(nn.CrossEntropyLoss()), data)
+        with pytest.raises(error, match=message):
+            action(model, net, opt)
+        cloud_names = [n for n, _ in model.named_cloud_parameters()]
+        assert_bitwise({n: v for n, v in model.cloud_state_dict().items() if n in cloud_names},
+                       {n: v for n, v in local.state_dict().items() if n in cloud_names})
+
+
+def test_an_optimizer_built_before_split_trains_the_cloud_half(cloud):
+    """It holds the very parameter objects that split() turned into placeholders."""
+    data = _data(5)
+    local = mlp()
+    _steps(local, torch.optim.AdamW(local.parameters(), lr=1e-2), nn.CrossEntropyLoss(), data)
+    net = mlp()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=100)
+    model = splitft.split(net, 2, 4, factory=MLP, connect=cloud)
+    with model:
+        for x, y in data:
+            opt.zero_grad()
+            nn.CrossEntropyLoss()(model(x), y).backward()
+            opt.step()
+            sched.step()
+        state = model.state_dict()
+    assert_bitwise(state, local.state_dict())
+    assert model.session.metrics.steps == len(data)
+
+
+def test_a_layer_referenced_before_split_is_the_ghost_and_its_parameters_the_placeholders(cloud):
+    net = mlp()
+    layer, weight = net[2], net[2].weight
+    model = splitft.split(net, 2, factory=MLP, connect=cloud)
+    with model:
+        assert model.model[2] is layer and weight is model.model[2].weight and model.is_cloud(weight)
+        with pytest.raises(PlaceholderError):
+            weight.sum()
+        trained = model.unsplit()
+    # unsplit gives every object its values back: the references work again, with the trained weights
+    assert trained is net and not weight.is_meta and torch.equal(weight, trained.state_dict()["2.weight"])
+    assert torch.isfinite(layer(torch.ones(1, 16))).all()
+
+
+def test_a_change_made_before_split_that_the_factory_does_not_make_is_refused_at_the_handshake(cloud):
+    net = mlp()
+    net[3] = nn.GELU()  # a module walk replacing activations, before the cut: the cloud's factory builds ReLU
+    with pytest.raises(HandshakeError, match=r"the cloud's '3' differs from the edge's model"):
+        splitft.split(net, 2, factory=MLP, connect=cloud)
+    dropout = mlp_dropout()
+    dropout[3].p = 0.0
+    with pytest.raises(HandshakeError, match=r"Dropout\(p=0.5"):
+        splitft.split(dropout, 2, factory="tests.models:mlp_dropout", connect=cloud)
+
+
+def test_an_auxiliary_head_on_an_inner_trunk_layer_is_refused_at_the_first_forward(cloud):
+    """Deep supervision: the aux head reads l2's output, but the cloud runs l2 and l3 and returns l3's."""
+    net = deep_supervised()
+    model = splitft.split(net, "l2", "head", factory="tests.models:deep_supervised", connect=cloud)
+    with model:
+        with pytest.raises(CutError, match=r"output of 'l2', an inner module of the trunk 'l2'..'l3'.*rejoin"):
+            model(torch.ones(4, 12))
+    net = deep_supervised()  # a trunk of l2 alone: its output is what the aux head should read, and does
+    local = deep_supervised()
+    model = splitft.split(net, "l2", "l3", factory="tests.models:deep_supervised", connect=cloud)
+    with model:
+        out, aux = model(torch.ones(4, 12))
+    expected, expected_aux = local(torch.ones(4, 12))
+    assert torch.equal(out, expected) and torch.equal(aux, expected_aux)
+
+
+def test_a_forward_hook_on_the_last_trunk_layer_sees_its_real_output(cloud):
+    x, y = _data(1)[0]
+    local, seen_local = mlp(), []
+    local[3].register_forward_hook(lambda m, a, out: seen_local.append(out))
+    local(x)
+    net, seen = mlp(), []
+    model = splitft.split(net, 2, 4, factory=MLP, connect=cloud)
+    with model:
+        net[3].register_forward_hook(lambda m, a, out: seen.append(out))
+        model(x)
+    assert torch.equal(seen[0], seen_local[0])
+
+
+def test_channels_last_is_refused_when_the_cloud_half_convolves(cloud):
+    from splitft.models import digits_cnn
+
+    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connect=cloud)
+    with model:
+        with pytest.raises(ConfigError, match="memory_format"):
+            model.to(memory_format=torch.channels_last)
+        assert all(p.is_contiguous() for p in model.edge_parameters())
+
+
+@pytest.mark.parametrize("compile_stem", [False, True], ids=["checkpointed", "checkpointed-and-compiled"])
+def test_a_checkpointed_or_compiled_edge_block_trains_exactly(cloud, compile_stem):
+    data = _data(3)
+    local = checkpointed_mlp(compile_stem)
+    _steps(local, torch.optim.Adam(local.parameters(), lr=1e-2), nn.CrossEntropyLoss(), data)
+    net = checkpointed_mlp(compile_stem)
+    model = splitft.split(net, "body.2:4", factory="tests.models:checkpointed_mlp", connect=cloud)
+    with model:
+        _steps(model, torch.optim.Adam(model.parameters(), lr=1e-2), nn.CrossEntropyLoss(), data)
+        state = model.state_dict()
+    assert_bitwise(state, local.state_dict())
+
+
+USER_SCRIPT = """
+from torch.nn.utils import clip_grad_norm_  # at the top, before splitft: the most common style
+import sys
+import torch
+from torch import nn
+import splitft
+from tests.models import mlp
+from tests.test_faults import _data
+
+def train(model, opt, crit):
+    for x, y in _data(5):
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        clip_grad_norm_(model.parameters(), 0.25)
+        opt.step()
+
+local = mlp()
+train(local, torch.optim.Adam(local.parameters(), lr=1e-2), nn.CrossEntropyLoss())
+model = splitft.split(mlp(), 2, factory="tests.models:mlp", connect=sys.argv[1])
+with model:
+    train(model, torch.optim.Adam(model.parameters(), lr=1e-2), model.remote_loss(nn.CrossEntropyLoss()))
+    state = model.state_dict()
+print(all(torch.equal(state[k], v) for k, v in local.state_dict().items()))
+"""
+
+
+def test_clip_grad_norm_imported_before_splitft_clips_both_halves_bitwise(cloud, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(USER_SCRIPT))
+    result = subprocess.run([sys.executable, str(script), cloud], cwd=ROOT, capture_output=True, text=True,
+                            timeout=240, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "True"
