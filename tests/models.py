@@ -150,3 +150,20 @@ class CheckpointedMLP(nn.Module):
 
 def checkpointed_mlp(compile_stem: bool = False) -> CheckpointedMLP:
     return CheckpointedMLP(compile_stem)
+
+
+def tiny_tied_lora(seed: int = 0) -> nn.Module:
+    """A randomly initialised causal LM whose lm_head is tied to its embeddings (as most are),
+    with seeded PEFT LoRA adapters and its base frozen: the shape of the smollm task's model."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.LlamaForCausalLM(config).eval()
+        lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], bias="none",
+                          task_type="CAUSAL_LM")
+        return get_peft_model(model, lora)

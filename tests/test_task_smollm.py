@@ -99,6 +99,48 @@ def test_short_split_fine_tune_of_the_real_model_matches_local(cloud):
 
 
 @needs_model
+def test_trainer_with_its_defaults_fine_tunes_and_saves_the_split_task_model_as_the_unsplit_one(cloud, tmp_path):
+    """transformers.Trainer, default arguments, on the task's LoRA model (its lm_head tied to its
+    embeddings): the end-of-training checkpoint and save_model write the adapter files the unsplit
+    run writes, and the saved adapters load back into the unsplit model with the same logits."""
+    import transformers
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from splitft.tasks.smollm import pretrained
+
+    train, _ = load_news(max_length=LENGTH, eval_windows=BATCH)
+    rows = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+            for ids in first(train, 2 * BATCH).x["input_ids"]]
+
+    def trainer(model, out):
+        args = transformers.TrainingArguments(output_dir=str(out), per_device_train_batch_size=BATCH,
+                                              num_train_epochs=1, use_cpu=True, report_to="none", disable_tqdm=True)
+        return transformers.Trainer(model=model, args=args, train_dataset=rows)
+
+    local = trainer(smollm_lora(), tmp_path / "local")
+    local.train()
+    local.save_model(str(tmp_path / "local" / "saved"))
+    with splitft.split(smollm_lora(), CUT, factory=splitft.Factory(FACTORY, weights="factory"), connect=cloud,
+                       faults=splitft.Faults(timeout=120)) as model:
+        split = trainer(model, tmp_path / "split")
+        split.train()
+        split.save_model(str(tmp_path / "split" / "saved"))
+    for folder in ("checkpoint-2", "saved"):
+        written = {p.name for p in (tmp_path / "split" / folder).iterdir()}
+        assert written == {p.name for p in (tmp_path / "local" / folder).iterdir()} and "adapter_config.json" in written
+        split_adapter = load_file(tmp_path / "split" / folder / "adapter_model.safetensors")
+        local_adapter = load_file(tmp_path / "local" / folder / "adapter_model.safetensors")
+        assert split_adapter.keys() == local_adapter.keys()
+        for name, value in local_adapter.items():
+            torch.testing.assert_close(split_adapter[name], value, msg=name)
+    reloaded = PeftModel.from_pretrained(pretrained(), str(tmp_path / "split" / "saved")).eval()
+    ids = first(train, 1).x["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, local.model.eval()(input_ids=ids).logits)
+
+
+@needs_model
 def test_the_task_runner_with_a_frozen_edge_trains_cloud_adapters_only(cloud):
     """What ``splitft demo --task smollm --freeze-edge`` runs: adapters on the cloud's layers only,
     nothing trains on the edge, no gradient comes back; the runner reports the perplexities."""

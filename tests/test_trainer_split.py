@@ -113,3 +113,58 @@ def test_an_accelerate_loop_trains_the_split_model_exactly_like_the_unsplit_one(
         state = run(model)
     for name, value in local.items():
         torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _lm_examples(n: int = 16, length: int = 12) -> list[dict]:
+    gen = torch.Generator().manual_seed(2)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(1, 128, (length,), generator=gen)
+        out.append({"input_ids": ids, "attention_mask": torch.ones(length, dtype=torch.long), "labels": ids.clone()})
+    return out
+
+
+def _default_trainer(model, out: Path):
+    """Trainer as a LoRA fine-tuning script builds it: its defaults but for where, how long, on what."""
+    args = transformers.TrainingArguments(output_dir=str(out), per_device_train_batch_size=4, num_train_epochs=1,
+                                          use_cpu=True, report_to="none", disable_tqdm=True)
+    return transformers.Trainer(model=model, args=args, train_dataset=_lm_examples())
+
+
+def test_trainer_saves_a_split_peft_model_with_tied_embeddings_as_it_saves_the_unsplit_one(tmp_path):
+    """Trainer's end-of-training checkpoint and save_model write adapter files (not a raw state_dict,
+    which safetensors refuses for tied weights); they load back into an unsplit model with the
+    split run's logits."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from tests.models import tiny_tied_lora
+
+    (tmp_path / "cloud").mkdir()
+    proc, address, err = start_cloud(tmp_path / "cloud", "--sessions", "0", "--model", "tests.models:tiny_tied_lora")
+    try:
+        local = _default_trainer(tiny_tied_lora(), tmp_path / "local")
+        local.train()
+        local.save_model(str(tmp_path / "local" / "saved"))
+        model = splitft.split(tiny_tied_lora(), "base_model.model.model.layers.1:3",
+                              factory="tests.models:tiny_tied_lora", connect=address)
+        with model:
+            trainer = _default_trainer(model, tmp_path / "split")
+            trainer.train()
+            trainer.save_model(str(tmp_path / "split" / "saved"))
+    finally:
+        stop(proc)
+    for folder in ("checkpoint-4", "saved"):
+        written = {p.name for p in (tmp_path / "split" / folder).iterdir()}
+        assert written == {p.name for p in (tmp_path / "local" / folder).iterdir()}, folder
+        assert "adapter_model.safetensors" in written and "model.safetensors" not in written
+        split_adapter = load_file(tmp_path / "split" / folder / "adapter_model.safetensors")
+        local_adapter = load_file(tmp_path / "local" / folder / "adapter_model.safetensors")
+        assert split_adapter.keys() == local_adapter.keys() and len(split_adapter) == 16  # q, v: A, B, 4 layers
+        for name, value in local_adapter.items():
+            torch.testing.assert_close(split_adapter[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    reloaded = PeftModel.from_pretrained(tiny_tied_lora().unload(), str(tmp_path / "split" / "saved")).eval()
+    ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, local.model.eval()(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)

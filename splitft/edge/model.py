@@ -436,13 +436,15 @@ class SplitModel(nn.Module):
         self.cloud_half.has_grad.clear()
         return uninstall(self.model, modules)
 
-    def save_pretrained(self, path: str | os.PathLike, **kwargs: Any) -> Any:
-        """``transformers`` models: save the whole model (both halves) with the wrapped model's
-        ``save_pretrained``."""
+    def save_pretrained(self, path: str | os.PathLike, state_dict: Mapping[str, Any] | None = None,
+                        **kwargs: Any) -> Any:
+        """``transformers`` and ``peft`` models: save the whole model (both halves; ``state_dict``
+        when given, else fetched) with the wrapped model's ``save_pretrained``, so the files are
+        those the unsplit model writes (a PEFT model's adapter files, say)."""
         save = getattr(self.model, "save_pretrained", None)
         if save is None:
             raise ConfigError(f"{type(self.model).__name__} has no save_pretrained; use torch.save(model.state_dict())")
-        return save(path, state_dict=self.state_dict(), **kwargs)
+        return save(path, state_dict=self.state_dict() if state_dict is None else state_dict, **kwargs)
 
     def cloud_state_dict(self) -> dict[str, torch.Tensor]:
         """The cloud part's current weights, named as in the original model."""
@@ -509,7 +511,13 @@ def split_class(model_class: type[nn.Module]) -> type[SplitModel]:
 
     forward.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
     forward.__doc__ = SplitModel.forward.__doc__
-    return type(f"Split{model_class.__name__}", (SplitModel,), {"forward": forward, "__module__": __name__})
+    members: dict[str, Any] = {"forward": forward, "__module__": __name__}
+    if any(c.__module__.split(".")[0] in ("transformers", "peft") and c.__name__ in ("PreTrainedModel", "PeftModel")
+           for c in model_class.__mro__):
+        # isinstance(model, PreTrainedModel / PeftModel) holds, as for the model the user split: Trainer and
+        # Accelerate then save with save_pretrained (a PEFT model's adapter files, a config) and load back.
+        members["__class__"] = property(lambda self: model_class)
+    return type(f"Split{model_class.__name__}", (SplitModel,), members)
 
 
 __all__ = ["CutActivation", "RemoteLoss", "SplitModel", "split_class"]

@@ -143,6 +143,13 @@ def _pretrained() -> nn.Module:
     model.config.use_cache = False
     model.generation_config.use_cache = False
     model.requires_grad_(False)
+    # Dequantized on load, it is a float32 model like any other; transformers keeps the GGUF quantizer's
+    # marks on it, with which Trainer refuses to train it and save_pretrained records a quantization.
+    model.hf_quantizer = None
+    for marker in ("is_quantized", "quantization_method"):
+        model.__dict__.pop(marker, None)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     log.info("loaded %s (%d parameters) in %.1f s", GGUF_FILE, sum(p.numel() for p in model.parameters()),
              time.perf_counter() - start)
     return model
