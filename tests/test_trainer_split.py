@@ -168,3 +168,25 @@ def test_trainer_saves_a_split_peft_model_with_tied_embeddings_as_it_saves_the_u
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, local.model.eval()(input_ids=ids).logits,
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_trainer_with_activation_checkpointing_trains_the_split_model_bitwise(hf_cloud, tmp_path):
+    """gradient_checkpointing_enable() marks every layer, the cloud's ghosts too: those are called
+    plainly (the cloud computes the same values), the edge's own layers checkpoint."""
+    fields = transformers.TrainingArguments.__dataclass_fields__
+    flag = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+
+    def run(model, out: Path) -> dict:
+        args = transformers.TrainingArguments(output_dir=str(out), per_device_train_batch_size=4, num_train_epochs=1,
+                                              use_cpu=True, report_to="none", disable_tqdm=True, save_strategy="no",
+                                              **{flag: True})
+        transformers.Trainer(model=model, args=args, train_dataset=_examples("llama")).train()
+        return model.state_dict()
+
+    local = run(tiny_hf("llama"), tmp_path / "local")
+    model = splitft.split(tiny_hf("llama"), CUTS["llama"], factory=splitft.Factory(FACTORY, {"kind": "llama"}),
+                          connect=hf_cloud)
+    with model:
+        split = run(model, tmp_path / "split")
+    assert split.keys() == local.keys()
+    assert [k for k, v in local.items() if not torch.equal(split[k], v)] == []
