@@ -18,7 +18,8 @@ NOT_METHODS = {"T_destination", "dump_patches", "call_super_init"}
 
 #: Mirrored: the cloud half does the same. Checked below; train/eval by name in test_script_corpus (a BatchNorm
 #: in the cloud), state_dict/load_state_dict in test_module_contract, forward everywhere.
-MODULE_MIRRORED = {"zero_grad", "requires_grad_", "train", "eval", "state_dict", "load_state_dict", "forward", "apply"}
+MODULE_MIRRORED = {"zero_grad", "requires_grad_", "train", "eval", "state_dict", "load_state_dict", "forward", "apply",
+                   "compile"}  # compile: the edge's code around the remote call (test_script_refusals)
 #: Local by nature: views that report the unsplit model (cloud parameters as meta placeholders),
 #: hooks around the split model's own forward/backward, what is added to the split model itself,
 #: and device moves (where the cloud half runs is the cloud's choice).
@@ -30,7 +31,6 @@ MODULE_LOCAL = {"parameters", "named_parameters", "buffers", "named_buffers", "c
                 "xpu", "ipu", "mtia", "float", "type", "share_memory", "to_empty"}
 #: Refused with the fix (they would change the cloud half without it following).
 MODULE_REFUSED = {
-    "compile": lambda m: m.compile(),
     "set_submodule": lambda m: m.set_submodule("model.2", nn.Linear(16, 16)),
     "half": lambda m: m.half(),
     "double": lambda m: m.double(),

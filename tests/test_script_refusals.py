@@ -205,6 +205,27 @@ def test_a_checkpointed_or_compiled_edge_block_trains_exactly(cloud, compile_ste
     assert_bitwise(state, local.state_dict())
 
 
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+@pytest.mark.parametrize("how", ["torch.compile(model)", "model.compile()"])
+def test_a_compiled_split_model_trains_exactly(cloud, rejoin, how):
+    """The edge's code is compiled around the remote call, which runs as it is."""
+    data = _data(3)
+    local = mlp()
+    _steps(torch.compile(local, backend="aot_eager"), torch.optim.Adam(local.parameters(), lr=1e-2),
+           nn.CrossEntropyLoss(), data)
+    model = splitft.split(mlp(), 2, rejoin, factory=MLP, connect=cloud)
+    with model:
+        crit = nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss())
+        if how == "model.compile()":
+            model.compile(backend="aot_eager")
+            compiled = model
+        else:
+            compiled = torch.compile(model, backend="aot_eager")
+        _steps(compiled, torch.optim.Adam(model.parameters(), lr=1e-2), crit, data)
+        state = model.state_dict()
+    assert_bitwise(state, local.state_dict())
+
+
 USER_SCRIPT = """
 from torch.nn.utils import clip_grad_norm_  # at the top, before splitft: the most common style
 import sys

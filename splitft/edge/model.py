@@ -166,11 +166,6 @@ class SplitModel(nn.Module):
         raise ConfigError("a split model cannot be pickled (torch.save(model)): save model.state_dict(), which fetches "
                           "the cloud half, or use model.save_checkpoint(path)")
 
-    def compile(self, *args: Any, **kwargs: Any) -> None:
-        """Refused: compile the edge's own submodules instead."""
-        raise ConfigError("torch.compile of a split model is not supported; compile edge submodules "
-                          "(model.model.<name>.compile()) instead")
-
     def set_submodule(self, target: str, module: nn.Module, strict: bool = False) -> None:
         name = target.removeprefix("model.")
         for cloud in self.__dict__["_cloud_modules"].names:
@@ -258,6 +253,7 @@ class SplitModel(nn.Module):
             return CutActivation(cut.call_args, cut.call_kwargs)
         raise SplitFTError("the model's forward returned without reaching the cut; check the cut name")
 
+    @torch.compiler.disable  # torch.compile(model) compiles the edge's code around it; the call itself runs as is
     def _remote(self, args: tuple, kwargs: dict, target: Any = None) -> Any:
         self._refuse_batch_statistics_of_micro_batches()
         self._mirror_module_state()
