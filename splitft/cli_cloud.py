@@ -43,12 +43,18 @@ def add_cloud_parser(sub: argparse._SubParsersAction) -> None:
     _add_hardware_options(cloud)
     g = cloud.add_argument_group("many edges")
     g.add_argument("--max-open-sessions", type=int, default=256,
-                   help="sessions served at once; more hellos are refused (default: 256)")
+                   help="sessions served at once; beyond it a hello takes the place of an idle session, or of "
+                        "one of an origin holding more places, and is refused if there is none (default: 256)")
     g.add_argument("--sessions-per-peer", type=int, default=64, metavar="N",
-                   help="sessions open at once from one address (or one edge key on a CurveZMQ link) (default: 64)")
+                   help="sessions open at once from one address, or from one allowed edge key with "
+                        "--allow-edge-keys (default: 64)")
     g.add_argument("--handshake-timeout", type=float, default=30.0, metavar="S",
                    help="free a session that has not sent a training request after this many silent seconds "
                         "(default: 30)")
+    g.add_argument("--evictable-after", type=float, default=30.0, metavar="S",
+                   help="when the cloud is full, a session whose hello or last training request (pings and "
+                        "failed requests do not count) is older than this may be evicted for a new one; sessions "
+                        "of an origin holding more than the newcomer's may be at once (default: 30)")
     g.add_argument("--shared-model", action="store_true",
                    help="edges asking for the same model and cut train one shared cloud half, in the order "
                         "their requests arrive (sequential split learning); default: a cloud half per edge")
@@ -162,7 +168,8 @@ def _limits_and_policy(args: argparse.Namespace) -> tuple:
     mb = 2**20
     limits = Limits(max_message_bytes=int(args.max_message_mb * mb), session_timeout=args.session_timeout,
                     max_sessions=args.max_open_sessions, sessions_per_peer=args.sessions_per_peer,
-                    handshake_timeout=args.handshake_timeout, max_ops=args.max_ops,
+                    handshake_timeout=args.handshake_timeout, evictable_after=args.evictable_after,
+                    max_ops=args.max_ops,
                     max_decoded_bytes=int(args.max_decoded_mb * mb),
                     session_memory_bytes=int(args.session_memory_mb * mb), memory_bytes=int(args.memory_mb * mb),
                     checkpoint_bytes=int(args.checkpoint_max_mb * mb))
