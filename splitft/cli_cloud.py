@@ -38,6 +38,10 @@ def add_cloud_parser(sub: argparse._SubParsersAction) -> None:
                    help="this cloud's secret key file (NAME.key_secret from 'splitft keys')")
     g.add_argument("--allow-edge-keys", nargs="+", default=None, metavar="DIR_OR_FILE",
                    help="edge public keys allowed in: .key files, or folders of them")
+    g.add_argument("--allow-any-edge", action="store_true",
+                   help="serve a public (non-loopback) --bind address without --allow-edge-keys: anyone who "
+                        "reaches the port may open sessions, and ZeroMQ buffers what they send before the cloud's "
+                        "checks see it (refused without this flag)")
     _add_checkpoint_options(cloud)
     _add_policy_options(cloud)
     _add_hardware_options(cloud)
@@ -198,6 +202,7 @@ def run_cloud(args: argparse.Namespace) -> int:
 
     try:
         group = workers.join(args)
+        _check_open(workers.bind_address(group, args), args, say)
         options = _listener_options(args, say)
         placement = Placement(workers.device(group, args.device), None if args.dtype == "float32" else args.dtype)
         batch = _batch_split(args, placement, say)
@@ -248,6 +253,42 @@ def _listener_options(args: argparse.Namespace, say: Any) -> dict:
         allowed = transports.load_allowed_keys(args.allow_edge_keys)
         options |= {"secret_key": secret, "allowed_keys": allowed, "on_refused": say}
     return options
+
+
+def _check_open(address: str, args: argparse.Namespace, say: Any) -> None:
+    """Refuse to serve a public address to anyone unless the operator says so (``--allow-any-edge``).
+
+    Whoever can open a connection can make the process buffer what they send before any check
+    runs (README: the trust boundary); an allow-list drops a stranger at the handshake.
+    """
+    from .errors import ConfigError
+
+    if args.allow_edge_keys or not is_public(address):
+        return
+    if not args.allow_any_edge:
+        raise ConfigError(
+            f"{address} is reachable from other machines, and without --allow-edge-keys anyone who reaches it may "
+            "connect and make this process buffer what they send. Give --secret-key and --allow-edge-keys (make "
+            "keys with `splitft keys`), bind 127.0.0.1, or add --allow-any-edge to serve an open cloud anyway")
+    say(f"warning: {address} is open to any edge that reaches it (--allow-any-edge)")
+
+
+def is_public(address: str) -> bool:
+    """Whether a ``tcp://`` bind address may be reached from other machines (ipc:// never is; a
+    host that is not an IP address or a name of this machine's loopback counts as public)."""
+    import ipaddress
+    import socket
+
+    if not address.startswith("tcp://"):
+        return False
+    host = address[len("tcp://"):].split(";")[-1].rsplit(":", 1)[0].strip("[]")
+    if host in ("", "*"):
+        return True
+    try:
+        found = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        return True  # an interface name, or a name this machine cannot resolve
+    return not found or not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in found)
 
 
 def _announce(args: argparse.Namespace, say: Any, listener: Any, server: Any, rounds: Any, batch: Any,

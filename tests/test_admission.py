@@ -27,7 +27,7 @@ from splitft.cut import extract, fingerprint, parse_cut
 from splitft.limits import Limits
 from splitft.options import Faults
 from splitft.protocol import Forward, Hello, Ping, payload_to_wire
-from tests.conftest import start_cloud, stop
+from tests.conftest import splitft_process, start_cloud, stop
 from tests.models import mlp
 from tests.test_faults import MLP, _data
 
@@ -201,6 +201,30 @@ def test_an_untrained_session_kept_alive_by_pings_makes_room_for_a_new_one(tmp_p
 
 
 # ---------------------------------------------------------------- finding 11: the inbound buffer
+
+
+def test_an_open_listener_on_a_public_address_needs_keys_or_an_explicit_flag(tmp_path):
+    """Without an allow-list, anyone who reaches the port can make the process buffer what they
+    send: the cloud refuses to serve a public address that way unless told to."""
+    proc = splitft_process("cloud", "--bind", "tcp://0.0.0.0:0", "--sessions", "0", "--model", MLP)
+    try:
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 2, err
+        assert "--allow-edge-keys" in err and "--allow-any-edge" in err and "Traceback" not in err
+    finally:
+        stop(proc)
+    proc, address, err = start_cloud(tmp_path, "--sessions", "0", "--model", MLP, "--allow-any-edge")
+    stop(proc)  # start_cloud binds 127.0.0.1: the flag is accepted there too
+    ready = tmp_path / "public-address"
+    proc = splitft_process("cloud", "--bind", "tcp://0.0.0.0:0", "--sessions", "0", "--model", MLP,
+                           "--allow-any-edge", "--ready-file", str(ready))
+    try:
+        deadline = time.monotonic() + 60
+        while not (ready.exists() and ready.read_text()) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists() and ready.read_text().startswith("tcp://0.0.0.0:"), proc.poll()
+    finally:
+        stop(proc)
 
 
 @pytest.fixture
