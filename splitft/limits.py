@@ -115,5 +115,7 @@ class Limits:
 
 
 def mib(nbytes: int) -> str:
-    """``nbytes`` for people: ``"12.3 MiB"``."""
-    return f"{nbytes / 2**20:.1f} MiB"
+    """``nbytes`` for people: ``"12.3 MiB"`` (``"3.0 KiB"``, ``"96 bytes"`` below a tenth of a MiB)."""
+    if nbytes >= 2**20 // 10:
+        return f"{nbytes / 2**20:.1f} MiB"
+    return f"{nbytes / 2**10:.1f} KiB" if nbytes >= 2**10 else f"{nbytes} bytes"
