@@ -82,35 +82,66 @@ def one_row(spec: str) -> Forward:
 # ---------------------------------------------------------------- finding 1: booked is not used
 
 
+def book_everything(address: str, src: str, conns: list) -> list[str]:
+    """Sessions from ``src`` book the cloud's memory to the byte with AC-SGD buffers that one 1-row
+    forward each allocates (lazily: it costs 96 bytes); returns the refusals they met."""
+    refusals, kept, capacity = [], 0, 1 << 22
+    while capacity:  # as much as fits, then half of that, ...
+        spec = f"acsgd:capacity={capacity}"
+        conn = from_(src, address)
+        conns.append(conn)
+        reply = ask(conn, hello(spec))
+        if reply.TYPE == "welcome":
+            reply = ask(conn, one_row(spec))
+        if reply.TYPE == "error":
+            assert reply.code == "capacity", reply
+            refusals.append(reply.message)
+            if "model" in reply.message:
+                break  # not even a model fits any more
+            capacity //= 2
+        else:
+            kept += 1
+    assert kept >= 3 and refusals
+    return refusals
+
+
 def test_buffers_booked_but_never_used_cannot_lock_out_an_edge_from_another_address(tmp_path):
     """One address books the whole budget with AC-SGD buffers it never fills (allocated lazily,
     they cost it 96 bytes each); a good edge from another address still trains, and no refusal
     tells the attacker how much the cloud has left."""
     proc, address, err = start_cloud(tmp_path, "--sessions", "0", "--model", MLP, "--memory-mb", "256")
-    conns = []
+    conns: list = []
     try:
-        refusals, kept, capacity = [], 0, 1 << 22
-        while capacity:  # as much as fits, then half of that, ...: the book ends up full to the byte
-            spec = f"acsgd:capacity={capacity}"
-            conn = from_("127.0.0.2", address)
-            conns.append(conn)
-            reply = ask(conn, hello(spec))
-            if reply.TYPE == "welcome":
-                reply = ask(conn, one_row(spec))
-            if reply.TYPE == "error":
-                assert reply.code == "capacity", reply
-                refusals.append(reply.message)
-                if "model" in reply.message:
-                    break  # not even a model fits any more
-                capacity //= 2
-            else:
-                kept += 1
-        assert kept >= 3 and refusals
+        refusals = book_everything(address, "127.0.0.2", conns)
         assert train(address, "127.0.0.3") < 20
         assert "evicted" in err.text
         for text in refusals:  # what the attacker may hold, never what the cloud has left
             assert not re.search(r"MiB of [\d.]+ MiB", text) and "--memory-mb" not in text, text
         assert proc.poll() is None
+    finally:
+        for conn in conns:
+            conn.close()
+        stop(proc)
+
+
+def test_an_edge_that_trains_takes_back_memory_another_address_booked_after_it_came_in(tmp_path):
+    """The good edge is in first; then another address books every byte. The good edge's next
+    forward needs memory for its graph: it evicts a session of the address holding more."""
+    proc, address, err = start_cloud(tmp_path, "--sessions", "0", "--model", MLP, "--memory-mb", "256")
+    conns: list = []
+    try:
+        model = splitft.split(mlp(), 2, factory=MLP, connect=lambda: from_("127.0.0.3", address),
+                              faults=Faults(timeout=30, heartbeat=0))
+        with model:
+            opt = model.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+            crit = model.remote_loss(nn.CrossEntropyLoss())
+            book_everything(address, "127.0.0.2", conns)  # leaves less than a model's 5 KiB
+            for _ in range(3):  # each graph holds about 1 MiB
+                x, y = torch.randn(4096, 12), torch.randint(0, 3, (4096,))
+                crit(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        assert "evicted to make room in the cloud's memory" in err.text
     finally:
         for conn in conns:
             conn.close()
