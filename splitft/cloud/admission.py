@@ -52,7 +52,6 @@ class Admission:
         self.server = server
         self.clock = clock
         self.activity: dict[str, Activity] = {}  # by session id
-        self.evicted = 0
 
     # ------------------------------------------------------------ what sessions do
 
@@ -93,15 +92,16 @@ class Admission:
                 if victim is None:
                     raise CapacityError(
                         f"{origin or 'this peer'} already has {self._count(origin)} open sessions, the most one "
-                        "origin may have (--sessions-per-peer), and each trained recently; end one first")
+                        "origin may have (--sessions-per-peer), and none was idle for --evictable-after seconds; "
+                        "end one first")
                 self._evict(victim, "to make room for a new session of its own origin")
         while len(self.server.by_id) >= limits.max_sessions:
             counts = self._counts()
             victim = self._victim(origins[0], counts.get(origins[0], 0) + 1, counts)
             if victim is None:
                 raise CapacityError(
-                    "this cloud has no place for another session now: every session trained recently and no "
-                    "origin holds more places than yours would; try again later")
+                    "this cloud has no place for another session now: none was idle for --evictable-after "
+                    "seconds, and no origin holds more places than yours would; try again later")
             self._evict(victim, "to make room for a new session")
 
     def _live(self) -> list[tuple[str, Activity]]:
@@ -171,7 +171,6 @@ class Admission:
         activity = self.activity[session_id]
         now = self.clock()
         state = "never trained" if activity.worked is None else f"last trained {now - activity.since:.0f} s ago"
-        self.evicted += 1
         self.server.evict(session_id, f"evicted {why} ({state}; origin {activity.origins[0] or 'unknown'})")
 
 
