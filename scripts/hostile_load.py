@@ -1,45 +1,76 @@
-"""A good edge trains while hostile clients attack the same cloud: step latency and cloud memory.
+"""A good edge trains while hostile clients attack the same cloud: admission time, step latency, memory.
 
-A cloud process serves a tiny MLP (``splitft.models:tiny_mlp``) on 127.0.0.1 with tight budgets.
-A good edge first trains alone, then again while ``--hostile`` clients (threads of this process,
-talking raw protocol over ZeroMQ) send, in a bounded loop, the well-formed worst cases a trust
-boundary must refuse: low-rank and repeated-side-tensor decode bombs, floods of operations,
-sample ids far beyond any buffer, codec options naming files or asking for huge ranks and
-iteration counts, silent hellos, forged resume tokens, deeply nested values, and forward calls
-whose backward never comes. It prints the good edge's step latency (p50 / p95) alone and under
-attack, their ratio, what the attackers got back (reply codes), and the cloud's peak resident
-memory against its configured total.
+Each scenario starts a cloud process serving a tiny MLP (``splitft.models:tiny_mlp``) on
+127.0.0.1 with tight budgets. A good edge connects from 127.0.0.9 (the loopback network has many
+addresses, and ZeroMQ connects from a chosen one: ``tcp://SRC:0;HOST:PORT``), first alone, then
+while one attack runs from addresses of its own:
 
-    python scripts/hostile_load.py                    # 4 hostile clients, 150 good steps
-    python scripts/hostile_load.py --hostile 8 --steps 300 --json result.json
+- ``mixed``: ``--hostile`` client threads send, in a bounded loop, the well-formed worst cases a
+  trust boundary must refuse (decode bombs, floods of operations, sample ids far beyond any
+  buffer, codec options naming files or asking for huge ranks, silent hellos, forged resume
+  tokens, deeply nested values, forward calls whose backward never comes).
+- ``booked``: one address opens sessions with the largest AC-SGD buffers the policy allows and
+  sends one 1-row forward each, until the memory budget is booked to the byte; the buffers are
+  allocated lazily, so they cost the attacker about 100 bytes each. It pings them every 10 s.
+- ``hellos``: four addresses take every session place with hellos they ping every 10 s.
+- ``failing``: the same, each session with one forward that fails in the model; then the
+  attacker leaves, and the time until an edge from one of its addresses gets in is measured.
+- ``inbound``: raw ZMTP peers send frames of a message they never end, kept alive by a 1-byte
+  frame every 3 s: the cloud's resident memory against what they sent, and after they go silent.
+- ``refused-key``: a CurveZMQ cloud with an allow-list; a stranger's key sends the same amount.
+
+For each it prints the good edge's admission time (its hello, retried while refused), its step
+latency (p50 / p95 / worst), the cloud's resident memory, and what the attackers got back.
+
+    python scripts/hostile_load.py                              # every scenario
+    python scripts/hostile_load.py --scenario booked hellos --steps 300 --json result.json
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import io
 import json
 import os
+import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import compressors  # noqa: E402
+import splitft  # noqa: E402
+import transports  # noqa: E402
+from splitft import protocol  # noqa: E402
+from splitft.cli import main as cli  # noqa: E402
+from splitft.cut import extract, fingerprint, parse_cut  # noqa: E402
+from splitft.models import tiny_mlp  # noqa: E402
+from splitft.protocol import Forward, Ping, Sync, payload_to_wire  # noqa: E402
+
 FACTORY = "splitft.models:tiny_mlp"
 CUT = 2
-BUDGETS = {"--session-memory-mb": "64", "--memory-mb": "512", "--max-decoded-mb": "32",
-           "--handshake-timeout": "2", "--max-ops": "256", "--max-open-sessions": "64", "--checkpoint-max-mb": "64"}
+GOOD = "127.0.0.9"
+BUDGETS = {"--session-memory-mb": "64", "--memory-mb": "512", "--max-decoded-mb": "32", "--max-ops": "256",
+           "--max-open-sessions": "64"}
 
 
-def _start_cloud(folder: Path) -> tuple[subprocess.Popen, str]:
-    ready = folder / "address"
+def _start_cloud(folder: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    ready = folder / f"address-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "splitft", "cloud", "--bind", "tcp://127.0.0.1:0", "--sessions", "0",
-           "--model", FACTORY, "--ready-file", str(ready), "--checkpoint-dir", str(folder / "ck"), "--no-fsync"]
+           "--model", FACTORY, "--ready-file", str(ready), *extra]
     for flag, value in BUDGETS.items():
         cmd += [flag, value]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -53,7 +84,7 @@ def _start_cloud(folder: Path) -> tuple[subprocess.Popen, str]:
     return proc, ready.read_text()
 
 
-def _memory(pid: int, field: str) -> int:
+def _memory(pid: int, field: str = "VmRSS") -> int:
     """``VmHWM`` (peak) or ``VmRSS`` (now) of a process, in bytes."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(f"{field}:"):
@@ -61,58 +92,68 @@ def _memory(pid: int, field: str) -> int:
     return 0
 
 
+def via(src: str, address: str) -> str:
+    """``address`` reached from the loopback address ``src``: another origin to the cloud."""
+    return f"tcp://{src}:0;{address[len('tcp://'):]}"
+
+
 # ---------------------------------------------------------------- the good edge
 
 
-def good_edge(address: str, steps: int, seed: int) -> list[float]:
-    """Train ``steps`` steps; return each step's wall time in seconds."""
-    import torch
-    from torch import nn
-
-    import splitft
-    from splitft.models import tiny_mlp
-
+def good_edge(address: str, steps: int, seed: int, src: str = GOOD, keys: dict | None = None,
+              patience: float = 60.0) -> tuple[float | None, list[float]]:
+    """Ask in (again while refused, for up to ``patience`` s), then train ``steps`` steps; returns
+    the seconds until admitted (None: never) and each step's wall time."""
     g = torch.Generator().manual_seed(seed)
-    model = splitft.split(tiny_mlp(), CUT, factory=FACTORY, connect=address,
-                          faults=splitft.Faults(timeout=30, heartbeat=1.0))
+    start = time.monotonic()
+    while True:
+        try:
+            model = splitft.split(tiny_mlp(), CUT, factory=FACTORY, faults=splitft.Faults(timeout=30, heartbeat=1.0),
+                                  connect=lambda: transports.connect(via(src, address), **(keys or {})))
+            break
+        except splitft.CapacityError:
+            if time.monotonic() - start > patience:
+                return None, []
+            time.sleep(0.5)
+    admitted = time.monotonic() - start
     times = []
     with model:
         opt = model.attach(torch.optim.Adam(model.parameters(), lr=0.01))
         crit = model.remote_loss(nn.CrossEntropyLoss())
         for _ in range(steps):
             x, y = torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g)
-            start = time.perf_counter()
+            begin = time.perf_counter()
             crit(model(x), y).backward()
             opt.step()
             opt.zero_grad()
-            times.append(time.perf_counter() - start)
-    return times
+            times.append(time.perf_counter() - begin)
+    return admitted, times
 
 
-# ---------------------------------------------------------------- hostile clients
+# ---------------------------------------------------------------- hostile messages
 
 
-def _attacks() -> list[tuple[str, list]]:
-    """(name, [message, ...]) pairs: each list is sent on one fresh connection, in order."""
-    import numpy as np
-    import torch
-
-    import compressors
-    from splitft import protocol
-    from splitft.cut import extract, fingerprint, parse_cut
-    from splitft.models import tiny_mlp
-    from splitft.protocol import Forward, Hello, Sync, payload_to_wire
-
+def _hello(fwd: str = "identity", slots: tuple[str, ...] = ("fwd", "ret"), **changes: Any) -> Any:
     model = tiny_mlp()
-    chain = extract(model, parse_cut(model, CUT, None))
+    codecs = {s: compressors.canonical_spec(fwd if s in slots else "identity") for s in ("fwd", "bwd", "ret", "ret_bwd")}
+    base = dict(protocol=protocol.PROTOCOL_VERSION, factory=FACTORY, cut=str(CUT), rejoin=None,
+                fingerprint=fingerprint(extract(model, parse_cut(model, CUT, None))), codecs=codecs, seed=0,
+                client="hostile")
+    return protocol.Hello(**(base | changes))
 
-    def hello(fwd: str = "identity", **changes) -> Hello:
-        codecs = {s: compressors.canonical_spec(fwd if s in ("fwd", "ret") else "identity")
-                  for s in ("fwd", "bwd", "ret", "ret_bwd")}
-        base = dict(protocol=protocol.PROTOCOL_VERSION, factory=FACTORY, cut=str(CUT), rejoin=None,
-                    fingerprint=fingerprint(chain), codecs=codecs, seed=0, client="hostile")
-        return Hello(**(base | changes))
 
+def _forward(entry: dict, call: int = 1, **fields: Any) -> Any:
+    return Forward(call=call, train=True, grad=fields.pop("grad", False), args=[entry], kwargs=fields.pop("kwargs", {}),
+                   **fields)
+
+
+def _ask(conn: Any, msg: Any, timeout: float = 10.0) -> Any:
+    conn.send(protocol.encode(msg))
+    return protocol.decode(conn.recv(timeout))
+
+
+def _mixed_attacks() -> list[tuple[str, list]]:
+    """(name, [message, ...]) pairs: each list is sent on one fresh connection, in order."""
     ctx = compressors.CodecContext()
     identity = compressors.make_codec("identity")
     x = payload_to_wire(identity.encode(torch.randn(4, 32), ctx), False)
@@ -126,122 +167,333 @@ def _attacks() -> list[tuple[str, list]]:
     for _ in range(1000):
         deep = [deep]
     graph = payload_to_wire(identity.encode(torch.randn(4096, 32), ctx), True)
-
-    def fwd(entry, call=1, **fields):
-        return Forward(call=call, train=True, grad=fields.pop("grad", False), args=[entry],
-                       kwargs=fields.pop("kwargs", {}), **fields)
-
     ids = np.array([399_999_999], dtype=np.int64)
     acsgd = payload_to_wire(compressors.make_codec("acsgd").encode(
         torch.randn(1, 32), compressors.CodecContext(sample_ids=np.array([0]))), False)
     return [
-        ("lowrank decode bomb", [hello("lowrank:rank=1"), fwd(payload_to_wire(bomb, False))]),
-        ("repeated side tensors", [hello(), fwd(x, kwargs={"a": expand, "b": expand, "c": expand})]),
-        ("operation flood", [hello(), Sync(ops=[{"op": "zero_grad"}] * 100_000, seq=1)]),
-        ("sample id 4e8", [hello("acsgd"), fwd(acsgd, sample_ids=ids)]),
-        ("file path option", [hello("acsgd:capacity=2000,path=/tmp/splitft-hostile.npy")]),
-        ("huge capacity", [hello("acsgd:capacity=300000000")]),
-        ("iteration bomb", [hello("lowrank:rank=1,iters=400000")]),
-        ("silent hello", [hello()]),
-        ("forged resume", [hello(resume={"session": "0" * 16, "token": "x" * 32, "step": 0, "seq": 0,
-                                         "log_from": 1})]),
-        ("deep list", [hello(factory_kwargs={"width": deep})]),
-        ("graphs never backpropagated", [hello()] + [fwd(graph, call=i, grad=True) for i in range(1, 40)]),
+        ("lowrank decode bomb", [_hello("lowrank:rank=1"), _forward(payload_to_wire(bomb, False))]),
+        ("repeated side tensors", [_hello(), _forward(x, kwargs={"a": expand, "b": expand, "c": expand})]),
+        ("operation flood", [_hello(), Sync(ops=[{"op": "zero_grad"}] * 100_000, seq=1)]),
+        ("sample id 4e8", [_hello("acsgd"), _forward(acsgd, sample_ids=ids)]),
+        ("file path option", [_hello("acsgd:capacity=2000,path=/tmp/splitft-hostile.npy")]),
+        ("huge capacity", [_hello("acsgd:capacity=300000000")]),
+        ("iteration bomb", [_hello("lowrank:rank=1,iters=400000")]),
+        ("silent hello", [_hello()]),
+        ("forged resume", [_hello(resume={"session": "0" * 16, "token": "x" * 32, "step": 0, "seq": 0,
+                                          "log_from": 1})]),
+        ("deep list", [_hello(factory_kwargs={"width": deep})]),
+        ("graphs never backpropagated", [_hello()] + [_forward(graph, call=i, grad=True) for i in range(1, 40)]),
     ]
 
 
-def hostile_client(address: str, attacks: list, stop: threading.Event, codes: collections.Counter,
-                   lock: threading.Lock, max_rounds: int) -> None:
-    import transports
-    from splitft import protocol
+# ---------------------------------------------------------------- attacks: each runs on a thread until stopped
 
-    for _ in range(max_rounds):
-        for name, messages in attacks:
-            if stop.is_set():
-                return
-            conn = transports.connect(address)
-            try:
-                for msg in messages:
-                    conn.send(protocol.encode(msg))
-                    try:
-                        reply = protocol.decode(conn.recv(10.0))
-                    except Exception as exc:  # noqa: BLE001 — an attacker's tally, not a bug report
-                        key = f"{name}: {type(exc).__name__}"
-                    else:
-                        key = f"{name}: {getattr(reply, 'code', reply.TYPE)}"
-                    with lock:
-                        codes[key] += 1
-            finally:
+
+class Attack:
+    """One attack on a thread: ``setup`` until ``ready``, then ``hold`` until ``stop``, then it closes."""
+    def __init__(self, address: str, args: argparse.Namespace, pid: int) -> None:
+        self.address, self.args, self.pid = address, args, pid
+        self.ready, self.stop = threading.Event(), threading.Event()
+        self.codes: collections.Counter = collections.Counter()
+        self.figures: dict[str, Any] = {}
+        self.conns: list[Any] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.setup()
+            self.ready.set()
+            self.hold()
+        finally:
+            self.ready.set()
+            for conn in self.conns:
                 conn.close()
+
+    @staticmethod
+    def cloud(folder: Path, args: argparse.Namespace) -> tuple[list[str], dict | None]:
+        """Extra flags for the cloud, and the good edge's CurveZMQ keys (None: a plain link)."""
+        return [], None
+
+    def setup(self) -> None:
+        pass
+
+    def after(self, result: dict[str, Any]) -> None:
+        """Figures to take once the attack stopped."""
+
+    def hold(self) -> None:
+        """Ping every session every 10 s: activity that trains nothing."""
+        while not self.stop.wait(10.0):
+            for conn in self.conns:
+                self._tally(conn, Ping())
+
+    def connect(self, src: str) -> Any:
+        conn = transports.connect(via(src, self.address))
+        self.conns.append(conn)
+        return conn
+
+    def _tally(self, conn: Any, msg: Any, name: str | None = None) -> Any:
+        try:
+            reply = _ask(conn, msg)
+        except Exception as exc:  # noqa: BLE001 — an attacker's tally, not a bug report
+            self.codes[f"{name or msg.TYPE}: {type(exc).__name__}"] += 1
+            return None
+        self.codes[f"{name or msg.TYPE}: {getattr(reply, 'code', reply.TYPE)}"] += 1
+        return reply
+
+
+class Mixed(Attack):
+    @staticmethod
+    def cloud(folder: Path, args: argparse.Namespace) -> tuple[list[str], dict | None]:
+        # Silent hellos are freed after 2 s; the other attacks meet the default (30 s), as a probe would.
+        return ["--handshake-timeout", "2", "--checkpoint-max-mb", "64", "--no-fsync",
+                "--checkpoint-dir", str(folder / "ck")], None
+
+    def after(self, result: dict[str, Any]) -> None:
+        folder = Path(self.args.tmp) / "ck"
+        self.figures["checkpoint folder (MiB, cap 64)"] = sum(
+            f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20
+
+    def hold(self) -> None:
+        attacks = _mixed_attacks()
+
+        def client() -> None:
+            for _ in range(self.args.rounds):
+                for name, messages in attacks:
+                    if self.stop.is_set():
+                        return
+                    conn = transports.connect(via("127.0.0.1", self.address))
+                    try:
+                        for msg in messages:
+                            self._tally(conn, msg, name)
+                    finally:
+                        conn.close()
+
+        threads = [threading.Thread(target=client, daemon=True) for _ in range(self.args.hostile)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
+class Booked(Attack):
+    """Book the memory budget to the byte with AC-SGD buffers that are never filled."""
+    def setup(self) -> None:
+        capacity, sessions, conn = 1 << 22, 0, None
+        while capacity and len(self.conns) < 60:
+            spec = f"acsgd:capacity={capacity}"
+            row = compressors.make_codec(spec).encode(torch.randn(1, 32), compressors.CodecContext(sample_ids=np.array([0])))
+            conn = conn or self.connect("127.0.0.2")  # after a refusal, the next hello replaces that session
+            reply = self._tally(conn, _hello(spec, slots=("fwd",)), "hello")
+            if reply is not None and reply.TYPE == "welcome":
+                reply = self._tally(conn, _forward(payload_to_wire(row, False), sample_ids=np.array([0], dtype=np.int64)),
+                                    "1-row forward")
+            if reply is not None and reply.TYPE != "error":
+                sessions, conn = sessions + 1, None
+            elif reply is None or "model" in reply.message:
+                break
+            else:
+                self.figures["last refusal"] = reply.message
+                capacity //= 2
+        self.figures["sessions"] = sessions
+
+
+class Hellos(Attack):
+    """Four addresses take every place; with ``failing``, each session's one forward fails in the model."""
+    failing = False
+
+    def setup(self) -> None:
+        per = int(BUDGETS["--max-open-sessions"]) // 4
+        for host in range(4):
+            for _ in range(per):
+                self._open(f"127.0.0.{10 + host}")
+
+    def _open(self, src: str) -> None:
+        conn = self.connect(src)
+        if getattr(self._tally(conn, _hello(), "hello"), "TYPE", "") == "welcome" and self.failing:
+            wrong = compressors.make_codec("identity").encode(torch.randn(1, 7), compressors.CodecContext())
+            self._tally(conn, _forward(payload_to_wire(wrong), grad=True), "failing forward")
+
+
+class Failing(Hellos):
+    failing = True
+
+    def hold(self) -> None:
+        super().hold()
+        self._open("127.0.0.10")  # take back the place the good edge left, then leave
+
+    def after(self, result: dict[str, Any]) -> None:
+        """How long until an edge from one of the attacker's addresses gets in again?"""
+        result["after_leaving_admitted_s"] = good_edge(self.address, 1, seed=2, src="127.0.0.10",
+                                                       patience=self.args.patience)[0]
+
+
+def _zmtp_peer(address: str, src: str) -> socket.socket:
+    """A raw ZMTP 3.0 peer (NULL mechanism) that says it is a DEALER: it can send frames that no
+    ZeroMQ library would, such as a message that never ends."""
+    host, port = address[len("tcp://"):].rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), source_address=(src, 0))
+    sock.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\x00") + bytes(32))
+    got = b""
+    while len(got) < 64:
+        got += sock.recv(64 - len(got))
+    body = b"".join(bytes([len(n)]) + n + struct.pack(">I", len(v)) + v
+                    for n, v in ((b"Socket-Type", b"DEALER"), (b"Identity", b"")))
+    ready = b"\x05READY" + body
+    sock.sendall(bytes([0x04, len(ready)]) + ready)
+    return sock
+
+
+def _more(payload: bytes) -> bytes:
+    """One frame with the MORE flag: the message goes on."""
+    head = bytes([0x01, len(payload)]) if len(payload) < 256 else b"\x03" + struct.pack(">Q", len(payload))
+    return head + payload
+
+
+class Inbound(Attack):
+    """Raw peers send ``--inbound-mb`` each in frames of one message they never end."""
+    def setup(self) -> None:
+        before, chunk = _memory(self.pid), bytes(8 << 20)
+        for i in range(self.args.inbound_peers):
+            sock = _zmtp_peer(self.address, f"127.0.0.{30 + i}")
+            self.conns.append(sock)
+            for _ in range(self.args.inbound_mb // 8):
+                sock.sendall(_more(chunk))
+        time.sleep(1.0)
+        sent = self.args.inbound_peers * (self.args.inbound_mb // 8) * 8
+        self.figures |= {"sent_mb": sent, "rss_growth_mb": (_memory(self.pid) - before) / 2**20,
+                         "rss_before_mb": before / 2**20}
+
+    def hold(self) -> None:
+        while not self.stop.wait(3.0):
+            for sock in self.conns:
+                sock.sendall(_more(b"x"))
+
+    def after(self, result: dict[str, Any]) -> None:
+        time.sleep(10.0)  # the peers are silent: ZeroMQ's heartbeat drops them after 6 s
+        result["rss_10s_after_silence_mb"] = _memory(self.pid) / 2**20
+
+
+class RefusedKey(Attack):
+    """A stranger's key sends ``--inbound-mb`` in one message to a cloud with an allow-list."""
+    @staticmethod
+    def cloud(folder: Path, args: argparse.Namespace) -> tuple[list[str], dict | None]:
+        keys = args.keys = folder / "keys"
+        with contextlib.redirect_stdout(io.StringIO()):
+            cli(["keys", "--dir", str(keys), "cloud", "good", "stranger"])
+        public, secret = transports.load_secret_key(keys / "good.key_secret")
+        return (["--secret-key", str(keys / "cloud.key_secret"), "--allow-edge-keys", str(keys / "good.key")],
+                {"public_key": public, "secret_key": secret, "server_key": transports.load_public_key(keys / "cloud.key")})
+
+    def setup(self) -> None:
+        keys = self.args.keys
+        public, secret = transports.load_secret_key(keys / "stranger.key_secret")
+        before = _memory(self.pid)
+        conn = transports.connect(via("127.0.0.40", self.address), public_key=public, secret_key=secret,
+                                  server_key=transports.load_public_key(keys / "cloud.key"))
+        self.conns.append(conn)
+        try:
+            conn.send([bytes(8 << 20)] * (self.args.inbound_mb // 8))
+            conn.recv(5.0)
+        except transports.TransportError as exc:
+            self.codes[type(exc).__name__] += 1
+        time.sleep(1.0)
+        self.figures |= {"sent_mb": self.args.inbound_mb // 8 * 8, "rss_growth_mb": (_memory(self.pid) - before) / 2**20}
+
+    def hold(self) -> None:
+        self.stop.wait()
 
 
 # ---------------------------------------------------------------- main
 
 
-def _pct(times: list[float], q: float) -> float:
+def _pct(times: list[float], q: int) -> float:
     return statistics.quantiles(times, n=100)[q - 1] if len(times) >= 2 else times[0]
+
+
+def _latency(admitted: float | None, times: list[float]) -> dict[str, Any]:
+    if admitted is None:
+        return {"admitted_s": None}
+    return {"admitted_s": admitted, "p50_ms": 1e3 * statistics.median(times), "p95_ms": 1e3 * _pct(times, 95),
+            "max_ms": 1e3 * max(times)}
+
+
+ATTACKS = {"mixed": Mixed, "booked": Booked, "hellos": Hellos, "failing": Failing, "inbound": Inbound,
+           "refused-key": RefusedKey}
+
+
+def scenario(name: str, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Start a cloud, run the good edge under one attack, and return the figures."""
+    kind = ATTACKS[name]
+    extra, keys = kind.cloud(folder, args)
+    proc, address = _start_cloud(folder, *extra)
+    attack = kind(address, args, proc.pid)
+    try:
+        attack.thread.start()
+        attack.ready.wait(120)
+        admitted, times = good_edge(address, args.steps, seed=1, keys=keys, patience=args.patience)
+        result = _latency(admitted, times) | {"cloud_rss_mb": _memory(proc.pid) / 2**20}
+        attack.stop.set()
+        attack.thread.join(timeout=60)
+        attack.after(result)
+        result |= {"attack": attack.figures, "replies": dict(sorted(attack.codes.items())),
+                   "cloud_peak_rss_mb": _memory(proc.pid, "VmHWM") / 2**20, "cloud_alive": proc.poll() is None}
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    return result
+
+
+def _report(name: str, r: dict[str, Any], alone: dict[str, Any]) -> None:
+    if r["admitted_s"] is None:
+        print(f"{name:12s} the good edge was refused for {alone['patience']:.0f} s")
+    else:
+        print(f"{name:12s} admitted in {r['admitted_s']:.2f} s; steps p50 {r['p50_ms']:.1f} ms, p95 {r['p95_ms']:.1f} ms "
+              f"({r['p95_ms'] / alone['p95_ms']:.2f}x alone), worst {r['max_ms']:.0f} ms; cloud RSS "
+              f"{r['cloud_rss_mb']:.0f} MiB (peak {r['cloud_peak_rss_mb']:.0f})")
+    for key, value in r.get("attack", {}).items():
+        print(f"{'':12s}   {key}: {value:.1f}" if isinstance(value, float) else f"{'':12s}   {key}: {value}")
+    for key in ("after_leaving_admitted_s", "rss_10s_after_silence_mb"):
+        if key in r:
+            value = r[key]
+            print(f"{'':12s}   {key}: " + ("refused throughout" if value is None else f"{value:.1f}"))
+    for key, count in r.get("replies", {}).items():
+        print(f"{'':12s}   {count:6d}  {key}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hostile", type=int, default=4, help="hostile client threads (default: 4)")
-    parser.add_argument("--steps", type=int, default=150, help="good-edge steps per phase (default: 150)")
+    parser.add_argument("--scenario", nargs="+", choices=list(ATTACKS), default=list(ATTACKS))
+    parser.add_argument("--hostile", type=int, default=4, help="mixed: hostile client threads (default: 4)")
     parser.add_argument("--rounds", type=int, default=50,
-                        help="at most this many passes over the attack list per client (default: 50)")
+                        help="mixed: at most this many passes over the attack list per client (default: 50)")
+    parser.add_argument("--steps", type=int, default=150, help="good-edge steps per scenario (default: 150)")
+    parser.add_argument("--inbound-peers", type=int, default=4, help="inbound: raw peers (default: 4)")
+    parser.add_argument("--inbound-mb", type=int, default=256, help="inbound: MiB each peer sends (default: 256)")
+    parser.add_argument("--patience", type=float, default=60.0,
+                        help="seconds the good edge keeps asking in while refused (default: 60)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
     args = parser.parse_args(argv)
 
+    results: dict[str, Any] = {"budgets": BUDGETS, "steps": args.steps}
     with tempfile.TemporaryDirectory(prefix="splitft-hostile-") as tmp:
+        args.tmp = tmp
         proc, address = _start_cloud(Path(tmp))
         try:
-            alone = good_edge(address, args.steps, seed=0)
-            baseline = _memory(proc.pid, "VmHWM")  # the process with torch loaded and one session served
-            attacks = _attacks()
-            stop, lock, codes = threading.Event(), threading.Lock(), collections.Counter()
-            threads = [threading.Thread(target=hostile_client, args=(address, attacks, stop, codes, lock, args.rounds),
-                                        daemon=True) for _ in range(args.hostile)]
-            for t in threads:
-                t.start()
-            time.sleep(0.5)  # let the attack get going
-            attacked = good_edge(address, args.steps, seed=1)
-            stop.set()
-            for t in threads:
-                t.join(timeout=30)
-            peak = _memory(proc.pid, "VmHWM")
-            alive = proc.poll() is None
-            folder = Path(tmp) / "ck"
-            checkpoint_bytes = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.exists() else 0
+            admitted, times = good_edge(address, args.steps, seed=0)
+            results["alone"] = _latency(admitted, times) | {"patience": args.patience}
         finally:
             proc.kill()
             proc.wait(timeout=10)
-
-    total_mb = float(BUDGETS["--memory-mb"])
-    result = {
-        "hostile_clients": args.hostile,
-        "steps": args.steps,
-        "alone_p50_ms": 1e3 * statistics.median(alone), "alone_p95_ms": 1e3 * _pct(alone, 95),
-        "attacked_p50_ms": 1e3 * statistics.median(attacked), "attacked_p95_ms": 1e3 * _pct(attacked, 95),
-        "attacked_max_ms": 1e3 * max(attacked),
-        "cloud_baseline_rss_mb": baseline / 2**20, "cloud_peak_rss_mb": peak / 2**20,
-        "cloud_memory_budget_mb": total_mb, "cloud_alive": alive, "replies": dict(sorted(codes.items())),
-        "file_path_attack_wrote_file": Path("/tmp/splitft-hostile.npy").exists(),
-        "checkpoint_folder_mb": checkpoint_bytes / 2**20,
-    }
-    print(f"good edge, {args.steps} steps: alone p50 {result['alone_p50_ms']:.1f} ms, p95 {result['alone_p95_ms']:.1f} ms")
-    print(f"under {args.hostile} hostile clients: p50 {result['attacked_p50_ms']:.1f} ms "
-          f"({result['attacked_p50_ms'] / result['alone_p50_ms']:.2f}x), p95 {result['attacked_p95_ms']:.1f} ms "
-          f"({result['attacked_p95_ms'] / result['alone_p95_ms']:.2f}x), worst {result['attacked_max_ms']:.0f} ms")
-    print(f"cloud resident memory: {result['cloud_baseline_rss_mb']:.0f} MiB before the attack, peak "
-          f"{result['cloud_peak_rss_mb']:.0f} MiB during it (+{(peak - baseline) / 2**20:.0f} MiB; the sessions' "
-          f"budget is {total_mb:.0f} MiB); still serving: {alive}")
-    print(f"file written by the path attack: {result['file_path_attack_wrote_file']}; checkpoint folder "
-          f"{result['checkpoint_folder_mb']:.1f} MiB (cap {BUDGETS['--checkpoint-max-mb']} MiB)")
-    print("what the attackers got back:")
-    for key, count in result["replies"].items():
-        print(f"  {count:6d}  {key}")
+        alone = results["alone"]
+        print(f"{'alone':12s} admitted in {alone['admitted_s']:.2f} s; steps p50 {alone['p50_ms']:.1f} ms, "
+              f"p95 {alone['p95_ms']:.1f} ms, worst {alone['max_ms']:.0f} ms")
+        for name in args.scenario:
+            results[name] = scenario(name, Path(tmp), args)
+            _report(name, results[name], alone)
+    results["file_path_attack_wrote_file"] = Path("/tmp/splitft-hostile.npy").exists()
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
     return 0
 
 

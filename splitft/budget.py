@@ -11,7 +11,7 @@ session's budget or the cloud's total; the session and every other one keep serv
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,28 +113,48 @@ def expanded_nbytes(shape: tuple[int, ...], itemsize: int) -> int:
 
 
 class MemoryBook:
-    """Held bytes per session, against the per-session budget and the cloud's total."""
+    """Held bytes per session, against the per-session budget and the cloud's total.
 
-    def __init__(self, limits: Limits) -> None:
+    ``reclaim(session, origin, wanted, over)`` is asked to free ``over`` bytes of other sessions
+    before a request that does not fit the total is refused (the server evicts idle sessions and
+    those of origins holding more than the asker; :mod:`splitft.cloud.admission`). Refusals say what
+    the asking session may hold, never how much the cloud has left: that would tell a hostile edge
+    exactly how much to ask for to leave nothing to anyone else.
+    """
+
+    def __init__(self, limits: Limits, reclaim: Callable[[str, str | None, int, int], None] | None = None) -> None:
         self.limits = limits
         self.held: dict[str, int] = {}
+        self.reclaim = reclaim
 
     @property
     def total(self) -> int:
         return sum(self.held.values())
 
-    def check(self, session: str, now: int, extra: int, what: str) -> None:
-        """Raise :class:`CapacityError` unless ``extra`` more bytes fit beside ``now`` held."""
+    def check(self, session: str, now: int, extra: int, what: str, origin: str | None = None) -> None:
+        """Raise :class:`CapacityError` unless ``extra`` more bytes fit beside ``now`` held.
+
+        ``origin`` names who asks when ``session`` is not booked yet (a model being admitted);
+        without either, nothing is evicted to make room.
+        """
         if now + extra > self.limits.session_memory_bytes:
             raise CapacityError(
                 f"{what} needs {mib(extra)} more; this session holds {mib(now)} and may hold "
                 f"{mib(self.limits.session_memory_bytes)} (--session-memory-mb). Send smaller batches, "
                 "backpropagate or drop pending forward calls, or use a smaller model")
-        others = self.total - self.held.get(session, 0)
-        if others + now + extra > self.limits.memory_bytes:
+        over = self._over(session, now + extra)
+        if over > 0 and self.reclaim is not None:
+            self.reclaim(session, origin, now + extra, over)
+            over = self._over(session, now + extra)
+        if over > 0:
             raise CapacityError(
-                f"{what} needs {mib(extra)} more, but this cloud's sessions already hold {mib(others + now)} "
-                f"of {mib(self.limits.memory_bytes)} (--memory-mb); try again later")
+                f"{what} needs {mib(extra)} more, and this cloud has no room for it now: its memory is held by "
+                f"sessions that are training. This session holds {mib(now)} and may hold "
+                f"{mib(self.limits.session_memory_bytes)}; try again later, or ask for less")
+
+    def _over(self, session: str, wanted: int) -> int:
+        """Bytes beyond the total if ``session`` held ``wanted``."""
+        return self.total - self.held.get(session, 0) + wanted - self.limits.memory_bytes
 
     def set(self, session: str, nbytes: int) -> None:
         self.held[session] = int(nbytes)

@@ -38,17 +38,27 @@ def add_cloud_parser(sub: argparse._SubParsersAction) -> None:
                    help="this cloud's secret key file (NAME.key_secret from 'splitft keys')")
     g.add_argument("--allow-edge-keys", nargs="+", default=None, metavar="DIR_OR_FILE",
                    help="edge public keys allowed in: .key files, or folders of them")
+    g.add_argument("--allow-any-edge", action="store_true",
+                   help="serve a public (non-loopback) --bind address without --allow-edge-keys: anyone who "
+                        "reaches the port may open sessions, and ZeroMQ buffers what they send before the cloud's "
+                        "checks see it (refused without this flag)")
     _add_checkpoint_options(cloud)
     _add_policy_options(cloud)
     _add_hardware_options(cloud)
     g = cloud.add_argument_group("many edges")
     g.add_argument("--max-open-sessions", type=int, default=256,
-                   help="sessions served at once; more hellos are refused (default: 256)")
+                   help="sessions served at once; beyond it a hello takes the place of an idle session, or of "
+                        "one of an origin holding more places, and is refused if there is none (default: 256)")
     g.add_argument("--sessions-per-peer", type=int, default=64, metavar="N",
-                   help="sessions open at once from one address (or one edge key on a CurveZMQ link) (default: 64)")
+                   help="sessions open at once from one address, or from one allowed edge key with "
+                        "--allow-edge-keys (default: 64)")
     g.add_argument("--handshake-timeout", type=float, default=30.0, metavar="S",
                    help="free a session that has not sent a training request after this many silent seconds "
                         "(default: 30)")
+    g.add_argument("--evictable-after", type=float, default=30.0, metavar="S",
+                   help="when the cloud is full, a session whose hello or last training request (pings and "
+                        "failed requests do not count) is older than this may be evicted for a new one; sessions "
+                        "of an origin holding more than the newcomer's may be at once (default: 30)")
     g.add_argument("--shared-model", action="store_true",
                    help="edges asking for the same model and cut train one shared cloud half, in the order "
                         "their requests arrive (sequential split learning); default: a cloud half per edge")
@@ -162,7 +172,8 @@ def _limits_and_policy(args: argparse.Namespace) -> tuple:
     mb = 2**20
     limits = Limits(max_message_bytes=int(args.max_message_mb * mb), session_timeout=args.session_timeout,
                     max_sessions=args.max_open_sessions, sessions_per_peer=args.sessions_per_peer,
-                    handshake_timeout=args.handshake_timeout, max_ops=args.max_ops,
+                    handshake_timeout=args.handshake_timeout, evictable_after=args.evictable_after,
+                    max_ops=args.max_ops,
                     max_decoded_bytes=int(args.max_decoded_mb * mb),
                     session_memory_bytes=int(args.session_memory_mb * mb), memory_bytes=int(args.memory_mb * mb),
                     checkpoint_bytes=int(args.checkpoint_max_mb * mb))
@@ -191,6 +202,7 @@ def run_cloud(args: argparse.Namespace) -> int:
 
     try:
         group = workers.join(args)
+        _check_open(workers.bind_address(group, args), args, say)
         options = _listener_options(args, say)
         placement = Placement(workers.device(group, args.device), None if args.dtype == "float32" else args.dtype)
         batch = _batch_split(args, placement, say)
@@ -241,6 +253,42 @@ def _listener_options(args: argparse.Namespace, say: Any) -> dict:
         allowed = transports.load_allowed_keys(args.allow_edge_keys)
         options |= {"secret_key": secret, "allowed_keys": allowed, "on_refused": say}
     return options
+
+
+def _check_open(address: str, args: argparse.Namespace, say: Any) -> None:
+    """Refuse to serve a public address to anyone unless the operator says so (``--allow-any-edge``).
+
+    Whoever can open a connection can make the process buffer what they send before any check
+    runs (README: the trust boundary); an allow-list drops a stranger at the handshake.
+    """
+    from .errors import ConfigError
+
+    if args.allow_edge_keys or not is_public(address):
+        return
+    if not args.allow_any_edge:
+        raise ConfigError(
+            f"{address} is reachable from other machines, and without --allow-edge-keys anyone who reaches it may "
+            "connect and make this process buffer what they send. Give --secret-key and --allow-edge-keys (make "
+            "keys with `splitft keys`), bind 127.0.0.1, or add --allow-any-edge to serve an open cloud anyway")
+    say(f"warning: {address} is open to any edge that reaches it (--allow-any-edge)")
+
+
+def is_public(address: str) -> bool:
+    """Whether a ``tcp://`` bind address may be reached from other machines (ipc:// never is; a
+    host that is not an IP address or a name of this machine's loopback counts as public)."""
+    import ipaddress
+    import socket
+
+    if not address.startswith("tcp://"):
+        return False
+    host = address[len("tcp://"):].split(";")[-1].rsplit(":", 1)[0].strip("[]")
+    if host in ("", "*"):
+        return True
+    try:
+        found = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        return True  # an interface name, or a name this machine cannot resolve
+    return not found or not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in found)
 
 
 def _announce(args: argparse.Namespace, say: Any, listener: Any, server: Any, rounds: Any, batch: Any,

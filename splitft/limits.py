@@ -6,8 +6,9 @@ before they are, a model's parameter count (built on the ``meta`` device, which 
 nothing) before it is built for real, the number of sessions before a new one opens. What a
 session holds — its model copy, codec buffers and caches, graphs awaiting their backward,
 deferred gradients, cached replies — counts against one per-session budget and one total, so a
-few hundred bytes can never make the cloud hold gigabytes. The edge learns the message limits in
-the handshake and checks its own messages before sending them.
+few hundred bytes can never make the cloud hold gigabytes. (What ZeroMQ buffers before a message
+is handed over is outside these budgets: see :mod:`transports.zmq`.) The edge learns the message
+limits in the handshake and checks its own messages before sending them.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ class Limits:
             (after repeating compacted side tensors and widening to the decoded dtype).
         max_ops: mirrored operations (step, zero_grad, ...) one message may carry.
         max_sessions: sessions open at once; a further hello is refused with ``capacity``.
-        sessions_per_peer: sessions open at once from one network address (or, on a CurveZMQ
-            link, one edge key).
+        sessions_per_peer: sessions open at once from one origin: one network address, and on a
+            CurveZMQ link also one edge key (with an allow-list, only the key: edges behind one
+            address are told apart by their keys).
         session_memory_bytes: what one session may hold: its copy of the cloud half (weights,
             gradients, optimizer state), codec state, pending graphs, deferred gradients and
             cached replies.
@@ -56,6 +58,10 @@ class Limits:
             keeps an idle session alive with heartbeats).
         handshake_timeout: seconds a session that has not trained yet may stay silent before
             it is freed (a hello that is never followed by work does not hold a place for long).
+        evictable_after: seconds after its hello or its last training request (a forward,
+            backward or operations that succeeded; pings and failed requests do not count) after
+            which a session may be evicted when a new session, or another session's request,
+            needs the room it holds (see :mod:`splitft.cloud.admission`).
         reply_cache: replies kept per session, to answer a repeated request without redoing it.
         max_error_chars: error replies are cut to this length (they may quote the request).
         checkpoint_bytes: what the checkpoint folder may hold in all; a session that would
@@ -74,6 +80,7 @@ class Limits:
     max_model_params: int = 2_000_000_000
     session_timeout: float = 300.0
     handshake_timeout: float = 30.0
+    evictable_after: float = 30.0
     reply_cache: int = 8
     max_error_chars: int = 2000
     checkpoint_bytes: int = 64 * GiB
@@ -108,5 +115,7 @@ class Limits:
 
 
 def mib(nbytes: int) -> str:
-    """``nbytes`` for people: ``"12.3 MiB"``."""
-    return f"{nbytes / 2**20:.1f} MiB"
+    """``nbytes`` for people: ``"12.3 MiB"`` (``"3.0 KiB"``, ``"96 bytes"`` below a tenth of a MiB)."""
+    if nbytes >= 2**20 // 10:
+        return f"{nbytes / 2**20:.1f} MiB"
+    return f"{nbytes / 2**10:.1f} KiB" if nbytes >= 2**10 else f"{nbytes} bytes"

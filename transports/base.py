@@ -81,7 +81,12 @@ class Listener(ABC):
     def origin(self, peer: PeerId) -> str:
         """Who stands behind ``peer``: its authenticated key, else its network address, else ""
         (the server caps sessions per origin, so one host cannot take every place)."""
-        return ""
+        return self.origins(peer)[0]
+
+    def origins(self, peer: PeerId) -> tuple[str, ...]:
+        """Every origin ``peer``'s sessions count against, :meth:`origin` first: an address and,
+        where the link has one that no allow-list vouches for, a key as well."""
+        return ("",)
 
     def __enter__(self) -> "Listener":
         return self

@@ -104,17 +104,18 @@ def _check_z85(key: Key, what: str) -> Key:
 
 
 class KeyAllowList:
-    """ZAP credentials check for :class:`zmq.auth.thread.ThreadAuthenticator`: known keys pass.
+    """ZAP credentials check for :class:`zmq.auth.thread.ThreadAuthenticator`: known keys pass
+    (``keys`` None: every key passes, and the connection's key is still known to the server).
 
     ``on_refused`` hears about each refusal (with the key), so the operator sees who knocked.
     """
 
-    def __init__(self, keys: Iterable[Key], on_refused: Callable[[str], None] | None = None) -> None:
-        self.keys = frozenset(keys)
+    def __init__(self, keys: Iterable[Key] | None, on_refused: Callable[[str], None] | None = None) -> None:
+        self.keys = None if keys is None else frozenset(keys)
         self.on_refused = on_refused
 
     def callback(self, domain: str, key: Key) -> bool:
-        if key in self.keys:
+        if self.keys is None or key in self.keys:
             return True
         text = key.decode("ascii", "replace")
         log.warning("refused an edge with unknown CURVE key %s", text)

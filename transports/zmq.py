@@ -291,16 +291,20 @@ class ZmqConnection(Connection):
 _ORIGINS_KEPT = 65536
 
 
-def _frame_origin(frame: zmq.Frame, curve: bool) -> str:
-    """The edge's CURVE key (what ZAP authenticated) on an encrypted link, else its address."""
-    for prop in (("User-Id", "Peer-Address") if curve else ("Peer-Address",)):
+def _frame_origins(frame: zmq.Frame, curve: bool, allow_list: bool) -> tuple[str, ...]:
+    """Who stands behind a connection: the edge's CURVE key that an allow-list vouched for; else
+    its address, and on an encrypted link without an allow-list its (self-made) key too."""
+    found = {}
+    for prop in ("User-Id", "Peer-Address"):
         try:
             value = frame.get(prop)
         except (zmq.ZMQError, KeyError, AttributeError):
             continue
         if value:
-            return f"{prop.lower()}:{value}"
-    return ""
+            found[prop] = f"{prop.lower()}:{value}"
+    if curve and allow_list and "User-Id" in found:
+        return (found["User-Id"],)  # vouched for: edges behind one address are told apart by their keys
+    return tuple(found[p] for p in ("Peer-Address", "User-Id") if p in found) or ("",)
 
 
 class ZmqListener(Listener):
@@ -311,10 +315,14 @@ class ZmqListener(Listener):
         max_message_bytes: ZeroMQ drops the connection of a peer that sends a bigger frame,
             before any of it is buffered whole (-1: no limit). It bounds each frame only: a
             message's frames, and up to ``RCVHWM`` (1000) messages per connection, are
-            buffered before :meth:`recv` returns the first of them.
+            buffered before :meth:`recv` returns the first of them, and nothing in ZeroMQ
+            bounds the frames of one message or asks a peer to finish it: a peer that keeps
+            sending frames of a message it never ends (any traffic satisfies the heartbeat)
+            holds as much memory as it sent. Only an allow-list keeps strangers from doing so.
         secret_key: this cloud's CURVE secret key (Z85): the link becomes encrypted.
         allowed_keys: the edge public keys that may connect (a ZAP handler checks each
-            handshake). None with a secret key: any key may connect (encrypted, not authenticated).
+            handshake, before any message is read). None with a secret key: any key may connect
+            (encrypted, not authenticated).
         on_refused: hears about each refused edge key.
         heartbeat: seconds between ZMTP pings (None/0: off).
 
@@ -332,16 +340,20 @@ class ZmqListener(Listener):
         # A ZAP handler is per context, so a CURVE listener gets a context of its own.
         self._own_ctx = self.curve and context is None
         self._ctx = zmq.Context() if self._own_ctx else (context or zmq.Context.instance())
-        if self.curve and allowed_keys is not None:
+        self._allow_list = allowed_keys is not None
+        if self.curve:
             from zmq.auth.thread import ThreadAuthenticator
 
             from .curve import KeyAllowList
 
+            # A ZAP handler even for any key: it makes each connection's key known (``User-Id``),
+            # so sessions are counted per key as well as per address.
             self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger(f"{__name__}.zap"))
             self._auth.start()
             self._auth.configure_curve_callback("*", credentials_provider=KeyAllowList(allowed_keys, on_refused))
-        elif self.curve:
-            log.warning("CURVE listener without an allow-list: any edge key may connect (encrypted, not authenticated)")
+        if self.curve and not self._allow_list:
+            log.warning("CURVE listener without an allow-list: any edge key may connect (encrypted, not "
+                        "authenticated); sessions are capped per address and per key")
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
@@ -349,7 +361,7 @@ class ZmqListener(Listener):
         _heartbeats(self._sock, heartbeat)
         if self.curve:
             self._sock.curve_server = True
-            self._sock.curve_secretkey = secret_key  # no ZAP handler in the context: any client key
+            self._sock.curve_secretkey = secret_key
         try:
             if address.startswith("tcp://") and address.endswith(":0"):
                 port = self._sock.bind_to_random_port(address[: -len(":0")])
@@ -364,7 +376,7 @@ class ZmqListener(Listener):
         self.address = address
         self._poller = zmq.Poller()  # kept: building one per receive costs more than the poll
         self._poller.register(self._sock, zmq.POLLIN)
-        self._origins: OrderedDict[PeerId, str] = OrderedDict()
+        self._origins: OrderedDict[PeerId, tuple[str, ...]] = OrderedDict()
         self._closed = False
 
     def send(self, peer: PeerId, frames: Sequence[Frame]) -> int:
@@ -404,13 +416,13 @@ class ZmqListener(Listener):
         except zmq.ZMQError as exc:
             raise TransportError(f"receive on {self.address} failed: {exc}") from exc
         if peer not in self._origins:  # a new peer: its first frame carries its origin
-            self._origins[peer] = _frame_origin(first, self.curve)
+            self._origins[peer] = _frame_origins(first, self.curve, self._allow_list)
             while len(self._origins) > _ORIGINS_KEPT:
                 self._origins.popitem(last=False)
         return peer, parts
 
-    def origin(self, peer: PeerId) -> str:
-        return self._origins.get(peer, "")
+    def origins(self, peer: PeerId) -> tuple[str, ...]:
+        return self._origins.get(peer, ("",))
 
     def _release(self) -> None:
         self._sock.close(linger=0)

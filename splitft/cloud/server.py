@@ -3,8 +3,9 @@
 The server loop never lets one edge's message stop it: every failure becomes a typed Error reply
 and the loop goes on. Admission is where the cloud's policy and budgets meet a new session (how
 many sessions, how many per origin, the codecs and options asked for, the model's memory, room
-in the checkpoint folder); :mod:`~splitft.cloud.session` prices each request; sessions that hear
-nothing for ``Limits.session_timeout`` (or, before they trained, ``handshake_timeout``) are freed.
+in the checkpoint folder); when the cloud is full, :mod:`~splitft.cloud.admission` decides whom
+to evict. :mod:`~splitft.cloud.session` prices each request; sessions that hear nothing for
+``Limits.session_timeout`` (or, before they trained, ``handshake_timeout``) are freed.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import math
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -31,6 +32,7 @@ from ..limits import Limits
 from ..policy import Policy
 from ..protocol import Ack, Backward, Bye, Error, Forward, Hello, Ping, Pong, Sync, Welcome
 from . import checkpoints, replies
+from .admission import Admission
 from .session import CloudSession, SharedPart, check_codecs, hello_identity
 
 log = logging.getLogger(__name__)
@@ -106,8 +108,11 @@ class CloudServer:
         self.checkpoint_every = checkpoint_every
         self.policy = policy or Policy()
         self.placement = placement or Placement()
-        self.book = MemoryBook(self.limits)
-        self.origins: dict[bytes, str] = {}  # peer → who stands behind it, for the per-origin cap
+        self.admission = Admission(self)
+        self.book = MemoryBook(self.limits, reclaim=self.admission.reclaim)
+        self.origins: dict[bytes, tuple[str, ...]] = {}  # peer → who stands behind it, for the per-origin caps
+        #: Why the cloud freed the session a peer spoke for (expired, evicted), for its next request.
+        self.gone: OrderedDict[bytes, str] = OrderedDict()
         self.shared_model = shared_model
         self.shared: dict[str, SharedPart] = {}
         self.rounds = rounds
@@ -240,8 +245,10 @@ class CloudServer:
     def _session_of(self, peer: bytes, msg: protocol.Message) -> CloudSession:
         session = self.sessions.get(peer)
         if session is None:
-            raise SessionLost(f"no session for this connection (got {msg.TYPE}): send a hello first, or a "
-                              "hello with a resume token if the cloud restarted")
+            why = self.gone.get(peer)
+            raise SessionLost(f"no session for this connection (got {msg.TYPE}): "
+                              + (f"this cloud freed it ({why}); " if why else "")
+                              + "send a hello first, or a hello with a resume token if the cloud restarted")
         return session
 
     def _on_request(self, peer: bytes, msg: Forward | Backward | Sync | Bye, seq: int) -> protocol.Message:
@@ -250,7 +257,7 @@ class CloudServer:
         session = self._session_of(peer, msg)
         before = session.steps
         try:
-            session.apply_ops(msg.ops)
+            applied = session.apply_ops(msg.ops)
         finally:
             # Right after the step, before the request's own work: replaying this request
             # re-applies its operations, which their ids make harmless, then does that work.
@@ -258,12 +265,16 @@ class CloudServer:
             if force or before // self.checkpoint_every != session.steps // self.checkpoint_every:
                 checkpoints.save(self, session, (seq or session.last_seq + 1) - 1, pinned=force and msg.pin)
         if isinstance(msg, Forward):
-            return session.forward(msg)
-        if isinstance(msg, Backward):
-            return session.backward(msg)
-        if isinstance(msg, Sync):
-            return Ack(state=session.state() if msg.want_state else None,
-                       grad_norms=session.grad_norms(msg.grad_norm, msg.grad_names) if msg.grad_norm is not None else None)
+            reply: protocol.Message = session.forward(msg)
+        elif isinstance(msg, Backward):
+            reply = session.backward(msg)
+        elif isinstance(msg, Sync):
+            reply = Ack(state=session.state() if msg.want_state else None,
+                        grad_norms=session.grad_norms(msg.grad_norm, msg.grad_names) if msg.grad_norm is not None else None)
+        if applied or isinstance(msg, (Forward, Backward)):  # it trained (a ping, or a request that failed, did not)
+            self.admission.worked(session.id)
+        if not isinstance(msg, Bye):
+            return reply
         checkpoints.save(self, session, (seq or session.last_seq + 1) - 1)
         self._end(peer, msg.reason or "edge said goodbye")
         return Ack()
@@ -278,12 +289,17 @@ class CloudServer:
         else:
             if peer in self.sessions:
                 self._end(peer, "replaced by a new hello")
-            self.admit(peer)
             check_codecs(msg.codecs)
             self.policy.check(msg.codecs)
-            session = self.make_session(msg, self.factories, self.limits, shared=self._shared_part(msg),
-                                   policy=self.policy, admit=self._admit_model, placement=self.placement)
-            self.book.check(session.id, 0, session.held_bytes(), "opening this session")
+            self.admit(peer)
+            origin = self.origins[peer][0]
+
+            def admit_model(nbytes: int) -> None:
+                self._admit_model(nbytes, origin)
+
+            session = self.make_session(msg, self.factories, self.limits, shared=self._shared_part(msg, admit_model),
+                                        policy=self.policy, admit=admit_model, placement=self.placement)
+            self.book.check(session.id, 0, session.held_bytes(), "opening this session", origin=origin)
             self.bind(peer, session)
             if self.checkpoints is not None:
                 checkpoints.save(self, session, 0)
@@ -298,24 +314,19 @@ class CloudServer:
                        limits=self.limits.for_edge(), shared=session.shared is not None)
 
     def admit(self, peer: bytes) -> None:
-        """Refuse a new session when the cloud, its origin or the checkpoint folder has no room."""
-        if len(self.by_id) >= self.limits.max_sessions:
-            raise CapacityError(f"this cloud serves {len(self.by_id)} sessions, its limit; try again later "
-                                "(the operator can raise --max-open-sessions)")
-        origin = self.listener.origin(peer)
-        self.origins[peer] = origin
-        mine = sum(1 for s in self.by_id.values() if s.origin == origin)
-        if mine >= self.limits.sessions_per_peer:
-            raise CapacityError(f"{origin or 'this peer'} already has {mine} open sessions, the most one origin "
-                                "may have (--sessions-per-peer); end one first")
+        """Make room for a new session of ``peer`` (evicting idle sessions, or those of an origin
+        holding more), or refuse it when the cloud, its origin or the checkpoint folder has none."""
+        origins = self.listener.origins(peer)
+        self.origins[peer] = origins
+        self.admission.room_for_session(origins)
         if self.checkpoints is not None and self.checkpoints.full():
             raise CapacityError("the checkpoint folder is full (--checkpoint-max-mb); try again later")
 
-    def _admit_model(self, nbytes: int) -> None:
+    def _admit_model(self, nbytes: int, origin: str | None = None) -> None:
         """Before a model is built: does a trained copy of it fit the memory budgets?"""
-        self.book.check("", 0, nbytes, "the requested model (weights, gradients, optimizer state)")
+        self.book.check("", 0, nbytes, "the requested model (weights, gradients, optimizer state)", origin=origin)
 
-    def _shared_part(self, msg: Hello) -> SharedPart | None:
+    def _shared_part(self, msg: Hello, admit_model: Callable[[int], None] | None = None) -> SharedPart | None:
         if not self.shared_model:
             return None
         key = json.dumps(hello_identity(msg) | {"codecs": None, "seed": None}, sort_keys=True, default=str)
@@ -323,7 +334,7 @@ class CloudServer:
         if part is None:
             if len(self.shared) >= 16:
                 raise CapacityError("this cloud already trains 16 different shared cloud parts, its limit")
-            chain, ushape = build_chain(msg, self.factories, self.limits, self._admit_model)
+            chain, ushape = build_chain(msg, self.factories, self.limits, admit_model or self._admit_model)
             part = self.shared[key] = SharedPart(chain, ushape)
         if self.rounds is not None:
             self.rounds.admit(part)
@@ -336,8 +347,11 @@ class CloudServer:
         if old is not None and old is not session:
             self._end(peer, "replaced by a new hello")
         self.sessions[peer] = session
+        self.gone.pop(peer, None)
         self.by_id[session.id] = session
-        session.origin = self.origins.get(peer, self.listener.origin(peer))
+        origins = self.origins.get(peer) or self.listener.origins(peer)
+        session.origin = origins[0]
+        self.admission.opened(session.id, origins, trained=session.trained)  # a restored session trained before
         session.book = self.book
         self.book.set(session.id, session.held_bytes())
         session.last_seen = time.monotonic()
@@ -359,7 +373,13 @@ class CloudServer:
         """Free a session; with ``discard`` its regular checkpoints go too (a pinned one stays)."""
         self.finished.append({"session": session.id, "steps": session.steps, "requests": session.last_seq,
                               "repeats": session.duplicates, "reason": text})
+        for peer in [p for p, s in self.sessions.items() if s is session]:  # still connected: tell it why, later
+            self.gone[peer] = text
+            while len(self.gone) > 4096:
+                self.gone.popitem(last=False)
+        trained = self.admission.trained(session.id)
         self.unbind(session)
+        self.admission.forget(session.id)
         if session.shared is not None:
             session.shared.sessions -= 1
             if session.shared.sessions <= 0:  # nobody trains it now: the next edge may pick the optimizer
@@ -369,9 +389,17 @@ class CloudServer:
                 self.checkpoints.remove(session.id)
             except (OSError, CheckpointError) as exc:
                 log.warning("session %s: cannot delete its checkpoints: %s", session.id, exc)
-        if session.trained:  # a hello that never trained does not count towards --sessions
+        if trained:  # a hello that never trained does not count towards --sessions
             self.ended += 1
         self.event(f"session {session.id} {text}")
+
+    def evict(self, session_id: str, text: str) -> None:
+        """Free a session to make room for another (:mod:`.admission` chose it)."""
+        session = self.by_id.get(session_id)
+        if session is None:
+            self.admission.forget(session_id)
+            return
+        self._forget(session, text)
 
     def expire(self, now: float | None = None) -> None:
         """Free sessions that heard nothing for ``limits.session_timeout`` (checked once a second)."""
@@ -383,7 +411,7 @@ class CloudServer:
             idle = now - session.last_seen
             if idle > self.limits.session_timeout:
                 self._forget(session, f"expired after {idle:.0f} s without a message")
-            elif not session.trained and idle > self.limits.handshake_timeout:
+            elif not self.admission.trained(session.id) and idle > self.limits.handshake_timeout:
                 self._forget(session, f"freed: no request for {idle:.0f} s after its hello")
 
     def shutdown(self, reason: str) -> None:
