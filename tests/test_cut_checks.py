@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from splitft.errors import CutError
-from splitft.cut import install, parse_cut, standin_of
+from splitft.cut import parse_cut
+from splitft.edge.ghosts import install, standin_of
 
 
 def _identity_remote(x, *args, **kwargs):

@@ -23,7 +23,7 @@ import torch
 from splitft.edge.cloud_half import CloudHalf
 from splitft.edge.placeholders import MIRRORED, CloudGrad, CloudTensor, RemoteTensor
 from splitft.errors import CutError, PlaceholderError
-from splitft.intermediate import TrunkIntermediate
+from splitft.edge.intermediate import TrunkIntermediate
 
 pytest.importorskip("expecttest")  # torch.testing._internal needs it (the test extra installs it)
 from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402

@@ -10,7 +10,8 @@ from torch import nn
 import splitft
 from splitft import Factory
 from splitft.errors import ConfigError, CutError
-from splitft.cut import install, parse_cut
+from splitft.cut import parse_cut
+from splitft.edge.ghosts import install
 
 pytest.importorskip("transformers")
 

@@ -13,7 +13,8 @@ from torch import nn
 import transports
 
 from .. import protocol
-from ..cut import CutSpec, cut_text, extract, fingerprint, install, parse_cut, structure, value_hash
+from ..cut import CutSpec, cut_text, extract, fingerprint, parse_cut, structure, value_hash
+from .ghosts import install
 from ..devices import resolve_device
 from ..errors import ConfigError, translated
 from ..options import Codecs, Factory, Faults, Link, Opener, Schedule

@@ -21,7 +21,9 @@ from torch import nn
 
 from .. import tree as trees
 from ..coding import CacheRef, flatten, is_cache, sample_ids_array, unflatten
-from ..cut import Chain, CutReached, CutSpec, standin_name, uninstall
+from ..cut import Chain, CutSpec
+from .ghosts import standin_name, uninstall
+from .standins import CutReached
 from ..devices import autocast_dtype
 from ..errors import ConfigError, SplitFTError
 from ..metrics import JsonlWriter, Metrics

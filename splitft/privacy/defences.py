@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..cut import CutPoint, TrunkEntry, standin_of
+from ..edge.ghosts import standin_of
+from ..edge.standins import CutPoint, TrunkEntry
 from ..errors import ConfigError, SplitFTError
 from .accountant import PrivacyAccountant, calibrate
 from .dcor import distance_correlation

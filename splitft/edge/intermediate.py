@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from . import tree as trees
-from .errors import CutError
+from .. import tree as trees
+from ..errors import CutError
 
 #: What may be asked of an inner output without reading it: it holds the trunk's final output's.
 _HARMLESS = {getattr(torch.Tensor, name).__get__ for name in ("dtype", "device", "requires_grad", "layout",

@@ -1,0 +1,282 @@
+"""Turning the cloud's modules of a user's model into ghosts, and back.
+
+:func:`install` swaps each cloud parameter and buffer for a placeholder *in place* (the objects the
+script already holds become the placeholders) and keeps the values in a twin of the modules'
+structure; each cloud module stays in the tree as a ghost whose forward is a stand-in
+(:mod:`.standins`) and whose class refuses changes the cloud would not follow. :func:`uninstall`
+gives every object its values back.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import itertools
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..cut import Chain, CutSpec, _module, extract
+from ..errors import CutError
+from .standins import CutPoint, TrunkEntry, TrunkFollower, Unreachable
+
+
+def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None = None, *,
+            check: bool = True, placeholder: Placeholder | None = None) -> Chain:
+    """Turn the cloud modules of ``model`` into ghosts; return their real twins as a Chain.
+
+    Every parameter and buffer of the cloud modules becomes a placeholder *in place*: the very
+    objects the model, its modules and anything built from them before the cut hold (an
+    optimizer, a reference to a layer, an EMA's source) are the placeholders from now on, so none
+    of them can go on computing with values the cloud no longer shares. ``placeholder(tensor,
+    name)`` makes each one (default: an empty tensor on the ``meta`` device). The returned Chain
+    holds the values, in a copy of the modules' structure (no tensor is copied), for the weights
+    the edge pushes, the first call's trunk check and :func:`uninstall`.
+
+    The cloud modules themselves stay in the tree as *ghosts* (see :func:`ghost`): their classes,
+    submodules and parameter names are kept, so scripts that walk the model (optimizer groups by
+    name, freezing a layer) see the cloud half where it was. ``remote`` is what the U-shape entry
+    calls; plain splits stop at a :class:`CutPoint`. ``check`` (U-shape) runs the trunk once on the
+    edge at the first call to make sure it reads nothing that does not cross the cut (see
+    :mod:`splitft.audit`).
+    """
+    stages = extract(model, spec)
+    tensors = _cloud_tensors(stages)
+    _refuse_ties(model, stages, tensors)
+    make = placeholder or _meta_placeholder
+    memo: dict[int, Any] = {}
+    swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for name, tensor in tensors.items():
+        twin = make(tensor, name)
+        swapped.append((tensor, twin))
+        memo[id(tensor)] = twin
+    failure = _swap_all(swapped)  # each object the model held is its placeholder now, its twin the values
+    if failure is not None:
+        raise CutError(f"cannot turn the cloud half's tensors into placeholders ({failure}); split the model before "
+                       "anything keeps a weak reference to its parameters")
+    chain = Chain([(name, _twin(module, memo)) for name, module in zip(stages.names, stages.stages)])
+    chain.swapped = swapped
+    entry: TrunkEntry | None = None
+    for i, (name, module) in enumerate(zip(stages.names, stages.stages)):
+        if spec.ushape:
+            if i == 0:
+                if remote is None:
+                    raise CutError("a U-shape cut needs a remote callable for its trunk")
+                entry = TrunkEntry(chain.names, remote, _signature(module), chain if check else None)
+                standin: nn.Module = entry
+            else:
+                assert entry is not None
+                standin = TrunkFollower(name, entry, last=i == len(stages.names) - 1)
+        else:
+            standin = CutPoint(name) if i == 0 else Unreachable(name)
+        # A plain split's first ghost runs its pre-hooks (then stops the forward), the others run nothing.
+        never = () if spec.ushape else _HOOKS[1:] if i == 0 else _HOOKS
+        ghost(module, standin, never_run=never)
+    return chain
+
+
+def _twin(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """A copy of ``module``'s tree of modules holding the tensors ``memo`` maps its own to.
+
+    Only the modules are copied: every other attribute (a config, a dict the model's forward
+    shares with the module, a plain tensor) is the same object, as it was for the original.
+    """
+    if id(module) in memo:
+        return memo[id(module)]
+    twin = memo[id(module)] = copy.copy(module)
+    state = twin.__dict__
+    state["_parameters"] = {k: memo.get(id(v), v) for k, v in module._parameters.items()}
+    state["_buffers"] = {k: memo.get(id(v), v) for k, v in module._buffers.items()}
+    state["_modules"] = {k: None if v is None else _twin(v, memo) for k, v in module._modules.items()}
+    for key, value in module.__dict__.items():
+        if key.endswith(("hooks", "hooks_with_kwargs", "hooks_always_called")) and isinstance(value, dict):
+            state[key] = copy.copy(value)  # hooks registered on one of the two later are not on both
+    return twin
+
+
+#: Makes the placeholder of a cloud tensor, given the tensor and its name in the unsplit model.
+Placeholder = Callable[[torch.Tensor, str], torch.Tensor]
+
+
+def _meta_placeholder(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    meta = torch.empty_like(tensor, device="meta")
+    return nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+
+
+def _cloud_tensors(stages: Chain) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of the cloud modules, once each, by its name in the unsplit model."""
+    found: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, module in zip(stages.names, stages.stages):
+        for key, tensor in itertools.chain(module.named_parameters(prefix=name), module.named_buffers(prefix=name)):
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                found[key] = tensor
+    return found
+
+
+def _refuse_ties(model: nn.Module, stages: Chain, tensors: dict[str, torch.Tensor]) -> None:
+    """A tensor the edge's modules share with the cloud's (tied weights across the cut) would be
+    trained twice, apart: refused before anything is cut."""
+    cloud = {id(t): name for name, t in tensors.items()}
+    prefixes = tuple(f"{name}." for name in stages.names)
+    for key, tensor in itertools.chain(model.named_parameters(remove_duplicate=False),
+                                       model.named_buffers(remove_duplicate=False)):
+        if id(tensor) in cloud and not key.startswith(prefixes):
+            raise CutError(f"{key!r} runs on the edge but is the same tensor as {cloud[id(tensor)]!r}, which runs in "
+                           "the cloud (tied weights across the cut); the two halves would train it apart. Cut so "
+                           "that both modules are on the same side")
+
+
+def ghost(module: nn.Module, standin: nn.Module, *, never_run: tuple[str, ...] = ()) -> nn.Module:
+    """Make ``module`` (whose tensors are placeholders now) the edge's ghost of a cloud module.
+
+    It keeps its class, submodules and parameter names; its forward is ``standin``'s.
+    ``.to(device)`` leaves it alone (where the cloud half runs is the cloud's business); a cast
+    to another dtype raises, since the cloud half would not follow. Hooks that would never run
+    are refused when registered: any on its submodules (their code runs in the cloud), and the
+    kinds ``never_run`` names on the module itself.
+    """
+    state = module.__dict__  # instance attributes, set past nn.Module.__setattr__ (standin is not a submodule)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        standin.train(module.training)
+        return standin(*args, **kwargs)
+
+    def apply(fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        for dtype in {t.dtype for t in itertools.chain(module.parameters(), module.buffers())}:
+            if fn(torch.empty(0, dtype=dtype)).dtype != dtype:
+                raise CutError(f"casting the model to another dtype would cast {standin_name(module)!r}, which runs "
+                               "in the cloud and does not follow; cast the model before split()")
+        return module
+
+    state.update(forward=forward, _apply=apply, extra_repr=standin.extra_repr, _splitft_standin=standin)
+    for key, sub in module.named_modules():
+        where = f"{standin_name(module)}.{key}" if key else standin_name(module)
+        sub.__dict__.update({hook: _refused_hook(where, hook) for hook in (_HOOKS if key else never_run)})
+        sub.__dict__["_load_from_state_dict"] = _quiet_load(sub._load_from_state_dict)
+        sub.__dict__["_splitft_where"] = where
+        sub.__class__ = ghost_class(type(sub))
+    return module
+
+
+def ghost_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """``cls`` for a ghost: the same name and behaviour, but changing its attributes or children
+    (``m.p = 0.0``, a layer replaced by a module walk, PEFT injecting adapters) raises, since the
+    cloud's module would not change with it; and it is called plainly (a layer that checkpoints
+    itself leaves that to the cloud, which computes the same values either way)."""
+    if issubclass(cls, _Ghost):
+        return cls
+    made = _GHOST_CLASSES.get(cls)
+    if made is None:
+        made = _GHOST_CLASSES[cls] = type(cls.__name__, (_Ghost, cls), {"__module__": cls.__module__,
+                                                                       "__qualname__": cls.__qualname__})
+    return made
+
+
+class _Ghost(nn.Module):
+    """The mixin of :func:`ghost_class`."""
+
+    __call__ = nn.Module.__call__
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _SETTABLE or (name.startswith("_") and name not in ("_parameters", "_buffers", "_modules")):
+            super().__setattr__(name, value)
+            return
+        raise CutError(f"setting {name!r} of {self.__dict__.get('_splitft_where', '?')!r}: that module runs in the "
+                       "cloud, built by the factory, and would not change with it (split training would silently "
+                       "differ). Change the model before split(), and the cloud's factory the same way")
+
+    def __delattr__(self, name: str) -> None:
+        if name.startswith("_"):
+            super().__delattr__(name)
+            return
+        self.__setattr__(name, None)  # refused like a change
+
+
+#: What a script may set on a ghost: its mode (mirrored with each forward) and the flags with which
+#: ``gradient_checkpointing_enable()`` marks every layer (the cloud's computes the same values).
+_SETTABLE = {"training", "gradient_checkpointing"}
+_GHOST_CLASSES: dict[type, type] = {}
+
+
+def _quiet_load(load: Callable[..., Any]) -> Callable[..., Any]:
+    """Loading a ghost's state reaches the cloud (a placeholder's ``copy_``); torch would warn that
+    copying into a ``meta`` tensor does nothing, which is not so here."""
+    def quiet(*args: Any, **kwargs: Any) -> Any:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter")
+            return load(*args, **kwargs)
+    return quiet
+
+
+_HOOKS = ("register_forward_pre_hook", "register_forward_hook", "register_full_backward_hook",
+          "register_full_backward_pre_hook", "register_backward_hook")
+_GHOST_ATTRIBUTES = ("forward", "_apply", "extra_repr", "_splitft_standin", "_load_from_state_dict", "_splitft_where",
+                     *_HOOKS)
+
+
+def _refused_hook(where: str, hook: str) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise CutError(f"{hook} on {where!r}: that module runs in the cloud, so the hook would never run; "
+                       "register it before split() on a module that stays on the edge, or cut elsewhere")
+    return refuse
+
+
+def standin_of(module: nn.Module) -> nn.Module | None:
+    """The stand-in behind a ghost installed by :func:`install` (None for any other module)."""
+    return module.__dict__.get("_splitft_standin")
+
+
+def standin_name(module: nn.Module) -> str:
+    standin = standin_of(module)
+    names = getattr(standin, "cloud_names", None) or [getattr(standin, "cloud_name", "?")]
+    return names[0]
+
+
+def uninstall(model: nn.Module, chain: Chain) -> nn.Module:
+    """Undo :func:`install`: the ghosts become the cloud modules again, with ``chain``'s values.
+
+    The placeholders take their values back in place, so every reference a script holds (the
+    model, a layer, an optimizer's parameters) is whole and trained again.
+    """
+    if _swap_all(chain.swapped) is not None:  # a placeholder still referenced elsewhere: put the twins in place
+        for name, module in zip(chain.names, chain.stages):
+            parent, _, child = name.rpartition(".")
+            setattr(_module(model, parent), child, module)
+        return model
+    chain.swapped = []
+    for name in chain.names:
+        for sub in _module(model, name).modules():
+            for attribute in _GHOST_ATTRIBUTES:
+                sub.__dict__.pop(attribute, None)
+            if isinstance(sub, _Ghost):
+                sub.__class__ = sub.__class__.__mro__[2]  # the model's own class, behind _Ghost
+    return model
+
+
+def _swap_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
+    """Swap the contents of each pair of tensors (all of them, or none); why it could not, or None."""
+    done = 0
+    try:
+        for a, b in pairs:
+            torch.utils.swap_tensors(a, b)
+            done += 1
+    except RuntimeError as exc:
+        for a, b in pairs[:done]:
+            torch.utils.swap_tensors(a, b)
+        return str(exc)
+    return None
+
+
+def _signature(module: nn.Module) -> inspect.Signature | None:
+    try:
+        return inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return None
+
+
+__all__ = ["ghost", "ghost_class", "install", "standin_name", "standin_of", "uninstall"]

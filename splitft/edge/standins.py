@@ -1,0 +1,201 @@
+"""The edge's stand-ins for the cloud's modules: where the edge's forward hands over to the cloud.
+
+A plain split stops the edge's forward at the cut (:class:`CutPoint` raises :class:`CutReached`
+with what crosses; later cloud modules are :class:`Unreachable`). A U-shape trunk's first module
+(:class:`TrunkEntry`) sends what the model passes to it and returns what the cloud's trunk
+returned; the following ones (:class:`TrunkFollower`) check that the model's forward feeds them as
+the cloud will, and pass the trunk's output along (an inner module's, which the edge never sees,
+as a :class:`~splitft.edge.intermediate.TrunkIntermediate`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..audit import attribute_tensors, audit_trunk
+from ..coding import flatten, is_cache
+from ..cut import Chain, stream
+from ..errors import CutError
+from .intermediate import hand_over
+
+
+class CutReached(Exception):
+    """Raised by the plain-split stand-in to stop the edge forward at the cut."""
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        super().__init__("forward reached the cut")
+        self.call_args = args
+        self.call_kwargs = kwargs
+
+
+class CutPoint(nn.Module):
+    """Plain split: where the edge's forward ends. Hands its inputs to the caller."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.cloud_name = name
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise CutReached(args, kwargs)
+
+    def extra_repr(self) -> str:
+        return f"runs in the cloud: {self.cloud_name}"
+
+
+class Unreachable(nn.Module):
+    """Plain split: a cloud module after the cut. The edge must never call it."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.cloud_name = name
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise CutError(f"the edge's forward called {self.cloud_name!r}, which runs in the cloud after the cut")
+
+    def extra_repr(self) -> str:
+        return f"runs in the cloud: {self.cloud_name}"
+
+
+class TrunkEntry(nn.Module):
+    """U-shape: the first trunk module. Calls ``remote`` with its inputs, returns the trunk output.
+
+    Before the first call crosses, it checks what would cross: values that cannot (a cache
+    object, say) are refused with the argument's name, and, when ``probe`` is given, the trunk
+    is run once on the edge to make sure it reads nothing that does not cross
+    (:func:`splitft.audit.audit_trunk`). The probe is then dropped, so the edge keeps no copy of
+    the cloud's weights.
+    """
+
+    def __init__(self, names: list[str], remote: Callable[..., Any], signature: inspect.Signature | None = None,
+                 probe: Chain | None = None) -> None:
+        super().__init__()
+        self.cloud_names = names
+        self._remote = remote
+        self._signature = signature
+        self._probe = [probe] if probe is not None else []  # a list: not a submodule, not a parameter
+        self._attributes = attribute_tensors(probe) if probe is not None else []
+        self.last: Any = None  # the trunk's output
+        self.handed: Any = None  # what the trunk module the forward called last handed back to it
+        self.call_rest: tuple[tuple, dict] = ((), {})
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.last = self.handed = None
+        caching = False
+        for label, value in _labelled(args, kwargs, self._signature):
+            if is_cache(value):  # a key/value cache stays in the cloud: its number crosses
+                caching = True
+            else:
+                flatten(value, where=f"{label} of {self.cloud_names[0]!r}")  # raises naming what cannot cross
+        if self._probe and not caching:  # (checked at the first call without a cache, which it would fill)
+            probe = self._probe.pop()
+            audit_trunk(probe, args, kwargs, names=self.cloud_names, attributes=self._attributes,
+                        training=self.training)
+            self._attributes = []
+        # Kept for the followers' check; a cache only by a weak reference, so that it is freed (in the
+        # cloud too) when the model that made it lets it go.
+        self.call_rest = (args[1:], {k: _WeakCache(weakref.ref(v)) if is_cache(v) else v for k, v in kwargs.items()})
+        self.last = self._remote(*args, **kwargs)
+        # An inner module's output is not what the cloud returns: the forward may pass it on, not read it.
+        self.handed = self.last if len(self.cloud_names) == 1 else hand_over(self.last, self.cloud_names[0],
+                                                                             self.cloud_names)
+        return self.handed
+
+    def extra_repr(self) -> str:
+        return f"runs in the cloud: {', '.join(self.cloud_names)}"
+
+
+class TrunkFollower(nn.Module):
+    """U-shape: a later trunk module. The trunk already ran; pass its output on.
+
+    The cloud feeds every trunk module the previous one's output and the *first* module's other
+    arguments, so this checks the model's forward really does that; anything else would make
+    the cloud compute something different from the model.
+    """
+
+    def __init__(self, name: str, entry: TrunkEntry, *, last: bool = True) -> None:
+        super().__init__()
+        self.cloud_name = name
+        self.is_last = last
+        self._entry = [entry]  # a list, so the entry is not registered twice as a submodule
+
+    def forward(self, first: Any, *args: Any, **kwargs: Any) -> Any:
+        entry = self._entry[0]
+        handed = entry.handed
+        if handed is None or (first is not handed and first is not stream(handed)):
+            raise CutError(
+                f"the model's forward does not feed {self.cloud_name!r} with the previous trunk "
+                "module's output, so the trunk cannot run as one chain in the cloud; choose a cut "
+                "whose modules are called one after another"
+            )
+        entry_args, entry_kwargs = entry.call_rest
+        difference = _difference(entry_args, entry_kwargs, args, kwargs)
+        if difference:
+            raise CutError(
+                f"the model's forward calls {self.cloud_name!r} with other arguments than the first "
+                f"trunk module {entry.cloud_names[0]!r} ({difference}); the cloud gives every trunk module "
+                "the first one's arguments, so it would compute something else. Choose a trunk whose "
+                "modules share their extra arguments (or a trunk of one module)"
+            )
+        entry.handed = entry.last if self.is_last else hand_over(entry.last, self.cloud_name, entry.cloud_names)
+        return entry.handed
+
+    def extra_repr(self) -> str:
+        return f"runs in the cloud: {self.cloud_name}"
+
+
+def _labelled(args: tuple, kwargs: dict, signature: inspect.Signature | None) -> list[tuple[str, Any]]:
+    """(human name, value) of each argument, named after the module's parameters when possible."""
+    names: list[str] = []
+    if signature is not None:
+        positional = [p.name for p in signature.parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        names = [f"argument {i + 1} ({positional[i]})" for i in range(min(len(args), len(positional)))]
+    names += [f"argument {i + 1}" for i in range(len(names), len(args))]
+    return [*zip(names, args), *((f"keyword argument {k!r}", v) for k, v in kwargs.items())]
+
+
+@dataclass(frozen=True)
+class _WeakCache:
+    ref: weakref.ref
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, _WeakCache):
+        return a.ref() is b
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    if isinstance(a, (tuple, list)) and type(a) is type(b):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if a is b:
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 — an object whose == does not give a truth value: not the same
+        return False
+
+
+def _difference(args_a: tuple, kwargs_a: dict, args_b: tuple, kwargs_b: dict) -> str:
+    """What differs between two calls' extra arguments, in words; '' when nothing does."""
+    if len(args_a) != len(args_b):
+        return f"{len(args_b) + 1} positional arguments instead of {len(args_a) + 1}"
+    for i, (a, b) in enumerate(zip(args_a, args_b)):
+        if not _same(a, b):
+            return f"argument {i + 2} differs"
+    if kwargs_a.keys() != kwargs_b.keys():
+        return f"keyword arguments {sorted(kwargs_b)} instead of {sorted(kwargs_a)}"
+    for key in kwargs_a:
+        if not _same(kwargs_a[key], kwargs_b[key]):
+            return f"keyword argument {key!r} differs"
+    return ""
+
+
+__all__ = ["CutPoint", "CutReached", "TrunkEntry", "TrunkFollower", "Unreachable"]
