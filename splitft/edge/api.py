@@ -21,7 +21,8 @@ from ..options import Codecs, Factory, Faults, Link, Opener, Schedule
 from ..protocol import Hello
 from . import resume
 from .cloud_half import CloudHalf
-from .model import SplitModel, split_class
+from .facade import split_class
+from .model import SplitModel
 from .placeholders import CloudTensor
 from .requests import EdgeSession
 from .schedule import Scheduler
