@@ -86,8 +86,8 @@ def _param_groups(session: CloudSession, op: o.AttachOptimizer) -> list[dict[str
     groups, seen = [], set()
     for group in op.groups:
         if not (isinstance(group, dict) and set(group) == {"names", "settings"} and isinstance(group["names"], list)
-                and isinstance(group["settings"], dict)):
-            raise ProtocolError(f"a parameter group is a map of 'names' (list) and 'settings' (map), "
+                and all(isinstance(n, str) for n in group["names"]) and isinstance(group["settings"], dict)):
+            raise ProtocolError(f"a parameter group is a map of 'names' (list of str) and 'settings' (map), "
                                 f"got {_short(group)}")
         unknown = [k for k in group["settings"] if k not in op.settings]
         if unknown:
