@@ -143,6 +143,9 @@ def _add_policy_options(cloud: argparse.ArgumentParser) -> None:
     limits = Limits()
     g.add_argument("--max-decoded-mb", type=float, default=limits.max_decoded_bytes / 2**20, metavar="MB",
                    help="what one message's tensors may take once decoded (default: %(default).0f)")
+    g.add_argument("--max-header-kb", type=float, default=limits.max_header_bytes / 2**10, metavar="KB",
+                   help="biggest header frame (a message's fields, arrays excluded) this cloud parses; its parse "
+                        "takes up to ~90x its size in memory (default: %(default).0f)")
     g.add_argument("--max-ops", type=int, default=limits.max_ops, metavar="N",
                    help="mirrored operations (optimizer steps, zero_grad...) one message may carry "
                         "(default: %(default)s)")
@@ -163,7 +166,7 @@ def _limits_and_policy(args: argparse.Namespace) -> tuple:
     limits = Limits(max_message_bytes=int(args.max_message_mb * mb), session_timeout=args.session_timeout,
                     max_sessions=args.max_open_sessions, sessions_per_peer=args.sessions_per_peer,
                     handshake_timeout=args.handshake_timeout, max_ops=args.max_ops,
-                    max_decoded_bytes=int(args.max_decoded_mb * mb),
+                    max_decoded_bytes=int(args.max_decoded_mb * mb), max_header_bytes=int(args.max_header_kb * 2**10),
                     session_memory_bytes=int(args.session_memory_mb * mb), memory_bytes=int(args.memory_mb * mb),
                     checkpoint_bytes=int(args.checkpoint_max_mb * mb))
     bounds = Bounds(**{name: getattr(args, f"bound_{name}") for name in Bounds.__dataclass_fields__})

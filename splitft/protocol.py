@@ -26,12 +26,20 @@ import numpy as np
 
 from compressors import WIRE_DTYPES, Payload
 
-from .errors import ProtocolError
+from .errors import ProtocolError, TooLarge
 from .records import _CACHE_LIMIT, _short, build_checked, record_fields
 
 PROTOCOL_VERSION = 4  # 4: fields by position; 3: parameter groups and frozen parameters by name; 2: numbered requests, typed operations, welcome.limits (docs/wire.md)
 _ARRAY_EXT = 1
 MAX_DIMS = 8
+#: Most entries one list or map of a header may claim. msgpack allocates a container's slots as
+#: soon as it reads its length, before its entries: without a cap, a few bytes claiming a long
+#: list (nested, a thousand deep) reserve gigabytes. The longest real lists are a message's
+#: operations (``--max-ops``) and a half's parameter names, far below this.
+MAX_CONTAINER_LEN = 1 << 14
+#: An array reference is ``[frame index, dtype, shape]``: tens of bytes.
+MAX_EXT_LEN = 256
+_CONTAINER_LIMITS = {"max_array_len": MAX_CONTAINER_LEN, "max_map_len": MAX_CONTAINER_LEN, "max_ext_len": MAX_EXT_LEN}
 
 
 # ---------------------------------------------------------------- messages
@@ -336,9 +344,12 @@ def decode(frames: list) -> Message:
         return np.frombuffer(buf, dtype) if len(shape) == 1 else np.ndarray(shape, dtype, buf)
 
     try:
-        head = msgpack.unpackb(frames[0], raw=False, ext_hook=ext_hook, strict_map_key=True)
+        head = msgpack.unpackb(frames[0], raw=False, ext_hook=ext_hook, strict_map_key=True, **_CONTAINER_LIMITS)
     except ProtocolError:
         raise
+    except MemoryError:
+        raise TooLarge(f"a header frame of {memoryview(frames[0]).nbytes} bytes does not fit in memory once "
+                       "parsed; send a smaller one") from None
     except Exception as exc:  # msgpack raises several types for garbage
         raise ProtocolError(f"header frame is not valid msgpack: {type(exc).__name__}: {exc}") from None
     if head.__class__ is not list or len(head) < 2:
