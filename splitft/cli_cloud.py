@@ -52,6 +52,13 @@ def add_cloud_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--shared-model", action="store_true",
                    help="edges asking for the same model and cut train one shared cloud half, in the order "
                         "their requests arrive (sequential split learning); default: a cloud half per edge")
+    g.add_argument("--shared-optimizer", default=None, metavar="NAME[:{SETTINGS}]",
+                   help="with --shared-model: the shared half's optimizer, the cloud's choice, as a torch.optim "
+                        "name and JSON settings ('SGD:{\"lr\": 0.1, \"momentum\": 0.9}'); an edge must attach "
+                        "the same, and steps at most at that lr (default: none, the half serves forward calls only)")
+    g.add_argument("--shared-frozen", default=None, metavar="NAME,...",
+                   help="with --shared-model: the shared half's parameters that do not train, by their names in "
+                        "the unsplit model; an edge must freeze the same (default: none)")
     g.add_argument("--sync-rounds", type=int, default=0, metavar="N",
                    help="with --shared-model: train each shared half data-parallel in synchronous rounds of N "
                         "edges (on this process): the mean of their gradients, one optimizer step per round "
@@ -210,6 +217,7 @@ def run_cloud(args: argparse.Namespace) -> int:
                              limits=limits, checkpoint_dir=args.checkpoint_dir,
                              checkpoint_every=args.checkpoint_every, fsync=not args.no_fsync,
                              shared_model=args.shared_model, policy=policy, placement=placement, rounds=rounds,
+                             shared_policy=_shared_policy(args),
                              **({"make_session": batch.make_session()} if batch is not None else {}))
     except (SplitFTError, transports.TransportError) as exc:
         say(f"error: {exc}")
@@ -265,6 +273,15 @@ def _announce(args: argparse.Namespace, say: Any, listener: Any, server: Any, ro
     say(f"listening on {listener.address}, serving {', '.join(server.factories)}"
         + (f" ({'; '.join(extras)})" if extras else "")
         + (f"; exits after {args.sessions} session(s)" if args.sessions else "; Ctrl-C to stop"))
+
+
+def _shared_policy(args: argparse.Namespace) -> Any:
+    """What edges of a shared half may set (``--shared-optimizer``, ``--shared-frozen``); None without them."""
+    if args.shared_optimizer is None and args.shared_frozen is None:
+        return None
+    from .cloud.shared_policy import SharedPolicy
+
+    return SharedPolicy.parse(args.shared_optimizer, args.shared_frozen)
 
 
 def _rounds(args: argparse.Namespace, placement: Any) -> Any:

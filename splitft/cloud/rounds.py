@@ -48,7 +48,7 @@ from .. import protocol
 from ..errors import CapacityError, ConfigError, ModelError, ProtocolError, SplitFTError
 from .allreduce import GradCompression, RankReducer, Reduced, Reduction, fingerprint
 from .guard import blame
-from .ops import _set_hyperparameters
+from .ops import check_finite_grads, step_settings
 
 if TYPE_CHECKING:
     from .server import CloudServer
@@ -140,12 +140,11 @@ class PartRounds:
                               f"step has lr {op.lr or op.lrs}, changes {op.changes} (are the edges' schedulers the same?)")
         optimizer = self.part.optimizer
         if optimizer is not None:
-            _set_hyperparameters(optimizer, op)  # validated now; every step of the round agrees with it
+            step_settings(session, optimizer, op)  # validated now; every step of the round agrees with it
         params = self.params()
         with session.own_grads(), torch.no_grad():
+            check_finite_grads(params)
             grads = [p.grad for p in params]
-            if not all(torch.isfinite(g).all() for g in grads if g is not None):
-                raise ProtocolError("the session's gradient contains NaN or Inf (refused for a shared cloud part)")
             views = self._buffers(book).views()
             for i, (view, grad) in enumerate(zip(views, grads)):
                 if grad is not None:

@@ -32,6 +32,7 @@ from ..policy import Policy
 from ..protocol import Ack, Backward, Bye, Error, Forward, Hello, Ping, Pong, Sync, Welcome
 from . import checkpoints, replies
 from .session import CloudSession, SharedPart, check_codecs, hello_identity
+from .shared_policy import SharedPolicy
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,8 @@ class CloudServer:
         keep_checkpoints: checkpoints kept per session.
         fsync: flush each checkpoint to disk (survives power loss, not only process death).
         shared_model: sessions asking for the same model and cut train one shared cloud part.
+        shared_policy: its optimizer and frozen parameters, the cloud's choice
+            (:class:`~splitft.cloud.shared_policy.SharedPolicy`; default: no optimizer, none frozen).
         policy: which codecs and codec options edges may ask for (:class:`Policy`).
         placement: the device (and dtype) every cloud half computes in (:class:`Placement`;
             default: the CPU).
@@ -90,7 +93,8 @@ class CloudServer:
                  checkpoint_dir: str | None = None, checkpoint_every: int = 1, keep_checkpoints: int = 2,
                  fsync: bool = True, shared_model: bool = False, policy: Policy | None = None,
                  placement: Placement | None = None, rounds: Any = None,
-                 make_session: Callable[..., CloudSession] = CloudSession) -> None:
+                 make_session: Callable[..., CloudSession] = CloudSession,
+                 shared_policy: SharedPolicy | None = None) -> None:
         self.listener = listener
         self.factories = {name: load_factory(name) for name in factories}
         self.max_sessions = max_sessions
@@ -109,6 +113,9 @@ class CloudServer:
         self.book = MemoryBook(self.limits)
         self.origins: dict[bytes, str] = {}  # peer → who stands behind it, for the per-origin cap
         self.shared_model = shared_model
+        if shared_policy is not None and not shared_model:
+            raise ConfigError("--shared-optimizer and --shared-frozen set a shared cloud half: add --shared-model")
+        self.shared_policy = shared_policy or SharedPolicy()
         self.shared: dict[str, SharedPart] = {}
         self.rounds = rounds
         self.make_session = make_session
@@ -324,7 +331,7 @@ class CloudServer:
             if len(self.shared) >= 16:
                 raise CapacityError("this cloud already trains 16 different shared cloud parts, its limit")
             chain, ushape = build_chain(msg, self.factories, self.limits, self._admit_model)
-            part = self.shared[key] = SharedPart(chain, ushape)
+            part = self.shared[key] = self.shared_policy.new_part(chain, ushape)
         if self.rounds is not None:
             self.rounds.admit(part)
         return part

@@ -104,6 +104,7 @@ class SharedPart:
     sessions: int = 0
     initialized: bool = False  # the first edge's weights are in; later edges' pushed weights are ignored
     rounds: Any = None  # synchronous data-parallel rounds (:mod:`.rounds`), or None: steps in arrival order
+    policy: Any = None  # what edges may set on it: the cloud's (:mod:`.shared_policy`); None: no optimizer
 
 
 @dataclass
