@@ -1,11 +1,15 @@
 """A shared cloud half against one hostile edge (real cloud processes, raw protocol).
 
 A shared half is every edge's, so one edge must not be able to poison it (weights that overflow
-the half's dtype, gradients scaled to Inf) or capture it (its optimizer or frozen set refusing
-every later edge: those are the cloud's choice, ``--shared-optimizer`` / ``--shared-frozen``).
+the half's dtype, gradients scaled to Inf), capture it (its optimizer or frozen set refusing
+every later edge: those are the cloud's choice, ``--shared-optimizer`` / ``--shared-frozen``) or
+park requests outside the memory budget while it waits for a round.
 """
 
 from __future__ import annotations
+
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +23,15 @@ from tests.conftest import start_cloud, stop
 from tests.test_faults import MLP
 from tests.test_trust import _base_hello, hello
 
+MiB = 1 << 20
 SGD = 'SGD:{"lr": 0.1}'
+
+
+def _memory(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def _tensor(rows: int, cols: int, grad: bool = False, value: float | None = None) -> dict:
@@ -163,4 +175,45 @@ def test_the_frozen_set_is_the_clouds(tmp_path):
         assert not np.array_equal(before["4.weight"], after["4.weight"])
         edge.close()
     finally:
+        stop(proc)
+
+
+# ---------------------------------------------------------------- parked requests
+
+
+def test_requests_parked_for_a_round_count_against_the_memory_budget(tmp_path):
+    proc, address, err = start_cloud(tmp_path, "--sessions", "0", "--model", MLP, "--shared-model",
+                                     "--shared-optimizer", SGD, "--sync-rounds", "2", "--round-timeout", "60",
+                                     "--memory-mb", "128", "--session-memory-mb", "96", "--max-message-mb", "64")
+    edge = Edge(address)
+    try:
+        assert edge.sync(ATTACH).TYPE == "ack"
+        edge.gradient(1)
+        assert edge.sync({"op": "step", "id": 1, "lr": 0.1}).TYPE == "ack"  # in the round: what follows waits
+        before = _memory(proc.pid, "VmHWM")
+        big = Forward(call=99, train=False, grad=False, args=[_tensor(MiB // 4, 16)], kwargs={})  # 16 MiB
+        frames = protocol.encode(big)
+        refused, wanted = 0, 24 - 96 // 16
+
+        def reply_within(timeout: float) -> bool:
+            nonlocal refused
+            try:
+                reply = protocol.decode(edge.conn.recv(timeout))
+            except transports.TransportTimeout:
+                return False
+            assert reply.code == "capacity" and "round" in reply.message, reply
+            refused += 1
+            return True
+
+        for _ in range(24):  # 384 MiB, three times the cloud's budget; one at a time, so that what
+            edge.conn.send(frames)  # ZeroMQ buffers before the cloud reads is not what is measured
+            reply_within(0.5)  # a refusal comes at once; a kept request is answered when its round closes
+        deadline = time.monotonic() + 10
+        while refused < wanted and reply_within(max(0.1, deadline - time.monotonic())):
+            pass
+        assert refused >= wanted, f"{refused} of 24 requests refused; the others wait outside the budget"
+        assert _memory(proc.pid, "VmHWM") - before < (128 + 64) * MiB
+        assert proc.poll() is None, err.text
+    finally:
+        edge.close()
         stop(proc)
