@@ -151,8 +151,8 @@ def _add_policy_options(cloud: argparse.ArgumentParser) -> None:
     g.add_argument("--max-decoded-mb", type=float, default=limits.max_decoded_bytes / 2**20, metavar="MB",
                    help="what one message's tensors may take once decoded (default: %(default).0f)")
     g.add_argument("--max-header-kb", type=float, default=limits.max_header_bytes / 2**10, metavar="KB",
-                   help="biggest header frame (a message's fields, arrays excluded) this cloud parses; its parse "
-                        "takes up to ~90x its size in memory (default: %(default).0f)")
+                   help="biggest header frame (a message's fields, arrays excluded) this cloud parses; a parse "
+                        "takes up to ~90x the header's size in memory, for a moment (default: %(default).0f)")
     g.add_argument("--max-ops", type=int, default=limits.max_ops, metavar="N",
                    help="mirrored operations (optimizer steps, zero_grad...) one message may carry "
                         "(default: %(default)s)")
