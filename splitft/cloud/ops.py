@@ -281,30 +281,35 @@ def _each_grad(session: CloudSession, number: float, names: list | None,
 
 
 def load_weights(session: CloudSession, op: o.LoadWeights) -> None:
-    """Replace an own half's weights, each checked in the dtype it will have (1e300 sent as float64
-    is Inf in float32) before any is loaded, so a refused load changes nothing."""
-    from .session import tensors_from_wire
-
+    """Replace an own half's weights, each checked in the dtype it will have before any is loaded."""
     if session.shared is not None:
         raise PolicyError("the weights of a shared cloud half are every edge's; one edge may not replace them "
                           "(load_weights is refused)")
-    weights = tensors_from_wire(op.weights, "load_weights.weights")
-    targets = session.chain.qualified_state_dict()
+    session.chain.load_qualified_state_dict(cast_weights(session.chain, op.weights, "load_weights.weights"))
+
+
+def cast_weights(chain: Any, arrays: Any, what: str) -> dict[str, torch.Tensor]:
+    """Pushed weights, every one of the half's tensors, each cast to its tensor's dtype and checked
+    there (1e300 sent as float64 is Inf in float32): a :class:`ProtocolError` before anything is
+    loaded, so a refused push changes nothing."""
+    from .session import tensors_from_wire
+
+    weights = tensors_from_wire(arrays, what)
+    targets = chain.qualified_state_dict()
     if set(weights) != set(targets):
         missing, extra = sorted(set(targets) - set(weights)), sorted(set(weights) - set(targets))
-        raise ProtocolError(f"the weights to load do not fit the cloud half: missing {_short(missing)}, "
-                            f"unexpected {_short(extra)}")
+        raise ProtocolError(f"{what} do not fit the cloud half: missing {_short(missing)}, unexpected {_short(extra)}")
     cast = {}
     for name, target in targets.items():
         value = weights[name]
         if tuple(value.shape) != tuple(target.shape):
-            raise ProtocolError(f"weight {name!r} has shape {tuple(value.shape)}; the cloud half's is "
+            raise ProtocolError(f"{what}: {name!r} has shape {tuple(value.shape)}; the cloud half's is "
                                 f"{tuple(target.shape)}")
-        with blame(ProtocolError, f"weight {name!r} cannot be cast to {target.dtype}"):
+        with blame(ProtocolError, f"{what}: {name!r} cannot be cast to {target.dtype}"):
             cast[name] = value.to(target.dtype)
         if cast[name].is_floating_point() and not torch.isfinite(cast[name]).all():
-            raise ProtocolError(f"weight {name!r} contains NaN or Inf in the half's dtype {target.dtype}")
-    session.chain.load_qualified_state_dict(cast)
+            raise ProtocolError(f"{what}: {name!r} contains NaN or Inf in the half's dtype {target.dtype}")
+    return cast
 
 
 HANDLERS: dict[type[o.Operation], Callable[[Any, Any], Any]] = {
@@ -321,4 +326,4 @@ HANDLERS: dict[type[o.Operation], Callable[[Any, Any], Any]] = {
     o.FreeCache: free_cache,
 }
 
-__all__ = ["HANDLERS", "apply_ops", "check_norm_type"]
+__all__ = ["HANDLERS", "apply_ops", "cast_weights", "check_norm_type"]
