@@ -37,7 +37,7 @@ MAX_DIMS = 8
 #: soon as it reads its length, before its entries: without a cap, a few bytes claiming a long
 #: list (nested, a thousand deep) reserve gigabytes. The longest real lists are a message's
 #: operations (``--max-ops``) and a half's parameter names, far below this.
-MAX_CONTAINER_LEN = 1 << 13
+MAX_CONTAINER_LEN = 1 << 12
 #: An array reference is ``[frame index, dtype, shape]``: tens of bytes.
 MAX_EXT_LEN = 256
 _CONTAINER_LIMITS = {"max_array_len": MAX_CONTAINER_LEN, "max_map_len": MAX_CONTAINER_LEN, "max_ext_len": MAX_EXT_LEN}
