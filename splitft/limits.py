@@ -42,7 +42,7 @@ class Limits:
         max_header_bytes: biggest header frame (frame 0, msgpack). Its parse builds Python objects
             of up to ~90 times its size (an empty map is 1 byte on the wire, 88 in memory), so it
             is bounded on its own, far below the array frames: real headers are a few KiB, and
-            the worst one under the default takes ~30 MiB for ~20 ms while it is parsed.
+            the worst one under the default takes ~70 MiB for ~50 ms while it is parsed.
         max_decoded_bytes: most bytes the tensors of one message may take once decoded
             (after repeating compacted side tensors and widening to the decoded dtype).
         max_ops: mirrored operations (step, zero_grad, ...) one message may carry.
