@@ -21,9 +21,9 @@ once per round would give (split ≡ local).
   do not wait for them. A dropped edge's next step arrives late (its gradient is of the weights
   of a closed round): it is discarded, with a logged event, and the edge counts again from the
   round after. The edges' reply timeout must exceed the round timeout.
-- **Agreement.** Every edge attaches the same optimizer (refused otherwise, as for any shared
-  half), and every step of one round must carry the same learning rates and changed settings
-  (refused otherwise: a scheduler that differs between edges).
+- **Agreement.** Every edge attaches the cloud's optimizer (``--shared-optimizer``, as for any
+  shared half: :mod:`.shared_policy`), and every step of one round must carry the same learning
+  rates and changed settings (refused otherwise: a scheduler that differs between edges).
 - **Across ranks** (:mod:`.allreduce`): each rank serves its own edges and closes its own rounds;
   then the ranks all-reduce the rank's gradient sum (weighted by the edges each rank served)
   through a DDP communication hook, so every rank takes the same step and holds the same weights
