@@ -217,3 +217,16 @@ def test_requests_parked_for_a_round_count_against_the_memory_budget(tmp_path):
     finally:
         edge.close()
         stop(proc)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--shared-optimizer", SGD], "add --shared-model"),
+    (["--shared-model", "--shared-optimizer", "SGD:{lr: 1}"], "must be a JSON object"),
+    (["--shared-model", "--shared-optimizer", "Nope"], "not a torch.optim optimizer"),
+    (["--shared-model", "--shared-optimizer", 'SGD:{"lr": 0.1, "bogus": 1}'], "cannot build SGD"),
+])
+def test_the_cloud_command_refuses_a_shared_policy_it_cannot_apply(args, says, capsys):
+    from splitft.cli import main
+
+    assert main(["cloud", "--bind", "tcp://127.0.0.1:0", "--model", MLP, *args]) == 2
+    assert says in capsys.readouterr().err
