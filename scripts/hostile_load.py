@@ -18,12 +18,19 @@ while one attack runs from addresses of its own:
 - ``inbound``: raw ZMTP peers send frames of a message they never end, kept alive by a 1-byte
   frame every 3 s: the cloud's resident memory against what they sent, and after they go silent.
 - ``refused-key``: a CurveZMQ cloud with an allow-list; a stranger's key sends the same amount.
+- ``header-parse``: ``--hostile`` connections send headers whose parse the cloud must bound: one
+  over the header limit and the worst shapes under it (256 KiB of empty lists, lists claiming their
+  longest length nested as deep as msgpack goes).
+- ``parked-rounds``: against a shared half trained in rounds (``--shared-model --sync-rounds 2``),
+  the other edge of each round steps, then sends forwards of 54 MiB to wait for the round, far more
+  than ``--memory-mb``.
 
 For each it prints the good edge's admission time (its hello, retried while refused), its step
 latency (p50 / p95 / worst), the cloud's resident memory, and what the attackers got back.
 
     python scripts/hostile_load.py                              # every scenario
     python scripts/hostile_load.py --scenario booked hellos --steps 300 --json result.json
+    python scripts/hostile_load.py --scenario parked-rounds
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import msgpack  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -65,6 +73,8 @@ CUT = 2
 GOOD = "127.0.0.9"
 BUDGETS = {"--session-memory-mb": "64", "--memory-mb": "512", "--max-decoded-mb": "32", "--max-ops": "256",
            "--max-open-sessions": "64"}
+#: A shared half trained in synchronous rounds of two edges, its optimizer the cloud's.
+SHARED = ["--shared-model", "--sync-rounds", "2", "--round-timeout", "30", "--shared-optimizer", 'SGD:{"lr": 0.1}']
 
 
 def _start_cloud(folder: Path, *extra: str) -> tuple[subprocess.Popen, str]:
@@ -101,7 +111,7 @@ def via(src: str, address: str) -> str:
 
 
 def good_edge(address: str, steps: int, seed: int, src: str = GOOD, keys: dict | None = None,
-              patience: float = 60.0) -> tuple[float | None, list[float]]:
+              patience: float = 60.0, shared: bool = False) -> tuple[float | None, list[float]]:
     """Ask in (again while refused, for up to ``patience`` s), then train ``steps`` steps; returns
     the seconds until admitted (None: never) and each step's wall time."""
     g = torch.Generator().manual_seed(seed)
@@ -118,7 +128,8 @@ def good_edge(address: str, steps: int, seed: int, src: str = GOOD, keys: dict |
     admitted = time.monotonic() - start
     times = []
     with model:
-        opt = model.attach(torch.optim.Adam(model.parameters(), lr=0.01))
+        opt = model.attach(torch.optim.SGD(model.parameters(), lr=0.1) if shared  # the shared half's, as the cloud set it
+                           else torch.optim.Adam(model.parameters(), lr=0.01))
         crit = model.remote_loss(nn.CrossEntropyLoss())
         for _ in range(steps):
             x, y = torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g)
@@ -191,6 +202,7 @@ def _mixed_attacks() -> list[tuple[str, list]]:
 
 class Attack:
     """One attack on a thread: ``setup`` until ``ready``, then ``hold`` until ``stop``, then it closes."""
+    shared = False  # the cloud serves a shared half in rounds (the good edge steps with its optimizer)
     def __init__(self, address: str, args: argparse.Namespace, pid: int) -> None:
         self.address, self.args, self.pid = address, args, pid
         self.ready, self.stop = threading.Event(), threading.Event()
@@ -403,6 +415,98 @@ class RefusedKey(Attack):
         self.stop.wait()
 
 
+def _header_attacks() -> list[tuple[str, list]]:
+    """Headers whose parse a cloud must bound, as raw frames."""
+    version, cap = protocol.PROTOCOL_VERSION, protocol.MAX_CONTAINER_LEN
+    claims = b"\x93" + msgpack.packb(version) + msgpack.packb("hello") + (b"\xdd" + struct.pack(">I", cap)) * 2000
+    return [
+        ("header of 4 MiB of empty maps", [msgpack.packb([version, "hello", [{}] * (4 << 20)])]),
+        ("header of 256 KiB of empty lists", [msgpack.packb([version, "hello", [[[]] * cap] * 31])]),
+        ("header of nested length claims", [claims]),
+    ]
+
+
+class HeaderParse(Attack):
+    """``--hostile`` connections, each sending the header attacks in turn, each after the last one's reply."""
+    def hold(self) -> None:
+        attacks = _header_attacks()
+
+        def client(i: int) -> None:
+            conn = self.connect(f"127.0.0.{50 + i}")
+            while not self.stop.is_set():
+                for name, frames in attacks:
+                    conn.send(frames)
+                    try:
+                        reply = protocol.decode(conn.recv(30.0))
+                    except Exception as exc:  # noqa: BLE001 — an attacker's tally, not a bug report
+                        self.codes[f"{name}: {type(exc).__name__}"] += 1
+                    else:
+                        self.codes[f"{name}: {getattr(reply, 'code', reply.TYPE)}"] += 1
+
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(self.args.hostile)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
+class ParkedRounds(Attack):
+    """The other edge of each round steps, then sends up to ``--parked`` forwards of 54 MiB each,
+    which wait for the round to close, until one is refused; again every round."""
+    shared = True
+
+    @staticmethod
+    def cloud(folder: Path, args: argparse.Namespace) -> tuple[list[str], dict | None]:
+        # The attacker waits for its rounds without training: it is not reaped as a silent hello.
+        return [*SHARED, "--handshake-timeout", "60"], None
+
+    def setup(self) -> None:
+        self.first = threading.Event()
+        self.parker = threading.Thread(target=self._park, daemon=True)
+        self.parker.start()
+        self.first.wait(60)  # its first round's requests are in before the good edge joins
+
+    def _park(self) -> None:
+        rows = (54 << 20) // (32 * 4)
+        big = protocol.encode(Forward(call=1, train=False, grad=False, kwargs={}, args=[payload_to_wire(
+            compressors.make_codec("identity").encode(torch.ones(rows, 32), compressors.CodecContext()), False)]))
+        conn = self.connect("127.0.0.60")
+
+        def reply(timeout: float) -> str | None:
+            try:
+                got = protocol.decode(conn.recv(timeout))
+            except transports.TransportTimeout:
+                return None
+            code = getattr(got, "code", got.TYPE)
+            self.codes[f"parked rounds: {code}"] += 1
+            return code
+
+        def until_ack() -> None:
+            while not self.stop.is_set() and reply(1.0) not in ("ack", "welcome"):
+                pass
+
+        try:
+            conn.send(protocol.encode(_hello()))
+            until_ack()
+            settings = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1).defaults  # as a real edge sends them
+            conn.send(protocol.encode(Sync(ops=[{"op": "optimizer", "name": "SGD", "settings": settings}])))
+            until_ack()
+            while not self.stop.is_set():
+                conn.send(protocol.encode(Sync(ops=[{"op": "step", "lr": 0.1}])))  # answered once the round closed
+                until_ack()
+                for _ in range(self.args.parked):  # one at a time: what ZeroMQ buffers unread is another matter
+                    conn.send(big)
+                    if reply(0.3) == "capacity":  # a kept request is answered only when the round closes
+                        break
+                self.first.set()
+        finally:
+            self.first.set()
+
+    def hold(self) -> None:
+        self.stop.wait()
+        self.parker.join(timeout=60)
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -418,7 +522,7 @@ def _latency(admitted: float | None, times: list[float]) -> dict[str, Any]:
 
 
 ATTACKS = {"mixed": Mixed, "booked": Booked, "hellos": Hellos, "failing": Failing, "inbound": Inbound,
-           "refused-key": RefusedKey}
+           "refused-key": RefusedKey, "header-parse": HeaderParse, "parked-rounds": ParkedRounds}
 
 
 def scenario(name: str, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -430,7 +534,8 @@ def scenario(name: str, folder: Path, args: argparse.Namespace) -> dict[str, Any
     try:
         attack.thread.start()
         attack.ready.wait(120)
-        admitted, times = good_edge(address, args.steps, seed=1, keys=keys, patience=args.patience)
+        admitted, times = good_edge(address, args.round_steps if kind.shared else args.steps, seed=1, keys=keys,
+                                    patience=args.patience, shared=kind.shared)
         result = _latency(admitted, times) | {"cloud_rss_mb": _memory(proc.pid) / 2**20}
         attack.stop.set()
         attack.thread.join(timeout=60)
@@ -470,6 +575,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=150, help="good-edge steps per scenario (default: 150)")
     parser.add_argument("--inbound-peers", type=int, default=4, help="inbound: raw peers (default: 4)")
     parser.add_argument("--inbound-mb", type=int, default=256, help="inbound: MiB each peer sends (default: 256)")
+    parser.add_argument("--round-steps", type=int, default=20,
+                        help="parked-rounds: good-edge steps, each waiting for its round (default: 20)")
+    parser.add_argument("--parked", type=int, default=16,
+                        help="parked-rounds: 54 MiB forwards the attacker sends per round (default: 16)")
     parser.add_argument("--patience", type=float, default=60.0,
                         help="seconds the good edge keeps asking in while refused (default: 60)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")

@@ -152,6 +152,9 @@ def _ranks_main(conn, ranks: int, checkpoint_every: int, folder: str | None, ses
 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from splitft.cloud.job_store import ensure_job_secret
+
+    ensure_job_secret()  # the ranks sign what they write in the job's store with it
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.2,
                           start_method="spawn")

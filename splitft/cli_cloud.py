@@ -62,6 +62,13 @@ def add_cloud_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--shared-model", action="store_true",
                    help="edges asking for the same model and cut train one shared cloud half, in the order "
                         "their requests arrive (sequential split learning); default: a cloud half per edge")
+    g.add_argument("--shared-optimizer", default=None, metavar="NAME[:{SETTINGS}]",
+                   help="with --shared-model: the shared half's optimizer, the cloud's choice, as a torch.optim "
+                        "name and JSON settings ('SGD:{\"lr\": 0.1, \"momentum\": 0.9}'); an edge must attach "
+                        "the same, and steps at most at that lr (default: none, the half serves forward calls only)")
+    g.add_argument("--shared-frozen", default=None, metavar="NAME,...",
+                   help="with --shared-model: the shared half's parameters that do not train, by their names in "
+                        "the unsplit model; an edge must freeze the same (default: none)")
     g.add_argument("--sync-rounds", type=int, default=0, metavar="N",
                    help="with --shared-model: train each shared half data-parallel in synchronous rounds of N "
                         "edges (on this process): the mean of their gradients, one optimizer step per round "
@@ -153,6 +160,9 @@ def _add_policy_options(cloud: argparse.ArgumentParser) -> None:
     limits = Limits()
     g.add_argument("--max-decoded-mb", type=float, default=limits.max_decoded_bytes / 2**20, metavar="MB",
                    help="what one message's tensors may take once decoded (default: %(default).0f)")
+    g.add_argument("--max-header-kb", type=float, default=limits.max_header_bytes / 2**10, metavar="KB",
+                   help="biggest header frame (a message's fields, arrays excluded) this cloud parses; a parse "
+                        "takes up to ~90x the header's size in memory, for a moment (default: %(default).0f)")
     g.add_argument("--max-ops", type=int, default=limits.max_ops, metavar="N",
                    help="mirrored operations (optimizer steps, zero_grad...) one message may carry "
                         "(default: %(default)s)")
@@ -173,8 +183,8 @@ def _limits_and_policy(args: argparse.Namespace) -> tuple:
     limits = Limits(max_message_bytes=int(args.max_message_mb * mb), session_timeout=args.session_timeout,
                     max_sessions=args.max_open_sessions, sessions_per_peer=args.sessions_per_peer,
                     handshake_timeout=args.handshake_timeout, evictable_after=args.evictable_after,
-                    max_ops=args.max_ops,
-                    max_decoded_bytes=int(args.max_decoded_mb * mb),
+                    max_ops=args.max_ops, max_decoded_bytes=int(args.max_decoded_mb * mb),
+                    max_header_bytes=int(args.max_header_kb * 2**10),
                     session_memory_bytes=int(args.session_memory_mb * mb), memory_bytes=int(args.memory_mb * mb),
                     checkpoint_bytes=int(args.checkpoint_max_mb * mb))
     bounds = Bounds(**{name: getattr(args, f"bound_{name}") for name in Bounds.__dataclass_fields__})
@@ -219,6 +229,7 @@ def run_cloud(args: argparse.Namespace) -> int:
                              limits=limits, checkpoint_dir=args.checkpoint_dir,
                              checkpoint_every=args.checkpoint_every, fsync=not args.no_fsync,
                              shared_model=args.shared_model, policy=policy, placement=placement, rounds=rounds,
+                             shared_policy=_shared_policy(args),
                              **({"make_session": batch.make_session()} if batch is not None else {}))
     except (SplitFTError, transports.TransportError) as exc:
         say(f"error: {exc}")
@@ -310,6 +321,15 @@ def _announce(args: argparse.Namespace, say: Any, listener: Any, server: Any, ro
     say(f"listening on {listener.address}, serving {', '.join(server.factories)}"
         + (f" ({'; '.join(extras)})" if extras else "")
         + (f"; exits after {args.sessions} session(s)" if args.sessions else "; Ctrl-C to stop"))
+
+
+def _shared_policy(args: argparse.Namespace) -> Any:
+    """What edges of a shared half may set (``--shared-optimizer``, ``--shared-frozen``); None without them."""
+    if args.shared_optimizer is None and args.shared_frozen is None:
+        return None
+    from .cloud.shared_policy import SharedPolicy
+
+    return SharedPolicy.parse(args.shared_optimizer, args.shared_frozen)
 
 
 def _rounds(args: argparse.Namespace, placement: Any) -> Any:

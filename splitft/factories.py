@@ -17,6 +17,7 @@ from .budget import MODEL_STATE_FACTOR
 from .cut import Chain, check_structure, extract, fingerprint, parse_cut
 from .errors import CapacityError, ConfigError, CutError, HandshakeError
 from .limits import Limits
+from .records import _short
 
 if TYPE_CHECKING:
     from .protocol import Hello
@@ -90,8 +91,14 @@ def build_chain(hello: Hello, factories: dict[str, Callable[..., nn.Module]], li
         admit(MODEL_STATE_FACTOR * 4 * count)  # float32 weights, a gradient and two optimizer moments
     try:
         model = factory(**hello.factory_kwargs)
-    except TypeError as exc:
-        raise HandshakeError(f"factory {hello.factory!r} rejected its arguments: {exc}") from exc
+    except MemoryError:
+        raise CapacityError(f"{hello.factory}({_short(hello.factory_kwargs)}) does not fit this machine's "
+                            "memory") from None
+    except Exception as exc:  # noqa: BLE001 — the operator's code, called with the edge's arguments
+        # Whatever a factory raises for the values an edge chose (int('x'), a seed that overflows)
+        # is the edge's to fix: a typed refusal, never an internal error.
+        raise HandshakeError(f"factory {hello.factory!r} rejected its arguments "
+                             f"{_short(hello.factory_kwargs)}: {type(exc).__name__}: {exc}") from exc
     spec = parse_cut(model, hello.cut, hello.rejoin)
     chain = extract(model, spec)
     mine = fingerprint(chain)

@@ -40,6 +40,10 @@ class Limits:
     Attributes:
         max_message_bytes: biggest message (all frames) a request may be.
         max_frames: most frames in one message (each array is a frame).
+        max_header_bytes: biggest header frame (frame 0, msgpack). Its parse builds Python objects
+            of up to ~90 times its size (an empty map is 1 byte on the wire, 88 in memory), so it
+            is bounded on its own, far below the array frames: real headers are a few KiB, and
+            the worst one under the default takes ~70 MiB for ~50 ms while it is parsed.
         max_decoded_bytes: most bytes the tensors of one message may take once decoded
             (after repeating compacted side tensors and widening to the decoded dtype).
         max_ops: mirrored operations (step, zero_grad, ...) one message may carry.
@@ -70,6 +74,7 @@ class Limits:
 
     max_message_bytes: int = GiB
     max_frames: int = 4096
+    max_header_bytes: int = 256 << 10
     max_decoded_bytes: int = 2 * GiB
     max_ops: int = 1024
     max_sessions: int = 256
@@ -95,6 +100,10 @@ class Limits:
         if len(frames) > self.max_frames:
             raise TooLarge(f"a message of {len(frames)} frames arrived; this cloud accepts at most "
                            f"{self.max_frames} (one per array)")
+        header = memoryview(frames[0]).nbytes if frames else 0
+        if header > self.max_header_bytes:
+            raise TooLarge(f"a header frame of {header} bytes arrived; this cloud parses at most "
+                           f"{self.max_header_bytes} (--max-header-kb); arrays travel in frames of their own")
         size = message_nbytes(frames)
         if size > self.max_message_bytes:
             raise TooLarge(
@@ -111,6 +120,7 @@ class Limits:
     def for_edge(self) -> dict[str, int]:
         """The limits an edge must respect, as the handshake carries them."""
         return {"max_message_bytes": int(self.max_message_bytes), "max_frames": int(self.max_frames),
+                "max_header_bytes": int(self.max_header_bytes),
                 "max_decoded_bytes": int(self.max_decoded_bytes), "max_ops": int(self.max_ops)}
 
 

@@ -16,6 +16,7 @@ request whose reply it never saw (``seq`` 0: unsequenced, never deduplicated).
 
 from __future__ import annotations
 
+import gc
 import math
 import threading
 from dataclasses import dataclass, field
@@ -26,12 +27,22 @@ import numpy as np
 
 from compressors import WIRE_DTYPES, Payload
 
-from .errors import ProtocolError
+from .errors import ProtocolError, TooLarge
 from .records import _CACHE_LIMIT, _short, build_checked, record_fields
 
 PROTOCOL_VERSION = 5  # 5: gradients a backward did not reach, gradient norms per parameter, operations by parameter name; 4: fields by position; 3: parameter groups and frozen parameters by name; 2: numbered requests, typed operations, welcome.limits (docs/wire.md)
 _ARRAY_EXT = 1
 MAX_DIMS = 8
+#: Most entries one list or map of a header may claim. msgpack allocates a container's slots as
+#: soon as it reads its length, before its entries: without a cap, a few bytes claiming a long
+#: list (nested, a thousand deep) reserve gigabytes. The longest real ones are a message's
+#: operations (``--max-ops``) and a half's parameter names or state (tens of thousands of tensors
+#: in the largest mixture-of-experts halves); the same cap bounds what an edge decodes. Measured:
+#: the worst nesting of claims costs ~68 MiB at this cap, no more than at 16384, 27 MiB at 4096.
+MAX_CONTAINER_LEN = 1 << 16
+#: An array reference is ``[frame index, dtype, shape]``: tens of bytes.
+MAX_EXT_LEN = 256
+_CONTAINER_LIMITS = {"max_array_len": MAX_CONTAINER_LEN, "max_map_len": MAX_CONTAINER_LEN, "max_ext_len": MAX_EXT_LEN}
 
 
 # ---------------------------------------------------------------- messages
@@ -344,9 +355,12 @@ def decode(frames: list) -> Message:
         return np.frombuffer(buf, dtype) if len(shape) == 1 else np.ndarray(shape, dtype, buf)
 
     try:
-        head = msgpack.unpackb(frames[0], raw=False, ext_hook=ext_hook, strict_map_key=True)
+        head = _unpack_header(frames[0], ext_hook)
     except ProtocolError:
         raise
+    except MemoryError:
+        raise TooLarge(f"a header frame of {memoryview(frames[0]).nbytes} bytes does not fit in memory once "
+                       "parsed; send a smaller one") from None
     except Exception as exc:  # msgpack raises several types for garbage
         raise ProtocolError(f"header frame is not valid msgpack: {type(exc).__name__}: {exc}") from None
     if head.__class__ is not list or len(head) < 2:
@@ -361,6 +375,26 @@ def decode(frames: list) -> Message:
         raise ProtocolError(f"{arrays} array frames arrived but the header references {len(used)}")
     del head[:2]
     return _build_fields(cls, head)
+
+
+def _unpack_header(header: Any, ext_hook: Any) -> Any:
+    """msgpack's parse of a header frame, within the per-container limits.
+
+    A big header is parsed with the garbage collector paused: a parse builds nothing but new,
+    acyclic containers, and collecting while hundreds of thousands of them appear is what made
+    it slow (0.3 s for 256 KiB of empty lists, 0.02 s without). Small headers, every real one,
+    skip the switch.
+    """
+    if len(header) < _PAUSE_GC_ABOVE or not gc.isenabled():
+        return msgpack.unpackb(header, raw=False, ext_hook=ext_hook, strict_map_key=True, **_CONTAINER_LIMITS)
+    gc.disable()
+    try:
+        return msgpack.unpackb(header, raw=False, ext_hook=ext_hook, strict_map_key=True, **_CONTAINER_LIMITS)
+    finally:
+        gc.enable()
+
+
+_PAUSE_GC_ABOVE = 16 << 10
 
 
 def _other_version(version: Any) -> str:

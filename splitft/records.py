@@ -9,6 +9,7 @@ instead of a record with a string where an int belongs.
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 import types
 import typing
 from typing import Any, Union
@@ -113,6 +114,12 @@ def _type_name(hint: Any) -> str:
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 3, 6, 4, 60, 60
+
+
 def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
+    """A short description of a received value for an error message: it never renders more of
+    the value than it shows (a header of millions of entries is quoted as cheaply as one)."""
+    text = _REPR.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

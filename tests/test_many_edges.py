@@ -14,15 +14,16 @@ from torch import nn
 import splitft
 from splitft import Codecs
 from splitft.cloud import CloudServer, serve_in_thread
+from splitft.cloud.shared_policy import SharedPolicy
 from tests.conftest import ROOT, thread_errors
 from tests.test_faults import MLP, _data, assert_same, local_weights, split_weights
 from tests.models import mlp
 from transports import InprocListener
 
 
-def _cloud(shared: bool):
+def _cloud(shared: bool, policy: SharedPolicy | None = None):
     listener = InprocListener()
-    server = CloudServer(listener, [MLP], shared_model=shared)
+    server = CloudServer(listener, [MLP], shared_model=shared, shared_policy=policy)
     thread = serve_in_thread(server)
     yield server, listener
     server.stop()
@@ -36,7 +37,12 @@ def cloud():
 
 @pytest.fixture
 def shared_cloud():
-    yield from _cloud(shared=True)
+    yield from _cloud(shared=True, policy=SharedPolicy("Adam", {"lr": 0.01}))
+
+
+@pytest.fixture
+def shared_sgd_cloud():
+    yield from _cloud(shared=True, policy=SharedPolicy("SGD", {"lr": 0.1}))
 
 
 def test_concurrent_edges_have_isolated_sessions(cloud):
@@ -103,10 +109,10 @@ def test_shared_cloud_half_trains_edges_in_turn(shared_cloud):
     assert len(server.shared) == 1
 
 
-def test_shared_cloud_half_keeps_each_edges_gradients_apart(shared_cloud):
+def test_shared_cloud_half_keeps_each_edges_gradients_apart(shared_sgd_cloud):
     """Edge a accumulates a gradient, edge b steps in between: b's step uses b's gradient only,
     and a's later step a's only."""
-    server, listener = shared_cloud
+    server, listener = shared_sgd_cloud
     (xa, ya), (xb, yb) = _data(1, seed=1)[0], _data(1, seed=2)[0]
     edges = [splitft.split(mlp(), 2, factory=MLP, connect=listener.connect) for _ in range(2)]
     opts = [m.attach(torch.optim.SGD(m.parameters(), lr=0.1)) for m in edges]
@@ -134,10 +140,10 @@ def test_shared_model_and_checkpoints_do_not_mix():
         CloudServer(InprocListener(), [MLP], shared_model=True, checkpoint_dir="/tmp/x")
 
 
-def test_shared_cloud_half_recomputes_a_graph_another_edge_made_stale(shared_cloud):
+def test_shared_cloud_half_recomputes_a_graph_another_edge_made_stale(shared_sgd_cloud):
     """Edge a's forward, then edge b's whole step, then a's backward: a's gradient is that of the
     cloud half as it is now (after b's step), on a's activation, not of the weights it ran on."""
-    server, listener = shared_cloud
+    server, listener = shared_sgd_cloud
     (xa, ya), (xb, yb) = _data(1, seed=1)[0], _data(1, seed=2)[0]
     edges = [splitft.split(mlp(), 2, factory=MLP, connect=listener.connect) for _ in range(2)]
     opts = [m.attach(torch.optim.SGD(m.parameters(), lr=0.1)) for m in edges]

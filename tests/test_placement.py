@@ -17,6 +17,7 @@ from tests.models import mlp
 from tests.test_faults import MLP
 
 TIMEOUT = 3.0
+SECRET = b"a secret of this job's ranks"
 
 
 class Clock:
@@ -30,7 +31,7 @@ class Clock:
 def _group(store: dist.Store, rank: int, clock: Clock, world: int = 3) -> RankGroup:
     env = RankEnv(rank=rank, world_size=world, local_rank=rank, local_world_size=world, master_addr="127.0.0.1",
                   master_port=0, attempt=0)
-    return RankGroup(env, store, rank_timeout=2.0, clock=clock)
+    return RankGroup(env, store, rank_timeout=2.0, clock=clock, secret=SECRET)
 
 
 @pytest.fixture
@@ -183,3 +184,21 @@ def test_an_edge_given_a_function_that_opens_its_link_cannot_be_sent_elsewhere()
     finally:
         door.close()
         rank.close()
+
+
+def test_ranks_read_only_what_this_jobs_ranks_signed(ranks, monkeypatch):
+    groups, clock = ranks
+    front = groups[0]
+    _beat(groups, clock, 0, 0)
+    store = front._now._store  # the job's store, as anyone who reaches it sees it
+    store.set("beat/1", '{"n": 99999999999999999999, "boot": "x", "sessions": 0, "hellos": 0, "stopped": true}')
+    store.set("addr/2", "tcp://evil.example:1")
+    _beat(groups, clock, None, None)
+    assert front.live(1) and front.addresses[2] == "tcp://127.0.0.1:7002"
+    stranger = _group(dist.HashStore(), 0, clock)  # another secret, the same keys
+    stranger._run._secret = b"not this job's"
+    front._run._store.set("ended/1", stranger._run.sealed("ended/1", "100"))
+    assert front.add_ended(0) == 0
+    monkeypatch.delenv("SPLITFT_JOB_SECRET", raising=False)
+    with pytest.raises(splitft.ConfigError, match="SPLITFT_JOB_SECRET"):
+        RankGroup(front.env, dist.HashStore())

@@ -22,6 +22,7 @@ from torch import nn
 
 import splitft
 from splitft import Faults
+from splitft.cloud.job_store import SECRET_ENV
 from tests.conftest import ROOT, InprocCloud, PipeReader
 from tests.models import mlp
 from tests.test_faults import MLP, _data, assert_same
@@ -29,12 +30,14 @@ from tests.test_faults import MLP, _data, assert_same
 EDGES = 4
 STEPS = 8
 FAULTS = Faults(timeout=10, reconnect_timeout=60, heartbeat=0)
+SECRET = "0123456789abcdef0123456789abcdef"  # what the ranks of these jobs sign the store's values with
 LISTENING = re.compile(r"cloud rank (\d+)/2 \(pid (\d+)\): listening on (\S+),")
 
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    return env | {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"} | extra
+    return env | {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                  SECRET_ENV: SECRET} | extra
 
 
 def _cloud_args(ready: Path, *extra: str) -> list[str]:
@@ -222,4 +225,57 @@ def test_a_rank_killed_mid_run_outside_a_launcher_hands_its_edges_to_a_live_rank
             assert_same(r["weights"], _alone(i))
         assert job.wait(30)[0] == 0, job.text  # the survivor counted every session and stopped
     finally:
+        job.close()
+
+
+@pytest.mark.timeout(90)
+def test_what_others_write_in_the_jobs_store_steers_nothing(tmp_path):
+    """The job's TCPStore answers anyone: a forged heartbeat saying rank 1 stopped, rewritten
+    faster than rank 1 beats, and a forged count of ended sessions. The front door still places
+    edges on rank 1, and the job does not end."""
+    import json
+
+    import transports
+    from splitft import protocol
+    from tests.test_trust import hello
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    job = Job()
+    stop_forging = threading.Event()
+    try:
+        for rank in (0, 1):
+            job.start(_cloud_args(tmp_path / "ready"),
+                      _env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
+                           TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0"))
+        address = job.wait_ready(tmp_path / "ready")
+        stranger = dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False)
+
+        def forge() -> None:
+            n = time.monotonic_ns()
+            while not stop_forging.is_set():
+                n += 10**9
+                beat = {"n": n, "boot": "forged", "sessions": 0, "hellos": 0, "stopped": True}
+                stranger.set("splitft/attempt0/beat/1", json.dumps(beat))
+                stop_forging.wait(0.02)
+
+        forger = threading.Thread(target=forge, daemon=True)
+        forger.start()
+        time.sleep(1.0)  # the front door looks at the beats every 0.5 s
+        stranger.add("splitft/ended", 100)
+        for r in (0, 1):
+            stranger.set(f"splitft/ended/{r}", "100")
+        conns = [transports.connect(address) for _ in range(4)]
+        replies = []
+        for conn in conns:
+            conn.send(protocol.encode(hello()))
+            replies.append(protocol.decode(conn.recv(30.0)))
+        assert any(isinstance(r, protocol.Redirect) and r.rank == 1 for r in replies), (replies, job.text)
+        for conn in conns:
+            conn.close()
+        time.sleep(2.0)  # a job told it had ended its --sessions would stop now
+        assert all(p.poll() is None for p in job.procs), job.text
+        assert "not signed with this job's secret" in job.text
+    finally:
+        stop_forging.set()
         job.close()

@@ -24,6 +24,7 @@ from splitft import Faults
 from splitft.cloud import CloudServer, serve_in_thread
 from splitft.cloud.allreduce import GradCompression
 from splitft.cloud.rounds import Rounds, RoundSettings
+from splitft.cloud.shared_policy import SharedPolicy
 from splitft.errors import CapacityError, ConfigError
 from tests.conftest import ROOT, PipeReader, stop, thread_errors
 from tests.models import mlp
@@ -45,6 +46,9 @@ def _data(seed: int, rounds: int = ROUNDS) -> list[tuple[torch.Tensor, torch.Ten
 
 def _optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+
+SHARED_OPTIMIZER = f'SGD:{{"lr": {LR}, "momentum": 0.9}}'  # the cloud's choice, which the edges' _optimizer matches
 
 
 def _local(datas: list, rounds: list[list[int]] | None = None) -> tuple[dict, list[dict]]:
@@ -128,6 +132,7 @@ def _clouds(tmp_path: Path, ranks: int, per_rank: int, *extra: str) -> list:
         proc = subprocess.Popen(
             [sys.executable, "-m", "splitft", "-v", "cloud", "--bind", "tcp://127.0.0.1:0", "--ready-file",
              str(ready), "--sessions", "0", "--model", MLP, "--shared-model", "--sync-rounds", str(per_rank), "--round-timeout", "30",
+             "--shared-optimizer", SHARED_OPTIMIZER,
              *extra], cwd=ROOT, env=env, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL)
         started.append((proc, ready, PipeReader(proc.stderr)))
@@ -213,7 +218,8 @@ def test_powersgd_differs_from_plain_all_reduce_yet_trains_on_fewer_bytes(runs):
 def _server(edges: int, timeout: float = 30.0, events: list | None = None) -> tuple[CloudServer, InprocListener]:
     listener = InprocListener()
     server = CloudServer(listener, [MLP], shared_model=True, rounds=Rounds(RoundSettings(edges, timeout)),
-                         on_event=(events.append if events is not None else None))
+                         on_event=(events.append if events is not None else None),
+                         shared_policy=SharedPolicy.parse(SHARED_OPTIMIZER, None))
     return server, listener
 
 
@@ -275,7 +281,7 @@ def test_edges_of_one_round_stepping_with_different_learning_rates_are_refused()
     try:
         (x, y), = _data(0, rounds=1)
         models = [splitft.split(mlp(), 2, factory=MLP, connect=listener.connect) for _ in range(2)]
-        opts = [m.attach(torch.optim.SGD(m.parameters(), lr=0.1)) for m in models]
+        opts = [m.attach(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)) for m in models]
         opts[1].param_groups[0]["lr"] = 0.2  # a scheduler that differs between the edges
         for i, (model, opt) in enumerate(zip(models, opts)):
             model.remote_loss(nn.CrossEntropyLoss())(model(x), y).backward()

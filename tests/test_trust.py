@@ -20,6 +20,8 @@ import splitft
 import transports
 from splitft import protocol
 from splitft.cloud import CloudServer, serve_in_thread
+from splitft.cloud.shared_policy import SharedPolicy
+from splitft.errors import PolicyError
 from splitft.limits import Limits
 from splitft.options import Faults, Link
 from splitft.policy import Policy
@@ -344,17 +346,17 @@ def test_internal_errors_are_answered_typed_and_logged_once_a_minute(cloud, capl
 # ---------------------------------------------------------------- a shared cloud half
 
 
-def test_shared_half_refuses_weights_that_overflow_its_dtype_and_frees_its_optimizer():
-    c = Cloud(Limits(handshake_timeout=60), shared_model=True)
+def test_shared_half_refuses_weights_that_overflow_its_dtype_and_takes_the_clouds_optimizer():
+    c = Cloud(Limits(handshake_timeout=60), shared_model=True, shared_policy=SharedPolicy("Adam", {"lr": 0.01}))
     try:
         weights = {k: np.full_like(v, 1e300, dtype=np.float64) for k, v in _base_hello().weights.items()}
         assert ask(c.connect(), hello(weights=weights)).code == "protocol"
         first = splitft.split(mlp(), 2, factory=MLP, connect=c.listener.connect, faults=Faults(heartbeat=0))
-        first.attach(torch.optim.SGD(first.parameters(), lr=0.1))
-        first.sync()
-        first.close()
+        with first, pytest.raises(PolicyError, match="--shared-optimizer"):
+            first.attach(torch.optim.SGD(first.parameters(), lr=0.1))
+            first.sync()
         second = splitft.split(mlp(), 2, factory=MLP, connect=c.listener.connect, faults=Faults(heartbeat=0))
-        with second:  # the first edge's choice left with it
+        with second:
             second.attach(torch.optim.Adam(second.parameters(), lr=0.01))
             second.sync()
     finally:

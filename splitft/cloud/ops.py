@@ -7,18 +7,19 @@ is harmless.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from .. import operations as o
-from ..errors import CapacityError, ConfigError, ModelError, ProtocolError
+from ..errors import CapacityError, ConfigError, ModelError, PolicyError, ProtocolError
 from ..protocol import _short
 from .guard import blame
+from .shared_policy import SharedPolicy
 
 if TYPE_CHECKING:
     from .session import CloudSession
@@ -59,18 +60,12 @@ def attach_optimizer(session: CloudSession, op: o.AttachOptimizer) -> None:
         raise ConfigError(f"{_short(op.name)} is not a torch.optim optimizer")
     groups = _param_groups(session, op)
     shared = session.shared
-    if shared is not None:
-        spec = (cls.__name__, json.dumps([op.settings, op.groups], sort_keys=True, default=str))
-        if shared.optimizer_spec is not None:
-            if shared.optimizer_spec != spec:
-                raise ConfigError(
-                    f"this cloud part is shared and trains with {shared.optimizer_spec[0]}"
-                    f"({shared.optimizer_spec[1]}); every edge must attach the same optimizer, got "
-                    f"{cls.__name__}({spec[1]})"
-                )
-        else:
-            shared.optimizer = _make_optimizer(groups, cls, op.settings)
-            shared.optimizer_spec = spec
+    if shared is not None:  # the cloud's optimizer, never the first edge's: an edge's must be it
+        policy = shared_policy(session)
+        policy.check_attach(cls.__name__, op.settings, op.groups, session.chain.qualified_parameters())
+        if shared.optimizer is None:
+            shared.optimizer = policy.build(list(session.chain.parameters()))
+            shared.optimizer_spec = (policy.optimizer, policy.describe())
     else:
         session.own_optimizer = _make_optimizer(groups, cls, op.settings)
     session.optimizer_spec = o.AttachOptimizer(name=cls.__name__, settings=dict(op.settings), groups=op.groups)
@@ -86,8 +81,8 @@ def _param_groups(session: CloudSession, op: o.AttachOptimizer) -> list[dict[str
     groups, seen = [], set()
     for group in op.groups:
         if not (isinstance(group, dict) and set(group) == {"names", "settings"} and isinstance(group["names"], list)
-                and isinstance(group["settings"], dict)):
-            raise ProtocolError(f"a parameter group is a map of 'names' (list) and 'settings' (map), "
+                and all(isinstance(n, str) for n in group["names"]) and isinstance(group["settings"], dict)):
+            raise ProtocolError(f"a parameter group is a map of 'names' (list of str) and 'settings' (map), "
                                 f"got {_short(group)}")
         unknown = [k for k in group["settings"] if k not in op.settings]
         if unknown:
@@ -127,13 +122,13 @@ def set_modes(session: CloudSession, op: o.SetModes) -> None:
 
 
 def set_frozen(session: CloudSession, op: o.SetFrozen) -> None:
-    """``requires_grad`` of each parameter of the half, as the edge's script set it."""
+    """``requires_grad`` of each parameter of the half, as the edge's script set it (a shared
+    half's are the cloud's: the edge's must match them)."""
     frozen = {id(p) for p in session.parameters_named(op.names)}
-    params = list(session.chain.parameters())
-    if session.shared is not None and session.shared.sessions > 1:
-        if any((id(p) in frozen) == p.requires_grad for p in params):
-            raise ConfigError("this cloud part is shared: every edge must freeze the same parameters")
-    for param in params:
+    if session.shared is not None:
+        shared_policy(session).check_frozen(op.names)
+        return
+    for param in session.chain.parameters():
         param.requires_grad_(id(param) not in frozen)
 
 
@@ -164,8 +159,10 @@ def step(session: CloudSession, op: o.Step) -> bool:
     if rounds is not None:
         rounds.contribute(session, op)  # one optimizer step for all the round's edges, when it closes
     elif (optimizer := session.optimizer) is not None:
-        _set_hyperparameters(optimizer, op)
+        step_settings(session, optimizer, op)
         with session.own_grads(), blame(ModelError, "the optimizer step failed"):
+            if session.shared is not None:
+                check_finite_grads(session.chain.parameters())
             optimizer.step()
     session.steps += 1
     if session.shared is not None:
@@ -174,6 +171,33 @@ def step(session: CloudSession, op: o.Step) -> bool:
         session.pending.clear()  # graphs from before a step can no longer be backpropagated correctly
     session.deferred.clear()
     return True
+
+
+def step_settings(session: CloudSession, optimizer: torch.optim.Optimizer, op: o.Step) -> None:
+    """Set a step's learning rates (and changed settings) on the optimizer it steps: an own half's
+    as the edge's scheduler left them, a shared half's within the cloud's policy."""
+    if session.shared is None:
+        _set_hyperparameters(optimizer, op)
+        return
+    lr = shared_policy(session).step_lr(op)
+    if lr is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+
+def check_finite_grads(params: Iterable[torch.Tensor]) -> None:
+    """Refuse a step of a shared half on a gradient with NaN or Inf: it would reach every edge."""
+    if not all(torch.isfinite(p.grad).all() for p in params if p.grad is not None):
+        raise ProtocolError("the session's gradient contains NaN or Inf (refused for a shared cloud part)")
+
+
+def shared_policy(session: CloudSession) -> SharedPolicy:
+    """The cloud's settings for the session's shared half (none given: no optimizer, nothing frozen)."""
+    policy = getattr(session.shared, "policy", None)
+    return policy if policy is not None else _NO_POLICY
+
+
+_NO_POLICY = SharedPolicy()
 
 
 def _set_hyperparameters(optimizer: torch.optim.Optimizer, op: o.Step) -> None:
@@ -244,6 +268,9 @@ def zero_grad(session: CloudSession, op: o.ZeroGrad) -> None:
 
 
 def scale_grads(session: CloudSession, op: o.ScaleGrads) -> None:
+    if session.shared is not None and not abs(op.factor) <= 1:
+        # Clipping and unscaling shrink gradients; growing one would grow every edge's weights.
+        raise PolicyError(f"a shared half's gradients may be scaled down only (|factor| <= 1), got {op.factor}")
     if op.divide:
         _each_grad(session, (op.factor,), op.names, lambda grad: grad.div_(op.factor))
     else:
@@ -271,13 +298,36 @@ def _each_grad(session: CloudSession, numbers: tuple[float, ...], names: list | 
 
 
 def load_weights(session: CloudSession, op: o.LoadWeights) -> None:
+    """Replace an own half's weights, each checked in the dtype it will have before any is loaded."""
+    if session.shared is not None:
+        raise PolicyError("the weights of a shared cloud half are every edge's; one edge may not replace them "
+                          "(load_weights is refused)")
+    weights = cast_weights(session.chain, op.weights, "load_weights.weights", partial=op.partial)
+    session.chain.load_qualified_state_dict(weights, partial=op.partial)
+
+
+def cast_weights(chain: Any, arrays: Any, what: str, partial: bool = False) -> dict[str, torch.Tensor]:
+    """Pushed weights, every one of the half's tensors (``partial``: some of them), each cast to
+    its tensor's dtype and checked there (1e300 sent as float64 is Inf in float32): a
+    :class:`ProtocolError` before anything is loaded, so a refused push changes nothing."""
     from .session import tensors_from_wire
 
-    weights = tensors_from_wire(op.weights, "load_weights.weights")
-    if not all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point()):
-        raise ProtocolError("the weights to load contain NaN or Inf")
-    with blame(ProtocolError, "the weights to load do not fit the cloud half"):
-        session.chain.load_qualified_state_dict(weights, partial=op.partial)
+    weights = tensors_from_wire(arrays, what)
+    targets = chain.qualified_state_dict()
+    missing, extra = sorted(set(targets) - set(weights)), sorted(set(weights) - set(targets))
+    if extra or (missing and not partial):
+        raise ProtocolError(f"{what} do not fit the cloud half: missing {_short(missing)}, unexpected {_short(extra)}")
+    cast = {}
+    for name in weights:
+        target, value = targets[name], weights[name]
+        if tuple(value.shape) != tuple(target.shape):
+            raise ProtocolError(f"{what}: {name!r} has shape {tuple(value.shape)}; the cloud half's is "
+                                f"{tuple(target.shape)}")
+        with blame(ProtocolError, f"{what}: {name!r} cannot be cast to {target.dtype}"):
+            cast[name] = value.to(target.dtype)
+        if cast[name].is_floating_point() and not torch.isfinite(cast[name]).all():
+            raise ProtocolError(f"{what}: {name!r} contains NaN or Inf in the half's dtype {target.dtype}")
+    return cast
 
 
 HANDLERS: dict[type[o.Operation], Callable[[Any, Any], Any]] = {
@@ -294,4 +344,4 @@ HANDLERS: dict[type[o.Operation], Callable[[Any, Any], Any]] = {
     o.FreeCache: free_cache,
 }
 
-__all__ = ["HANDLERS", "apply_ops", "check_norm_type"]
+__all__ = ["HANDLERS", "apply_ops", "cast_weights", "check_norm_type"]

@@ -26,7 +26,9 @@ class SessionRandom:
 
     def __init__(self, seed: int, device: torch.device, stream: int = 0) -> None:
         self.device = device
-        self.seed = int(seed) * STRIDE + int(stream)
+        # Modulo 2**64, the generator's own range (where a negative seed already wraps to): any
+        # int a hello may carry seeds it, and every seed that fitted before seeds it as before.
+        self.seed = (int(seed) * STRIDE + int(stream)) % 2**64
         self.host = torch.Generator().manual_seed(self.seed).get_state()
         self.accelerator: torch.Tensor | None = None  # made on first use, seeded the same way
 

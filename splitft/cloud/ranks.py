@@ -13,10 +13,12 @@ key-value store, the TCPStore torchrun hosts, as its only shared state:
   is sent to the rank that still has it, or, when that rank is dead, placed on a live one that
   restores it from the shared checkpoint folder;
 * run-wide (surviving a restart of the group): ``front`` (the front door's address, so that a
-  restarted rank 0 binds the same one) and ``ended`` (sessions ended, for ``--sessions``).
+  restarted rank 0 binds the same one) and ``ended/R`` (sessions rank R ended, for ``--sessions``).
 
 Per-attempt keys live under the launcher's restart count, so a group restarted by torchrun's agent
 starts with a clean table. Serving never waits on a collective: a dead rank cannot block a live one.
+Every value is signed with the job's secret and only signed values are read (:mod:`.job_store`):
+whoever else reaches the store cannot steer placement, redirect edges or end the job.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import socket
 import threading
 import time
@@ -37,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from .job_store import SignedStore, job_secret
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +93,7 @@ class _View:
     current beat, and when it last looked."""
 
     beat: int = -1
+    boot: str = ""  # the beating process: a rank restarted by hand counts from its own start
     moved_at: float = float("-inf")
     seen_at: float = float("-inf")
     sessions: int = 0
@@ -103,16 +108,19 @@ class RankGroup:
         env: the job, from :meth:`RankEnv.from_environ`.
         store: the job's key-value store (a ``torch.distributed.Store``).
         rank_timeout: seconds without a heartbeat after which the front door counts a rank dead.
+        secret: what the ranks sign their values with (default: ``SPLITFT_JOB_SECRET``).
     """
 
     def __init__(self, env: RankEnv, store: dist.Store, *, rank_timeout: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, secret: bytes | None = None) -> None:
         if rank_timeout <= 2 * BEAT_EVERY:
             raise ConfigError(f"--rank-timeout must be above {2 * BEAT_EVERY:g} s (two heartbeats), got {rank_timeout:g}")
         self.env, self.rank, self.world_size = env, env.rank, env.world_size
         self.rank_timeout = rank_timeout
-        self._run = dist.PrefixStore("splitft", store)
-        self._now = dist.PrefixStore(f"splitft/attempt{env.attempt}", store)
+        secret = job_secret() if secret is None else secret
+        self._run = SignedStore(store, "splitft", secret)
+        self._now = SignedStore(store, f"splitft/attempt{env.attempt}", secret)
+        self._boot = secrets.token_hex(8)
         self._lock = threading.Lock()  # one store request at a time from this process
         self._clock = clock
         self.addresses: dict[int, str] = {}
@@ -137,13 +145,14 @@ class RankGroup:
         # agent, rank 0 hosts it. The group's own keys go under this attempt's prefix: gloo must not
         # find the addresses of the ranks a restart replaced.
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        secret = job_secret()  # before anything is joined: a rank without it must not start
         store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0 and not agent,
                               timeout=timedelta(seconds=store_timeout), wait_for_workers=False)
         dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
                                 store=dist.PrefixStore(f"splitft/attempt{env.attempt}/group", store),
                                 timeout=timedelta(seconds=max(60.0, store_timeout)))
         log.info("rank %d/%d joined the group (%s, attempt %d)", env.rank, env.world_size, backend, env.attempt)
-        return cls(env, store, rank_timeout=rank_timeout)
+        return cls(env, store, rank_timeout=rank_timeout, secret=secret)
 
     def bind_address(self, front: str, rank_port: int | None = None) -> str:
         """What this rank listens on: rank 0 the front door (the same one after a restart), others their own."""
@@ -201,8 +210,8 @@ class RankGroup:
 
     def beat(self, sessions: int, stopped: bool = False) -> None:
         """Publish this rank's heartbeat now (the heartbeat thread does it every beat)."""
-        value = json.dumps({"n": time.monotonic_ns(), "sessions": sessions, "hellos": self.hellos,
-                            "stopped": stopped})
+        value = json.dumps({"n": time.monotonic_ns(), "boot": self._boot, "sessions": sessions,
+                            "hellos": self.hellos, "stopped": stopped})
         self._set(self._now, f"beat/{self.rank}", value)
 
     def observe(self) -> None:
@@ -218,13 +227,15 @@ class RankGroup:
                 continue
             try:
                 beat = json.loads(raw)
-                n, sessions, hellos, stopped = (int(beat["n"]), int(beat["sessions"]), int(beat["hellos"]),
-                                                bool(beat["stopped"]))
+                n, boot, sessions, hellos, stopped = (int(beat["n"]), str(beat["boot"]), int(beat["sessions"]),
+                                                      int(beat["hellos"]), bool(beat["stopped"]))
             except (ValueError, KeyError, TypeError):
                 continue
+            if boot == view.boot and n < view.beat:
+                continue  # an older beat of this process, written again: not news
             view.seen_at = self._clock()
-            if n != view.beat:
-                view.beat, view.moved_at = n, view.seen_at
+            if n != view.beat or boot != view.boot:
+                view.beat, view.boot, view.moved_at = n, boot, view.seen_at
             sent = self._sent[r]
             for _ in range(max(0, hellos - view.hellos)):  # placements that have arrived there
                 if sent:
@@ -303,10 +314,18 @@ class RankGroup:
                 self._store_failed(exc)
 
     def add_ended(self, n: int) -> int | None:
-        """Add ``n`` ended sessions to the job's count; the count (None: the store did not answer)."""
+        """Add ``n`` ended sessions to the job's count; the count (None: the store did not answer).
+
+        Each rank keeps its own count (``ended/R``, signed: a shared counter anyone could add to
+        would end the job); the job's is their sum.
+        """
         with self._lock:
             try:
-                return int(self._run.add("ended", n))
+                counts = [_count(self._run.get(f"ended/{r}")) for r in range(self.world_size)]
+                if n:
+                    counts[self.rank] += n
+                    self._run.set(f"ended/{self.rank}", str(counts[self.rank]))
+                return sum(counts)
             except RuntimeError as exc:
                 self._store_failed(exc)
                 return None
@@ -324,17 +343,15 @@ class RankGroup:
 
     # ------------------------------------------------------------ the store, failures logged
 
-    def _get(self, store: dist.Store, key: str) -> str | None:
+    def _get(self, store: SignedStore, key: str) -> str | None:
         with self._lock:
             try:
-                if not store.check([key]):
-                    return None
-                return store.get(key).decode() or None
+                return store.get(key) or None
             except RuntimeError as exc:
                 self._store_failed(exc)
                 return None
 
-    def _set(self, store: dist.Store, key: str, value: str) -> None:
+    def _set(self, store: SignedStore, key: str, value: str) -> None:
         with self._lock:
             try:
                 store.set(key, value)
@@ -347,6 +364,13 @@ class RankGroup:
             self._warned = now
             log.warning("rank %d: the job's store did not answer (%s); serving on with what this rank has",
                         self.rank, exc)
+
+
+def _count(value: str | None) -> int:
+    try:
+        return max(0, int(value)) if value else 0
+    except ValueError:
+        return 0
 
 
 __all__ = ["BEAT_EVERY", "RankEnv", "RankGroup", "launched"]

@@ -9,7 +9,9 @@ once per round would give (split ≡ local).
 
 - **Waiting without blocking.** An edge's step is acknowledged at once (its own half steps and its
   next batch runs meanwhile); its next request is held by the cloud, unanswered, until the round
-  closes, then handled. The server loop serves every other edge in the meantime.
+  closes, then handled. The server loop serves every other edge in the meantime. A held request
+  is checked first (its size; its bytes against the session's and the cloud's memory budgets,
+  where they stay booked until the round closes): one that does not fit is refused at once.
 - **Seats.** A half trains in rounds of N edges: at most N sessions may use it (the N+1-th hello
   is refused); the first round closes once N edges have contributed. After that a round closes
   when every session still open has; an edge that ends its session leaves the rounds.
@@ -19,9 +21,9 @@ once per round would give (split ≡ local).
   do not wait for them. A dropped edge's next step arrives late (its gradient is of the weights
   of a closed round): it is discarded, with a logged event, and the edge counts again from the
   round after. The edges' reply timeout must exceed the round timeout.
-- **Agreement.** Every edge attaches the same optimizer (refused otherwise, as for any shared
-  half), and every step of one round must carry the same learning rates and changed settings
-  (refused otherwise: a scheduler that differs between edges).
+- **Agreement.** Every edge attaches the cloud's optimizer (``--shared-optimizer``, as for any
+  shared half: :mod:`.shared_policy`), and every step of one round must carry the same learning
+  rates and changed settings (refused otherwise: a scheduler that differs between edges).
 - **Across ranks** (:mod:`.allreduce`): each rank serves its own edges and closes its own rounds;
   then the ranks all-reduce the rank's gradient sum (weighted by the edges each rank served)
   through a DDP communication hook, so every rank takes the same step and holds the same weights
@@ -43,12 +45,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+import transports
+
 from .. import operations as o
 from .. import protocol
-from ..errors import CapacityError, ConfigError, ModelError, ProtocolError, SplitFTError
+from ..errors import CapacityError, ConfigError, ModelError, ProtocolError, SplitFTError, code_of
+from ..limits import mib
 from .allreduce import GradCompression, RankReducer, Reduced, Reduction, fingerprint
 from .guard import blame
-from .ops import _set_hyperparameters
+from .ops import check_finite_grads, step_settings
 
 if TYPE_CHECKING:
     from .server import CloudServer
@@ -73,6 +78,12 @@ class RoundSettings:
             raise ConfigError(f"a round needs at least one edge, got {self.edges!r}")
         if not (isinstance(self.timeout, (int, float)) and math.isfinite(self.timeout) and self.timeout > 0):
             raise ConfigError(f"the round timeout is in seconds and must be above 0, got {self.timeout!r}")
+
+
+def parked_key(session_id: str) -> str:
+    """The memory book's entry for the requests a session keeps waiting for a round (its frames
+    stay held until the round closes, even if the session ends meanwhile)."""
+    return f"{session_id}/parked"
 
 
 class _Flat:
@@ -140,12 +151,11 @@ class PartRounds:
                               f"step has lr {op.lr or op.lrs}, changes {op.changes} (are the edges' schedulers the same?)")
         optimizer = self.part.optimizer
         if optimizer is not None:
-            _set_hyperparameters(optimizer, op)  # validated now; every step of the round agrees with it
+            step_settings(session, optimizer, op)  # validated now; every step of the round agrees with it
         params = self.params()
         with session.own_grads(), torch.no_grad():
+            check_finite_grads(params)
             grads = [p.grad for p in params]
-            if not all(torch.isfinite(g).all() for g in grads if g is not None):
-                raise ProtocolError("the session's gradient contains NaN or Inf (refused for a shared cloud part)")
             views = self._buffers(book).views()
             for i, (view, grad) in enumerate(zip(views, grads)):
                 if grad is not None:
@@ -225,8 +235,10 @@ class PartRounds:
         self.reduction, self.step, self.last_total = None, None, reduced.total
         self.index += 1
         self.opened_at = now
-        for queue in self.parked.values():
+        book = self.owner.server.book
+        for session_id, queue in self.parked.items():
             ready.extend(queue)
+            book.drop(parked_key(session_id))
         self.parked.clear()
 
 
@@ -280,17 +292,42 @@ class Rounds:
                                 "taken; try again when an edge has ended its session")
 
     def hold(self, peer: bytes, frames: list, session: CloudSession | None) -> bool:
-        """Keep a request of an edge that waits for its round; True when it was kept (not handled now)."""
+        """Keep a request of an edge that waits for its round; True when it was kept (not handled now).
+
+        A kept request holds its frames until the round closes: it is checked first, by its size
+        and against the memory budgets (booked as the session's until it is released), and one
+        that does not fit is refused at once.
+        """
         rounds = session.shared.rounds if session is not None and session.shared is not None else None
         if rounds is None or not rounds.waiting(session.id):
             return False
         queue = rounds.parked.setdefault(session.id, deque())
-        if len(queue) >= self.settings.max_parked:
-            text = f"{len(queue)} requests already wait for round {rounds.index}; send fewer before it closes"
-            self.server._send(peer, protocol.encode(protocol.Error(code="capacity", message=text)), "error")
+        try:
+            self._check_parking(rounds, session, queue, frames)
+        except SplitFTError as exc:
+            text = f"{type(exc).__name__}: {exc}"[: self.server.limits.max_error_chars]
+            error = protocol.Error(code=code_of(exc), message=text)
+            self.server._send(peer, protocol.encode(error), "error")
             return True
         queue.append((peer, frames))
         return True
+
+    def _check_parking(self, rounds: PartRounds, session: CloudSession, queue: deque, frames: list) -> None:
+        if len(queue) >= self.settings.max_parked:
+            raise CapacityError(f"{len(queue)} requests already wait for round {rounds.index}; send fewer before it "
+                                "closes")
+        limits, book = self.server.limits, self.server.book
+        limits.check_frames(frames)
+        nbytes = transports.message_nbytes(frames)
+        key = parked_key(session.id)
+        parked = book.held.get(key, 0)
+        what = f"keeping this request until round {rounds.index} closes"
+        if session.held_bytes() + parked + nbytes > limits.session_memory_bytes:
+            raise CapacityError(f"{what} needs {mib(nbytes)} more; this session holds {mib(session.held_bytes())} and "
+                                f"{mib(parked)} of requests waiting for the round, and may hold "
+                                f"{mib(limits.session_memory_bytes)} (--session-memory-mb): send fewer before it closes")
+        book.check(key, parked, nbytes, what)
+        book.set(key, parked + nbytes)
 
     def tick(self, poll: float) -> float:
         """Close, reduce and finish rounds that can be; returns how long the server may wait for a message."""

@@ -34,6 +34,7 @@ from ..protocol import Ack, Backward, Bye, Error, Forward, Hello, Ping, Pong, Sy
 from . import checkpoints, replies
 from .admission import Admission
 from .session import CloudSession, SharedPart, check_codecs, hello_identity
+from .shared_policy import SharedPolicy
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ class CloudServer:
         keep_checkpoints: checkpoints kept per session.
         fsync: flush each checkpoint to disk (survives power loss, not only process death).
         shared_model: sessions asking for the same model and cut train one shared cloud part.
+        shared_policy: its optimizer and frozen parameters, the cloud's choice
+            (:class:`~splitft.cloud.shared_policy.SharedPolicy`; default: no optimizer, none frozen).
         policy: which codecs and codec options edges may ask for (:class:`Policy`).
         placement: the device (and dtype) every cloud half computes in (:class:`Placement`;
             default: the CPU).
@@ -92,7 +95,8 @@ class CloudServer:
                  checkpoint_dir: str | None = None, checkpoint_every: int = 1, keep_checkpoints: int = 2,
                  fsync: bool = True, shared_model: bool = False, policy: Policy | None = None,
                  placement: Placement | None = None, rounds: Any = None,
-                 make_session: Callable[..., CloudSession] = CloudSession) -> None:
+                 make_session: Callable[..., CloudSession] = CloudSession,
+                 shared_policy: SharedPolicy | None = None) -> None:
         self.listener = listener
         self.factories = {name: load_factory(name) for name in factories}
         self.max_sessions = max_sessions
@@ -114,6 +118,9 @@ class CloudServer:
         #: Why the cloud freed the session a peer spoke for (expired, evicted), for its next request.
         self.gone: OrderedDict[bytes, str] = OrderedDict()
         self.shared_model = shared_model
+        if shared_policy is not None and not shared_model:
+            raise ConfigError("--shared-optimizer and --shared-frozen set a shared cloud half: add --shared-model")
+        self.shared_policy = shared_policy or SharedPolicy()
         self.shared: dict[str, SharedPart] = {}
         self.rounds = rounds
         self.make_session = make_session
@@ -335,7 +342,7 @@ class CloudServer:
             if len(self.shared) >= 16:
                 raise CapacityError("this cloud already trains 16 different shared cloud parts, its limit")
             chain, ushape = build_chain(msg, self.factories, self.limits, admit_model or self._admit_model)
-            part = self.shared[key] = SharedPart(chain, ushape)
+            part = self.shared[key] = self.shared_policy.new_part(chain, ushape)
         if self.rounds is not None:
             self.rounds.admit(part)
         return part

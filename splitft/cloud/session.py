@@ -45,7 +45,7 @@ from ..policy import Policy
 from ..protocol import Backward, Forward, Hello, InputGrads, Output
 from .caches import SessionCaches
 from .guard import Stopwatch, blame
-from .ops import apply_ops, check_norm_type
+from .ops import apply_ops, cast_weights, check_norm_type
 from .randomness import SessionRandom
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,7 @@ class SharedPart:
     sessions: int = 0
     initialized: bool = False  # the first edge's weights are in; later edges' pushed weights are ignored
     rounds: Any = None  # synchronous data-parallel rounds (:mod:`.rounds`), or None: steps in arrival order
+    policy: Any = None  # what edges may set on it: the cloud's (:mod:`.shared_policy`); None: no optimizer
 
 
 @dataclass
@@ -189,14 +190,8 @@ class CloudSession:
     def _initial_weights(self, hello: Hello) -> None:
         """Load the weights the edge pushed, or check that the factory's equal the edge's."""
         with blame(HandshakeError, "the weights the edge pushed cannot be loaded"):
-            if hello.weights is not None:
-                weights = tensors_from_wire(hello.weights, "weights")
-                if not all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point()):
-                    raise ProtocolError("the pushed weights contain NaN or Inf")
-                self.chain.load_qualified_state_dict(weights)
-                # Checked again after the cast to the model's dtypes: 1e300 in float64 is inf in float32.
-                if not all(torch.isfinite(t).all() for t in self.chain.state_dict().values() if t.is_floating_point()):
-                    raise ProtocolError("the pushed weights do not fit the model's dtypes (they overflow to Inf)")
+            if hello.weights is not None:  # checked in the half's dtypes before any is loaded
+                self.chain.load_qualified_state_dict(cast_weights(self.chain, hello.weights, "the pushed weights"))
             elif hello.value_hash is not None and hello.value_hash != value_hash(self.chain):
                 raise HandshakeError(
                     "the cloud part's initial weights differ between edge and cloud; make the factory "

@@ -24,6 +24,7 @@ from typing import Any
 
 from ..errors import ConfigError, SplitFTError
 from ..limits import Limits
+from .job_store import ensure_job_secret
 from .ranks import RankEnv, RankGroup, launched
 
 
@@ -38,6 +39,7 @@ def launch(workers: int, argv: list[str], *, max_restarts: int = 3, monitor_inte
 
     # Each rank computes on its share of the cores (torchrun sets 1 when it launches several).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+    ensure_job_secret()  # the ranks inherit it: what they write in the job's store is signed with it
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=workers, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
                           monitor_interval=monitor_interval, start_method="spawn")
