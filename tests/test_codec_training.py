@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import splitft
+from splitft.coding import resolve_codecs
 from splitft.data import batches, load_digits
 from splitft.errors import ConfigError
 from splitft.experiment import run_digits
@@ -38,13 +39,13 @@ def test_ushape_codecs_apply_to_both_crossings():
 
 
 def test_default_pairings():
-    pairs = {spec: splitft.resolve_codecs(spec)["bwd"] for spec in
+    pairs = {spec: resolve_codecs(spec)["bwd"] for spec in
              ("identity", "fp16", "binary", "acsgd", "c3sl:r=8", "lowrank:rank=2", "fixpoint:bits=4")}
     assert pairs == {"identity": "identity", "fp16": "fp16", "binary": "fixpoint:bits=8",
                      "acsgd": "fixpoint:bits=8", "c3sl:r=8": "identity", "lowrank:rank=2": "identity",
                      "fixpoint:bits=4": "fixpoint:bits=8"}
-    assert splitft.resolve_codecs("c3sl:r=4", "fp16")["bwd"] == "fp16"
-    assert splitft.resolve_codecs("c3sl:r=4")["ret"] == "c3sl:r=4"
+    assert resolve_codecs("c3sl:r=4", "fp16")["bwd"] == "fp16"
+    assert resolve_codecs("c3sl:r=4")["ret"] == "c3sl:r=4"
 
 
 def test_acsgd_without_sample_ids_is_a_clear_error(inproc_cloud):

@@ -149,7 +149,7 @@ def test_a_repeated_step_id_is_skipped(cloud):
         assert_same(before, after)
         assert server.sessions[next(iter(server.sessions))].steps == 1
         model.session.queue({"op": "step", "id": 3, "lr": 0.5})  # step 2 never came
-        with pytest.raises(splitft.ProtocolError, match="step 3 arrived but this session is at step 1"):
+        with pytest.raises(splitft.errors.ProtocolError, match="step 3 arrived but this session is at step 1"):
             model.sync()
 
 

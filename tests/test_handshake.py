@@ -8,6 +8,7 @@ from torch import nn
 
 import compressors
 import splitft
+from splitft.coding import resolve_codecs
 from splitft import Factory, protocol
 from splitft.errors import ConfigError, HandshakeError, ProtocolError
 from splitft.models import digits_cnn
@@ -57,7 +58,7 @@ def _hello(**changes) -> protocol.Hello:
 
     fields = dict(protocol=protocol.PROTOCOL_VERSION, factory=DIGITS, cut="block3", rejoin=None,
                   fingerprint=fingerprint(extract(model, parse_cut(model, "block3"))),
-                  codecs=splitft.resolve_codecs(), seed=0)
+                  codecs=resolve_codecs(), seed=0)
     fields.update(changes)
     return protocol.Hello(**fields)
 
@@ -68,7 +69,7 @@ def test_protocol_version_mismatch(inproc_cloud):
 
 
 def test_codec_the_cloud_cannot_run(inproc_cloud):
-    codecs = splitft.resolve_codecs() | {"fwd": "quantum"}
+    codecs = resolve_codecs() | {"fwd": "quantum"}
     reply = _raw_exchange(inproc_cloud, _hello(codecs=codecs))
     assert isinstance(reply, protocol.Error) and reply.code == "handshake" and "quantum" in reply.message
 

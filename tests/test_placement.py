@@ -156,7 +156,7 @@ def test_an_edge_follows_one_redirect_and_refuses_a_second_hop():
     first = Redirector(target=second.address)
     second.target = first.address  # a loop, if the edge followed it
     try:
-        with pytest.raises(splitft.RedirectError, match="redirected this edge again"):
+        with pytest.raises(splitft.errors.RedirectError, match="redirected this edge again"):
             _split(first.address)
         assert (first.hellos, second.hellos) == (1, 1)
     finally:
@@ -168,7 +168,7 @@ def test_an_edge_follows_one_redirect_and_refuses_a_second_hop():
 def test_a_redirect_to_something_that_is_not_a_rank_address_is_refused(target):
     door = Redirector(target=target)
     try:
-        with pytest.raises(splitft.RedirectError, match="expected tcp://HOST:PORT or ipc://PATH"):
+        with pytest.raises(splitft.errors.RedirectError, match="expected tcp://HOST:PORT or ipc://PATH"):
             _split(door.address)
     finally:
         door.close()
@@ -178,7 +178,7 @@ def test_an_edge_given_a_function_that_opens_its_link_cannot_be_sent_elsewhere()
     rank = Redirector()
     door = Redirector(target=rank.address)
     try:
-        with pytest.raises(splitft.RedirectError, match="give split\\(\\) the cloud's address"):
+        with pytest.raises(splitft.errors.RedirectError, match="give split\\(\\) the cloud's address"):
             _split(lambda: transports.connect(door.address))
         assert rank.hellos == 0
     finally:

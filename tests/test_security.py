@@ -133,18 +133,18 @@ def test_an_edge_with_an_unknown_key_is_refused_clearly_on_both_sides(keys):
     listener, server, thread = _curve_cloud(keys, refused)
     try:
         start = time.monotonic()
-        with pytest.raises(splitft.AuthError, match="refused this edge's key"):
+        with pytest.raises(splitft.errors.AuthError, match="refused this edge's key"):
             splitft.split(mlp(), 2, factory=MLP, faults=Faults(timeout=20),
                           connect=Link(listener.address, cloud_key=keys / "cloud.key",
                                        key=keys / "stranger.key_secret"))
         assert time.monotonic() - start < 5  # the refusal is seen, not waited out
         stranger = transports.load_public_key(keys / "stranger.key").decode()
         assert any(stranger in text and "not in the allow-list" in text for text in refused)
-        with pytest.raises(splitft.AuthError, match="is --cloud-key the cloud's public key"):
+        with pytest.raises(splitft.errors.AuthError, match="is --cloud-key the cloud's public key"):
             splitft.split(mlp(), 2, factory=MLP, faults=Faults(timeout=20),
                           connect=Link(listener.address, cloud_key=keys / "stranger.key",
                                        key=keys / "edge1.key_secret"))
-        with pytest.raises(splitft.AuthError, match="expects an encrypted link"):
+        with pytest.raises(splitft.errors.AuthError, match="expects an encrypted link"):
             splitft.split(mlp(), 2, factory=MLP, connect=listener.address, faults=Faults(timeout=20))
         assert not server.by_id  # none of them got a session
     finally:
