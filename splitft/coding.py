@@ -180,7 +180,12 @@ def from_wire(tree: Any, depth: int = 0) -> tuple[list[tuple[Payload, bool]], An
             return node
         raise ProtocolError(f"a {type(node).__name__} cannot appear in a value tree")
 
-    return entries, walk(tree, depth)
+    try:
+        return entries, walk(tree, depth)
+    finally:
+        # walk refers to itself through its closure: without this the cycle would keep the payloads
+        # (views of the received frames, up to a message's size) until the garbage collector ran.
+        del walk
 
 
 def expansions(skeleton: Any) -> dict[int, tuple[int, ...]]:
