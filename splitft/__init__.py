@@ -29,7 +29,7 @@ _EXPORTS = {
     "SplitFTError": "errors", "TransportError": "errors", "TransportTimeout": "errors",
     "AuthError": "errors", "CapacityError": "errors", "CheckpointError": "errors", "ModelError": "errors",
     "RedirectError": "errors", "ResumeError": "errors", "SessionLost": "errors", "TooLarge": "errors",
-    "CheckpointStore": "checkpoint", "read_checkpoint": "checkpoint", "write_checkpoint": "checkpoint",
+    "CheckpointStore": "checkpoint_store", "read_checkpoint": "checkpoint", "write_checkpoint": "checkpoint",
     "Limits": "limits",
     "Metrics": "metrics",
     "CutSpec": "cut", "parse_cut": "cut",

@@ -91,6 +91,11 @@ def _add_checkpoint_options(cloud: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-max-mb", type=float, default=65536.0, metavar="MB",
                    help="what the checkpoint folder may hold in all; new sessions are refused beyond it "
                         "(default: 65536)")
+    g.add_argument("--pin-quota-mb", type=float, default=4096.0, metavar="MB",
+                   help="what the pinned checkpoints of one origin (address, or edge key) may hold; pins are "
+                        "kept after their session ends, for edges that saved their own checkpoint (default: 4096)")
+    g.add_argument("--pin-hours", type=float, default=168.0, metavar="H",
+                   help="a pinned checkpoint is deleted this long after it was written (default: 168, a week)")
 
 
 def _add_rank_options(cloud: argparse.ArgumentParser) -> None:
@@ -165,7 +170,9 @@ def _limits_and_policy(args: argparse.Namespace) -> tuple:
                     handshake_timeout=args.handshake_timeout, max_ops=args.max_ops,
                     max_decoded_bytes=int(args.max_decoded_mb * mb),
                     session_memory_bytes=int(args.session_memory_mb * mb), memory_bytes=int(args.memory_mb * mb),
-                    checkpoint_bytes=int(args.checkpoint_max_mb * mb))
+                    checkpoint_bytes=int(args.checkpoint_max_mb * mb),
+                    pin_bytes=int(args.pin_quota_mb * mb),
+                    pin_seconds=args.pin_hours * 3600)
     bounds = Bounds(**{name: getattr(args, f"bound_{name}") for name in Bounds.__dataclass_fields__})
     every, per_slot = parse_slot_codecs(args.allow_codecs or [])
     return limits, Policy.allowing(every, per_slot=per_slot, bounds=bounds)

@@ -22,7 +22,7 @@ from torch import nn
 
 from .. import operations as o
 from ..devices import Placement
-from ..errors import CheckpointError, ProtocolError, ResumeError
+from ..errors import CapacityError, CheckpointError, ProtocolError, ResumeError
 from ..limits import Limits
 from ..policy import Policy
 from ..protocol import Hello, _short
@@ -95,14 +95,15 @@ def restore(hello: Hello, tree: dict[str, Any], meta: dict[str, Any], factories:
 
 
 def save(server: CloudServer, session: CloudSession, seq: int, pinned: bool = False) -> None:
-    """Checkpoint ``session`` as of request ``seq``; a failure is logged, training goes on."""
+    """Checkpoint ``session`` as of request ``seq``; a failure is logged, training goes on. A pin
+    counts against the quota of the origin of the session."""
     if server.checkpoints is None:
         return
     tree, meta = snapshot(session)
     meta["seq"] = seq
     try:
-        server.checkpoints.save(session.id, seq, tree, meta, pinned=pinned)
-    except CheckpointError as exc:
+        server.checkpoints.save(session.id, seq, tree, meta, pinned=pinned, origin=session.origin)
+    except (CheckpointError, CapacityError) as exc:
         # Training goes on; an edge that later needs this checkpoint is told exactly what is missing.
         log.error("session %s: checkpoint at request %d failed: %s", session.id, seq, exc)
 

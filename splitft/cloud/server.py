@@ -23,7 +23,8 @@ import transports
 
 from .. import protocol
 from ..budget import MemoryBook
-from ..checkpoint import CheckpointError, CheckpointStore
+from ..checkpoint import CheckpointError
+from ..checkpoint_store import CheckpointStore
 from ..devices import Placement
 from ..errors import CapacityError, ConfigError, ProtocolError, SessionLost, SplitFTError, code_of
 from ..factories import build_chain, load_factory
@@ -34,6 +35,9 @@ from . import checkpoints, replies
 from .session import CloudSession, SharedPart, check_codecs, hello_identity
 
 log = logging.getLogger(__name__)
+
+#: Seconds between looks for checkpoints no session can use (expired pins, abandoned sessions).
+TIDY_EVERY = 10.0
 
 _KIND = {"forward": "activation", "output": "activation", "backward": "gradient", "input_grads": "gradient"}
 
@@ -101,7 +105,9 @@ class CloudServer:
             raise ConfigError("checkpoints restore one edge's session exactly; with a shared cloud part they "
                               "cannot (other edges move it on). Use one of shared_model / checkpoint_dir")
         self.checkpoints = CheckpointStore(checkpoint_dir, keep=keep_checkpoints, fsync=fsync,
-                                           max_bytes=self.limits.checkpoint_bytes) \
+                                           max_bytes=self.limits.checkpoint_bytes,
+                                           pin_bytes=self.limits.pin_bytes, pin_seconds=self.limits.pin_seconds,
+                                           orphan_seconds=self.limits.session_timeout) \
             if checkpoint_dir is not None else None
         self.checkpoint_every = checkpoint_every
         self.policy = policy or Policy()
@@ -122,7 +128,7 @@ class CloudServer:
         self.finished: deque[dict[str, Any]] = deque(maxlen=10_000)
         self.stop_event = threading.Event()
         self._on_event = on_event or (lambda text: log.info("%s", text))
-        self._last_sweep = time.monotonic()
+        self._last_sweep = self._last_tidy = time.monotonic()
         self._errors = _ErrorLog()
         self._handlers: dict[type[protocol.Message], Callable[..., protocol.Message | None]] = {
             Hello: self._on_hello, Ping: self._on_ping, Forward: self._on_request, Backward: self._on_request,
@@ -379,12 +385,20 @@ class CloudServer:
         if now - self._last_sweep < 1.0 and now >= self._last_sweep:
             return
         self._last_sweep = now
+        if self.checkpoints is not None and now - self._last_tidy >= TIDY_EVERY:
+            self._last_tidy = now
+            self.checkpoints.sweep(self.resumable())
         for session in list(self.by_id.values()):
             idle = now - session.last_seen
             if idle > self.limits.session_timeout:
                 self._forget(session, f"expired after {idle:.0f} s without a message")
             elif not session.trained and idle > self.limits.handshake_timeout:
                 self._forget(session, f"freed: no request for {idle:.0f} s after its hello")
+
+    def resumable(self) -> set[str] | None:
+        """The sessions whose regular checkpoints must stay: those alive here (None: the folder
+        is shared with other processes, which keep their own)."""
+        return set(self.by_id)
 
     def shutdown(self, reason: str) -> None:
         """Tell every connected edge the cloud is going away, then close the listener."""
