@@ -148,6 +148,9 @@ def _add_policy_options(cloud: argparse.ArgumentParser) -> None:
     limits = Limits()
     g.add_argument("--max-decoded-mb", type=float, default=limits.max_decoded_bytes / 2**20, metavar="MB",
                    help="what one message's tensors may take once decoded (default: %(default).0f)")
+    g.add_argument("--max-request-gflop", type=float, default=limits.max_request_flops / 1e9, metavar="GFLOP",
+                   help="the arithmetic one request may cost (decode, the half's forward and backward, encoding "
+                        "the reply), priced before it starts (default: %(default).0f)")
     g.add_argument("--max-ops", type=int, default=limits.max_ops, metavar="N",
                    help="mirrored operations (optimizer steps, zero_grad...) one message may carry "
                         "(default: %(default)s)")
@@ -171,7 +174,7 @@ def _limits_and_policy(args: argparse.Namespace) -> tuple:
                     max_decoded_bytes=int(args.max_decoded_mb * mb),
                     session_memory_bytes=int(args.session_memory_mb * mb), memory_bytes=int(args.memory_mb * mb),
                     checkpoint_bytes=int(args.checkpoint_max_mb * mb),
-                    pin_bytes=int(args.pin_quota_mb * mb),
+                    max_request_flops=int(args.max_request_gflop * 1e9), pin_bytes=int(args.pin_quota_mb * mb),
                     pin_seconds=args.pin_hours * 3600)
     bounds = Bounds(**{name: getattr(args, f"bound_{name}") for name in Bounds.__dataclass_fields__})
     every, per_slot = parse_slot_codecs(args.allow_codecs or [])

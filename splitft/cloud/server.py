@@ -1,10 +1,13 @@
 """The cloud server: sockets, the session registry, admission, and one answer per message.
 
 The server loop never lets one edge's message stop it: every failure becomes a typed Error reply
-and the loop goes on. Admission is where the cloud's policy and budgets meet a new session (how
-many sessions, how many per origin, the codecs and options asked for, the model's memory, room
-in the checkpoint folder); :mod:`~splitft.cloud.session` prices each request; sessions that hear
-nothing for ``Limits.session_timeout`` (or, before they trained, ``handshake_timeout``) are freed.
+and the loop goes on. Nor does one edge's heavy request hold it up: each request is priced before
+its work starts (:mod:`~splitft.cloud.prices`), and work expected to take more than a slice,
+checkpoints included, runs on a worker thread while the loop serves everyone else
+(:mod:`~splitft.cloud.jobs`). Admission is where the cloud's policy and budgets meet a new session
+(how many sessions, how many per origin, the codecs and options asked for, the model's memory,
+room in the checkpoint folder); sessions that hear nothing for ``Limits.session_timeout`` (or,
+before they trained, ``handshake_timeout``) are freed.
 """
 
 from __future__ import annotations
@@ -31,13 +34,16 @@ from ..factories import build_chain, load_factory
 from ..limits import Limits
 from ..policy import Policy
 from ..protocol import Ack, Backward, Bye, Error, Forward, Hello, Ping, Pong, Sync, Welcome
-from . import checkpoints, replies
+from . import checkpoints, replies, work
+from .jobs import LATER, Job, Jobs
+from .pricing import Price, warm_up
+from .prices import state_nbytes
 from .session import CloudSession, SharedPart, check_codecs, hello_identity
 
 log = logging.getLogger(__name__)
 
 #: Seconds between looks for checkpoints no session can use (expired pins, abandoned sessions).
-TIDY_EVERY = 10.0
+TIDY_EVERY = 2.0
 
 _KIND = {"forward": "activation", "output": "activation", "backward": "gradient", "input_grads": "gradient"}
 
@@ -109,6 +115,8 @@ class CloudServer:
                                            pin_bytes=self.limits.pin_bytes, pin_seconds=self.limits.pin_seconds,
                                            orphan_seconds=self.limits.session_timeout) \
             if checkpoint_dir is not None else None
+        self.jobs = Jobs()  # heavy requests, off the serving thread
+        threading.Thread(target=warm_up, name="splitft-warm-up", daemon=True).start()
         self.checkpoint_every = checkpoint_every
         self.policy = policy or Policy()
         self.placement = placement or Placement()
@@ -145,8 +153,10 @@ class CloudServer:
                 if self.max_sessions and self.ended >= self.max_sessions and not self.sessions:
                     break
                 self.expire()
+                self._settle()
                 try:
-                    peer, frames = self.listener.recv(poll if self.rounds is None else self.rounds.tick(poll))
+                    wait = self.jobs.poll(poll if self.rounds is None else self.rounds.tick(poll))
+                    peer, frames = self.listener.recv(wait)
                 except transports.TransportTimeout:
                     continue
                 except transports.TransportClosed:
@@ -165,6 +175,12 @@ class CloudServer:
         session = self.sessions.get(peer)
         if self.rounds is not None and self.rounds.hold(peer, frames, session):
             return  # the edge waits for its round; handled when the round closes
+        try:
+            if session is not None and self.jobs.hold(session.id, peer, frames, self.limits):
+                return  # handled, in order, when the session's running request has answered
+        except CapacityError as exc:
+            self._send(peer, protocol.encode(self._error(exc, 0, 0)), "error")
+            return
         seq, numbered = 0, False
         try:
             msg = self._decode(frames, session)
@@ -179,17 +195,43 @@ class CloudServer:
             reply = self._dispatch(peer, msg, seq)
             if session is None and isinstance(msg, Hello) and peer in self.sessions:
                 self.sessions[peer].metrics.count("up", "control", wire=transports.message_nbytes(frames))
+            if isinstance(reply, Job):  # priced work: done here if it is short, else on a worker
+                reply = self.jobs.start(reply, (peer, session, msg, seq, numbered))
+                if reply is LATER:
+                    return  # answered by _settle when the worker is done
         except (KeyboardInterrupt, SystemExit):
             raise
         except Exception as exc:  # noqa: BLE001 — a bad request must never stop the server
-            if not isinstance(exc, (SplitFTError, compressors.CompressionError)):
-                self._errors.report(exc, peer)
-            numbered = numbered and not isinstance(exc, SessionLost)  # nothing applied: the number stays free
-            reply = self._error(exc, seq, getattr(msg, "call", 0))
-            if isinstance(msg, Bye):  # the edge is leaving whatever we answer (a request lost to Ctrl-C, an op refused)
-                self._end(peer, f"edge said goodbye ({msg.reason or 'no reason'}); its goodbye failed: {exc}")
+            reply, numbered = self._failed(peer, msg, exc, seq, numbered)
         if reply is not None:
             self._reply(peer, session, reply, seq, numbered)
+
+    def _failed(self, peer: bytes, msg: protocol.Message | None, exc: Exception, seq: int,
+                numbered: bool) -> tuple[Error, bool]:
+        """The typed reply to a request that failed, and whether its number is used."""
+        if not isinstance(exc, (SplitFTError, compressors.CompressionError)):
+            self._errors.report(exc, peer)
+        if isinstance(msg, Bye):  # the edge is leaving whatever we answer (a request lost to Ctrl-C, an op refused)
+            self._end(peer, f"edge said goodbye ({msg.reason or 'no reason'}); its goodbye failed: {exc}")
+        # nothing applied: the number stays free
+        return self._error(exc, seq, getattr(msg, "call", 0)), numbered and not isinstance(exc, SessionLost)
+
+    def _settle(self) -> None:
+        """Answer the jobs that ended on workers, then what their edges sent meanwhile."""
+        for job in self.jobs.finished():
+            peer, session, msg, seq, numbered = job.context
+            if job.key in self.by_id:
+                self.by_id[job.key].last_seen = time.monotonic()
+            try:
+                if job.error is not None:
+                    raise job.error
+                reply = job.then(job.result)
+            except Exception as exc:  # noqa: BLE001 — as in handle: every failure gets a typed reply
+                reply, numbered = self._failed(peer, msg, exc, seq, numbered)
+            if reply is not None:
+                self._reply(peer, session, reply, seq, numbered)
+            while (held := self.jobs.next_held(job.key)) is not None:
+                self.handle(*held)
 
     def _decode(self, frames: list, session: CloudSession | None) -> protocol.Message:
         self.limits.check_frames(frames)
@@ -250,33 +292,22 @@ class CloudServer:
                               "hello with a resume token if the cloud restarted")
         return session
 
-    def _on_request(self, peer: bytes, msg: Forward | Backward | Sync | Bye, seq: int) -> protocol.Message:
+    def _on_request(self, peer: bytes, msg: Forward | Backward | Sync | Bye, seq: int) -> protocol.Message | Job:
         if isinstance(msg, Bye) and peer not in self.sessions:
             return Ack()  # nothing to end; answered so that every message gets a reply
         session = self._session_of(peer, msg)
-        before = session.steps
-        try:
-            session.apply_ops(msg.ops)
-        finally:
-            # Right after the step, before the request's own work: replaying this request
-            # re-applies its operations, which their ids make harmless, then does that work.
-            force = isinstance(msg, Sync) and msg.checkpoint
-            if force or before // self.checkpoint_every != session.steps // self.checkpoint_every:
-                checkpoints.save(self, session, (seq or session.last_seq + 1) - 1, pinned=force and msg.pin)
-        if isinstance(msg, Forward):
-            return session.forward(msg)
-        if isinstance(msg, Backward):
-            return session.backward(msg)
-        if isinstance(msg, Sync):
-            return Ack(state=session.state() if msg.want_state else None,
-                       grad_norms=session.grad_norms(msg.grad_norm, msg.grad_names) if msg.grad_norm is not None else None)
-        checkpoints.save(self, session, (seq or session.last_seq + 1) - 1)
-        self._end(peer, msg.reason or "edge said goodbye")
-        return Ack()
+        if not isinstance(msg, Bye):
+            return work.job(self, session, msg, seq)
+
+        def end(reply: protocol.Message) -> protocol.Message:  # once its operations are applied
+            self._end(peer, msg.reason or "edge said goodbye")
+            return reply
+
+        return work.job(self, session, msg, seq, then=end)
 
     # ------------------------------------------------------------ sessions: open, admit, end
 
-    def _on_hello(self, peer: bytes, msg: Hello, seq: int) -> Welcome:
+    def _on_hello(self, peer: bytes, msg: Hello, seq: int) -> Welcome | Job:
         if msg.resume is not None:
             session, verb = checkpoints.resume(self, peer, msg), "resumed"
         elif msg.nonce and peer in self.sessions and self.sessions[peer].nonce == msg.nonce:
@@ -291,9 +322,19 @@ class CloudServer:
                                    policy=self.policy, admit=self._admit_model, placement=self.placement)
             self.book.check(session.id, 0, session.held_bytes(), "opening this session")
             self.bind(peer, session)
-            if self.checkpoints is not None:
-                checkpoints.save(self, session, 0)
             verb = "opened"
+            if self.checkpoints is not None:  # its first checkpoint, written before the welcome
+                return Job(session.id, session.origin, Price(checkpoint_bytes=state_nbytes(session)),
+                           work=lambda: checkpoints.save(self, session, 0),
+                           then=lambda _: self._welcome(msg, session, verb), pace=session.pace,
+                           off_thread=session.off_thread and session.shared is None)
+        if isinstance(session, Job):  # restored from a checkpoint, by a worker if it is large
+            restored = session.then
+            session.then = lambda result: self._welcome(msg, restored(result), verb)
+            return session
+        return self._welcome(msg, session, verb)
+
+    def _welcome(self, msg: Hello, session: CloudSession, verb: str) -> Welcome:
         self.event(f"session {session.id} {verb}: {msg.factory} cut at {msg.cut}"
                    f"{' rejoin ' + str(msg.rejoin) if msg.rejoin else ''}, codecs "
                    f"{msg.codecs.get('fwd')} / {msg.codecs.get('bwd')}"
@@ -389,6 +430,8 @@ class CloudServer:
             self._last_tidy = now
             self.checkpoints.sweep(self.resumable())
         for session in list(self.by_id.values()):
+            if self.jobs.busy(session.id):
+                continue  # working for its edge: not idle
             idle = now - session.last_seen
             if idle > self.limits.session_timeout:
                 self._forget(session, f"expired after {idle:.0f} s without a message")
@@ -398,10 +441,11 @@ class CloudServer:
     def resumable(self) -> set[str] | None:
         """The sessions whose regular checkpoints must stay: those alive here (None: the folder
         is shared with other processes, which keep their own)."""
-        return set(self.by_id)
+        return set(self.by_id) | self.jobs.keys()
 
     def shutdown(self, reason: str) -> None:
         """Tell every connected edge the cloud is going away, then close the listener."""
+        self.jobs.close()  # a checkpoint being written is finished first
         for peer in list(self.sessions):
             try:
                 self.listener.send(peer, protocol.encode(Bye(reason=reason)))
