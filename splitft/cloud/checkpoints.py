@@ -137,6 +137,17 @@ def _resume_request(msg: Hello) -> tuple[str, str, int, int, int]:
     return sid, token, *numbers
 
 
+def waits_for(server: CloudServer, msg: Hello) -> str | None:
+    """The live session a resuming hello names, with its token, when that session is busy with a
+    request: the hello then waits for it, and resumes the session as that request left it."""
+    r = msg.resume
+    sid, token = (r.get("session"), r.get("token")) if isinstance(r, dict) else (None, None)
+    live = server.by_id.get(sid) if isinstance(sid, str) else None
+    if live is None or not isinstance(token, str) or not server.jobs.busy(live.id):
+        return None
+    return live.id if hmac.compare_digest(live.token, token) else None
+
+
 def resume(server: CloudServer, peer: bytes, msg: Hello) -> CloudSession | Job:
     """The session a resuming hello asks for: the live one, or a job that rebuilds it from a
     checkpoint and binds it (its result is the session)."""
@@ -190,4 +201,4 @@ def resume(server: CloudServer, peer: bytes, msg: Hello) -> CloudSession | Job:
                work=load, then=bind, pace=Pace())
 
 
-__all__ = ["restore", "resume", "save", "snapshot"]
+__all__ = ["restore", "resume", "save", "snapshot", "waits_for"]

@@ -184,6 +184,9 @@ class CloudServer:
         seq, numbered = 0, False
         try:
             msg = self._decode(frames, session)
+            if isinstance(msg, Hello) and (busy := checkpoints.waits_for(self, msg)) is not None:
+                self.jobs.hold(busy, peer, frames, self.limits)
+                return  # an edge back on a new connection: resumed once the request under way has answered
             seq = getattr(msg, "seq", 0)
             if seq < 0:
                 raise ProtocolError(f"request seq must be >= 0, got {seq}")
