@@ -104,8 +104,13 @@ class SessionRandom:
             self.accelerator = tree["cuda_rng"].clone()
 
 
+def half_kind(hello: Any) -> str:
+    """Which half a hello asks for, whatever its codecs and seed: halves of one kind run one code."""
+    return repr((hello.factory, sorted(hello.factory_kwargs.items()), hello.cut, hello.rejoin, hello.fingerprint))
+
+
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a is None and b is None or a is not None and b is not None and torch.equal(a, b)
 
 
-__all__ = ["GENERATOR", "SessionRandom"]
+__all__ = ["GENERATOR", "SessionRandom", "half_kind"]

@@ -48,7 +48,7 @@ from .caches import SessionCaches
 from .guard import Stopwatch, blame
 from .ops import apply_ops, check_norm_type
 from .pricing import HalfCost, Pace
-from .randomness import SessionRandom
+from .randomness import SessionRandom, half_kind
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +76,6 @@ def tensors_from_wire(arrays: Any, what: str) -> dict[str, torch.Tensor]:
     if not isinstance(arrays, dict) or not all(isinstance(v, np.ndarray) for v in arrays.values()):
         raise ProtocolError(f"{what} must map names to arrays")
     return {k: torch.from_numpy(v) for k, v in arrays.items()}
-
-
-def _kind(hello: Hello) -> str:
-    """Which half a hello asks for, whatever its codecs and seed: halves of one kind run one code."""
-    return repr((hello.factory, sorted(hello.factory_kwargs.items()), hello.cut, hello.rejoin, hello.fingerprint))
 
 
 @dataclass
@@ -171,7 +166,7 @@ class CloudSession:
             self._initial_weights(hello)
         self.placement = placement or Placement()
         self.placement.place(self.chain)
-        self.random = SessionRandom(hello.seed, self.placement.device, kind=_kind(hello))
+        self.random = SessionRandom(hello.seed, self.placement.device, kind=half_kind(hello))
         self.cost, self.pace = HalfCost(self.chain), Pace()  # what its requests cost, and how fast they run
         self.codecs = SlotCodecs(hello.codecs, hello.seed, bounds=self.policy.bounds)
         #: What this session's own copy of the cloud half holds when trained (0 for a shared half).
