@@ -68,7 +68,8 @@ def pinger(address: str):
 
 def ping_during(heavy, light, request, delay: float = 0.1, timeout: float = 120) -> float:
     """Send ``request`` on ``heavy``, then after ``delay`` a ping on ``light``; returns how long
-    before ``request``'s reply the pong came (negative: after it). Both replies are checked."""
+    before ``request``'s reply the pong came (about 0 when it came after: the reply is read at
+    once then). Both replies are checked."""
     heavy.send(protocol.encode(request))
     time.sleep(delay)
     light.send(protocol.encode(Ping()))
@@ -103,7 +104,7 @@ def test_a_checkpoint_of_a_large_state_neither_stalls_other_sessions_nor_copies_
         assert isinstance(ask(conn, Backward(call=1, grads=[tensor(torch.ones(1, 4))], seq=2)), protocol.InputGrads)
         before = memory(proc.pid, "VmRSS")
         # answered while the step's checkpoint is still being written, not after it
-        assert ping_during(conn, other, Sync(ops=[{"op": "step", "id": 1}], seq=3)) > 0.1
+        assert ping_during(conn, other, Sync(ops=[{"op": "step", "id": 1}], seq=3)) > 0.02
         assert memory(proc.pid, "VmHWM") - before < 2 * buffer  # the state once more at most, not four times
         assert isinstance(ask(conn, Bye(seq=4)), protocol.Ack)
         assert not (tmp_path / "ck" / welcome.session).exists()  # its checkpoints went with it
@@ -169,7 +170,7 @@ def test_a_heavy_request_within_its_price_does_not_stall_another_sessions_reply(
         other = pinger(address)
         conn = transports.connect(address)
         _heavy_forward(conn, rows=512)
-        assert ping_during(conn, other, Backward(call=1, grads=[tensor(torch.ones(512, 256, 4))], seq=2)) > 0.1
+        assert ping_during(conn, other, Backward(call=1, grads=[tensor(torch.ones(512, 256, 4))], seq=2)) > 0.02
     finally:
         stop(proc)
 
