@@ -94,8 +94,8 @@ class Pace:
     def observe(self, price: Price, seconds: float) -> None:
         if price.units >= self.MIN_UNITS and seconds > 0:
             measured = min(max(seconds / price.units, self.FLOOR), self.CEILING)
-            # Slower news counts at once; faster news a third at a time.
-            self.seconds_per_unit = max(measured, 0.67 * self.seconds_per_unit + 0.33 * measured)
+            # Slower news counts at once; faster news halves the distance (a few requests to learn).
+            self.seconds_per_unit = max(measured, 0.5 * (self.seconds_per_unit + measured))
 
 
 class _PerElement(TorchDispatchMode):
