@@ -151,6 +151,35 @@ def test_the_halfs_forward_is_counted_on_a_meta_twin_that_changes_nothing_of_the
     assert real.get_total_flops() <= counted[0] <= 2 * real.get_total_flops()
 
 
+def test_counting_a_forward_on_one_thread_does_not_reach_a_half_computing_on_another():
+    """Torch's FlopCounterMode tracks modules through hooks global to the process: a count on a
+    worker reached the real half another session was backpropagating through, and its
+    autograd.grad failed."""
+    import threading
+
+    from splitft.cloud.pricing import HalfCost, meta_like
+    from splitft.models import digits_cnn
+
+    counted, real = (extract(m, parse_cut(m, "block2", None)) for m in (digits_cnn(), digits_cnn()))
+    stop = threading.Event()
+
+    def count() -> None:
+        cost, n = HalfCost(counted), 0
+        while not stop.is_set():
+            n += 1
+            cost.forward(n, lambda twin: twin(meta_like(torch.empty(8, 32, 8, 8))), 0)
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    try:
+        for _ in range(100):
+            x = torch.randn(16, 32, 8, 8, requires_grad=True)
+            torch.autograd.grad(real(x).sum(), [x, *real.parameters()])
+    finally:
+        stop.set()
+        counter.join()
+
+
 def test_a_request_over_its_price_is_refused_before_any_of_it_is_done(tmp_path):
     proc, address, err = start_cloud(tmp_path, "--sessions", "0", "--model", FACTORY, "--max-request-gflop", "1")
     try:

@@ -5,10 +5,10 @@ makes the cloud write. Each part is read from metadata and shapes alone:
 
 - decoding its tensors: each codec's ``decode_flops`` (from the payload's metadata);
 - the half's forward: a twin of the half on the ``meta`` device (shapes and dtypes, no data, no
-  memory; whatever its forward caches stays on the twin) runs under torch's
-  :class:`~torch.utils.flop_counter.FlopCounterMode` for the request's own input shapes, once
-  per input signature and session; every operation the counter has no formula for counts one
-  per element it outputs. A backward costs twice its forward;
+  memory; whatever its forward caches stays on the twin) runs for the request's own input
+  shapes, once per input signature and session, and each operation is counted with torch's
+  FLOP formulas (``torch.utils.flop_counter.flop_registry``: matrix products, convolutions,
+  attention), every other one as one per element it outputs. A backward costs twice its forward;
 - encoding what goes back: each codec's ``encode_flops`` (a low-rank gradient codec's power
   iterations are most of a request's work at large ranks);
 - an optimizer step: a few operations per parameter; a checkpoint: its bytes.
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import flop_registry
 
 from ..errors import CapacityError
 from ..limits import Limits
@@ -98,18 +98,26 @@ class Pace:
             self.seconds_per_unit = max(measured, 0.5 * (self.seconds_per_unit + measured))
 
 
-class _PerElement(TorchDispatchMode):
-    """Counts the elements every operation outputs: the elementwise work matmul formulas leave out."""
+class _Counter(TorchDispatchMode):
+    """Counts the arithmetic of every operation run under it, on this thread only.
+
+    Torch's formulas where it has one, else one per element the operation outputs. (Torch's own
+    FlopCounterMode also tracks modules through hooks that are global to the process: they would
+    reach the halves other threads are running.)
+    """
 
     def __init__(self) -> None:
         super().__init__()
-        self.elements = 0
+        self.flops = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for leaf in torch.utils._pytree.tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                self.elements += leaf.numel()
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func.overloadpacket)
+        if formula is not None:
+            self.flops += int(formula(*args, **kwargs, out_val=out))
+        else:
+            self.flops += sum(t.numel() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
         return out
 
 
@@ -165,12 +173,12 @@ class HalfCost:
         try:
             if self._twin is None:
                 self._twin = meta_twin(self.chain)
-            with torch.no_grad(), FlopCounterMode(display=False) as flops, _PerElement() as passes:
+            with torch.no_grad(), _Counter() as counter:
                 extra = run(self._twin)
         except Exception as exc:  # noqa: BLE001 — any failure means "not countable"; the guess stands
             log.debug("the half cannot be priced on the meta device: %s", exc)
             return None
-        return int(flops.get_total_flops()) + passes.elements, extra
+        return counter.flops, extra
 
     def fallback(self, numel: int, last_dim: int) -> int:
         """A forward that could not be counted: every parameter once per row of its last dim."""
