@@ -30,8 +30,6 @@ import os
 import re
 import threading
 import time
-from collections.abc import Collection
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 

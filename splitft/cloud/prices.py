@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .. import tree as trees
 from ..coding import CacheRef, expansions, flatten, from_wire, stream_index, unflatten
 from ..protocol import Backward, Forward, Message, Sync
-from .. import tree as trees
 from .pricing import BACKWARD_FACTOR, STEP_FLOPS_PER_PARAM, Price, check
 
 if TYPE_CHECKING:

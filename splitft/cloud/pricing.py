@@ -61,9 +61,6 @@ class Price:
         """One number for scheduling: operations, and each checkpoint byte as a few."""
         return self.flops + CHECKPOINT_UNITS_PER_BYTE * self.checkpoint_bytes
 
-    def __add__(self, other: Price) -> Price:
-        return Price(self.flops + other.flops, self.checkpoint_bytes + other.checkpoint_bytes)
-
 
 def check(flops: int, limits: Limits, what: str) -> None:
     """Refuse arithmetic over the cloud's per-request bound, before any of it is done."""
