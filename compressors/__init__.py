@@ -7,7 +7,8 @@ refuses codecs outside an allowed set, options naming local resources (files, me
 options beyond the receiver's :class:`Bounds`, raising :class:`PolicyError`;
 ``make_codec(spec, bounds=...)`` builds a codec that also enforces the bounds only payloads
 reveal (AC-SGD sample ids). Before decoding a peer's payload, ``codec.decode_cost(payload, ctx)``
-(bytes at peak) and ``codec.decode_flops(payload, ctx)`` price it from metadata alone, and
+(bytes at peak) and ``codec.decode_flops(payload, ctx)`` price it from metadata alone,
+``codec.encode_flops(shape, dtype)`` prices an encode before the tensor exists, and
 ``codec.held_nbytes()`` says what a codec holds in buffers and caches; caches are per instance
 and bounded.
 

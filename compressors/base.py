@@ -19,7 +19,10 @@ also covers what that costs the receiving end:
   never allocates in proportion to them;
 - :meth:`Codec.decode_cost` says, from a payload's metadata and array shapes alone, how many
   bytes decoding it would allocate at peak, and :meth:`Codec.decode_flops` how much arithmetic
-  it would do, so a runtime can refuse a payload before paying for it;
+  it would do, so a runtime can refuse a payload before paying for it, and
+  :meth:`Codec.encode_flops` prices what encoding a tensor of a given shape would do (the
+  receiver of a spec encodes with it too: the cloud encodes its gradients with the codec the
+  edge named);
 - caches belong to the instance and are bounded, and :meth:`Codec.held_nbytes` says what the
   instance holds now, so a runtime can count it against a per-session memory budget.
 """
@@ -43,6 +46,10 @@ if TYPE_CHECKING:
     from .policy import Bounds
 
 Role = Literal["activation", "gradient"]
+
+#: Passes over its input an encoder that does a few operations per element makes, at most
+#: (:meth:`Codec.encode_flops`' default).
+ENCODE_PASSES = 8
 
 # The dtypes a payload array may have on the wire: fixed-size, no objects, nothing executable.
 WIRE_DTYPES = frozenset(
@@ -192,6 +199,18 @@ class Codec(ABC):
         decode work grows faster than its bytes (products of factors, FFTs) override it.
         """
         return self.decode_cost(payload, ctx)
+
+    def encode_flops(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        """An upper bound on the arithmetic :meth:`encode` would do for a tensor of ``shape``
+        and ``dtype`` (a multiply-add counts 2), before the tensor exists.
+
+        A peer's spec names the codec this end encodes with (the cloud encodes gradients with
+        the ``bwd`` codec the edge asked for), so what an option such as a rank or an iteration
+        count costs must be known before the tensor is computed. The default fits encoders
+        that make a few passes over the tensor; codecs whose work grows faster (products,
+        power iterations, FFTs) override it.
+        """
+        return ENCODE_PASSES * math.prod(shape)
 
     def held_nbytes(self) -> int:
         """Bytes this instance holds now in buffers and caches (0 for stateless codecs), so a

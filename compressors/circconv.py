@@ -176,6 +176,15 @@ class C3SL(Codec):
         meta = {**tensor_meta(x), "r": self.r, "key_crc": self._key_entry(d)[1]}
         return Payload(self.name, self.version, {"v": _wire.wire_float(v)}, meta)
 
+    def encode_flops(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        """Real FFTs of length D (about 5 D log2 D each): R for the keys, one per row and one
+        per bound vector; plus the passes over the tensor."""
+        if not shape:
+            return super().encode_flops(shape, dtype)
+        d, groups = math.prod(shape[1:]), -(-shape[0] // self.r)
+        transforms = self.r + groups * self.r + groups
+        return transforms * 5 * d * max(d - 1, 1).bit_length() + super().encode_flops(shape, dtype)
+
     def decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
         shape, groups, d = self._layout(payload)
         dtype = _wire.meta_float_dtype(payload)

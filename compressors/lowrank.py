@@ -154,6 +154,22 @@ class LowRank(Codec):
         meta = {**tensor_meta(x), "mode": "lowrank", "rank": r}
         return Payload(self.name, self.version, {"P": to_numpy(p_wire), "Q": to_numpy(q_wire)}, meta)
 
+    def encode_flops(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        """Per power iteration two products of the whole tensor with the r-column subspace
+        (4 B L H r) and a QR of P (about 4 B L r^2), plus the passes of the casts and checks; a
+        tensor that would travel raw costs those passes alone."""
+        passes = super().encode_flops(shape, dtype)
+        view = matrix_view(tuple(shape))
+        if view is None:
+            return passes
+        b, l, h = view
+        r = min(self.rank, l, h)
+        raw = _wire.wire_float_dtype(dtype).itemsize if dtype.is_floating_point else 4
+        factor = 2 if self.fp16 else raw
+        if b == 0 or r == 0 or (l + h) * r * factor >= l * h * raw:
+            return passes
+        return passes + self.iters * (4 * b * l * h * r + 4 * b * l * r * r) + 4 * h * r * r
+
     # -- receiver --------------------------------------------------------------------------
 
     def _factors(self, payload: Payload) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:

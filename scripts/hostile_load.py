@@ -18,6 +18,11 @@ while one attack runs from addresses of its own:
 - ``inbound``: raw ZMTP peers send frames of a message they never end, kept alive by a 1-byte
   frame every 3 s: the cloud's resident memory against what they sent, and after they go silent.
 - ``refused-key``: a CurveZMQ cloud with an allow-list; a stranger's key sends the same amount.
+- ``checkpoint``: a session with the largest AC-SGD buffer its budget allows steps (the cloud
+  checkpoints every step), pins that checkpoint and says goodbye, again and again.
+- ``pins``: sessions pin their state and leave, to fill the checkpoint folder.
+- ``compute``: the largest low-rank gradient codec the policy allows (``iters=16,rank=64``) on a
+  batch whose graph fits the session's budget, forward and backward.
 - ``header-parse``: ``--hostile`` connections send headers whose parse the cloud must bound: one
   over the header limit and the worst shapes under it (256 KiB of empty lists, lists claiming their
   longest length nested as deep as msgpack goes).
@@ -66,13 +71,17 @@ from splitft import protocol  # noqa: E402
 from splitft.cli import main as cli  # noqa: E402
 from splitft.cut import extract, fingerprint, parse_cut  # noqa: E402
 from splitft.models import tiny_mlp  # noqa: E402
-from splitft.protocol import Forward, Ping, Sync, payload_to_wire  # noqa: E402
+from splitft.protocol import Backward, Bye, Forward, Ping, Sync, payload_to_wire  # noqa: E402
 
 FACTORY = "splitft.models:tiny_mlp"
 CUT = 2
 GOOD = "127.0.0.9"
 BUDGETS = {"--session-memory-mb": "64", "--memory-mb": "512", "--max-decoded-mb": "32", "--max-ops": "256",
            "--max-open-sessions": "64"}
+#: AC-SGD rows of the checkpoint attack: 29 MB of buffer (72 bytes a row), within --max-decoded-mb.
+CHECKPOINT_ROWS = 400_000
+#: AC-SGD rows of each pin of the pins attack: 7 MB.
+PIN_ROWS = 100_000
 #: A shared half trained in synchronous rounds of two edges, its optimizer the cloud's.
 SHARED = ["--shared-model", "--sync-rounds", "2", "--round-timeout", "30", "--shared-optimizer", 'SGD:{"lr": 0.1}']
 
@@ -254,19 +263,26 @@ class Attack:
 
 
 class Mixed(Attack):
-    @staticmethod
-    def cloud(folder: Path, args: argparse.Namespace) -> tuple[list[str], dict | None]:
+    """``--hostile`` clients repeat a list of attacks, each on a fresh connection, in a bounded loop."""
+    folder_mb = 64  # --checkpoint-max-mb
+
+    @classmethod
+    def cloud(cls, folder: Path, args: argparse.Namespace) -> tuple[list[str], dict | None]:
         # Silent hellos are freed after 2 s; the other attacks meet the default (30 s), as a probe would.
-        return ["--handshake-timeout", "2", "--checkpoint-max-mb", "64", "--no-fsync",
+        return ["--handshake-timeout", "2", "--checkpoint-max-mb", str(cls.folder_mb), "--no-fsync",
                 "--checkpoint-dir", str(folder / "ck")], None
 
     def after(self, result: dict[str, Any]) -> None:
         folder = Path(self.args.tmp) / "ck"
-        self.figures["checkpoint folder (MiB, cap 64)"] = sum(
+        self.figures[f"checkpoint folder (MiB, cap {self.folder_mb})"] = sum(
             f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20
 
+    @staticmethod
+    def attacks() -> list[tuple[str, list]]:
+        return _mixed_attacks()
+
     def hold(self) -> None:
-        attacks = _mixed_attacks()
+        attacks = self.attacks()
 
         def client() -> None:
             for _ in range(self.args.rounds):
@@ -285,6 +301,53 @@ class Mixed(Attack):
             t.start()
         for t in threads:
             t.join()
+
+
+def _stateful(rows: int, *extra: Any) -> list:
+    """A session whose AC-SGD buffer has ``rows`` rows (of 72 bytes), with an optimizer, then ``extra``."""
+    spec = f"acsgd:capacity={rows}"
+    ids = np.array([rows - 1], dtype=np.int64)
+    x = compressors.make_codec(spec).encode(torch.randn(1, 32), compressors.CodecContext(sample_ids=ids))
+    attach = [{"op": "optimizer", "name": "SGD", "settings": {"lr": 0.1}, "id": 1}]
+    forward = Forward(call=1, train=True, grad=False, args=[payload_to_wire(x, False)], kwargs={}, sample_ids=ids,
+                      seq=1, ops=attach)
+    return [_hello(spec, slots=("fwd",)), forward, *extra, Bye(seq=2 + len(extra))]
+
+
+class Checkpoint(Mixed):
+    """A step whose checkpoint writes the largest state the session budget allows, and its pin."""
+    folder_mb = 256
+
+    @classmethod
+    def cloud(cls, folder: Path, args: argparse.Namespace) -> tuple[list[str], dict | None]:
+        extra, keys = super().cloud(folder, args)
+        return [*extra, "--pin-quota-mb", "64"], keys
+
+    @staticmethod
+    def attacks() -> list[tuple[str, list]]:
+        return [("checkpoint a large state", _stateful(CHECKPOINT_ROWS, Sync(ops=[{"op": "step", "id": 1}], seq=2),
+                                                       Sync(checkpoint=True, pin=True, seq=3)))]
+
+
+class Pins(Checkpoint):
+    """Sessions that pin their state and leave, to fill the checkpoint folder."""
+    @staticmethod
+    def attacks() -> list[tuple[str, list]]:
+        return [("pin and leave", _stateful(PIN_ROWS, Sync(checkpoint=True, pin=True, seq=2)))]
+
+
+class Compute(Mixed):
+    """The costliest gradient codec the policy allows, on the largest batch a message may decode to."""
+    @staticmethod
+    def attacks() -> list[tuple[str, list]]:
+        identity, ctx = compressors.make_codec("identity"), compressors.CodecContext()
+        rows = 512  # 16 MiB: its graph (about three times that) fits --session-memory-mb
+        x = payload_to_wire(identity.encode(torch.randn(rows, 256, 32), ctx), True)
+        g = payload_to_wire(identity.encode(torch.ones(rows, 256, 4), ctx), False)
+        return [("lowrank:iters=16,rank=64 gradient", [
+            _hello("lowrank:iters=16,rank=64", slots=("bwd",)),
+            Forward(call=1, train=True, grad=True, args=[x], kwargs={}, seq=1),
+            Backward(call=1, grads=[g], seq=2), Bye(seq=3)])]
 
 
 class Booked(Attack):
@@ -522,7 +585,8 @@ def _latency(admitted: float | None, times: list[float]) -> dict[str, Any]:
 
 
 ATTACKS = {"mixed": Mixed, "booked": Booked, "hellos": Hellos, "failing": Failing, "inbound": Inbound,
-           "refused-key": RefusedKey, "header-parse": HeaderParse, "parked-rounds": ParkedRounds}
+           "refused-key": RefusedKey, "checkpoint": Checkpoint, "pins": Pins, "compute": Compute,
+           "header-parse": HeaderParse, "parked-rounds": ParkedRounds}
 
 
 def scenario(name: str, folder: Path, args: argparse.Namespace) -> dict[str, Any]:

@@ -8,6 +8,11 @@ replaces it), and a reader can tell a torn or altered tensor file from a good on
 ever unpickled: loading one cannot run code, which is why it is safe to keep checkpoints next to
 data that came over the network.
 
+The tensor file is written from the tensors' own memory (host tensors are not copied; the caller
+keeps them unchanged until :func:`write_checkpoint` returns) and hashed as it is read back in
+chunks, and a reader hashes the file the same way before safetensors maps it: a checkpoint costs
+about its own size in memory once, however large it is.
+
 State that mixes tensors and plain values (an optimizer's ``state_dict()``, codec state, RNG
 state) is flattened by :func:`flatten_state`: every tensor or numpy array goes into the tensor
 file under its path (``optimizer/state/0/exp_avg``), and the JSON keeps the tree with a marker in
@@ -23,14 +28,14 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
+from safetensors.torch import load_file, save_file
 
 from . import tree as trees
 from .errors import CheckpointError
@@ -48,8 +53,22 @@ _TENSOR, _ARRAY, _TUPLE, _ITEMS = "$tensor", "$ndarray", "$tuple", "$items"
 
 
 def flatten_state(tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
-    """Split ``tree`` into named tensors and a JSON-able skeleton that refers to them."""
+    """Split ``tree`` into named host tensors and a JSON-able skeleton that refers to them.
+
+    The tensors are the tree's own where they can be (a contiguous host tensor, a writable
+    array): what is flattened must not change until it is written. A tensor that shares its
+    storage with one before it (tied weights, which safetensors refuses) is copied.
+    """
     tensors: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+
+    def own(tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach().cpu().contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        if storage in storages and tensor.numel():
+            tensor = tensor.clone()
+        storages.add(tensor.untyped_storage().data_ptr())
+        return tensor
 
     def store(node: torch.Tensor | np.ndarray, path: KeyPath) -> dict[str, str]:
         name = base = "/".join(str(key) for key in path) or "_"
@@ -58,11 +77,10 @@ def flatten_state(tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
             n += 1
             name = f"{base}#{n}"
         if isinstance(node, torch.Tensor):
-            # A copy of our own: safetensors refuses tensors that share storage (tied weights),
-            # and the live tensor may change while the file is being written.
-            tensors[name] = node.detach().cpu().contiguous().clone()
+            tensors[name] = own(node)
             return {_TENSOR: name}
-        tensors[name] = torch.from_numpy(np.ascontiguousarray(node).copy())
+        array = np.ascontiguousarray(node)
+        tensors[name] = own(torch.from_numpy(array if array.flags.writeable else array.copy()))
         return {_ARRAY: name}
 
     def scalar(node: Any, path: KeyPath) -> Any:
@@ -111,6 +129,13 @@ def _from_json(original: Any, rebuilt: Any, path: KeyPath) -> Any:
     return rebuilt
 
 
+def state_nbytes(tree: Any) -> int:
+    """The bytes of the tensors and arrays in ``tree``: what a checkpoint of it writes, about."""
+    leaves = trees.leaves(tree, is_leaf=lambda node: isinstance(node, (torch.Tensor, np.ndarray)))
+    return sum(leaf.numel() * leaf.element_size() if isinstance(leaf, torch.Tensor) else int(leaf.nbytes)
+               for leaf in leaves)
+
+
 def _named(tensors: dict[str, torch.Tensor], name: Any) -> torch.Tensor:
     if not isinstance(name, str) or name not in tensors:
         raise CheckpointError(f"the checkpoint's JSON refers to tensor {name!r}, which its tensor file lacks")
@@ -130,32 +155,48 @@ def _write_atomic(path: Path, data: bytes, fsync: bool) -> None:
     os.replace(tmp, path)
 
 
+def _write_tensors(stem: Path, tensors: dict[str, torch.Tensor], fsync: bool) -> tuple[Path, int, str]:
+    """The tensor file, written straight from the tensors' memory under a temporary name, then
+    moved to its name with its hash in it; returns (path, bytes, SHA-256)."""
+    tmp = stem.with_name(f".{stem.name}.{os.getpid()}.{threading.get_ident()}.safetensors.tmp")
+    try:
+        try:
+            save_file(tensors, tmp)
+        except (TypeError, ValueError, RuntimeError) as exc:  # what safetensors raises for what it cannot store
+            raise CheckpointError(f"cannot serialise the checkpoint tensors: {exc}") from exc
+        with open(tmp, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+            if fsync:
+                os.fsync(f.fileno())
+        path = stem.with_name(f"{stem.name}-{digest[:12]}.safetensors")
+        os.replace(tmp, path)
+        return path, path.stat().st_size, digest
+    except OSError as exc:
+        raise CheckpointError(f"cannot write checkpoint tensors for {stem}: {exc}") from exc
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_checkpoint(stem: str | os.PathLike, tree: Any, meta: dict[str, Any], *, fsync: bool = True) -> Path:
     """Write ``tree`` (tensors and plain values) and ``meta`` (plain values) atomically.
 
-    Returns the JSON path, whose existence marks the checkpoint as complete.
+    The tree's host tensors are written from their own memory: nothing may change them until
+    this returns. Returns the JSON path, whose existence marks the checkpoint as complete.
     """
     stem = Path(stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
     tensors, skeleton = flatten_state(tree)
-    try:
-        blob = save_tensors(tensors)
-    except Exception as exc:  # safetensors raises several kinds; all mean "cannot serialise this"
-        raise CheckpointError(f"cannot serialise the checkpoint tensors: {exc}") from exc
-    digest = hashlib.sha256(blob).hexdigest()
-    tensor_path = stem.with_name(f"{stem.name}-{digest[:12]}.safetensors")
     json_path = stem.with_name(stem.name + ".json")
-    document = {
-        "format": FORMAT, "version": FORMAT_VERSION, "written": time.time(),
-        "tensors": {"file": tensor_path.name, "bytes": len(blob), "sha256": digest},
-        "meta": meta, "state": skeleton,
-    }
+    document: dict[str, Any] = {"format": FORMAT, "version": FORMAT_VERSION, "written": time.time(), "tensors": None,
+                                "meta": meta, "state": skeleton}
     try:
-        text = json.dumps(document, allow_nan=True).encode()
+        json.dumps(document, allow_nan=True)  # refused before any file is written
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"checkpoint metadata is not plain JSON: {exc}") from exc
+    tensor_path, size, digest = _write_tensors(stem, tensors, fsync)
+    document["tensors"] = {"file": tensor_path.name, "bytes": size, "sha256": digest}
+    text = json.dumps(document, allow_nan=True).encode()
     try:
-        _write_atomic(tensor_path, blob, fsync)
         _write_atomic(json_path, text, fsync)  # last: the commit marker
         if fsync:
             dir_fd = os.open(stem.parent, os.O_RDONLY)
@@ -215,142 +256,21 @@ def read_checkpoint(stem_or_json: str | os.PathLike) -> tuple[Any, dict[str, Any
                               f"reads version {FORMAT_VERSION}")
     info = document.get("tensors") or {}
     tensor_path = json_path.with_name(str(info.get("file", "")))
-    if tensor_path.parent != json_path.parent:
+    if tensor_path.parent != json_path.parent or not tensor_path.name:
         raise CheckpointError(f"{json_path} names a tensor file outside its folder")
     try:
-        blob = tensor_path.read_bytes()
+        with open(tensor_path, "rb") as f:
+            size, digest = os.fstat(f.fileno()).st_size, hashlib.file_digest(f, "sha256").hexdigest()
     except OSError as exc:
         raise CheckpointError(f"cannot read {tensor_path}: {exc}") from exc
-    if len(blob) != info.get("bytes") or hashlib.sha256(blob).hexdigest() != info.get("sha256"):
+    if size != info.get("bytes") or digest != info.get("sha256"):
         raise CheckpointError(f"{tensor_path} does not match the size/SHA-256 its JSON records (damaged?)")
     try:
-        tensors = load_tensors(blob)
+        tensors = load_file(tensor_path)
     except Exception as exc:
         raise CheckpointError(f"{tensor_path} is not a valid safetensors file: {exc}") from exc
     return unflatten_state(document.get("state"), tensors), document.get("meta") or {}
 
 
-# ---------------------------------------------------------------- a folder of checkpoints per session
-
-_SESSION = re.compile(r"[0-9a-f]{16}")
-
-
-class CheckpointStore:
-    """Checkpoints of many sessions: ``ROOT/<session>/seq-<n>.json`` (+ tensor file) each.
-
-    Checkpoints are named by the last request sequence number they include, which is what a
-    resuming edge asks for. The newest ``keep`` regular checkpoints of a session are kept, plus
-    its newest *pinned* one (``pin-<n>``: written because the edge saved its own checkpoint, so
-    an edge restarted from that file finds the matching cloud half however long ago it was).
-
-    The folder is bounded: :meth:`remove` deletes a session's regular checkpoints when it ends
-    (its pinned one stays for the edge that saved it), and a save that would take the whole
-    folder over ``max_bytes`` is refused.
-    """
-
-    def __init__(self, root: str | os.PathLike, *, keep: int = 2, fsync: bool = True,
-                 max_bytes: int | None = None) -> None:
-        if keep < 1:
-            raise CheckpointError(f"keep must be at least 1, got {keep}")
-        self.root = Path(root)
-        self.keep = keep
-        self.fsync = fsync
-        self.max_bytes = max_bytes
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._sizes = {folder.name: _folder_nbytes(folder) for folder in self.root.iterdir()
-                       if folder.is_dir() and _SESSION.fullmatch(folder.name)}
-
-    def nbytes(self) -> int:
-        """What the folder holds (kept up to date by this store's own saves and removals)."""
-        return sum(self._sizes.values())
-
-    def full(self) -> bool:
-        return self.max_bytes is not None and self.nbytes() >= self.max_bytes
-
-    def remove(self, session: str, *, keep_pinned: bool = True) -> None:
-        """Delete ``session``'s checkpoints (all but its pinned one, unless ``keep_pinned`` is off)."""
-        folder = self._folder(session)
-        if not folder.is_dir():
-            return
-        for kind in ("seq",) + (() if keep_pinned else ("pin",)):
-            for number in self._numbers(folder, kind):
-                remove_checkpoint(folder / f"{kind}-{number:012d}")
-        try:
-            folder.rmdir()  # only when nothing is left in it
-        except OSError:
-            pass
-        self._update(session)
-
-    def _update(self, session: str) -> None:
-        folder = self.root / session
-        if folder.is_dir():
-            self._sizes[session] = _folder_nbytes(folder)
-        else:
-            self._sizes.pop(session, None)
-
-    def _folder(self, session: str) -> Path:
-        if not isinstance(session, str) or not _SESSION.fullmatch(session):
-            raise CheckpointError(f"session ids are 16 hex digits, got {str(session)[:40]!r}")
-        return self.root / session
-
-    def save(self, session: str, seq: int, tree: Any, meta: dict[str, Any], *, pinned: bool = False) -> Path:
-        folder = self._folder(session)
-        kind = "pin" if pinned else "seq"
-        if self.max_bytes is not None:
-            tensors, _ = flatten_state(tree)
-            need = sum(t.numel() * t.element_size() for t in tensors.values())
-            if self.nbytes() + need > self.max_bytes:
-                raise CheckpointError(f"the checkpoint folder holds {self.nbytes()} bytes; this checkpoint of "
-                                      f"{need} more would pass its cap of {self.max_bytes} (--checkpoint-max-mb)")
-        try:
-            path = write_checkpoint(folder / f"{kind}-{seq:012d}", tree, meta, fsync=self.fsync)
-            for old in self._numbers(folder, kind)[: -(1 if pinned else self.keep)]:
-                remove_checkpoint(folder / f"{kind}-{old:012d}")
-        finally:
-            self._update(session)
-        return path
-
-    @staticmethod
-    def _numbers(folder: Path, kind: str) -> list[int]:
-        found = []
-        for path in folder.glob(f"{kind}-*.json"):
-            digits = path.stem.removeprefix(f"{kind}-")
-            if digits.isdigit():
-                found.append(int(digits))
-        return sorted(found)
-
-    def seqs(self, session: str) -> list[int]:
-        """Sequence numbers of the complete checkpoints of ``session``, oldest first."""
-        folder = self._folder(session)
-        if not folder.is_dir():
-            return []
-        return sorted(set(self._numbers(folder, "seq")) | set(self._numbers(folder, "pin")))
-
-    def _stem(self, session: str, seq: int) -> Path:
-        folder = self._folder(session)
-        for kind in ("seq", "pin"):
-            if (folder / f"{kind}-{seq:012d}.json").exists():
-                return folder / f"{kind}-{seq:012d}"
-        raise CheckpointError(f"session {session} has no checkpoint at request {seq}")
-
-    def load(self, session: str, seq: int) -> tuple[Any, dict[str, Any]]:
-        return read_checkpoint(self._stem(session, seq))
-
-    def meta(self, session: str, seq: int) -> dict[str, Any]:
-        """A checkpoint's meta alone (its resume token, say), without reading its tensors."""
-        return read_meta(self._stem(session, seq))
-
-
-def _folder_nbytes(folder: Path) -> int:
-    total = 0
-    with os.scandir(folder) as entries:
-        for entry in entries:
-            try:
-                total += entry.stat(follow_symlinks=False).st_size
-            except OSError:  # removed meanwhile
-                pass
-    return total
-
-
-__all__ = ["CheckpointStore", "flatten_state", "read_checkpoint", "read_meta", "remove_checkpoint", "unflatten_state",
+__all__ = ["flatten_state", "read_checkpoint", "read_meta", "remove_checkpoint", "state_nbytes", "unflatten_state",
            "write_checkpoint"]

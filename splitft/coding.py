@@ -180,7 +180,12 @@ def from_wire(tree: Any, depth: int = 0) -> tuple[list[tuple[Payload, bool]], An
             return node
         raise ProtocolError(f"a {type(node).__name__} cannot appear in a value tree")
 
-    return entries, walk(tree, depth)
+    try:
+        return entries, walk(tree, depth)
+    finally:
+        # walk refers to itself through its closure: without this the cycle would keep the payloads
+        # (views of the received frames, up to a message's size) until the garbage collector ran.
+        del walk
 
 
 def expansions(skeleton: Any) -> dict[int, tuple[int, ...]]:
@@ -320,6 +325,26 @@ class SlotCodecs:
                         itemsize = max(itemsize, torch_dtype(payload.meta["dtype"]).itemsize)
                     total += math.prod(expand_to[i]) * itemsize
         return total
+
+    def decode_flops(self, entries: list[tuple[Payload, bool]], stream: int | None, slot: str | None,
+                     ctx: CodecContext, expand_to: dict[int, tuple[int, ...]] | None = None) -> int:
+        """Arithmetic that decoding ``entries`` (and repeating compacted ones) will do, at most,
+        read from the payloads' metadata alone like :meth:`decode_cost`."""
+        total = 0
+        with translated():
+            for i, (payload, _grad) in enumerate(entries):
+                total += self._checked_codec(payload, i, slot, i == stream).decode_flops(payload, ctx)
+                if expand_to and i in expand_to:
+                    total += math.prod(expand_to[i])
+        return total
+
+    def encode_flops(self, tensors: list[tuple[tuple[int, ...], torch.dtype]], stream: int | None,
+                     slot: str | None) -> int:
+        """Arithmetic that encoding tensors of these (shape, dtype) will do, at most; the
+        ``stream`` one through ``slot``'s codec, as :meth:`encode` would."""
+        with translated():
+            return sum(self._codec(slot, i == stream).encode_flops(shape, dtype)
+                       for i, (shape, dtype) in enumerate(tensors))
 
     def _checked_codec(self, payload: Payload, i: int, slot: str | None, is_stream: bool) -> Codec:
         codec = self._codec(slot, is_stream)

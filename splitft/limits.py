@@ -70,6 +70,12 @@ class Limits:
         max_error_chars: error replies are cut to this length (they may quote the request).
         checkpoint_bytes: what the checkpoint folder may hold in all; a session that would
             take it over is refused with ``capacity``.
+        max_request_flops: the arithmetic one request may make the cloud do (decoding its
+            tensors, the half's forward and backward, encoding what goes back), priced before
+            any of it is done; a request over it is refused with ``capacity``.
+        pin_bytes: what the pinned checkpoints (kept after their session ends, for an edge that
+            saved its own) of one origin may hold; a pin beyond it is refused with ``capacity``.
+        pin_seconds: how long a pinned checkpoint is kept after it was written.
     """
 
     max_message_bytes: int = GiB
@@ -89,6 +95,9 @@ class Limits:
     reply_cache: int = 8
     max_error_chars: int = 2000
     checkpoint_bytes: int = 64 * GiB
+    max_request_flops: int = 10**13
+    pin_bytes: int = 4 * GiB
+    pin_seconds: float = 7 * 24 * 3600.0
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():

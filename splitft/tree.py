@@ -60,7 +60,12 @@ def rebuild(tree: Any, leaf: Callable[[Any, KeyPath], Any], *, is_leaf: Callable
             return other(node, path)
         return out if pack is None else pack(node, out, path)
 
-    return walk(tree, ())
+    try:
+        return walk(tree, ())
+    finally:
+        # walk refers to itself through its closure: a cycle that would keep ``leaf`` (and what it
+        # collected: a checkpoint's tensors, say) alive until the garbage collector ran.
+        del walk
 
 
 def leaves(tree: Any, *, is_leaf: Callable[[Any], bool] = is_tensor, max_depth: int | None = None) -> Iterator[Any]:

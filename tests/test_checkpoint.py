@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from splitft.checkpoint import CheckpointStore, flatten_state, read_checkpoint, unflatten_state, write_checkpoint
+from splitft.checkpoint import flatten_state, read_checkpoint, unflatten_state, write_checkpoint
+from splitft.checkpoint_store import CheckpointStore
 from splitft.errors import CheckpointError
 from tests.conftest import ROOT
 from tests.models import mlp

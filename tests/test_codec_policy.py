@@ -323,6 +323,32 @@ def test_rank1_factors_of_32768_are_priced_beyond_a_gib_quickly() -> None:
     assert fastest_seconds(lambda: codec.decode_cost(p, TRAIN)) < 0.05
 
 
+@pytest.mark.parametrize("spec, shape", [
+    ("lowrank:iters=16,rank=64", (8, 128, 96)),
+    ("lowrank:rank=4", (8, 128, 96)),
+    ("lowrank:iters=3,rank=8,fp16=false", (4, 64, 300)),
+    ("lowrank:rank=4", (64, 32)),  # not a batch of matrices: it travels raw
+    ("identity", (64, 32)),
+])
+def test_encode_flops_bounds_the_arithmetic_torch_counts_in_encode(spec: str, shape: tuple) -> None:
+    """The cloud encodes with the codec an edge named (a gradient through lowrank:iters=16,rank=64):
+    what that costs is known from the shape before the tensor exists, and it is an upper bound."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    codec = make_codec(spec)
+    with FlopCounterMode(display=False) as counted:
+        codec.encode(torch.randn(*shape), TRAIN)
+    priced = codec.encode_flops(shape, torch.float32)
+    assert counted.get_total_flops() <= priced <= 2 * counted.get_total_flops() + 8 * math.prod(shape)
+
+
+def test_encode_flops_grow_with_the_options_a_peer_asks_for() -> None:
+    shape = (256, 256, 256)  # the 64 MiB gradient of a probe that stalled a cloud
+    cheap, costly = (make_codec(s).encode_flops(shape, torch.float32)
+                     for s in ("lowrank:rank=4", "lowrank:iters=16,rank=64"))
+    assert costly > 100 * cheap and costly > 5 * 10**10
+
+
 def test_a_payload_claiming_more_rank_than_agreed_is_refused() -> None:
     x = torch.randn(2, 16, 24)
     p = make_codec("lowrank:rank=4").encode(x, TRAIN)

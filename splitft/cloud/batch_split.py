@@ -159,6 +159,11 @@ def backward_shard(link: BatchLink, params: list[torch.Tensor], outs: list[torch
 class BatchSplitSession(CloudSession):
     """Rank 0's session: an edge's half whose every batch is computed by all the ranks together."""
 
+    # Every rank must take part in each collective, in order: the work stays on the serving
+    # thread, and the half (whose forward all-gathers when sharded) is never run on meta tensors.
+    off_thread = False
+    count_on_meta = False
+
     def __init__(self, hello: protocol.Hello, *args: Any, link: BatchLink,
                  report: Callable[[str], None] | None = None, **kwargs: Any) -> None:
         super().__init__(hello, *args, **kwargs)

@@ -5,7 +5,14 @@ With a checkpoint folder, a session writes a checkpoint when it opens and at eve
 (its hello carries a resume token, its last sequence number and the first one it can still
 re-send) gets the newest state it can continue from, in memory or on disk, and re-sends the
 requests after it. The token is checked on the checkpoint's small JSON before any tensor file is
-read, so a forged resume costs the cloud no more than that.
+read, so a forged resume costs the cloud no more than that; reading the tensors and rebuilding
+the session is a priced job (:mod:`.jobs`), on a worker when it is large.
+
+A checkpoint is written from the session's own tensors, without copies: the job that writes it
+holds the session, so nothing changes them meanwhile. A *pinned* checkpoint (the edge saved its
+own, and may come back to it after the session ended) counts against its origin's quota and
+expires (:class:`~splitft.checkpoint.CheckpointStore`); a pin the cloud cannot keep is refused
+with a typed error, so the edge does not keep a checkpoint it could never resume.
 """
 
 from __future__ import annotations
@@ -22,12 +29,14 @@ from torch import nn
 
 from .. import operations as o
 from ..devices import Placement
-from ..errors import CheckpointError, ProtocolError, ResumeError
+from ..errors import CapacityError, CheckpointError, ProtocolError, ResumeError
 from ..limits import Limits
 from ..policy import Policy
 from ..protocol import Hello, _short
 from .guard import blame
+from .jobs import Job
 from .ops import attach_optimizer, set_frozen, set_loss
+from .pricing import Pace, Price
 from .session import CloudSession, hello_identity
 
 if TYPE_CHECKING:
@@ -94,17 +103,25 @@ def restore(hello: Hello, tree: dict[str, Any], meta: dict[str, Any], factories:
     return session
 
 
-def save(server: CloudServer, session: CloudSession, seq: int, pinned: bool = False) -> None:
-    """Checkpoint ``session`` as of request ``seq``; a failure is logged, training goes on."""
+def save(server: CloudServer, session: CloudSession, seq: int, pinned: bool = False) -> CapacityError | None:
+    """Checkpoint ``session`` as of request ``seq``. A failure is logged and training goes on;
+    a pinned checkpoint the edge asked for and cannot have is returned, as the error to send it."""
     if server.checkpoints is None:
-        return
+        return None
     tree, meta = snapshot(session)
     meta["seq"] = seq
     try:
-        server.checkpoints.save(session.id, seq, tree, meta, pinned=pinned)
+        server.checkpoints.save(session.id, seq, tree, meta, pinned=pinned, origin=session.origin)
+    except CapacityError as exc:
+        if pinned:
+            return exc
+        log.error("session %s: checkpoint at request %d refused: %s", session.id, seq, exc)
     except CheckpointError as exc:
         # Training goes on; an edge that later needs this checkpoint is told exactly what is missing.
         log.error("session %s: checkpoint at request %d failed: %s", session.id, seq, exc)
+        if pinned:
+            return CapacityError(f"the cloud could not keep this checkpoint: {exc}")
+    return None
 
 
 def _resume_request(msg: Hello) -> tuple[str, str, int, int, int]:
@@ -120,8 +137,20 @@ def _resume_request(msg: Hello) -> tuple[str, str, int, int, int]:
     return sid, token, *numbers
 
 
-def resume(server: CloudServer, peer: bytes, msg: Hello) -> CloudSession:
-    """The session a resuming hello asks for: the live one, or one rebuilt from a checkpoint."""
+def waits_for(server: CloudServer, msg: Hello) -> str | None:
+    """The live session a resuming hello names, with its token, when that session is busy with a
+    request: the hello then waits for it, and resumes the session as that request left it."""
+    r = msg.resume
+    sid, token = (r.get("session"), r.get("token")) if isinstance(r, dict) else (None, None)
+    live = server.by_id.get(sid) if isinstance(sid, str) else None
+    if live is None or not isinstance(token, str) or not server.jobs.busy(live.id):
+        return None
+    return live.id if hmac.compare_digest(live.token, token) else None
+
+
+def resume(server: CloudServer, peer: bytes, msg: Hello) -> CloudSession | Job:
+    """The session a resuming hello asks for: the live one, or a job that rebuilds it from a
+    checkpoint and binds it (its result is the session)."""
     sid, token, step, seq, log_from = _resume_request(msg)
     identity = hello_identity(msg)
     live = server.by_id.get(sid)
@@ -150,15 +179,26 @@ def resume(server: CloudServer, peer: bytes, msg: Hello) -> CloudSession:
         raise ResumeError(f"wrong resume token for session {sid}")
     if meta.get("hello") != json.loads(json.dumps(identity)):
         raise ResumeError(f"session {sid} serves a different model, cut or codecs than this hello asks for")
+    if server.jobs.busy(sid):
+        raise CapacityError(f"session {sid} is busy with a request or being restored "
+                            f"({server.jobs.since(sid):.1f} s so far); try again when it is done")
     if live is None:
         server.admit(peer)
-    tree, meta = server.checkpoints.load(sid, usable[-1])
-    session = restore(msg, tree, meta, server.factories, server.limits, server.policy, server.placement)
-    if live is not None:
-        server.unbind(live)
-    server.bind(peer, session)
-    server.event(f"session {sid} restored from its checkpoint at request {session.last_seq} (step {session.steps})")
-    return session
+    store, at = server.checkpoints, usable[-1]
+
+    def load() -> CloudSession:
+        tree, meta = store.load(sid, at)
+        return restore(msg, tree, meta, server.factories, server.limits, server.policy, server.placement)
+
+    def bind(session: CloudSession) -> CloudSession:
+        if live is not None and server.by_id.get(sid) is live:
+            server.unbind(live)
+        server.bind(peer, session)
+        server.event(f"session {sid} restored from its checkpoint at request {session.last_seq} (step {session.steps})")
+        return session
+
+    return Job(sid, server.listener.origin(peer), Price(checkpoint_bytes=store.stored_nbytes(sid, at)),
+               work=load, then=bind, pace=Pace())
 
 
-__all__ = ["restore", "resume", "save", "snapshot"]
+__all__ = ["restore", "resume", "save", "snapshot", "waits_for"]

@@ -7,30 +7,47 @@ each session keeps a generator state of its own, seeded from the seed the edge s
 and the half computes with that state swapped in: the same script against the same cloud gives
 the same weights however many other edges the cloud serves, and a resumed session continues its
 own stream.
+
+Sessions may compute at the same time (a heavy request runs on a worker thread, :mod:`.jobs`),
+and the process has one generator: a half that draws holds :data:`GENERATOR` while its state is
+swapped in. Whether it draws is seen, per mode (training or evaluation), on its first forward in
+that mode, which runs holding the lock: a half whose forward left the generator as it found it
+draws nothing and from then on computes without the lock, beside the others. What is seen holds
+for every session of the same half (``kind``: the same factory, arguments and cut), unless a
+session runs some of its modules in the other mode, which it then learns for itself.
 """
 
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
 #: Spreads (seed, stream) pairs apart: stream s of seed k is seeded with k * STRIDE + s.
 STRIDE = 1_000_003
+#: Held by a session while its states are the process's (re-entrant: a caller may take it first).
+GENERATOR = threading.RLock()
+#: Per kind of half: per mode (training?), whether its forward drew random numbers.
+_SEEN: dict[Any, dict[bool, bool]] = {}
 
 
 class SessionRandom:
     """The generator states one session's half computes with (the host's, and its device's)."""
 
-    def __init__(self, seed: int, device: torch.device, stream: int = 0) -> None:
+    def __init__(self, seed: int, device: torch.device, stream: int = 0, kind: Any = None) -> None:
         self.device = device
         # Modulo 2**64, the generator's own range (where a negative seed already wraps to): any
         # int a hello may carry seeds it, and every seed that fitted before seeds it as before.
         self.seed = (int(seed) * STRIDE + int(stream)) % 2**64
         self.host = torch.Generator().manual_seed(self.seed).get_state()
         self.accelerator: torch.Tensor | None = None  # made on first use, seeded the same way
+        # per mode (training?): whether the half drew, once seen; shared by the halves of one kind
+        self.draws: dict[bool, bool] = _SEEN.setdefault(kind, {}) if kind is not None else {}
+        self._of_kind = kind is not None
 
     def on(self, device: torch.device) -> SessionRandom:
         """The same stream for a half that moved to ``device`` (built on the host, then placed)."""
@@ -38,9 +55,30 @@ class SessionRandom:
         moved.device, moved.accelerator = device, None
         return moved
 
+    def on_its_own(self) -> None:
+        """This session's half no longer runs as the others of its kind (some of its modules run
+        in the other mode): what it draws is learnt for it alone from now on."""
+        if self._of_kind:
+            self.draws, self._of_kind = {}, False
+
+    def may_draw(self, train: bool) -> bool:
+        """Whether a forward in this mode needs :data:`GENERATOR` (unknown counts as yes)."""
+        return self.draws.get(train, True)
+
     @contextmanager
-    def active(self) -> Iterator[None]:
+    def active(self, train: bool = True) -> Iterator[None]:
         """Run the block on this session's states; the process's are as they were afterwards."""
+        if not self.may_draw(train):
+            yield
+            return
+        with GENERATOR:
+            host, accelerator = self.host, self.accelerator
+            with self._swapped():
+                yield
+            self.draws[train] = not (_same(host, self.host) and _same(accelerator, self.accelerator))
+
+    @contextmanager
+    def _swapped(self) -> Iterator[None]:
         cuda = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):
             torch.set_rng_state(self.host)
@@ -68,4 +106,13 @@ class SessionRandom:
             self.accelerator = tree["cuda_rng"].clone()
 
 
-__all__ = ["SessionRandom"]
+def half_kind(hello: Any) -> str:
+    """Which half a hello asks for, whatever its codecs and seed: halves of one kind run one code."""
+    return repr((hello.factory, sorted(hello.factory_kwargs.items()), hello.cut, hello.rejoin, hello.fingerprint))
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is None and b is None or a is not None and b is not None and torch.equal(a, b)
+
+
+__all__ = ["GENERATOR", "SessionRandom", "half_kind"]

@@ -75,6 +75,10 @@ class RankServer(CloudServer):
             return self.group.rank if sid in self.by_id else self.group.route(sid, own, capacity)
         return self.group.place(own, capacity)
 
+    def resumable(self) -> None:
+        """Ranks share one checkpoint folder: a session not here may live on another rank."""
+        return None
+
     def bind(self, peer: bytes, session: CloudSession) -> None:
         super().bind(peer, session)
         self.group.claim(session.id)

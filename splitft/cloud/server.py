@@ -1,11 +1,14 @@
 """The cloud server: sockets, the session registry, admission, and one answer per message.
 
 The server loop never lets one edge's message stop it: every failure becomes a typed Error reply
-and the loop goes on. Admission is where the cloud's policy and budgets meet a new session (how
-many sessions, how many per origin, the codecs and options asked for, the model's memory, room
-in the checkpoint folder); when the cloud is full, :mod:`~splitft.cloud.admission` decides whom
-to evict. :mod:`~splitft.cloud.session` prices each request; sessions that hear nothing for
-``Limits.session_timeout`` (or, before they trained, ``handshake_timeout``) are freed.
+and the loop goes on. Nor does one edge's heavy request hold it up: each request is priced before
+its work starts (:mod:`~splitft.cloud.prices`), and work expected to take more than a slice,
+checkpoints included, runs on a worker thread while the loop serves everyone else
+(:mod:`~splitft.cloud.jobs`). Admission is where the cloud's policy and budgets meet a new session
+(how many sessions, how many per origin, the codecs and options asked for, the model's memory,
+room in the checkpoint folder); when the cloud is full, :mod:`~splitft.cloud.admission` decides
+whom to evict. Sessions that hear nothing for ``Limits.session_timeout`` (or, before they trained,
+``handshake_timeout``) are freed.
 """
 
 from __future__ import annotations
@@ -24,19 +27,26 @@ import transports
 
 from .. import protocol
 from ..budget import MemoryBook
-from ..checkpoint import CheckpointError, CheckpointStore
+from ..checkpoint import CheckpointError
+from ..checkpoint_store import CheckpointStore
 from ..devices import Placement
 from ..errors import CapacityError, ConfigError, ProtocolError, SessionLost, SplitFTError, code_of
 from ..factories import build_chain, load_factory
 from ..limits import Limits
 from ..policy import Policy
 from ..protocol import Ack, Backward, Bye, Error, Forward, Hello, Ping, Pong, Sync, Welcome
-from . import checkpoints, replies
+from . import checkpoints, prices, replies, work
 from .admission import Admission
+from .jobs import LATER, Job, Jobs
+from .pricing import Price, warm_up
+from .prices import state_nbytes
 from .session import CloudSession, SharedPart, check_codecs, hello_identity
 from .shared_policy import SharedPolicy
 
 log = logging.getLogger(__name__)
+
+#: Seconds between looks for checkpoints no session can use (expired pins, abandoned sessions).
+TIDY_EVERY = 2.0
 
 _KIND = {"forward": "activation", "output": "activation", "backward": "gradient", "input_grads": "gradient"}
 
@@ -107,8 +117,12 @@ class CloudServer:
             raise ConfigError("checkpoints restore one edge's session exactly; with a shared cloud part they "
                               "cannot (other edges move it on). Use one of shared_model / checkpoint_dir")
         self.checkpoints = CheckpointStore(checkpoint_dir, keep=keep_checkpoints, fsync=fsync,
-                                           max_bytes=self.limits.checkpoint_bytes) \
+                                           max_bytes=self.limits.checkpoint_bytes,
+                                           pin_bytes=self.limits.pin_bytes, pin_seconds=self.limits.pin_seconds,
+                                           orphan_seconds=self.limits.session_timeout) \
             if checkpoint_dir is not None else None
+        self.jobs = Jobs()  # heavy requests, off the serving thread
+        threading.Thread(target=warm_up, name="splitft-warm-up", daemon=True).start()
         self.checkpoint_every = checkpoint_every
         self.policy = policy or Policy()
         self.placement = placement or Placement()
@@ -134,7 +148,7 @@ class CloudServer:
         self.finished: deque[dict[str, Any]] = deque(maxlen=10_000)
         self.stop_event = threading.Event()
         self._on_event = on_event or (lambda text: log.info("%s", text))
-        self._last_sweep = time.monotonic()
+        self._last_sweep = self._last_tidy = time.monotonic()
         self._errors = _ErrorLog()
         self._handlers: dict[type[protocol.Message], Callable[..., protocol.Message | None]] = {
             Hello: self._on_hello, Ping: self._on_ping, Forward: self._on_request, Backward: self._on_request,
@@ -151,8 +165,10 @@ class CloudServer:
                 if self.max_sessions and self.ended >= self.max_sessions and not self.sessions:
                     break
                 self.expire()
+                self._settle()
                 try:
-                    peer, frames = self.listener.recv(poll if self.rounds is None else self.rounds.tick(poll))
+                    wait = self.jobs.poll(poll if self.rounds is None else self.rounds.tick(poll))
+                    peer, frames = self.listener.recv(wait)
                 except transports.TransportTimeout:
                     continue
                 except transports.TransportClosed:
@@ -171,9 +187,18 @@ class CloudServer:
         session = self.sessions.get(peer)
         if self.rounds is not None and self.rounds.hold(peer, frames, session):
             return  # the edge waits for its round; handled when the round closes
+        try:
+            if session is not None and self.jobs.hold(session.id, peer, frames, self.limits):
+                return  # handled, in order, when the session's running request has answered
+        except CapacityError as exc:
+            self._send(peer, protocol.encode(self._error(exc, 0, 0)), "error")
+            return
         seq, numbered = 0, False
         try:
             msg = self._decode(frames, session)
+            if isinstance(msg, Hello) and (busy := checkpoints.waits_for(self, msg)) is not None:
+                self.jobs.hold(busy, peer, frames, self.limits)
+                return  # an edge back on a new connection: resumed once the request under way has answered
             seq = getattr(msg, "seq", 0)
             if seq < 0:
                 raise ProtocolError(f"request seq must be >= 0, got {seq}")
@@ -185,17 +210,43 @@ class CloudServer:
             reply = self._dispatch(peer, msg, seq)
             if session is None and isinstance(msg, Hello) and peer in self.sessions:
                 self.sessions[peer].metrics.count("up", "control", wire=transports.message_nbytes(frames))
+            if isinstance(reply, Job):  # priced work: done here if it is short, else on a worker
+                reply = self.jobs.start(reply, (peer, session, msg, seq, numbered))
+                if reply is LATER:
+                    return  # answered by _settle when the worker is done
         except (KeyboardInterrupt, SystemExit):
             raise
         except Exception as exc:  # noqa: BLE001 — a bad request must never stop the server
-            if not isinstance(exc, (SplitFTError, compressors.CompressionError)):
-                self._errors.report(exc, peer)
-            numbered = numbered and not isinstance(exc, SessionLost)  # nothing applied: the number stays free
-            reply = self._error(exc, seq, getattr(msg, "call", 0))
-            if isinstance(msg, Bye):  # the edge is leaving whatever we answer (a request lost to Ctrl-C, an op refused)
-                self._end(peer, f"edge said goodbye ({msg.reason or 'no reason'}); its goodbye failed: {exc}")
+            reply, numbered = self._failed(peer, msg, exc, seq, numbered)
         if reply is not None:
             self._reply(peer, session, reply, seq, numbered)
+
+    def _failed(self, peer: bytes, msg: protocol.Message | None, exc: Exception, seq: int,
+                numbered: bool) -> tuple[Error, bool]:
+        """The typed reply to a request that failed, and whether its number is used."""
+        if not isinstance(exc, (SplitFTError, compressors.CompressionError)):
+            self._errors.report(exc, peer)
+        if isinstance(msg, Bye):  # the edge is leaving whatever we answer (a request lost to Ctrl-C, an op refused)
+            self._end(peer, f"edge said goodbye ({msg.reason or 'no reason'}); its goodbye failed: {exc}")
+        # nothing applied: the number stays free
+        return self._error(exc, seq, getattr(msg, "call", 0)), numbered and not isinstance(exc, SessionLost)
+
+    def _settle(self) -> None:
+        """Answer the jobs that ended on workers, then what their edges sent meanwhile."""
+        for job in self.jobs.finished():
+            peer, session, msg, seq, numbered = job.context
+            if job.key in self.by_id:
+                self.by_id[job.key].last_seen = time.monotonic()
+            try:
+                if job.error is not None:
+                    raise job.error
+                reply = job.then(job.result)
+            except Exception as exc:  # noqa: BLE001 — as in handle: every failure gets a typed reply
+                reply, numbered = self._failed(peer, msg, exc, seq, numbered)
+            if reply is not None:
+                self._reply(peer, session, reply, seq, numbered)
+            while (held := self.jobs.next_held(job.key)) is not None:
+                self.handle(*held)
 
     def _decode(self, frames: list, session: CloudSession | None) -> protocol.Message:
         self.limits.check_frames(frames)
@@ -258,37 +309,32 @@ class CloudServer:
                               + "send a hello first, or a hello with a resume token if the cloud restarted")
         return session
 
-    def _on_request(self, peer: bytes, msg: Forward | Backward | Sync | Bye, seq: int) -> protocol.Message:
+    def _on_request(self, peer: bytes, msg: Forward | Backward | Sync | Bye, seq: int) -> protocol.Message | Job:
         if isinstance(msg, Bye) and peer not in self.sessions:
             return Ack()  # nothing to end; answered so that every message gets a reply
         session = self._session_of(peer, msg)
-        before = session.steps
-        try:
-            applied = session.apply_ops(msg.ops)
-        finally:
-            # Right after the step, before the request's own work: replaying this request
-            # re-applies its operations, which their ids make harmless, then does that work.
-            force = isinstance(msg, Sync) and msg.checkpoint
-            if force or before // self.checkpoint_every != session.steps // self.checkpoint_every:
-                checkpoints.save(self, session, (seq or session.last_seq + 1) - 1, pinned=force and msg.pin)
-        if isinstance(msg, Forward):
-            reply: protocol.Message = session.forward(msg)
-        elif isinstance(msg, Backward):
-            reply = session.backward(msg)
-        elif isinstance(msg, Sync):
-            reply = Ack(state=session.state() if msg.want_state else None,
-                        grad_norms=session.grad_norms(msg.grad_norm, msg.grad_names) if msg.grad_norm is not None else None)
-        if applied or isinstance(msg, (Forward, Backward)):  # it trained (a ping, or a request that failed, did not)
-            self.admission.worked(session.id)
-        if not isinstance(msg, Bye):
+        # A request that trains (a forward, a backward, a step) keeps its session from eviction once it
+        # succeeded; a ping, or a request that failed, does not.
+        trains = isinstance(msg, (Forward, Backward)) or prices.new_steps(msg.ops) > 0
+
+        def worked(reply: protocol.Message) -> protocol.Message:  # on the serving thread, once it succeeded
+            if trains:
+                self.admission.worked(session.id)
             return reply
-        checkpoints.save(self, session, (seq or session.last_seq + 1) - 1)
-        self._end(peer, msg.reason or "edge said goodbye")
-        return Ack()
+
+        if not isinstance(msg, Bye):
+            return work.job(self, session, msg, seq, then=worked)
+
+        def end(reply: protocol.Message) -> protocol.Message:  # once its operations are applied
+            worked(reply)
+            self._end(peer, msg.reason or "edge said goodbye")
+            return reply
+
+        return work.job(self, session, msg, seq, then=end)
 
     # ------------------------------------------------------------ sessions: open, admit, end
 
-    def _on_hello(self, peer: bytes, msg: Hello, seq: int) -> Welcome:
+    def _on_hello(self, peer: bytes, msg: Hello, seq: int) -> Welcome | Job:
         if msg.resume is not None:
             session, verb = checkpoints.resume(self, peer, msg), "resumed"
         elif msg.nonce and peer in self.sessions and self.sessions[peer].nonce == msg.nonce:
@@ -308,9 +354,19 @@ class CloudServer:
                                         policy=self.policy, admit=admit_model, placement=self.placement)
             self.book.check(session.id, 0, session.held_bytes(), "opening this session", origin=origin)
             self.bind(peer, session)
-            if self.checkpoints is not None:
-                checkpoints.save(self, session, 0)
             verb = "opened"
+            if self.checkpoints is not None:  # its first checkpoint, written before the welcome
+                return Job(session.id, session.origin, Price(checkpoint_bytes=state_nbytes(session)),
+                           work=lambda: checkpoints.save(self, session, 0),
+                           then=lambda _: self._welcome(msg, session, verb), pace=session.pace,
+                           off_thread=session.off_thread and session.shared is None)
+        if isinstance(session, Job):  # restored from a checkpoint, by a worker if it is large
+            restored = session.then
+            session.then = lambda result: self._welcome(msg, restored(result), verb)
+            return session
+        return self._welcome(msg, session, verb)
+
+    def _welcome(self, msg: Hello, session: CloudSession, verb: str) -> Welcome:
         self.event(f"session {session.id} {verb}: {msg.factory} cut at {msg.cut}"
                    f"{' rejoin ' + str(msg.rejoin) if msg.rejoin else ''}, codecs "
                    f"{msg.codecs.get('fwd')} / {msg.codecs.get('bwd')}"
@@ -414,15 +470,26 @@ class CloudServer:
         if now - self._last_sweep < 1.0 and now >= self._last_sweep:
             return
         self._last_sweep = now
+        if self.checkpoints is not None and now - self._last_tidy >= TIDY_EVERY:
+            self._last_tidy = now
+            self.checkpoints.sweep(self.resumable())
         for session in list(self.by_id.values()):
+            if self.jobs.busy(session.id):
+                continue  # working for its edge: not idle
             idle = now - session.last_seen
             if idle > self.limits.session_timeout:
                 self._forget(session, f"expired after {idle:.0f} s without a message")
             elif not self.admission.trained(session.id) and idle > self.limits.handshake_timeout:
                 self._forget(session, f"freed: no request for {idle:.0f} s after its hello")
 
+    def resumable(self) -> set[str] | None:
+        """The sessions whose regular checkpoints must stay: those alive here (None: the folder
+        is shared with other processes, which keep their own)."""
+        return set(self.by_id) | self.jobs.keys()
+
     def shutdown(self, reason: str) -> None:
         """Tell every connected edge the cloud is going away, then close the listener."""
+        self.jobs.close()  # a checkpoint being written is finished first
         for peer in list(self.sessions):
             try:
                 self.listener.send(peer, protocol.encode(Bye(reason=reason)))

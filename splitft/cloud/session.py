@@ -18,7 +18,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -43,10 +43,12 @@ from ..limits import Limits
 from ..metrics import Metrics
 from ..policy import Policy
 from ..protocol import Backward, Forward, Hello, InputGrads, Output
+from . import prices
 from .caches import SessionCaches
 from .guard import Stopwatch, blame
 from .ops import apply_ops, cast_weights, check_norm_type
-from .randomness import SessionRandom
+from .pricing import HalfCost, Pace
+from .randomness import SessionRandom, half_kind
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,8 @@ class Pending:
     rerun: Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None
     version: int = 0
     nbytes: int = 0  # what the graph holds: its inputs, outputs and the tensors saved for backward
+    flops: int = 0  # its forward's arithmetic (its backward costs twice that) and its decode's
+    decode_flops: int = 0
 
 
 @dataclass
@@ -116,6 +120,7 @@ class _Inputs:
     grads: list[bool]
     skeletons: tuple[Any, Any, Any]
     counts: tuple[int, int]
+    decode_flops: int = 0  # what decoding them took, priced before it was done
 
 
 class CloudSession:
@@ -132,6 +137,11 @@ class CloudSession:
         admit: called with a model's estimated bytes before it is built; may refuse it.
         placement: the device (and dtype) the half computes in (default: the CPU).
     """
+
+    #: Its heavy requests may run on a worker thread (:mod:`.jobs`) while the server serves others.
+    off_thread = True
+    #: Its forward can be priced by running the half on the meta device (:mod:`.pricing`).
+    count_on_meta = True
 
     def __init__(self, hello: Hello, factories: dict[str, Callable[..., nn.Module]],
                  limits: Limits | None = None, shared: SharedPart | None = None,
@@ -157,7 +167,8 @@ class CloudSession:
             self._initial_weights(hello)
         self.placement = placement or Placement()
         self.placement.place(self.chain)
-        self.random = SessionRandom(hello.seed, self.placement.device)
+        self.random = SessionRandom(hello.seed, self.placement.device, kind=half_kind(hello))
+        self.cost, self.pace = HalfCost(self.chain), Pace()  # what its requests cost, and how fast they run
         self.codecs = SlotCodecs(hello.codecs, hello.seed, bounds=self.policy.bounds)
         #: What this session's own copy of the cloud half holds when trained (0 for a shared half).
         self.model_bytes = model_nbytes(self.chain) if shared is None else 0
@@ -212,18 +223,19 @@ class CloudSession:
         if self.book is not None:
             self.book.check(self.id, self.held_bytes(), extra, what)
 
-    def _check_decode(self, groups: Iterable[tuple[list, Any, int | None]], slot: str, ctx: CodecContext,
-                      what: str) -> None:
-        """Bound what decoding a request's tensors will allocate, before anything is decoded.
-
-        ``groups`` holds (entries, skeleton, stream index) per tree of the request.
+    def _check_decode(self, groups: list[tuple[list, Any, int | None]], slot: str, ctx: CodecContext,
+                      what: str) -> int:
+        """Bound what decoding a request's tensors will allocate and compute, before anything is
+        decoded; returns the arithmetic. ``groups`` holds (entries, skeleton, stream index) per tree.
         """
         nbytes = 0
         with blame(ProtocolError, f"a tensor in the {what} cannot be decoded"):
             for entries, skeleton, stream in groups:
                 nbytes += self.codecs.decode_cost(entries, stream, slot, ctx, expansions(skeleton))
+            flops = prices.check_decode(self, groups, slot, ctx, what)
         self.limits.check_decoded(nbytes, f"this {what}")
         self.fits(nbytes, f"decoding this {what}")
+        return flops
 
     # ------------------------------------------------------------ the optimizer (own or shared)
 
@@ -266,11 +278,13 @@ class CloudSession:
         self.chain.train(train)
         for module in self.flipped:
             module.train(not train)
+        if self.flipped:
+            self.random.on_its_own()
         caching = self.caches.named((args_skel, kw_skel))
         try:
             with torch.set_grad_enabled(grad), blame(ModelError, "the cloud part failed on the inputs the edge sent"), \
                     GraphMeter(self.chain) as meter, autocast_region(autocast, self.placement.device), \
-                    self.random.active():
+                    self.random.active(train):
                 value = self._edge_dtype(self.chain(*args, **kwargs), inputs.tensors)
                 if target is not None:
                     if self.loss_fn is None:
@@ -307,9 +321,9 @@ class CloudSession:
             raise ProtocolError("forward args must be a list and kwargs a map")
         if msg.target is not None and self.ushape:
             raise ProtocolError("a U-shape session computes no loss in the cloud; send no target")
-        groups = ((args_entries, args_skel, stream_index(args_skel)), (kw_entries, kw_skel, None),
-                  (target_entries, target_skel, None))
-        self._check_decode(groups, "fwd", ctx, "forward request")
+        groups = [(args_entries, args_skel, stream_index(args_skel)), (kw_entries, kw_skel, None),
+                  (target_entries, target_skel, None)]
+        decode = self._check_decode(groups, "fwd", ctx, "forward request")
         self.trained = True
         tensors, in_coded = [], []
         with blame(ProtocolError, "a tensor in the forward request cannot be decoded"):
@@ -322,13 +336,14 @@ class CloudSession:
                 raise ProtocolError("the activation contains NaN or Inf; the edge part diverged or the data is bad")
         grads = [g and msg.grad for _, g in (*args_entries, *kw_entries, *target_entries)]
         return _Inputs(tensors, in_coded, grads, (args_skel, kw_skel, target_skel),
-                       (len(args_entries), len(kw_entries)))
+                       (len(args_entries), len(kw_entries)), decode)
 
     def forward(self, msg: Forward) -> Output:
         watch = Stopwatch()
         ctx = self._context("activation", msg.train, msg.step, msg.sample_ids)
         with watch("codec"):
             inputs = self._decode_forward(msg, ctx)
+        flops = prices.forward(self, msg, inputs)  # refused here, before the half runs
         with watch("compute"):
             leaves, value, saved = self._run(inputs, msg.train, msg.grad, msg.autocast)
         with watch("codec"):
@@ -342,7 +357,7 @@ class CloudSession:
             eager_grads = self._eager_backward(msg, value, leaves, inputs, watch)
             unreached = [self._param_names[id(p)] for p, g in self.deferred[msg.call] if g is None] or None
         elif msg.grad:
-            self._keep_graph(msg, leaves, inputs, outs, out_coded, saved)
+            self._keep_graph(msg, leaves, inputs, outs, out_coded, saved, flops)
         return Output(call=msg.call, value=to_wire(out_skel, entries), timings=watch.seconds, grads=eager_grads,
                       unreached=unreached)
 
@@ -369,7 +384,7 @@ class CloudSession:
                                             self._context("gradient", True, self.steps, msg.sample_ids))
 
     def _keep_graph(self, msg: Forward, leaves: list[torch.Tensor], inputs: _Inputs, outs: list[torch.Tensor],
-                    out_coded: list[Coded], saved: int) -> None:
+                    out_coded: list[Coded], saved: int, flops: int = 0) -> None:
         """Keep a forward call's graph for its backward, if it fits the session's memory."""
         def rerun() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
             again, value, _ = self._run(inputs, msg.train, True, msg.autocast)
@@ -378,7 +393,8 @@ class CloudSession:
         self.fits(nbytes, "keeping this forward call's graph for its backward")
         self.pending[msg.call] = Pending(leaves, inputs.coded, inputs.grads, outs, out_coded, msg.sample_ids,
                                          rerun if self.shared is not None else None,
-                                         self.shared.updates if self.shared is not None else 0, nbytes)
+                                         self.shared.updates if self.shared is not None else 0, nbytes,
+                                         flops, inputs.decode_flops)
         while len(self.pending) > self.limits.max_pending_calls:
             dropped, _ = self.pending.popitem(last=False)
             log.warning("session %s: dropping the graph of call %s, never backpropagated", self.id, dropped)
@@ -407,6 +423,7 @@ class CloudSession:
                 f"no forward call {msg.call} awaits a backward (already backpropagated, run without "
                 "grad, or freed by an optimizer step)"
             )
+        prices.backward(self, msg, pending)  # refused here, before its gradients are decoded
         watch = Stopwatch()
         ctx = self._context("gradient", True, self.steps, pending.sample_ids)
         with watch("codec"):
