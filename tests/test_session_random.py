@@ -71,3 +71,23 @@ def test_an_edge_draws_the_same_dropout_masks_whoever_else_trains(tmp_path):
 def _edge_data(seed: int) -> list:
     gen = torch.Generator().manual_seed(seed)
     return [(torch.randn(16, 12, generator=gen), torch.randint(0, 3, (16,), generator=gen)) for _ in range(STEPS)]
+
+
+def test_starting_a_cloud_in_this_process_leaves_its_generator_alone():
+    """The server warms its FLOP counter up on a thread of its own: building anything on the host
+    there would draw from the process's generator under a caller that seeded it (it did)."""
+    import threading
+
+    import transports
+    from splitft.cloud import CloudServer
+
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    server = CloudServer(transports.InprocListener(), ["splitft.models:digits_cnn"])
+    try:
+        for thread in threading.enumerate():
+            if thread.name == "splitft-warm-up":
+                thread.join(timeout=60)
+        assert torch.equal(torch.get_rng_state(), before)
+    finally:
+        server.stop()

@@ -185,7 +185,9 @@ class HalfCost:
 def warm_up() -> None:
     """Count a tiny forward once, so that the first session's first count does not pay for the
     import behind torch's dispatch modes (about a second, once per process)."""
-    HalfCost(nn.Linear(2, 2)).forward("warm-up", lambda twin: twin(meta_like(torch.ones(1, 2))), 0)
+    # On the meta device: it runs on a thread of its own, and building a layer on the host would
+    # draw its initial weights from the process's generator, under whatever else runs meanwhile.
+    HalfCost(nn.Linear(2, 2, device="meta")).forward("warm-up", lambda twin: twin(meta_like(torch.ones(1, 2))), 0)
 
 
 __all__ = ["BACKWARD_FACTOR", "HalfCost", "Pace", "Price", "check", "meta_like", "meta_twin", "warm_up"]
