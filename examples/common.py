@@ -14,7 +14,7 @@ import contextlib
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-FACTORY = "splitft.tasks.bbc:minilm_classifier"  # how the cloud builds the same model
+FACTORY = "splitft.app.tasks.bbc:minilm_classifier"  # how the cloud builds the same model
 
 
 def parse_args() -> argparse.Namespace:
@@ -36,8 +36,8 @@ def parse_args() -> argparse.Namespace:
 
 def datasets(args: argparse.Namespace) -> tuple[TensorDataset, TensorDataset]:
     """Tokenised (input_ids, attention_mask, label) train and test sets; a fixed, seeded split."""
-    from splitft.data import first
-    from splitft.tasks.bbc import load_bbc
+    from splitft.app.data import first
+    from splitft.app.tasks.bbc import load_bbc
 
     train, test = load_bbc(max_length=args.max_length)
     if args.limit:
@@ -63,6 +63,6 @@ def cloud(args: argparse.Namespace) -> str:
     """The cloud's address: ``--connect``, or a cloud process started here for this run."""
     if args.connect:
         return args.connect
-    from splitft.launch import local_cloud
+    from splitft.app.launch import local_cloud
 
     return _clouds.enter_context(local_cloud([FACTORY]))

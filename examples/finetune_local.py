@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 import common
-from splitft.tasks.bbc import minilm_classifier
+from splitft.app.tasks.bbc import minilm_classifier
 
 args = common.parse_args()
 torch.manual_seed(args.seed)

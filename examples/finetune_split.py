@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 import common
 import splitft
-from splitft.tasks.bbc import minilm_classifier
+from splitft.app.tasks.bbc import minilm_classifier
 
 args = common.parse_args()
 torch.manual_seed(args.seed)

@@ -35,7 +35,7 @@ CODECS = ["identity", "fp16", "fixpoint:bits=8", "fixpoint:bits=4", "lowrank:ran
 LINKS = ["loopback", "100mbit,20ms", "10mbit,50ms"]
 FIELDS = ["task", "codec", "bwd", "link", "micro_batches", "seed", "epochs", "accuracy", "train_seconds",
           "time_to_target", "fwd_ratio", "bwd_ratio", "bytes_up", "bytes_down", "steps", "history"]
-DIGITS_FACTORIES = ["splitft.models:digits_cnn", "splitft.models:digits_bsl"]
+DIGITS_FACTORIES = ["splitft.app.models:digits_cnn", "splitft.app.models:digits_bsl"]
 
 
 def cell_key(task: str, codec: str, link: str, micro_batches: int, seed: int, epochs: int) -> tuple:
@@ -62,10 +62,10 @@ def append_row(path: Path, row: dict) -> None:
 
 def run_cell(task: str, codec: str, link: str, micro_batches: int, seed: int, epochs: int, target: float,
              address: str, bbc_limit: int | None = None) -> dict:
-    from splitft.experiment import run_digits, time_to_accuracy
+    from splitft.app.experiment import run_digits, time_to_accuracy
 
     if task != "digits":
-        from splitft.experiment import run_bbc  # the transformer task, only with --bbc
+        from splitft.app.experiment import run_bbc  # the transformer task, only with --bbc
 
         result = run_bbc(codec, seed=seed, epochs=epochs, address=address, limit=bbc_limit,
                          link=None if link == "loopback" else link, micro_batches=micro_batches)
@@ -223,14 +223,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.bbc:
         cells += [("bbc", c, link, m, 0, args.bbc_epochs) for link in links for m in micro for c in codecs
                   if c.split(":")[0] != "binary"]
-        factories.append("splitft.tasks.bbc:minilm_classifier")
+        factories.append("splitft.app.tasks.bbc:minilm_classifier")
     done = {cell_key(r["task"], r["codec"], r["link"], r["micro_batches"], r["seed"], r["epochs"])
             for r in read_rows(csv_path)}
     todo = [c for c in cells if cell_key(*c) not in done]
     if todo and not args.summary_only:
         print(f"{len(cells) - len(todo)} of {len(cells)} cells already in {csv_path}; running {len(todo)}",
               file=sys.stderr)
-        from splitft.launch import local_cloud
+        from splitft.app.launch import local_cloud
 
         with local_cloud(factories, sessions=0, start_timeout=120, exit_timeout=0, quiet=True) as address:
             bar = tqdm(todo, unit="cell", dynamic_ncols=True)

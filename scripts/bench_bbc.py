@@ -1,6 +1,6 @@
 """MiniLM fine-tuned on BBC News: local training against split training through several codecs.
 
-Every run trains the same pre-trained all-MiniLM-L6-v2 + linear head (splitft.tasks.bbc) on the
+Every run trains the same pre-trained all-MiniLM-L6-v2 + linear head (splitft.app.tasks.bbc) on the
 same data in the same order, and reports test accuracy, seconds per training epoch and the bytes
 that crossed each way. Split runs talk to a real `splitft cloud` process over tcp on 127.0.0.1,
 U-shape by default: the cloud runs encoder layers 2-5, the head and the labels stay on the edge.
@@ -46,8 +46,8 @@ class Result:
 def _train(model, optimizer, train, test, args, *, split_model=None) -> Result:
     from tqdm.auto import tqdm
 
-    from splitft.data import batches, call
-    from splitft.train import accuracy
+    from splitft.app.data import batches, call
+    from splitft.app.train import accuracy
 
     criterion = nn.CrossEntropyLoss()
     epoch_times, loss_sum, seen = [], 0.0, 0
@@ -85,7 +85,7 @@ def _traffic(metrics) -> dict:
 
 
 def run_local(train, test, args) -> Result:
-    from splitft.tasks.bbc import minilm_classifier
+    from splitft.app.tasks.bbc import minilm_classifier
 
     torch.manual_seed(args.seed)
     model = minilm_classifier()
@@ -95,8 +95,8 @@ def run_local(train, test, args) -> Result:
 
 def run_split(train, test, args, spec: str, frozen: bool) -> Result:
     import splitft
-    from splitft.launch import local_cloud
-    from splitft.tasks.bbc import FACTORY, minilm_classifier
+    from splitft.app.launch import local_cloud
+    from splitft.app.tasks.bbc import FACTORY, minilm_classifier
 
     torch.manual_seed(args.seed)
     with local_cloud([FACTORY]) as address:
@@ -151,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import compressors
-    from splitft.data import first
-    from splitft.tasks.bbc import CUT, load_bbc
+    from splitft.app.data import first
+    from splitft.app.tasks.bbc import CUT, load_bbc
 
     args.cut = args.cut or CUT
     runs = args.runs or DEFAULT_RUNS

@@ -21,8 +21,8 @@ from torch import nn
 
 import compressors
 from compressors import CodecContext
-from splitft.coding import resolve_codecs
-from splitft.models import digits_cnn
+from splitft.wire.coding import resolve_codecs
+from splitft.app.models import digits_cnn
 
 SPECS = ["identity", "fp16", "fixpoint:bits=8", "fixpoint:bits=4", "lowrank:rank=1", "lowrank:rank=4",
          "c3sl:r=4", "c3sl:r=16", "binary", "acsgd:bits=4", "acsgd:bits=2"]

@@ -39,16 +39,16 @@ class Row:
 
 def _task_run(task: str, args: argparse.Namespace, limit: int | None = None):
     from splitft.options import Codecs
-    from splitft.runner import TaskRun
+    from splitft.app.runner import TaskRun
 
     return TaskRun(task=task, epochs=1, limit=limit or args.limit, batch_size=args.batch_size,
                    codecs=Codecs(args.codec, seed=0), seed=0)
 
 
 def _one(task: str, device: str, args: argparse.Namespace) -> Row:
-    from splitft.launch import local_cloud
-    from splitft.runner import run
-    from splitft.tasks import get_task
+    from splitft.app.launch import local_cloud
+    from splitft.app.runner import run
+    from splitft.app.tasks import get_task
 
     with local_cloud([get_task(task).model], device=device, quiet=True) as address:
         result = run(_task_run(task, args), address)
@@ -60,7 +60,7 @@ def _one(task: str, device: str, args: argparse.Namespace) -> Row:
 
 
 def _edge_process(task: str, args: argparse.Namespace, address: str, out: mp.Queue) -> None:
-    from splitft.runner import run
+    from splitft.app.runner import run
 
     torch.set_num_threads(1)
     result = run(_task_run(task, args, limit=args.edge_steps * (args.batch_size or 8)), address)
@@ -70,8 +70,8 @@ def _edge_process(task: str, args: argparse.Namespace, address: str, out: mp.Que
 
 def _concurrent(task: str, edges: int, args: argparse.Namespace) -> float:
     """Median step time of ``edges`` edge processes training at once against one GPU cloud."""
-    from splitft.launch import local_cloud
-    from splitft.tasks import get_task
+    from splitft.app.launch import local_cloud
+    from splitft.app.tasks import get_task
 
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
@@ -88,7 +88,7 @@ def _concurrent(task: str, edges: int, args: argparse.Namespace) -> float:
 def _available(task: str) -> str | None:
     """Why ``task`` cannot run here (None: it can)."""
     try:
-        from splitft.tasks import get_task
+        from splitft.app.tasks import get_task
 
         get_task(task).load()
     except Exception as exc:  # noqa: BLE001 — any missing extra or data set is reported, not raised

@@ -257,7 +257,7 @@ def _netns_down() -> None:
 
 def _edge_run(address: str, link: str, epochs: str) -> None:
     """One training run of the edge against the cloud at ``address``; prints seconds and CPU."""
-    from splitft.experiment import run_digits
+    from splitft.app.experiment import run_digits
 
     cpu = time.process_time()
     result = run_digits("identity", address=address, link=None if link == "none" else link, epochs=int(epochs))

@@ -1,6 +1,6 @@
 """SmolLM2-135M LoRA fine-tuning on BBC News text, split, through each codec: perplexity against bytes.
 
-Every run fine-tunes the same pre-trained model (splitft.tasks.smollm: LoRA on both halves,
+Every run fine-tunes the same pre-trained model (splitft.app.tasks.smollm: LoRA on both halves,
 U-shape, the cloud runs decoder layers 2-27 in a real `splitft cloud` process on 127.0.0.1) on the
 same training windows, and reports the held-out perplexity it reached, the wire bytes per
 training step each way and the time per step. What crosses the cut is the decoder's hidden
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # edge and cloud share the cores (see splitft.cli)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # edge and cloud share the cores (see splitft.app.cli)
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -62,7 +62,7 @@ def _trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 def run_one(name: str, seed: int, train, test, args, address: str | None) -> Result:
     import splitft
-    from splitft.tasks.smollm import FACTORY, evaluate, smollm_lora, train_epochs
+    from splitft.app.tasks.smollm import FACTORY, evaluate, smollm_lora, train_epochs
 
     torch.manual_seed(seed)
     model = smollm_lora(seed=seed)
@@ -136,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import compressors
-    from splitft.data import first
-    from splitft.launch import local_cloud
-    from splitft.tasks.smollm import CUT, FACTORY, evaluate, load_news, smollm_lora
+    from splitft.app.data import first
+    from splitft.app.launch import local_cloud
+    from splitft.app.tasks.smollm import CUT, FACTORY, evaluate, load_news, smollm_lora
 
     args.cut = args.cut or CUT
     runs = args.runs or DEFAULT_RUNS

@@ -24,9 +24,9 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import splitft  # noqa: E402
-from splitft.models import digits_cnn  # noqa: E402
+from splitft.app.models import digits_cnn  # noqa: E402
 
-FACTORY = "splitft.models:digits_cnn"
+FACTORY = "splitft.app.models:digits_cnn"
 
 
 def step_fn(model: nn.Module, opt: torch.optim.Optimizer, crit, x: torch.Tensor, y: torch.Tensor):
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from splitft.launch import local_cloud
+    from splitft.app.launch import local_cloud
 
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the cloud process inherits it
     with local_cloud([FACTORY], sessions=0, exit_timeout=0, quiet=True) as address:

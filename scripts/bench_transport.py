@@ -37,7 +37,7 @@ def _receiver(raw_address: str, splitft_address: str, transport_address: str) ->
     import zmq
 
     import compressors
-    from splitft import protocol
+    from splitft.wire import protocol
     from transports import ZmqListener
 
     raw = zmq.Context.instance().socket(zmq.ROUTER)
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     import zmq
 
     import compressors
-    from splitft import protocol
+    from splitft.wire import protocol
     from transports import ZmqConnection
 
     raw_address, splitft_address, transport_address = (f"tcp://127.0.0.1:{_free_port()}" for _ in range(3))

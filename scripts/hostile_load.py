@@ -1,6 +1,6 @@
 """A good edge trains while hostile clients attack the same cloud: admission time, step latency, memory.
 
-Each scenario starts a cloud process serving a tiny MLP (``splitft.models:tiny_mlp``) on
+Each scenario starts a cloud process serving a tiny MLP (``splitft.app.models:tiny_mlp``) on
 127.0.0.1 with tight budgets. A good edge connects from 127.0.0.9 (the loopback network has many
 addresses, and ZeroMQ connects from a chosen one: ``tcp://SRC:0;HOST:PORT``), first alone, then
 while one attack runs from addresses of its own:
@@ -67,13 +67,13 @@ from torch import nn  # noqa: E402
 import compressors  # noqa: E402
 import splitft  # noqa: E402
 import transports  # noqa: E402
-from splitft import protocol  # noqa: E402
-from splitft.cli import main as cli  # noqa: E402
+from splitft.wire import protocol  # noqa: E402
+from splitft.app.cli import main as cli  # noqa: E402
 from splitft.cut import extract, fingerprint, parse_cut  # noqa: E402
-from splitft.models import tiny_mlp  # noqa: E402
-from splitft.protocol import Backward, Bye, Forward, Ping, Sync, payload_to_wire  # noqa: E402
+from splitft.app.models import tiny_mlp  # noqa: E402
+from splitft.wire.protocol import Backward, Bye, Forward, Ping, Sync, payload_to_wire  # noqa: E402
 
-FACTORY = "splitft.models:tiny_mlp"
+FACTORY = "splitft.app.models:tiny_mlp"
 CUT = 2
 GOOD = "127.0.0.9"
 BUDGETS = {"--session-memory-mb": "64", "--memory-mb": "512", "--max-decoded-mb": "32", "--max-ops": "256",

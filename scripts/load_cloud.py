@@ -1,6 +1,6 @@
 """Many edges against one cloud on loopback: steps lost or repeated, throughput, memory per session.
 
-A cloud process serves a tiny MLP (``splitft.models:tiny_mlp``, cut at 2) over tcp on 127.0.0.1.
+A cloud process serves a tiny MLP (``splitft.app.models:tiny_mlp``, cut at 2) over tcp on 127.0.0.1.
 Edge processes each run several edges as threads; every edge trains its own session for the given
 number of steps on its own random data, with Adam. Afterwards:
 
@@ -41,7 +41,7 @@ import threading
 import time
 from pathlib import Path
 
-FACTORY = "splitft.models:tiny_mlp"
+FACTORY = "splitft.app.models:tiny_mlp"
 CUT = 2
 
 
@@ -64,7 +64,7 @@ def _warm_up() -> None:
     import splitft
     import transports
     from splitft.cloud import CloudServer, serve_in_thread
-    from splitft.models import tiny_mlp
+    from splitft.app.models import tiny_mlp
 
     listener = transports.InprocListener()
     server = CloudServer(listener, [FACTORY], on_event=lambda text: None)
@@ -207,7 +207,7 @@ def _edge(i: int, address: str, args, out: dict) -> None:
 
     import splitft
     import transports
-    from splitft.models import tiny_mlp
+    from splitft.app.models import tiny_mlp
 
     torch.set_num_threads(1)
     data = _data(i, args.steps, args.batch)
@@ -242,7 +242,7 @@ def _verify(i: int, result: dict, steps: int, batch: int) -> bool:
     import torch
     from torch import nn
 
-    from splitft.models import tiny_mlp
+    from splitft.app.models import tiny_mlp
 
     local = tiny_mlp(seed=i)
     opt = torch.optim.Adam(local.parameters(), lr=1e-2)

@@ -81,7 +81,7 @@ class Row:
 
     def task_run(self, task: str, seed: int, max_length: int | None = None) -> object:
         from splitft.options import Codecs, Faults, Schedule
-        from splitft.runner import TaskRun
+        from splitft.app.runner import TaskRun
 
         bwd = GRADIENT_CODEC.get(self.codec.split(":")[0], self.codec)
         return TaskRun(task=task, seed=seed, max_length=max_length, codecs=Codecs(self.codec, bwd, seed=seed),
@@ -91,7 +91,7 @@ class Row:
 
 def endless(prepared: object, seed: int) -> Iterator[tuple]:
     """The task's training batches, epoch after epoch, in the order every run sees them."""
-    from splitft.data import batches
+    from splitft.app.data import batches
 
     epoch = 0
     while True:
@@ -103,7 +103,7 @@ class Metric:
     """What phase 1 measures on the test data, and when it has reached the target."""
 
     def __init__(self, task: str) -> None:
-        from splitft.tasks import get_task
+        from splitft.app.tasks import get_task
 
         self.perplexity = get_task(task).metric == "perplexity"
         self.name = "held-out perplexity" if self.perplexity else "test accuracy"
@@ -113,10 +113,10 @@ class Metric:
         model.eval()
         try:
             if self.perplexity:
-                from splitft.tasks.smollm_chain import perplexity
+                from splitft.app.tasks.smollm_chain import perplexity
 
                 return perplexity(prepared.criterion, model, prepared.test)
-            from splitft.train import accuracy
+            from splitft.app.train import accuracy
 
             return accuracy(model.predict, prepared.test)
         finally:
@@ -133,9 +133,9 @@ def train(row: Row, address: str, link: str | None, *, task: str, seed: int, ste
           eval_every: int, max_steps: int, max_length: int | None = None) -> dict:
     """Train ``row`` through ``link``: until the target (``steps`` None: evaluating every
     ``eval_every`` steps, at most ``max_steps``) or exactly ``steps`` steps, timed."""
-    from splitft.data import call
+    from splitft.app.data import call
     from splitft.options import Link
-    from splitft.runner import prepare
+    from splitft.app.runner import prepare
 
     metric = Metric(task)
     with torch.random.fork_rng(devices=[]):
@@ -309,8 +309,8 @@ def run_cells(rows: list[Row], links: list[str], path: Path, args: argparse.Name
 
 def fresh_cloud(row: Row, link: str | None, *, task: str, **options: object) -> dict:
     """:func:`train` against a ``splitft cloud`` process started for this run alone."""
-    from splitft.launch import local_cloud
-    from splitft.tasks import get_task
+    from splitft.app.launch import local_cloud
+    from splitft.app.tasks import get_task
 
     with local_cloud([get_task(task).model], sessions=1, start_timeout=120, quiet=True) as address:
         return train(row, address, link, task=task, **options)

@@ -4,7 +4,7 @@ Cut a model at a named module; the edge half trains on the device, the cloud hal
 exchanging activations and gradients over ZeroMQ through pluggable codecs::
 
     model = splitft.split(model, cut="block3", rejoin="head", connect="tcp://cloud:5555",
-                          factory="splitft.models:digits_cnn", codecs="fp16")
+                          factory="splitft.app.models:digits_cnn", codecs="fp16")
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     ...  # the usual loop: out = model(x); loss = crit(out, y); loss.backward(); opt.step()
 

@@ -20,7 +20,7 @@ in transformers, and ResNet stages call their children.
 What crosses must therefore account for everything the trunk reads. The stand-ins check it:
 arguments that cannot cross (a cache object) are refused by name, later trunk modules must get
 the first one's extra arguments, and at the first call the trunk is run once on the edge to
-catch tensors it reads through any other channel (:mod:`splitft.audit`).
+catch tensors it reads through any other channel (:mod:`splitft.edge.audit`).
 """
 
 from __future__ import annotations

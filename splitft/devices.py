@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError, ProtocolError
-from .protocol import _short
+from .wire.protocol import _short
 
 _DEVICE = re.compile(r"^(cpu|mps|cuda)(?::(\d+))?$")
 #: The dtypes a cloud half may be kept in (``--dtype``); the edge's tensors keep their own.

@@ -4,7 +4,7 @@
 a setting means the same everywhere, and a setting that cannot work fails where it is written,
 not at the first training step. Each has a default that suits most runs::
 
-    splitft.split(model, "block3", factory="splitft.models:digits_cnn", connect="tcp://cloud:5555",
+    splitft.split(model, "block3", factory="splitft.app.models:digits_cnn", connect="tcp://cloud:5555",
                   codecs=Codecs("c3sl:r=4", bwd="fixpoint:bits=8"), schedule=Schedule(micro_batches=4),
                   faults=Faults(timeout=120))
 """
@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import transports
 
-from .coding import resolve_codecs
+from .wire.coding import resolve_codecs
 from .errors import ConfigError
 from .factories import check_factory_name
 
@@ -181,7 +181,7 @@ class Factory:
     in the handshake; ``"factory"`` has the cloud start from its own and checks they are equal
     (a pre-trained model both sides load). ``check_cut`` (U-shape): at the first call, run the
     trunk once on the edge to make sure it reads nothing but what crosses the cut and its own
-    weights (:mod:`splitft.audit`); turn it off for a trunk that reads constants this factory
+    weights (:mod:`splitft.edge.audit`); turn it off for a trunk that reads constants this factory
     builds too. Where a ``Factory`` is expected, a plain name means ``Factory(name)``.
     """
 

@@ -18,7 +18,7 @@ from splitft.cloud import CloudServer, serve_in_thread
 from transports import InprocListener
 
 ROOT = Path(__file__).resolve().parent.parent
-DIGITS = "splitft.models:digits_cnn"
+DIGITS = "splitft.app.models:digits_cnn"
 
 torch.set_num_threads(1)  # two processes share 2 cores in these tests; avoid oversubscription
 

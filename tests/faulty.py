@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 import msgpack
 
-from splitft import protocol
+from splitft.wire import protocol
 from transports import Connection, TransportTimeout
 
 

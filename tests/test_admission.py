@@ -20,13 +20,13 @@ from torch import nn
 import compressors
 import splitft
 import transports
-from splitft import protocol
+from splitft.wire import protocol
 from splitft.cloud import CloudServer, serve_in_thread
-from splitft.coding import SLOTS
+from splitft.wire.coding import SLOTS
 from splitft.cut import extract, fingerprint, parse_cut
-from splitft.limits import Limits
+from splitft.cloud.limits import Limits
 from splitft.options import Faults
-from splitft.protocol import Forward, Hello, Ping, payload_to_wire
+from splitft.wire.protocol import Forward, Hello, Ping, payload_to_wire
 from tests.conftest import splitft_process, start_cloud, stop
 from tests.models import mlp
 from tests.test_faults import MLP, _data
@@ -260,7 +260,7 @@ def test_an_open_listener_on_a_public_address_needs_keys_or_an_explicit_flag(tmp
 
 @pytest.fixture
 def keys(tmp_path):
-    from splitft.cli import main as cli
+    from splitft.app.cli import main as cli
     assert cli(["keys", "--dir", str(tmp_path), "cloud", "one", "two", "three"]) == 0
     return tmp_path
 

@@ -22,7 +22,7 @@ from torch import nn
 
 import splitft
 from splitft import Faults
-from splitft.cli import main
+from splitft.app.cli import main
 from splitft.errors import ConfigError
 from tests.conftest import ROOT, PipeReader, stop
 from tests.models import mlp, mlp_batchnorm, residual_net, tiny_bert

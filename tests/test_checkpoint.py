@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from splitft.checkpoint import flatten_state, read_checkpoint, unflatten_state, write_checkpoint
-from splitft.checkpoint_store import CheckpointStore
+from splitft.state_files import flatten_state, read_checkpoint, unflatten_state, write_checkpoint
+from splitft.cloud.checkpoint_folder import CheckpointStore
 from splitft.errors import CheckpointError
 from tests.conftest import ROOT
 from tests.models import mlp
@@ -73,7 +73,7 @@ def test_overwriting_keeps_one_complete_checkpoint(tmp_path):
 def test_killed_mid_write_leaves_the_previous_checkpoint_readable(tmp_path):
     """A process SIGKILLed while writing leaves at most a temporary file behind."""
     write_checkpoint(tmp_path / "ck", {"w": torch.zeros(3)}, {"v": 0}, fsync=False)
-    code = (f"import os, signal, sys; sys.path.insert(0, {str(ROOT)!r}); import torch, splitft.checkpoint as c\n"
+    code = (f"import os, signal, sys; sys.path.insert(0, {str(ROOT)!r}); import torch, splitft.state_files as c\n"
             "real = c._write_atomic\n"
             "def dying(path, data, fsync):\n"
             "    if path.suffix == '.json': os.kill(os.getpid(), signal.SIGKILL)\n"

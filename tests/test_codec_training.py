@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 import splitft
-from splitft.coding import resolve_codecs
-from splitft.data import batches, load_digits
+from splitft.wire.coding import resolve_codecs
+from splitft.app.data import batches, load_digits
 from splitft.errors import ConfigError
-from splitft.experiment import run_digits
-from splitft.models import digits_cnn
+from splitft.app.experiment import run_digits
+from splitft.app.models import digits_cnn
 from tests.conftest import DIGITS
 
 FLOOR = 0.93  # identity reaches ~0.98 in these 4 epochs; every codec must clear the same floor

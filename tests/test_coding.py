@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from compressors import CodecContext
-from splitft import protocol
-from splitft.coding import SlotCodecs, Traffic, compact, flatten, from_wire, resolve_codecs, to_wire, unflatten
+from splitft.wire import protocol
+from splitft.wire.coding import SlotCodecs, Traffic, compact, flatten, from_wire, resolve_codecs, to_wire, unflatten
 from splitft.errors import ConfigError, ProtocolError
 
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from splitft.errors import CutError
-from splitft.models import digits_cnn
+from splitft.app.models import digits_cnn
 from splitft.cut import cloud_module_names, cut_text, parse_cut
 from splitft.edge.ghosts import install, standin_of
 from tests.models import mlp, residual_net

@@ -22,10 +22,10 @@ import splitft
 from compressors import CodecContext
 from compressors._device import portable_kernels
 from splitft import Faults
-from splitft.data import batches, load_digits
+from splitft.app.data import batches, load_digits
 from splitft.devices import Placement, resolve_device, resolve_dtype
 from splitft.errors import ConfigError
-from splitft.models import digits_cnn
+from splitft.app.models import digits_cnn
 from tests.conftest import DIGITS, ROOT, InprocCloud, start_cloud, stop
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 import splitft
-from splitft import Faults, Schedule, protocol
+from splitft import Faults, Schedule
+from splitft.wire import protocol
 from splitft.cloud import CloudServer, serve_in_thread
-from splitft.limits import Limits
+from splitft.cloud.limits import Limits
 from tests.faulty import FaultyConnection, carries_step, message_type
 from tests.models import mlp
 from transports import InprocListener

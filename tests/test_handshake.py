@@ -8,16 +8,17 @@ from torch import nn
 
 import compressors
 import splitft
-from splitft.coding import resolve_codecs
-from splitft import Factory, protocol
+from splitft.wire.coding import resolve_codecs
+from splitft import Factory
+from splitft.wire import protocol
 from splitft.errors import ConfigError, HandshakeError, ProtocolError
-from splitft.models import digits_cnn
+from splitft.app.models import digits_cnn
 from tests.conftest import DIGITS
 
 
 def test_factory_not_served(inproc_cloud):
     with pytest.raises(HandshakeError, match="not served here"):
-        splitft.split(digits_cnn(), "block3", factory="splitft.models:other", connect=inproc_cloud.connect())
+        splitft.split(digits_cnn(), "block3", factory="splitft.app.models:other", connect=inproc_cloud.connect())
 
 
 def test_architecture_mismatch_names_the_fingerprints(inproc_cloud):

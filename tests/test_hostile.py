@@ -19,10 +19,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 import splitft
-from splitft import Faults, protocol
+from splitft import Faults
+from splitft.wire import protocol
 from splitft.cloud import CloudServer, serve_in_thread
 from splitft.errors import CODES
-from splitft.limits import Limits
+from splitft.cloud.limits import Limits
 from tests.faulty import FaultyConnection
 from tests.models import mlp
 from tests.test_faults import MLP, _data, assert_same, local_weights, split_weights

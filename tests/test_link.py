@@ -391,8 +391,8 @@ def test_split_training_over_an_emulated_link_counts_every_byte(inproc_cloud):
     from torch import nn
 
     import splitft
-    from splitft.data import batches, load_digits
-    from splitft.models import digits_cnn
+    from splitft.app.data import batches, load_digits
+    from splitft.app.models import digits_cnn
     from tests.conftest import DIGITS
 
     conn = EmulatedConnection(inproc_cloud.connect(), "1gbit,1ms")

@@ -176,7 +176,7 @@ import threading
 import torch
 from torch import nn
 from torch.optim import optimizer as torch_optimizer
-from splitft.edge import guards
+from splitft.edge import optimizers
 
 sys.setswitchinterval(1e-6)  # threads take turns as often as they can: a race shows at once
 barrier = threading.Barrier(8)
@@ -186,7 +186,7 @@ def edge():
     try:
         barrier.wait(30)
         for _ in range(10):
-            guards.install()
+            optimizers.install()
     except BaseException as exc:
         errors.append(repr(exc))
 
@@ -195,7 +195,7 @@ for t in threads:
     t.start()
 for t in threads:
     t.join(120)
-hooks = [h for h in torch_optimizer._global_optimizer_pre_hooks.values() if h is guards._before_step]
+hooks = [h for h in torch_optimizer._global_optimizer_pre_hooks.values() if h is optimizers._before_step]
 wrapped = getattr(torch.optim.Optimizer.load_state_dict, "__splitft_original__", None)
 print(errors, len(hooks), wrapped is not None and not hasattr(wrapped, "__splitft_original__"))
 """

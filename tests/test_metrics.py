@@ -10,8 +10,8 @@ from torch import nn
 
 import splitft
 from splitft import Codecs, Schedule
-from splitft.data import batches, load_digits
-from splitft.models import digits_cnn
+from splitft.app.data import batches, load_digits
+from splitft.app.models import digits_cnn
 from tests.conftest import DIGITS
 
 

@@ -76,7 +76,7 @@ def test_schedule_refuses_what_cannot_be_scheduled(bad, match):
         Schedule(**bad)
 
 
-@pytest.mark.parametrize("bad, match", [(dict(name="splitft.models.digits_cnn"), "package.module:function"),
+@pytest.mark.parametrize("bad, match", [(dict(name="splitft.app.models.digits_cnn"), "package.module:function"),
                                         (dict(name=":fn"), "package.module:function"),
                                         (dict(name="a:b", weights="pull"), "'push' or 'factory'"),
                                         (dict(name="a:b", kwargs={1: 2}), "string keys"),

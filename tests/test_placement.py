@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import splitft
 import transports
-from splitft import protocol
+from splitft.wire import protocol
 from splitft.cloud.ranks import BEAT_EVERY, RankEnv, RankGroup
 from tests.models import mlp
 from tests.test_faults import MLP

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import splitft
-from splitft.data import batches, load_digits
-from splitft.models import digits_bsl, digits_cnn
+from splitft.app.data import batches, load_digits
+from splitft.app.models import digits_bsl, digits_cnn
 from splitft.privacy import (Budget, Defences, Noise, PrivacyAccountant, PrivacyBudgetExceeded, calibrate, protect,
                              randomized_response_rdp)
 from tests.conftest import DIGITS, InprocCloud
@@ -23,7 +23,7 @@ from opacus.accountants.analysis import rdp as analysis  # noqa: E402
 from opacus.accountants.utils import get_noise_multiplier  # noqa: E402
 
 RATE = 64 / 1437
-BSL = "splitft.models:digits_bsl"
+BSL = "splitft.app.models:digits_bsl"
 pytestmark = pytest.mark.filterwarnings("ignore:Optimal order is the")
 
 

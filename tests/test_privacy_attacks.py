@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitft.data import load_digits
-from splitft.models import digits_bsl, digits_cnn
+from splitft.app.data import load_digits
+from splitft.app.models import digits_bsl, digits_cnn
 from splitft.privacy import clip_and_noise, distance_correlation
 from splitft.privacy.attacks import (auc, dcor_score, direction_attack_accuracy, direction_attack_auc,
                                      inversion_attack, label_leak, norm_attack_auc, ssim, through_codec,

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import splitft
-from splitft.data import batches, load_digits
-from splitft.models import digits_cnn
+from splitft.app.data import batches, load_digits
+from splitft.app.models import digits_cnn
 from splitft.privacy import Budget, Defences, Noise, clip_and_noise, distance_correlation, protect
 from splitft.privacy.attacks import dcor_score
 from tests.conftest import DIGITS

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from compressors import Payload
-from splitft import protocol
+from splitft.wire import protocol
 from splitft.errors import ProtocolError
 
 

@@ -236,7 +236,7 @@ def test_what_others_write_in_the_jobs_store_steers_nothing(tmp_path):
     import json
 
     import transports
-    from splitft import protocol
+    from splitft.wire import protocol
     from tests.test_trust import hello
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

@@ -10,7 +10,7 @@ from splitft.cut import parse_cut
 from splitft.edge.api import hello_for
 from splitft.edge.mirror import optimizer_op, step_op
 from splitft.edge.requests import EdgeSession
-from splitft.protocol import Ack, Sync
+from splitft.wire.protocol import Ack, Sync
 from tests.faulty import FaultyConnection, message_type
 from tests.models import mlp
 from transports import InprocListener

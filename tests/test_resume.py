@@ -13,8 +13,8 @@ from torch import nn
 import splitft
 from splitft import Faults
 from splitft.cloud import CloudServer, serve_in_thread
-from splitft.data import batches, load_digits
-from splitft.models import digits_cnn
+from splitft.app.data import batches, load_digits
+from splitft.app.models import digits_cnn
 from tests.conftest import DIGITS, start_cloud, stop
 from tests.test_faults import MLP, _data, assert_same, local_weights, split_weights
 from tests.models import mlp

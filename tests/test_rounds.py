@@ -300,7 +300,7 @@ def test_edges_of_one_round_stepping_with_different_learning_rates_are_refused()
 def test_rounds_need_a_shared_half_and_a_session_timeout_above_the_round_timeout():
     with pytest.raises(ConfigError, match="--shared-model"):
         CloudServer(InprocListener(), [MLP], rounds=Rounds(RoundSettings(2)))
-    from splitft.limits import Limits
+    from splitft.cloud.limits import Limits
     with pytest.raises(ConfigError, match="session timeout"):
         CloudServer(InprocListener(), [MLP], shared_model=True, limits=Limits(session_timeout=10),
                     rounds=Rounds(RoundSettings(2, timeout=30)))
@@ -329,7 +329,7 @@ def test_bad_gradient_compression_specs_are_refused(spec):
     (["--shared-model", "--sync-rounds", "2", "--round-timeout", "400"], "session timeout"),
 ])
 def test_the_cloud_command_refuses_rounds_it_cannot_run(args, says, capsys):
-    from splitft.cli import main
+    from splitft.app.cli import main
 
     assert main(["cloud", "--bind", "tcp://127.0.0.1:0", "--model", MLP, *args]) == 2
     assert says in capsys.readouterr().err

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from splitft import Codecs, Factory, Faults, Schedule
-from splitft.cli import _build_parser, _task_run
+from splitft.app.cli import _build_parser, _task_run
 from splitft.errors import ConfigError
-from splitft.experiment import run_task
-from splitft.runner import TaskRun
+from splitft.app.experiment import run_task
+from splitft.app.runner import TaskRun
 
 
 def test_the_command_line_builds_the_run_the_library_would():
@@ -17,9 +17,9 @@ def test_the_command_line_builds_the_run_the_library_would():
                                        "--seed", "3", "--heartbeat", "0", "--topology", "ushape"])
     assert _task_run(args) == TaskRun(codecs=Codecs("fp16", seed=3), schedule=Schedule(2),
                                       faults=Faults(timeout=5, heartbeat=0), seed=3, topology="ushape", progress=True)
-    named = _build_parser().parse_args(["demo", "--model", "splitft.models:digits_bsl"])
-    assert _task_run(named).factory == Factory("splitft.models:digits_bsl")
-    same = _build_parser().parse_args(["demo", "--model", "splitft.models:digits_cnn"])
+    named = _build_parser().parse_args(["demo", "--model", "splitft.app.models:digits_bsl"])
+    assert _task_run(named).factory == Factory("splitft.app.models:digits_bsl")
+    same = _build_parser().parse_args(["demo", "--model", "splitft.app.models:digits_cnn"])
     assert _task_run(same).factory is None  # the task's own model: its weights as the task says
 
 
@@ -41,7 +41,7 @@ def test_a_run_trains_counts_its_bytes_and_leaves_the_callers_generator_alone():
 
 
 def test_privacy_options_on_the_command_line_reach_the_run():
-    from splitft.runner import PrivacyRun
+    from splitft.app.runner import PrivacyRun
 
     args = _build_parser().parse_args(["demo", "--dp-epsilon", "3", "--dp-on", "labels", "--leak-loss", "0.5"])
     privacy = _task_run(args).privacy
@@ -55,10 +55,10 @@ def test_privacy_options_on_the_command_line_reach_the_run():
 def test_a_private_run_spends_its_budget_and_no_more():
     import transports
     from splitft.cloud import CloudServer, serve_in_thread
-    from splitft.runner import PrivacyRun, run
+    from splitft.app.runner import PrivacyRun, run
 
     listener = transports.InprocListener()
-    server = CloudServer(listener, ["splitft.models:digits_cnn"])
+    server = CloudServer(listener, ["splitft.app.models:digits_cnn"])
     thread = serve_in_thread(server)
     try:
         result = run(TaskRun(epochs=1, limit=128, batch_size=64, topology="ushape",

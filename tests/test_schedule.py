@@ -7,8 +7,10 @@ import threading
 import pytest
 import torch
 
-from splitft import Schedule, tree
-from splitft.coding import Coded
+from splitft import Schedule
+
+from splitft.wire import tree
+from splitft.wire.coding import Coded
 from splitft.edge.schedule import Call, Scheduler
 
 

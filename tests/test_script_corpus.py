@@ -18,7 +18,7 @@ from tests.models import mlp
 from tests.test_faults import _data, assert_same
 
 MLP = "tests.models:mlp"
-DIGITS = "splitft.models:digits_cnn"
+DIGITS = "splitft.app.models:digits_cnn"
 
 
 def assert_bitwise(split: dict, local: dict) -> None:
@@ -270,7 +270,7 @@ def test_a_script_trains_split_exactly_as_locally(cloud, script, rejoin):
 
 def test_a_cloud_layer_put_in_eval_mode_by_name_runs_in_eval_mode_in_the_cloud(cloud):
     """digits_cnn's block2 holds a BatchNorm: in eval mode it uses (and keeps) its running statistics."""
-    from splitft.models import digits_cnn
+    from splitft.app.models import digits_cnn
 
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(8, 1, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(3)]

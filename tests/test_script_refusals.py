@@ -27,7 +27,7 @@ from tests.test_faults import _data
 from tests.test_script_corpus import assert_bitwise
 
 MLP = "tests.models:mlp"
-DIGITS = "splitft.models:digits_cnn"
+DIGITS = "splitft.app.models:digits_cnn"
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +183,7 @@ def test_a_forward_hook_on_the_last_trunk_layer_sees_its_real_output(cloud):
 
 
 def test_channels_last_is_refused_when_the_cloud_half_convolves(cloud):
-    from splitft.models import digits_cnn
+    from splitft.app.models import digits_cnn
 
     model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connect=cloud)
     with model:

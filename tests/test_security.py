@@ -17,7 +17,7 @@ from torch import nn
 import splitft
 from splitft import Faults, Link
 import transports
-from splitft.cli import main as cli
+from splitft.app.cli import main as cli
 from splitft.cloud import CloudServer, serve_in_thread
 from tests.conftest import PipeReader, splitft_process, start_cloud, stop
 from tests.test_faults import MLP, _data, assert_same, local_weights, split_weights

@@ -83,7 +83,7 @@ def test_starting_a_cloud_in_this_process_leaves_its_generator_alone():
 
     torch.manual_seed(123)
     before = torch.get_rng_state()
-    server = CloudServer(transports.InprocListener(), ["splitft.models:digits_cnn"])
+    server = CloudServer(transports.InprocListener(), ["splitft.app.models:digits_cnn"])
     try:
         for thread in threading.enumerate():
             if thread.name == "splitft-warm-up":

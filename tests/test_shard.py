@@ -16,7 +16,7 @@ import torch
 
 import splitft
 from splitft import Faults
-from splitft.cli import main
+from splitft.app.cli import main
 from splitft.errors import ConfigError
 from tests.conftest import stop
 from tests.models import mlp

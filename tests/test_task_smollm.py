@@ -20,11 +20,11 @@ import torch
 
 import splitft
 from splitft.cut import cloud_module_names, parse_cut
-from splitft.data import first
-from splitft.runner import TaskRun, run
-from splitft.tasks import get_task
-from splitft.tasks.smollm import CUT, FACTORY, cut_layers, factory_kwargs, fine_tune, load_news, smollm_lora
-from splitft.tasks.smollm_chain import FACTORY as CHAIN
+from splitft.app.data import first
+from splitft.app.runner import TaskRun, run
+from splitft.app.tasks import get_task
+from splitft.app.tasks.smollm import CUT, FACTORY, cut_layers, factory_kwargs, fine_tune, load_news, smollm_lora
+from splitft.app.tasks.smollm_chain import FACTORY as CHAIN
 from tests.conftest import ROOT, start_cloud, stop
 
 pytestmark = pytest.mark.timeout(240)
@@ -107,7 +107,7 @@ def test_trainer_with_its_defaults_fine_tunes_and_saves_the_split_task_model_as_
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from splitft.tasks.smollm import pretrained
+    from splitft.app.tasks.smollm import pretrained
 
     train, _ = load_news(max_length=LENGTH, eval_windows=BATCH)
     rows = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
@@ -155,7 +155,7 @@ def test_the_task_runner_with_a_frozen_edge_trains_cloud_adapters_only(cloud):
 
 
 def test_the_chain_gives_the_cloud_every_layer_from_its_cut():
-    from splitft.tasks.smollm_chain import cloud_layers, factory_kwargs
+    from splitft.app.tasks.smollm_chain import cloud_layers, factory_kwargs
 
     assert cloud_layers("layer2") == list(range(2, 30))
     assert factory_kwargs(cut="layer28", freeze_edge=True) == {"layers": [28, 29]}
@@ -171,7 +171,7 @@ def test_the_chain_gives_the_cloud_every_layer_from_its_cut():
 def test_the_chain_is_the_lora_model_as_a_sequential_cut_plain():
     """Same logits as the peft model, the loss the model computes from labels= equals the plain
     split's cross-entropy over the next tokens, and the head no longer shares the embeddings."""
-    from splitft.tasks.smollm_chain import load_windows, smollm_chain
+    from splitft.app.tasks.smollm_chain import load_windows, smollm_chain
 
     chain, model = smollm_chain(), smollm_lora()
     names = cloud_module_names(chain, parse_cut(chain, "layer2"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitft import tree
+from splitft.wire import tree
 
 
 def test_flatten_then_unflatten_gives_the_tree_back_with_the_same_tensors():

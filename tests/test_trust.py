@@ -18,14 +18,14 @@ from torch import nn
 import compressors
 import splitft
 import transports
-from splitft import protocol
+from splitft.wire import protocol
 from splitft.cloud import CloudServer, serve_in_thread
 from splitft.cloud.shared_policy import SharedPolicy
 from splitft.errors import PolicyError
-from splitft.limits import Limits
+from splitft.cloud.limits import Limits
 from splitft.options import Faults, Link
-from splitft.policy import Policy
-from splitft.protocol import Forward, Hello, Sync, payload_to_wire
+from splitft.cloud.codec_policy import Policy
+from splitft.wire.protocol import Forward, Hello, Sync, payload_to_wire
 from tests.conftest import InprocCloud, start_cloud, stop
 from tests.models import mlp
 from tests.test_faults import MLP, _data, assert_same, local_weights, split_weights
@@ -258,7 +258,7 @@ def test_a_strangers_hello_and_bye_do_not_end_a_cloud_started_for_one_session(tm
 
 
 def test_sessions_per_origin_are_capped_so_one_key_cannot_fill_the_table(tmp_path):
-    from splitft.cli import main as cli
+    from splitft.app.cli import main as cli
     assert cli(["keys", "--dir", str(tmp_path), "cloud", "good", "stranger"]) == 0
     _, secret = transports.load_secret_key(tmp_path / "cloud.key_secret")
     listener = transports.listen("tcp://127.0.0.1:0", secret_key=secret,

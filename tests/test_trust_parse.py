@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import transports
-from splitft import protocol
+from splitft.wire import protocol
 from splitft.errors import CODES
-from splitft.protocol import Sync
+from splitft.wire.protocol import Sync
 from tests.conftest import start_cloud, stop
 from tests.test_faults import MLP
 from tests.test_trust import hello

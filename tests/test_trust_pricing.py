@@ -18,13 +18,13 @@ import torch
 
 import compressors
 import transports
-from splitft import protocol
+from splitft.wire import protocol
 from splitft.cut import extract, fingerprint, parse_cut
-from splitft.models import tiny_mlp
-from splitft.protocol import Backward, Bye, Forward, Hello, Ping, Sync, payload_to_wire
+from splitft.app.models import tiny_mlp
+from splitft.wire.protocol import Backward, Bye, Forward, Hello, Ping, Sync, payload_to_wire
 from tests.conftest import start_cloud, stop
 
-FACTORY = "splitft.models:tiny_mlp"
+FACTORY = "splitft.app.models:tiny_mlp"
 MiB = 1 << 20
 IDENTITY = compressors.make_codec("identity")
 CTX = compressors.CodecContext()
@@ -134,8 +134,8 @@ def _heavy_forward(conn, rows: int, length: int = 256) -> None:
 def test_the_halfs_forward_is_counted_on_a_meta_twin_that_changes_nothing_of_the_half():
     from torch.utils.flop_counter import FlopCounterMode
 
-    from splitft.cloud.pricing import HalfCost, meta_like
-    from splitft.models import digits_cnn
+    from splitft.cloud.costs import HalfCost, meta_like
+    from splitft.app.models import digits_cnn
 
     model = digits_cnn()
     chain = extract(model, parse_cut(model, "block2", None)).train()
@@ -156,8 +156,8 @@ def test_counting_a_forward_on_one_thread_does_not_reach_a_half_computing_on_ano
     autograd.grad failed."""
     import threading
 
-    from splitft.cloud.pricing import HalfCost, meta_like
-    from splitft.models import digits_cnn
+    from splitft.cloud.costs import HalfCost, meta_like
+    from splitft.app.models import digits_cnn
 
     counted, real = (extract(m, parse_cut(m, "block2", None)) for m in (digits_cnn(), digits_cnn()))
     stop = threading.Event()

@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 import compressors
 import splitft
 import transports
-from splitft import protocol
+from splitft.wire import protocol
 from splitft.errors import CODES
-from splitft.protocol import Backward, Bye, Forward, Hello, Sync, payload_to_wire
+from splitft.wire.protocol import Backward, Bye, Forward, Hello, Sync, payload_to_wire
 from tests.conftest import ROOT, PipeReader, stop
 from tests.models import mlp
 from tests.test_faults import MLP, _data, assert_same, local_weights, split_weights

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import transports
-from splitft import protocol
+from splitft.wire import protocol
 from splitft.cloud import CloudServer, serve_in_thread
 from splitft.errors import ProtocolError
 

@@ -19,12 +19,12 @@
 - :mod:`.batch_link` — the commands, tensors and gradient sums those ranks exchange.
 
 Model factories (shared with the edge) live in :mod:`splitft.factories`, budgets in
-:mod:`splitft.limits` and :mod:`splitft.budget`, the negotiation policy in :mod:`splitft.policy`.
+:mod:`splitft.cloud.limits` and :mod:`splitft.cloud.budget`, the negotiation policy in :mod:`splitft.cloud.codec_policy`.
 """
 
 from ..errors import PeerGone
 from ..factories import load_factory
-from ..limits import Limits
+from .limits import Limits
 from .server import CloudServer, serve_in_thread
 from .session import CloudSession, SharedPart
 

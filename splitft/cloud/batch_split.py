@@ -31,15 +31,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import protocol
-from ..coding import SLOTS, flatten, unflatten
-from ..budget import holdings
+from ..wire import protocol
+from ..wire.coding import SLOTS, flatten, unflatten
+from .budget import holdings
 from ..devices import autocast_region
 from ..errors import ConfigError, ModelError, ProtocolError, SplitFTError
-from ..tree import Leaf
+from ..wire.tree import Leaf
 from .batch_link import DTYPES, BatchLink, shard_sizes, spec
-from .guard import blame
-from .ops import apply_ops
+from .blame import blame
+from .handlers import apply_ops
 from .randomness import SessionRandom
 from .session import CloudSession, Pending, _Inputs
 

@@ -2,7 +2,7 @@
 
 When the edge generates with a transformers model, its decoder layers in the cloud need their
 past keys and values at every new token. Those stay here: the edge sends a cache number
-(:class:`splitft.coding.CacheRef`), this store hands the cloud half the session's cache of that
+(:class:`splitft.wire.coding.CacheRef`), this store hands the cloud half the session's cache of that
 number, and the cache's memory counts against the session's budget. The edge frees a cache
 when its own cache object goes away; a session's caches go when the session ends.
 """
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .. import tree as trees
-from ..coding import CacheRef
+from ..wire import tree as trees
+from ..wire.coding import CacheRef
 from ..errors import CapacityError, ConfigError
 
 #: Caches one session may hold at once (one per generate() in flight; a finished one is freed).

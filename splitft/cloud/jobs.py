@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CapacityError
-from ..limits import Limits
-from .pricing import Pace, Price
+from .limits import Limits
+from .costs import Pace, Price
 from .randomness import GENERATOR
 
 log = logging.getLogger(__name__)

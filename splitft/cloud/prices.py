@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .. import tree as trees
-from ..coding import CacheRef, expansions, flatten, from_wire, stream_index, unflatten
-from ..protocol import Backward, Forward, Message, Sync
-from .pricing import BACKWARD_FACTOR, STEP_FLOPS_PER_PARAM, Price, check
+from ..wire import tree as trees
+from ..wire.coding import CacheRef, expansions, flatten, from_wire, stream_index, unflatten
+from ..wire.protocol import Backward, Forward, Message, Sync
+from .costs import BACKWARD_FACTOR, STEP_FLOPS_PER_PARAM, Price, check
 
 if TYPE_CHECKING:
-    from ..coding import Coded
+    from ..wire.coding import Coded
     from .session import CloudSession, Pending, _Inputs
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from typing import Any
 import transports
 
 from ..errors import ConfigError
-from ..protocol import Hello, Redirect, Welcome
+from ..wire.protocol import Hello, Redirect, Welcome
 from .ranks import BEAT_EVERY, RankGroup
 from .server import CloudServer
 from .session import CloudSession

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 
-from .. import protocol
-from ..budget import nested_nbytes
+from ..wire import protocol
+from .budget import nested_nbytes
 from ..errors import SessionLost
-from ..limits import Limits
+from .limits import Limits
 from .session import CloudSession
 
 log = logging.getLogger(__name__)

@@ -47,13 +47,13 @@ import torch.distributed as dist
 
 import transports
 
-from .. import operations as o
-from .. import protocol
+from ..wire import operations as o
+from ..wire import protocol
 from ..errors import CapacityError, ConfigError, ModelError, ProtocolError, SplitFTError, code_of
-from ..limits import mib
+from .limits import mib
 from .allreduce import GradCompression, RankReducer, Reduced, Reduction, fingerprint
-from .guard import blame
-from .ops import check_finite_grads, step_settings
+from .blame import blame
+from .handlers import check_finite_grads, step_settings
 
 if TYPE_CHECKING:
     from .server import CloudServer

@@ -25,20 +25,21 @@ from typing import Any
 import compressors
 import transports
 
-from .. import protocol
-from ..budget import MemoryBook
-from ..checkpoint import CheckpointError
-from ..checkpoint_store import CheckpointStore
+from ..wire import protocol
+from .budget import MemoryBook
+from ..state_files import CheckpointError
+from .checkpoint_folder import CheckpointStore
 from ..devices import Placement
 from ..errors import CapacityError, ConfigError, ProtocolError, SessionLost, SplitFTError, code_of
-from ..factories import build_chain, load_factory
-from ..limits import Limits
-from ..policy import Policy
-from ..protocol import Ack, Backward, Bye, Error, Forward, Hello, Ping, Pong, Sync, Welcome
-from . import checkpoints, prices, replies, work
+from ..factories import load_factory
+from .build import build_chain
+from .limits import Limits
+from .codec_policy import Policy
+from ..wire.protocol import Ack, Backward, Bye, Error, Forward, Hello, Ping, Pong, Sync, Welcome
+from . import prices, replies, snapshots, work
 from .admission import Admission
 from .jobs import LATER, Job, Jobs
-from .pricing import Price, warm_up
+from .costs import Price, warm_up
 from .prices import state_nbytes
 from .session import CloudSession, SharedPart, check_codecs, hello_identity
 from .shared_policy import SharedPolicy
@@ -196,7 +197,7 @@ class CloudServer:
         seq, numbered = 0, False
         try:
             msg = self._decode(frames, session)
-            if isinstance(msg, Hello) and (busy := checkpoints.waits_for(self, msg)) is not None:
+            if isinstance(msg, Hello) and (busy := snapshots.waits_for(self, msg)) is not None:
                 self.jobs.hold(busy, peer, frames, self.limits)
                 return  # an edge back on a new connection: resumed once the request under way has answered
             seq = getattr(msg, "seq", 0)
@@ -336,7 +337,7 @@ class CloudServer:
 
     def _on_hello(self, peer: bytes, msg: Hello, seq: int) -> Welcome | Job:
         if msg.resume is not None:
-            session, verb = checkpoints.resume(self, peer, msg), "resumed"
+            session, verb = snapshots.resume(self, peer, msg), "resumed"
         elif msg.nonce and peer in self.sessions and self.sessions[peer].nonce == msg.nonce:
             session, verb = self.sessions[peer], "greeted again"  # the same hello again, not a new session
         else:
@@ -357,7 +358,7 @@ class CloudServer:
             verb = "opened"
             if self.checkpoints is not None:  # its first checkpoint, written before the welcome
                 return Job(session.id, session.origin, Price(checkpoint_bytes=state_nbytes(session)),
-                           work=lambda: checkpoints.save(self, session, 0),
+                           work=lambda: snapshots.save(self, session, 0),
                            then=lambda _: self._welcome(msg, session, verb), pace=session.pace,
                            off_thread=session.off_thread and session.shared is None)
         if isinstance(session, Job):  # restored from a checkpoint, by a worker if it is large

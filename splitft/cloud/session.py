@@ -2,7 +2,7 @@
 
 A session owns the cloud part (built from an allowed factory), its codecs, its optimizer and the
 graphs of forward calls awaiting their backward. What it holds counts against its memory budget
-(:mod:`splitft.budget`): a request is priced before its tensors are decoded, and a graph is
+(:mod:`splitft.cloud.budget`): a request is priced before its tensors are decoded, and a graph is
 measured before it is kept.
 
 Many edges. By default each session has its own copy of the cloud part. With ``shared_model``
@@ -30,24 +30,24 @@ from torch import nn
 import compressors
 from compressors import CodecContext
 
-from .. import operations as o
-from .. import protocol
-from ..budget import GraphMeter, MemoryBook, model_nbytes, tensors_nbytes
-from ..coding import SLOTS, Coded, SlotCodecs, Traffic, _Leaf, expansions, flatten, from_wire, stream_index, \
+from ..wire import operations as o
+from ..wire import protocol
+from .budget import GraphMeter, MemoryBook, model_nbytes, tensors_nbytes
+from ..wire.coding import SLOTS, Coded, SlotCodecs, Traffic, _Leaf, expansions, flatten, from_wire, stream_index, \
     to_wire, unflatten
 from ..cut import Chain, value_hash
 from ..devices import Placement, autocast_region
 from ..errors import ConfigError, HandshakeError, ModelError, ProtocolError
-from ..factories import build_chain
-from ..limits import Limits
+from .build import build_chain
+from .limits import Limits
 from ..metrics import Metrics
-from ..policy import Policy
-from ..protocol import Backward, Forward, Hello, InputGrads, Output
+from .codec_policy import Policy
+from ..wire.protocol import Backward, Forward, Hello, InputGrads, Output
 from . import prices
 from .caches import SessionCaches
-from .guard import Stopwatch, blame
-from .ops import apply_ops, cast_weights, check_norm_type
-from .pricing import HalfCost, Pace
+from .blame import Stopwatch, blame
+from .handlers import apply_ops, cast_weights, check_norm_type
+from .costs import HalfCost, Pace
 from .randomness import SessionRandom, half_kind
 
 log = logging.getLogger(__name__)
@@ -212,7 +212,7 @@ class CloudSession:
     # ------------------------------------------------------------ memory
 
     def held_bytes(self) -> int:
-        """What this session holds now (see :mod:`splitft.budget`)."""
+        """What this session holds now (see :mod:`splitft.cloud.budget`)."""
         pending = sum(p.nbytes for p in self.pending.values())
         deferred = sum(tensors_nbytes(g for _, g in d) for d in self.deferred.values())
         return (self.model_bytes + self.codecs.held_nbytes() + pending + deferred + self.reply_bytes

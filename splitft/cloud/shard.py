@@ -27,13 +27,13 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
-from .. import protocol
-from ..budget import MODEL_STATE_FACTOR, holdings, tensors_nbytes
+from ..wire import protocol
+from .budget import MODEL_STATE_FACTOR, holdings, tensors_nbytes
 from ..devices import Placement
 from ..errors import ConfigError, SplitFTError
 from .batch_link import BatchLink
 from .batch_split import BatchSplitSession, Worker
-from .ops import check_norm_type
+from .handlers import check_norm_type
 from .session import CloudSession
 
 log = logging.getLogger(__name__)

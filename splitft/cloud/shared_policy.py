@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from .. import operations as o
+from ..wire import operations as o
 from ..errors import ConfigError, PolicyError
-from ..records import _short
+from ..wire.records import _short
 
 #: Settings that choose an implementation (the cloud's own, for its device), not the arithmetic.
 _IMPLEMENTATION = frozenset({"foreach", "fused", "capturable", "differentiable"})
@@ -100,7 +100,7 @@ class SharedPolicy:
     def check_attach(self, name: str, settings: dict, groups: list | None, names: Iterable[str]) -> None:
         """Refuse an edge's optimizer unless it is the cloud's.
 
-        ``settings``/``groups`` are the edge's (:class:`~splitft.operations.AttachOptimizer`);
+        ``settings``/``groups`` are the edge's (:class:`~splitft.wire.operations.AttachOptimizer`);
         ``names`` are the half's parameters. Every group must have the cloud's settings (a
         learning rate at most the cloud's), and together the groups must hold every parameter that
         trains: the cloud's optimizer steps them all.

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..protocol import Ack, Backward, Bye, Forward, Message, Sync
-from . import checkpoints, prices
+from ..wire.protocol import Ack, Backward, Bye, Forward, Message, Sync
+from . import prices, snapshots
 from .jobs import Job
 from .session import CloudSession
 
@@ -50,7 +50,7 @@ def run(server: CloudServer, session: CloudSession, msg: Forward | Backward | Sy
         force = isinstance(msg, Sync) and msg.checkpoint
         every = server.checkpoint_every
         if not isinstance(msg, Bye) and (force or before // every != session.steps // every):
-            refused = checkpoints.save(server, session, (seq or session.last_seq + 1) - 1, pinned=force and msg.pin)
+            refused = snapshots.save(server, session, (seq or session.last_seq + 1) - 1, pinned=force and msg.pin)
     if refused is not None:
         raise refused  # a pin the edge asked for and cannot have: it must know
     if isinstance(msg, Forward):

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import ConfigError, SplitFTError
-from ..limits import Limits
+from .limits import Limits
 from .job_store import ensure_job_secret
 from .ranks import RankEnv, RankGroup, launched
 

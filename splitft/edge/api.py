@@ -12,13 +12,13 @@ from torch import nn
 
 import transports
 
-from .. import protocol
+from ..wire import protocol
 from ..cut import CutSpec, cut_text, extract, fingerprint, parse_cut, structure, value_hash
 from .ghosts import install
 from ..devices import resolve_device
 from ..errors import ConfigError, translated
 from ..options import Codecs, Factory, Faults, Link, Opener, Schedule
-from ..protocol import Hello
+from ..wire.protocol import Hello
 from . import resume
 from .cloud_half import CloudHalf
 from .facade import split_class

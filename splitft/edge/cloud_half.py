@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..errors import PlaceholderError
-from ..operations import ClampGrads, LoadWeights, ScaleGrads, ZeroGrad, to_wire
+from ..wire.operations import ClampGrads, LoadWeights, ScaleGrads, ZeroGrad, to_wire
 from .placeholders import CloudGrad, CloudTensor
 
 log = logging.getLogger(__name__)

@@ -41,7 +41,7 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
     name, freezing a layer) see the cloud half where it was. ``remote`` is what the U-shape entry
     calls; plain splits stop at a :class:`CutPoint`. ``check`` (U-shape) runs the trunk once on the
     edge at the first call to make sure it reads nothing that does not cross the cut (see
-    :mod:`splitft.audit`).
+    :mod:`splitft.edge.audit`).
     """
     stages = extract(model, spec)
     tensors = _cloud_tensors(stages)

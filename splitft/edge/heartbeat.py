@@ -13,9 +13,9 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from .. import protocol
+from ..wire import protocol
 from ..errors import SessionLost, SplitFTError, TransportError, translated
-from ..protocol import Error, Ping, Pong
+from ..wire.protocol import Error, Ping, Pong
 
 if TYPE_CHECKING:
     from .requests import EdgeSession

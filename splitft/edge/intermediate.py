@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .. import tree as trees
+from ..wire import tree as trees
 from ..errors import CutError
 
 #: What may be asked of an inner output without reading it: it holds the trunk's final output's.

@@ -2,7 +2,7 @@
 
 The optimizer the user attaches is rebuilt in the cloud by class name and settings; its steps and
 ``zero_grad`` calls, the loss the cloud computes in a plain split, and the scale of an eager
-backward are *operations* (:mod:`splitft.operations`) that ride on the next message the edge sends, which the
+backward are *operations* (:mod:`splitft.wire.operations`) that ride on the next message the edge sends, which the
 cloud applies before that message. So a step costs no extra round trip, and gradient
 accumulation behaves exactly as it does locally.
 """
@@ -17,14 +17,14 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from . import guards
-from ..operations import ApplyEager, AttachOptimizer, FreeCache, LoadWeights, SetFrozen, SetLoss, SetModes, Step, to_wire
+from . import optimizers
+from ..wire.operations import ApplyEager, AttachOptimizer, FreeCache, LoadWeights, SetFrozen, SetLoss, SetModes, Step, to_wire
 
 if TYPE_CHECKING:
     from .requests import EdgeSession
 
 # ---------------------------------------------------------------- the operations
-# Typed records (splitft.operations), sent as the maps the cloud checks field by field.
+# Typed records (splitft.wire.operations), sent as the maps the cloud checks field by field.
 
 
 def optimizer_op(op_id: int, name: str, settings: dict[str, Any], groups: list[dict] | None = None) -> dict:
@@ -100,7 +100,7 @@ class OptimizerMirror:
         if len(groups) == 1 and len(groups[0]["names"]) == len(cloud_names) and self.sent[0] == self.settings:
             groups = None  # the common case, as small on the wire as it was before groups
         if resume_state is not None:
-            guards.load_optimizer_state(optimizer, resume_state)
+            optimizers.load_optimizer_state(optimizer, resume_state)
             op_id = session.optimizer_id  # the cloud restored its optimizer: this attach is a no-op there
         else:
             session.optimizer_id += 1

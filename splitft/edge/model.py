@@ -17,15 +17,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import tree as trees
-from ..coding import CacheRef, flatten, is_cache, sample_ids_array, unflatten
+from ..wire import tree as trees
+from ..wire.coding import CacheRef, flatten, is_cache, sample_ids_array, unflatten
 from ..cut import Chain, CutSpec
 from .ghosts import standin_name, uninstall
 from .standins import CutReached
 from ..devices import autocast_dtype
 from ..errors import ConfigError, SplitFTError
 from ..metrics import JsonlWriter, Metrics
-from . import guards, mirror, resume
+from . import mirror, optimizers, resume
 from .cloud_half import CloudHalf
 from .placeholders import CloudTensor
 from .requests import EdgeSession
@@ -117,7 +117,7 @@ class SplitModel(nn.Module):
         self._cloud_batchnorms = [(f"{name}.{key}" if key else name, module) for name in chain.names
                                   for key, module in self.model.get_submodule(name).named_modules()
                                   if isinstance(module, nn.modules.batchnorm._BatchNorm)]
-        guards.install()
+        optimizers.install()
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -316,7 +316,7 @@ class SplitModel(nn.Module):
                               "attached); attach it before loading its state_dict")
         optimizer_mirror = mirror.OptimizerMirror(self.session, optimizer, self._cloud_ids, self.cloud_half,
                                                   resume_state=self._resume_optimizer, on_step=self._stepped)
-        guards.mirrored(optimizer, optimizer_mirror)
+        optimizers.mirrored(optimizer, optimizer_mirror)
         self._resume_optimizer = None
         self.optimizer = optimizer
         return optimizer

@@ -30,14 +30,14 @@ import numpy as np
 
 import transports
 
-from .. import protocol
-from ..coding import SlotCodecs, Traffic
+from ..wire import protocol
+from ..wire.coding import SlotCodecs, Traffic
 from ..errors import (AuthError, CapacityError, HandshakeError, PeerGone, ProtocolError, SessionLost, SplitFTError,
                       TooLarge, TransportError, TransportTimeout, from_code, translated)
 from ..metrics import Metrics
 from ..options import Codecs, Faults
-from ..operations import merged
-from ..protocol import Ack, Bye, Error, Hello, Pong, Redirect, Sync, Welcome
+from ..wire.operations import merged
+from ..wire.protocol import Ack, Bye, Error, Hello, Pong, Redirect, Sync, Welcome
 from .heartbeat import Heartbeat
 from .route import Follow, Route
 from .replay import Backoff, ReplayLog

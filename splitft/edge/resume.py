@@ -13,9 +13,9 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
-from ..checkpoint import read_checkpoint, write_checkpoint
+from ..state_files import read_checkpoint, write_checkpoint
 from ..errors import CheckpointError, ConfigError
-from ..protocol import Hello
+from ..wire.protocol import Hello
 
 if TYPE_CHECKING:
     from .model import SplitModel

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import transports
 
 from ..errors import RedirectError, translated
-from ..protocol import Redirect
+from ..wire.protocol import Redirect
 
 _ADDRESS = re.compile(r"tcp://[A-Za-z0-9._\-\[\]:]+:[0-9]{1,5}|ipc://[^\s\x00]{1,200}")
 MAX_ADDRESS = 256

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from ..coding import Coded, stream_index
+from ..wire.coding import Coded, stream_index
 from ..errors import ConfigError, ProtocolError
 from ..options import Schedule
 from . import mirror
@@ -49,7 +49,7 @@ class Part:
 class Call:
     """One remote call of the cloud part, from its forward to its backward."""
 
-    skeleton: Any  # of (args, kwargs, target): see splitft.tree
+    skeleton: Any  # of (args, kwargs, target): see splitft.wire.tree
     n_leaves: int
     train: bool
     grad: bool

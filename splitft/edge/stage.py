@@ -15,9 +15,9 @@ import torch
 
 from compressors import CodecContext
 
-from ..coding import Traffic, from_wire, raw_nbytes, stream_index, to_wire
+from ..wire.coding import Traffic, from_wire, raw_nbytes, stream_index, to_wire
 from ..errors import ConfigError, DesyncError, ProtocolError
-from ..protocol import Backward, Forward, InputGrads, Output
+from ..wire.protocol import Backward, Forward, InputGrads, Output
 from .requests import EdgeSession
 from .schedule import Call, Part
 

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..audit import attribute_tensors, audit_trunk
-from ..coding import flatten, is_cache
+from .audit import attribute_tensors, audit_trunk
+from ..wire.coding import flatten, is_cache
 from ..cut import Chain, stream
 from ..errors import CutError
 from .intermediate import hand_over
@@ -69,7 +69,7 @@ class TrunkEntry(nn.Module):
     Before the first call crosses, it checks what would cross: values that cannot (a cache
     object, say) are refused with the argument's name, and, when ``probe`` is given, the trunk
     is run once on the edge to make sure it reads nothing that does not cross
-    (:func:`splitft.audit.audit_trunk`). The probe is then dropped, so the edge keeps no copy of
+    (:func:`splitft.edge.audit.audit_trunk`). The probe is then dropped, so the edge keeps no copy of
     the cloud's weights.
     """
 

@@ -22,11 +22,11 @@ from torch import nn
 
 import transports
 
-from ..data import Split, batches, load_digits
+from ..app.data import Split, batches, load_digits
 from .attacks import dcor_score, inversion_attack, label_leak, through_codec
 from .defences import Budget, Defences, Noise, protect
 
-FACTORIES = ("splitft.models:digits_cnn", "splitft.models:digits_bsl")
+FACTORIES = ("splitft.app.models:digits_cnn", "splitft.app.models:digits_bsl")
 AUX = 360  # training images held back as the attacker's auxiliary data
 
 
@@ -224,7 +224,7 @@ def token_recovery(settings: list[str] = TOKEN_SETTINGS, *, aux: int = 200, targ
     test articles. ``noise-S``: per-sample clipping to the median norm and Gaussian noise of
     multiplier S; anything else is a codec spec. Needs the ``nlp`` extra.
     """
-    from ..tasks.bbc import load_bbc, minilm_classifier
+    from ..app.tasks.bbc import load_bbc, minilm_classifier
     from .attacks import token_recovery_accuracy
     from .defences import clip_and_noise
 

@@ -183,7 +183,7 @@ def run_grid(out: Path, names: list[str], *, seeds: int, epochs: int, inversion_
         if inproc:
             run_all(None)
         else:
-            from ..launch import local_cloud
+            from ..app.launch import local_cloud
 
             with local_cloud(FACTORIES, sessions=0, start_timeout=120, exit_timeout=0, quiet=True) as address:
                 run_all(address)

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import read_checkpoint, read_meta, remove_checkpoint, state_nbytes, write_checkpoint
-from .errors import CapacityError, CheckpointError
+from ..state_files import read_checkpoint, read_meta, remove_checkpoint, state_nbytes, write_checkpoint
+from ..errors import CapacityError, CheckpointError
 from .limits import mib
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Built-in model factories that edge and cloud can both name (``splitft.models:digits_cnn``)."""
+"""Built-in model factories that edge and cloud can both name (``splitft.app.models:digits_cnn``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Records a peer sends, checked against their dataclass's type hints before they are built.
 
-A message (:mod:`splitft.protocol`) or a mirrored operation (:mod:`splitft.operations`) arrives as
+A message (:mod:`splitft.wire.protocol`) or a mirrored operation (:mod:`splitft.wire.operations`) arrives as
 plain msgpack values; :func:`build_checked` turns a map of them into the record only after every
 field's type is checked, so a hostile peer gets a :class:`ProtocolError` naming the first bad field
 instead of a record with a string where an int belongs.
@@ -14,9 +14,9 @@ import types
 import typing
 from typing import Any, Union
 
-from .errors import ProtocolError
+from ..errors import ProtocolError
 
-#: How many entries each cache of checked shapes keeps (here and in :mod:`splitft.protocol`):
+#: How many entries each cache of checked shapes keeps (here and in :mod:`splitft.wire.protocol`):
 #: a peer that sends ever-new shapes cannot grow them without bound.
 _CACHE_LIMIT = 1024
 
@@ -53,7 +53,7 @@ def build_checked(cls: type, body: dict, what: str) -> Any:
 
     Unknown and missing fields are refused, and an int field refuses a bool. Mirrored operations
     are built through here, and so is each message whose field types a receiver has not seen yet
-    (:mod:`splitft.protocol` names its positional fields first).
+    (:mod:`splitft.wire.protocol` names its positional fields first).
     """
     signature = (cls, tuple(body), tuple(map(type, body.values())))
     if signature in _PASSED:

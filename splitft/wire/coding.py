@@ -36,7 +36,7 @@ from compressors import Codec, CodecContext, Payload
 from compressors.base import torch_dtype
 
 from . import tree as trees
-from .errors import ConfigError, ProtocolError, translated
+from ..errors import ConfigError, ProtocolError, translated
 from .protocol import MAX_DIMS, TENSOR_KEY, is_tensor_entry, payload_from_wire, payload_to_wire
 from .tree import Leaf as _Leaf  # the skeletons of flatten and of from_wire share one marker
 from .tree import KeyPath, path_text

@@ -20,7 +20,7 @@ from typing import Any
 
 from transports import message_nbytes
 
-from .errors import CapacityError, ConfigError, TooLarge
+from ..errors import CapacityError, ConfigError, TooLarge
 
 GiB = 1 << 30
 

@@ -5,9 +5,9 @@ A user's loop changes the model and the optimizer between forward calls (``opt.s
 operation that rides on its next request (``ops``), so the cloud applies them in the same order
 and a step costs no extra round trip. On the wire an operation is a map ``{"op": NAME, field:
 value, ...}``; :func:`from_wire` checks every field against the record's type hints before the
-cloud looks at it, as :mod:`splitft.protocol` does for messages.
+cloud looks at it, as :mod:`splitft.wire.protocol` does for messages.
 
-To add an operation: a record here (with ``NAME``), its handler in :mod:`splitft.cloud.ops`, and
+To add an operation: a record here (with ``NAME``), its handler in :mod:`splitft.cloud.handlers`, and
 the edge call that queues it.
 """
 
@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .errors import ProtocolError
+from ..errors import ProtocolError
 from .records import _short, build_checked
 
 

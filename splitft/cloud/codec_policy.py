@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import compressors
 
-from .errors import PolicyError
+from ..errors import PolicyError
 
 SLOTS = ("fwd", "bwd", "ret", "ret_bwd")
 

@@ -1,7 +1,7 @@
 """One training run of a registered task through a split: what ``splitft edge``, ``splitft demo``,
 the experiments, the benchmarks and the ablations all run.
 
-A :class:`TaskRun` names a task (:mod:`splitft.tasks`) and overrides its defaults; :func:`prepare`
+A :class:`TaskRun` names a task (:mod:`splitft.app.tasks`) and overrides its defaults; :func:`prepare`
 loads the data, builds and splits the model and attaches the optimizer; :func:`train` trains,
 evaluates after every epoch and closes the session. :func:`run` does both without disturbing the
 caller's random number generator.
@@ -17,12 +17,12 @@ import torch
 from torch import nn
 
 from .data import Split, first, moved
-from .devices import resolve_device
-from .edge import SplitModel, split
-from .errors import ConfigError
-from .factories import load_factory
-from .metrics import Metrics
-from .options import Codecs, Factory, Faults, Link, Schedule
+from ..devices import resolve_device
+from ..edge import SplitModel, split
+from ..errors import ConfigError
+from ..factories import load_factory
+from ..metrics import Metrics
+from ..options import Codecs, Factory, Faults, Link, Schedule
 from .tasks import Task, get_task
 from .train import fit
 
@@ -49,7 +49,7 @@ class PrivacyRun:
         self.defences(sample_rate=1.0, epochs=1)  # each defence checks itself when built: now, not after connecting
 
     def defences(self, *, sample_rate: float, epochs: int) -> Any:
-        from .privacy import Budget, Defences, Noise
+        from ..privacy import Budget, Defences, Noise
 
         noise = Noise(self.clip) if self.epsilon is not None else None
         return Defences(
@@ -164,7 +164,7 @@ def prepare(run: TaskRun, connect: Any) -> Prepared:
         batch_size = run.batch_size or task.batch_size
         protection = None
         if run.privacy is not None:
-            from .privacy import protect
+            from ..privacy import protect
 
             protection = protect(model, run.privacy.defences(sample_rate=batch_size / len(train_data),
                                                              epochs=epochs))

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-DEFAULT_MODEL = "splitft.models:digits_cnn"
+DEFAULT_MODEL = "splitft.app.models:digits_cnn"
 DEFAULT_BIND = "tcp://127.0.0.1:5555"
 
 
@@ -148,7 +148,7 @@ def _add_hardware_options(cloud: argparse.ArgumentParser) -> None:
 def _add_policy_options(cloud: argparse.ArgumentParser) -> None:
     """What an edge may make this cloud do: codecs, codec options, work and memory per message."""
     from compressors import Bounds
-    from .limits import Limits
+    from ..cloud.limits import Limits
 
     g = cloud.add_argument_group(
         "what edges may ask for", "Every codec option an edge sends is bounded here; options naming local "
@@ -184,8 +184,8 @@ def _add_policy_options(cloud: argparse.ArgumentParser) -> None:
 
 def _limits_and_policy(args: argparse.Namespace) -> tuple:
     from compressors import Bounds
-    from .limits import Limits
-    from .policy import Policy, parse_slot_codecs
+    from ..cloud.limits import Limits
+    from ..cloud.codec_policy import Policy, parse_slot_codecs
 
     mb = 2**20
     limits = Limits(max_message_bytes=int(args.max_message_mb * mb), session_timeout=args.session_timeout,
@@ -222,9 +222,9 @@ def return_large_buffers(threshold: int = 4 << 20) -> bool:
 
 def run_cloud(args: argparse.Namespace) -> int:
     import transports
-    from .cloud import CloudServer, workers
-    from .devices import Placement
-    from .errors import SplitFTError
+    from ..cloud import CloudServer, workers
+    from ..devices import Placement
+    from ..errors import SplitFTError
 
     return_large_buffers()
     if args.workers > 1 and not workers.launched():
@@ -281,7 +281,7 @@ def run_cloud(args: argparse.Namespace) -> int:
 def _listener_options(args: argparse.Namespace, say: Any) -> dict:
     """The listener's message limit and, with keys, CurveZMQ (both or neither key option)."""
     import transports
-    from .errors import ConfigError
+    from ..errors import ConfigError
 
     # ZeroMQ cuts off a peer whose single frame exceeds twice the limit (before buffering it
     # whole); anything smaller is read and, if over the limit, refused with a typed reply.
@@ -301,7 +301,7 @@ def _check_open(address: str, args: argparse.Namespace, say: Any) -> None:
     Whoever can open a connection can make the process buffer what they send before any check
     runs (README: the trust boundary); an allow-list drops a stranger at the handshake.
     """
-    from .errors import ConfigError
+    from ..errors import ConfigError
 
     if args.allow_edge_keys or not is_public(address):
         return
@@ -356,7 +356,7 @@ def _shared_policy(args: argparse.Namespace) -> Any:
     """What edges of a shared half may set (``--shared-optimizer``, ``--shared-frozen``); None without them."""
     if args.shared_optimizer is None and args.shared_frozen is None:
         return None
-    from .cloud.shared_policy import SharedPolicy
+    from ..cloud.shared_policy import SharedPolicy
 
     return SharedPolicy.parse(args.shared_optimizer, args.shared_frozen)
 
@@ -365,9 +365,9 @@ def _rounds(args: argparse.Namespace, placement: Any) -> Any:
     """Synchronous data-parallel rounds (``--sync-rounds``), on the ranks torchrun's variables describe."""
     if not args.sync_rounds:
         return None
-    from .cloud.allreduce import GradCompression, group_from_env
-    from .cloud.rounds import Rounds, RoundSettings
-    from .errors import ConfigError
+    from ..cloud.allreduce import GradCompression, group_from_env
+    from ..cloud.rounds import Rounds, RoundSettings
+    from ..errors import ConfigError
 
     if not args.shared_model:
         raise ConfigError("--sync-rounds trains a shared cloud half: add --shared-model")
@@ -378,7 +378,7 @@ def _rounds(args: argparse.Namespace, placement: Any) -> Any:
 
 def _batch_split(args: argparse.Namespace, placement: Any, say: Any) -> Any:
     """Each batch split across the ranks torchrun's variables describe (``--split-batch``)."""
-    from .errors import ConfigError
+    from ..errors import ConfigError
 
     if args.shard and not args.split_batch:
         raise ConfigError("--shard shards the half that --split-batch splits each batch of: add --split-batch "
@@ -387,8 +387,8 @@ def _batch_split(args: argparse.Namespace, placement: Any, say: Any) -> Any:
         return None
     from datetime import timedelta
 
-    from .cloud.allreduce import group_from_env
-    from .cloud.batch_split import BatchSplit
+    from ..cloud.allreduce import group_from_env
+    from ..cloud.batch_split import BatchSplit
 
     if args.shared_model or args.sync_rounds or args.checkpoint_dir:
         raise ConfigError("--split-batch splits one edge's batches across ranks; it does not combine with "
@@ -401,7 +401,7 @@ def _batch_split(args: argparse.Namespace, placement: Any, say: Any) -> Any:
 
 def _batch_worker(args: argparse.Namespace, batch: Any, placement: Any) -> int:
     """A rank >= 1 of a --split-batch cloud: replicas of rank 0's session, until rank 0 stops."""
-    from .factories import load_factory
+    from ..factories import load_factory
     from .tasks import get_task
 
     factories = {name: load_factory(name) for name in args.model or [get_task(args.task).model]}

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from ..data import Split, batches, call
-from ..errors import ConfigError
+from ...errors import ConfigError
 from ..train import FitResult
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FACTORY = "splitft.tasks.smollm:smollm_lora"
+FACTORY = "splitft.app.tasks.smollm:smollm_lora"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LAYERS = 30
 #: The cloud runs decoder layers 2-27 of the PeftModel (peft wraps the LlamaForCausalLM as
@@ -157,7 +157,7 @@ def _pretrained() -> nn.Module:
 
 def pretrained() -> nn.Module:
     """A fresh copy of pre-trained SmolLM2-135M-Instruct (a ``LlamaForCausalLM``, float32, no adapters)."""
-    if torch.get_default_device().type == "meta":  # a size probe (splitft.factories.count_params)
+    if torch.get_default_device().type == "meta":  # a size probe (splitft.cloud.build.count_params)
         from transformers import LlamaForCausalLM
 
         return LlamaForCausalLM(_config())

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..data import Split
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Task:
     options: dict[str, Any] = field(default_factory=dict)  # loader keywords the CLI exposes
     limit: int | None = None  # train on this many samples unless the run says otherwise (short demos)
     # "package.module:function"(prepared) -> FitResult, for tasks that do not train a classifier
-    # (splitft.train.fit); a result with .scores and .summary says what the run reached
+    # (splitft.app.train.fit); a result with .scores and .summary says what the run reached
     trainer: str | None = None
     # "package.module:function"(cut=..., freeze_edge=...) -> the factory's arguments for a run
     factory_kwargs: str | None = None
@@ -57,7 +57,7 @@ class Task:
         return _imported(self.factory_kwargs)(cut=cut, freeze_edge=freeze_edge) if self.factory_kwargs else {}
 
     def train_function(self) -> Callable[..., Any] | None:
-        """The task's own training function (None: the classifier loop, splitft.train.fit)."""
+        """The task's own training function (None: the classifier loop, splitft.app.train.fit)."""
         return _imported(self.trainer) if self.trainer else None
 
 
@@ -69,38 +69,38 @@ def _imported(name: str) -> Callable[..., Any]:
 TASKS: dict[str, Task] = {
     "digits": Task(
         name="digits", summary="scikit-learn's 8x8 digits (1437 train / 360 test images, 10 classes), a small CNN",
-        model="splitft.models:digits_cnn", cut="block3", rejoin="head", topology="plain",
-        loader="splitft.data:load_digits", epochs=15, batch_size=64, lr=1e-3, optimizer="Adam",
+        model="splitft.app.models:digits_cnn", cut="block3", rejoin="head", topology="plain",
+        loader="splitft.app.data:load_digits", epochs=15, batch_size=64, lr=1e-3, optimizer="Adam",
     ),
     "bbc": Task(
         name="bbc", summary="BBC News (1781 train / 444 test articles, 5 classes), pre-trained all-MiniLM-L6-v2",
-        model="splitft.tasks.bbc:minilm_classifier", cut="bert.encoder.layer.2:6", rejoin=None, topology="ushape",
-        loader="splitft.tasks.bbc:load_bbc", epochs=1, batch_size=32, lr=3e-4, optimizer="AdamW", weights="factory",
+        model="splitft.app.tasks.bbc:minilm_classifier", cut="bert.encoder.layer.2:6", rejoin=None, topology="ushape",
+        loader="splitft.app.tasks.bbc:load_bbc", epochs=1, batch_size=32, lr=3e-4, optimizer="AdamW", weights="factory",
         options={"max_length": 128},
     ),
     "bbc-plain": Task(
         name="bbc-plain", summary="BBC News as 128-token windows (1780 train / 444 test), all-MiniLM-L6-v2 as a chain "
                                   "cut plain: the loss in the cloud, so a frozen edge can stream (--window)",
-        model="splitft.tasks.bbc:minilm_chain", cut="layer2", rejoin=None, topology="plain",
-        loader="splitft.tasks.bbc:load_bbc_windows", epochs=1, batch_size=32, lr=3e-4, optimizer="AdamW",
+        model="splitft.app.tasks.bbc:minilm_chain", cut="layer2", rejoin=None, topology="plain",
+        loader="splitft.app.tasks.bbc:load_bbc_windows", epochs=1, batch_size=32, lr=3e-4, optimizer="AdamW",
         weights="factory", options={"max_length": 128},
     ),
     "smollm": Task(
         name="smollm", summary="BBC News text as a language-modelling corpus, pre-trained SmolLM2-135M with LoRA "
                                "(held-out perplexity before and after)",
-        model="splitft.tasks.smollm:smollm_lora", cut="base_model.model.model.layers.2:28", rejoin=None,
-        topology="ushape", loader="splitft.tasks.smollm:load_news", epochs=1, batch_size=8, lr=1e-3,
+        model="splitft.app.tasks.smollm:smollm_lora", cut="base_model.model.model.layers.2:28", rejoin=None,
+        topology="ushape", loader="splitft.app.tasks.smollm:load_news", epochs=1, batch_size=8, lr=1e-3,
         optimizer="AdamW", weights="factory", options={"max_length": 128}, limit=192,
-        trainer="splitft.tasks.smollm:train_run", factory_kwargs="splitft.tasks.smollm:factory_kwargs",
+        trainer="splitft.app.tasks.smollm:train_run", factory_kwargs="splitft.app.tasks.smollm:factory_kwargs",
         metric="perplexity",
     ),
     "smollm-plain": Task(
         name="smollm-plain", summary="the smollm task's model and text as a chain cut plain: the loss in the cloud, so "
                                      "a frozen edge can stream (--window)",
-        model="splitft.tasks.smollm_chain:smollm_chain", cut="layer2", rejoin=None, topology="plain",
-        loader="splitft.tasks.smollm_chain:load_windows", epochs=1, batch_size=8, lr=1e-3, optimizer="AdamW",
-        weights="factory", options={"max_length": 128}, limit=192, trainer="splitft.tasks.smollm_chain:train_run",
-        factory_kwargs="splitft.tasks.smollm_chain:factory_kwargs", metric="perplexity",
+        model="splitft.app.tasks.smollm_chain:smollm_chain", cut="layer2", rejoin=None, topology="plain",
+        loader="splitft.app.tasks.smollm_chain:load_windows", epochs=1, batch_size=8, lr=1e-3, optimizer="AdamW",
+        weights="factory", options={"max_length": 128}, limit=192, trainer="splitft.app.tasks.smollm_chain:train_run",
+        factory_kwargs="splitft.app.tasks.smollm_chain:factory_kwargs", metric="perplexity",
     ),
 }
 

@@ -27,13 +27,13 @@ import torch
 from torch import nn
 
 from ..data import Split, batches
-from ..errors import ConfigError
+from ...errors import ConfigError
 from . import smollm
 
 if TYPE_CHECKING:
     from ..runner import Prepared
 
-FACTORY = "splitft.tasks.smollm_chain:smollm_chain"
+FACTORY = "splitft.app.tasks.smollm_chain:smollm_chain"
 CUT = "layer2"  # the edge runs the embeddings and decoder layers 0-1
 
 
@@ -74,7 +74,7 @@ class NextTokenHead(nn.Module):
 
 
 def smollm_chain(rank: int = 8, alpha: int = 16, layers: list[int] | None = None, seed: int = 0) -> nn.Sequential:
-    """Pre-trained SmolLM2-135M-Instruct with LoRA adapters (:func:`splitft.tasks.smollm.smollm_lora`,
+    """Pre-trained SmolLM2-135M-Instruct with LoRA adapters (:func:`splitft.app.tasks.smollm.smollm_lora`,
     the same adapters for the same arguments) as an ``nn.Sequential`` that can be cut plain.
 
     The LM head is tied to the embeddings in the pre-trained model; here the head gets its own
@@ -110,7 +110,7 @@ def factory_kwargs(*, cut: str, freeze_edge: bool) -> dict[str, Any]:
 
 
 def load_windows(max_length: int = 128, seed: int = 0, eval_windows: int = 32) -> tuple[Split, Split]:
-    """:func:`splitft.tasks.smollm.load_news`'s windows for the chain: ``x`` the token ids, ``y`` the
+    """:func:`splitft.app.tasks.smollm.load_news`'s windows for the chain: ``x`` the token ids, ``y`` the
     next tokens (the ids from the second on), ``ids`` a stable number per window."""
     train, test = smollm.load_news(max_length=max_length, seed=seed, eval_windows=eval_windows)
 
@@ -141,7 +141,7 @@ def perplexity(criterion: Any, model: nn.Module, data: Split, batch_size: int = 
 
 def train_run(prepared: Prepared) -> smollm.LMFit:
     """The task's training: held-out perplexity before, the ordinary training loop
-    (:func:`splitft.train.fit`) with the remote loss, and perplexity after."""
+    (:func:`splitft.app.train.fit`) with the remote loss, and perplexity after."""
     from ..train import fit
 
     model, criterion, run = prepared.model, prepared.criterion, prepared.run

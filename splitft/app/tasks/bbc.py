@@ -6,7 +6,7 @@ pre-trained BertModel, mean pooling over the real tokens, and a linear head. Its
 U-shape inside the encoder: the edge runs the embeddings and the first layers, the cloud the
 rest of the encoder, and the pooling, head, loss and labels stay on the edge.
 
-Both edge and cloud name the model by its factory, ``splitft.tasks.bbc:minilm_classifier``.
+Both edge and cloud name the model by its factory, ``splitft.app.tasks.bbc:minilm_classifier``.
 ``minilm_chain`` (task ``bbc-plain``) is the same network as one ``nn.Sequential`` over unpadded
 windows of text, cut plain: the loss runs in the cloud, so a frozen edge can stream its steps.
 """
@@ -22,11 +22,11 @@ import torch
 from torch import nn
 
 from ..data import Split
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-FACTORY = "splitft.tasks.bbc:minilm_classifier"
+FACTORY = "splitft.app.tasks.bbc:minilm_classifier"
 CUT = "bert.encoder.layer.2:6"  # the cloud runs encoder layers 2-5 of 6
 CLASSES = ("business", "entertainment", "politics", "sports", "tech")
 HIDDEN = 384

@@ -186,7 +186,7 @@ def _keys(args: argparse.Namespace) -> int:
 
 def _task_run(args: argparse.Namespace) -> TaskRun:
     """The run the command line asks for: the same object the experiments and the tests build."""
-    from .options import Codecs, Factory, Faults, Schedule
+    from ..options import Codecs, Factory, Faults, Schedule
     from .runner import TaskRun
     from .tasks import get_task
 
@@ -211,9 +211,9 @@ def _privacy_run(args: argparse.Namespace):
 
 
 def _edge(args: argparse.Namespace, address: str) -> int:
-    from .errors import PeerGone, SplitFTError
-    from .metrics import format_report
-    from .options import Link
+    from ..errors import PeerGone, SplitFTError
+    from ..metrics import format_report
+    from ..options import Link
     from .runner import prepare, train
 
     try:
@@ -251,10 +251,10 @@ def _demo(args: argparse.Namespace) -> int:
     from .tasks import get_task
 
     try:
-        from .devices import resolve_device
-        from .errors import ConfigError
+        from ..devices import resolve_device
+        from ..errors import ConfigError
 
-        from .options import Link
+        from ..options import Link
 
         try:  # a bad setting is one line, before a cloud starts for nothing
             for device in (args.device, args.cloud_device):

@@ -3,7 +3,7 @@ cloud in this process.
 
 The cloud runs in this process on a thread (in-process transport) unless an address is given,
 in which case a ``splitft cloud`` must be listening there. The run itself is
-:func:`splitft.runner.run`, the one behind ``splitft edge`` and ``splitft demo``.
+:func:`splitft.app.runner.run`, the one behind ``splitft edge`` and ``splitft demo``.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from typing import Any
 
 import transports
 
-from .cloud import CloudServer, serve_in_thread
-from .options import Codecs, Factory, Faults, Link, Schedule
+from ..cloud import CloudServer, serve_in_thread
+from ..options import Codecs, Factory, Faults, Link, Schedule
 from .runner import RunResult, TaskRun, run
 from .tasks import get_task
 
 
 def model_for(fwd: str) -> str:
     """The factory a forward codec is meant for: the binary codec needs a binarized edge."""
-    return "splitft.models:digits_bsl" if fwd.split(":")[0] == "binary" else "splitft.models:digits_cnn"
+    return "splitft.app.models:digits_bsl" if fwd.split(":")[0] == "binary" else "splitft.app.models:digits_cnn"
 
 
 def time_to_accuracy(history: list[dict[str, float]], target: float) -> float | None:
@@ -36,7 +36,7 @@ def run_task(task_name: str, fwd: str = "identity", bwd: str | None = None, *, s
              ushape: bool | None = None, address: str | None = None, link: str | None = None,
              micro_batches: int = 1, limit: int | None = None, progress: bool = False,
              timeout: float = 300.0) -> RunResult:
-    """Train a registered task (:mod:`splitft.tasks`) split at its cut through the given codecs.
+    """Train a registered task (:mod:`splitft.app.tasks`) split at its cut through the given codecs.
 
     Both halves start from the factory's ``seed``. ``link`` (e.g. ``"100mbit,20ms"``) runs the
     edge's connection through the link emulator; ``limit`` trains on the first samples only

@@ -1,4 +1,4 @@
-"""Applying the operations an edge mirrors (:mod:`splitft.operations`) to one session.
+"""Applying the operations an edge mirrors (:mod:`splitft.wire.operations`) to one session.
 
 Each operation has one handler, found by its record type in :data:`HANDLERS`. Operations that
 change state carry ids of their own (step n, attachment n), so applying a replayed request again
@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .. import operations as o
+from ..wire import operations as o
 from ..errors import CapacityError, ConfigError, ModelError, PolicyError, ProtocolError
-from ..protocol import _short
-from .guard import blame
+from ..wire.protocol import _short
+from .blame import blame
 from .shared_policy import SharedPolicy
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from .errors import SplitFTError
+from ..errors import SplitFTError
 
 log = logging.getLogger(__name__)
 

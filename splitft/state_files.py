@@ -37,9 +37,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from . import tree as trees
+from .wire import tree as trees
 from .errors import CheckpointError
-from .tree import KeyPath
+from .wire.tree import KeyPath
 
 log = logging.getLogger(__name__)
 

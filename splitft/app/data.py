@@ -2,7 +2,7 @@
 
 A :class:`Split` holds the inputs either as one tensor (images: ``model(x)``) or as a dict of
 tensors passed as keyword arguments (text: ``model(input_ids=..., attention_mask=...)``), so one
-training loop serves both (see :mod:`splitft.tasks`).
+training loop serves both (see :mod:`splitft.app.tasks`).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import CapacityError
+from ..errors import CapacityError
 from .limits import Limits, mib
 
 #: Adam keeps two moments per parameter, and a gradient: weights x 4 bounds the usual optimizers.

@@ -27,7 +27,7 @@ import numpy as np
 
 from compressors import WIRE_DTYPES, Payload
 
-from .errors import ProtocolError, TooLarge
+from ..errors import ProtocolError, TooLarge
 from .records import _CACHE_LIMIT, _short, build_checked, record_fields
 
 PROTOCOL_VERSION = 5  # 5: gradients a backward did not reach, gradient norms per parameter, operations by parameter name; 4: fields by position; 3: parameter groups and frozen parameters by name; 2: numbered requests, typed operations, welcome.limits (docs/wire.md)

@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from ..errors import CapacityError
-from ..limits import Limits
+from .limits import Limits
 
 log = logging.getLogger(__name__)
 

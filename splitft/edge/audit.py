@@ -26,9 +26,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from . import tree as trees
-from .coding import flatten, unflatten
-from .errors import CutError
+from ..wire import tree as trees
+from ..wire.coding import flatten, unflatten
+from ..errors import CutError
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ the session is a priced job (:mod:`.jobs`), on a worker when it is large.
 A checkpoint is written from the session's own tensors, without copies: the job that writes it
 holds the session, so nothing changes them meanwhile. A *pinned* checkpoint (the edge saved its
 own, and may come back to it after the session ended) counts against its origin's quota and
-expires (:class:`~splitft.checkpoint.CheckpointStore`); a pin the cloud cannot keep is refused
+expires (:class:`~splitft.state_files.CheckpointStore`); a pin the cloud cannot keep is refused
 with a typed error, so the edge does not keep a checkpoint it could never resume.
 """
 
@@ -27,16 +27,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .. import operations as o
+from ..wire import operations as o
 from ..devices import Placement
 from ..errors import CapacityError, CheckpointError, ProtocolError, ResumeError
-from ..limits import Limits
-from ..policy import Policy
-from ..protocol import Hello, _short
-from .guard import blame
+from .limits import Limits
+from .codec_policy import Policy
+from ..wire.protocol import Hello, _short
+from .blame import blame
 from .jobs import Job
-from .ops import attach_optimizer, set_frozen, set_loss
-from .pricing import Pace, Price
+from .handlers import attach_optimizer, set_frozen, set_loss
+from .costs import Pace, Price
 from .session import CloudSession, hello_identity
 
 if TYPE_CHECKING:

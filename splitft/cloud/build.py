@@ -1,0 +1,96 @@
+"""Building a session's cloud half from a hello: the factory it names, its cost admitted first.
+
+The factory's size is counted on the ``meta`` device before anything is allocated, so a request
+for a huge model is refused before its memory is taken; the half is then cut as the hello says and
+checked against the edge's (parameter names and shapes, and each module's layers and settings).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..cut import Chain, check_structure, extract, fingerprint, parse_cut
+from ..errors import CapacityError, CutError, HandshakeError
+from ..wire.protocol import Hello
+from ..wire.records import _short
+from .budget import MODEL_STATE_FACTOR
+from .limits import Limits
+
+
+def count_params(factory: Callable[..., nn.Module], kwargs: dict) -> int | None:
+    """Parameters and buffers of the model ``factory`` builds, counted on the meta device.
+
+    The meta device allocates nothing, so a request for a huge model is refused before its
+    memory is taken. Factories that cannot build on it (they load files, say) return None.
+    """
+    try:
+        with torch.device("meta"):
+            probe = factory(**kwargs)
+        return sum(t.numel() for t in (*probe.parameters(), *probe.buffers()))
+    except Exception:  # noqa: BLE001 — only a probe; the real build reports errors properly
+        return None
+
+
+def check_factory_kwargs(kwargs: Any) -> None:
+    """Factory arguments are a flat map of names to plain values: nothing a factory could be tricked by."""
+    plain = (type(None), bool, int, float, str)
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+        raise HandshakeError(f"factory_kwargs must map argument names to values, got a {type(kwargs).__name__}")
+    for name, value in kwargs.items():
+        items = value if isinstance(value, list) else [value]
+        if len(items) > 64 or not all(isinstance(v, plain) for v in items):
+            raise HandshakeError(f"factory argument {name!r} must be a plain value (number, string, bool, "
+                                 f"None) or a short list of them, got a {type(value).__name__}")
+
+
+def build_chain(hello: Hello, factories: dict[str, Callable[..., nn.Module]], limits: Limits,
+                admit: Callable[[int], None] | None = None) -> tuple[Chain, bool]:
+    """Build the cloud half ``hello`` asks for; ``admit`` may refuse its estimated bytes first.
+
+    Returns the cloud half and whether the cut is a U-shape.
+    """
+    check_factory_kwargs(hello.factory_kwargs)
+    if hello.factory not in factories:
+        raise HandshakeError(
+            f"model factory {hello.factory!r} is not served here; this cloud serves: "
+            f"{', '.join(sorted(factories)) or '(none)'} (start it with --model {hello.factory})"
+        )
+    factory = factories[hello.factory]
+    count = count_params(factory, hello.factory_kwargs)
+    if count is not None and count > limits.max_model_params:
+        raise CapacityError(f"{hello.factory}({hello.factory_kwargs}) has {count} parameters; this cloud builds "
+                            f"models of at most {limits.max_model_params}")
+    if count is not None and admit is not None:
+        admit(MODEL_STATE_FACTOR * 4 * count)  # float32 weights, a gradient and two optimizer moments
+    try:
+        model = factory(**hello.factory_kwargs)
+    except MemoryError:
+        raise CapacityError(f"{hello.factory}({_short(hello.factory_kwargs)}) does not fit this machine's "
+                            "memory") from None
+    except Exception as exc:  # noqa: BLE001 — the operator's code, called with the edge's arguments
+        # Whatever a factory raises for the values an edge chose (int('x'), a seed that overflows)
+        # is the edge's to fix: a typed refusal, never an internal error.
+        raise HandshakeError(f"factory {hello.factory!r} rejected its arguments "
+                             f"{_short(hello.factory_kwargs)}: {type(exc).__name__}: {exc}") from exc
+    spec = parse_cut(model, hello.cut, hello.rejoin)
+    chain = extract(model, spec)
+    mine = fingerprint(chain)
+    if mine != hello.fingerprint:
+        raise HandshakeError(
+            f"the cloud part of {hello.factory!r} cut at {hello.cut!r} differs between edge and cloud "
+            f"(parameter names/shapes fingerprint {hello.fingerprint} vs {mine}); "
+            "both sides must build the same architecture (same factory arguments, same code version)"
+        )
+    if hello.structure:
+        try:
+            check_structure(chain, hello.structure)
+        except CutError as exc:
+            raise HandshakeError(str(exc)) from None
+    return chain, spec.ushape
+
+
+__all__ = ["build_chain", "check_factory_kwargs", "count_params"]

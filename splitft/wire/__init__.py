@@ -1,0 +1,1 @@
+"""The wire: what crosses between edge and cloud, and how it is checked."""
