@@ -68,7 +68,7 @@ def resolve_device(spec: str | torch.device | None) -> torch.device:
 def resolve_dtype(spec: str | torch.dtype | None) -> torch.dtype | None:
     """A cloud half's dtype (None: keep the model's own)."""
     if spec is None or isinstance(spec, torch.dtype) and spec in DTYPES.values():
-        return spec  # type: ignore[return-value]
+        return spec
     text = str(spec).removeprefix("torch.")
     if text not in DTYPES:
         raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {str(spec)!r}")

@@ -52,6 +52,14 @@ _TENSOR, _ARRAY, _TUPLE, _ITEMS = "$tensor", "$ndarray", "$tuple", "$items"
 # ---------------------------------------------------------------- trees of tensors and plain values
 
 
+
+def _sha256(f: Any) -> str:
+    """The SHA-256 of an open binary file, read in chunks (``hashlib.file_digest`` is Python 3.11+)."""
+    digest = hashlib.sha256()
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+        digest.update(chunk)
+    return digest.hexdigest()
+
 def flatten_state(tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
     """Split ``tree`` into named host tensors and a JSON-able skeleton that refers to them.
 
@@ -165,7 +173,7 @@ def _write_tensors(stem: Path, tensors: dict[str, torch.Tensor], fsync: bool) ->
         except (TypeError, ValueError, RuntimeError) as exc:  # what safetensors raises for what it cannot store
             raise CheckpointError(f"cannot serialise the checkpoint tensors: {exc}") from exc
         with open(tmp, "rb") as f:
-            digest = hashlib.file_digest(f, "sha256").hexdigest()
+            digest = _sha256(f)
             if fsync:
                 os.fsync(f.fileno())
         path = stem.with_name(f"{stem.name}-{digest[:12]}.safetensors")
@@ -260,7 +268,7 @@ def read_checkpoint(stem_or_json: str | os.PathLike) -> tuple[Any, dict[str, Any
         raise CheckpointError(f"{json_path} names a tensor file outside its folder")
     try:
         with open(tensor_path, "rb") as f:
-            size, digest = os.fstat(f.fileno()).st_size, hashlib.file_digest(f, "sha256").hexdigest()
+            size, digest = os.fstat(f.fileno()).st_size, _sha256(f)
     except OSError as exc:
         raise CheckpointError(f"cannot read {tensor_path}: {exc}") from exc
     if size != info.get("bytes") or digest != info.get("sha256"):

@@ -321,11 +321,11 @@ def is_public(address: str) -> bool:
 
     if not address.startswith("tcp://"):
         return False
-    host = address[len("tcp://"):].split(";")[-1].rsplit(":", 1)[0].strip("[]")
+    host: str = address[len("tcp://"):].split(";")[-1].rsplit(":", 1)[0].strip("[]")
     if host in ("", "*"):
         return True
     try:
-        found = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        found = {str(info[4][0]) for info in socket.getaddrinfo(host, None)}
     except (OSError, UnicodeError):
         return True  # an interface name, or a name this machine cannot resolve
     return not found or not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in found)

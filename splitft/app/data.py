@@ -27,6 +27,18 @@ class Split:
     def __len__(self) -> int:
         return len(self.y)
 
+    def tensor(self) -> torch.Tensor:
+        """The inputs of an image split, one tensor."""
+        if isinstance(self.x, dict):
+            raise TypeError(f"this split's inputs are keyword inputs ({', '.join(self.x)}), not one tensor")
+        return self.x
+
+    def field(self, name: str) -> torch.Tensor:
+        """One keyword input of a text split (``split.field("input_ids")``)."""
+        if not isinstance(self.x, dict):
+            raise TypeError(f"this split's inputs are one tensor, not keyword inputs: it has no {name!r}")
+        return self.x[name]
+
 
 def load_digits(test_fraction: float = 0.2, seed: int = 0) -> tuple[Split, Split]:
     """Train and test splits of the digits, shuffled with ``seed`` (same seed, same split)."""

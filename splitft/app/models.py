@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -58,7 +59,10 @@ def digits_bsl(seed: int | None = 0) -> nn.Sequential:
     return _seeded(build, seed)
 
 
-def _seeded(build: Callable[[], nn.Module], seed: int | None) -> nn.Module:
+M = TypeVar("M", bound=nn.Module)
+
+
+def _seeded(build: Callable[[], M], seed: int | None) -> M:
     """``build()`` with its own RNG stream when ``seed`` is given; the global RNG is left as it was."""
     if seed is None:
         return build()

@@ -149,8 +149,9 @@ def prepare(run: TaskRun, connect: Any) -> Prepared:
     rejoin = (run.rejoin or task.rejoin) if ushape and ":" not in cut else None
     torch.manual_seed(run.seed)
     train_data, test_data = task.load(max_length=run.max_length)
-    if run.limit or task.limit:
-        train_data = first(train_data, run.limit or task.limit)
+    limit = run.limit or task.limit
+    if limit:
+        train_data = first(train_data, limit)
     if run.device is not None:
         train_data, test_data = moved(train_data, resolve_device(run.device)), moved(test_data, resolve_device(run.device))
     model = split(load_factory(factory.name)(**factory.kwargs), cut, rejoin, factory=factory, connect=Link.of(connect),

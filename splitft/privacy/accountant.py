@@ -27,6 +27,7 @@ import math
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 
@@ -35,7 +36,7 @@ from ..errors import ConfigError
 ORDERS: list[float] = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))  # as RDPAccountant's
 
 
-def _opacus():  # type: ignore[no-untyped-def]
+def _opacus() -> Any:
     try:
         from opacus.accountants import RDPAccountant
         from opacus.accountants.analysis import rdp as analysis

@@ -25,7 +25,7 @@ import math
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -35,6 +35,9 @@ from ..edge.standins import CutPoint, TrunkEntry
 from ..errors import ConfigError, SplitFTError
 from .accountant import PrivacyAccountant, calibrate
 from .dcor import distance_correlation
+
+if TYPE_CHECKING:
+    from ..edge.model import SplitModel
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +199,7 @@ class Protection:
     _input: torch.Tensor | None = None
     _pending: _Call | None = None
     _resolved: bool = False
-    _owner: list[nn.Module] = field(default_factory=list)  # the split model (a list: no module registration)
+    _owner: list[Any] = field(default_factory=list)  # the split model (a list: no module registration)
     _handles: list[Any] = field(default_factory=list)
     _watchers: list[Watcher] = field(default_factory=list)
 
@@ -361,7 +364,7 @@ class Protection:
         stream.register_hook(protect_gradient)
 
 
-def _standin(split_model: nn.Module) -> nn.Module:
+def _standin(split_model: SplitModel) -> nn.Module:
     """The module that stands for the first cloud module in the user's model (installed by split())."""
     spec, model = split_model.spec, split_model.model
     parent = model.get_submodule(spec.parent) if spec.parent else model
@@ -373,7 +376,7 @@ def _standin(split_model: nn.Module) -> nn.Module:
     return standin
 
 
-def _randomized_response_eps(split_model: nn.Module) -> float | None:
+def _randomized_response_eps(split_model: SplitModel) -> float | None:
     """The forward codec's randomized-response eps per bit (``binary:flip_eps=...``), or None."""
     import compressors
 
@@ -387,7 +390,7 @@ def _randomized_response_eps(split_model: nn.Module) -> float | None:
     return None if eps is None else float(eps)
 
 
-def protect(split_model: nn.Module, defences: Defences) -> Protection:
+def protect(split_model: SplitModel, defences: Defences) -> Protection:
     """Install ``defences`` on a model returned by :func:`splitft.split`; returns the :class:`Protection`.
 
     Also kept as ``split_model.privacy``. Call it before training; the user's loop stays as it is.

@@ -93,8 +93,8 @@ def data(seed: int = 0) -> tuple[Split, Split, Split]:
     """(edge training set, attacker's auxiliary set, test set) of the digits."""
     train, test = load_digits(seed=seed)
     n = len(train) - AUX
-    edge = Split(train.x[:n], train.y[:n], torch.arange(n))
-    aux = Split(train.x[n:], train.y[n:], torch.arange(AUX))
+    edge = Split(train.tensor()[:n], train.y[:n], torch.arange(n))
+    aux = Split(train.tensor()[n:], train.y[n:], torch.arange(AUX))
     return edge, aux, test
 
 
@@ -192,18 +192,18 @@ def run_setting(s: Setting, *, seed: int = 0, epochs: int = 10, batch_size: int 
             crossed, logits = _crossed(model, protection, aux, test)
             fwd_spec = model.session.codecs.specs["fwd"]
     finally:
-        if server is not None:
+        if server is not None and thread is not None:
             server.stop()
             thread.join(timeout=10)
     aux_z = through_codec(crossed[0], fwd_spec, seed=seed + 1)
     test_z = through_codec(crossed[1], fwd_spec, seed=seed + 2)
-    inversion = inversion_attack(aux_z, aux.x, test_z, test.x, steps=inversion_steps, seed=seed)
+    inversion = inversion_attack(aux_z, aux.tensor(), test_z, test.tensor(), steps=inversion_steps, seed=seed)
     leak = label_leak(torch.cat(grads), torch.cat(labels)) if grads else {}
     return {
         **asdict(s), "seed": seed, "epochs": epochs,
         "accuracy": float((logits.argmax(1) == test.y).double().mean()),
         **traffic, "train_seconds": seconds,
-        "dcor": dcor_score(test.x, test_z),
+        "dcor": dcor_score(test.tensor(), test_z),
         "inversion_mse": inversion.mse, "inversion_ssim": inversion.ssim,
         "baseline_mse": inversion.baseline_mse, "baseline_ssim": inversion.baseline_ssim,
         "label_leak": leak.get("direction_accuracy", float("nan")), "label_chance": leak.get("chance", float("nan")),
@@ -232,7 +232,7 @@ def token_recovery(settings: list[str] = TOKEN_SETTINGS, *, aux: int = 200, targ
     model = minilm_classifier().eval()
 
     def states(split: Split, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        ids, mask = split.x["input_ids"][:count], split.x["attention_mask"][:count]
+        ids, mask = split.field("input_ids")[:count], split.field("attention_mask")[:count]
         with torch.no_grad():
             hidden = model.bert(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[2]
         return hidden, ids, mask

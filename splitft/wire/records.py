@@ -26,8 +26,12 @@ def _accepted_types(hint: Any) -> tuple[type, ...] | None:
     if hint is Any:
         return None
     if typing.get_origin(hint) in (Union, types.UnionType):
-        parts = [_accepted_types(h) for h in typing.get_args(hint)]
-        return None if any(p is None for p in parts) else tuple(t for p in parts for t in p)
+        found: list[type] = []
+        for part in map(_accepted_types, typing.get_args(hint)):
+            if part is None:
+                return None
+            found.extend(part)
+        return tuple(found)
     if hint is float:
         return (int, float)
     return (typing.get_origin(hint) or hint,)

@@ -102,9 +102,9 @@ def load_bbc(max_length: int = 128, test_fraction: float = 0.2, seed: int = 0,
         n_test = int(round(len(members) * test_fraction))
         test_idx += members[:n_test].tolist()
         train_idx += members[n_test:].tolist()
-    train_idx = rng.permutation(train_idx)
+    order = rng.permutation(train_idx)
     if limit is not None:
-        train_idx = train_idx[:limit]
+        order = order[:limit]
     tok = tokenizer()
 
     def encode(idx: Any) -> Split:
@@ -113,7 +113,7 @@ def load_bbc(max_length: int = 128, test_fraction: float = 0.2, seed: int = 0,
         x = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
         return Split(x, torch.from_numpy(labels[np.asarray(idx, dtype=np.int64)]), torch.arange(len(idx)))
 
-    train, test = encode(train_idx), encode(sorted(test_idx))
+    train, test = encode(order), encode(sorted(test_idx))
     log.info("BBC News: %d train / %d test articles, %d tokens each", len(train), len(test), max_length)
     return train, test
 
@@ -121,7 +121,7 @@ def load_bbc(max_length: int = 128, test_fraction: float = 0.2, seed: int = 0,
 class MiniLMClassifier(nn.Module):
     """A pre-trained BERT encoder, mean pooling over the real tokens, and a linear head."""
 
-    def __init__(self, encoder: nn.Module, num_classes: int) -> None:
+    def __init__(self, encoder: Any, num_classes: int) -> None:
         super().__init__()
         self.bert = encoder
         self.head = nn.Linear(encoder.config.hidden_size, num_classes)
@@ -182,7 +182,7 @@ def minilm_chain(num_classes: int = len(CLASSES), seed: int = 0) -> nn.Sequentia
     from collections import OrderedDict
 
     classifier = minilm_classifier(num_classes, seed)
-    bert = classifier.bert
+    bert: Any = classifier.bert
     layers = [(f"layer{i}", _Layer(layer)) for i, layer in enumerate(bert.encoder.layer)]
     return nn.Sequential(OrderedDict([("embeddings", bert.embeddings), *layers, ("pool", MeanPool()),
                                       ("head", classifier.head)]))
@@ -196,11 +196,11 @@ def load_bbc_windows(max_length: int = 128, test_fraction: float = 0.2, seed: in
     train, test = load_bbc(max_length=max_length, test_fraction=test_fraction, seed=seed, limit=limit)
 
     def windows(split: Split) -> Split:
-        full = split.x["attention_mask"].all(dim=1)
+        full = split.field("attention_mask").all(dim=1)
         dropped = int((~full).sum())
         if dropped:
             log.info("BBC windows: %d of %d articles are shorter than %d tokens and left out",
                      dropped, len(full), max_length)
-        return Split(split.x["input_ids"][full], split.y[full], torch.arange(int(full.sum())))
+        return Split(split.field("input_ids")[full], split.y[full], torch.arange(int(full.sum())))
 
     return windows(train), windows(test)

@@ -139,7 +139,8 @@ def _pretrained() -> nn.Module:
 
     start = time.perf_counter()
     with _quiet(), _no_gguf_bar(), torch.device("cpu"):
-        model = AutoModelForCausalLM.from_pretrained(str(model_folder()), gguf_file=GGUF_FILE, dtype=torch.float32)
+        model: Any = AutoModelForCausalLM.from_pretrained(str(model_folder()), gguf_file=GGUF_FILE,
+                                                         dtype=torch.float32)
     model.config.use_cache = False
     model.generation_config.use_cache = False
     model.requires_grad_(False)

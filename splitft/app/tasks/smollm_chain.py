@@ -81,7 +81,7 @@ def smollm_chain(rank: int = 8, alpha: int = 16, layers: list[int] | None = None
     frozen copy of the matrix, since a plain cut puts the embeddings on the edge and the head in
     the cloud, and a weight shared across a cut cannot be.
     """
-    peft_model = smollm.smollm_lora(rank=rank, alpha=alpha, layers=layers, seed=seed)
+    peft_model: Any = smollm.smollm_lora(rank=rank, alpha=alpha, layers=layers, seed=seed)
     causal_lm = peft_model.base_model.model
     decoder = causal_lm.model
     head = causal_lm.lm_head
@@ -115,7 +115,7 @@ def load_windows(max_length: int = 128, seed: int = 0, eval_windows: int = 32) -
     train, test = smollm.load_news(max_length=max_length, seed=seed, eval_windows=eval_windows)
 
     def shifted(split: Split) -> Split:
-        tokens = split.x["input_ids"]
+        tokens = split.field("input_ids")
         return Split(tokens, tokens[:, 1:].clone(), split.ids)
 
     return shifted(train), shifted(test)
