@@ -52,7 +52,7 @@ def tiny_llama(seed: int = 0, layers: int = 4, hidden: int = 64, vocab: int = 25
         return transformers.LlamaForCausalLM(config).eval()
 
 
-def models(args: argparse.Namespace) -> tuple[str, dict[str, Any], str, str, Any]:
+def models(args: argparse.Namespace) -> tuple[str, dict[str, Any], str, str, str]:
     """(factory, its kwargs, cut, a description, how the split gets its cloud weights)."""
     if args.model == "tiny":
         kwargs = {"layers": args.layers, "hidden": args.hidden}
