@@ -1,0 +1,55 @@
+"""The comparison benchmarks still run: tiny settings, their tables parse, and every variant computes
+what the unsplit model computes (the same weights after training; the same generated tokens)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+NUMBER = r"\d+\.\d+"
+RATIO = rf"(?:{NUMBER} \[{NUMBER}-{NUMBER}\]|-)"
+
+
+def _run(script: str, *args: str) -> str:
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], env=env, capture_output=True,
+                            text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_four_ways_to_a_split_step_train_the_same_weights(tmp_path):
+    out = tmp_path / "peers.json"
+    text = _run("bench_peers.py", "cnn:8", "encoder:4", "--encoder-layers", "2", "--encoder-width", "16",
+                "--seq", "8", "--rounds", "2", "--steps", "2", "--warmup", "1", "--pings", "5", "--json", str(out))
+    row = re.compile(rf"^(local|rpc|splitft|raw) +{NUMBER} +{NUMBER} \({NUMBER}\+{NUMBER}\)"
+                     rf"(?: +{RATIO}){{4}} +{NUMBER}  bitwise$", re.MULTILINE)
+    assert [m.group(1) for m in row.finditer(text)] == ["local", "rpc", "splitft", "raw"] * 2, text
+    trips = re.search(r"empty round trip, median: rpc (\d+) us, splitft (\d+) us, raw (\d+) us", text)
+    assert trips and all(float(us) > 0 for us in trips.groups()), text
+    results = json.loads(out.read_text())["results"]
+    assert [r["workload"]["label"] for r in results] == ["cnn b8", "encoder2 b4"]
+    for r in results:
+        assert all(w["equal"] and w["max_abs_diff"] == 0 for w in r["weights"].values())
+        assert len(r["rounds"]) == 2 and all(m["wall"] > 0 and m["cpu_edge"] > 0 for m in r["rounds"][0].values())
+        assert all(r["rounds"][0][v]["cpu_peer"] > 0 for v in ("rpc", "splitft", "raw"))  # the peers' CPU is counted
+        assert set(r["summary"]["splitft"]) >= {"wall/raw", "cpu/raw", "wall/local", "cpu/local"}
+
+
+def test_split_generation_per_token_against_local_gives_the_same_tokens(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "generate.json"
+    text = _run("bench_generate.py", "--batch", "1", "3", "--prompt", "6", "--new-tokens", "3", "--rounds", "1",
+                "--json", str(out))
+    row = re.compile(rf"^ +(\d+) +6 +{NUMBER} +{NUMBER} +{RATIO} +{NUMBER} / {NUMBER}  equal$", re.MULTILINE)
+    assert [int(m.group(1)) for m in row.finditer(text)] == [1, 3], text
+    cells = json.loads(out.read_text())["cells"]
+    assert [(c["batch"], c["prompt"], c["equal"]) for c in cells] == [(1, 6, True), (3, 6, True)]
+    assert all(c["local_ms"] > 0 and c["split_ms"] > 0 for c in cells)
