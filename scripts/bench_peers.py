@@ -21,7 +21,7 @@ end each variant's whole model is fetched and compared to the local one (they do
 arithmetic, so they should be equal bit for bit; the exit status is 1 if not), and the empty round
 trip of each transport is timed.
 
-Workloads are MODEL:BATCH: `cnn` is the digits CNN (splitft.models:digits_cnn) cut at block3;
+Workloads are MODEL:BATCH: `cnn` is the digits CNN (splitft.app.models:digits_cnn) cut at block3;
 `encoder` is a transformer encoder of --encoder-layers layers (token embedding, post-norm layers,
 a linear head over the flattened sequence) cut after its first layer, so the cloud half does most
 of the work.
@@ -125,7 +125,7 @@ def _processes(args: argparse.Namespace):
     with ExitStack() as stack:
         try:
             if "splitft" in args.variants:
-                from splitft.launch import local_cloud
+                from splitft.app.launch import local_cloud
 
                 address = stack.enter_context(local_cloud([CNN, ENCODER], sessions=0, exit_timeout=0, quiet=True))
                 peers["splitft"] = {"address": address, "pid": _cloud_pid(address)}

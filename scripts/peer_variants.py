@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-CNN = "splitft.models:digits_cnn"
+CNN = "splitft.app.models:digits_cnn"
 ENCODER = "peer_variants:tiny_encoder"  # the cloud imports it from this folder (PYTHONPATH is set for it)
 LR = 1e-3
 REPLY_TIMEOUT = 600.0  # seconds any process waits for another before giving up
