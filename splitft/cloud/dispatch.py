@@ -29,16 +29,22 @@ def answers(*kinds: type[protocol.Message]) -> Callable[[M], M]:
     return mark
 
 
-def answer_table(server: object) -> dict[type[protocol.Message], Answer]:
-    """Message type → the bound method of ``server`` that answers it; two for one type is an error."""
+def answer_names(server_class: type) -> dict[type[protocol.Message], str]:
+    """Message type → the name of the method of ``server_class`` that answers it; two methods
+    marked for one type are a :class:`TypeError`."""
     names: dict[type[protocol.Message], str] = {}
-    for cls in reversed(type(server).__mro__):
+    for cls in reversed(server_class.__mro__):
         for name, member in vars(cls).items():
             for kind in getattr(member, "answers", ()):
                 if names.get(kind, name) != name:
                     raise TypeError(f"{kind.__name__} messages have two handlers: {names[kind]} and {name}")
                 names[kind] = name
-    return {kind: getattr(server, name) for kind, name in names.items()}
+    return names
+
+
+def answer_table(server: object) -> dict[type[protocol.Message], Answer]:
+    """Message type → the bound method of ``server`` that answers it."""
+    return {kind: getattr(server, name) for kind, name in answer_names(type(server)).items()}
 
 
 def traffic_kind(message_type: str) -> str:
@@ -46,4 +52,4 @@ def traffic_kind(message_type: str) -> str:
     return _KIND.get(message_type, "control")
 
 
-__all__ = ["Answer", "answer_table", "answers", "traffic_kind"]
+__all__ = ["Answer", "answer_names", "answer_table", "answers", "traffic_kind"]
