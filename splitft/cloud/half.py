@@ -250,5 +250,5 @@ def host_state(weights: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     return {k: (v.float() if v.dtype == torch.bfloat16 else v).detach().cpu().numpy() for k, v in weights.items()}
 
 
-__all__ = ["Contributions", "Half", "SharedPart", "SharedParts", "cast_weights", "check_norm_type", "host_state", "load_initial",
-           "tensors_from_wire"]
+__all__ = ["Contributions", "Half", "SharedPart", "SharedParts", "cast_weights", "check_norm_type", "host_state",
+           "load_initial", "tensors_from_wire"]

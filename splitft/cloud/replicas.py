@@ -274,7 +274,7 @@ class BatchSplitSession(CloudSession):
             joined.append(torch.cat(parts).requires_grad_(mine.requires_grad))
         return joined
 
-    def keep_graph(self, msg: protocol.Forward, *args: Any) -> None:  # type: ignore[override]
+    def keep_graph(self, msg: protocol.Forward, *args: Any) -> None:
         super().keep_graph(msg, *args)
         if self._last is not None:
             self.shards[msg.call] = self._last
@@ -286,7 +286,7 @@ class BatchSplitSession(CloudSession):
         shards = self.shards.pop(call, None)
         if shards is None:
             raise ProtocolError(f"call {call}'s shards are gone (freed by an optimizer step)")
-        params = list(self.half.chain.parameters())
+        params: list[torch.Tensor] = list(self.half.chain.parameters())
         prior = _stash(params)
         try:
             with blame(ModelError, "backpropagating the edge's gradient failed"):

@@ -27,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
+from ..cut import Chain
 from ..devices import Placement
 from ..errors import ConfigError, SplitFTError
 from ..wire import protocol
@@ -50,7 +51,7 @@ def _holds_parameters(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
 
-def shard_half(chain: nn.Module, mesh: DeviceMesh) -> None:
+def shard_half(chain: Chain, mesh: DeviceMesh) -> None:
     """Shard ``chain`` (a :class:`~splitft.cut.Chain`) over ``mesh``: one unit per child of a stage
     that holds parameters (a stage without such children is a unit itself), then the root."""
     owners: dict[int, int] = {}
@@ -73,7 +74,7 @@ def shard_half(chain: nn.Module, mesh: DeviceMesh) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
-def full_weights(chain: nn.Module) -> dict[str, torch.Tensor]:
+def full_weights(chain: Chain) -> dict[str, torch.Tensor]:
     """The half's whole state under its original names; collective: every rank calls it."""
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in chain.qualified_state_dict().items()}
 

@@ -174,12 +174,13 @@ def _resume_request(msg: Hello) -> tuple[str, str, int, int, int]:
     if not isinstance(r, dict):
         raise ProtocolError("hello.resume must be a map")
     sid, token = r.get("session"), r.get("token")
-    step, seq, log_from = (r.get(k) for k in ("step", "seq", "log_from"))
-    if not (isinstance(sid, str) and _SESSION_ID.fullmatch(sid) and isinstance(token, str)
-            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (step, seq, log_from))):
+    values = [r.get(k) for k in ("step", "seq", "log_from")]
+    numbers = [n for n in values if isinstance(n, int) and not isinstance(n, bool) and n >= 0]
+    if not (isinstance(sid, str) and _SESSION_ID.fullmatch(sid) and isinstance(token, str) and len(numbers) == 3):
         raise ProtocolError("hello.resume needs session (16 hex digits), token, and step, seq, log_from "
                             f"(ints >= 0); got {short(r)}")
-    return sid, token, int(step), int(seq), int(log_from)
+    step, seq, log_from = numbers
+    return sid, token, step, seq, log_from
 
 
 def waits_for(server: Sessions, msg: Hello) -> str | None:
