@@ -110,10 +110,10 @@ def decode_backward(msg: Backward, pending: Pending, codecs: SlotCodecs, ctx: Co
     # The stream's gradient goes through ret_bwd, the others raw.
     check([([entry], None, 0 if i in streams else None) for i, entry in enumerate(got)],
           "ret_bwd", ctx, "backward request")
-    if shared is not None and pending.rerun is not None and pending.version != shared.updates:
+    if shared is not None and pending.version != shared.updates:
         # Another edge stepped the shared part since this graph was built: build it again on the
         # current weights, so the gradient is that of the model being trained now.
-        pending.inputs, pending.outputs = pending.rerun()
+        pending.rebuild()
     outputs, grads = [], []
     for out, coded, slot in zip(pending.outputs, pending.out_coded, skeleton):
         if slot is None or not out.requires_grad:

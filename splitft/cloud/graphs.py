@@ -39,6 +39,12 @@ class Pending:
     flops: int = 0  # its forward's arithmetic (its backward costs twice that) and its decode's
     decode_flops: int = 0
 
+    def rebuild(self) -> None:
+        """Build the graph again from the same inputs, on the half's current weights (a shared
+        half stepped by another edge since); a graph that cannot be rebuilt stays as it is."""
+        if self.rerun is not None:
+            self.inputs, self.outputs = self.rerun()
+
 
 class Graphs:
     """Forward calls' graphs by call number, and eager calls' deferred gradients, at most ``most`` each."""

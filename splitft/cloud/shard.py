@@ -3,7 +3,7 @@
 With ``--split-batch`` alone every rank holds a replica of the half; with ``--shard`` each holds
 1/N of its parameters, gradients and optimizer state (FSDP2's ``fully_shard``: each child
 module of a stage that holds parameters is one unit, the chain the root). Each rank still
-computes its own rows of every batch (:mod:`.batch_split`); FSDP2 gathers a unit's parameters
+computes its own rows of every batch (:mod:`.replicas`); FSDP2 gathers a unit's parameters
 for its forward and backward and reduce-scatters its gradients, summed over the ranks' rows (not
 averaged: the divide factor is 1), so every shard of the gradient is the whole batch's, as a
 replica's is after its all-reduce. The mirrored optimizer steps each rank's shard: elementwise

@@ -11,7 +11,7 @@ the session is a priced job (:mod:`.jobs`), on a worker when it is large.
 A checkpoint is written from the session's own tensors, without copies: the job that writes it
 holds the session, so nothing changes them meanwhile. A *pinned* checkpoint (the edge saved its
 own, and may come back to it after the session ended) counts against its origin's quota and
-expires (:class:`~splitft.state_files.CheckpointStore`); a pin the cloud cannot keep is refused
+expires (:class:`~splitft.cloud.checkpoint_folder.CheckpointStore`); a pin the cloud cannot keep is refused
 with a typed error, so the edge does not keep a checkpoint it could never resume.
 """
 
