@@ -40,8 +40,6 @@ class Contributions(Protocol):
 
     def contribute(self, session_id: str, half: Half, op: o.Step) -> None: ...
 
-    def waiting(self, session_id: str) -> bool: ...
-
 
 @dataclass
 class SharedPart:
