@@ -182,7 +182,7 @@ def test_bfloat16_half_refuses_nothing_the_edge_sends_and_casts_back(digits):
             out.sum().backward()
             assert x.grad is not None and x.grad.dtype == torch.float32 and torch.isfinite(x.grad).all()
             session = next(iter(cloud.server.by_id.values()))
-            assert all(p.dtype == torch.bfloat16 for p in session.chain.parameters())
+            assert all(p.dtype == torch.bfloat16 for p in session.half.chain.parameters())
     finally:
         cloud.close()
 

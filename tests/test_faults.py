@@ -75,10 +75,10 @@ def test_every_message_duplicated_is_applied_once(cloud):
     with model:
         weights = split_weights(model, data, accumulate=2)
         (session,) = server.sessions.values()
-        assert session.steps == STEPS
-        assert session.last_seq >= 2 * STEPS  # at least the two forwards of every accumulated step
+        assert session.mirrored.steps == STEPS
+        assert session.replies.last_seq >= 2 * STEPS  # at least the two forwards of every accumulated step
         # every request came twice and was applied once (the very last copy may still be in flight)
-        assert session.duplicates >= session.last_seq - 1
+        assert session.replies.duplicates >= session.replies.last_seq - 1
     assert_same(weights, local_weights(data, accumulate=2))
 
 
@@ -110,7 +110,7 @@ def test_lost_replies_cost_a_retry_not_a_step(cloud):
         weights = split_weights(model, data)
         (session,) = server.sessions.values()
         # a loaded machine's slow reply may add a retry through the 0.25 s timeout: never a step
-        assert session.steps == STEPS and session.duplicates >= len(dropped) >= STEPS - 1
+        assert session.mirrored.steps == STEPS and session.replies.duplicates >= len(dropped) >= STEPS - 1
         assert model.session.recoveries >= len(dropped)
     assert_same(weights, local_weights(data))
 
@@ -148,7 +148,7 @@ def test_a_repeated_step_id_is_skipped(cloud):
         model.session.queue({"op": "step", "id": 1, "lr": 0.5})  # step 1 again, e.g. from a replay
         after = model.cloud_state_dict()
         assert_same(before, after)
-        assert server.sessions[next(iter(server.sessions))].steps == 1
+        assert server.sessions[next(iter(server.sessions))].mirrored.steps == 1
         model.session.queue({"op": "step", "id": 3, "lr": 0.5})  # step 2 never came
         with pytest.raises(splitft.errors.ProtocolError, match="step 3 arrived but this session is at step 1"):
             model.sync()
@@ -170,7 +170,7 @@ def test_raw_duplicate_request_gets_the_cached_reply(cloud):
         second = [bytes(f) for f in conn.recv(5)]
         assert first == second and protocol.decode(first).seq == seq
         (session,) = server.sessions.values()
-        assert session.last_seq == seq and session.duplicates == 1
+        assert session.replies.last_seq == seq and session.replies.duplicates == 1
         model.session._seq = seq
 
 
@@ -230,7 +230,7 @@ def test_lost_requests_among_micro_batches_in_flight(cloud, eager):
         weights = split_weights(model, data)
         assert model.session.recoveries >= 2
         (session,) = server.sessions.values()
-        assert session.steps == STEPS
+        assert session.mirrored.steps == STEPS
     local = local_weights(data)
     assert set(weights) == set(local)
     for name in local:  # micro-batches sum the gradient in another order: rounding-level differences

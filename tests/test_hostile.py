@@ -427,7 +427,7 @@ def test_ten_thousand_malformed_messages_get_typed_errors_and_the_cloud_still_tr
     # Memory stayed bounded.
     assert len(server.by_id) <= LIMITS.max_sessions
     for session in server.by_id.values():
-        assert len(session.pending) <= LIMITS.max_pending_calls and len(session.replies) <= LIMITS.reply_cache
+        assert len(session.graphs.pending) <= LIMITS.max_pending_calls and len(session.replies) <= LIMITS.reply_cache
     # The cloud still serves a well-behaved edge, exactly.
     data = _data(3)
     model = splitft.split(mlp(), 2, factory=MLP, connect=listener.connect)
@@ -513,8 +513,8 @@ def test_specific_hostile_requests_are_refused_with_their_code(hostile_cloud):
         (session,) = server.sessions.values()
         for _ in range(3 * LIMITS.max_pending_calls):
             crit(model(x), y)  # graphs (or eager gradients) whose backward never comes
-        assert len(session.deferred) == LIMITS.max_pending_calls
-        assert len(session.pending) <= LIMITS.max_pending_calls
+        assert len(session.graphs.deferred) == LIMITS.max_pending_calls
+        assert len(session.graphs.pending) <= LIMITS.max_pending_calls
 
 
 def test_sessions_are_bounded(hostile_cloud):

@@ -60,7 +60,7 @@ def test_requests_are_numbered_and_a_lost_reply_is_answered_from_the_cloud_cache
         assert isinstance(reply, Ack) and reply.seq == seq == 2 and lose == []
         assert session.recoveries == recoveries + 1
         (cloud_session,) = server.sessions.values()
-        assert cloud_session.steps == 2 and cloud_session.duplicates >= 1  # applied once, answered again
+        assert cloud_session.mirrored.steps == 2 and cloud_session.replies.duplicates >= 1  # applied once, answered again
         assert session.send(Sync(), "control") == 3  # numbering goes on
     finally:
         session.close()

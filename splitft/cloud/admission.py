@@ -22,14 +22,58 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from ..errors import CapacityError
+from .budget import MemoryBook
+from .limits import Limits
 
-if TYPE_CHECKING:
-    from .server import CloudServer
+
+@dataclass
+class Seat:
+    """One session's place in the cloud, as admission sees it: who opened it, when its edge was
+    last heard, whether it trained, and the memory book its holdings are checked against (the
+    server's, once the session is bound)."""
+
+    trained: bool = False  # restored from a checkpoint, or a forward arrived: the session did work
+    origin: str = ""  # who opened it (address or key), for the per-origin caps
+    last_seen: float = field(default_factory=time.monotonic)
+    book: MemoryBook | None = None
+
+    def bind(self, origin: str, book: MemoryBook) -> None:
+        """The session is bound to a peer of ``origin`` and counted in ``book``."""
+        self.origin, self.book = origin, book
+        self.heard()
+
+    def heard(self) -> None:
+        """Its edge was heard (a message, or an answered job) just now."""
+        self.last_seen = time.monotonic()
+
+    def working(self) -> None:
+        """A forward arrived: the session does work."""
+        self.trained = True
+
+    def fits(self, session_id: str, held: int, extra: int, what: str) -> None:
+        """Refuse work that would take the session (or the cloud) over its memory budget."""
+        if self.book is not None:
+            self.book.check(session_id, held, extra, what)
+
+
+class Host(Protocol):
+    """What admission needs of the server it decides for."""
+
+    @property
+    def limits(self) -> Limits: ...
+
+    @property
+    def book(self) -> MemoryBook: ...
+
+    @property
+    def by_id(self) -> Mapping[str, Any]: ...
+
+    def evict(self, session_id: str, text: str) -> None: ...
 
 
 @dataclass
@@ -48,7 +92,7 @@ class Activity:
 class Admission:
     """A cloud server's places: who holds them, and whom to evict when a newcomer needs one."""
 
-    def __init__(self, server: CloudServer, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, server: Host, clock: Callable[[], float] = time.monotonic) -> None:
         self.server = server
         self.clock = clock
         self.activity: dict[str, Activity] = {}  # by session id
@@ -174,4 +218,4 @@ class Admission:
         self.server.evict(session_id, f"evicted {why} ({state}; origin {activity.origins[0] or 'unknown'})")
 
 
-__all__ = ["Activity", "Admission"]
+__all__ = ["Activity", "Admission", "Host", "Seat"]

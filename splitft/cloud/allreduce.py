@@ -97,7 +97,7 @@ def group_from_env(backend: str = "gloo", timeout: timedelta | None = None) -> b
     missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing:
         raise ConfigError(f"WORLD_SIZE is set but {', '.join(missing)} is not: launch the ranks with torchrun")
-    dist.init_process_group(backend, **({"timeout": timeout} if timeout is not None else {}))
+    dist.init_process_group(backend, timeout=timeout)
     log.info("rank %d of %d joined the %s group", dist.get_rank(), dist.get_world_size(), backend)
     return True
 
@@ -154,7 +154,11 @@ class RankReducer:
 
     def __init__(self, shapes: list[torch.Size], dtype: torch.dtype, device: torch.device,
                  compression: GradCompression, group: Any = None) -> None:
-        self.group = group if group is not None else dist.group.WORLD
+        chosen = group if group is not None else dist.group.WORLD
+        if chosen is None:
+            raise ConfigError("the ranks' gradient sum needs torch.distributed initialized (launch the ranks with "
+                              "torchrun)")
+        self.group: dist.ProcessGroup = chosen
         self.world = dist.get_world_size(self.group)
         self.compression = compression
         stand_ins = [torch.zeros(shape, dtype=dtype, device=device, requires_grad=True) for shape in shapes]

@@ -130,17 +130,18 @@ class BatchLink:
             return
         flags = torch.tensor([float(p.grad is not None) for p in params], dtype=torch.float64)
         dist.all_reduce(flags, group=self.group)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for p, flag in zip(params, flags.tolist()):
             if flag > 0:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                by_dtype.setdefault(p.grad.dtype, []).append(p)
-        for group in by_dtype.values():
-            flat = torch.cat([p.grad.reshape(-1) for p in group])
+                grad = p.grad
+                if grad is None:
+                    grad = p.grad = torch.zeros_like(p)
+                by_dtype.setdefault(grad.dtype, []).append((p, grad))
+        for pairs in by_dtype.values():
+            flat = torch.cat([grad.reshape(-1) for _, grad in pairs])
             dist.all_reduce(flat, group=self.group)
-            for p, chunk in zip(group, flat.split([p.numel() for p in group])):
-                p.grad = chunk.view_as(p.grad).clone()
+            for (p, grad), chunk in zip(pairs, flat.split([p.numel() for p, _ in pairs])):
+                p.grad = chunk.view_as(grad).clone()
 
 
 def shard_sizes(rows: int, world: int) -> list[int]:

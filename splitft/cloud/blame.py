@@ -1,7 +1,10 @@
-"""Small helpers every cloud room uses: typed blame for the edge's input, and stage timers."""
+"""Small helpers every cloud room uses: typed blame for the edge's input, how a peer's value is
+quoted in an error, stage timers, and a log of internal errors a peer cannot flood."""
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -9,6 +12,10 @@ from contextlib import contextmanager
 import compressors
 
 from ..errors import SplitFTError
+from ..wire.records import _short
+
+#: A peer's value as an error quotes it: its repr, cut short (the wire's own rule, one import here).
+short = _short
 
 
 @contextmanager
@@ -39,3 +46,29 @@ class Stopwatch:
             yield
         finally:
             self.seconds[stage] += time.perf_counter() - start
+
+
+class ErrorLog:
+    """Internal errors are logged with a traceback at most once per ``interval`` seconds.
+
+    Every such error still gets a typed reply; the log just cannot be flooded by a peer that found
+    one and repeats it.
+    """
+
+    def __init__(self, log: logging.Logger, interval: float = 60.0) -> None:
+        self.log, self.interval = log, interval
+        self._last = -math.inf
+        self.suppressed = 0
+
+    def report(self, exc: BaseException, peer: bytes) -> None:
+        now = time.monotonic()
+        if now - self._last >= self.interval:
+            self._last = now
+            more = f" ({self.suppressed} more since the last one logged)" if self.suppressed else ""
+            self.suppressed = 0
+            self.log.error("internal error while serving peer %s%s", peer.hex(), more, exc_info=exc)
+        else:
+            self.suppressed += 1
+
+
+__all__ = ["ErrorLog", "Stopwatch", "blame", "short"]

@@ -1,8 +1,10 @@
 """Building a session's cloud half from a hello: the factory it names, its cost admitted first.
 
-The factory's size is counted on the ``meta`` device before anything is allocated, so a request
-for a huge model is refused before its memory is taken; the half is then cut as the hello says and
-checked against the edge's (parameter names and shapes, and each module's layers and settings).
+A hello is checked before anything is built (the protocol version, a canonical codec spec per
+slot). The factory's size is counted on the ``meta`` device before anything is allocated, so a
+request for a huge model is refused before its memory is taken; the half is then cut as the hello
+says and checked against the edge's (parameter names and shapes, and each module's layers and
+settings).
 """
 
 from __future__ import annotations
@@ -13,12 +15,41 @@ from typing import Any
 import torch
 from torch import nn
 
+import compressors
+
 from ..cut import Chain, check_structure, extract, fingerprint, parse_cut
 from ..errors import CapacityError, CutError, HandshakeError
-from ..wire.protocol import Hello
-from ..wire.records import _short
+from ..wire.coding import SLOTS
+from ..wire.protocol import PROTOCOL_VERSION, Hello
+from .blame import short
 from .budget import MODEL_STATE_FACTOR
 from .limits import Limits
+
+
+def hello_identity(hello: Hello) -> dict[str, Any]:
+    """What a resumed session must agree on with the one it resumes."""
+    return {"factory": hello.factory, "factory_kwargs": hello.factory_kwargs, "cut": hello.cut,
+            "rejoin": hello.rejoin, "fingerprint": hello.fingerprint, "codecs": hello.codecs, "seed": hello.seed}
+
+
+def check_version(hello: Hello) -> None:
+    """The edge speaks this cloud's protocol."""
+    if hello.protocol != PROTOCOL_VERSION:
+        raise HandshakeError(f"the edge speaks protocol {hello.protocol}, this cloud speaks "
+                             f"{PROTOCOL_VERSION}; install the same splitft version on both")
+
+
+def check_codecs(codecs: Any) -> None:
+    """The hello names a canonical codec spec for every slot."""
+    if not isinstance(codecs, dict) or set(codecs) != set(SLOTS) \
+            or not all(isinstance(v, str) for v in codecs.values()):
+        raise HandshakeError(f"codecs must name a spec for each of {SLOTS}, got {codecs!r}")
+    try:
+        canonical = {slot: compressors.canonical_spec(spec) for slot, spec in codecs.items()}
+    except compressors.CompressionError as exc:
+        raise HandshakeError(f"edge asked for a codec this cloud cannot run: {exc}") from exc
+    if canonical != codecs:
+        raise HandshakeError(f"codec specs are not in canonical form: {codecs} (expected {canonical})")
 
 
 def count_params(factory: Callable[..., nn.Module], kwargs: dict) -> int | None:
@@ -69,13 +100,13 @@ def build_chain(hello: Hello, factories: dict[str, Callable[..., nn.Module]], li
     try:
         model = factory(**hello.factory_kwargs)
     except MemoryError:
-        raise CapacityError(f"{hello.factory}({_short(hello.factory_kwargs)}) does not fit this machine's "
+        raise CapacityError(f"{hello.factory}({short(hello.factory_kwargs)}) does not fit this machine's "
                             "memory") from None
     except Exception as exc:  # noqa: BLE001 — the operator's code, called with the edge's arguments
         # Whatever a factory raises for the values an edge chose (int('x'), a seed that overflows)
         # is the edge's to fix: a typed refusal, never an internal error.
         raise HandshakeError(f"factory {hello.factory!r} rejected its arguments "
-                             f"{_short(hello.factory_kwargs)}: {type(exc).__name__}: {exc}") from exc
+                             f"{short(hello.factory_kwargs)}: {type(exc).__name__}: {exc}") from exc
     spec = parse_cut(model, hello.cut, hello.rejoin)
     chain = extract(model, spec)
     mine = fingerprint(chain)
@@ -93,4 +124,4 @@ def build_chain(hello: Hello, factories: dict[str, Callable[..., nn.Module]], li
     return chain, spec.ushape
 
 
-__all__ = ["build_chain", "check_factory_kwargs", "count_params"]
+__all__ = ["build_chain", "check_codecs", "check_factory_kwargs", "check_version", "count_params", "hello_identity"]

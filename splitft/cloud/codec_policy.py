@@ -58,6 +58,8 @@ class Policy:
         """Refuse codec specs an edge may not ask for; each slot's spec must be canonical already."""
         for slot in SLOTS:
             spec = specs.get(slot)
+            if spec is None:
+                raise PolicyError(f"{slot}: no codec spec (the hello names one for each of {SLOTS})")
             try:
                 compressors.check_spec(spec, self.bounds, self.codecs.get(slot))
             except compressors.PolicyError as exc:

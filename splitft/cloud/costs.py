@@ -182,6 +182,15 @@ class HalfCost:
         return 2 * max(self.params, 1) * math.ceil(numel / max(last_dim, 1))
 
 
+class Pricing:
+    """One session's pricing state: what its half's forward costs per input signature, and the
+    pace its requests run at (both learnt from its own requests)."""
+
+    def __init__(self, chain: nn.Module) -> None:
+        self.cost = HalfCost(chain)
+        self.pace = Pace()
+
+
 def warm_up() -> None:
     """Count a tiny forward once, so that the first session's first count does not pay for the
     import behind torch's dispatch modes (about a second, once per process)."""
@@ -190,4 +199,4 @@ def warm_up() -> None:
     HalfCost(nn.Linear(2, 2, device="meta")).forward("warm-up", lambda twin: twin(meta_like(torch.ones(1, 2))), 0)
 
 
-__all__ = ["BACKWARD_FACTOR", "HalfCost", "Pace", "Price", "check", "meta_like", "meta_twin", "warm_up"]
+__all__ = ["BACKWARD_FACTOR", "HalfCost", "Pace", "Price", "Pricing", "check", "meta_like", "meta_twin", "warm_up"]

@@ -1,8 +1,11 @@
 """Applying the operations an edge mirrors (:mod:`splitft.wire.operations`) to one session.
 
-Each operation has one handler, found by its record type in :data:`HANDLERS`. Operations that
-change state carry ids of their own (step n, attachment n), so applying a replayed request again
-is harmless.
+Each operation has one handler, registered for its record type with :func:`handles` (a new
+operation is a record, a handler here, and the edge call that queues it). What the handlers set
+is :class:`Mirrored`, the one owner of a session's optimizer, loss, module modes and step count;
+what else they touch (the half, its graphs, its caches) they reach through :class:`Target`.
+Operations that change state carry ids of their own (step n, attachment n), so applying a
+replayed request again is harmless.
 """
 
 from __future__ import annotations
@@ -10,24 +13,102 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
 
-from ..wire import operations as o
 from ..errors import CapacityError, ConfigError, ModelError, PolicyError, ProtocolError
-from ..wire.protocol import _short
-from .blame import blame
+from ..wire import operations as o
+from .blame import blame, short
+from .caches import SessionCaches
+from .graphs import Graphs
+from .half import Half, SharedPart, cast_weights
+from .limits import Limits
+from .replies import Replies
 from .shared_policy import SharedPolicy
-
-if TYPE_CHECKING:
-    from .session import CloudSession
 
 log = logging.getLogger(__name__)
 
 
-def apply_ops(session: CloudSession, ops: list) -> int:
+@dataclass
+class Mirrored:
+    """What the edge's loop set that the cloud repeats for one session: its optimizer (its own, or
+    the shared half's), the loss after a plain split's half, the modules run in the other mode, and
+    the optimizer steps applied."""
+
+    shared: SharedPart | None = None
+    own_optimizer: torch.optim.Optimizer | None = None
+    optimizer_spec: o.AttachOptimizer | None = None
+    optimizer_id: int = 0
+    loss_fn: nn.Module | None = None
+    loss_spec: o.SetLoss | None = None
+    flipped: list[nn.Module] = field(default_factory=list)  # modules the edge runs in the other mode
+    steps: int = 0
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer this session steps: the shared half's, or its own."""
+        return self.shared.optimizer if self.shared is not None else self.own_optimizer
+
+    def restored(self, steps: int, optimizer_id: int) -> None:
+        """Counters as a checkpoint left them (its operations were applied again first)."""
+        self.steps, self.optimizer_id = steps, optimizer_id
+
+
+class Target(Protocol):
+    """What a handler reaches of a session."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def limits(self) -> Limits: ...
+
+    @property
+    def half(self) -> Half: ...
+
+    @property
+    def mirrored(self) -> Mirrored: ...
+
+    @property
+    def graphs(self) -> Graphs: ...
+
+    @property
+    def caches(self) -> SessionCaches: ...
+
+    @property
+    def replies(self) -> Replies: ...
+
+
+Handler = Callable[[Any, Any], Any]
+H = TypeVar("H", bound=Handler)
+
+#: Record type → its one handler, filled by :func:`handles`.
+HANDLERS: dict[type[o.Operation], Handler] = {}
+
+
+def handles(kind: type[o.Operation]) -> Callable[[H], H]:
+    """Register the decorated function as the handler of ``kind``; a second one is refused."""
+    def register(handler: H) -> H:
+        if kind in HANDLERS:
+            raise TypeError(f"operation {kind.__name__} already has a handler: {HANDLERS[kind].__name__}")
+        HANDLERS[kind] = handler
+        return handler
+    return register
+
+
+def handler_for(kind: type[o.Operation]) -> Handler:
+    """The handler of record type ``kind``; a :class:`ProtocolError` for a type without one."""
+    handler = HANDLERS.get(kind)
+    if handler is None:
+        raise ProtocolError(f"this cloud applies no operation {short(getattr(kind, 'NAME', kind))}; it applies "
+                            f"{', '.join(sorted(k.NAME for k in HANDLERS))}")
+    return handler
+
+
+def apply_ops(session: Target, ops: list) -> int:
     """Apply mirrored operations in order; returns how many optimizer steps were new."""
     if len(ops) > session.limits.max_ops:
         raise CapacityError(f"a message carries {len(ops)} operations; this cloud applies at most "
@@ -35,14 +116,8 @@ def apply_ops(session: CloudSession, ops: list) -> int:
     stepped = 0
     for value in ops:
         op = o.from_wire(value)
-        stepped += bool(HANDLERS[type(op)](session, op))
+        stepped += bool(handler_for(type(op))(session, op))
     return stepped
-
-
-def check_norm_type(norm_type: float) -> None:
-    """A gradient norm's type the edge may ask for: positive, or inf."""
-    if not (norm_type == math.inf or (math.isfinite(norm_type) and norm_type > 0)):
-        raise ProtocolError(f"a gradient norm's type must be positive, got {norm_type}")
 
 
 def _positive_id(value: int | None) -> int | None:
@@ -51,47 +126,49 @@ def _positive_id(value: int | None) -> int | None:
     return value
 
 
-def attach_optimizer(session: CloudSession, op: o.AttachOptimizer) -> None:
+@handles(o.AttachOptimizer)
+def attach_optimizer(session: Target, op: o.AttachOptimizer) -> None:
+    mirrored, half = session.mirrored, session.half
     op_id = _positive_id(op.id)
-    if op_id is not None and op_id <= session.optimizer_id and session.optimizer_spec is not None:
+    if op_id is not None and op_id <= mirrored.optimizer_id and mirrored.optimizer_spec is not None:
         return  # a replayed attach: the optimizer (and its state) is already there
     cls = getattr(torch.optim, op.name, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
-        raise ConfigError(f"{_short(op.name)} is not a torch.optim optimizer")
-    groups = _param_groups(session, op)
-    shared = session.shared
+        raise ConfigError(f"{short(op.name)} is not a torch.optim optimizer")
+    groups = _param_groups(half, op)
+    shared = half.shared
     if shared is not None:  # the cloud's optimizer, never the first edge's: an edge's must be it
-        policy = shared_policy(session)
-        policy.check_attach(cls.__name__, op.settings, op.groups, session.chain.qualified_parameters())
-        if shared.optimizer is None:
-            shared.optimizer = policy.build(list(session.chain.parameters()))
-            shared.optimizer_spec = (policy.optimizer, policy.describe())
+        policy = shared_policy(shared)
+        policy.check_attach(cls.__name__, op.settings, op.groups, half.chain.qualified_parameters())
+        shared.attach(lambda: policy.build(list(half.chain.parameters())),
+                      (policy.optimizer or "", policy.describe()))
     else:
-        session.own_optimizer = _make_optimizer(groups, cls, op.settings)
-    session.optimizer_spec = o.AttachOptimizer(name=cls.__name__, settings=dict(op.settings), groups=op.groups)
-    session.optimizer_id = op_id if op_id is not None else session.optimizer_id + 1
+        mirrored.own_optimizer = _make_optimizer(groups, cls, op.settings)
+    mirrored.optimizer_spec = o.AttachOptimizer(name=cls.__name__, settings=dict(op.settings), groups=op.groups)
+    mirrored.optimizer_id = op_id if op_id is not None else mirrored.optimizer_id + 1
 
 
-def _param_groups(session: CloudSession, op: o.AttachOptimizer) -> list[dict[str, Any]]:
+def _param_groups(half: Half, op: o.AttachOptimizer) -> list[dict[str, Any]]:
     """The optimizer's groups over the half's parameters, by their unsplit names."""
     if op.groups is None:
-        return [{"params": list(session.chain.parameters())}]
+        return [{"params": list(half.chain.parameters())}]
     if len(op.groups) > _MAX_GROUPS:
         raise CapacityError(f"an optimizer with {len(op.groups)} parameter groups; at most {_MAX_GROUPS}")
-    groups, seen = [], set()
+    groups: list[dict[str, Any]] = []
+    seen: set[str] = set()
     for group in op.groups:
         if not (isinstance(group, dict) and set(group) == {"names", "settings"} and isinstance(group["names"], list)
                 and all(isinstance(n, str) for n in group["names"]) and isinstance(group["settings"], dict)):
             raise ProtocolError(f"a parameter group is a map of 'names' (list of str) and 'settings' (map), "
-                                f"got {_short(group)}")
+                                f"got {short(group)}")
         unknown = [k for k in group["settings"] if k not in op.settings]
         if unknown:
-            raise ConfigError(f"a parameter group sets {_short(unknown[0])}, which is not among the optimizer's settings")
+            raise ConfigError(f"a parameter group sets {short(unknown[0])}, which is not among the optimizer's settings")
         names = group["names"]
         if seen.intersection(names) or len(set(names)) != len(names):
             raise ProtocolError("a parameter appears in more than one parameter group")
         seen.update(names)
-        groups.append({"params": session.parameters_named(names), **group["settings"]})
+        groups.append({"params": half.parameters_named(names), **group["settings"]})
     return groups
 
 
@@ -105,81 +182,86 @@ def _make_optimizer(groups: list[dict[str, Any]], cls: type, settings: dict) -> 
     try:
         return cls(groups, **settings)
     except Exception as exc:  # optimizers raise TypeError, ValueError, RuntimeError for bad settings
-        raise ConfigError(f"cannot build {cls.__name__} with {_short(settings)}: {exc}") from exc
+        raise ConfigError(f"cannot build {cls.__name__} with {short(settings)}: {exc}") from exc
 
 
-def free_cache(session: CloudSession, op: o.FreeCache) -> None:
+@handles(o.FreeCache)
+def free_cache(session: Target, op: o.FreeCache) -> None:
     session.caches.free(op.id)
 
 
-def set_modes(session: CloudSession, op: o.SetModes) -> None:
+@handles(o.SetModes)
+def set_modes(session: Target, op: o.SetModes) -> None:
     """Modules to run in the other mode than each call's (``net.layer[3].eval()`` during training)."""
-    modules = session.chain.qualified_modules()
+    modules = session.half.chain.qualified_modules()
     unknown = [n for n in op.names if not isinstance(n, str) or n not in modules]
     if unknown:
-        raise ProtocolError(f"the cloud half has no module {_short(unknown[0])}")
-    session.flipped = [modules[n] for n in dict.fromkeys(op.names)]
+        raise ProtocolError(f"the cloud half has no module {short(unknown[0])}")
+    session.mirrored.flipped = [modules[n] for n in dict.fromkeys(op.names)]
 
 
-def set_frozen(session: CloudSession, op: o.SetFrozen) -> None:
+@handles(o.SetFrozen)
+def set_frozen(session: Target, op: o.SetFrozen) -> None:
     """``requires_grad`` of each parameter of the half, as the edge's script set it (a shared
     half's are the cloud's: the edge's must match them)."""
-    frozen = {id(p) for p in session.parameters_named(op.names)}
-    if session.shared is not None:
-        shared_policy(session).check_frozen(op.names)
+    half = session.half
+    frozen = {id(p) for p in half.parameters_named(op.names)}
+    if half.shared is not None:
+        shared_policy(half.shared).check_frozen(op.names)
         return
-    for param in session.chain.parameters():
+    for param in half.chain.parameters():
         param.requires_grad_(id(param) not in frozen)
 
 
-def set_loss(session: CloudSession, op: o.SetLoss) -> None:
+@handles(o.SetLoss)
+def set_loss(session: Target, op: o.SetLoss) -> None:
     cls = getattr(nn, op.name, None)
     if not (isinstance(cls, type) and issubclass(cls, nn.modules.loss._Loss)):
-        raise ConfigError(f"{_short(op.name)} is not a torch.nn loss")
+        raise ConfigError(f"{short(op.name)} is not a torch.nn loss")
     try:
-        session.loss_fn = cls(**op.settings)
+        session.mirrored.loss_fn = cls(**op.settings)
     except Exception as exc:
-        raise ConfigError(f"cannot build {cls.__name__} with {_short(op.settings)}: {exc}") from exc
-    session.loss_spec = op
+        raise ConfigError(f"cannot build {cls.__name__} with {short(op.settings)}: {exc}") from exc
+    session.mirrored.loss_spec = op
 
 
-def step(session: CloudSession, op: o.Step) -> bool:
+@handles(o.Step)
+def step(session: Target, op: o.Step) -> bool:
+    mirrored, half = session.mirrored, session.half
     step_id = _positive_id(op.id)
     if step_id is not None:
-        if step_id <= session.steps:
-            session.duplicates += 1
+        if step_id <= mirrored.steps:
+            session.replies.repeated_step()
             log.info("session %s: optimizer step %d was applied already; skipped", session.id, step_id)
             return False
-        if step_id != session.steps + 1:
-            raise ProtocolError(f"optimizer step {step_id} arrived but this session is at step {session.steps}; "
+        if step_id != mirrored.steps + 1:
+            raise ProtocolError(f"optimizer step {step_id} arrived but this session is at step {mirrored.steps}; "
                                 "steps in between were lost (resume the session to replay them)")
-    if session.optimizer_spec is None:
+    if mirrored.optimizer_spec is None:
         raise ConfigError("the edge stepped its optimizer, but none was attached: call model.attach(optimizer)")
-    rounds = session.shared.rounds if session.shared is not None else None
+    rounds = half.shared.rounds if half.shared is not None else None
     if rounds is not None:
-        rounds.contribute(session, op)  # one optimizer step for all the round's edges, when it closes
-    elif (optimizer := session.optimizer) is not None:
-        step_settings(session, optimizer, op)
-        with session.own_grads(), blame(ModelError, "the optimizer step failed"):
-            if session.shared is not None:
-                check_finite_grads(session.chain.parameters())
+        rounds.contribute(session.id, half, op)  # one optimizer step for all the round's edges, when it closes
+    elif (optimizer := mirrored.optimizer) is not None:
+        step_settings(half.shared, optimizer, op)
+        with half.own_grads(), blame(ModelError, "the optimizer step failed"):
+            if half.shared is not None:
+                check_finite_grads(half.chain.parameters())
             optimizer.step()
-    session.steps += 1
-    if session.shared is not None:
-        session.shared.updates += rounds is None
-    else:
-        session.pending.clear()  # graphs from before a step can no longer be backpropagated correctly
-    session.deferred.clear()
+    mirrored.steps += 1
+    if half.shared is not None and rounds is None:
+        half.shared.stepped()
+    session.graphs.after_step(shared=half.shared is not None)
     return True
 
 
-def step_settings(session: CloudSession, optimizer: torch.optim.Optimizer, op: o.Step) -> None:
+def step_settings(shared: SharedPart | None, optimizer: torch.optim.Optimizer, op: o.Step) -> None:
     """Set a step's learning rates (and changed settings) on the optimizer it steps: an own half's
     as the edge's scheduler left them, a shared half's within the cloud's policy."""
-    if session.shared is None:
+    if shared is None:
         _set_hyperparameters(optimizer, op)
         return
-    lr = shared_policy(session).step_lr(op)
+    lr = shared_policy(shared).step_lr(op)
     if lr is not None:
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -191,10 +273,9 @@ def check_finite_grads(params: Iterable[torch.Tensor]) -> None:
         raise ProtocolError("the session's gradient contains NaN or Inf (refused for a shared cloud part)")
 
 
-def shared_policy(session: CloudSession) -> SharedPolicy:
-    """The cloud's settings for the session's shared half (none given: no optimizer, nothing frozen)."""
-    policy = getattr(session.shared, "policy", None)
-    return policy if policy is not None else _NO_POLICY
+def shared_policy(shared: SharedPart) -> SharedPolicy:
+    """The cloud's settings for a shared half (none given: no optimizer, nothing frozen)."""
+    return shared.policy if shared.policy is not None else _NO_POLICY
 
 
 _NO_POLICY = SharedPolicy()
@@ -210,15 +291,15 @@ def _set_hyperparameters(optimizer: torch.optim.Optimizer, op: o.Step) -> None:
     for group, lr, changes in zip(groups, lrs, op.changes or [{}] * len(groups)):
         if lr is not None:
             if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr)):
-                raise ProtocolError(f"learning rate {_short(lr)} is not a finite number")
+                raise ProtocolError(f"learning rate {short(lr)} is not a finite number")
             group["lr"] = lr
         if not isinstance(changes, dict):
-            raise ProtocolError(f"a group's changed settings must be a map, got {_short(changes)}")
+            raise ProtocolError(f"a group's changed settings must be a map, got {short(changes)}")
         for key, value in changes.items():
             if key in ("params", "lr") or key not in group:
-                raise ProtocolError(f"a step cannot change the optimizer's {_short(key)}")
+                raise ProtocolError(f"a step cannot change the optimizer's {short(key)}")
             if not _plain_setting(value, group[key]):
-                raise ProtocolError(f"setting {key} must keep its type, got {_short(value)}")
+                raise ProtocolError(f"setting {key} must keep its type, got {short(value)}")
             group[key] = tuple(value) if isinstance(group[key], tuple) else value
 
 
@@ -233,14 +314,15 @@ def _plain_setting(value: Any, current: Any) -> bool:
     return False
 
 
-def apply_eager(session: CloudSession, op: o.ApplyEager) -> None:
+@handles(o.ApplyEager)
+def apply_eager(session: Target, op: o.ApplyEager) -> None:
     """The edge backpropagated through an eager call: add its parameter gradients, scaled."""
     if not math.isfinite(op.scale):
         raise ProtocolError(f"apply needs a finite scale, got {op.scale}")
-    deferred = session.deferred.get(op.call)
+    deferred = session.graphs.deferred.get(op.call)
     if deferred is None:
         raise ProtocolError(f"no eager call {op.call} to apply (freed by an optimizer step, or never sent)")
-    with torch.no_grad(), session.own_grads():
+    with torch.no_grad(), session.half.own_grads():
         for param, grad in deferred:
             if grad is None:
                 continue
@@ -250,98 +332,67 @@ def apply_eager(session: CloudSession, op: o.ApplyEager) -> None:
                 param.grad.add_(grad, alpha=op.scale)
 
 
-def zero_grad(session: CloudSession, op: o.ZeroGrad) -> None:
+@handles(o.ZeroGrad)
+def zero_grad(session: Target, op: o.ZeroGrad) -> None:
+    half, optimizer = session.half, session.mirrored.optimizer
     if op.names is not None:  # p.grad = None / p.grad.zero_() on the edge, parameter by parameter
-        params = session.parameters_named(op.names)
-        with torch.no_grad(), session.own_grads():
+        params = half.parameters_named(op.names)
+        with torch.no_grad(), half.own_grads():
             for param in params:
                 if op.set_to_none:
                     param.grad = None
                 elif param.grad is not None:
                     param.grad.zero_()
         return
-    with session.own_grads():
-        if op.model or session.shared is not None:
-            session.chain.zero_grad(set_to_none=op.set_to_none)
-        elif session.optimizer is not None:
-            session.optimizer.zero_grad(set_to_none=op.set_to_none)
+    with half.own_grads():
+        if op.model or half.shared is not None:
+            half.chain.zero_grad(set_to_none=op.set_to_none)
+        elif optimizer is not None:
+            optimizer.zero_grad(set_to_none=op.set_to_none)
 
 
-def scale_grads(session: CloudSession, op: o.ScaleGrads) -> None:
-    if session.shared is not None and not abs(op.factor) <= 1:
+@handles(o.ScaleGrads)
+def scale_grads(session: Target, op: o.ScaleGrads) -> None:
+    if session.half.shared is not None and not abs(op.factor) <= 1:
         # Clipping and unscaling shrink gradients; growing one would grow every edge's weights.
         raise PolicyError(f"a shared half's gradients may be scaled down only (|factor| <= 1), got {op.factor}")
     if op.divide:
-        _each_grad(session, (op.factor,), op.names, lambda grad: grad.div_(op.factor))
+        _each_grad(session.half, (op.factor,), op.names, lambda grad: grad.div_(op.factor))
     else:
-        _each_grad(session, (op.factor,), op.names, lambda grad: grad.mul_(op.factor))
+        _each_grad(session.half, (op.factor,), op.names, lambda grad: grad.mul_(op.factor))
 
 
-def clamp_grads(session: CloudSession, op: o.ClampGrads) -> None:
+@handles(o.ClampGrads)
+def clamp_grads(session: Target, op: o.ClampGrads) -> None:
     bounds = tuple(b for b in (op.low, op.high) if b is not None)
     if not bounds:
         raise ProtocolError("clamp_grads needs a low or a high bound")
-    _each_grad(session, bounds, op.names, lambda grad: grad.clamp_(op.low, op.high))
+    _each_grad(session.half, bounds, op.names, lambda grad: grad.clamp_(op.low, op.high))
 
 
-def _each_grad(session: CloudSession, numbers: tuple[float, ...], names: list | None,
+def _each_grad(half: Half, numbers: tuple[float, ...], names: list | None,
                change: Callable[[torch.Tensor], Any]) -> None:
     # A non-finite factor is what torch's clip_grad_norm_ applies after an overflow (the loss scaler then
     # skips the step): mirrored on the session's own half, refused where other edges' weights would take it.
-    if session.shared is not None and not all(math.isfinite(n) for n in numbers):
+    if half.shared is not None and not all(math.isfinite(n) for n in numbers):
         raise ProtocolError(f"gradient operations on a shared cloud part need finite numbers, got {numbers}")
-    params = session.parameters_named(names)
-    with torch.no_grad(), session.own_grads():
+    params = half.parameters_named(names)
+    with torch.no_grad(), half.own_grads():
         for param in params:
             if param.grad is not None:
                 change(param.grad)
 
 
-def load_weights(session: CloudSession, op: o.LoadWeights) -> None:
+@handles(o.LoadWeights)
+def load_weights(session: Target, op: o.LoadWeights) -> None:
     """Replace an own half's weights, each checked in the dtype it will have before any is loaded."""
-    if session.shared is not None:
+    half = session.half
+    if half.shared is not None:
         raise PolicyError("the weights of a shared cloud half are every edge's; one edge may not replace them "
                           "(load_weights is refused)")
-    weights = cast_weights(session.chain, op.weights, "load_weights.weights", partial=op.partial)
-    session.chain.load_qualified_state_dict(weights, partial=op.partial)
+    weights = cast_weights(half.chain, op.weights, "load_weights.weights", partial=op.partial)
+    half.chain.load_qualified_state_dict(weights, partial=op.partial)
 
 
-def cast_weights(chain: Any, arrays: Any, what: str, partial: bool = False) -> dict[str, torch.Tensor]:
-    """Pushed weights, every one of the half's tensors (``partial``: some of them), each cast to
-    its tensor's dtype and checked there (1e300 sent as float64 is Inf in float32): a
-    :class:`ProtocolError` before anything is loaded, so a refused push changes nothing."""
-    from .session import tensors_from_wire
-
-    weights = tensors_from_wire(arrays, what)
-    targets = chain.qualified_state_dict()
-    missing, extra = sorted(set(targets) - set(weights)), sorted(set(weights) - set(targets))
-    if extra or (missing and not partial):
-        raise ProtocolError(f"{what} do not fit the cloud half: missing {_short(missing)}, unexpected {_short(extra)}")
-    cast = {}
-    for name in weights:
-        target, value = targets[name], weights[name]
-        if tuple(value.shape) != tuple(target.shape):
-            raise ProtocolError(f"{what}: {name!r} has shape {tuple(value.shape)}; the cloud half's is "
-                                f"{tuple(target.shape)}")
-        with blame(ProtocolError, f"{what}: {name!r} cannot be cast to {target.dtype}"):
-            cast[name] = value.to(target.dtype)
-        if cast[name].is_floating_point() and not torch.isfinite(cast[name]).all():
-            raise ProtocolError(f"{what}: {name!r} contains NaN or Inf in the half's dtype {target.dtype}")
-    return cast
-
-
-HANDLERS: dict[type[o.Operation], Callable[[Any, Any], Any]] = {
-    o.AttachOptimizer: attach_optimizer,
-    o.SetLoss: set_loss,
-    o.Step: step,
-    o.ApplyEager: apply_eager,
-    o.ZeroGrad: zero_grad,
-    o.ScaleGrads: scale_grads,
-    o.ClampGrads: clamp_grads,
-    o.LoadWeights: load_weights,
-    o.SetFrozen: set_frozen,
-    o.SetModes: set_modes,
-    o.FreeCache: free_cache,
-}
-
-__all__ = ["HANDLERS", "apply_ops", "cast_weights", "check_norm_type"]
+__all__ = ["HANDLERS", "Mirrored", "Target", "apply_ops", "check_finite_grads", "handler_for", "handles",
+           "step_settings"]

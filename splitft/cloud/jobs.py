@@ -1,7 +1,7 @@
 """Long work off the serving thread: one session's heavy request runs while the others are served.
 
 The serving thread reads every message and answers every session. Before a request's work
-starts it is priced (:mod:`.prices`), and the session's measured :class:`~.pricing.Pace` turns
+starts it is priced (:mod:`.prices`), and the session's measured :class:`~.costs.Pace` turns
 the price into seconds: work expected to take longer than :data:`SLICE` becomes a :class:`Job`
 on a worker thread. Its session is *busy* until the job ends: further messages from its edge
 wait, in order, in its inbox; everything else is served as usual. When the job ends, the serving

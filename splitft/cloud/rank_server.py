@@ -5,7 +5,7 @@ Rank 0 listens on the public address. A new edge's hello is placed on the least-
 the session lives, and the edge sends its hello there. A resuming hello (the edge lost its link)
 is sent to the rank that holds the session while that rank lives, and placed anew when it died:
 the rank it lands on restores the session from the shared checkpoint folder, and the edge
-re-sends what was lost, as after any cloud restart (:mod:`.checkpoints`).
+re-sends what was lost, as after any cloud restart (:mod:`.snapshots`).
 
 Every rank answers the hellos that reach it like a one-process cloud, with its own limits.
 Two rules keep a session that moved from being ended twice: only the rank the group's table names
@@ -21,7 +21,8 @@ from typing import Any
 import transports
 
 from ..errors import ConfigError
-from ..wire.protocol import Hello, Redirect, Welcome
+from ..wire.protocol import Hello, Message, Redirect
+from .jobs import Job
 from .ranks import BEAT_EVERY, RankGroup
 from .server import CloudServer
 from .session import CloudSession
@@ -54,7 +55,7 @@ class RankServer(CloudServer):
             if self.group.rank == 0:
                 self.group.observe()
 
-    def _on_hello(self, peer: bytes, msg: Hello, seq: int) -> Welcome | Redirect:
+    def _on_hello(self, peer: bytes, msg: Hello, seq: int) -> Message | Job:
         try:
             target = self._target(peer, msg) if self.group.rank == 0 else self.group.rank
             if target != self.group.rank:

@@ -39,25 +39,57 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 import transports
 
+from ..errors import CapacityError, ConfigError, ModelError, ProtocolError, SplitFTError
 from ..wire import operations as o
-from ..wire import protocol
-from ..errors import CapacityError, ConfigError, ModelError, ProtocolError, SplitFTError, code_of
-from .limits import mib
 from .allreduce import GradCompression, RankReducer, Reduced, Reduction, fingerprint
 from .blame import blame
+from .budget import MemoryBook
+from .half import Half, SharedPart
 from .handlers import check_finite_grads, step_settings
+from .limits import Limits, mib
 
-if TYPE_CHECKING:
-    from .server import CloudServer
-    from .session import CloudSession, SharedPart
+
+class Member(Protocol):
+    """A session of a shared half, as its rounds see it."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def half(self) -> Half: ...
+
+    def held_bytes(self) -> int: ...
+
+
+class Host(Protocol):
+    """What rounds need of the server they serve."""
+
+    @property
+    def limits(self) -> Limits: ...
+
+    @property
+    def book(self) -> MemoryBook: ...
+
+    @property
+    def shared_model(self) -> bool: ...
+
+    @property
+    def by_id(self) -> Mapping[str, Member]: ...
+
+    def event(self, text: str) -> None: ...
+
+    def handle(self, peer: bytes, frames: list) -> None: ...
+
+    def stop(self) -> None: ...
 
 log = logging.getLogger(__name__)
 
@@ -133,15 +165,16 @@ class PartRounds:
 
     # ------------------------------------------------------------ contributions
 
-    def contribute(self, session: CloudSession, op: o.Step) -> None:
-        """Add ``session``'s gradient to the round (its optimizer step ``op``)."""
+    def contribute(self, session_id: str, half: Half, op: o.Step) -> None:
+        """Add the gradient of session ``session_id`` (whose half is ``half``) to the round (its
+        optimizer step ``op``)."""
         event, book = self.owner.server.event, self.owner.server.book
-        if self.reduction is not None or session.id in self.contributed:
-            raise ProtocolError(f"session {session.id} stepped twice in round {self.index}")
-        if session.id in self.dropped:
-            self.dropped.discard(session.id)
+        if self.reduction is not None or session_id in self.contributed:
+            raise ProtocolError(f"session {session_id} stepped twice in round {self.index}")
+        if session_id in self.dropped:
+            self.dropped.discard(session_id)
             self.late += 1
-            event(f"session {session.id}: a step that arrived after its round closed without it; discarded, "
+            event(f"session {session_id}: a step that arrived after its round closed without it; discarded, "
                   f"the edge counts again from round {self.index}")
             return
         key = (op.lr, op.lrs, op.changes)
@@ -151,9 +184,9 @@ class PartRounds:
                               f"step has lr {op.lr or op.lrs}, changes {op.changes} (are the edges' schedulers the same?)")
         optimizer = self.part.optimizer
         if optimizer is not None:
-            step_settings(session, optimizer, op)  # validated now; every step of the round agrees with it
+            step_settings(self.part, optimizer, op)  # validated now; every step of the round agrees with it
         params = self.params()
-        with session.own_grads(), torch.no_grad():
+        with half.own_grads(), torch.no_grad():
             check_finite_grads(params)
             grads = [p.grad for p in params]
             views = self._buffers(book).views()
@@ -163,7 +196,7 @@ class PartRounds:
                     self.has_grad[i] = True
         self.step = self.step or op
         self.opened_at = self.opened_at if self.opened_at is not None else time.monotonic()
-        self.contributed.add(session.id)
+        self.contributed.add(session_id)
 
     def _buffers(self, book: Any) -> _Flat | RankReducer:
         """The gradient sum's buffer, made at the first contribution (after the half is placed)."""
@@ -223,7 +256,7 @@ class PartRounds:
             finally:
                 for param in params:
                     param.grad = None
-            self.part.updates += 1
+            self.part.stepped()
         log.info("round %d: %d edge(s) here, %d in all, %d gradient bytes all-reduced in %.1f ms", self.index,
                  len(self.contributed), reduced.total, reduced.nbytes, reduced.seconds * 1e3)
         self.history.append({"round": self.index, "edges": len(self.contributed), "total": reduced.total,
@@ -259,13 +292,13 @@ class Rounds:
         self.rank = dist.get_rank(group) if ranked else 0
         self.parts: list[PartRounds] = []
         self.failure: str | None = None
-        self._server: CloudServer | None = None
+        self._server: Host | None = None
         self._ready: list[tuple[bytes, list]] = []
         if self.world == 1 and settings.compression.kind != "none":
             log.warning("--grad-compression %s has no effect in one process: nothing is all-reduced",
                         settings.compression)
 
-    def bind(self, server: CloudServer) -> None:
+    def bind(self, server: Host) -> None:
         """Called by the server it serves; checks that the server's settings fit rounds."""
         if not server.shared_model:
             raise ConfigError("synchronous rounds train a shared cloud half: add --shared-model")
@@ -275,7 +308,7 @@ class Rounds:
         self._server = server
 
     @property
-    def server(self) -> CloudServer:
+    def server(self) -> Host:
         if self._server is None:
             raise ConfigError("these rounds serve no server: pass them to CloudServer(rounds=...)")
         return self._server
@@ -285,34 +318,33 @@ class Rounds:
         if part.rounds is None:
             if self.world > 1 and self.parts:
                 raise CapacityError("a cloud of several ranks trains one shared half in rounds; this one is taken")
-            part.rounds = PartRounds(part, self)
-            self.parts.append(part.rounds)
+            rounds = PartRounds(part, self)
+            part.trains_in(rounds)
+            self.parts.append(rounds)
         if part.sessions >= self.settings.edges:
             raise CapacityError(f"this shared half trains in rounds of {self.settings.edges} edges and all seats are "
                                 "taken; try again when an edge has ended its session")
 
-    def hold(self, peer: bytes, frames: list, session: CloudSession | None) -> bool:
+    def hold(self, peer: bytes, frames: list, session: Member | None) -> bool:
         """Keep a request of an edge that waits for its round; True when it was kept (not handled now).
 
         A kept request holds its frames until the round closes: it is checked first, by its size
         and against the memory budgets (booked as the session's until it is released), and one
-        that does not fit is refused at once.
+        that does not fit is refused at once (the :class:`SplitFTError` raised here is the reply).
         """
-        rounds = session.shared.rounds if session is not None and session.shared is not None else None
-        if rounds is None or not rounds.waiting(session.id):
+        rounds = self._of(session.half.shared) if session is not None else None
+        if session is None or rounds is None or not rounds.waiting(session.id):
             return False
         queue = rounds.parked.setdefault(session.id, deque())
-        try:
-            self._check_parking(rounds, session, queue, frames)
-        except SplitFTError as exc:
-            text = f"{type(exc).__name__}: {exc}"[: self.server.limits.max_error_chars]
-            error = protocol.Error(code=code_of(exc), message=text)
-            self.server._send(peer, protocol.encode(error), "error")
-            return True
+        self._check_parking(rounds, session, queue, frames)
         queue.append((peer, frames))
         return True
 
-    def _check_parking(self, rounds: PartRounds, session: CloudSession, queue: deque, frames: list) -> None:
+    def _of(self, part: SharedPart | None) -> PartRounds | None:
+        """The rounds of a shared half (None: it trains in arrival order, or it is not shared)."""
+        return next((rounds for rounds in self.parts if rounds.part is part), None) if part is not None else None
+
+    def _check_parking(self, rounds: PartRounds, session: Member, queue: deque, frames: list) -> None:
         if len(queue) >= self.settings.max_parked:
             raise CapacityError(f"{len(queue)} requests already wait for round {rounds.index}; send fewer before it "
                                 "closes")
@@ -350,7 +382,7 @@ class Rounds:
             if not rounds.reduction.done():
                 return 0.001
             rounds.finish(rounds.reduction.result(), now, self._ready)
-        members = {s.id for s in self.server.by_id.values() if s.shared is rounds.part}
+        members = {s.id for s in self.server.by_id.values() if s.half.shared is rounds.part}
         if rounds.closable(members, now):
             reduced = rounds.close(members, now, self.server.event, self.server.book)
             if reduced is None:

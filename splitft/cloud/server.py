@@ -13,7 +13,6 @@ whom to evict. Sessions that hear nothing for ``Limits.session_timeout`` (or, be
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
@@ -25,55 +24,32 @@ from typing import Any
 import compressors
 import transports
 
-from ..wire import protocol
-from .budget import MemoryBook
-from ..state_files import CheckpointError
-from .checkpoint_folder import CheckpointStore
 from ..devices import Placement
 from ..errors import CapacityError, ConfigError, ProtocolError, SessionLost, SplitFTError, code_of
 from ..factories import load_factory
-from .build import build_chain
-from .limits import Limits
-from .codec_policy import Policy
+from ..state_files import CheckpointError
+from ..wire import protocol
 from ..wire.protocol import Ack, Backward, Bye, Error, Forward, Hello, Ping, Pong, Sync, Welcome
-from . import prices, replies, snapshots, work
+from . import prices, snapshots, work
 from .admission import Admission
-from .jobs import LATER, Job, Jobs
+from .blame import ErrorLog
+from .budget import MemoryBook
+from .build import build_chain, check_codecs
+from .checkpoint_folder import CheckpointStore
+from .codec_policy import Policy
 from .costs import Price, warm_up
+from .dispatch import answer_table, answers, traffic_kind
+from .half import SharedPart, SharedParts
+from .jobs import LATER, Job, Jobs
+from .limits import Limits
 from .prices import state_nbytes
-from .session import CloudSession, SharedPart, check_codecs, hello_identity
+from .session import CloudSession
 from .shared_policy import SharedPolicy
 
 log = logging.getLogger(__name__)
 
 #: Seconds between looks for checkpoints no session can use (expired pins, abandoned sessions).
 TIDY_EVERY = 2.0
-
-_KIND = {"forward": "activation", "output": "activation", "backward": "gradient", "input_grads": "gradient"}
-
-
-class _ErrorLog:
-    """Internal errors are logged with a traceback at most once per ``interval`` seconds.
-
-    Every such error still gets a typed reply; the log just cannot be flooded by a peer that found
-    one and repeats it.
-    """
-
-    def __init__(self, interval: float = 60.0) -> None:
-        self.interval = interval
-        self._last = -math.inf
-        self.suppressed = 0
-
-    def report(self, exc: BaseException, peer: bytes) -> None:
-        now = time.monotonic()
-        if now - self._last >= self.interval:
-            self._last = now
-            more = f" ({self.suppressed} more since the last one logged)" if self.suppressed else ""
-            self.suppressed = 0
-            log.error("internal error while serving peer %s%s", peer.hex(), more, exc_info=exc)
-        else:
-            self.suppressed += 1
-
 
 class CloudServer:
     """Serves cloud parts to edges over a :class:`transports.Listener`.
@@ -125,6 +101,7 @@ class CloudServer:
         self.jobs = Jobs()  # heavy requests, off the serving thread
         threading.Thread(target=warm_up, name="splitft-warm-up", daemon=True).start()
         self.checkpoint_every = checkpoint_every
+        self.checkpointing = work.Checkpointing(self.checkpoints, checkpoint_every)
         self.policy = policy or Policy()
         self.placement = placement or Placement()
         self.admission = Admission(self)
@@ -136,7 +113,7 @@ class CloudServer:
         if shared_policy is not None and not shared_model:
             raise ConfigError("--shared-optimizer and --shared-frozen set a shared cloud half: add --shared-model")
         self.shared_policy = shared_policy or SharedPolicy()
-        self.shared: dict[str, SharedPart] = {}
+        self.shared = SharedParts(self.shared_policy, rounds.admit if rounds is not None else None)
         self.rounds = rounds
         self.make_session = make_session
         if rounds is not None:
@@ -150,11 +127,8 @@ class CloudServer:
         self.stop_event = threading.Event()
         self._on_event = on_event or (lambda text: log.info("%s", text))
         self._last_sweep = self._last_tidy = time.monotonic()
-        self._errors = _ErrorLog()
-        self._handlers: dict[type[protocol.Message], Callable[..., protocol.Message | None]] = {
-            Hello: self._on_hello, Ping: self._on_ping, Forward: self._on_request, Backward: self._on_request,
-            Sync: self._on_request, Bye: self._on_request,
-        }
+        self._errors = ErrorLog(log)
+        self.answers = answer_table(self)
 
     def event(self, text: str) -> None:
         self._on_event(text)
@@ -186,13 +160,13 @@ class CloudServer:
         """Answer one message. Never raises for anything the peer sent."""
         msg: protocol.Message | None = None
         session = self.sessions.get(peer)
-        if self.rounds is not None and self.rounds.hold(peer, frames, session):
-            return  # the edge waits for its round; handled when the round closes
         try:
+            if self.rounds is not None and self.rounds.hold(peer, frames, session):
+                return  # the edge waits for its round; handled when the round closes
             if session is not None and self.jobs.hold(session.id, peer, frames, self.limits):
                 return  # handled, in order, when the session's running request has answered
-        except CapacityError as exc:
-            self._send(peer, protocol.encode(self._error(exc, 0, 0)), "error")
+        except SplitFTError as exc:  # no room to keep it: refused at once
+            self.send(peer, protocol.encode(self._error(exc, 0, 0)), "error")
             return
         seq, numbered = 0, False
         try:
@@ -204,8 +178,8 @@ class CloudServer:
             if seq < 0:
                 raise ProtocolError(f"request seq must be >= 0, got {seq}")
             if seq and session is not None and msg.NUMBERED:
-                if not replies.is_new(session, seq):
-                    self._send(peer, *replies.again(session, seq))
+                if not session.replies.is_new(seq):
+                    self.send(peer, *session.replies.again(seq))
                     return
                 numbered = True
             reply = self._dispatch(peer, msg, seq)
@@ -237,7 +211,7 @@ class CloudServer:
         for job in self.jobs.finished():
             peer, session, msg, seq, numbered = job.context
             if job.key in self.by_id:
-                self.by_id[job.key].last_seen = time.monotonic()
+                self.by_id[job.key].seat.heard()
             try:
                 if job.error is not None:
                     raise job.error
@@ -256,8 +230,8 @@ class CloudServer:
         except RecursionError:
             raise ProtocolError("the message body is nested too deeply") from None
         if session is not None:
-            session.last_seen = time.monotonic()
-            session.metrics.count("up", _KIND.get(msg.TYPE, "control"), wire=transports.message_nbytes(frames))
+            session.seat.heard()
+            session.metrics.count("up", traffic_kind(msg.TYPE), wire=transports.message_nbytes(frames))
         return msg
 
     def _error(self, exc: BaseException, seq: int, call: Any) -> Error:
@@ -275,12 +249,13 @@ class CloudServer:
             reply = self._error(exc, seq, 0)
             out = protocol.encode(reply)
         if numbered and session is not None:
-            replies.keep(session, seq, reply.TYPE, out, self.limits)
+            session.replies.keep(seq, reply.TYPE, out, self.limits, session.held_bytes)
         if session is not None and session.id in self.by_id:
             self.book.set(session.id, session.held_bytes())
-        self._send(peer, out, reply.TYPE)
+        self.send(peer, out, reply.TYPE)
 
-    def _send(self, peer: bytes, frames: list, kind: str) -> None:
+    def send(self, peer: bytes, frames: list, kind: str) -> None:
+        """Send ``frames`` to ``peer``, counted in its session's metrics; a peer gone is logged."""
         session = self.sessions.get(peer)
         try:
             wire = self.listener.send(peer, frames)
@@ -288,15 +263,16 @@ class CloudServer:
             log.warning("cannot reply to peer %s: %s", peer.hex(), exc)
             return
         if session is not None:
-            session.metrics.count("down", _KIND.get(kind, "control"), wire=wire)
+            session.metrics.count("down", traffic_kind(kind), wire=wire)
 
-    def _dispatch(self, peer: bytes, msg: protocol.Message, seq: int) -> protocol.Message | None:
-        handler = self._handlers.get(type(msg))
+    def _dispatch(self, peer: bytes, msg: protocol.Message, seq: int) -> protocol.Message | Job | None:
+        handler = self.answers.get(type(msg))
         if handler is None:
             self._session_of(peer, msg)
             raise ProtocolError(f"a {msg.TYPE} message is not a request the cloud answers")
         return handler(peer, msg, seq)
 
+    @answers(Ping)
     def _on_ping(self, peer: bytes, msg: Ping, seq: int) -> Pong:
         self._session_of(peer, msg)
         return Pong()
@@ -310,7 +286,8 @@ class CloudServer:
                               + "send a hello first, or a hello with a resume token if the cloud restarted")
         return session
 
-    def _on_request(self, peer: bytes, msg: Forward | Backward | Sync | Bye, seq: int) -> protocol.Message | Job:
+    @answers(Forward, Backward, Sync, Bye)
+    def _on_request(self, peer: bytes, msg: work.Request, seq: int) -> protocol.Message | Job:
         if isinstance(msg, Bye) and peer not in self.sessions:
             return Ack()  # nothing to end; answered so that every message gets a reply
         session = self._session_of(peer, msg)
@@ -324,58 +301,65 @@ class CloudServer:
             return reply
 
         if not isinstance(msg, Bye):
-            return work.job(self, session, msg, seq, then=worked)
+            return work.job(self.checkpointing, session, msg, seq, then=worked)
+        reason = msg.reason or "edge said goodbye"
 
         def end(reply: protocol.Message) -> protocol.Message:  # once its operations are applied
             worked(reply)
-            self._end(peer, msg.reason or "edge said goodbye")
+            self._end(peer, reason)
             return reply
 
-        return work.job(self, session, msg, seq, then=end)
+        return work.job(self.checkpointing, session, msg, seq, then=end)
 
     # ------------------------------------------------------------ sessions: open, admit, end
 
-    def _on_hello(self, peer: bytes, msg: Hello, seq: int) -> Welcome | Job:
+    @answers(Hello)
+    def _on_hello(self, peer: bytes, msg: Hello, seq: int) -> protocol.Message | Job:
         if msg.resume is not None:
-            session, verb = snapshots.resume(self, peer, msg), "resumed"
+            found, verb = snapshots.resume(self, peer, msg), "resumed"
         elif msg.nonce and peer in self.sessions and self.sessions[peer].nonce == msg.nonce:
-            session, verb = self.sessions[peer], "greeted again"  # the same hello again, not a new session
+            found, verb = self.sessions[peer], "greeted again"  # the same hello again, not a new session
         else:
-            if peer in self.sessions:
-                self._end(peer, "replaced by a new hello")
-            check_codecs(msg.codecs)
-            self.policy.check(msg.codecs)
-            self.admit(peer)
-            origin = self.origins[peer][0]
+            return self._open(peer, msg)
+        if isinstance(found, Job):  # restored from a checkpoint, by a worker if it is large
+            restored = found.then
+            found.then = lambda result: self._welcome(msg, restored(result), verb)
+            return found
+        return self._welcome(msg, found, verb)
 
-            def admit_model(nbytes: int) -> None:
-                self._admit_model(nbytes, origin)
+    def _open(self, peer: bytes, msg: Hello) -> Welcome | Job:
+        """A new session for ``peer``, admitted, built and bound (and checkpointed, with a folder)."""
+        if peer in self.sessions:
+            self._end(peer, "replaced by a new hello")
+        check_codecs(msg.codecs)
+        self.policy.check(msg.codecs)
+        self.admit(peer)
+        origin = self.origins[peer][0]
 
-            session = self.make_session(msg, self.factories, self.limits, shared=self._shared_part(msg, admit_model),
-                                        policy=self.policy, admit=admit_model, placement=self.placement)
-            self.book.check(session.id, 0, session.held_bytes(), "opening this session", origin=origin)
-            self.bind(peer, session)
-            verb = "opened"
-            if self.checkpoints is not None:  # its first checkpoint, written before the welcome
-                return Job(session.id, session.origin, Price(checkpoint_bytes=state_nbytes(session)),
-                           work=lambda: snapshots.save(self, session, 0),
-                           then=lambda _: self._welcome(msg, session, verb), pace=session.pace,
-                           off_thread=session.off_thread and session.shared is None)
-        if isinstance(session, Job):  # restored from a checkpoint, by a worker if it is large
-            restored = session.then
-            session.then = lambda result: self._welcome(msg, restored(result), verb)
-            return session
-        return self._welcome(msg, session, verb)
+        def admit_model(nbytes: int) -> None:
+            self._admit_model(nbytes, origin)
+
+        session = self.make_session(msg, self.factories, self.limits, shared=self._shared_part(msg, admit_model),
+                                    policy=self.policy, admit=admit_model, placement=self.placement)
+        self.book.check(session.id, 0, session.held_bytes(), "opening this session", origin=origin)
+        self.bind(peer, session)
+        if self.checkpoints is None:
+            return self._welcome(msg, session, "opened")
+        return Job(session.id, session.seat.origin, Price(checkpoint_bytes=state_nbytes(session)),  # before the welcome
+                   work=lambda: snapshots.save(self.checkpoints, session, 0),
+                   then=lambda _: self._welcome(msg, session, "opened"), pace=session.pricing.pace,
+                   off_thread=session.off_thread and session.half.shared is None)
 
     def _welcome(self, msg: Hello, session: CloudSession, verb: str) -> Welcome:
+        steps, last_seq = session.mirrored.steps, session.replies.last_seq
         self.event(f"session {session.id} {verb}: {msg.factory} cut at {msg.cut}"
                    f"{' rejoin ' + str(msg.rejoin) if msg.rejoin else ''}, codecs "
                    f"{msg.codecs.get('fwd')} / {msg.codecs.get('bwd')}"
-                   + (f", at step {session.steps} (request {session.last_seq})" if verb == "resumed" else ""))
+                   + (f", at step {steps} (request {last_seq})" if verb == "resumed" else ""))
         return Welcome(session=session.id, server=f"splitft {protocol.PROTOCOL_VERSION}", token=session.token,
-                       seq=session.last_seq, steps=session.steps,
+                       seq=last_seq, steps=steps,
                        checkpoint_every=self.checkpoint_every if self.checkpoints is not None else 0,
-                       limits=self.limits.for_edge(), shared=session.shared is not None)
+                       limits=self.limits.for_edge(), shared=session.half.shared is not None)
 
     def admit(self, peer: bytes) -> None:
         """Make room for a new session of ``peer`` (evicting idle sessions, or those of an origin
@@ -390,19 +374,10 @@ class CloudServer:
         """Before a model is built: does a trained copy of it fit the memory budgets?"""
         self.book.check("", 0, nbytes, "the requested model (weights, gradients, optimizer state)", origin=origin)
 
-    def _shared_part(self, msg: Hello, admit_model: Callable[[int], None] | None = None) -> SharedPart | None:
+    def _shared_part(self, msg: Hello, admit_model: Callable[[int], None]) -> SharedPart | None:
         if not self.shared_model:
             return None
-        key = json.dumps(hello_identity(msg) | {"codecs": None, "seed": None}, sort_keys=True, default=str)
-        part = self.shared.get(key)
-        if part is None:
-            if len(self.shared) >= 16:
-                raise CapacityError("this cloud already trains 16 different shared cloud parts, its limit")
-            chain, ushape = build_chain(msg, self.factories, self.limits, admit_model or self._admit_model)
-            part = self.shared[key] = self.shared_policy.new_part(chain, ushape)
-        if self.rounds is not None:
-            self.rounds.admit(part)
-        return part
+        return self.shared.part_for(msg, lambda: build_chain(msg, self.factories, self.limits, admit_model))
 
     def bind(self, peer: bytes, session: CloudSession) -> None:
         """``peer`` speaks for ``session`` from now on."""
@@ -414,11 +389,10 @@ class CloudServer:
         self.gone.pop(peer, None)
         self.by_id[session.id] = session
         origins = self.origins.get(peer) or self.listener.origins(peer)
-        session.origin = origins[0]
-        self.admission.opened(session.id, origins, trained=session.trained)  # a restored session trained before
-        session.book = self.book
+        # a restored session trained before
+        self.admission.opened(session.id, origins, trained=session.seat.trained)
+        session.seat.bind(origins[0], self.book)
         self.book.set(session.id, session.held_bytes())
-        session.last_seen = time.monotonic()
 
     def unbind(self, session: CloudSession) -> None:
         for peer, s in list(self.sessions.items()):
@@ -431,12 +405,13 @@ class CloudServer:
     def _end(self, peer: bytes, reason: str, discard: bool = True) -> None:
         session = self.sessions.pop(peer, None)
         if session is not None:
-            self._forget(session, f"ended after {session.steps} steps: {reason}", discard)
+            self._forget(session, f"ended after {session.mirrored.steps} steps: {reason}", discard)
 
     def _forget(self, session: CloudSession, text: str, discard: bool = True) -> None:
         """Free a session; with ``discard`` its regular checkpoints go too (a pinned one stays)."""
-        self.finished.append({"session": session.id, "steps": session.steps, "requests": session.last_seq,
-                              "repeats": session.duplicates, "reason": text})
+        replies = session.replies
+        self.finished.append({"session": session.id, "steps": session.mirrored.steps, "requests": replies.last_seq,
+                              "repeats": replies.duplicates, "reason": text})
         for peer in [p for p, s in self.sessions.items() if s is session]:  # still connected: tell it why, later
             self.gone[peer] = text
             while len(self.gone) > 4096:
@@ -444,10 +419,8 @@ class CloudServer:
         trained = self.admission.trained(session.id)
         self.unbind(session)
         self.admission.forget(session.id)
-        if session.shared is not None:
-            session.shared.sessions -= 1
-            if session.shared.sessions <= 0:  # nobody trains it now: the next edge may pick the optimizer
-                session.shared.optimizer, session.shared.optimizer_spec = None, None
+        if session.half.shared is not None:
+            session.half.shared.leave()
         if discard and self.checkpoints is not None and session.id not in self.by_id:
             try:
                 self.checkpoints.remove(session.id)
@@ -477,7 +450,7 @@ class CloudServer:
         for session in list(self.by_id.values()):
             if self.jobs.busy(session.id):
                 continue  # working for its edge: not idle
-            idle = now - session.last_seen
+            idle = now - session.seat.last_seen
             if idle > self.limits.session_timeout:
                 self._forget(session, f"expired after {idle:.0f} s without a message")
             elif not self.admission.trained(session.id) and idle > self.limits.handshake_timeout:

@@ -3,7 +3,7 @@
 With ``--split-batch`` alone every rank holds a replica of the half; with ``--shard`` each holds
 1/N of its parameters, gradients and optimizer state (FSDP2's ``fully_shard``: each child
 module of a stage that holds parameters is one unit, the chain the root). Each rank still
-computes its own rows of every batch (:mod:`.batch_split`); FSDP2 gathers a unit's parameters
+computes its own rows of every batch (:mod:`.replicas`); FSDP2 gathers a unit's parameters
 for its forward and backward and reduce-scatters its gradients, summed over the ranks' rows (not
 averaged: the divide factor is 1), so every shard of the gradient is the whole batch's, as a
 replica's is after its all-reduce. The mirrored optimizer steps each rank's shard: elementwise
@@ -27,13 +27,14 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
-from ..wire import protocol
-from .budget import MODEL_STATE_FACTOR, holdings, tensors_nbytes
+from ..cut import Chain
 from ..devices import Placement
 from ..errors import ConfigError, SplitFTError
+from ..wire import protocol
 from .batch_link import BatchLink
-from .batch_split import BatchSplitSession, Worker
-from .handlers import check_norm_type
+from .budget import MODEL_STATE_FACTOR, holdings, tensors_nbytes
+from .half import Half, check_norm_type
+from .replicas import BatchSplitSession, Worker
 from .session import CloudSession
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ def _holds_parameters(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
 
-def shard_half(chain: nn.Module, mesh: DeviceMesh) -> None:
+def shard_half(chain: Chain, mesh: DeviceMesh) -> None:
     """Shard ``chain`` (a :class:`~splitft.cut.Chain`) over ``mesh``: one unit per child of a stage
     that holds parameters (a stage without such children is a unit itself), then the root."""
     owners: dict[int, int] = {}
@@ -73,7 +74,7 @@ def shard_half(chain: nn.Module, mesh: DeviceMesh) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
-def full_weights(chain: nn.Module) -> dict[str, torch.Tensor]:
+def full_weights(chain: Chain) -> dict[str, torch.Tensor]:
     """The half's whole state under its original names; collective: every rank calls it."""
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in chain.qualified_state_dict().items()}
 
@@ -110,7 +111,7 @@ class ShardedSession(BatchSplitSession):
         super().__init__(hello, *args, placement=_host(target), **kwargs)
         error: SplitFTError | None = None
         try:
-            shard_half(self.chain, mesh)
+            shard_half(self.half.chain, mesh)
         except SplitFTError as exc:  # raised once every rank's answer is in
             error = exc
         answers = [(r, self.link.recv_header(r).get("error")) for r in range(1, self.link.world)]
@@ -119,9 +120,7 @@ class ShardedSession(BatchSplitSession):
         failed = [f"rank {r}: {e}" for r, e in answers if e]
         if failed:
             raise ConfigError("--shard: a rank could not hold its shard of the half (" + "; ".join(failed) + ")")
-        self.placement = target
-        self.random = self.random.on(target.device)
-        self.model_bytes = _shard_nbytes(self.chain)
+        self.sharded(target, _shard_nbytes(self.half.chain))
 
     def _split_rows(self, total: int) -> list[int]:
         if total < self.link.world:
@@ -139,13 +138,13 @@ class ShardedSession(BatchSplitSession):
 
     def grad_norms(self, norm_type: float, names: list | None = None) -> list[float | None]:
         check_norm_type(norm_type)
-        params = self.parameters_named(names)  # checked before the other ranks are asked
+        params = self.half.parameters_named(names)  # checked before the other ranks are asked
         self.link.broadcast({"op": "norms", "norm_type": norm_type, "names": names})
         return gradient_norms(params, norm_type)
 
     def weights(self) -> dict[str, torch.Tensor]:
         self.link.broadcast({"op": "weights"})
-        return full_weights(self.chain)
+        return full_weights(self.half.chain)
 
 
 class ShardedWorker(Worker):
@@ -160,16 +159,16 @@ class ShardedWorker(Worker):
 
     def _replica(self, hello: protocol.Hello) -> CloudSession:
         return CloudSession(hello, self.factories, self.limits, restoring=True,
-                            placement=_host(self.placement or Placement()))
+                            placement=_host(self.placement or Placement()), stream=self.link.rank)
 
     def _open(self, header: dict, frames: list[bytes]) -> None:
         super()._open(header, frames)
-        error = None if self.session is not None else "its hello failed there (see that rank's log)"
-        if self.session is not None:
+        session = self.session
+        error = None if session is not None else "its hello failed there (see that rank's log)"
+        if session is not None:
             try:
-                shard_half(self.session.chain, self.mesh)
-                self.session.placement = self.placement or Placement()
-                self.session.random = self.session.random.on(self.session.placement.device)
+                shard_half(session.half.chain, self.mesh)
+                session.sharded(self.placement or Placement(), _shard_nbytes(session.half.chain))
             except SplitFTError as exc:
                 error, self.session = str(exc), None
         self.link.send_header({"error": error}, 0)
@@ -182,10 +181,16 @@ class ShardedWorker(Worker):
         """The backward reduce-scattered the gradients already."""
 
     def _norms(self, header: dict, frames: list[bytes]) -> None:
-        gradient_norms(self.session.parameters_named(header["names"]), header["norm_type"])
+        gradient_norms(self._half().parameters_named(header["names"]), header["norm_type"])
 
     def _weights(self, header: dict, frames: list[bytes]) -> None:
-        full_weights(self.session.chain)
+        full_weights(self._half().chain)
+
+    def _half(self) -> Half:
+        """This rank's shard of the half (rank 0 asks for norms and weights only of an open session)."""
+        if self.session is None:
+            raise ConfigError("this rank holds no shard of the half (its hello failed here)")
+        return self.session.half
 
 
 __all__ = ["ShardedSession", "ShardedWorker", "full_weights", "gradient_norms", "make_mesh", "shard_half"]

@@ -28,7 +28,7 @@ import torch
 
 from ..wire import operations as o
 from ..errors import ConfigError, PolicyError
-from ..wire.records import _short
+from .blame import short
 
 #: Settings that choose an implementation (the cloud's own, for its device), not the arithmetic.
 _IMPLEMENTATION = frozenset({"foreach", "fused", "capturable", "differentiable"})
@@ -109,7 +109,7 @@ class SharedPolicy:
             raise self._no_optimizer()
         if name != self.optimizer:
             raise PolicyError(f"this cloud half is shared and trains with {self.describe()} (--shared-optimizer); "
-                              f"this edge attached {_short(name)}")
+                              f"this edge attached {short(name)}")
         cloud = self.defaults()
         per_group = [settings] if groups is None else [{**settings, **g["settings"]} for g in groups]
         for group in per_group:
@@ -120,26 +120,26 @@ class SharedPolicy:
             missing = sorted(set(names) - self.frozen - held)
             if missing:
                 raise PolicyError(f"the shared half's optimizer (--shared-optimizer) steps every parameter that trains; "
-                                  f"this edge's leaves out {_short(missing)}: attach one over all of them, or ask "
+                                  f"this edge's leaves out {short(missing)}: attach one over all of them, or ask "
                                   "the cloud's operator to freeze those (--shared-frozen)")
 
     def _check_setting(self, key: Any, value: Any, cloud: dict[str, Any]) -> None:
         if key in _IMPLEMENTATION:
             return
         if key not in cloud:
-            raise PolicyError(f"{self.describe()} (--shared-optimizer) has no setting {_short(key)}")
+            raise PolicyError(f"{self.describe()} (--shared-optimizer) has no setting {short(key)}")
         if key == "lr":
             self.check_lr(value)
         elif _plain(value) != cloud[key]:
             raise PolicyError(f"this cloud half is shared and trains with {key}={cloud[key]!r} (--shared-optimizer "
-                              f"{self.describe()}); this edge asks for {key}={_short(value)}")
+                              f"{self.describe()}); this edge asks for {key}={short(value)}")
 
     def check_lr(self, lr: Any) -> float:
         """A learning rate an edge may step a shared half with: in ``[0, the cloud's lr]``."""
         most = self.defaults()["lr"]
         if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 <= lr <= most):
             raise PolicyError(f"a shared half's learning rate is at most {most} (--shared-optimizer "
-                              f"{self.describe()}); this edge's is {_short(lr)}")
+                              f"{self.describe()}); this edge's is {short(lr)}")
         return float(lr)
 
     def step_lr(self, op: o.Step) -> float | None:
@@ -151,21 +151,14 @@ class SharedPolicy:
         rates = op.lrs if op.lrs is not None else [op.lr]
         if not (isinstance(rates, list) and rates and all(_number_or_none(r) for r in rates) and len(set(rates)) == 1):
             raise PolicyError(f"a shared half has one learning rate (--shared-optimizer {self.describe()}); this "
-                              f"step's groups have {_short(rates)}")
+                              f"step's groups have {short(rates)}")
         cloud = self.defaults()
         for changes in op.changes or []:
             if not isinstance(changes, dict):
-                raise PolicyError(f"a group's changed settings must be a map, got {_short(changes)}")
+                raise PolicyError(f"a group's changed settings must be a map, got {short(changes)}")
             for key, value in changes.items():
                 self._check_setting(key, value, cloud)
         return None if rates[0] is None else self.check_lr(rates[0])
-
-    def new_part(self, chain: Any, ushape: bool) -> Any:
-        """A :class:`~splitft.cloud.session.SharedPart` for a freshly built half, frozen as the cloud says."""
-        from .session import SharedPart
-
-        self.freeze(chain.qualified_parameters())
-        return SharedPart(chain, ushape, policy=self)
 
     # ------------------------------------------------------------ frozen parameters
 
@@ -173,8 +166,8 @@ class SharedPolicy:
         """Set the half's ``requires_grad`` from ``--shared-frozen`` (named: the half's parameters)."""
         unknown = sorted(self.frozen - set(named))
         if unknown:
-            raise ConfigError(f"--shared-frozen names {_short(unknown)}, which this cloud half does not have; its "
-                              f"parameters are {_short(sorted(named))}")
+            raise ConfigError(f"--shared-frozen names {short(unknown)}, which this cloud half does not have; its "
+                              f"parameters are {short(sorted(named))}")
         for name, param in named.items():
             param.requires_grad_(name not in self.frozen)
 
@@ -183,8 +176,8 @@ class SharedPolicy:
         asked = set(names)
         if asked != self.frozen:
             raise PolicyError(f"this cloud half is shared and its frozen parameters are the cloud's choice: "
-                              f"{_short(sorted(self.frozen)) if self.frozen else 'none'} (--shared-frozen); this "
-                              f"edge freezes {_short(sorted(asked))}")
+                              f"{short(sorted(self.frozen)) if self.frozen else 'none'} (--shared-frozen); this "
+                              f"edge freezes {short(sorted(asked))}")
 
     # ------------------------------------------------------------ messages
 

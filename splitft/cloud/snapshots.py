@@ -11,7 +11,7 @@ the session is a priced job (:mod:`.jobs`), on a worker when it is large.
 A checkpoint is written from the session's own tensors, without copies: the job that writes it
 holds the session, so nothing changes them meanwhile. A *pinned* checkpoint (the edge saved its
 own, and may come back to it after the session ended) counts against its origin's quota and
-expires (:class:`~splitft.state_files.CheckpointStore`); a pin the cloud cannot keep is refused
+expires (:class:`~splitft.cloud.checkpoint_folder.CheckpointStore`); a pin the cloud cannot keep is refused
 with a typed error, so the edge does not keep a checkpoint it could never resume.
 """
 
@@ -21,52 +21,92 @@ import hmac
 import json
 import logging
 import re
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from ..wire import operations as o
+import transports
+
 from ..devices import Placement
 from ..errors import CapacityError, CheckpointError, ProtocolError, ResumeError
-from .limits import Limits
+from ..wire import operations as o
+from ..wire.protocol import Hello
+from .blame import blame, short
+from .build import hello_identity
+from .checkpoint_folder import CheckpointStore
 from .codec_policy import Policy
-from ..wire.protocol import Hello, _short
-from .blame import blame
-from .jobs import Job
-from .handlers import attach_optimizer, set_frozen, set_loss
 from .costs import Pace, Price
-from .session import CloudSession, hello_identity
-
-if TYPE_CHECKING:
-    from .server import CloudServer
+from .handlers import attach_optimizer, set_frozen, set_loss
+from .jobs import Job, Jobs
+from .limits import Limits
+from .session import CloudSession
 
 log = logging.getLogger(__name__)
 
 _SESSION_ID = re.compile(r"[0-9a-f]{16}")
 
 
+class Sessions(Protocol):
+    """What resuming a session needs of the server: where sessions and checkpoints are, what is
+    busy, what a restored half is built with, and binding a session to the peer that asked."""
+
+    @property
+    def by_id(self) -> Mapping[str, CloudSession]: ...
+
+    @property
+    def checkpoints(self) -> CheckpointStore | None: ...
+
+    @property
+    def jobs(self) -> Jobs: ...
+
+    @property
+    def listener(self) -> transports.Listener: ...
+
+    @property
+    def factories(self) -> dict[str, Callable[..., nn.Module]]: ...
+
+    @property
+    def limits(self) -> Limits: ...
+
+    @property
+    def policy(self) -> Policy: ...
+
+    @property
+    def placement(self) -> Placement: ...
+
+    def admit(self, peer: bytes) -> None: ...
+
+    def bind(self, peer: bytes, session: CloudSession) -> None: ...
+
+    def unbind(self, session: CloudSession) -> None: ...
+
+    def event(self, text: str) -> None: ...
+
+
 def snapshot(session: CloudSession) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(tree, meta)`` for a checkpoint: everything needed to continue from here exactly."""
-    if session.shared is not None:
+    half, mirrored = session.half, session.mirrored
+    if half.shared is not None:
         raise CheckpointError("sessions of a shared cloud part are not checkpointed")
+    optimizer = mirrored.own_optimizer
     with torch.no_grad():
         tree = {
-            "weights": session.chain.qualified_state_dict(),
-            "grads": {n: p.grad for n, p in session.chain.named_parameters() if p.grad is not None},
-            "optimizer": session.own_optimizer.state_dict() if session.own_optimizer is not None else None,
+            "weights": half.chain.qualified_state_dict(),
+            "grads": {n: p.grad for n, p in half.chain.named_parameters() if p.grad is not None},
+            "optimizer": optimizer.state_dict() if optimizer is not None else None,
             "codecs": session.codecs.state_dict(),
             **session.random.state(),
         }
-    spec = session.optimizer_spec
+    spec = mirrored.optimizer_spec
     meta = {
-        "kind": "cloud", "session": session.id, "token": session.token, "seq": session.last_seq,
-        "steps": session.steps, "optimizer_id": session.optimizer_id,
+        "kind": "cloud", "session": session.id, "token": session.token, "seq": session.replies.last_seq,
+        "steps": mirrored.steps, "optimizer_id": mirrored.optimizer_id,
         "optimizer": ({"name": spec.name, "settings": spec.settings, "groups": spec.groups}
                       if spec is not None else None),
-        "frozen": [n for n, p in session.chain.qualified_parameters().items() if not p.requires_grad],
-        "loss": o.to_wire(session.loss_spec) if session.loss_spec is not None else None,
+        "frozen": [n for n, p in half.chain.qualified_parameters().items() if not p.requires_grad],
+        "loss": o.to_wire(mirrored.loss_spec) if mirrored.loss_spec is not None else None,
         "hello": session.identity,
     }
     return tree, meta
@@ -80,38 +120,43 @@ def restore(hello: Hello, tree: dict[str, Any], meta: dict[str, Any], factories:
     Checkpoints hold host tensors, so one written by a cloud on a GPU resumes on a CPU and the
     other way round: everything is loaded onto ``placement``'s device.
     """
-    session = CloudSession(hello, factories, limits, restoring=True, policy=policy, placement=placement)
-    session.id, session.token = meta["session"], meta["token"]
-    session.last_seq, session.steps = int(meta["seq"]), int(meta["steps"])
+    session = CloudSession(hello, factories, limits, restoring=True, policy=policy, placement=placement,
+                           known_as=(meta["session"], meta["token"]))
+    session.replies.resumed_at(int(meta["seq"]))
+    chain = session.half.chain
     with blame(CheckpointError, f"checkpoint of session {session.id} does not fit its model"):
-        session.chain.load_qualified_state_dict(tree["weights"])
-        params = dict(session.chain.named_parameters())
+        chain.load_qualified_state_dict(tree["weights"])
+        params = dict(chain.named_parameters())
         for name, grad in tree["grads"].items():
             params[name].grad = grad.to(device=params[name].device, dtype=params[name].dtype, copy=True)
         if meta.get("loss"):
-            set_loss(session, o.from_wire(meta["loss"]))
+            loss = o.from_wire(meta["loss"])
+            if not isinstance(loss, o.SetLoss):
+                raise CheckpointError(f"checkpoint of session {session.id} names a loss that is not one")
+            set_loss(session, loss)
         set_frozen(session, o.SetFrozen(names=list(meta.get("frozen", []))))
         if meta.get("optimizer"):
             spec = meta["optimizer"]
             attach_optimizer(session, o.AttachOptimizer(name=spec["name"], settings=spec["settings"],
                                                         groups=spec.get("groups")))
-            if session.own_optimizer is not None:
-                session.own_optimizer.load_state_dict(tree["optimizer"])
-        session.optimizer_id = int(meta.get("optimizer_id", 0))
+            if session.mirrored.own_optimizer is not None:
+                session.mirrored.own_optimizer.load_state_dict(tree["optimizer"])
+        session.mirrored.restored(int(meta["steps"]), int(meta.get("optimizer_id", 0)))
         session.codecs.load_state_dict(tree["codecs"])
         session.random.load(tree)
     return session
 
 
-def save(server: CloudServer, session: CloudSession, seq: int, pinned: bool = False) -> CapacityError | None:
-    """Checkpoint ``session`` as of request ``seq``. A failure is logged and training goes on;
-    a pinned checkpoint the edge asked for and cannot have is returned, as the error to send it."""
-    if server.checkpoints is None:
+def save(store: CheckpointStore | None, session: CloudSession, seq: int, pinned: bool = False) -> CapacityError | None:
+    """Checkpoint ``session`` as of request ``seq`` into ``store`` (None: the cloud keeps none). A
+    failure is logged and training goes on; a pinned checkpoint the edge asked for and cannot have
+    is returned, as the error to send it."""
+    if store is None:
         return None
     tree, meta = snapshot(session)
     meta["seq"] = seq
     try:
-        server.checkpoints.save(session.id, seq, tree, meta, pinned=pinned, origin=session.origin)
+        store.save(session.id, seq, tree, meta, pinned=pinned, origin=session.seat.origin)
     except CapacityError as exc:
         if pinned:
             return exc
@@ -129,15 +174,16 @@ def _resume_request(msg: Hello) -> tuple[str, str, int, int, int]:
     if not isinstance(r, dict):
         raise ProtocolError("hello.resume must be a map")
     sid, token = r.get("session"), r.get("token")
-    numbers = [r.get(k) for k in ("step", "seq", "log_from")]
-    if not (isinstance(sid, str) and _SESSION_ID.fullmatch(sid) and isinstance(token, str)
-            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in numbers)):
+    values = [r.get(k) for k in ("step", "seq", "log_from")]
+    numbers = [n for n in values if isinstance(n, int) and not isinstance(n, bool) and n >= 0]
+    if not (isinstance(sid, str) and _SESSION_ID.fullmatch(sid) and isinstance(token, str) and len(numbers) == 3):
         raise ProtocolError("hello.resume needs session (16 hex digits), token, and step, seq, log_from "
-                            f"(ints >= 0); got {_short(r)}")
-    return sid, token, *numbers
+                            f"(ints >= 0); got {short(r)}")
+    step, seq, log_from = numbers
+    return sid, token, step, seq, log_from
 
 
-def waits_for(server: CloudServer, msg: Hello) -> str | None:
+def waits_for(server: Sessions, msg: Hello) -> str | None:
     """The live session a resuming hello names, with its token, when that session is busy with a
     request: the hello then waits for it, and resumes the session as that request left it."""
     r = msg.resume
@@ -148,7 +194,7 @@ def waits_for(server: CloudServer, msg: Hello) -> str | None:
     return live.id if hmac.compare_digest(live.token, token) else None
 
 
-def resume(server: CloudServer, peer: bytes, msg: Hello) -> CloudSession | Job:
+def resume(server: Sessions, peer: bytes, msg: Hello) -> CloudSession | Job:
     """The session a resuming hello asks for: the live one, or a job that rebuilds it from a
     checkpoint and binds it (its result is the session)."""
     sid, token, step, seq, log_from = _resume_request(msg)
@@ -159,32 +205,13 @@ def resume(server: CloudServer, peer: bytes, msg: Hello) -> CloudSession | Job:
             raise ResumeError(f"wrong resume token for session {sid}")
         if live.identity != identity:
             raise ResumeError(f"session {sid} serves a different model, cut or codecs than this hello asks for")
-        # The edge can re-send every request after ``live.last_seq`` and is not behind it.
-        if log_from - 1 <= live.last_seq <= seq:
+        # The edge can re-send every request after the live session's last one and is not behind it.
+        if log_from - 1 <= live.replies.last_seq <= seq:
             server.bind(peer, live)
             return live
-    stored = server.checkpoints.seqs(sid) if server.checkpoints is not None else []
-    usable = [s for s in stored if log_from - 1 <= s <= seq]  # the newest the edge can continue from
-    if not usable:
-        have = [f"in memory at request {live.last_seq}"] if live is not None else []
-        have += [f"a checkpoint at request {s}" for s in stored]
-        raise ResumeError(
-            f"cannot resume session {sid}: the edge is at request {seq} (step {step}) and can re-send from "
-            f"request {log_from}, but this cloud has {', '.join(have) or 'nothing of it'}"
-            + ("" if server.checkpoints is not None else " (start the cloud with --checkpoint-dir)")
-            + "; start a new session, or restart the edge from a checkpoint the cloud also has"
-        )
-    meta = server.checkpoints.meta(sid, usable[-1])
-    if not hmac.compare_digest(str(meta.get("token", "")), token):
-        raise ResumeError(f"wrong resume token for session {sid}")
-    if meta.get("hello") != json.loads(json.dumps(identity)):
-        raise ResumeError(f"session {sid} serves a different model, cut or codecs than this hello asks for")
-    if server.jobs.busy(sid):
-        raise CapacityError(f"session {sid} is busy with a request or being restored "
-                            f"({server.jobs.since(sid):.1f} s so far); try again when it is done")
+    store, at = _checkpoint_to_resume(server, sid, token, identity, live, (step, seq, log_from))
     if live is None:
         server.admit(peer)
-    store, at = server.checkpoints, usable[-1]
 
     def load() -> CloudSession:
         tree, meta = store.load(sid, at)
@@ -194,11 +221,40 @@ def resume(server: CloudServer, peer: bytes, msg: Hello) -> CloudSession | Job:
         if live is not None and server.by_id.get(sid) is live:
             server.unbind(live)
         server.bind(peer, session)
-        server.event(f"session {sid} restored from its checkpoint at request {session.last_seq} (step {session.steps})")
+        server.event(f"session {sid} restored from its checkpoint at request {session.replies.last_seq} "
+                     f"(step {session.mirrored.steps})")
         return session
 
     return Job(sid, server.listener.origin(peer), Price(checkpoint_bytes=store.stored_nbytes(sid, at)),
                work=load, then=bind, pace=Pace())
 
 
-__all__ = ["restore", "resume", "save", "snapshot", "waits_for"]
+def _checkpoint_to_resume(server: Sessions, sid: str, token: str, identity: dict[str, Any],
+                          live: CloudSession | None, numbers: tuple[int, int, int]) -> tuple[CheckpointStore, int]:
+    """The store and request number of the newest checkpoint the edge can continue from, its token
+    and identity checked on its small JSON before any tensor file is read."""
+    step, seq, log_from = numbers
+    store = server.checkpoints
+    stored = store.seqs(sid) if store is not None else []
+    usable = [s for s in stored if log_from - 1 <= s <= seq]  # the newest the edge can continue from
+    if store is None or not usable:
+        have = [f"in memory at request {live.replies.last_seq}"] if live is not None else []
+        have += [f"a checkpoint at request {s}" for s in stored]
+        raise ResumeError(
+            f"cannot resume session {sid}: the edge is at request {seq} (step {step}) and can re-send from "
+            f"request {log_from}, but this cloud has {', '.join(have) or 'nothing of it'}"
+            + ("" if store is not None else " (start the cloud with --checkpoint-dir)")
+            + "; start a new session, or restart the edge from a checkpoint the cloud also has"
+        )
+    meta = store.meta(sid, usable[-1])
+    if not hmac.compare_digest(str(meta.get("token", "")), token):
+        raise ResumeError(f"wrong resume token for session {sid}")
+    if meta.get("hello") != json.loads(json.dumps(identity)):
+        raise ResumeError(f"session {sid} serves a different model, cut or codecs than this hello asks for")
+    if server.jobs.busy(sid):
+        raise CapacityError(f"session {sid} is busy with a request or being restored "
+                            f"({server.jobs.since(sid):.1f} s so far); try again when it is done")
+    return store, usable[-1]
+
+
+__all__ = ["Sessions", "restore", "resume", "save", "snapshot", "waits_for"]

@@ -7,40 +7,49 @@ checkpoint folder (whose store is thread-safe), never the server's tables or its
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from ..wire.protocol import Ack, Backward, Bye, Forward, Message, Sync
 from . import prices, snapshots
+from .checkpoint_folder import CheckpointStore
 from .jobs import Job
 from .session import CloudSession
 
-if TYPE_CHECKING:
-    from .server import CloudServer
+#: The requests that carry a session's work (and its mirrored operations).
+Request = Forward | Backward | Sync | Bye
 
 
-def job(server: CloudServer, session: CloudSession, msg: Forward | Backward | Sync | Bye, seq: int,
+@dataclass(frozen=True)
+class Checkpointing:
+    """Where a session's checkpoints go (None: nowhere) and at which optimizer steps."""
+
+    store: CheckpointStore | None
+    every: int = 1
+
+    def due(self, session: CloudSession, msg: Message) -> bool:
+        """Whether ``msg`` may make the cloud write a checkpoint of ``session`` (a step boundary, or asked)."""
+        if self.store is None or session.half.shared is not None or isinstance(msg, Bye):
+            return False
+        steps = session.mirrored.steps
+        return (isinstance(msg, Sync) and msg.checkpoint) or \
+            steps // self.every != (steps + prices.new_steps(getattr(msg, "ops", None))) // self.every
+
+
+def job(checkpointing: Checkpointing, session: CloudSession, msg: Request, seq: int,
         then: Callable[[Any], Any] | None = None) -> Job:
     """``msg``'s work for ``session`` as a job, priced; ``then`` (on the serving thread) turns its
     reply into the one sent (default: as it is)."""
-    return Job(session.id, session.origin, prices.guess(session, msg, _checkpoints(server, session, msg)),
-               work=lambda: run(server, session, msg, seq), then=then or (lambda reply: reply), pace=session.pace,
-               off_thread=session.off_thread and session.shared is None,
+    return Job(session.id, session.seat.origin, prices.guess(session, msg, checkpointing.due(session, msg)),
+               work=lambda: run(checkpointing, session, msg, seq), then=then or (lambda reply: reply),
+               pace=session.pricing.pace, off_thread=session.off_thread and session.half.shared is None,
                generator=isinstance(msg, Forward) and session.random.may_draw(msg.train))
 
 
-def _checkpoints(server: CloudServer, session: CloudSession, msg: Message) -> bool:
-    """Whether ``msg`` may make the cloud write a checkpoint of ``session`` (a step boundary, or asked)."""
-    if server.checkpoints is None or session.shared is not None or isinstance(msg, Bye):
-        return False
-    every = server.checkpoint_every
-    return (isinstance(msg, Sync) and msg.checkpoint) or \
-        session.steps // every != (session.steps + prices.new_steps(msg.ops)) // every
-
-
-def run(server: CloudServer, session: CloudSession, msg: Forward | Backward | Sync | Bye, seq: int) -> Message:
+def run(checkpointing: Checkpointing, session: CloudSession, msg: Request, seq: int) -> Message:
     """Apply ``msg``'s operations, checkpoint if they crossed a boundary (or the edge asked), then
     do what ``msg`` asks. A goodbye writes no checkpoint: the session's go when it ends."""
-    before = session.steps
+    before = session.mirrored.steps
     refused = None
     try:
         session.apply_ops(msg.ops)
@@ -48,9 +57,11 @@ def run(server: CloudServer, session: CloudSession, msg: Forward | Backward | Sy
         # Right after the step, before the request's own work: replaying this request
         # re-applies its operations, which their ids make harmless, then does that work.
         force = isinstance(msg, Sync) and msg.checkpoint
-        every = server.checkpoint_every
-        if not isinstance(msg, Bye) and (force or before // every != session.steps // every):
-            refused = snapshots.save(server, session, (seq or session.last_seq + 1) - 1, pinned=force and msg.pin)
+        every = checkpointing.every
+        if not isinstance(msg, Bye) and (force or before // every != session.mirrored.steps // every):
+            pin = isinstance(msg, Sync) and force and msg.pin
+            refused = snapshots.save(checkpointing.store, session, (seq or session.replies.last_seq + 1) - 1,
+                                     pinned=pin)
     if refused is not None:
         raise refused  # a pin the edge asked for and cannot have: it must know
     if isinstance(msg, Forward):
@@ -63,4 +74,4 @@ def run(server: CloudServer, session: CloudSession, msg: Forward | Backward | Sy
     return Ack()
 
 
-__all__ = ["job", "run"]
+__all__ = ["Checkpointing", "Request", "job", "run"]
