@@ -15,6 +15,7 @@ from torch import nn
 import splitft
 from splitft import Faults, Schedule
 from splitft.wire import protocol
+from splitft.wire.operations import Step
 from splitft.cloud import CloudServer, serve_in_thread
 from splitft.cloud.limits import Limits
 from tests.faulty import FaultyConnection, carries_step, message_type
@@ -145,11 +146,11 @@ def test_a_repeated_step_id_is_skipped(cloud):
         crit(model(x), y).backward()
         opt.step()
         before = model.cloud_state_dict()
-        model.session.queue({"op": "step", "id": 1, "lr": 0.5})  # step 1 again, e.g. from a replay
+        model.session.outbox.queue(Step(id=1, lr=0.5))  # step 1 again, e.g. from a replay
         after = model.cloud_state_dict()
         assert_same(before, after)
         assert server.sessions[next(iter(server.sessions))].steps == 1
-        model.session.queue({"op": "step", "id": 3, "lr": 0.5})  # step 2 never came
+        model.session.outbox.queue(Step(id=3, lr=0.5))  # step 2 never came
         with pytest.raises(splitft.errors.ProtocolError, match="step 3 arrived but this session is at step 1"):
             model.sync()
 

@@ -80,9 +80,9 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
     except BaseException:
         session._drop()
         raise
-    scheduler = Scheduler(CloudStage(session, ushape=spec.ushape), session, session.lock, schedule,
+    scheduler = Scheduler(CloudStage(session, ushape=spec.ushape), session.outbox, session.lock, schedule,
                           ushape=spec.ushape)
-    cloud_half = CloudHalf(session.queue, lambda norm_type: session.sync_reply(grad_norm=norm_type).grad_norms or [],
+    cloud_half = CloudHalf(session.outbox.queue, lambda norm_type: session.sync_reply(grad_norm=norm_type).grad_norms or [],
                            [])
     split_model = split_class(type(model))(model, spec, session, scheduler, metrics_path=metrics_path,
                                            freeze_edge=freeze_edge, cloud_half=cloud_half)

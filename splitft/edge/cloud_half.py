@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..errors import PlaceholderError
-from ..wire.operations import ClampGrads, LoadWeights, ScaleGrads, ZeroGrad, to_wire
+from ..wire.operations import ClampGrads, LoadWeights, Operation, ScaleGrads, ZeroGrad
 from .placeholders import CloudGrad, CloudTensor
 
 log = logging.getLogger(__name__)
@@ -34,13 +34,13 @@ class CloudHalf:
     """The cloud half's tensors as the edge tracks them.
 
     Args:
-        queue: puts an operation on the next message (:meth:`EdgeSession.queue`).
+        queue: puts an operation on the next message (:meth:`.outbox.Outbox.queue`).
         fetch_norms: asks the cloud for the ``norm_type`` norm of each of its parameters'
             gradients, in ``order``; None where it has none (one round trip).
         order: the cloud half's parameter names, in the order the cloud answers norms.
     """
 
-    def __init__(self, queue: Callable[[dict], None], fetch_norms: Callable[[float], list[float | None]],
+    def __init__(self, queue: Callable[[Operation], None], fetch_norms: Callable[[float], list[float | None]],
                  order: list[str]) -> None:
         self._queue = queue
         self._fetch_norms = fetch_norms
@@ -70,7 +70,7 @@ class CloudHalf:
             self.has_grad.discard(name)
             self._grads.pop(name, None)
             self._changed()
-            self._queue(to_wire(ZeroGrad(set_to_none=True, names=[name])))
+            self._queue(ZeroGrad(set_to_none=True, names=[name]))
 
     def refuse_grad(self, name: str, value: Any) -> None:
         raise PlaceholderError(f"assigning a tensor to p.grad of cloud parameter {name!r}: its gradient lives in the "
@@ -104,12 +104,12 @@ class CloudHalf:
         """In-place changes of cloud gradients (``mul_``, ``div_``, ``clamp_``..., ``zero_``), in the cloud."""
         self._changed()
         if kind in ("mul", "div"):
-            self._queue(to_wire(ScaleGrads(factor=float(value), names=list(names), divide=kind == "div")))
+            self._queue(ScaleGrads(factor=float(value), names=list(names), divide=kind == "div"))
         elif kind == "zero":
-            self._queue(to_wire(ZeroGrad(set_to_none=False, names=list(names))))
+            self._queue(ZeroGrad(set_to_none=False, names=list(names)))
         else:
             low, high = value
-            self._queue(to_wire(ClampGrads(low=low, high=high, names=list(names))))
+            self._queue(ClampGrads(low=low, high=high, names=list(names)))
 
     def _changed(self) -> None:
         self._norms.clear()
@@ -120,8 +120,8 @@ class CloudHalf:
         """New values for a cloud parameter or buffer (``copy_``, ``zero_``, ``fill_`` on its placeholder)."""
         if value.dtype == torch.bfloat16:  # numpy has no bfloat16; the cloud casts it back exactly
             value = value.float()
-        array: np.ndarray = value.contiguous().numpy()
-        self._queue(to_wire(LoadWeights(weights={name: array}, partial=True)))
+        array: np.ndarray = value.contiguous().numpy().copy()  # sent later: the script may change value first
+        self._queue(LoadWeights(weights={name: array}, partial=True))
 
 
 __all__ = ["CloudHalf"]

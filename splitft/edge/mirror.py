@@ -18,52 +18,10 @@ from torch import nn
 
 from ..errors import ConfigError
 from . import optimizers
-from ..wire.operations import ApplyEager, AttachOptimizer, FreeCache, LoadWeights, SetFrozen, SetLoss, SetModes, Step, to_wire
+from ..wire.operations import AttachOptimizer, Step
 
 if TYPE_CHECKING:
     from .requests import EdgeSession
-
-# ---------------------------------------------------------------- the operations
-# Typed records (splitft.wire.operations), sent as the maps the cloud checks field by field.
-
-
-def optimizer_op(op_id: int, name: str, settings: dict[str, Any], groups: list[dict] | None = None) -> dict:
-    """Build (or, with a known id, keep) the cloud's optimizer: class ``name`` with ``settings``
-    over ``groups`` of its parameters (None: one group of all)."""
-    return to_wire(AttachOptimizer(name=name, settings=settings, id=op_id, groups=groups))
-
-
-def step_op(step: int, lr: float | None, lrs: list[float] | None = None, changes: list[dict] | None = None) -> dict:
-    """Step ``step`` of the optimizer; the cloud applies each id once, however often it arrives."""
-    return to_wire(Step(id=step, lr=lr, lrs=lrs, changes=changes))
-
-
-def frozen_op(names: list[str]) -> dict:
-    return to_wire(SetFrozen(names=names))
-
-
-def free_cache_op(number: int) -> dict:
-    return to_wire(FreeCache(id=number))
-
-
-def modes_op(names: list[str]) -> dict:
-    return to_wire(SetModes(names=names))
-
-
-def load_weights_op(weights: dict[str, Any]) -> dict:
-    """Replace the cloud half's weights (arrays by their names in the original model)."""
-    return to_wire(LoadWeights(weights=weights))
-
-
-def loss_op(name: str, settings: dict[str, Any]) -> dict:
-    """The torch.nn loss the cloud computes at the end of a plain split."""
-    return to_wire(SetLoss(name=name, settings=settings))
-
-
-def apply_op(call: int, scale: float) -> dict:
-    """Eager backward: accumulate call ``call``'s parameter gradients, times the loss's incoming gradient."""
-    return to_wire(ApplyEager(call=call, scale=scale))
-
 
 # ---------------------------------------------------------------- optimizer and loss
 
@@ -105,7 +63,8 @@ class OptimizerMirror:
         else:
             session.optimizer_id += 1
             op_id = session.optimizer_id
-        session.queue(optimizer_op(op_id, type(optimizer).__name__, self.settings, groups))
+        session.outbox.queue(AttachOptimizer(name=type(optimizer).__name__, settings=self.settings, id=op_id,
+                                             groups=groups))
 
     def _group_settings(self) -> list[dict[str, Any]]:
         out = []
@@ -138,8 +97,8 @@ class OptimizerMirror:
         session = self.session
         session.step += 1
         single = len(lrs) == 1
-        session.queue(step_op(session.step, lrs[0] if single else None, None if single else lrs,
-                              changes if any(changes) else None))
+        session.outbox.queue(Step(id=session.step, lr=lrs[0] if single else None, lrs=None if single else lrs,
+                                  changes=changes if any(changes) else None))
         if session.shared:
             # Other edges train the same cloud half: apply the step now, not with this edge's next
             # message, so it lands between the other edges' steps where the user's loop put it.
@@ -198,5 +157,4 @@ def _plain(value: Any) -> Any:
     return _NOT_PLAIN
 
 
-__all__ = ["OptimizerMirror", "apply_op", "free_cache_op", "frozen_op", "load_weights_op", "loss_op", "loss_settings",
-           "modes_op", "optimizer_op", "optimizer_settings", "step_op"]
+__all__ = ["OptimizerMirror", "loss_settings", "optimizer_settings"]

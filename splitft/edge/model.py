@@ -19,6 +19,7 @@ from torch import nn
 
 from ..wire import tree as trees
 from ..wire.coding import CacheRef, flatten, is_cache, sample_ids_array, unflatten
+from ..wire.operations import FreeCache, LoadWeights, SetFrozen, SetLoss, SetModes
 from ..cut import Chain, CutSpec
 from .ghosts import standin_name, uninstall
 from .standins import CutReached
@@ -82,7 +83,7 @@ class SplitModel(nn.Module):
         self.spec = spec
         self.session = session
         self.scheduler = scheduler
-        self.cloud_half = cloud_half if cloud_half is not None else CloudHalf(session.queue, _no_norms, [])
+        self.cloud_half = cloud_half if cloud_half is not None else CloudHalf(session.outbox.queue, _no_norms, [])
         self.cloud_half.model = weakref.ref(self)
         self.freeze_edge = bool(freeze_edge)
         self.optimizer: torch.optim.Optimizer | None = None
@@ -340,7 +341,7 @@ class SplitModel(nn.Module):
         parameters it froze (``requires_grad_(False)``) and the modules it put in the other mode."""
         frozen = frozenset(name for name, param in self._cloud.items() if not param.requires_grad)
         if frozen != self._frozen_sent:
-            self.session.queue(mirror.frozen_op(sorted(frozen)))
+            self.session.outbox.queue(SetFrozen(names=sorted(frozen)))
             self._frozen_sent = frozen
             self._trainable = frozenset(self._cloud) - frozen
         flipped = []
@@ -349,7 +350,7 @@ class SplitModel(nn.Module):
                 if module.training != self.training:
                     flipped.append(f"{name}.{key}" if key else name)
         if flipped != self._flipped_sent:
-            self.session.queue(mirror.modes_op(flipped))
+            self.session.outbox.queue(SetModes(names=flipped))
             self._flipped_sent = flipped
 
     def _stepped(self) -> None:
@@ -367,7 +368,7 @@ class SplitModel(nn.Module):
         if self.spec.ushape:
             raise ConfigError("in a U-shape split the loss stays on the edge: call your criterion directly")
         settings = mirror.loss_settings(criterion)
-        self.session.queue(mirror.loss_op(type(criterion).__name__, settings))
+        self.session.outbox.queue(SetLoss(name=type(criterion).__name__, settings=settings))
         self.scheduler.loss_reduction = str(settings.get("reduction", "mean"))
         return RemoteLoss(self)
 
@@ -418,8 +419,8 @@ class SplitModel(nn.Module):
             raise RuntimeError(f"Error(s) in loading state_dict for {type(self.model).__name__}: missing keys "
                                f"{missing[:5]}, unexpected keys {result.unexpected_keys[:5]}")
         if cloud:
-            self.session.queue(mirror.load_weights_op({k: torch.as_tensor(v).detach().cpu().numpy()
-                                                       for k, v in cloud.items()}))
+            self.session.outbox.queue(LoadWeights(weights={k: torch.as_tensor(v).detach().cpu().numpy()
+                                                           for k, v in cloud.items()}))
             self.session.sync()  # applied now, so a bad tensor is reported here
         return type(result)(missing, result.unexpected_keys)
 
@@ -483,7 +484,7 @@ def _no_norms(norm_type: float) -> list[float | None]:
 def _free_cache(split_ref: weakref.ref, number: int) -> None:
     split = split_ref()
     if split is not None and not split.session.closed:
-        split.session.queue(mirror.free_cache_op(number))
+        split.session.outbox.queue(FreeCache(id=number))
 
 
 __all__ = ["CutActivation", "RemoteLoss", "SplitModel"]

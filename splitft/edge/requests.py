@@ -36,9 +36,10 @@ from ..errors import (AuthError, CapacityError, HandshakeError, PeerGone, Protoc
                       TooLarge, TransportError, TransportTimeout, from_code, translated)
 from ..metrics import Metrics
 from ..options import Codecs, Faults
-from ..wire.operations import merged
+from ..wire.operations import Step
 from ..wire.protocol import Ack, Bye, Error, Hello, Pong, Redirect, Sync, Welcome
 from .heartbeat import Heartbeat
+from .outbox import Outbox
 from .route import Follow, Route
 from .replay import Backoff, ReplayLog
 
@@ -64,7 +65,7 @@ class EdgeSession:
     """One session with a cloud: the handshake, numbered requests and their replies, and recovery.
 
     It also holds what both ends agree on for the session's life: the codec state, the optimizer
-    step count, and the operations waiting to ride on the next request (:meth:`queue`).
+    step count, and the operations waiting to ride on the next request (:attr:`outbox`).
 
     Args:
         connection: the open link to the cloud.
@@ -96,8 +97,7 @@ class EdgeSession:
         self.shared = False  # the cloud half is shared with other edges
         self.recoveries = 0  # times the session was recovered after a fault
         self.closed = False
-        self._ops: list[dict] = []
-        self._merged_names: set[str] = set()  # the names of the last queued operation
+        self.outbox = Outbox(self.sync)
         self._seq = 0
         self._log = ReplayLog()
         self._outstanding: set[int] = set()  # numbers of requests whose reply has not been read
@@ -115,29 +115,6 @@ class EdgeSession:
     def lock(self) -> threading.RLock:
         """Held while a request and its reply are under way (the heartbeat waits for it)."""
         return self._lock
-
-    # ------------------------------------------------------------ operations that ride along
-
-    def queue(self, op: dict) -> None:
-        """An operation for the cloud to apply before the next message it handles."""
-        ops = self._ops
-        if ops and merged(ops[-1], op, self._merged_names):
-            return
-        self._merged_names = set(op.get("names") or ())
-        ops.append(op)
-        most = self.limits.get("max_ops")
-        if isinstance(most, int) and len(self._ops) >= most:
-            self.sync()  # the cloud applies at most that many per message: send them now
-
-    def take_ops(self) -> list[dict]:
-        ops, self._ops = self._ops, []
-        self._merged_names = set()
-        return ops
-
-    def requeue(self, ops: list[dict]) -> None:
-        """Operations taken for a message that was not sent: they go first into the next one."""
-        self._ops[:0] = ops
-        self._merged_names = set(self._ops[-1].get("names") or ()) if self._ops else set()
 
     # ------------------------------------------------------------ requests and replies
 
@@ -162,9 +139,8 @@ class EdgeSession:
             raise
         seq = self._seq if numbered else 0
         if seq:
-            self._log.add(seq, frames, [op["id"] for op in getattr(msg, "ops", ())
-                                        if op.get("op") == "step" and isinstance(op.get("id"), int)],
-                          checkpoint=bool(getattr(msg, "checkpoint", False)))
+            steps = [op.id for op in getattr(msg, "ops", ()) if isinstance(op, Step) and isinstance(op.id, int)]
+            self._log.add(seq, frames, steps, checkpoint=bool(getattr(msg, "checkpoint", False)))
         try:
             with translated():
                 wire = self.connection.send(frames)
@@ -395,6 +371,8 @@ class EdgeSession:
         self.checkpoint_every = int(welcome.checkpoint_every)
         self.limits = dict(welcome.limits or {})
         self.shared = bool(welcome.shared)
+        most = self.limits.get("max_ops")
+        self.outbox.most = most if isinstance(most, int) else None
 
     # ------------------------------------------------------------ opening and closing
 
@@ -438,7 +416,7 @@ class EdgeSession:
         one it keeps until the next pinned one, to match an edge checkpoint).
         """
         with self._lock:
-            msg = Sync(ops=self.take_ops(), want_state=want_state, checkpoint=checkpoint or pin, pin=pin,
+            msg = Sync(ops=self.outbox.take(), want_state=want_state, checkpoint=checkpoint or pin, pin=pin,
                        grad_norm=grad_norm, grad_names=grad_names)
             reply, wire_in = self.exchange(msg, "control", Ack)
             self.metrics.count("down", "control", wire=wire_in)
@@ -458,11 +436,11 @@ class EdgeSession:
                 return
             try:
                 if self._reconnect is not None and reason == "done":
-                    _, wire_in = self.exchange(Bye(reason=reason, ops=self.take_ops()), "control", Ack)
+                    _, wire_in = self.exchange(Bye(reason=reason, ops=self.outbox.take()), "control", Ack)
                     self.metrics.count("down", "control", wire=wire_in)
                     return
                 self._seq += 1
-                frames = protocol.encode(Bye(reason=reason, ops=self.take_ops(), seq=self._seq))
+                frames = protocol.encode(Bye(reason=reason, ops=self.outbox.take(), seq=self._seq))
                 self.metrics.count("up", "control", wire=self.connection.send(frames))
                 deadline = time.monotonic() + min(self.timeout, 5.0)
                 while (left := deadline - time.monotonic()) > 0:
