@@ -189,7 +189,7 @@ def test_idle_sessions_expire_unless_the_edge_heartbeats():
         assert alive.session.session_id in server.by_id
         alive.sync()
         alive.close()
-        quiet.session._drop()
+        quiet.session.drop()
     finally:
         server.stop()
         thread.join(timeout=10)
@@ -207,7 +207,7 @@ def test_an_expired_session_is_resumed_from_memory_or_refused_clearly():
         time.sleep(1.8)  # expired, and no checkpoint folder: nothing to resume from
         with pytest.raises(splitft.HandshakeError, match="cannot resume session .* --checkpoint-dir"):
             model.sync()
-        model.session._drop()
+        model.session.drop()
     finally:
         server.stop()
         thread.join(timeout=10)

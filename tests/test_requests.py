@@ -77,4 +77,4 @@ def test_without_a_reconnect_function_a_lost_reply_is_an_error(cloud):
         with pytest.raises(Exception, match="no reply from the cloud"):
             session.sync()
     finally:
-        session._drop()
+        session.drop()

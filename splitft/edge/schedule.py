@@ -17,7 +17,7 @@ import itertools
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -206,7 +206,7 @@ class Scheduler:
 
         call.inflight = Inflight(settle, outputs)
         self.window.push(call.inflight)
-        return outputs
+        return cast(list[torch.Tensor], outputs)
 
     def drain(self) -> None:
         """Settle every streamed step still in flight (raises a cloud error one of them met).
@@ -260,6 +260,7 @@ class Scheduler:
                 continue
             # the loss's incoming gradient (a streamed call has one part and one output, the loss)
             (scale,) = (grads[0],) if call.streamed else part_output_grads(call, part, grads)
+            assert scale is not None  # the loss needs a gradient: autograd gives it one
             self.ops.queue(ApplyEager(call=part.id, scale=float(scale)))
             if call.streamed and any(call.in_grad):  # delayed gradients: the previous call's is due now
                 self._apply_delayed()
