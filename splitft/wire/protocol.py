@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import math
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -326,6 +327,7 @@ def encode(message: Message) -> list:
     """Frames for ``message``: the header first, then one frame per array, in order of appearance."""
     cls = type(message)
     body = message.__dict__  # a record's attributes are its fields, set in order by __init__ ...
+    values: Collection[Any]
     if tuple(body) == _FIELD_TUPLES[cls]:
         values = body.values()
     else:  # ... unless someone added one or reordered them: read them one by one

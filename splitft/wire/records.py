@@ -27,7 +27,8 @@ def _accepted_types(hint: Any) -> tuple[type, ...] | None:
         return None
     if typing.get_origin(hint) in (Union, types.UnionType):
         parts = [_accepted_types(h) for h in typing.get_args(hint)]
-        return None if any(p is None for p in parts) else tuple(t for p in parts for t in p)
+        known = [p for p in parts if p is not None]
+        return None if len(known) < len(parts) else tuple(t for p in known for t in p)
     if hint is float:
         return (int, float)
     return (typing.get_origin(hint) or hint,)
