@@ -13,7 +13,7 @@ import copy
 import inspect
 import itertools
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -85,16 +85,21 @@ class Ghosts:
 
     def __init__(self, model: nn.Module, chain: Chain) -> None:
         self.chain = chain
+        self._model = model
         self._places = [(model.get_submodule(parent) if parent else model, child, model.get_submodule(name))
                         for name in chain.names for parent, _, child in [name.rpartition(".")]]
-        self._batchnorms = [(name, module) for name, module in self.modules()
+        self._batchnorms = [(f"{name}.{key}" if key else name, module) for name in chain.names
+                            for key, module in model.get_submodule(name).named_modules()
                             if isinstance(module, nn.modules.batchnorm._BatchNorm)]
 
-    def modules(self) -> Iterator[tuple[str, nn.Module]]:
-        """Every module of the cloud half (ghosts and their submodules), by its name in the unsplit model."""
-        for name, (_, _, ghost) in zip(self.chain.names, self._places):
-            for key, module in ghost.named_modules():
-                yield (f"{name}.{key}" if key else name), module
+    def flipped(self, training: bool) -> list[str]:
+        """The cloud half's modules whose mode is not ``training`` (a layer put in ``eval()`` by name)."""
+        found = []
+        for name in self.chain.names:
+            for key, module in self._model.get_submodule(name).named_modules():
+                if module.training != training:
+                    found.append(f"{name}.{key}" if key else name)
+        return found
 
     def state_names(self) -> set[str]:
         """The cloud half's state keys, named as in the unsplit model."""

@@ -11,7 +11,7 @@ behaves exactly as it does locally.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -96,17 +96,16 @@ class ModelMirror:
         self.optimizer = optimizer
         return optimizer
 
-    def module_state(self, modules: Iterable[tuple[str, nn.Module]], training: bool) -> None:
+    def module_state(self, flipped: list[str]) -> None:
         """Tell the cloud what the script changed on its modules by name, when that changed: the
-        parameters it froze (``requires_grad_(False)``) and, of ``modules`` (the cloud half's, by
-        name), those in the other mode than ``training``."""
+        parameters it froze (``requires_grad_(False)``) and the modules in the other mode than the
+        split model's (``flipped``, by name)."""
         params = self.cloud_half.params
         frozen = frozenset(name for name, param in params.items() if not param.requires_grad)
         if frozen != self._frozen_sent:
             self.outbox.queue(SetFrozen(names=sorted(frozen)))
             self._frozen_sent = frozen
             self.trainable = frozenset(params) - frozen
-        flipped = [name for name, module in modules if module.training != training]
         if flipped != self._flipped_sent:
             self.outbox.queue(SetModes(names=flipped))
             self._flipped_sent = flipped

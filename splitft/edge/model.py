@@ -225,7 +225,7 @@ class SplitModel(nn.Module):
 
     def _mirror_module_state(self) -> None:
         """Tell the cloud what the script changed on its modules by name (frozen parameters, modes)."""
-        self.mirror.module_state(self.ghosts.modules(), self.training)
+        self.mirror.module_state(self.ghosts.flipped(self.training))
 
     def _fetch_norms(self, norm_type: float) -> list[float | None]:
         """The cloud's norm of each of its gradients (after what changed on its modules)."""
