@@ -233,7 +233,7 @@ def _edge(i: int, address: str, args, out: dict) -> None:
         model.sync()
         end = time.perf_counter()
         weights = {**model.edge_state_dict(), **model.cloud_state_dict()}
-        out[i] = {"session": model.session.session_id, "steps": model.session.step, "start": start, "end": end,
+        out[i] = {"session": model.session.session_id, "steps": model.stage.step, "start": start, "end": end,
                   "latencies": latencies, "recoveries": model.session.recoveries, "weights": weights}
 
 

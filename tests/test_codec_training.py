@@ -77,7 +77,7 @@ def test_a_lost_acsgd_message_is_detected_and_repaired(inproc_cloud, caplog):
 
         step(x, y, ids)  # warm-up send fills both buffers
         # A message lost in transit: the edge's codec advanced, the cloud never saw it.
-        codec = model.session.codecs.slots["fwd"]
+        codec = model.stage.codecs.slots["fwd"]
         from compressors import CodecContext
         with torch.no_grad():
             codec.encode(model(x) * 1.5, CodecContext(train=True, sample_ids=ids.numpy()))

@@ -307,7 +307,7 @@ def test_a_session_checkpointed_on_one_device_resumes_on_the_other(tmp_path, dig
     model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connect=address, faults=Faults(timeout=60))
     _half_of_the_steps(model, it)
     model.save_checkpoint(tmp_path / "edge")
-    model.session._drop()
+    model.session.drop()
     stop(proc)
     proc, address, _ = start_cloud(tmp_path, *extra, "--device", second)
     try:

@@ -15,6 +15,7 @@ from torch import nn
 import splitft
 from splitft import Faults, Schedule
 from splitft.wire import protocol
+from splitft.wire.operations import Step
 from splitft.cloud import CloudServer, serve_in_thread
 from splitft.cloud.limits import Limits
 from tests.faulty import FaultyConnection, carries_step, message_type
@@ -145,11 +146,11 @@ def test_a_repeated_step_id_is_skipped(cloud):
         crit(model(x), y).backward()
         opt.step()
         before = model.cloud_state_dict()
-        model.session.queue({"op": "step", "id": 1, "lr": 0.5})  # step 1 again, e.g. from a replay
+        model.session.outbox.queue(Step(id=1, lr=0.5))  # step 1 again, e.g. from a replay
         after = model.cloud_state_dict()
         assert_same(before, after)
         assert server.sessions[next(iter(server.sessions))].mirrored.steps == 1
-        model.session.queue({"op": "step", "id": 3, "lr": 0.5})  # step 2 never came
+        model.session.outbox.queue(Step(id=3, lr=0.5))  # step 2 never came
         with pytest.raises(splitft.errors.ProtocolError, match="step 3 arrived but this session is at step 1"):
             model.sync()
 
@@ -188,7 +189,7 @@ def test_idle_sessions_expire_unless_the_edge_heartbeats():
         assert alive.session.session_id in server.by_id
         alive.sync()
         alive.close()
-        quiet.session._drop()
+        quiet.session.drop()
     finally:
         server.stop()
         thread.join(timeout=10)
@@ -206,7 +207,7 @@ def test_an_expired_session_is_resumed_from_memory_or_refused_clearly():
         time.sleep(1.8)  # expired, and no checkpoint folder: nothing to resume from
         with pytest.raises(splitft.HandshakeError, match="cannot resume session .* --checkpoint-dir"):
             model.sync()
-        model.session._drop()
+        model.session.drop()
     finally:
         server.stop()
         thread.join(timeout=10)

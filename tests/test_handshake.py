@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import pytest
 import torch
 from torch import nn
@@ -11,6 +14,7 @@ import splitft
 from splitft.wire.coding import resolve_codecs
 from splitft import Factory
 from splitft.wire import protocol
+from splitft.wire.operations import AttachOptimizer, Operation
 from splitft.errors import ConfigError, HandshakeError, ProtocolError
 from splitft.app.models import digits_cnn
 from tests.conftest import DIGITS
@@ -86,13 +90,20 @@ def test_a_good_hello_after_errors_still_works(inproc_cloud):
     assert isinstance(_raw_exchange(inproc_cloud, _hello()), protocol.Welcome)
 
 
+@dataclass
+class _SelfDestruct(Operation):
+    """An operation this cloud does not know (an edge of a newer version, or a hostile one)."""
+
+    NAME: ClassVar[str] = "self_destruct"
+
+
 def test_remote_errors_arrive_typed_on_the_edge(inproc_cloud):
     model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connect=inproc_cloud.connect())
     with model:
-        model.session.queue({"op": "self_destruct"})
+        model.session.outbox.queue(_SelfDestruct())
         with pytest.raises(ProtocolError, match="unknown operation"):
             model.sync()
-        model.session.queue({"op": "optimizer", "name": "NotAnOptimizer", "settings": {}})
+        model.session.outbox.queue(AttachOptimizer(name="NotAnOptimizer"))
         with pytest.raises(ConfigError, match="not a torch.optim optimizer"):
             model.sync()
         opt = model.attach(torch.optim.SGD(model.parameters(), lr=0.1))

@@ -1,5 +1,6 @@
 """compressors/ and transports/ are leaves: each imports its own libraries and the standard library,
-never splitft/ nor each other; and splitft ships its type hints."""
+never splitft/ nor each other; splitft ships its type hints; and its modules import each other
+without cycles."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import compressors
 import splitft
 import transports
+from tests.import_graph import runtime_cycles, runtime_imports
 
 STDLIB = set(sys.stdlib_module_names)
 
@@ -62,3 +64,42 @@ def test_no_global_rng_calls_in_the_package() -> None:
 def test_tests_run_against_this_checkout() -> None:
     # an editable install of another checkout must not shadow the code under test
     assert Path(compressors.__file__).resolve().parent.parent == Path(__file__).resolve().parent.parent
+
+
+def test_the_import_graph_sees_runtime_cycles_and_only_those(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("from .a import A\n")
+    (package / "a.py").write_text("from . import b\nA = 1\n")
+    (package / "b.py").write_text("try:\n    from .a import A\nexcept ImportError:\n    pass\n")
+    (package / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .d import D\n")
+    (package / "d.py").write_text("from .c import C\n\ndef later():\n    from .e import E\n")
+    (package / "e.py").write_text("class E:\n    from .d import D\n")
+    assert runtime_cycles(package) == [["pkg.a", "pkg.b"]]
+    assert runtime_cycles(package, typing=True) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"]]
+    assert runtime_imports(package)["pkg.e"] == {"pkg.d"}  # a class body runs at import, a function's does not
+
+
+ROOT_PACKAGE = Path(splitft.__file__).parent
+
+
+def test_splitft_has_no_import_cycle_not_even_for_type_checkers() -> None:
+    assert runtime_cycles(ROOT_PACKAGE) == []
+    # imports inside functions and for type checkers too: the rooms see each other through protocols
+    assert runtime_cycles(ROOT_PACKAGE, deferred=True, typing=True) == []
+
+
+def test_edge_and_cloud_never_import_each_other_and_shared_rooms_import_neither() -> None:
+    graph = runtime_imports(ROOT_PACKAGE, deferred=True, typing=True)
+
+    def side(module: str) -> str:
+        parts = module.split(".")
+        if len(parts) > 2 or (len(parts) == 2 and (ROOT_PACKAGE / parts[1]).is_dir()):
+            return parts[1]  # edge, cloud, wire, app, privacy
+        return "shared"  # a module at the root: cut, factories, options, devices, metrics, ...
+
+    forbidden = {"edge": {"cloud", "app"}, "cloud": {"edge", "app"}, "wire": {"edge", "cloud", "app"},
+                 "shared": {"edge", "cloud", "app"}}
+    wrong = [(module, dep) for module, deps in graph.items() for dep in deps
+             if side(dep) in forbidden.get(side(module), set()) and module not in ("splitft", "splitft.__main__")]
+    assert wrong == []

@@ -47,7 +47,7 @@ class _NoCloud(CloudHalf):
     """A cloud half whose every operation fails the test: nothing in the walk may reach it."""
 
     def __init__(self) -> None:
-        super().__init__(self._reached, self._reached, [])
+        super().__init__(self._reached, self._reached)
 
     def _reached(self, *args: Any) -> Any:
         raise ReachedTheCloud(args)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from compressors import Payload
-from splitft.wire import protocol
+from splitft.wire import operations, protocol
 from splitft.errors import ProtocolError
 
 
@@ -229,3 +229,38 @@ def test_a_message_with_an_extra_attribute_encodes_only_its_fields():
     msg = protocol.Ack(seq=7)
     msg.note = "local only"  # type: ignore[attr-defined]
     assert protocol.encode(msg) == protocol.encode(protocol.Ack(seq=7))
+
+
+def test_operation_records_travel_as_the_maps_the_cloud_checks():
+    """The edge puts records in a message; the bytes are those of their maps, field order kept,
+    arrays as frames of their own, and the receiver's check builds the same records back."""
+    weights = {"w": np.arange(4, dtype=np.float32)}
+    records = [operations.Step(id=3, lr=0.5), operations.ZeroGrad(names=["a.weight"]),
+               operations.LoadWeights(weights=weights, partial=True), operations.ApplyEager(call=7, scale=2.0)]
+    maps = [{"op": "step", "id": 3, "lr": 0.5, "lrs": None, "changes": None},
+            {"op": "zero_grad", "set_to_none": True, "model": False, "names": ["a.weight"]},
+            {"op": "load_weights", "weights": weights, "partial": True},
+            {"op": "apply", "call": 7, "scale": 2.0}]
+    sent = protocol.encode(protocol.Sync(ops=records, seq=4))
+    assert [bytes(memoryview(f)) for f in sent] == [bytes(memoryview(f))
+                                                    for f in protocol.encode(protocol.Sync(ops=maps, seq=4))]
+    received = protocol.decode([memoryview(bytes(memoryview(f))) for f in sent])
+    assert all(isinstance(op, dict) for op in received.ops)
+    back = [operations.from_wire(op) for op in received.ops]
+    assert back[:2] == records[:2] and back[3] == records[3]
+    np.testing.assert_array_equal(back[2].weights["w"], weights["w"])
+
+
+def test_two_operations_over_different_parameters_fold_into_one():
+    seen = {"a"}
+    first = operations.ZeroGrad(names=["a"])
+    assert operations.merged(first, operations.ZeroGrad(names=["b"]), seen)
+    assert first == operations.ZeroGrad(names=["a", "b"]) and seen == {"a", "b"}
+    assert not operations.merged(first, operations.ZeroGrad(names=["a"]), seen)  # the same one twice: twice
+    assert not operations.merged(first, operations.ZeroGrad(set_to_none=False, names=["c"]), seen)
+    assert not operations.merged(first, operations.ScaleGrads(factor=2.0, names=["c"]), seen)
+    assert not operations.merged(operations.SetFrozen(names=["x"]), operations.SetFrozen(names=["y"]), set())
+    partial = operations.LoadWeights(weights={"x": 1}, partial=True)
+    assert operations.merged(partial, operations.LoadWeights(weights={"y": 2}, partial=True), set())
+    assert partial.weights == {"x": 1, "y": 2}
+    assert not operations.merged(partial, operations.LoadWeights(weights={"z": 3}), set())

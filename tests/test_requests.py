@@ -8,8 +8,8 @@ from splitft import Codecs, Factory, Faults
 from splitft.cloud import CloudServer, serve_in_thread
 from splitft.cut import parse_cut
 from splitft.edge.api import hello_for
-from splitft.edge.mirror import optimizer_op, step_op
 from splitft.edge.requests import EdgeSession
+from splitft.wire.operations import AttachOptimizer, Step
 from splitft.wire.protocol import Ack, Sync
 from tests.faulty import FaultyConnection, message_type
 from tests.models import mlp
@@ -49,13 +49,13 @@ def test_requests_are_numbered_and_a_lost_reply_is_answered_from_the_cloud_cache
 
     session = _open(listener, on_recv=drop)
     try:
-        session.queue(optimizer_op(1, "SGD", {"lr": 0.1}))
-        session.queue(step_op(1, 0.1))
+        session.outbox.queue(AttachOptimizer(name="SGD", settings={"lr": 0.1}, id=1))
+        session.outbox.queue(Step(id=1, lr=0.1))
         assert session.sync() is None and session._seq == 1
         recoveries = session.recoveries  # a slow first step in the cloud may already have cost one
         lose.append("ack")
-        session.queue(step_op(2, 0.1))
-        seq = session.send(Sync(ops=session.take_ops()), "control")
+        session.outbox.queue(Step(id=2, lr=0.1))
+        seq = session.send(Sync(ops=session.outbox.take()), "control")
         reply, _ = session.await_reply(seq, Ack)
         assert isinstance(reply, Ack) and reply.seq == seq == 2 and lose == []
         assert session.recoveries == recoveries + 1
@@ -77,4 +77,4 @@ def test_without_a_reconnect_function_a_lost_reply_is_an_error(cloud):
         with pytest.raises(Exception, match="no reply from the cloud"):
             session.sync()
     finally:
-        session._drop()
+        session.drop()

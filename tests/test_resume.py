@@ -107,12 +107,12 @@ def test_edge_restarted_from_its_checkpoint_continues_exactly(tmp_path):
                 first.save_checkpoint(tmp_path / "edge")
             if i == 4:
                 break  # the edge "crashes": steps 3 and 4 are lost with it
-        first.session._drop()
+        first.session.drop()
 
         second = splitft.split(mlp(seed=5), 2, factory=MLP, connect=listener.connect,
                                resume_from=tmp_path / "edge")
         with second:
-            assert second.session.step == 3
+            assert second.stage.step == 3
             opt = second.attach(torch.optim.Adam(second.parameters(), lr=0.01))
             crit = second.remote_loss(nn.CrossEntropyLoss())
             for x, y in data[3:]:
@@ -134,7 +134,7 @@ def test_resume_with_a_wrong_token_is_refused(tmp_path):
         model = splitft.split(mlp(), 2, factory=MLP, connect=listener.connect)
         model.attach(torch.optim.SGD(model.parameters(), lr=0.1))
         model.save_checkpoint(tmp_path / "edge")
-        model.session._drop()
+        model.session.drop()
         text = (tmp_path / "edge.json").read_text()
         (tmp_path / "edge.json").write_text(text.replace(model.session.token, "0" * 32))
         with pytest.raises(splitft.HandshakeError, match="wrong resume token"):

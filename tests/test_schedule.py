@@ -11,6 +11,7 @@ from splitft import Schedule
 
 from splitft.wire import tree
 from splitft.wire.coding import Coded
+from splitft.wire.operations import ApplyEager, Step, ZeroGrad
 from splitft.edge.schedule import Call, Scheduler
 
 
@@ -55,12 +56,12 @@ class Recorder:
 
 class Ops:
     def __init__(self) -> None:
-        self.pending: list[dict] = []
+        self.pending: list = []
 
     def queue(self, op):
         self.pending.append(op)
 
-    def take_ops(self):
+    def take(self):
         ops, self.pending = self.pending, []
         return ops
 
@@ -79,20 +80,20 @@ def _scheduler(stage, ops, micro_batches: int, eager: bool = True) -> Scheduler:
 
 def test_every_part_is_sent_before_any_reply_is_awaited_and_ops_ride_once():
     stage, ops = Recorder(), Ops()
-    ops.queue({"op": "step", "id": 1})
+    ops.queue(Step(id=1))
     x = torch.arange(14.0).reshape(7, 2)
     call = _call(x)
     (out,) = _scheduler(stage, ops, 3).forward(call, [x], [True])
     torch.testing.assert_close(out, x * 2)
     assert [e[0] for e in stage.events] == ["forward"] * 3 + ["output"] * 3
     assert [e[2] for e in stage.events[:3]] == [2, 2, 3]  # uneven parts, in row order
-    assert [e[3] for e in stage.events[:3]] == [[{"op": "step", "id": 1}], [], []]
+    assert [e[3] for e in stage.events[:3]] == [[Step(id=1)], [], []]
 
     stage.events.clear()
-    ops.queue({"op": "zero_grad", "set_to_none": True})
+    ops.queue(ZeroGrad(set_to_none=True))
     (grad,) = _scheduler(stage, ops, 3).backward(call, (torch.ones(7, 2),))
     assert [e[0] for e in stage.events] == ["backward"] * 3 + ["input_grads"] * 3
-    assert [e[3] for e in stage.events[:3]] == [[{"op": "zero_grad", "set_to_none": True}], [], []]
+    assert [e[3] for e in stage.events[:3]] == [[ZeroGrad(set_to_none=True)], [], []]
     torch.testing.assert_close(grad, torch.full((7, 2), 2.0))
     assert ops.pending == []
 
@@ -107,14 +108,14 @@ def test_a_loss_from_micro_batches_is_the_batch_mean_and_its_gradient_is_shared_
     assert call.eager and call.out_join == ["mean"]
 
     stage.events.clear()
-    ops.queue({"op": "step", "id": 2})
+    ops.queue(Step(id=2))
     (grad, target_grad) = scheduler.backward(call, (torch.tensor(3.0),))
     # eager: nothing is sent; each part's share of the incoming gradient scales what came back
     assert [e[0] for e in stage.events] == ["eager", "eager"]
     assert [e[2] for e in stage.events] == pytest.approx([3.0 * 2 / 5, 3.0 * 3 / 5])
-    assert ops.pending[0] == {"op": "step", "id": 2}  # kept for the next message, ahead of the applies
-    assert [op["op"] for op in ops.pending[1:]] == ["apply", "apply"]
-    assert sum(op["scale"] for op in ops.pending[1:]) == pytest.approx(3.0)
+    assert ops.pending[0] == Step(id=2)  # kept for the next message, ahead of the applies
+    assert [type(op) for op in ops.pending[1:]] == [ApplyEager, ApplyEager]
+    assert sum(op.scale for op in ops.pending[1:]) == pytest.approx(3.0)
     assert target_grad is None
     torch.testing.assert_close(grad, torch.tensor([1.2] * 2 + [1.8] * 3).unsqueeze(1).expand(5, 2))
 

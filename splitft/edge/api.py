@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -14,16 +14,14 @@ import transports
 
 from ..wire import protocol
 from ..cut import CutSpec, cut_text, extract, fingerprint, parse_cut, structure, value_hash
-from .ghosts import install
 from ..devices import resolve_device
 from ..errors import ConfigError, translated
 from ..options import Codecs, Factory, Faults, Link, Opener, Schedule
 from ..wire.protocol import Hello
+from ..wire.coding import SlotCodecs
 from . import resume
-from .cloud_half import CloudHalf
 from .facade import split_class
 from .model import SplitModel
-from .placeholders import CloudTensor
 from .requests import EdgeSession
 from .schedule import Scheduler
 from .stage import CloudStage
@@ -71,34 +69,40 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
     hello = hello_for(model, spec, factory, codecs, push=saved is None)
     if saved is not None:
         resume.check_identity(hello, saved[1], resume_from)
-    connection, reconnect = open_link(link)
-    session = EdgeSession(connection, codecs=codecs, faults=faults, reconnect=reconnect, follow=follow_link(link))
+    session, stage = connect_stage(link, codecs, faults, hello, saved, ushape=spec.ushape)
+    scheduler = Scheduler(stage, session.outbox, session.lock, schedule, ushape=spec.ushape)
+    model_class: Any = type(model)  # hashable: mypy reads nn.Module.__hash__ as the instances'
     try:
-        if saved is not None:
-            session.codecs.load_state_dict(saved[0]["codecs"])
-        session.open(hello, resume=saved[1] if saved is not None else None)
-    except BaseException:
-        session._drop()
-        raise
-    scheduler = Scheduler(CloudStage(session, ushape=spec.ushape), session, session.lock, schedule,
-                          ushape=spec.ushape)
-    cloud_half = CloudHalf(session.queue, lambda norm_type: session.sync_reply(grad_norm=norm_type).grad_norms or [],
-                           [])
-    split_model = split_class(type(model))(model, spec, session, scheduler, metrics_path=metrics_path,
-                                           freeze_edge=freeze_edge, cloud_half=cloud_half)
-    try:
-        chain = install(model, spec, remote=split_model._trunk if spec.ushape else None, check=factory.check_cut,
-                        placeholder=lambda tensor, name: CloudTensor(tensor, name, cloud_half))
+        split_model = split_class(model_class)(model, spec, session, stage, scheduler, check_cut=factory.check_cut,
+                                               metrics_path=metrics_path, freeze_edge=freeze_edge)
     except BaseException:
         session.close("error")
         raise
-    cloud_half.order = list(chain.qualified_parameters())
-    split_model._bind(chain)
     if saved is not None:
-        resume.load_edge_half(split_model, saved[0], resume_from)
+        tree, meta = saved
+        resume.load_edge_half(split_model, session, tree, resume_from)
+        split_model.mirror.resume(tree["optimizer"], meta["optimizer_id"])
     if edge_device is not None:
         split_model.to(edge_device)
     return split_model
+
+
+def connect_stage(link: Link, codecs: Codecs, faults: Faults, hello: Hello, saved: tuple[dict, dict] | None, *,
+                  ushape: bool) -> tuple[EdgeSession, CloudStage]:
+    """The session, opened (or resumed from the edge checkpoint ``saved``), and the stage over it."""
+    connection, reconnect = open_link(link)
+    session = EdgeSession(connection, codecs=codecs, faults=faults, reconnect=reconnect, follow=follow_link(link))
+    try:
+        stage = CloudStage(session, SlotCodecs(codecs.specs, codecs.seed), ushape=ushape)
+        point = None
+        if saved is not None:
+            resume.restore_coding(stage, *saved)
+            point = resume.resume_point(saved[1])
+        session.open(hello, steps=stage, resume=point)
+    except BaseException:
+        session.drop()
+        raise
+    return session, stage
 
 
 def _given(value: T | None, cls: type[T], name: str) -> T:
@@ -164,8 +168,9 @@ def follow_link(link: Link) -> Callable[[str], transports.Connection] | None:
 def _curve_options(link: Link) -> dict:
     if link.cloud_key is None:
         return {}
+    assert link.key is not None  # Link refuses one key without the other
     public, secret = transports.load_secret_key(link.key)
     return {"server_key": transports.load_public_key(link.cloud_key), "public_key": public, "secret_key": secret}
 
 
-__all__ = ["follow_link", "hello_for", "open_link", "split"]
+__all__ = ["connect_stage", "follow_link", "hello_for", "open_link", "split"]

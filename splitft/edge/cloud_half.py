@@ -22,10 +22,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
+from ..cut import Chain
 from ..errors import PlaceholderError
-from ..wire.operations import ClampGrads, LoadWeights, ScaleGrads, ZeroGrad, to_wire
-from .placeholders import CloudGrad, CloudTensor
+from ..wire.operations import ClampGrads, LoadWeights, Operation, ScaleGrads, ZeroGrad
+from .placeholders import CloudGrad, CloudTensor, remote_of
 
 log = logging.getLogger(__name__)
 
@@ -34,25 +36,38 @@ class CloudHalf:
     """The cloud half's tensors as the edge tracks them.
 
     Args:
-        queue: puts an operation on the next message (:meth:`EdgeSession.queue`).
+        queue: puts an operation on the next message (:meth:`.outbox.Outbox.queue`).
         fetch_norms: asks the cloud for the ``norm_type`` norm of each of its parameters'
-            gradients, in ``order``; None where it has none (one round trip).
-        order: the cloud half's parameter names, in the order the cloud answers norms.
+            gradients, in :attr:`order`; None where it has none (one round trip).
     """
 
-    def __init__(self, queue: Callable[[dict], None], fetch_norms: Callable[[float], list[float | None]],
-                 order: list[str]) -> None:
+    def __init__(self, queue: Callable[[Operation], None],
+                 fetch_norms: Callable[[float], list[float | None]]) -> None:
         self._queue = queue
         self._fetch_norms = fetch_norms
-        self.order = order
-        self.params: dict[str, CloudTensor] = {}
+        self.order: list[str] = []  # the cloud half's parameter names, in the order the cloud answers norms
+        self.params: dict[str, CloudTensor] = {}  # name in the unsplit model -> placeholder
+        self.names_by_id: dict[int, str] = {}  # id of a placeholder -> its name
         self.has_grad: set[str] = set()
         self.unreached: frozenset[str] = frozenset()  # trainable, but the last reported graph gave no gradient
         self._grads: dict[str, CloudGrad] = {}
         self._norms: dict[float, dict[str, torch.Tensor]] = {}
         self.hidden = False  # a mirrored optimizer is stepping: the cloud steps its own parameters
         self.device = torch.device("cpu")  # where the edge's tensors (and so the gradients' handles) are
-        self.before_fetch: Callable[[], None] = lambda: None
+
+    def bind(self, model: nn.Module, chain: Chain) -> None:
+        """Find the placeholders of the cloud half's parameters the cut installed in ``model``
+        (named as in the unsplit model); ``chain`` holds the cloud's modules."""
+        for name in chain.names:
+            for key, param in model.get_submodule(name).named_parameters():
+                if id(param) not in self.names_by_id:
+                    self.params[f"{name}.{key}"] = param  # type: ignore[assignment]  # a CloudTensor
+                    self.names_by_id[id(param)] = f"{name}.{key}"
+        self.order = list(chain.qualified_parameters())
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a placeholder of this cloud half's."""
+        return remote_of(tensor) is self
 
     # ------------------------------------------------------------ gradients
 
@@ -70,7 +85,7 @@ class CloudHalf:
             self.has_grad.discard(name)
             self._grads.pop(name, None)
             self._changed()
-            self._queue(to_wire(ZeroGrad(set_to_none=True, names=[name])))
+            self._queue(ZeroGrad(set_to_none=True, names=[name]))
 
     def refuse_grad(self, name: str, value: Any) -> None:
         raise PlaceholderError(f"assigning a tensor to p.grad of cloud parameter {name!r}: its gradient lives in the "
@@ -88,7 +103,6 @@ class CloudHalf:
         """The ``norm_type`` norm of each named gradient, as the cloud computed it (bitwise)."""
         norms = self._norms.get(norm_type)
         if norms is None or any(n not in norms for n in names):
-            self.before_fetch()
             fetched = self._fetch_norms(norm_type)
             norms = self._norms[norm_type] = {}
             for name, norm in zip(self.order, fetched):
@@ -104,12 +118,12 @@ class CloudHalf:
         """In-place changes of cloud gradients (``mul_``, ``div_``, ``clamp_``..., ``zero_``), in the cloud."""
         self._changed()
         if kind in ("mul", "div"):
-            self._queue(to_wire(ScaleGrads(factor=float(value), names=list(names), divide=kind == "div")))
+            self._queue(ScaleGrads(factor=float(value), names=list(names), divide=kind == "div"))
         elif kind == "zero":
-            self._queue(to_wire(ZeroGrad(set_to_none=False, names=list(names))))
+            self._queue(ZeroGrad(set_to_none=False, names=list(names)))
         else:
             low, high = value
-            self._queue(to_wire(ClampGrads(low=low, high=high, names=list(names))))
+            self._queue(ClampGrads(low=low, high=high, names=list(names)))
 
     def _changed(self) -> None:
         self._norms.clear()
@@ -120,8 +134,8 @@ class CloudHalf:
         """New values for a cloud parameter or buffer (``copy_``, ``zero_``, ``fill_`` on its placeholder)."""
         if value.dtype == torch.bfloat16:  # numpy has no bfloat16; the cloud casts it back exactly
             value = value.float()
-        array: np.ndarray = value.contiguous().numpy()
-        self._queue(to_wire(LoadWeights(weights={name: array}, partial=True)))
+        array: np.ndarray = value.contiguous().numpy().copy()  # sent later: the script may change value first
+        self._queue(LoadWeights(weights={name: array}, partial=True))
 
 
 __all__ = ["CloudHalf"]

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..cut import Chain, CutSpec, _module, extract
-from ..errors import CutError
+from ..errors import ConfigError, CutError
 from .standins import CutPoint, TrunkEntry, TrunkFollower, Unreachable
 
 
@@ -76,6 +76,79 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
         never = () if spec.ushape else _HOOKS[1:] if i == 0 else _HOOKS
         ghost(module, standin, never_run=never)
     return chain
+
+
+class Ghosts:
+    """The cloud half's modules in the user's model, once :func:`install` made them ghosts: where
+    they are, what a script may not do to them, and their real twins (:attr:`chain`, which holds
+    the values, for :func:`uninstall`)."""
+
+    def __init__(self, model: nn.Module, chain: Chain) -> None:
+        self.chain = chain
+        self._model = model
+        self._places = [(model.get_submodule(parent) if parent else model, child, model.get_submodule(name))
+                        for name in chain.names for parent, _, child in [name.rpartition(".")]]
+        self._batchnorms = [(f"{name}.{key}" if key else name, module) for name in chain.names
+                            for key, module in model.get_submodule(name).named_modules()
+                            if isinstance(module, nn.modules.batchnorm._BatchNorm)]
+
+    def flipped(self, training: bool) -> list[str]:
+        """The cloud half's modules whose mode is not ``training`` (a layer put in ``eval()`` by name)."""
+        found = []
+        for name in self.chain.names:
+            for key, module in self._model.get_submodule(name).named_modules():
+                if module.training != training:
+                    found.append(f"{name}.{key}" if key else name)
+        return found
+
+    def state_names(self) -> set[str]:
+        """The cloud half's state keys, named as in the unsplit model."""
+        return set(self.chain.qualified_state_dict())
+
+    def check(self) -> None:
+        """Refuse a forward after a script replaced a module that runs in the cloud (a module walk
+        swapping layers): the cloud would still run the one it has."""
+        for parent, child, ghost in self._places:
+            if parent._modules.get(child) is not ghost:
+                raise ConfigError(f"{standin_name(ghost)!r} runs in the cloud, but the model's forward would call "
+                                  f"another module there: it was replaced after split(). Replace layers before "
+                                  "split(), in the cloud's factory too")
+
+    def apply(self, fn: Callable[[nn.Module], None], root: nn.Module) -> None:
+        """``fn`` on every module of ``root``, the ghosts' first: what it does to their tensors
+        reaches the cloud, and what cannot raises before ``fn`` touched anything else."""
+        ghosts = {id(ghost) for _, _, ghost in self._places}
+        for _, _, ghost in self._places:
+            ghost.apply(fn)
+
+        def rest(module: nn.Module) -> None:
+            for child in module.children():
+                if id(child) not in ghosts:
+                    rest(child)
+            fn(module)
+
+        rest(root)
+
+    def refuse_replacing(self, target: str) -> None:
+        """``set_submodule(target)`` would replace (part of) a module that runs in the cloud."""
+        name = target.removeprefix("model.")
+        for cloud in self.chain.names:
+            if name == cloud or name.startswith(cloud + ".") or cloud.startswith(name + "."):
+                raise ConfigError(f"set_submodule({target!r}) would replace (part of) {cloud!r}, which runs in the "
+                                  "cloud; change the model before split()")
+
+    def refuse_batch_statistics(self, micro_batches: int) -> None:
+        """Micro-batches run the cloud half on pieces of the batch: a BatchNorm there that
+        normalizes by batch statistics would use each piece's, and the step would not be the
+        unsplit model's. Refused before anything is sent; in eval mode (running statistics) it is exact."""
+        if micro_batches == 1:
+            return
+        for name, module in self._batchnorms:
+            if module.training or not module.track_running_stats:
+                raise ConfigError(f"micro_batches={micro_batches} would run {name} ({type(module).__name__}) in the "
+                                  "cloud on each micro-batch's statistics, not the batch's, so training would differ "
+                                  "from the unsplit model. Use micro_batches=1 with this cut, or cut after the "
+                                  "BatchNorm layers")
 
 
 def _twin(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
@@ -279,4 +352,4 @@ def _signature(module: nn.Module) -> inspect.Signature | None:
         return None
 
 
-__all__ = ["ghost", "ghost_class", "install", "standin_name", "standin_of", "uninstall"]
+__all__ = ["Ghosts", "ghost", "ghost_class", "install", "standin_name", "standin_of", "uninstall"]

@@ -11,26 +11,46 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from ..wire import protocol
+import transports
+
 from ..errors import SessionLost, SplitFTError, TransportError, translated
+from ..wire import protocol
 from ..wire.protocol import Error, Ping, Pong
-
-if TYPE_CHECKING:
-    from .requests import EdgeSession
 
 log = logging.getLogger(__name__)
 
 
-class Heartbeat:
-    """Pings ``session``'s cloud every ``interval`` seconds of idleness (0: never)."""
+class Pinged(Protocol):
+    """The session a heartbeat keeps alive (:class:`~splitft.edge.requests.EdgeSession`)."""
 
-    def __init__(self, session: EdgeSession, interval: float) -> None:
+    connection: transports.Connection
+    timeout: float  # the longest wait for a reply
+
+    @property
+    def lock(self) -> threading.RLock: ...  # held while a request and its reply are under way
+    @property
+    def closed(self) -> bool: ...
+    def suspect(self, fault: BaseException) -> None: ...  # the next request reconnects first
+
+
+class Heartbeat:
+    """Pings ``session``'s cloud every ``interval`` seconds of idleness (0: never).
+
+    The session :meth:`touch`-es it whenever it sends or receives, so idleness is measured here.
+    """
+
+    def __init__(self, session: Pinged, interval: float) -> None:
         self.session = session
         self.interval = interval
+        self.last_io = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def touch(self) -> None:
+        """The session sent or received just now."""
+        self.last_io = time.monotonic()
 
     def start(self) -> None:
         if self.interval > 0 and self._thread is None:
@@ -43,22 +63,30 @@ class Heartbeat:
     def _run(self) -> None:
         session = self.session
         while not self._stop.wait(self.interval / 2):
-            if time.monotonic() - session._last_io < self.interval or not session.lock.acquire(blocking=False):
+            if time.monotonic() - self.last_io < self.interval or not session.lock.acquire(blocking=False):
                 continue
             try:
                 if session.closed:
                     return
-                with translated():
-                    session.connection.send(protocol.encode(Ping()))
-                    while True:  # anything but a pong here is stale
-                        reply = protocol.decode(session.connection.recv(min(session.timeout, 3 * self.interval)))
-                        if isinstance(reply, Pong):
-                            break
-                        if isinstance(reply, Error) and reply.code == "session":
-                            raise SessionLost(reply.message)
+                self._ping()
             except (TransportError, SplitFTError) as exc:
                 log.warning("heartbeat: the cloud did not answer (%s); the next request reconnects", exc)
-                session._suspect = exc
+                session.suspect(exc)
             finally:
-                session._last_io = time.monotonic()
+                self.touch()
                 session.lock.release()
+
+    def _ping(self) -> None:
+        """One ping and its pong; anything else that arrives meanwhile is stale."""
+        connection = self.session.connection
+        with translated():
+            connection.send(protocol.encode(Ping()))
+            while True:
+                reply = protocol.decode(connection.recv(min(self.session.timeout, 3 * self.interval)))
+                if isinstance(reply, Pong):
+                    return
+                if isinstance(reply, Error) and reply.code == "session":
+                    raise SessionLost(reply.message)
+
+
+__all__ = ["Heartbeat", "Pinged"]

@@ -42,7 +42,7 @@ class TrunkIntermediate(torch.Tensor):
         made._splitft_trunk = trunk
         return made
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # torch's: unannotated
         return f"TrunkIntermediate(output of {self._splitft_module!r}, computed in the cloud and not sent back)"
 
     def refusal(self, what: str) -> str:
@@ -61,7 +61,8 @@ class TrunkIntermediate(torch.Tensor):
         raise CutError(inner.refusal(f"computes with ({getattr(func, '__name__', func)})"))
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]  # torch's default is a plain function
+            cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         inner = next(t for t in trees.leaves((args, kwargs or {})) if isinstance(t, TrunkIntermediate))
         raise CutError(inner.refusal(f"computes with ({func})"))
 

@@ -1,71 +1,121 @@
 """Mirroring: what the user's loop does to the edge's half that the cloud must do to its own.
 
 The optimizer the user attaches is rebuilt in the cloud by class name and settings; its steps and
-``zero_grad`` calls, the loss the cloud computes in a plain split, and the scale of an eager
-backward are *operations* (:mod:`splitft.wire.operations`) that ride on the next message the edge sends, which the
-cloud applies before that message. So a step costs no extra round trip, and gradient
-accumulation behaves exactly as it does locally.
+``zero_grad`` calls, the loss the cloud computes in a plain split, the cloud parameters a script
+freezes and the cloud modules it puts in the other mode are *operations*
+(:mod:`splitft.wire.operations`) that ride on the next message the edge sends, which the cloud
+applies before that message. So a step costs no extra round trip, and gradient accumulation
+behaves exactly as it does locally.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..wire.operations import AttachOptimizer, Operation, SetFrozen, SetLoss, SetModes, Step
 from . import optimizers
-from ..wire.operations import ApplyEager, AttachOptimizer, FreeCache, LoadWeights, SetFrozen, SetLoss, SetModes, Step, to_wire
-
-if TYPE_CHECKING:
-    from .requests import EdgeSession
-
-# ---------------------------------------------------------------- the operations
-# Typed records (splitft.wire.operations), sent as the maps the cloud checks field by field.
+from .cloud_half import CloudHalf
 
 
-def optimizer_op(op_id: int, name: str, settings: dict[str, Any], groups: list[dict] | None = None) -> dict:
-    """Build (or, with a known id, keep) the cloud's optimizer: class ``name`` with ``settings``
-    over ``groups`` of its parameters (None: one group of all)."""
-    return to_wire(AttachOptimizer(name=name, settings=settings, id=op_id, groups=groups))
+class Link(Protocol):
+    """What a mirror needs of the session (:class:`~splitft.edge.requests.EdgeSession`)."""
+
+    shared: bool  # other edges train the same cloud half: a step is sent at once
+
+    def sync(self, want_state: bool = False, checkpoint: bool = False, pin: bool = False) -> Any: ...
 
 
-def step_op(step: int, lr: float | None, lrs: list[float] | None = None, changes: list[dict] | None = None) -> dict:
-    """Step ``step`` of the optimizer; the cloud applies each id once, however often it arrives."""
-    return to_wire(Step(id=step, lr=lr, lrs=lrs, changes=changes))
+class Queue(Protocol):
+    """Where operations wait for the next message (:class:`~splitft.edge.outbox.Outbox`)."""
+
+    def queue(self, op: Operation) -> None: ...
 
 
-def frozen_op(names: list[str]) -> dict:
-    return to_wire(SetFrozen(names=names))
+class Steps(Protocol):
+    """The optimizer step count (:class:`~splitft.edge.stage.CloudStage` keeps it)."""
+
+    step: int
 
 
-def free_cache_op(number: int) -> dict:
-    return to_wire(FreeCache(id=number))
+class ModelMirror:
+    """What the cloud must repeat of one split model's training: its optimizer (one at a time,
+    attachments numbered so that a replayed one is recognised), the cloud parameters the script
+    froze and the cloud modules it put in the other mode (sent when they change), its loss.
 
+    Args:
+        link: the session (a shared half gets each step at once).
+        outbox: where the operations wait for the next message.
+        steps: the optimizer step count, which each mirrored step advances.
+        cloud_half: the edge's record of the cloud half's parameters and gradients.
+        on_step: runs after each mirrored step.
+    """
 
-def modes_op(names: list[str]) -> dict:
-    return to_wire(SetModes(names=names))
+    def __init__(self, link: Link, outbox: Queue, steps: Steps, cloud_half: CloudHalf, *,
+                 on_step: Callable[[], None]) -> None:
+        self.link, self.outbox, self.steps, self.cloud_half, self.on_step = link, outbox, steps, cloud_half, on_step
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizer_id = 0  # optimizers attached so far: the cloud builds each id once
+        self.resume_state: dict | None = None  # optimizer state from an edge checkpoint, for the next attach
+        #: The cloud parameters that require a gradient, as last sent.
+        self.trainable: frozenset[str] = frozenset()
+        self._frozen_sent: frozenset[str] | None = None
+        self._flipped_sent: list[str] = []
 
+    def resume(self, optimizer_state: dict | None, optimizer_id: int) -> None:
+        """An edge checkpoint's optimizer: its state loads at the next attach, which the cloud,
+        having restored its own, skips."""
+        self.resume_state, self.optimizer_id = optimizer_state, optimizer_id
 
-def load_weights_op(weights: dict[str, Any]) -> dict:
-    """Replace the cloud half's weights (arrays by their names in the original model)."""
-    return to_wire(LoadWeights(weights=weights))
+    def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Mirror ``optimizer`` in the cloud (see :meth:`SplitModel.attach`)."""
+        if self.optimizer is optimizer:
+            return optimizer
+        if self.optimizer is not None:
+            raise ConfigError(f"this split model already mirrors a {type(self.optimizer).__name__}; the cloud half "
+                              "steps with one optimizer: put every group in it (or give the others edge "
+                              "parameters only, which stay local)")
+        if any(state for p, state in optimizer.state.items() if self.cloud_half.owns(p)):
+            raise ConfigError("this optimizer already holds state for cloud parameters (loaded before it was "
+                              "attached); attach it before loading its state_dict")
+        optimizer_mirror = OptimizerMirror(self, optimizer)  # refuses what it cannot mirror, before any change
+        if self.resume_state is not None:
+            optimizers.load_optimizer_state(optimizer, self.resume_state)
+            op_id = self.optimizer_id  # the cloud restored its optimizer: this attach is a no-op there
+        else:
+            self.optimizer_id += 1
+            op_id = self.optimizer_id
+        optimizer_mirror.attached(op_id)
+        optimizers.mirrored(optimizer, optimizer_mirror)
+        self.resume_state = None
+        self.optimizer = optimizer
+        return optimizer
 
+    def module_state(self, flipped: list[str]) -> None:
+        """Tell the cloud what the script changed on its modules by name, when that changed: the
+        parameters it froze (``requires_grad_(False)``) and the modules in the other mode than the
+        split model's (``flipped``, by name)."""
+        params = self.cloud_half.params
+        frozen = frozenset(name for name, param in params.items() if not param.requires_grad)
+        if frozen != self._frozen_sent:
+            self.outbox.queue(SetFrozen(names=sorted(frozen)))
+            self._frozen_sent = frozen
+            self.trainable = frozenset(params) - frozen
+        if flipped != self._flipped_sent:
+            self.outbox.queue(SetModes(names=flipped))
+            self._flipped_sent = flipped
 
-def loss_op(name: str, settings: dict[str, Any]) -> dict:
-    """The torch.nn loss the cloud computes at the end of a plain split."""
-    return to_wire(SetLoss(name=name, settings=settings))
-
-
-def apply_op(call: int, scale: float) -> dict:
-    """Eager backward: accumulate call ``call``'s parameter gradients, times the loss's incoming gradient."""
-    return to_wire(ApplyEager(call=call, scale=scale))
-
-
-# ---------------------------------------------------------------- optimizer and loss
+    def loss(self, criterion: nn.Module) -> str:
+        """Plain split: the cloud computes ``criterion``; returns its reduction (how the losses of
+        micro-batches add up)."""
+        settings = loss_settings(criterion)
+        self.outbox.queue(SetLoss(name=type(criterion).__name__, settings=settings))
+        return str(settings.get("reduction", "mean"))
 
 
 class OptimizerMirror:
@@ -77,35 +127,25 @@ class OptimizerMirror:
     cloud's gradients are hidden from it (``cloud_half.hidden``): the cloud steps its parameters.
 
     Args:
-        session: the edge's session.
+        model: the split model's mirror this optimizer is attached to.
         optimizer: the user's optimizer.
-        cloud_names: id of each cloud parameter's placeholder -> its name in the unsplit model.
-        cloud_half: the edge's record of the cloud's gradients.
-        resume_state: optimizer state from an edge checkpoint; the cloud kept its optimizer.
-        on_step: runs after each mirrored step.
     """
 
-    def __init__(self, session: EdgeSession, optimizer: torch.optim.Optimizer, cloud_names: dict[int, str],
-                 cloud_half: Any, *, resume_state: dict | None, on_step: Callable[[], None]) -> None:
-        self.session, self.optimizer, self.on_step = session, optimizer, on_step
-        self.cloud_half = cloud_half
+    def __init__(self, model: ModelMirror, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
         self.settings = optimizer_settings(optimizer)
         self.members = _members(optimizer)
         self.sent = self._group_settings()
+
+    def attached(self, op_id: int) -> None:
+        """Build the cloud's copy, as attachment ``op_id`` (the cloud builds each id once)."""
+        optimizer, cloud_names = self.optimizer, self.model.cloud_half.names_by_id
         groups = [{"names": [cloud_names[id(p)] for p in group["params"] if id(p) in cloud_names],
                    "settings": settings} for group, settings in zip(optimizer.param_groups, self.sent)]
-        names = [name for group in groups for name in group["names"]]
-        #: The cloud parameters this optimizer holds (None: all of them).
-        self.names: list[str] | None = None if len(names) == len(cloud_names) else names
-        if len(groups) == 1 and len(groups[0]["names"]) == len(cloud_names) and self.sent[0] == self.settings:
-            groups = None  # the common case, as small on the wire as it was before groups
-        if resume_state is not None:
-            optimizers.load_optimizer_state(optimizer, resume_state)
-            op_id = session.optimizer_id  # the cloud restored its optimizer: this attach is a no-op there
-        else:
-            session.optimizer_id += 1
-            op_id = session.optimizer_id
-        session.queue(optimizer_op(op_id, type(optimizer).__name__, self.settings, groups))
+        # The common case, one group of every cloud parameter, goes as small as it did before groups.
+        whole = len(groups) == 1 and len(groups[0]["names"]) == len(cloud_names) and self.sent[0] == self.settings
+        self.model.outbox.queue(AttachOptimizer(name=type(optimizer).__name__, settings=self.settings, id=op_id,
+                                                groups=None if whole else groups))
 
     def _group_settings(self) -> list[dict[str, Any]]:
         out = []
@@ -126,25 +166,25 @@ class OptimizerMirror:
             raise ConfigError(f"{type(self.optimizer).__name__}'s parameter groups changed since it was attached "
                               "(add_param_group, or a group's params list edited); a split model mirrors the groups "
                               "it was attached with: build a new optimizer and attach it")
-        self.cloud_half.hidden = True
+        self.model.cloud_half.hidden = True
 
     def after_step(self) -> None:
-        self.cloud_half.hidden = False
+        model = self.model
+        model.cloud_half.hidden = False
         now = self._group_settings()
-        lrs = [group.get("lr") for group in now]
+        lrs: list[Any] = [group.get("lr") for group in now]
         changes = [{k: v for k, v in group.items() if k != "lr" and v != before.get(k)}
                    for group, before in zip(now, self.sent)]
         self.sent = now
-        session = self.session
-        session.step += 1
+        model.steps.step += 1
         single = len(lrs) == 1
-        session.queue(step_op(session.step, lrs[0] if single else None, None if single else lrs,
-                              changes if any(changes) else None))
-        if session.shared:
+        model.outbox.queue(Step(id=model.steps.step, lr=lrs[0] if single else None, lrs=None if single else lrs,
+                                changes=changes if any(changes) else None))
+        if model.link.shared:
             # Other edges train the same cloud half: apply the step now, not with this edge's next
             # message, so it lands between the other edges' steps where the user's loop put it.
-            session.sync()
-        self.on_step()
+            model.link.sync()
+        model.on_step()
 
 
 def _members(optimizer: torch.optim.Optimizer) -> list[tuple[int, ...]]:
@@ -198,5 +238,4 @@ def _plain(value: Any) -> Any:
     return _NOT_PLAIN
 
 
-__all__ = ["OptimizerMirror", "apply_op", "free_cache_op", "frozen_op", "load_weights_op", "loss_op", "loss_settings",
-           "modes_op", "optimizer_op", "optimizer_settings", "step_op"]
+__all__ = ["Link", "ModelMirror", "OptimizerMirror", "Queue", "Steps", "loss_settings", "optimizer_settings"]

@@ -24,12 +24,19 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from ..errors import ConfigError
-from .placeholders import CloudTensor
+from .placeholders import remote_of
+
+
+class Attaches(Protocol):
+    """Who mirrors an optimizer over a cloud half (:class:`~splitft.edge.mirror.ModelMirror`)."""
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> Any: ...
+
 
 _INSTALLED = False
 #: Held while the hooks are installed: edges split in several threads of one process at once.
@@ -38,6 +45,13 @@ _INSTALLING = threading.Lock()
 _MIRRORS: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
 #: Optimizers found to hold no cloud placeholder, with how many parameters they had then.
 _LOCAL: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+#: Each cloud half's handle (splitft.edge.cloud_half.CloudHalf), with who attaches optimizers over it.
+_OWNERS: weakref.WeakKeyDictionary[Any, weakref.ref[Attaches]] = weakref.WeakKeyDictionary()
+
+
+def register(remote: Any, owner: Attaches) -> None:
+    """An optimizer that holds ``remote``'s placeholders is attached by ``owner`` (kept weakly)."""
+    _OWNERS[remote] = weakref.ref(owner)
 
 
 def mirrored(optimizer: torch.optim.Optimizer, mirror: Any) -> None:
@@ -46,15 +60,16 @@ def mirrored(optimizer: torch.optim.Optimizer, mirror: Any) -> None:
     _LOCAL.pop(optimizer, None)
 
 
-def cloud_owner(optimizer: torch.optim.Optimizer) -> Any:
-    """The split model whose cloud placeholders ``optimizer`` holds, or None."""
-    owners = {}
+def cloud_owner(optimizer: torch.optim.Optimizer) -> Attaches | None:
+    """Who attaches ``optimizer`` (the split model whose cloud placeholders it holds), or None."""
+    owners: dict[int, Attaches] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if isinstance(p, CloudTensor):
-                model = p._splitft_remote.model()
-                if model is not None:
-                    owners[id(model)] = model
+            remote = remote_of(p)
+            ref = _OWNERS.get(remote) if remote is not None else None
+            owner = ref() if ref is not None else None
+            if owner is not None:
+                owners[id(owner)] = owner
     if len(owners) > 1:
         raise ConfigError(f"{type(optimizer).__name__} holds the parameters of {len(owners)} split models; the "
                           "cloud halves step with one optimizer each: give each split model its own")
@@ -70,11 +85,11 @@ def _mirror_of(optimizer: torch.optim.Optimizer) -> Any:
     count = sum(len(group["params"]) for group in optimizer.param_groups)
     if _LOCAL.get(optimizer) == count:
         return None  # checked already: one look per optimizer, not one per step
-    model = cloud_owner(optimizer)
-    if model is None:
+    owner = cloud_owner(optimizer)
+    if owner is None:
         _LOCAL[optimizer] = count
         return None
-    model.attach(optimizer)
+    owner.attach(optimizer)
     return _MIRRORS[optimizer]
 
 
@@ -124,4 +139,4 @@ def install() -> None:
         _INSTALLED = True
 
 
-__all__ = ["cloud_owner", "install", "load_optimizer_state", "mirrored"]
+__all__ = ["Attaches", "cloud_owner", "install", "load_optimizer_state", "mirrored", "register"]

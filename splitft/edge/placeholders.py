@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -56,13 +56,13 @@ class RemoteTensor(Tensor):
     @staticmethod
     def _make(cls: type, like: Tensor, name: str, remote: Remote, device: torch.device | str,
               requires_grad: bool) -> Any:
-        made = Tensor._make_wrapper_subclass(cls, like.shape, strides=like.stride(), dtype=like.dtype,
-                                             device=device, requires_grad=requires_grad)
+        made: Any = Tensor._make_wrapper_subclass(cls, like.shape, strides=like.stride(), dtype=like.dtype,
+                                                  device=torch.device(device), requires_grad=requires_grad)
         made._splitft_name = name
         made._splitft_remote = remote
         return made
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # torch's: unannotated
         return (f"{type(self).__name__}({self._splitft_name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
                 "values in the cloud)")
 
@@ -96,7 +96,8 @@ class RemoteTensor(Tensor):
         raise PlaceholderError(_refusal(func, remote[0] if remote else self))
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]  # torch's default is a plain function
+            cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         # Reached only past __torch_function__ (torch internals that disable it): refuse all the same.
         remote = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, RemoteTensor)]
         raise PlaceholderError(_refusal(func, remote[0] if remote else None))
@@ -131,6 +132,11 @@ class CloudTensor(RemoteTensor):
             self._splitft_remote.clear_grad(self._splitft_name)
         else:
             self._splitft_remote.refuse_grad(self._splitft_name, value)
+
+
+def remote_of(tensor: Any) -> Remote | None:
+    """The handle on the cloud half behind a placeholder or its gradient (None for any other tensor)."""
+    return tensor._splitft_remote if isinstance(tensor, RemoteTensor) else None
 
 
 class CloudGrad(RemoteTensor):
@@ -175,7 +181,7 @@ _METADATA = _metadata()
 # ---------------------------------------------------------------- a parameter's or buffer's values
 
 
-def _values_like(target: CloudTensor, fill: Callable[[Tensor], Any]) -> Tensor:
+def _values_like(target: CloudTensor, fill: Callable[[Tensor], Any]) -> CloudTensor:
     if torch.is_grad_enabled() and target.requires_grad:
         raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
     value = torch.empty(target.shape, dtype=target.dtype)
@@ -196,9 +202,12 @@ def _zero(target: CloudTensor) -> CloudTensor:
     return _values_like(target, lambda value: value.zero_())
 
 
+#: What torch passes for ``t.data``: the property's getter (``Tensor.data`` is a descriptor on the class).
+_DATA_GETTER = cast(Any, Tensor.data).__get__
+
 _VALUE_OPS: dict[Any, Callable[..., Any]] = {
     Tensor.copy_: _copy, Tensor.fill_: _fill, Tensor.zero_: _zero,
-    Tensor.detach: CloudTensor.alias, Tensor.data.__get__: CloudTensor.alias,
+    Tensor.detach: CloudTensor.alias, _DATA_GETTER: CloudTensor.alias,
 }
 
 
@@ -209,7 +218,7 @@ def _split(tensors: list[Tensor]) -> tuple[list[int], list[Tensor], list[CloudGr
     """Indexes of the cloud gradients in ``tensors``, the edge's tensors, the cloud gradients."""
     cloud = [i for i, t in enumerate(tensors) if isinstance(t, CloudGrad)]
     at = set(cloud)
-    return cloud, [t for i, t in enumerate(tensors) if i not in at], [tensors[i] for i in cloud]
+    return cloud, [t for i, t in enumerate(tensors) if i not in at], [t for t in tensors if isinstance(t, CloudGrad)]
 
 
 def _names(grads: list[CloudGrad]) -> list[str]:
@@ -352,7 +361,7 @@ _GRAD_OPS: dict[Any, Callable[..., Any]] = {
     torch._foreach_clamp_min_: _FOREACH_CLAMP_MIN, torch._foreach_clamp_max_: _FOREACH_CLAMP_MAX,
     Tensor.zero_: _ZERO, torch._foreach_zero_: _FOREACH_ZERO,
     torch._amp_foreach_non_finite_check_and_unscale_: _unscale,
-    Tensor.detach: _same, Tensor.detach_: _same, Tensor.data.__get__: _same,
+    Tensor.detach: _same, Tensor.detach_: _same, _DATA_GETTER: _same,
 }
 
 #: Every torch function that reaches the cloud rather than raising, by the kind of tensor it takes.
@@ -373,4 +382,4 @@ def _refusal(func: Any, tensor: Any) -> str:
             "with model.state_dict(); set them with model.load_state_dict(...) or p.copy_(tensor)")
 
 
-__all__ = ["CloudGrad", "CloudTensor", "MIRRORED", "Remote", "RemoteTensor"]
+__all__ = ["CloudGrad", "CloudTensor", "MIRRORED", "Remote", "RemoteTensor", "remote_of"]

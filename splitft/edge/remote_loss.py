@@ -6,13 +6,11 @@ sends that and the target, and the cloud runs its half and the loss.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from .model import SplitModel
 
 
 @dataclass
@@ -30,15 +28,19 @@ def call_parts(cut: Any) -> tuple[tuple, dict]:
     return (cut,), {}
 
 
+#: Calls the cloud half with ``(args, kwargs, target)``: the split model's call through the cut.
+CloudCall = Callable[[tuple, dict, Any], Any]
+
+
 class RemoteLoss:
     """``crit(out, target)`` for a plain split: the cloud runs its part and the loss."""
 
-    def __init__(self, split: SplitModel) -> None:
-        self.split = split
+    def __init__(self, call: CloudCall) -> None:
+        self.call = call
 
     def __call__(self, out: Any, target: torch.Tensor) -> torch.Tensor:
         args, kwargs = call_parts(out)
-        return self.split._remote(args, kwargs, target)
+        return self.call(args, kwargs, target)
 
 
-__all__ = ["CutActivation", "RemoteLoss", "call_parts"]
+__all__ = ["CloudCall", "CutActivation", "RemoteLoss", "call_parts"]

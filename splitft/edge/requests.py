@@ -16,7 +16,10 @@ edge whose log outgrows its budget without stepping (a long evaluation, say) ask
 checkpoint, which trims it the same way. With no checkpoints (N = 0) only the request in flight
 is kept: a cloud that survives keeps its state in memory, and one that does not cannot be resumed.
 
-Nothing here knows tensors or autograd: it moves protocol messages.
+Nothing here knows tensors or autograd: it moves protocol messages. What rides on them belongs to
+other rooms: the operations waiting for the next request to the outbox (:mod:`.outbox`), the codecs
+and the optimizer step count to the stage (:mod:`.stage`), which this layer asks for the step only
+when it resumes a session (:class:`Steps`).
 """
 
 from __future__ import annotations
@@ -25,26 +28,30 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol, Union
 
 import numpy as np
 
 import transports
 
 from ..wire import protocol
-from ..wire.coding import SlotCodecs, Traffic
+from ..wire.coding import Traffic
 from ..errors import (AuthError, CapacityError, HandshakeError, PeerGone, ProtocolError, SessionLost, SplitFTError,
                       TooLarge, TransportError, TransportTimeout, from_code, translated)
 from ..metrics import Metrics
 from ..options import Codecs, Faults
-from ..wire.operations import merged
+from ..wire.operations import Step
 from ..wire.protocol import Ack, Bye, Error, Hello, Pong, Redirect, Sync, Welcome
 from .heartbeat import Heartbeat
+from .outbox import Outbox
+from .resume import ResumePoint
 from .route import Follow, Route
 from .replay import Backoff, ReplayLog
 
 log = logging.getLogger(__name__)
 
 Reply = tuple[protocol.Message, int]  # a reply and its size on the wire
+Expect = Union[type[protocol.Message], tuple[type[protocol.Message], ...]]  # the reply types a request awaits
 
 
 class _LinkFault(Exception):
@@ -60,15 +67,28 @@ def _numbered(msg: protocol.Message) -> bool:
     return msg.NUMBERED
 
 
+class Steps(Protocol):
+    """Whoever counts the optimizer steps the edge took (:class:`~splitft.edge.stage.CloudStage`):
+    a resuming hello tells the cloud where the edge is."""
+
+    @property
+    def step(self) -> int: ...
+
+
+class _NoSteps:
+    step = 0
+
+
 class EdgeSession:
     """One session with a cloud: the handshake, numbered requests and their replies, and recovery.
 
-    It also holds what both ends agree on for the session's life: the codec state, the optimizer
-    step count, and the operations waiting to ride on the next request (:meth:`queue`).
+    It holds what the handshake settled for the session's life (its id and resume token, the
+    cloud's limits and checkpoint policy, the codecs it named) and, in :attr:`outbox`, the
+    operations waiting to ride on the next request.
 
     Args:
         connection: the open link to the cloud.
-        codecs: the codecs of each direction (both ends build their instances from these).
+        codecs: the codecs of each direction the hello names (the stage holds their instances).
         faults: reply timeout, reconnection time and heartbeat.
         reconnect: opens a fresh link to the same cloud; None disables recovery (a fault raises).
         max_log_bytes: when the requests kept for a replay exceed this, the edge asks the cloud
@@ -81,14 +101,11 @@ class EdgeSession:
                  metrics: Metrics | None = None, reconnect: Callable[[], transports.Connection] | None = None,
                  max_log_bytes: int = 256 * 2**20, follow: Follow | None = None) -> None:
         self.connection = connection
-        self.codecs = SlotCodecs(codecs.specs, codecs.seed)
+        self.codecs = codecs
         self.timeout = faults.timeout
         self.reconnect_timeout = faults.reconnect_timeout
-        self.heartbeat = faults.heartbeat
         self.metrics = metrics or Metrics()
         self.max_log_bytes = int(max_log_bytes)
-        self.step = 0  # optimizer steps taken: the id of the latest step (the cloud applies each once)
-        self.optimizer_id = 0
         self.session_id: str | None = None
         self.token = ""
         self.checkpoint_every = 0
@@ -96,8 +113,7 @@ class EdgeSession:
         self.shared = False  # the cloud half is shared with other edges
         self.recoveries = 0  # times the session was recovered after a fault
         self.closed = False
-        self._ops: list[dict] = []
-        self._merged_names: set[str] = set()  # the names of the last queued operation
+        self.outbox = Outbox(self.sync)
         self._seq = 0
         self._log = ReplayLog()
         self._outstanding: set[int] = set()  # numbers of requests whose reply has not been read
@@ -107,37 +123,24 @@ class EdgeSession:
         self._hello: Hello | None = None
         self._reconnect = reconnect
         self.route = Route(follow)
-        self._last_io = time.monotonic()
-        self._suspect: BaseException | None = None  # the heartbeat saw the link fail
-        self._heartbeat = Heartbeat(self, self.heartbeat)
+        self._steps: Steps = _NoSteps()
+        self._suspect: BaseException | None = None  # the link failed where no reply was awaited
+        self._heartbeat = Heartbeat(self, faults.heartbeat)
 
     @property
     def lock(self) -> threading.RLock:
         """Held while a request and its reply are under way (the heartbeat waits for it)."""
         return self._lock
 
-    # ------------------------------------------------------------ operations that ride along
+    @property
+    def hello(self) -> Hello | None:
+        """The hello that opened this session (None before :meth:`open`)."""
+        return self._hello
 
-    def queue(self, op: dict) -> None:
-        """An operation for the cloud to apply before the next message it handles."""
-        ops = self._ops
-        if ops and merged(ops[-1], op, self._merged_names):
-            return
-        self._merged_names = set(op.get("names") or ())
-        ops.append(op)
-        most = self.limits.get("max_ops")
-        if isinstance(most, int) and len(self._ops) >= most:
-            self.sync()  # the cloud applies at most that many per message: send them now
-
-    def take_ops(self) -> list[dict]:
-        ops, self._ops = self._ops, []
-        self._merged_names = set()
-        return ops
-
-    def requeue(self, ops: list[dict]) -> None:
-        """Operations taken for a message that was not sent: they go first into the next one."""
-        self._ops[:0] = ops
-        self._merged_names = set(self._ops[-1].get("names") or ()) if self._ops else set()
+    @property
+    def last_seq(self) -> int:
+        """The number of the last request sent (0: none yet)."""
+        return self._seq
 
     # ------------------------------------------------------------ requests and replies
 
@@ -162,9 +165,8 @@ class EdgeSession:
             raise
         seq = self._seq if numbered else 0
         if seq:
-            self._log.add(seq, frames, [op["id"] for op in getattr(msg, "ops", ())
-                                        if op.get("op") == "step" and isinstance(op.get("id"), int)],
-                          checkpoint=bool(getattr(msg, "checkpoint", False)))
+            steps = [op.id for op in getattr(msg, "ops", ()) if isinstance(op, Step) and isinstance(op.id, int)]
+            self._log.add(seq, frames, steps, checkpoint=bool(getattr(msg, "checkpoint", False)))
         try:
             with translated():
                 wire = self.connection.send(frames)
@@ -177,11 +179,11 @@ class EdgeSession:
                 raise
             self._suspect = exc
         finally:
-            self._last_io = time.monotonic()
+            self._heartbeat.touch()
         self._outstanding.add(seq)
         return seq
 
-    def await_reply(self, seq: int, expect: type | tuple[type, ...], timer: str = "wait") -> Reply:
+    def await_reply(self, seq: int, expect: Expect, timer: str = "wait") -> Reply:
         """The reply to request ``seq``; errors from the cloud are raised as typed errors.
 
         The time blocked is added to ``timer``: "wait" for training traffic, which the report
@@ -193,7 +195,7 @@ class EdgeSession:
             reply, wire_in = self._early.pop(seq) if seq in self._early else self._reply_to(seq, timer)
         finally:
             self._outstanding.discard(seq)
-            self._last_io = time.monotonic()
+            self._heartbeat.touch()
         if isinstance(reply, Error):
             self.metrics.count("down", "control", wire=wire_in)
             if seq and reply.seq == 0 and seq == self._seq and not self._outstanding:
@@ -202,7 +204,7 @@ class EdgeSession:
             raise from_code(reply.code, f"cloud: {reply.message}")
         if isinstance(reply, Bye):
             self.metrics.count("down", "control", wire=wire_in)
-            self._drop()
+            self.drop()
             raise PeerGone(f"the cloud ended the session: {reply.reason or 'no reason given'}")
         if not isinstance(reply, expect):
             wanted = " or ".join(t.TYPE for t in (expect if isinstance(expect, tuple) else (expect,)))
@@ -215,7 +217,7 @@ class EdgeSession:
                 self.metrics.add_time(f"cloud_{name}", float(timings[name]))
         return reply, wire_in
 
-    def exchange(self, msg: protocol.Message, kind: str, expect: type | tuple[type, ...], traffic: Traffic | None = None,
+    def exchange(self, msg: protocol.Message, kind: str, expect: Expect, traffic: Traffic | None = None,
                  timer: str = "wait") -> Reply:
         """Send ``msg`` and wait for its reply."""
         return self.await_reply(self.send(msg, kind, traffic), expect, timer)
@@ -335,7 +337,7 @@ class EdgeSession:
     def _resume_hello(self) -> Hello:
         assert self._hello is not None
         hello = Hello(**{**vars(self._hello), "weights": None, "value_hash": None})
-        hello.resume = {"session": self.session_id, "token": self.token, "step": self.step, "seq": self._seq,
+        hello.resume = {"session": self.session_id, "token": self.token, "step": self._steps.step, "seq": self._seq,
                         "log_from": self._log.first or self._seq + 1}
         return hello
 
@@ -395,31 +397,36 @@ class EdgeSession:
         self.checkpoint_every = int(welcome.checkpoint_every)
         self.limits = dict(welcome.limits or {})
         self.shared = bool(welcome.shared)
+        most = self.limits.get("max_ops")
+        self.outbox.most = most if isinstance(most, int) else None
 
     # ------------------------------------------------------------ opening and closing
 
-    def open(self, hello: Hello, resume: dict | None = None) -> Welcome:
-        """Open the session (or, with ``resume`` from an edge checkpoint, continue one)."""
+    def open(self, hello: Hello, *, steps: Steps | None = None, resume: ResumePoint | None = None) -> Welcome:
+        """Open the session (or, with ``resume`` from an edge checkpoint, continue one); ``steps``
+        counts the optimizer steps a resuming hello reports."""
         with self._lock:
             self._hello = hello
+            if steps is not None:
+                self._steps = steps
             if resume is not None:
-                self.session_id, self.token = resume["session"], resume["token"]
-                self._seq, self.step, self.optimizer_id = resume["seq"], resume["step"], resume["optimizer_id"]
+                self.session_id, self.token, self._seq = resume.session, resume.token, resume.seq
                 with translated():
                     welcome = self._resume_handshake(self.timeout)
-                if welcome.seq != self._seq or welcome.steps != self.step:
+                if welcome.seq != self._seq or welcome.steps != resume.step:
                     raise HandshakeError(f"the cloud resumed session {welcome.session} at request {welcome.seq} "
                                          f"(step {welcome.steps}), but this edge checkpoint is at request "
-                                         f"{self._seq} (step {self.step})")
+                                         f"{self._seq} (step {resume.step})")
             else:
                 def ask() -> protocol.Message:
                     reply, wire_in = self.exchange(hello, "control", (Welcome, Redirect), timer="handshake")
                     self.metrics.count("down", "control", wire=wire_in)
                     return reply
 
-                welcome = self._placed(ask)
-                assert isinstance(welcome, Welcome)
-                self._welcomed(welcome)
+                placed = self._placed(ask)
+                assert isinstance(placed, Welcome)
+                self._welcomed(placed)
+                welcome = placed
             self._heartbeat.start()
             return welcome
 
@@ -438,7 +445,7 @@ class EdgeSession:
         one it keeps until the next pinned one, to match an edge checkpoint).
         """
         with self._lock:
-            msg = Sync(ops=self.take_ops(), want_state=want_state, checkpoint=checkpoint or pin, pin=pin,
+            msg = Sync(ops=self.outbox.take(), want_state=want_state, checkpoint=checkpoint or pin, pin=pin,
                        grad_norm=grad_norm, grad_names=grad_names)
             reply, wire_in = self.exchange(msg, "control", Ack)
             self.metrics.count("down", "control", wire=wire_in)
@@ -458,11 +465,11 @@ class EdgeSession:
                 return
             try:
                 if self._reconnect is not None and reason == "done":
-                    _, wire_in = self.exchange(Bye(reason=reason, ops=self.take_ops()), "control", Ack)
+                    _, wire_in = self.exchange(Bye(reason=reason, ops=self.outbox.take()), "control", Ack)
                     self.metrics.count("down", "control", wire=wire_in)
                     return
                 self._seq += 1
-                frames = protocol.encode(Bye(reason=reason, ops=self.take_ops(), seq=self._seq))
+                frames = protocol.encode(Bye(reason=reason, ops=self.outbox.take(), seq=self._seq))
                 self.metrics.count("up", "control", wire=self.connection.send(frames))
                 deadline = time.monotonic() + min(self.timeout, 5.0)
                 while (left := deadline - time.monotonic()) > 0:
@@ -472,12 +479,17 @@ class EdgeSession:
             except (transports.TransportError, SplitFTError) as exc:
                 log.info("cloud did not confirm the goodbye: %s", exc)
             finally:
-                self._drop()
+                self.drop()
 
-    def _drop(self) -> None:
+    def drop(self) -> None:
+        """Release the connection without a goodbye (the cloud frees the session at its timeout)."""
         self.closed = True
         self._heartbeat.stop()
         self.connection.close()
 
+    def suspect(self, fault: BaseException) -> None:
+        """The link failed while no request was under way: the next request reconnects first."""
+        self._suspect = fault
 
-__all__ = ["EdgeSession"]
+
+__all__ = ["EdgeSession", "Expect", "Reply", "Steps"]

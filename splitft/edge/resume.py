@@ -5,29 +5,85 @@ its session (the session id, its resume token, request and step numbers, and the
 identity); at the same moment the cloud writes a pinned checkpoint of its half. ``split(...,
 resume_from=PATH)`` checks that the model, cut, codecs and seed asked for are the ones saved,
 and continues the same session.
+
+Each piece comes from the room that owns it, seen through the small protocols below: the session
+(:class:`Session`), the stage's codecs and step count (:class:`Coding`), the mirror's optimizer
+(:class:`Attached`) and the split model's edge half (:class:`EdgeHalf`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from ..state_files import read_checkpoint, write_checkpoint
+import torch
+
 from ..errors import CheckpointError, ConfigError
+from ..state_files import read_checkpoint, write_checkpoint
+from ..wire.coding import SlotCodecs
 from ..wire.protocol import Hello
-
-if TYPE_CHECKING:
-    from .model import SplitModel
 
 # What a resumed session must agree on with the one it continues (the cloud checks the same).
 IDENTITY = ("factory", "factory_kwargs", "cut", "rejoin", "fingerprint", "codecs", "seed")
 _NEEDED = ("session", "token", "seq", "step", "optimizer_id", "hello")
 
 
-def save(split: SplitModel, path: str | os.PathLike) -> None:
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where an edge checkpoint left its session: its id, the token that resumes it, the number of
+    the last request it sent and the optimizer step it had taken."""
+
+    session: str
+    token: str
+    seq: int
+    step: int
+
+
+class Session(Protocol):
+    """The session being checkpointed (:class:`~splitft.edge.requests.EdgeSession`)."""
+
+    session_id: str | None
+    token: str
+    checkpoint_every: int
+
+    @property
+    def lock(self) -> threading.RLock: ...
+    @property
+    def hello(self) -> Hello | None: ...
+    @property
+    def last_seq(self) -> int: ...
+    def sync(self, want_state: bool = False, checkpoint: bool = False, pin: bool = False) -> Any: ...
+    def close(self, reason: str = "done") -> None: ...
+
+
+class Coding(Protocol):
+    """The codecs' state and the step count (:class:`~splitft.edge.stage.CloudStage`)."""
+
+    codecs: SlotCodecs
+    step: int
+
+
+class Attached(Protocol):
+    """The optimizer the cloud mirrors, and how many were attached (:class:`~splitft.edge.mirror.ModelMirror`)."""
+
+    optimizer: torch.optim.Optimizer | None
+    optimizer_id: int
+
+
+class EdgeHalf(Protocol):
+    """The split model's own weights (:class:`~splitft.edge.model.SplitModel`)."""
+
+    def edge_state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any: ...
+
+
+def save(path: str | os.PathLike, session: Session, coding: Coding, attached: Attached,
+         edge_state: Callable[[], dict[str, Any]]) -> None:
     """Checkpoint both halves at this step boundary (see :meth:`SplitModel.save_checkpoint`)."""
-    session = split.session
     with session.lock:
         if session.checkpoint_every <= 0:
             raise CheckpointError("the cloud keeps no checkpoints, so this one could not be resumed; "
@@ -35,14 +91,15 @@ def save(split: SplitModel, path: str | os.PathLike) -> None:
         session.sync(pin=True)
         # The cloud's checkpoint holds the state after that sync's operations, numbered one below
         # it; a resumed edge continues from that number, re-using the sync's.
-        optimizer = split.optimizer
-        tree = {"weights": split.edge_state_dict(),
+        optimizer = attached.optimizer
+        tree = {"weights": edge_state(),
                 "optimizer": optimizer.state_dict() if optimizer is not None else None,
-                "codecs": session.codecs.state_dict()}
-        assert session._hello is not None
-        meta = {"kind": "edge", "session": session.session_id, "token": session.token, "seq": session._seq - 1,
-                "step": session.step, "optimizer_id": session.optimizer_id,
-                "hello": {k: getattr(session._hello, k) for k in IDENTITY}}
+                "codecs": coding.codecs.state_dict()}
+        hello = session.hello
+        assert hello is not None
+        meta = {"kind": "edge", "session": session.session_id, "token": session.token, "seq": session.last_seq - 1,
+                "step": coding.step, "optimizer_id": attached.optimizer_id,
+                "hello": {k: getattr(hello, k) for k in IDENTITY}}
         write_checkpoint(path, tree, meta)
 
 
@@ -62,17 +119,28 @@ def check_identity(hello: Hello, meta: dict[str, Any], path: str | os.PathLike |
                           "seed than this split() asks for")
 
 
-def load_edge_half(split: SplitModel, tree: dict, path: str | os.PathLike | None) -> None:
-    """Put the saved edge weights back, and keep the optimizer state for :meth:`SplitModel.attach`."""
+def resume_point(meta: dict[str, Any]) -> ResumePoint:
+    """Where the checkpoint's session goes on from."""
+    return ResumePoint(meta["session"], meta["token"], meta["seq"], meta["step"])
+
+
+def restore_coding(coding: Coding, tree: dict, meta: dict[str, Any]) -> None:
+    """The codecs' state and the step count as they were saved (before the session resumes)."""
+    coding.codecs.load_state_dict(tree["codecs"])
+    coding.step = meta["step"]
+
+
+def load_edge_half(split: EdgeHalf, session: Session, tree: dict, path: str | os.PathLike | None) -> None:
+    """Put the saved edge weights back; a checkpoint of another model ends ``session``."""
     try:
         split.load_state_dict(tree["weights"], strict=False)
         missing = split.edge_state_dict().keys() - tree["weights"].keys()
         if missing or tree["weights"].keys() - split.edge_state_dict().keys():
             raise RuntimeError(f"its edge weights do not match this model's (missing {sorted(missing)[:5]})")
     except RuntimeError as exc:
-        split.session.close("error")
+        session.close("error")
         raise CheckpointError(f"the edge checkpoint {path} does not fit this model: {exc}") from exc
-    split._resume_optimizer = tree["optimizer"]
 
 
-__all__ = ["IDENTITY", "check_identity", "load_edge_half", "read", "save"]
+__all__ = ["IDENTITY", "ResumePoint", "check_identity", "load_edge_half", "read", "restore_coding", "resume_point",
+           "save"]

@@ -17,15 +17,15 @@ import itertools
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
 
 from ..wire.coding import Coded, stream_index
+from ..wire.operations import ApplyEager, Operation
 from ..errors import ConfigError, ProtocolError
 from ..options import Schedule
-from . import mirror
 from .streaming import Inflight, Window, pending_like
 
 log = logging.getLogger(__name__)
@@ -88,19 +88,19 @@ class Stage(Protocol):
 
     def check(self, call: Call) -> None: ...
     def can_eager(self) -> bool: ...
-    def send_forward(self, call: Call, part: Part, leaves: list[torch.Tensor], ops: list) -> None: ...
+    def send_forward(self, call: Call, part: Part, leaves: list[torch.Tensor], ops: list[Operation]) -> None: ...
     def receive_output(self, call: Call, part: Part, leaves: list[torch.Tensor]) -> list[torch.Tensor]: ...
-    def send_backward(self, call: Call, part: Part, grads: list[torch.Tensor | None], ops: list) -> None: ...
+    def send_backward(self, call: Call, part: Part, grads: list[torch.Tensor | None], ops: list[Operation]) -> None: ...
     def receive_input_grads(self, call: Call, part: Part) -> list[torch.Tensor | None]: ...
     def eager_input_grads(self, call: Call, part: Part, scale: torch.Tensor) -> list[torch.Tensor | None]: ...
 
 
 class Ops(Protocol):
-    """The operations waiting to ride on the next message (:class:`splitft.edge.requests.EdgeSession`)."""
+    """The operations waiting to ride on the next message (:class:`splitft.edge.outbox.Outbox`)."""
 
-    def queue(self, op: dict) -> None: ...
-    def take_ops(self) -> list[dict]: ...
-    def requeue(self, ops: list[dict]) -> None: ...
+    def queue(self, op: Operation) -> None: ...
+    def take(self) -> list[Operation]: ...
+    def requeue(self, ops: list[Operation]) -> None: ...
 
 
 class Scheduler:
@@ -134,7 +134,7 @@ class Scheduler:
             self._say_why_synchronous(call)
             self.window.drain()
             rows = partition(call, leaves, self.options.micro_batches)
-            ops = self.ops.take_ops()
+            ops = self.ops.take()
             inputs = []
             for j, part_rows in enumerate(rows):
                 ids = call.sample_ids[part_rows] if call.sample_ids is not None and call.batch else call.sample_ids
@@ -190,7 +190,7 @@ class Scheduler:
         self.window.make_room(self.options.window)
         (rows,) = partition(call, leaves, 1)
         part = Part(next(self._ids), rows, call.sample_ids)
-        self.stage.send_forward(call, part, leaves, self.ops.take_ops())
+        self.stage.send_forward(call, part, leaves, self.ops.take())
         call.parts.append(part)
         call.streamed, call.out_skeleton, call.out_join = True, t.out_skeleton, list(t.out_join)
         part.out_grad = list(t.out_grad)
@@ -206,7 +206,7 @@ class Scheduler:
 
         call.inflight = Inflight(settle, outputs)
         self.window.push(call.inflight)
-        return outputs
+        return cast(list[torch.Tensor], outputs)
 
     def drain(self) -> None:
         """Settle every streamed step still in flight (raises a cloud error one of them met).
@@ -232,7 +232,7 @@ class Scheduler:
     def backward(self, call: Call, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
         """Gradients of the call's inputs, given those of its outputs."""
         with self.lock:
-            ops = self.ops.take_ops()
+            ops = self.ops.take()
             sent_ops = False
             for part in call.parts:
                 if part.eager_grads is None and not call.streamed:
@@ -260,7 +260,8 @@ class Scheduler:
                 continue
             # the loss's incoming gradient (a streamed call has one part and one output, the loss)
             (scale,) = (grads[0],) if call.streamed else part_output_grads(call, part, grads)
-            self.ops.queue(mirror.apply_op(part.id, float(scale)))
+            assert scale is not None  # the loss needs a gradient: autograd gives it one
+            self.ops.queue(ApplyEager(call=part.id, scale=float(scale)))
             if call.streamed and any(call.in_grad):  # delayed gradients: the previous call's is due now
                 self._apply_delayed()
                 self._delayed = (call, scale)

@@ -1,37 +1,62 @@
 """The cloud part as one stage of a pipeline: what crosses the cut is encoded, sent, received and decoded here.
 
 The :class:`~splitft.edge.schedule.Scheduler` decides which part goes when; this stage turns one
-part's tensors into a ``forward`` or ``backward`` message through the session's codecs, and the
-cloud's replies back into tensors, counting every byte.
+part's tensors into a ``forward`` or ``backward`` message through its codecs, and the cloud's
+replies back into tensors, counting every byte. It owns what coding needs for the session's life:
+the codec instances (whose state both ends keep in step) and the optimizer step count their
+contexts carry; the request layer below only moves the messages (:class:`Requests`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from compressors import CodecContext
 
-from ..wire.coding import Traffic, from_wire, raw_nbytes, stream_index, to_wire
 from ..errors import ConfigError, DesyncError, ProtocolError
-from ..wire.protocol import Backward, Forward, InputGrads, Output
-from .requests import EdgeSession
+from ..metrics import Metrics
+from ..wire.coding import SlotCodecs, Traffic, from_wire, raw_nbytes, stream_index, to_wire
+from ..wire.operations import Operation
+from ..wire.protocol import Backward, Forward, InputGrads, Message, Output
+from .requests import Expect, Reply
 from .schedule import Call, Part
 
 log = logging.getLogger(__name__)
 
 
-class CloudStage:
-    """One part's messages to the cloud and back, through ``session``'s codecs."""
+class Requests(Protocol):
+    """The reliable request layer (:class:`~splitft.edge.requests.EdgeSession`)."""
 
-    def __init__(self, session: EdgeSession, *, ushape: bool) -> None:
-        self.session = session
-        self.codecs = session.codecs
-        self.metrics = session.metrics
+    metrics: Metrics
+    checkpoint_every: int  # the cloud checkpoints sessions (> 0): backward as a request of its own
+
+    def send(self, msg: Message, kind: str, traffic: Traffic | None = None) -> int: ...
+    def await_reply(self, seq: int, expect: Expect, timer: str = "wait") -> Reply: ...
+    def exchange(self, msg: Message, kind: str, expect: Expect, traffic: Traffic | None = None,
+                 timer: str = "wait") -> Reply: ...
+
+
+class CloudStage:
+    """One part's messages to the cloud and back, through ``codecs``.
+
+    Args:
+        requests: sends the messages and awaits their replies.
+        codecs: this end's codec instances (built from the specs the hello names).
+        ushape: the trunk's output comes back to the edge (``ret`` codecs), and its gradient goes up.
+        step: the optimizer steps taken so far (a resumed session's).
+    """
+
+    def __init__(self, requests: Requests, codecs: SlotCodecs, *, ushape: bool, step: int = 0) -> None:
+        self.requests = requests
+        self.codecs = codecs
+        self.metrics = requests.metrics
         self.ushape = ushape
+        #: Optimizer steps taken: the id of the latest step (the cloud applies each once), in every codec context.
+        self.step = step
 
     def check(self, call: Call) -> None:
         """Refuse a training call without sample ids when a codec keeps state per sample."""
@@ -48,17 +73,17 @@ class CloudStage:
     def can_eager(self) -> bool:
         # A cloud that checkpoints sessions gets the backward as a request of its own: after a
         # restart, a replayed request can rebuild a graph, but not eager gradients lost in memory.
-        return self.session.checkpoint_every <= 0
+        return self.requests.checkpoint_every <= 0
 
     # ------------------------------------------------------------ forward
 
     def _context(self, call: Call, part: Part, resync: bool = False) -> CodecContext:
         """The activation context; what comes back is decoded where the call's tensors live."""
         device = next((c.device for c in part.sent if c.dtype.is_floating_point), None) if part.sent else None
-        return CodecContext("activation", train=call.train, step=self.session.step, sample_ids=part.sample_ids,
+        return CodecContext("activation", train=call.train, step=self.step, sample_ids=part.sample_ids,
                             resync=resync, device=device)
 
-    def _forward_message(self, call: Call, part: Part, leaves: list[torch.Tensor], ops: list,
+    def _forward_message(self, call: Call, part: Part, leaves: list[torch.Tensor], ops: list[Operation],
                          ctx: CodecContext) -> tuple[Forward, Traffic]:
         args_skel, kwargs_skel, target_skel = call.skeleton
         traffic = Traffic()
@@ -66,25 +91,25 @@ class CloudStage:
             entries, part.sent = self.codecs.encode(leaves, stream_index(args_skel), "fwd", ctx, call.in_grad, traffic)
         msg = Forward(call=part.id, train=call.train, grad=call.grad, args=to_wire(args_skel, entries),
                       kwargs=to_wire(kwargs_skel, entries), target=to_wire(target_skel, entries), ops=ops,
-                      step=self.session.step, sample_ids=part.sample_ids, eager=call.eager, autocast=call.autocast)
+                      step=self.step, sample_ids=part.sample_ids, eager=call.eager, autocast=call.autocast)
         return msg, traffic
 
-    def send_forward(self, call: Call, part: Part, leaves: list[torch.Tensor], ops: list) -> None:
+    def send_forward(self, call: Call, part: Part, leaves: list[torch.Tensor], ops: list[Operation]) -> None:
         msg, traffic = self._forward_message(call, part, leaves, ops, self._context(call, part))
-        part.seq = self.session.send(msg, "activation", traffic)
+        part.seq = self.requests.send(msg, "activation", traffic)
 
     def receive_output(self, call: Call, part: Part, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         """The part's outputs, decoded; the cut's gradient too, when it came along (eager backward)."""
         ctx = self._context(call, part)
         try:
-            reply, wire_in = self.session.await_reply(part.seq, Output)
+            reply, wire_in = self.requests.await_reply(part.seq, Output)
         except DesyncError as exc:
             # A desync of stateful codecs (a lost or repeated message) is repaired once, by
             # sending the same rows again at full precision, which resets both ends' state.
             log.warning("codec state out of step with the cloud (%s); resending at full precision", exc)
             ctx = self._context(call, part, resync=True)
             msg, traffic = self._forward_message(call, part, leaves, [], ctx)
-            reply, wire_in = self.session.exchange(msg, "activation", Output, traffic)
+            reply, wire_in = self.requests.exchange(msg, "activation", Output, traffic)
         assert isinstance(reply, Output)
         out_entries, skeleton = from_wire(reply.value)
         if call.out_skeleton is None:
@@ -108,8 +133,9 @@ class CloudStage:
 
     # ------------------------------------------------------------ backward
 
-    def send_backward(self, call: Call, part: Part, grads: list[torch.Tensor | None], ops: list) -> None:
-        ctx = CodecContext("gradient", train=True, step=self.session.step, sample_ids=part.sample_ids)
+    def send_backward(self, call: Call, part: Part, grads: list[torch.Tensor | None],
+                      ops: list[Operation]) -> None:
+        ctx = CodecContext("gradient", train=True, step=self.step, sample_ids=part.sample_ids)
         traffic = Traffic()
         entries: list[dict | None] = []
         with self.metrics.timed("encode"):
@@ -121,10 +147,10 @@ class CloudStage:
                 (entry,), _ = self.codecs.encode([grad], 0 if coded.stream else None, "ret_bwd", ctx, [False],
                                                  traffic, raw=[raw_nbytes(coded.shape, coded.dtype)])
                 entries.append(entry)
-        part.seq = self.session.send(Backward(call=part.id, grads=entries, ops=ops), "gradient", traffic)
+        part.seq = self.requests.send(Backward(call=part.id, grads=entries, ops=ops), "gradient", traffic)
 
     def receive_input_grads(self, call: Call, part: Part) -> list[torch.Tensor | None]:
-        reply, wire_in = self.session.await_reply(part.seq, InputGrads)
+        reply, wire_in = self.requests.await_reply(part.seq, InputGrads)
         assert isinstance(reply, InputGrads)
         call.reported_unreached(reply.unreached)
         got, skeleton = from_wire(reply.grads)
@@ -144,7 +170,7 @@ class CloudStage:
     def _decode_input_grads(self, call: Call, part: Part, parsed: tuple[list, Any],
                             scale: torch.Tensor | None = None) -> list[torch.Tensor | None]:
         """Gradients of a part's inputs from parsed wire entries (times ``scale`` for an eager call)."""
-        ctx = CodecContext("gradient", train=True, step=self.session.step, sample_ids=part.sample_ids)
+        ctx = CodecContext("gradient", train=True, step=self.step, sample_ids=part.sample_ids)
         got, skeleton = parsed
         if not isinstance(skeleton, list) or len(skeleton) != len(part.sent):
             raise ProtocolError(f"cloud sent {len(skeleton) if isinstance(skeleton, list) else '?'} input "

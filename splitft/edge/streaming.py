@@ -44,8 +44,10 @@ def stash_weights(model: torch.nn.Module, skip: Iterable[torch.Tensor]) -> tuple
 
 def _into_grad(param: torch.Tensor, copy: torch.Tensor) -> None:
     """Add a stashed copy's gradient to its weight's, as if the forward had used the weight."""
+    grad = copy.grad
+    assert grad is not None  # a post-accumulate-grad hook runs once the gradient is there
     with torch.no_grad():
-        param.grad = copy.grad if param.grad is None else param.grad + copy.grad
+        param.grad = grad if param.grad is None else param.grad + grad
     copy.grad = None
 
 

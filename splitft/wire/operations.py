@@ -3,9 +3,11 @@
 A user's loop changes the model and the optimizer between forward calls (``opt.step()``,
 ``opt.zero_grad()``, attaching an optimizer, choosing a loss); the edge records each change as an
 operation that rides on its next request (``ops``), so the cloud applies them in the same order
-and a step costs no extra round trip. On the wire an operation is a map ``{"op": NAME, field:
-value, ...}``; :func:`from_wire` checks every field against the record's type hints before the
-cloud looks at it, as :mod:`splitft.wire.protocol` does for messages.
+and a step costs no extra round trip. The edge queues these records and puts them in its messages
+as they are; only encoding a message turns each into the map that travels, ``{"op": NAME, field:
+value, ...}`` (:func:`to_wire`, called by :mod:`splitft.wire.protocol`). A receiver gets the maps,
+and :func:`from_wire` checks every field against the record's type hints before the cloud looks at
+it, as :mod:`splitft.wire.protocol` does for messages.
 
 To add an operation: a record here (with ``NAME``), its handler in :mod:`splitft.cloud.handlers`, and
 the edge call that queues it.
@@ -154,33 +156,56 @@ OPERATIONS: dict[str, type[Operation]] = {
 
 #: Operations that act alike on a list of named parameters: two in a row over different
 #: parameters are one operation over both (``zero_grad`` clears parameters one at a time).
-_BY_NAMES = {ZeroGrad.NAME, ScaleGrads.NAME, ClampGrads.NAME}
+_BY_NAMES = (ZeroGrad, ScaleGrads, ClampGrads)
 
 
-def merged(previous: dict[str, Any], op: dict[str, Any], seen: set[str]) -> bool:
+def merged(previous: Operation, op: Operation, seen: set[str]) -> bool:
     """Fold ``op`` into ``previous`` (queued just before it) when they are one operation over two
     sets of parameters; ``seen`` holds ``previous``'s names and grows with them. Whether it did."""
-    kind = op["op"]
-    if previous["op"] != kind:
+    if previous.__class__ is not op.__class__:
         return False
-    if kind == LoadWeights.NAME:
-        if not (previous["partial"] and op["partial"]):
+    if isinstance(op, LoadWeights) and isinstance(previous, LoadWeights):
+        if not (previous.partial and op.partial):
             return False
-        previous["weights"].update(op["weights"])
+        previous.weights.update(op.weights)
         return True
-    names, earlier = op.get("names"), previous.get("names")
-    if kind not in _BY_NAMES or names is None or earlier is None or not seen.isdisjoint(names):
+    if not (isinstance(op, _BY_NAMES) and isinstance(previous, _BY_NAMES)):
         return False
-    if any(previous[k] != v for k, v in op.items() if k != "names"):
+    names, earlier = op.names, previous.names
+    if names is None or earlier is None or not seen.isdisjoint(names):
+        return False
+    if any(getattr(previous, name) != getattr(op, name) for name in _field_names(op) if name != "names"):
         return False
     earlier.extend(names)
     seen.update(names)
     return True
 
 
+def names_of(op: Operation) -> list[str]:
+    """The parameters an operation over named parameters names (none for the others)."""
+    return (op.names or []) if isinstance(op, _BY_NAMES) else []
+
+
+#: Field names per record class, in declaration order (the order a map of them travels in).
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(op: Operation) -> tuple[str, ...]:
+    cls = op.__class__
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(op))
+    return names
+
+
 def to_wire(op: Operation) -> dict[str, Any]:
-    """The map that travels: ``{"op": NAME, ...fields}``."""
-    return {"op": op.NAME, **dataclasses.asdict(op)}
+    """The map that travels: ``{"op": NAME, ...fields}``, in declaration order. The values are the
+    record's own (not copies): it is packed at once, or written as JSON."""
+    body = op.__dict__  # a record's attributes are its fields, set in order by __init__ ...
+    names = _field_names(op)
+    if len(body) == len(names):
+        return {"op": op.NAME, **body}
+    return {"op": op.NAME, **{name: getattr(op, name) for name in names}}  # ... unless someone added one
 
 
 def from_wire(value: Any) -> Operation:
@@ -194,4 +219,4 @@ def from_wire(value: Any) -> Operation:
 
 
 __all__ = ["ApplyEager", "AttachOptimizer", "ClampGrads", "FreeCache", "LoadWeights", "OPERATIONS", "Operation", "ScaleGrads",
-           "SetFrozen", "SetLoss", "SetModes", "Step", "ZeroGrad", "from_wire", "merged", "to_wire"]
+           "SetFrozen", "SetLoss", "SetModes", "Step", "ZeroGrad", "from_wire", "merged", "names_of", "to_wire"]

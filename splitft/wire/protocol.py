@@ -12,6 +12,10 @@ anything, and never executes code: no pickle, ever.
 Requests carry ``seq``, a per-session sequence number (1, 2, ...), and replies echo it: the cloud
 applies each number once and answers a repeat from its reply cache, so an edge may re-send a
 request whose reply it never saw (``seq`` 0: unsequenced, never deduplicated).
+
+The operations a request carries (``ops``) are :class:`~splitft.wire.operations.Operation` records
+on the sending side, packed as their maps (``{"op": NAME, ...}``) when the message is encoded; a
+receiver finds the maps, which :func:`splitft.wire.operations.from_wire` checks one by one.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import gc
 import math
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -28,6 +33,7 @@ import numpy as np
 from compressors import WIRE_DTYPES, Payload
 
 from ..errors import ProtocolError, TooLarge
+from .operations import Operation, to_wire as operation_to_wire
 from .records import _CACHE_LIMIT, _short, build_checked, record_fields
 
 PROTOCOL_VERSION = 5  # 5: gradients a backward did not reach, gradient norms per parameter, operations by parameter name; 4: fields by position; 3: parameter groups and frozen parameters by name; 2: numbered requests, typed operations, welcome.limits (docs/wire.md)
@@ -305,6 +311,8 @@ class _Encoder(threading.local):
                 ref = _REF_CACHE[key] = msgpack.ExtType(_ARRAY_EXT, msgpack.packb([len(arrays), name, list(obj.shape)]))
             arrays.append(np.ascontiguousarray(obj))
             return ref
+        if isinstance(obj, Operation):
+            return operation_to_wire(obj)
         if isinstance(obj, tuple):
             return list(obj)
         if isinstance(obj, (np.integer, np.floating, np.bool_)):
@@ -319,6 +327,7 @@ def encode(message: Message) -> list:
     """Frames for ``message``: the header first, then one frame per array, in order of appearance."""
     cls = type(message)
     body = message.__dict__  # a record's attributes are its fields, set in order by __init__ ...
+    values: Collection[Any]
     if tuple(body) == _FIELD_TUPLES[cls]:
         values = body.values()
     else:  # ... unless someone added one or reordered them: read them one by one

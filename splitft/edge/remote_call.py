@@ -1,0 +1,141 @@
+"""A call of the cloud half from the user's forward, and the cut as an autograd function.
+
+What the model passes to the cloud half is flattened into tensors and a skeleton (a key/value
+cache the cloud keeps stands in as its number), handed to the schedule inside a
+``torch.autograd.Function`` (:class:`_RemoteCall`), and rebuilt from what comes back. Its forward
+returns what the cloud sent; its backward hands over the incoming gradient and returns the
+gradient at the cut. A delayed-gradient step also keeps here the edge weights its forward ran with.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..devices import autocast_dtype
+from ..errors import ConfigError
+from ..wire import tree as trees
+from ..wire.coding import CacheRef, flatten, is_cache, sample_ids_array, unflatten
+from ..wire.operations import FreeCache, Operation
+from .cloud_half import CloudHalf
+from .schedule import Call, Scheduler
+from .streaming import stash_weights
+
+
+class _RemoteCall(torch.autograd.Function):
+    """The cut. Inputs: the call's tensors (and an anchor that keeps the cloud part trainable)."""
+
+    @staticmethod
+    def forward(ctx: Any, scheduler: Scheduler, call: Call, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        leaves = list(inputs[: call.n_leaves])
+        outputs = scheduler.forward(call, leaves, list(ctx.needs_input_grad[2: 2 + call.n_leaves]))
+        ctx.scheduler, ctx.call = scheduler, call
+        ctx.mark_non_differentiable(*[t for t, g in zip(outputs, call.parts[0].out_grad) if not g])
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if torch.is_grad_enabled():  # create_graph=True: the cloud's part of the gradient would carry no graph
+            raise ConfigError("backward(create_graph=True) / autograd.grad(create_graph=True) through a split model: "
+                              "the gradient that comes back from the cloud is a number, not a graph, so a gradient "
+                              "of it (a gradient penalty, second-order methods) would silently leave the cloud half "
+                              "out. Compute the penalty on edge modules only, or train this model unsplit")
+        call: Call = ctx.call
+        input_grads = ctx.scheduler.backward(call, grads)
+        call.cloud_half.backward_reached(call.trainable, call.unreached)
+        extra = len(ctx.needs_input_grad) - 2 - call.n_leaves
+        return (None, None, *input_grads, *([None] * extra))
+
+
+class CacheRefs:
+    """Key/value caches of a generation as the cloud knows them: by number, each freed in the
+    cloud when the edge's cache object goes.
+
+    Args:
+        queue: puts an operation on the next message (:meth:`.outbox.Outbox.queue`).
+        closed: whether the session is closed (then nothing is left to free).
+    """
+
+    def __init__(self, queue: Callable[[Operation], None], closed: Callable[[], bool]) -> None:
+        self.queue, self.closed = queue, closed
+        self._numbers: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._next = 0
+
+    def ref(self, cache: Any, path: Any) -> CacheRef:
+        """The number of a key/value cache the cloud keeps for it; freed there when ``cache`` goes."""
+        number = self._numbers.get(cache)
+        if number is None:
+            self._next += 1
+            number = self._numbers[cache] = self._next
+            weakref.finalize(cache, _free, weakref.ref(self), number)
+        return CacheRef(number)
+
+
+    def free(self, number: int) -> None:
+        """Cache ``number`` is gone on the edge: free the cloud's."""
+        if not self.closed():
+            self.queue(FreeCache(id=number))
+
+
+def _free(refs: weakref.ref[CacheRefs], number: int) -> None:
+    owner = refs()
+    if owner is not None:
+        owner.free(number)
+
+
+class RemoteCaller:
+    """Calls of the cloud half: the forward's sample ids and stashed weights until the call that
+    uses them, then the call through the cut.
+
+    Args:
+        scheduler: runs each call's messages.
+        cloud_half: told of each backward that reached the cut.
+        caches: numbers the key/value caches a call passes.
+        freeze_edge: no input of a call needs a gradient, so none crosses back.
+    """
+
+    def __init__(self, scheduler: Scheduler, cloud_half: CloudHalf, caches: CacheRefs, *,
+                 freeze_edge: bool = False) -> None:
+        self.scheduler, self.cloud_half, self.caches = scheduler, cloud_half, caches
+        self.freeze_edge = bool(freeze_edge)
+        self._anchor = torch.zeros((), requires_grad=True)
+        self._sample_ids: np.ndarray | None = None
+        self._stash: list | None = None  # delayed gradients: the weights this step's edge forward ran with
+
+    def forward_with(self, sample_ids: Any) -> None:
+        """The forward under way passes ``sample_ids`` (None when it ends, or passes none)."""
+        self._sample_ids = sample_ids_array(sample_ids)
+
+    def stash(self, model: torch.nn.Module, skip: Iterable[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Delayed gradients: copies of ``model``'s weights for this step's forward to run with,
+        kept for its call (see :func:`~.streaming.stash_weights`)."""
+        self._stash, copies = stash_weights(model, skip)
+        return copies
+
+    def __call__(self, args: tuple, kwargs: dict, target: Any = None, *, train: bool,
+                 trainable: frozenset[str]) -> Any:
+        """The cloud half's output for ``args``/``kwargs`` (plain split: the loss, with ``target``)."""
+        self.cloud_half.hidden = False  # an optimizer step that raised left them hidden
+        args, kwargs = trees.rebuild((args, kwargs), self.caches.ref, is_leaf=is_cache, other=lambda node, path: node)
+        grad = torch.is_grad_enabled()
+        leaves, skeleton = flatten((list(args), kwargs, target))
+        if self.freeze_edge:  # no input needs a gradient, so none crosses back
+            leaves = [t.detach() for t in leaves]
+        stash, self._stash = self._stash, None
+        attached = leaves
+        if stash is not None and grad:  # the edge's graph stays apart; the scheduler backpropagates it
+            leaves = [t.detach().requires_grad_() if t.requires_grad else t for t in leaves]
+        call = Call(skeleton, len(leaves), train=train, grad=grad, sample_ids=self._sample_ids,
+                    stash=stash if grad else None, leaves=attached if stash is not None else [],
+                    autocast=autocast_dtype(next((t.device.type for t in leaves if t.is_floating_point()), "cpu")),
+                    cloud_half=self.cloud_half, trainable=trainable)
+        inputs = [*leaves, self._anchor] if grad else leaves
+        outputs = _RemoteCall.apply(self.scheduler, call, *inputs)
+        return unflatten(call.out_skeleton, list(outputs))
+
+
+__all__ = ["CacheRefs", "RemoteCaller"]
