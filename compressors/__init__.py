@@ -19,6 +19,7 @@ the option classification every codec declares.
 """
 
 from . import binary, circconv, delta, identity, lowrank, quant  # noqa: F401  (registration side effects)
+from ._wire import all_finite
 from .base import Codec, CodecContext, Payload, WIRE_DTYPES
 from .errors import CompressionError, DesyncError, PolicyError, UnknownCodecError
 from .policy import Bounds
@@ -35,6 +36,6 @@ from .registry import (
 
 __all__ = [
     "Bounds", "Codec", "CodecContext", "CompressionError", "DesyncError", "Payload", "PolicyError",
-    "UnknownCodecError", "WIRE_DTYPES", "canonical_spec", "check_spec", "codec_class",
+    "UnknownCodecError", "WIRE_DTYPES", "all_finite", "canonical_spec", "check_spec", "codec_class",
     "default_grad_spec", "make_codec", "names", "parse_spec", "register",
 ]

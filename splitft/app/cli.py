@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING  # noqa: E402
 if TYPE_CHECKING:
     from .runner import TaskRun
 
+from . import allocator  # noqa: E402
 from .cli_cloud import DEFAULT_BIND, DEFAULT_MODEL, add_cloud_parser, run_cloud, task_names  # noqa: E402
 
 
@@ -153,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         return _codecs()
     if args.command == "keys":
         return _keys(args)
+    if args.command in ("cloud", "edge", "demo"):
+        allocator.tune()  # a training process of ours: see splitft.app.allocator
     if args.command == "cloud":
         return run_cloud(args)
     if args.command == "edge":

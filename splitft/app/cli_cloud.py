@@ -202,31 +202,12 @@ def _limits_and_policy(args: argparse.Namespace) -> tuple:
     return limits, Policy.allowing(every, per_slot=per_slot, bounds=bounds)
 
 
-def return_large_buffers(threshold: int = 4 << 20) -> bool:
-    """Make this process give buffers of ``threshold`` bytes or more back to the system when they
-    are freed (glibc: ``mallopt(M_MMAP_THRESHOLD)``); True when it could.
-
-    glibc otherwise raises that threshold to the size of the last large buffer freed (up to 32
-    MiB), after which such buffers come from heaps that keep what they held, one heap per thread:
-    a cloud whose workers decode, encode and checkpoint tens of MiB at a time keeps the memory of
-    its past requests resident (four clients checkpointing 29 MB states: 1187 MiB at peak, 656
-    MiB with this).
-    """
-    import ctypes
-
-    try:
-        return bool(ctypes.CDLL(None).mallopt(-3, threshold))  # -3: M_MMAP_THRESHOLD
-    except (OSError, AttributeError):  # not glibc
-        return False
-
-
 def run_cloud(args: argparse.Namespace) -> int:
     import transports
     from ..cloud import CloudServer, workers
     from ..devices import Placement
     from ..errors import SplitFTError
 
-    return_large_buffers()
     if args.workers > 1 and not workers.launched():
         try:
             workers.launch_for(args)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from compressors import CodecContext
+from compressors import CodecContext, all_finite
 
 from ..errors import ProtocolError
 from ..wire.coding import Coded, SlotCodecs, Traffic, flatten, from_wire, stream_index, unflatten
@@ -66,7 +66,7 @@ def decode_forward(msg: Forward, codecs: SlotCodecs, ctx: CodecContext, ushape: 
             tensors += decoded
             in_coded += coded
     for tensor, one in zip(tensors, in_coded):
-        if one.stream and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        if one.stream and tensor.is_floating_point() and not all_finite(tensor):
             raise ProtocolError("the activation contains NaN or Inf; the edge part diverged or the data is bad")
     grads = [g and msg.grad for _, g in (*args_entries, *kw_entries, *target_entries)]
     return Inputs(tensors, in_coded, grads, (args_skel, kw_skel, target_skel),

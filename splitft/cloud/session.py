@@ -154,9 +154,7 @@ class CloudSession:
         args, kwargs = self.caches.bind((unflatten(args_skel, cast[:n_args]),
                                          unflatten(kw_skel, cast[n_args:n_args + n_kw])))
         target = unflatten(target_skel, leaves[n_args + n_kw:])
-        half.chain.train(train)
-        for module in mirrored.flipped:
-            module.train(not train)
+        _set_modes(half.chain, train, mirrored.flipped)
         if mirrored.flipped:
             self.random.on_its_own()
         caching = self.caches.named((args_skel, kw_skel))
@@ -281,6 +279,19 @@ class CloudSession:
     def weights(self) -> dict[str, torch.Tensor]:
         """The half's whole state under the original model's names (a sharded half gathers it)."""
         return self.half.chain.qualified_state_dict()
+
+
+def _set_modes(chain: nn.Module, train: bool, flipped: list[nn.Module]) -> None:
+    """Put the half in ``train`` mode but ``flipped`` in the other, walking its modules only when
+    that differs from the last call's (a walk per message is ~2 us a module; a shared half's
+    sessions may differ, so what was set is kept on the half itself)."""
+    modes = (train, tuple(map(id, flipped)))
+    if chain.__dict__.get("_splitft_modes") == modes:
+        return
+    chain.train(train)
+    for module in flipped:
+        module.train(not train)
+    chain.__dict__["_splitft_modes"] = modes
 
 
 __all__ = ["CloudSession"]

@@ -187,8 +187,14 @@ class CloudStage:
                 (grad,), _ = self.codecs.decode([got[slot.index]], 0 if coded.stream else None, "bwd",
                                                 dataclasses.replace(ctx, device=coded.device))
                 grad = self.codecs.grad_at_input(grad, coded, "fwd", ctx)
-                result.append(grad if scale is None else grad * scale)
+                result.append(grad if scale is None or _is_one(scale) else grad * scale)
         return result
+
+
+def _is_one(scale: torch.Tensor) -> bool:
+    """Whether multiplying by ``scale`` changes nothing (a loss's own gradient is 1 unless a
+    scaler or a weight multiplied it): a pass over the gradient saved, bit for bit the same."""
+    return scale.device.type == "cpu" and scale.numel() == 1 and scale.item() == 1
 
 
 __all__ = ["CloudStage"]

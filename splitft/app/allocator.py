@@ -1,0 +1,42 @@
+"""How this process's allocator keeps and returns memory (glibc only; elsewhere nothing changes).
+
+glibc's defaults are tuned for programs that allocate small objects. A training step allocates
+and frees the same few large buffers every step (activations, gradients, received frames), and
+with the defaults the heap's free top is given back to the system once it exceeds 128 KiB and
+faulted back in at the next step: thousands of minor page faults a step at batch 256 of the
+digits CNN, in the unsplit loop as in the split one. The other default, a threshold for using
+``mmap`` that rises to the largest buffer freed so far (up to 32 MiB), makes a long-running cloud
+keep the memory of its past large requests resident, one heap per worker thread.
+
+The ``splitft`` commands (a process of ours) set both: buffers from :data:`MMAP_THRESHOLD` up are
+mapped and unmapped (a cloud's memory falls back after a large request), and up to
+:data:`TRIM_THRESHOLD` free at a heap's top is kept for the next step. :func:`splitft.split`
+leaves the allocator of a user's process alone: it is the process's, not the library's; a script
+that wants the same sets ``MALLOC_TRIM_THRESHOLD_`` and ``MALLOC_MMAP_THRESHOLD_`` in its
+environment, or calls :func:`tune`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+#: Buffers of this size or more are mapped on their own and returned when freed.
+MMAP_THRESHOLD = 4 << 20
+#: Free memory at a heap's top kept for reuse rather than returned to the system.
+TRIM_THRESHOLD = 64 << 20
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def tune(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int = TRIM_THRESHOLD) -> bool:
+    """Set glibc's mmap and trim thresholds for this process; True when it could (glibc)."""
+    try:
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and \
+            bool(libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+    except (OSError, AttributeError):  # not glibc
+        return False
+
+
+__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "tune"]
