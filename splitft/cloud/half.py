@@ -177,6 +177,7 @@ class Half:
         """The half was cut into shards across ranks (:mod:`.shard`): it computes on
         ``placement``'s device now, and this rank holds ``model_bytes`` of it."""
         self.placement, self.model_bytes = placement, model_bytes
+        self._named, self._names = None, None  # sharding made new parameter objects
 
     # ------------------------------------------------------------ parameters by name
 

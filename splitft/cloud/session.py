@@ -208,7 +208,7 @@ class CloudSession:
         """
         with watch("compute"):
             needed = [leaf for leaf, g in zip(leaves, inputs.grads) if g]
-            params: list[torch.Tensor] = [p for p in self.half.chain.parameters() if p.requires_grad]
+            params: list[torch.Tensor] = [p for p in self.half.named_params.values() if p.requires_grad]
             with blame(ModelError, "the cloud part's backward failed"):
                 found = torch.autograd.grad(loss, needed + params, allow_unused=True)
         self.fits(tensors_nbytes(found[len(needed):]), "keeping this call's parameter gradients")
