@@ -77,6 +77,14 @@ def add_cloud_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--round-timeout", type=float, default=30.0, metavar="S",
                    help="a round lasts at most this long; edges that sent no gradient by then are dropped from "
                         "it (default: 30; keep it below the edges' reply timeout)")
+    g.add_argument("--average-cut-grads", action="store_true",
+                   help="with --sync-rounds (SGLR): answer every edge's backward with the mean of its round's "
+                        "cut-layer gradients instead of its own, once every edge of the round has sent its "
+                        "backward (edges send batches of one size, one backward per step; one process)")
+    g.add_argument("--server-lr", type=float, default=None, metavar="LR",
+                   help="with --shared-optimizer: split learning rates (SGLR). The shared half steps at LR, "
+                        "whatever rate the edges' steps carry; an edge's rate (its optimizer's, e.g. splitft "
+                        "edge --lr) is its own half's alone (default: the edges' steps set the half's rate)")
     g.add_argument("--grad-compression", default="none", metavar="SPEC",
                    help="how ranks all-reduce a shared half's gradient: none, fp16 or "
                         "powersgd:rank=R[,start=S][,min_rate=M] (DDP communication hooks; default: none)")
@@ -342,7 +350,9 @@ def _announce(args: argparse.Namespace, say: Any, listener: Any, server: Any, ro
     if args.shared_model:
         extras.append("one shared cloud half per model" + (
             f", in rounds of {args.sync_rounds} edge(s) (rank {rounds.rank} of {rounds.world}, all-reduce "
-            f"{args.grad_compression})" if rounds else ""))
+            f"{args.grad_compression}" + (", cut gradients averaged" if args.average_cut_grads else "") + ")"
+            if rounds else "") + (f", its learning rate {args.server_lr:g} (--server-lr)"
+                                  if args.server_lr is not None else ""))
     if batch is not None:
         extras.append(f"each batch split over {batch.world} rank(s), one edge at a time"
                       + (", the half sharded across them" if batch.mesh is not None else ""))
@@ -354,16 +364,19 @@ def _announce(args: argparse.Namespace, say: Any, listener: Any, server: Any, ro
 
 def _shared_policy(args: argparse.Namespace) -> Any:
     """What edges of a shared half may set (``--shared-optimizer``, ``--shared-frozen``); None without them."""
-    if args.shared_optimizer is None and args.shared_frozen is None:
+    if args.shared_optimizer is None and args.shared_frozen is None and args.server_lr is None:
         return None
     from ..cloud.shared_policy import SharedPolicy
 
-    return SharedPolicy.parse(args.shared_optimizer, args.shared_frozen)
+    return SharedPolicy.parse(args.shared_optimizer, args.shared_frozen, args.server_lr)
 
 
 def _rounds(args: argparse.Namespace, placement: Any) -> Any:
     """Synchronous data-parallel rounds (``--sync-rounds``), on the ranks torchrun's variables describe."""
     if not args.sync_rounds:
+        if args.average_cut_grads:
+            from ..errors import ConfigError
+            raise ConfigError("--average-cut-grads averages the cut gradients of a round: add --sync-rounds N")
         return None
     from ..cloud.allreduce import GradCompression, group_from_env
     from ..cloud.rounds import Rounds, RoundSettings
@@ -371,7 +384,8 @@ def _rounds(args: argparse.Namespace, placement: Any) -> Any:
 
     if not args.shared_model:
         raise ConfigError("--sync-rounds trains a shared cloud half: add --shared-model")
-    settings = RoundSettings(args.sync_rounds, args.round_timeout, GradCompression.parse(args.grad_compression))
+    settings = RoundSettings(args.sync_rounds, args.round_timeout, GradCompression.parse(args.grad_compression),
+                             average_cut=args.average_cut_grads)
     group_from_env("nccl" if placement.device.type == "cuda" else "gloo")
     return Rounds(settings)
 

@@ -189,6 +189,8 @@ class CloudServer:
                 reply = self.jobs.start(reply, (peer, session, msg, seq, numbered))
                 if reply is LATER:
                     return  # answered by _settle when the worker is done
+            if self.rounds is not None and self.rounds.defer(peer, session, reply, seq, numbered):
+                return  # a backward answered with its round's mean cut gradient, once the round's are in
         except (KeyboardInterrupt, SystemExit):
             raise
         except Exception as exc:  # noqa: BLE001 — a bad request must never stop the server
@@ -253,6 +255,11 @@ class CloudServer:
         if session is not None and session.id in self.by_id:
             self.book.set(session.id, session.held_bytes())
         self.send(peer, out, reply.TYPE)
+
+    def answer(self, peer: bytes, session: CloudSession | None, reply: protocol.Message, seq: int,
+               numbered: bool) -> None:
+        """Send the reply to a request answered later than it was handled (kept for its round)."""
+        self._reply(peer, session, reply, seq, numbered)
 
     def send(self, peer: bytes, frames: list, kind: str) -> None:
         """Send ``frames`` to ``peer``, counted in its session's metrics; a peer gone is logged."""
