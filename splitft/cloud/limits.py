@@ -47,6 +47,8 @@ class Limits:
         max_decoded_bytes: most bytes the tensors of one message may take once decoded
             (after repeating compacted side tensors and widening to the decoded dtype).
         max_ops: mirrored operations (step, zero_grad, ...) one message may carry.
+        max_move_bytes: the most state a session moving here from another cloud may bring
+            (:mod:`.moves`).
         max_sessions: sessions open at once; a further hello is refused with ``capacity``.
         sessions_per_peer: sessions open at once from one origin: one network address, and on a
             CurveZMQ link also one edge key (with an allow-list, only the key: edges behind one
@@ -98,6 +100,7 @@ class Limits:
     max_request_flops: int = 10**13
     pin_bytes: int = 4 * GiB
     pin_seconds: float = 7 * 24 * 3600.0
+    max_move_bytes: int = GiB
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
