@@ -22,6 +22,7 @@ from typing import Protocol
 
 import transports
 
+from ..metrics import Metrics
 from ..errors import ConfigError, HandshakeError, SplitFTError, from_code, translated
 from ..wire import protocol
 from ..wire.coding import Traffic
@@ -40,6 +41,7 @@ class Moving(Protocol):
     token: str
     timeout: float
     connection: transports.Connection
+    metrics: Metrics
 
     @property
     def hello(self) -> Hello | None: ...
@@ -60,18 +62,19 @@ def move(session: Moving, step: int, address: str,
         raise ConfigError("this edge was given an open connection (or a function that opens one), which cannot "
                           "reach another cloud; give split() the cloud's address to move it")
     session.sync()  # pending operations first: the state that leaves is the one they leave
-    reply, _ = session.exchange(Leave(), "control", Handoff)
+    reply, wire_in = session.exchange(Leave(), "control", Handoff)
+    session.metrics.count("down", "control", wire=wire_in)
     assert isinstance(reply, Handoff)
     arrive = Arrive(hello=vars(_resume_hello(session, step)), state=reply.state)
     started = time.monotonic()
     try:
         with translated():
             connection = follow(address)
-        welcome = _arrive(connection, arrive, session.timeout)
+        welcome = _arrive(connection, arrive, session.timeout, session.metrics)
     except (SplitFTError, transports.TransportError) as exc:
         log.warning("the cloud at %s did not take session %s (%s); it goes back where it was", address,
                     session.session_id, exc)
-        _arrive(session.connection, arrive, session.timeout)
+        _arrive(session.connection, arrive, session.timeout, session.metrics)
         raise
     old = session.connection
     session.moved(connection, welcome, lambda: follow(address))
@@ -90,11 +93,13 @@ def _resume_hello(session: Moving, step: int) -> Hello:
                                "log_from": seq + 1}})
 
 
-def _arrive(connection: transports.Connection, arrive: Arrive, timeout: float) -> Welcome:
+def _arrive(connection: transports.Connection, arrive: Arrive, timeout: float, metrics: Metrics) -> Welcome:
     """Send the arriving session on ``connection``; the welcome, or the cloud's refusal raised."""
     with translated():
-        connection.send(protocol.encode(arrive))
-        reply = protocol.decode(connection.recv(timeout))
+        metrics.count("up", "control", wire=connection.send(protocol.encode(arrive)))
+        frames = connection.recv(timeout)
+        metrics.count("down", "control", wire=transports.message_nbytes(frames))
+        reply = protocol.decode(frames)
     if isinstance(reply, Error):
         raise from_code(reply.code, f"cloud: {reply.message}")
     if not isinstance(reply, Welcome) or reply.session != arrive.hello["resume"]["session"]:
