@@ -121,6 +121,10 @@ def _add_checkpoint_options(cloud: argparse.ArgumentParser) -> None:
                         "kept after their session ends, for edges that saved their own checkpoint (default: 4096)")
     g.add_argument("--pin-hours", type=float, default=168.0, metavar="H",
                    help="a pinned checkpoint is deleted this long after it was written (default: 168, a week)")
+    g.add_argument("--train-fraction", type=float, default=1.0, metavar="F",
+                   help="a selective server (AdaSplit): train the cloud half on about F of each edge's backward "
+                        "requests, those whose loss is among the highest it lately sent; the others are answered "
+                        "with zero gradients and cost no backward (default: 1, every one)")
     g.add_argument("--max-move-mb", type=float, default=1024.0, metavar="MB",
                    help="the most state a session moving here from another cloud may bring (its half's weights, "
                         "gradients, optimizer and codec state), checked before any of it is built; it must also "
@@ -208,7 +212,8 @@ def _limits_and_policy(args: argparse.Namespace) -> tuple:
                     session_memory_bytes=int(args.session_memory_mb * mb), memory_bytes=int(args.memory_mb * mb),
                     checkpoint_bytes=int(args.checkpoint_max_mb * mb),
                     max_request_flops=int(args.max_request_gflop * 1e9), pin_bytes=int(args.pin_quota_mb * mb),
-                    pin_seconds=args.pin_hours * 3600, max_move_bytes=int(args.max_move_mb * mb))
+                    pin_seconds=args.pin_hours * 3600, max_move_bytes=int(args.max_move_mb * mb),
+                    train_fraction=args.train_fraction)
     bounds = Bounds(**{name: getattr(args, f"bound_{name}") for name in Bounds.__dataclass_fields__})
     every, per_slot = parse_slot_codecs(args.allow_codecs or [])
     return limits, Policy.allowing(every, per_slot=per_slot, bounds=bounds)
