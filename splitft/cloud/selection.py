@@ -67,9 +67,11 @@ _SELECTORS: WeakKeyDictionary[CloudSession, Selector] = WeakKeyDictionary()
 def skipped(session: CloudSession, msg: Backward) -> InputGrads | None:
     """The answer to a backward the server does not train on, or None: backpropagate it as usual."""
     fraction = session.limits.train_fraction
+    if fraction >= 1:
+        return None  # every batch trained: the usual path
     pending = session.graphs.pending.get(msg.call)
-    if fraction >= 1 or pending is None or len(pending.outputs) != 1 or pending.outputs[0].dim() != 0:
-        return None  # every batch trained, or not a loss the cloud computed: the usual path (and its errors)
+    if pending is None or len(pending.outputs) != 1 or pending.outputs[0].dim() != 0:
+        return None  # not a loss the cloud computed: the usual path (and its errors)
     selector = _SELECTORS.setdefault(session, Selector(fraction))
     if selector.wants(float(pending.outputs[0].detach())):
         return None
