@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 
-import pytest
 import torch
 from torch import nn
 

@@ -62,22 +62,30 @@ def mac(token: str, meta: dict, skeleton: Any, arrays: dict[str, np.ndarray]) ->
     return digest.hexdigest()
 
 
-def leave(session: CloudSession, msg: Leave, end: Callable[[], None]) -> Handoff:
-    """The session's state for the cloud it moves to; ``end`` ends it here once the state is taken."""
-    tree, meta = snapshot(session)
-    meta["seq"] = msg.seq  # the new cloud goes on after this request
-    tensors, skeleton = flatten_state(tree)
-    arrays: dict[str, np.ndarray] = {}
-    for name, tensor in tensors.items():
-        if tensor.dtype == torch.bfloat16:
-            raise CheckpointError(f"{name} is bfloat16, which cannot cross the wire; a session in bfloat16 cannot move")
-        arrays[name] = tensor.numpy()
-    meta, skeleton = json.loads(json.dumps(meta)), json.loads(json.dumps(skeleton))  # as the wire gives them
-    state = {"meta": meta, "skeleton": skeleton, "tensors": arrays, "mac": mac(session.token, meta, skeleton, arrays)}
-    end()
-    log.info("session %s left for another cloud at request %d (step %d), %s of state", session.id, msg.seq,
-             meta["steps"], mib(sum(a.nbytes for a in arrays.values())))
-    return Handoff(state=state)
+def leave(session: CloudSession, msg: Leave, end: Callable[[], None]) -> Job:
+    """The session's state for the cloud it moves to, as a priced job (its hashing is linear in the
+    state, so a large one runs on a worker); ``end`` ends the session here once the state is taken."""
+    def work() -> Handoff:
+        tree, meta = snapshot(session)
+        meta["seq"] = msg.seq  # the new cloud goes on after this request
+        tensors, skeleton = flatten_state(tree)
+        arrays: dict[str, np.ndarray] = {}
+        for name, tensor in tensors.items():
+            if tensor.dtype == torch.bfloat16:
+                raise CheckpointError(f"{name} is bfloat16, which cannot cross the wire; such a session cannot move")
+            arrays[name] = tensor.numpy()
+        meta, skeleton = json.loads(json.dumps(meta)), json.loads(json.dumps(skeleton))  # as the wire gives them
+        return Handoff(state={"meta": meta, "skeleton": skeleton, "tensors": arrays,
+                              "mac": mac(session.token, meta, skeleton, arrays)})
+
+    def then(handoff: Handoff) -> Handoff:
+        end()
+        log.info("session %s left for another cloud at request %d (step %d), %s of state", session.id, msg.seq,
+                 handoff.state["meta"]["steps"], mib(sum(a.nbytes for a in handoff.state["tensors"].values())))
+        return handoff
+
+    return Job(session.id, session.seat.origin, Price(checkpoint_bytes=session.held_bytes()), work=work, then=then,
+               pace=Pace(), off_thread=session.half.shared is None)
 
 
 def arrive(server: Sessions, peer: bytes, msg: Arrive, welcome: Callable[[Hello, CloudSession, str], Any]) -> Job:

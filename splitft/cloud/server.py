@@ -333,7 +333,7 @@ class CloudServer:
         return self._welcome(msg, found, verb)
 
     @answers(Leave)
-    def _on_leave(self, peer: bytes, msg: Leave, seq: int) -> protocol.Message:
+    def _on_leave(self, peer: bytes, msg: Leave, seq: int) -> Job:
         return moves.leave(self._session_of(peer, msg), msg, lambda: self._end(peer, "moved to another cloud"))
 
     @answers(Arrive)
