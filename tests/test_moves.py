@@ -43,13 +43,14 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(16, 12, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(STEPS)]
 
 
-def _train(address: str, move_to: str | None = None) -> tuple[dict, dict, str | None]:
-    model = splitft.split(mlp(), 2, factory=MLP, connect=address, faults=Faults(timeout=30))
+def _train(address: str, move_to: str | None = None, codecs: str = "identity") -> tuple[dict, dict, str | None]:
+    model = splitft.split(mlp(), 2, factory=MLP, connect=address, codecs=codecs, faults=Faults(timeout=30))
     opt = model.attach(torch.optim.Adam(model.parameters(), lr=0.01))
     crit = model.remote_loss(nn.CrossEntropyLoss())
     try:
         for step, (x, y) in enumerate(_batches(), 1):
-            crit(model(x), y).backward()
+            ids = torch.arange(16) + 16 * (step % 2)  # each sample seen again two steps later
+            crit(model(x, sample_ids=ids), y).backward()
             opt.step()
             opt.zero_grad()
             if step == MOVE_AT and move_to is not None:
@@ -72,10 +73,12 @@ def _equal(a: dict, b: dict) -> None:
         assert torch.equal(a[name], b[name]), name
 
 
-def test_a_session_moved_mid_training_ends_with_the_weights_of_one_that_never_moved(clouds):
+# AC-SGD keeps each sample's last activation on both ends: the cloud's copy must travel with the session
+@pytest.mark.parametrize("codecs", ["identity", "acsgd:bits=4"])
+def test_a_session_moved_mid_training_ends_with_the_weights_of_one_that_never_moved(clouds, codecs):
     (a, a_log), (b, b_log), _ = clouds
-    edge, cloud, _ = _train(a)
-    moved_edge, moved_cloud, sid = _train(a, move_to=b)
+    edge, cloud, _ = _train(a, codecs=codecs)
+    moved_edge, moved_cloud, sid = _train(a, move_to=b, codecs=codecs)
     assert _moved_here(b_log, sid) and f"ended after {MOVE_AT} steps: moved to another cloud" in a_log.text
     _equal(moved_edge, edge)
     _equal(moved_cloud, cloud)  # weights, and Adam's moments and step count, travelled
