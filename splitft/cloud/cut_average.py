@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from compressors import CodecContext
+from compressors import CodecContext, CompressionError
 
-from ..errors import ConfigError, ModelError, ProtocolError
-from ..wire.protocol import Backward, InputGrads
+from ..errors import ConfigError, ModelError, ProtocolError, SplitFTError, code_of
+from ..wire.protocol import Backward, Error, InputGrads, Message
 from . import prices
 from .blame import Stopwatch, blame
 from .budget import MemoryBook, tensors_nbytes
@@ -56,7 +56,7 @@ class HeldGrads:
     unreached: list | None
 
     def shapes(self) -> list[tuple[int, ...] | None]:
-        return [tuple(g.shape) if g is not None else None for g in self.grads]
+        return input_shapes(self.pending)
 
     def answer(self, mean: list[torch.Tensor | None]) -> InputGrads:
         """The reply, with ``mean`` through this session's gradient codecs."""
@@ -66,6 +66,11 @@ class HeldGrads:
                                          self.pending.in_grad, mean, self.ctx)
         return InputGrads(call=self.call, grads=entries, timings={**self.timings, **watch.seconds},
                           unreached=self.unreached)
+
+
+def input_shapes(pending: Pending) -> list[tuple[int, ...] | None]:
+    """The shapes of a call's inputs that take a gradient (None for the others)."""
+    return [tuple(leaf.shape) if need else None for leaf, need in zip(pending.inputs, pending.in_grad)]
 
 
 def averages_cut(session: CloudSession) -> bool:
@@ -80,6 +85,11 @@ def held_backward(session: CloudSession, msg: Backward) -> HeldGrads:
     if pending is None:
         raise ProtocolError(f"no forward call {msg.call} awaits a backward (already backpropagated, run without "
                             "grad, or freed by an optimizer step)")
+    cuts = getattr(session.half.shared.rounds if session.half.shared is not None else None, "cuts", None)
+    if isinstance(cuts, CutAverage):  # refused before any of it is computed: a refusal loses nothing
+        cuts.check(session.id, input_shapes(pending))
+    session.fits(sum(leaf.numel() * leaf.element_size() for leaf, need in zip(pending.inputs, pending.in_grad)
+                     if need), "keeping this backward's cut gradient until its round's are averaged")
     prices.backward(session, msg, pending)
     watch = Stopwatch()
     ctx = session.context("gradient", True, session.mirrored.steps, pending.sample_ids)
@@ -112,18 +122,22 @@ class CutAverage:
         self.since: float | None = None
         self.answered = 0  # rounds of cut gradients answered
 
-    def keep(self, peer: bytes, held: HeldGrads, seq: int, numbered: bool, book: MemoryBook) -> None:
-        """Keep ``held`` until the round's are in; refused (nothing kept) when it cannot be averaged."""
-        sid = held.session.id
-        if sid in self.kept:
-            raise ProtocolError(f"session {sid} sent a second backward before its round's cut gradients were "
-                                "averaged: with --average-cut-grads a round averages one batch per edge")
+    def check(self, session_id: str, shapes: list[tuple[int, ...] | None]) -> None:
+        """Refuse a backward that could not be averaged with the round's kept ones."""
+        if session_id in self.kept:
+            raise ProtocolError(f"session {session_id} sent a second backward before its round's cut gradients "
+                                "were averaged: with --average-cut-grads a round averages one batch per edge")
         if self.kept:
-            first = next(iter(self.kept.values()))[1]
-            if first.shapes() != held.shapes():
+            first = next(iter(self.kept.values()))[1].shapes()
+            if first != shapes:
                 raise ConfigError(f"--average-cut-grads averages the cut gradients of a round position by "
-                                  f"position: this round's have shapes {first.shapes()}, this edge's "
-                                  f"{held.shapes()} (every edge must send batches of the same size)")
+                                  f"position: this round's have shapes {first}, this edge's {shapes} (every edge "
+                                  "must send batches of the same size)")
+
+    def keep(self, peer: bytes, held: HeldGrads, seq: int, numbered: bool, book: MemoryBook) -> None:
+        """Keep ``held`` until the round's are in (checked again: another edge's may have come meanwhile)."""
+        sid = held.session.id
+        self.check(sid, held.shapes())
         nbytes = tensors_nbytes([g for g in held.grads if g is not None])
         book.check(cut_key(sid), 0, nbytes, "keeping this backward's cut gradient until its round's are averaged")
         book.set(cut_key(sid), nbytes)
@@ -150,8 +164,13 @@ class CutAverage:
         for peer, held, seq, numbered in kept:
             if not alive(held.session.id):
                 continue  # ended while it waited: nobody to answer
-            with blame(ModelError, "encoding the round's mean cut gradient failed"):
-                reply = held.answer(mean)
+            reply: Message
+            try:
+                with blame(ModelError, "encoding the round's mean cut gradient failed"):
+                    reply = held.answer(mean)
+            except (SplitFTError, CompressionError) as exc:  # this edge's answer alone fails
+                reply = Error(code=code_of(exc), message=f"{type(exc).__name__}: {exc}"[:2000], seq=seq,
+                              call=held.call)
             send(peer, held.session, reply, seq, numbered)
         log.info("round's cut gradients averaged over %d edge(s)", len(kept))
 
