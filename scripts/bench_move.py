@@ -8,7 +8,7 @@ step on the other), against the median step that did not move; and whether the f
 equal, bitwise, those of the same run that never moved.
 
     nice -n 10 python scripts/bench_move.py
-    nice -n 10 python scripts/bench_move.py --steps 200 --every 10 --batch 64
+    nice -n 10 python scripts/bench_move.py --steps 60 --every 10 --link 100mbit,20ms
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 import splitft
-from splitft import Faults
+from splitft import Faults, Link
 from splitft.app.data import load_digits
 from splitft.app.models import digits_cnn
 
@@ -67,7 +67,8 @@ def run(addresses: list[str], args: argparse.Namespace, move: bool) -> dict:
     train, _ = load_digits()
     x_all, y_all = train.tensor(), train.y
     g = torch.Generator().manual_seed(0)
-    model = splitft.split(digits_cnn(), CUT, factory=FACTORY, connect=addresses[0], faults=Faults(timeout=60))
+    connect = Link(addresses[0], emulate=args.link) if args.link else addresses[0]
+    model = splitft.split(digits_cnn(), CUT, factory=FACTORY, connect=connect, faults=Faults(timeout=60))
     opt = model.attach(torch.optim.Adam(model.parameters(), lr=1e-3))
     crit = model.remote_loss(nn.CrossEntropyLoss())
     steps, moves, pauses = [], [], []
@@ -105,6 +106,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--link", default=None, metavar="RATE,DELAY",
+                        help="emulate the edge's link to both clouds, e.g. 100mbit,20ms (default: loopback)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with clouds(2) as addresses:
@@ -113,7 +116,7 @@ def main() -> None:
     same = all(torch.equal(moved[k][n], still[k][n]) for k in ("edge", "cloud") for n in still[k])
     ms = lambda xs, f: f"{f(xs) * 1e3:.1f} ms"  # noqa: E731
     print(f"digits CNN, Adam, batch {args.batch}, {args.steps} steps, a move every {args.every} "
-          f"({len(moved['moves'])} moves between two cloud processes on loopback)")
+          f"({len(moved['moves'])} moves between two cloud processes, link {args.link or 'loopback'})")
     print(f"cloud half's weights {still['weights'] / 1e3:.0f} kB; a move sends {moved['sent'] / 1e3:.0f} kB up "
           "(weights, Adam's moments, gradients, codec and generator state, the hello)")
     print(f"{'':<34}{'median':>12}{'worst':>12}")
