@@ -135,6 +135,10 @@ def test_the_state_is_taken_only_with_its_token_and_untouched(clouds):
     for bad in (Arrive(hello=hello, state=tampered), Arrive(hello=wrong_token, state=state)):
         reply = _ask(b, bad)
         assert isinstance(reply, Error) and reply.code == "resume", reply
+    malformed = {**state, "tensors": {**state["tensors"], name: [1.0, 2.0]}}  # a list where an array belongs
+    for bad in (Arrive(hello=hello, state=malformed), Arrive(hello={**hello, "cut": 7}, state=state)):
+        reply = _ask(b, bad)
+        assert isinstance(reply, Error) and reply.code == "protocol", reply
     reply = _ask(b, Arrive(hello=hello, state=state))
     assert isinstance(reply, Welcome) and reply.session == session.session_id and reply.steps == 1
     session.drop()

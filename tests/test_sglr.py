@@ -121,3 +121,32 @@ def test_a_batch_of_another_size_is_refused_with_a_typed_error(tmp_path):
         stop(proc)
     assert len(errors) == 1 and isinstance(errors[0], ConfigError), thread_errors(errors) + "\n" + err.text
     assert "same size" in str(errors[0])
+
+
+def test_a_silent_edge_holds_the_round_s_averaged_answers_no_longer_than_the_round_timeout(tmp_path):
+    """Edge 1 says hello and goes silent: edge 0's backward is answered with the mean of the
+    gradients that came (its own) once the round timeout passed, and it trains on."""
+    ((proc, address, err),) = _clouds(tmp_path, 1, 2, *SPLIT, "--round-timeout", "2")
+    silent = threading.Event()
+    errors: list = []
+    out: dict = {}
+
+    def quiet() -> None:
+        try:
+            model = splitft.split(mlp(), 2, factory=MLP, connect=address, faults=Faults(timeout=60))
+            model.attach(_sgd(model.parameters(), CLIENT_LR))
+            silent.wait(60)
+            model.close()
+        except BaseException as exc:  # noqa: BLE001 — reported below
+            errors.append(exc)
+
+    try:
+        other = threading.Thread(target=quiet)
+        other.start()
+        _edge(address, mlp(), _data(0, 3), out, 0, errors)
+        silent.set()
+        other.join(timeout=60)
+    finally:
+        stop(proc)
+    assert not errors, thread_errors(errors) + "\n" + err.text
+    assert 0 in out and "sent no gradient within 2 s; dropped" in err.text
