@@ -92,8 +92,12 @@ def _mean_std(values: list[float]) -> str:
     return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"
 
 
-def summarise(rows: list[dict[str, str]], target: float) -> tuple[list[dict], str]:
-    """Aggregate seeds per (task, link, micro-batches, codec); markdown table per task and link."""
+def summarise(rows: list[dict[str, str]], target: float,
+              budget: dict[str, float] | None = None) -> tuple[list[dict], str]:
+    """Aggregate seeds per (task, link, micro-batches, codec); markdown table per task and link
+    (with ``budget``, a column of each cell's accuracy under it: :func:`budgeted_score`)."""
+    from splitft.app.experiment import budgeted_score
+
     groups: dict[tuple, list[dict[str, str]]] = defaultdict(list)
     for row in rows:
         groups[(row["task"], row["link"], int(row["micro_batches"]), row["codec"])].append(row)
@@ -109,7 +113,12 @@ def summarise(rows: list[dict[str, str]], target: float) -> tuple[list[dict], st
             "step_ms": statistics.mean(1e3 * float(r["train_seconds"]) / int(r["steps"]) for r in cell),
             "time_to_target": statistics.median(reached) if len(reached) == len(cell) else None,
             "reached": f"{len(reached)}/{len(cell)}",
+            "seconds": statistics.mean(float(r["train_seconds"]) for r in cell),
         })
+        if budget:
+            s = summary[-1]
+            s["score"] = budgeted_score(statistics.mean(s["accuracy"]), {"MB": s["mbytes"], "seconds": s["seconds"]},
+                                        budget)
     baseline = {(s["task"], s["link"], s["micro_batches"]): s["time_to_target"]
                 for s in summary if s["codec"] == "identity"}
     order = {c: i for i, c in enumerate(CODECS)}
@@ -124,16 +133,33 @@ def summarise(rows: list[dict[str, str]], target: float) -> tuple[list[dict], st
             mb = "" if s["micro_batches"] == 1 else f", {s['micro_batches']} micro-batches"
             lines += ["", f"### {s['task']} — link {s['link']}{mb}", "",
                       f"| codec | gradient codec | seeds | test accuracy | fwd ratio | bwd ratio | MB moved "
-                      f"| ms/step | time to {target:.0%} (s) | speedup vs identity |",
-                      "|---|---|---|---|---|---|---|---|---|---|"]
+                      f"| ms/step | time to {target:.0%} (s) | speedup vs identity |"
+                      + (f" score within {_budget_text(budget)} |" if budget else ""),
+                      "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if budget else "")]
         base = baseline.get(head)
         t2t = s["time_to_target"]
         speedup = f"{base / t2t:.2f}x" if base and t2t else "—"
         lines.append(
             f"| {s['codec']} | {s['bwd']} | {s['seeds']} | {_mean_std(s['accuracy'])} | {s['fwd_ratio']:.1f}x | "
             f"{s['bwd_ratio']:.1f}x | {s['mbytes']:.1f} | {s['step_ms']:.1f} | "
-            f"{'—' if t2t is None else f'{t2t:.2f}'} ({s['reached']}) | {speedup} |")
+            f"{'—' if t2t is None else f'{t2t:.2f}'} ({s['reached']}) | {speedup} |"
+            + (f" {s['score']:.4f} |" if budget else ""))
     return summary, "\n".join(lines).lstrip("\n") + "\n"
+
+
+def parse_budget(text: str | None) -> dict[str, float]:
+    """``--budget MB,SECONDS``: the traffic (both directions) and training seconds a run may spend."""
+    if not text:
+        return {}
+    try:
+        mb, seconds = (float(v) for v in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--budget takes MB,SECONDS (e.g. 50,30), got {text!r}") from None
+    return {"MB": mb, "seconds": seconds}
+
+
+def _budget_text(budget: dict[str, float]) -> str:
+    return f"{budget['MB']:g} MB, {budget['seconds']:g} s"
 
 
 def plot(summary: list[dict], out: Path, target: float) -> list[Path]:
@@ -202,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bbc-limit", type=int, default=None,
                         help="train BBC on its first N articles only (MiniLM takes ~1.2 s a step on 2 cores)")
     parser.add_argument("--summary-only", action="store_true", help="rebuild table and plots from the CSV")
+    parser.add_argument("--budget", default=None, metavar="MB,SECONDS",
+                        help="add each cell's accuracy under this budget of traffic and training time (AdaSplit's "
+                             "budgeted score: a run over a budget is discounted by the share it covers)")
     parser.add_argument("--privacy", action="store_true",
                         help="instead, per codec and defence: accuracy, bytes, distance correlation, inversion error, "
                              "label leak and epsilon (privacy.csv/.md/.png in --out; see scripts/privacy_eval.py)")
@@ -238,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                 bar.set_description(f"{task} {codec} @ {link} mb={mb} seed={seed}")
                 append_row(csv_path, run_cell(task, codec, link, mb, seed, epochs, args.target, address,
                                               args.bbc_limit))
-    summary, table = summarise(read_rows(csv_path), args.target)
+    summary, table = summarise(read_rows(csv_path), args.target, parse_budget(args.budget))
     command = "python scripts/ablate.py " + " ".join(sys.argv[1:] if argv is None else argv)
     (out / "results.md").write_text(f"<!-- made by: {command} -->\n\n{table}")
     print(table)

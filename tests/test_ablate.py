@@ -6,6 +6,8 @@ import csv
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT
 
 
@@ -35,3 +37,18 @@ def test_tiny_grid_end_to_end_and_resume(tmp_path: Path):
         assert (tmp_path / name).stat().st_size > 10_000
     assert ablate.main(args) == 0  # every cell is done: nothing runs again
     assert len(list(csv.DictReader((tmp_path / "results.csv").open()))) == 4
+
+
+def test_a_budget_scores_each_cell_by_its_accuracy_discounted_by_what_it_overspends():
+    from splitft.app.experiment import budgeted_score
+
+    assert budgeted_score(0.9, {"MB": 10, "seconds": 5}, {"MB": 20, "seconds": 10}) == 0.9  # within: its accuracy
+    assert budgeted_score(0.9, {"MB": 40, "seconds": 5}, {"MB": 20, "seconds": 10}) == pytest.approx(0.45)
+    assert budgeted_score(0.8, {"MB": 40, "seconds": 40}, {"MB": 20, "seconds": 10}) == pytest.approx(0.8 / 8)
+    row = {"task": "digits", "codec": "fp16", "bwd": "fp16", "link": "loopback", "micro_batches": "1", "seed": "0",
+           "epochs": "1", "accuracy": "0.9", "train_seconds": "5", "time_to_target": "", "fwd_ratio": "2",
+           "bwd_ratio": "2", "bytes_up": str(30 * 10**6), "bytes_down": str(10 * 10**6), "steps": "10",
+           "history": "[]"}
+    ablate = _ablate()
+    summary, table = ablate.summarise([row], 0.95, ablate.parse_budget("20,10"))
+    assert summary[0]["score"] == pytest.approx(0.45) and "score within 20 MB, 10 s" in table and "0.4500" in table

@@ -77,6 +77,14 @@ def add_cloud_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--round-timeout", type=float, default=30.0, metavar="S",
                    help="a round lasts at most this long; edges that sent no gradient by then are dropped from "
                         "it (default: 30; keep it below the edges' reply timeout)")
+    g.add_argument("--average-cut-grads", action="store_true",
+                   help="with --sync-rounds (SGLR): answer every edge's backward with the mean of its round's "
+                        "cut-layer gradients instead of its own, once every edge of the round has sent its "
+                        "backward (edges send batches of one size, one backward per step; one process)")
+    g.add_argument("--server-lr", type=float, default=None, metavar="LR",
+                   help="with --shared-optimizer: split learning rates (SGLR). The shared half steps at LR, "
+                        "whatever rate the edges' steps carry; an edge's rate (its optimizer's, e.g. splitft "
+                        "edge --lr) is its own half's alone (default: the edges' steps set the half's rate)")
     g.add_argument("--grad-compression", default="none", metavar="SPEC",
                    help="how ranks all-reduce a shared half's gradient: none, fp16 or "
                         "powersgd:rank=R[,start=S][,min_rate=M] (DDP communication hooks; default: none)")
@@ -113,6 +121,14 @@ def _add_checkpoint_options(cloud: argparse.ArgumentParser) -> None:
                         "kept after their session ends, for edges that saved their own checkpoint (default: 4096)")
     g.add_argument("--pin-hours", type=float, default=168.0, metavar="H",
                    help="a pinned checkpoint is deleted this long after it was written (default: 168, a week)")
+    g.add_argument("--train-fraction", type=float, default=1.0, metavar="F",
+                   help="a selective server (AdaSplit): train the cloud half on about F of each edge's backward "
+                        "requests, those whose loss is among the highest it lately sent; the others are answered "
+                        "with zero gradients and cost no backward (default: 1, every one)")
+    g.add_argument("--max-move-mb", type=float, default=1024.0, metavar="MB",
+                   help="the most state a session moving here from another cloud may bring (its half's weights, "
+                        "gradients, optimizer and codec state), checked before any of it is built; it must also "
+                        "fit --session-memory-mb (default: 1024)")
 
 
 def _add_rank_options(cloud: argparse.ArgumentParser) -> None:
@@ -196,7 +212,8 @@ def _limits_and_policy(args: argparse.Namespace) -> tuple:
                     session_memory_bytes=int(args.session_memory_mb * mb), memory_bytes=int(args.memory_mb * mb),
                     checkpoint_bytes=int(args.checkpoint_max_mb * mb),
                     max_request_flops=int(args.max_request_gflop * 1e9), pin_bytes=int(args.pin_quota_mb * mb),
-                    pin_seconds=args.pin_hours * 3600)
+                    pin_seconds=args.pin_hours * 3600, max_move_bytes=int(args.max_move_mb * mb),
+                    train_fraction=args.train_fraction)
     bounds = Bounds(**{name: getattr(args, f"bound_{name}") for name in Bounds.__dataclass_fields__})
     every, per_slot = parse_slot_codecs(args.allow_codecs or [])
     return limits, Policy.allowing(every, per_slot=per_slot, bounds=bounds)
@@ -323,7 +340,9 @@ def _announce(args: argparse.Namespace, say: Any, listener: Any, server: Any, ro
     if args.shared_model:
         extras.append("one shared cloud half per model" + (
             f", in rounds of {args.sync_rounds} edge(s) (rank {rounds.rank} of {rounds.world}, all-reduce "
-            f"{args.grad_compression})" if rounds else ""))
+            f"{args.grad_compression}" + (", cut gradients averaged" if args.average_cut_grads else "") + ")"
+            if rounds else "") + (f", its learning rate {args.server_lr:g} (--server-lr)"
+                                  if args.server_lr is not None else ""))
     if batch is not None:
         extras.append(f"each batch split over {batch.world} rank(s), one edge at a time"
                       + (", the half sharded across them" if batch.mesh is not None else ""))
@@ -335,16 +354,19 @@ def _announce(args: argparse.Namespace, say: Any, listener: Any, server: Any, ro
 
 def _shared_policy(args: argparse.Namespace) -> Any:
     """What edges of a shared half may set (``--shared-optimizer``, ``--shared-frozen``); None without them."""
-    if args.shared_optimizer is None and args.shared_frozen is None:
+    if args.shared_optimizer is None and args.shared_frozen is None and args.server_lr is None:
         return None
     from ..cloud.shared_policy import SharedPolicy
 
-    return SharedPolicy.parse(args.shared_optimizer, args.shared_frozen)
+    return SharedPolicy.parse(args.shared_optimizer, args.shared_frozen, args.server_lr)
 
 
 def _rounds(args: argparse.Namespace, placement: Any) -> Any:
     """Synchronous data-parallel rounds (``--sync-rounds``), on the ranks torchrun's variables describe."""
     if not args.sync_rounds:
+        if args.average_cut_grads:
+            from ..errors import ConfigError
+            raise ConfigError("--average-cut-grads averages the cut gradients of a round: add --sync-rounds N")
         return None
     from ..cloud.allreduce import GradCompression, group_from_env
     from ..cloud.rounds import Rounds, RoundSettings
@@ -352,7 +374,8 @@ def _rounds(args: argparse.Namespace, placement: Any) -> Any:
 
     if not args.shared_model:
         raise ConfigError("--sync-rounds trains a shared cloud half: add --shared-model")
-    settings = RoundSettings(args.sync_rounds, args.round_timeout, GradCompression.parse(args.grad_compression))
+    settings = RoundSettings(args.sync_rounds, args.round_timeout, GradCompression.parse(args.grad_compression),
+                             average_cut=args.average_cut_grads)
     group_from_env("nccl" if placement.device.type == "cuda" else "gloo")
     return Rounds(settings)
 

@@ -31,6 +31,20 @@ def time_to_accuracy(history: list[dict[str, float]], target: float) -> float | 
     return None
 
 
+def budgeted_score(accuracy: float, used: dict[str, float], budget: dict[str, float]) -> float:
+    """Accuracy under a resource budget (in the spirit of AdaSplit's C3 score): a run within every
+    budget scores its accuracy; one over a budget is discounted by the share of it the budget
+    covers (``accuracy * prod(min(1, budget[k] / used[k]))``), so spending twice the bandwidth
+    allowed halves the score. ``used`` and ``budget`` map resource names (``"MB"``, ``"seconds"``,
+    ``"cloud_cpu_s"``...) to amounts; a resource without a budget is free."""
+    score = accuracy
+    for name, most in budget.items():
+        spent = used.get(name, 0.0)
+        if spent > most:
+            score *= most / spent
+    return score
+
+
 def run_task(task_name: str, fwd: str = "identity", bwd: str | None = None, *, seed: int = 0,
              epochs: int | None = None, batch_size: int | None = None, lr: float | None = None,
              ushape: bool | None = None, address: str | None = None, link: str | None = None,

@@ -47,6 +47,10 @@ class Limits:
         max_decoded_bytes: most bytes the tensors of one message may take once decoded
             (after repeating compacted side tensors and widening to the decoded dtype).
         max_ops: mirrored operations (step, zero_grad, ...) one message may carry.
+        train_fraction: the share of an edge's backward requests the cloud trains on, its hardest
+            batches by loss (:mod:`.selection`; 1: every one).
+        max_move_bytes: the most state a session moving here from another cloud may bring
+            (:mod:`.moves`).
         max_sessions: sessions open at once; a further hello is refused with ``capacity``.
         sessions_per_peer: sessions open at once from one origin: one network address, and on a
             CurveZMQ link also one edge key (with an allow-list, only the key: edges behind one
@@ -98,11 +102,15 @@ class Limits:
     max_request_flops: int = 10**13
     pin_bytes: int = 4 * GiB
     pin_seconds: float = 7 * 24 * 3600.0
+    max_move_bytes: int = GiB
+    train_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"limit {name} must be a positive number, got {value!r}")
+        if self.train_fraction > 1:
+            raise ConfigError(f"--train-fraction is a share of the batches, at most 1, got {self.train_fraction!r}")
 
     def check_frames(self, frames: Sequence[Any]) -> None:
         """Refuse a message by its size alone, before anything in it is parsed."""

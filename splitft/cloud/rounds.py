@@ -53,6 +53,7 @@ from ..wire import operations as o
 from .allreduce import GradCompression, RankReducer, Reduced, Reduction, fingerprint
 from .blame import blame
 from .budget import MemoryBook
+from .cut_average import CutAverage, HeldGrads
 from .half import Half, SharedPart
 from .handlers import check_finite_grads, step_settings
 from .limits import Limits, mib
@@ -87,6 +88,8 @@ class Host(Protocol):
 
     def event(self, text: str) -> None: ...
 
+    def answer(self, peer: bytes, session: Any, reply: Any, seq: int, numbered: bool) -> None: ...
+
     def handle(self, peer: bytes, frames: list) -> None: ...
 
     def stop(self) -> None: ...
@@ -98,12 +101,14 @@ log = logging.getLogger(__name__)
 class RoundSettings:
     """``edges``: edges per round (``--sync-rounds``); ``timeout``: the longest a round may last
     (``--round-timeout``, seconds); ``compression``: of the ranks' all-reduce; ``max_parked``:
-    requests an edge may have waiting for a round."""
+    requests an edge may have waiting for a round; ``average_cut``: ``--average-cut-grads``."""
 
     edges: int
     timeout: float = 30.0
     compression: GradCompression = field(default_factory=GradCompression)
     max_parked: int = 64
+    #: SGLR: every edge's backward is answered with the round's mean cut gradient (:mod:`.cut_average`).
+    average_cut: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.edges, bool) or not isinstance(self.edges, int) or self.edges < 1:
@@ -135,6 +140,13 @@ def _unflatten(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Ten
     return [chunk.view(p.shape) for chunk, p in zip(flat.split(sizes), params)]
 
 
+def _agreed(part: SharedPart, op: o.Step) -> tuple:
+    """What every step of a round must agree on: its rates and changed settings; only the changes
+    when the cloud sets the half's rate itself (``--server-lr``: the edges' rates are their own)."""
+    own_rate = part.policy is not None and part.policy.server_lr is not None
+    return (op.changes,) if own_rate else (op.lr, op.lrs, op.changes)
+
+
 class PartRounds:
     """The rounds of one shared half: who contributed, the summed gradient, the edges' held requests."""
 
@@ -155,6 +167,13 @@ class PartRounds:
         #: One record per completed round: its number, edges here and in all, dropped sessions,
         #: the gradient bytes this rank all-reduced and the seconds the all-reduce took.
         self.history: deque[dict[str, Any]] = deque(maxlen=10_000)
+        #: The backward answers kept for the round's mean cut gradient (``--average-cut-grads``), or None.
+        self.cuts = CutAverage(self.settings.timeout) if self.settings.average_cut else None
+
+    @property
+    def averages_cut(self) -> bool:
+        """Whether its edges' backward answers carry the round's mean cut gradient."""
+        return self.cuts is not None
 
     def params(self) -> list[torch.Tensor]:
         return list(self.part.chain.parameters())
@@ -177,8 +196,7 @@ class PartRounds:
             event(f"session {session_id}: a step that arrived after its round closed without it; discarded, "
                   f"the edge counts again from round {self.index}")
             return
-        key = (op.lr, op.lrs, op.changes)
-        if self.step is not None and key != (self.step.lr, self.step.lrs, self.step.changes):
+        if self.step is not None and _agreed(self.part, op) != _agreed(self.part, self.step):
             raise ConfigError(f"every edge of a round must step with the same settings: round {self.index} steps "
                               f"with lr {self.step.lr or self.step.lrs}, changes {self.step.changes}; this edge's "
                               f"step has lr {op.lr or op.lrs}, changes {op.changes} (are the edges' schedulers the same?)")
@@ -294,6 +312,9 @@ class Rounds:
         self.failure: str | None = None
         self._server: Host | None = None
         self._ready: list[tuple[bytes, list]] = []
+        if self.world > 1 and settings.average_cut:
+            raise ConfigError("--average-cut-grads averages the cut gradients of one process's edges; a cloud of "
+                              "several ranks would average each rank's alone: run it as one process")
         if self.world == 1 and settings.compression.kind != "none":
             log.warning("--grad-compression %s has no effect in one process: nothing is all-reduced",
                         settings.compression)
@@ -340,6 +361,19 @@ class Rounds:
         queue.append((peer, frames))
         return True
 
+    def defer(self, peer: bytes, session: Member | None, reply: Any, seq: int, numbered: bool) -> bool:
+        """Keep a backward's answer until its round's cut gradients are averaged; True when kept.
+
+        Raises (the reply, nothing kept) when it cannot be averaged with the round's or does not fit.
+        """
+        if not isinstance(reply, HeldGrads) or session is None:
+            return False
+        rounds = self._of(session.half.shared)
+        if rounds is None or rounds.cuts is None:
+            raise ConfigError("a backward answer was kept back, but its half does not average cut gradients")
+        rounds.cuts.keep(peer, reply, seq, numbered, self.server.book)
+        return True
+
     def _of(self, part: SharedPart | None) -> PartRounds | None:
         """The rounds of a shared half (None: it trains in arrival order, or it is not shared)."""
         return next((rounds for rounds in self.parts if rounds.part is part), None) if part is not None else None
@@ -383,13 +417,19 @@ class Rounds:
                 return 0.001
             rounds.finish(rounds.reduction.result(), now, self._ready)
         members = {s.id for s in self.server.by_id.values() if s.half.shared is rounds.part}
+        cuts = rounds.cuts
+        if cuts is not None:
+            seated = rounds.index > 0 or len(members) >= self.settings.edges
+            expected = members - rounds.dropped - rounds.contributed if seated else None
+            if cuts.due(expected, now):
+                cuts.answer(self.server.book, lambda sid: sid in self.server.by_id, self.server.answer)
         if rounds.closable(members, now):
             reduced = rounds.close(members, now, self.server.event, self.server.book)
             if reduced is None:
                 return 0.001
             rounds.finish(reduced, now, self._ready)
-        deadline = rounds.deadline()
-        return math.inf if deadline is None else max(0.001, deadline - now)
+        deadlines = [d for d in (rounds.deadline(), cuts.deadline() if cuts is not None else None) if d is not None]
+        return math.inf if not deadlines else max(0.001, min(deadlines) - now)
 
 
 __all__ = ["PartRounds", "RoundSettings", "Rounds"]

@@ -14,7 +14,6 @@ whom to evict. Sessions that hear nothing for ``Limits.session_timeout`` (or, be
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import OrderedDict, deque
@@ -29,8 +28,8 @@ from ..errors import CapacityError, ConfigError, ProtocolError, SessionLost, Spl
 from ..factories import load_factory
 from ..state_files import CheckpointError
 from ..wire import protocol
-from ..wire.protocol import Ack, Backward, Bye, Error, Forward, Hello, Ping, Pong, Sync, Welcome
-from . import prices, snapshots, work
+from ..wire.protocol import Ack, Arrive, Backward, Bye, Error, Forward, Hello, Leave, Ping, Pong, Sync, Welcome
+from . import moves, prices, snapshots, work
 from .admission import Admission
 from .blame import ErrorLog
 from .budget import MemoryBook
@@ -189,6 +188,8 @@ class CloudServer:
                 reply = self.jobs.start(reply, (peer, session, msg, seq, numbered))
                 if reply is LATER:
                     return  # answered by _settle when the worker is done
+            if self.rounds is not None and self.rounds.defer(peer, session, reply, seq, numbered):
+                return  # a backward answered with its round's mean cut gradient (all the round's are in)
         except (KeyboardInterrupt, SystemExit):
             raise
         except Exception as exc:  # noqa: BLE001 — a bad request must never stop the server
@@ -253,6 +254,10 @@ class CloudServer:
         if session is not None and session.id in self.by_id:
             self.book.set(session.id, session.held_bytes())
         self.send(peer, out, reply.TYPE)
+
+    def answer(self, peer: bytes, session: CloudSession | None, reply: protocol.Message, seq: int, numbered: bool) -> None:
+        """Send the reply to a request answered later than it was handled (kept for its round)."""
+        self._reply(peer, session, reply, seq, numbered)
 
     def send(self, peer: bytes, frames: list, kind: str) -> None:
         """Send ``frames`` to ``peer``, counted in its session's metrics; a peer gone is logged."""
@@ -326,6 +331,14 @@ class CloudServer:
             found.then = lambda result: self._welcome(msg, restored(result), verb)
             return found
         return self._welcome(msg, found, verb)
+
+    @answers(Leave)
+    def _on_leave(self, peer: bytes, msg: Leave, seq: int) -> Job:
+        return moves.leave(self._session_of(peer, msg), msg, lambda: self._end(peer, "moved to another cloud"))
+
+    @answers(Arrive)
+    def _on_arrive(self, peer: bytes, msg: Arrive, seq: int) -> Job:
+        return moves.arrive(self, peer, msg, self._welcome)
 
     def _open(self, peer: bytes, msg: Hello) -> Welcome | Job:
         """A new session for ``peer``, admitted, built and bound (and checkpointed, with a folder)."""

@@ -11,6 +11,10 @@ could then refuse every later edge, or freeze the whole half) but decided by the
   other setting. Without the flag a shared half takes no optimizer: it serves forward calls only.
 * ``--shared-frozen NAME,...``: the half's parameters that do not train (by their names in the
   unsplit model); an edge's frozen set must be the same.
+* ``--server-lr LR``: split learning rates (SGLR). The half steps at ``LR`` whatever the edges'
+  steps carry, and an edge's learning rate is its own half's alone (the client-side rate: its
+  optimizer's, set by its script or ``splitft edge --lr``), neither bounded by the cloud's nor
+  sent to the half. The other settings are checked as without it.
 
 An edge that asks for anything else is refused with ``policy``, naming the flag; nothing it sent
 is applied.
@@ -42,20 +46,31 @@ class SharedPolicy:
         optimizer: a ``torch.optim`` class name; None: the half takes no optimizer.
         settings: its settings; ``lr`` is also the most any step may use.
         frozen: names (in the unsplit model) of the parameters that do not train.
+        server_lr: the half's own learning rate (``--server-lr``), or None: the edges' steps set it.
     """
 
     optimizer: str | None = None
     settings: dict[str, Any] = field(default_factory=dict)
     frozen: frozenset[str] = frozenset()
+    server_lr: float | None = None
     _defaults: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        lr = self.server_lr
+        if lr is not None and not (isinstance(lr, (int, float)) and not isinstance(lr, bool)
+                                   and math.isfinite(lr) and lr >= 0):
+            raise ConfigError(f"--server-lr must be a finite learning rate >= 0, got {lr!r}")
+        if lr is not None and self.optimizer is None:
+            raise ConfigError("--server-lr is the shared half's learning rate: give its optimizer too "
+                              "(--shared-optimizer NAME:{settings})")
+        if lr is not None:
+            object.__setattr__(self, "settings", {**self.settings, "lr": float(lr)})
         if self.optimizer is not None:  # an optimizer torch cannot build is refused when the cloud starts
             object.__setattr__(self, "_defaults", self._probe())
 
     @classmethod
-    def parse(cls, optimizer: str | None, frozen: str | None) -> SharedPolicy:
-        """From ``--shared-optimizer NAME[:{json}]`` and ``--shared-frozen NAME,...``."""
+    def parse(cls, optimizer: str | None, frozen: str | None, server_lr: float | None = None) -> SharedPolicy:
+        """From ``--shared-optimizer NAME[:{json}]``, ``--shared-frozen NAME,...`` and ``--server-lr``."""
         settings: dict[str, Any] = {}
         name = optimizer
         if optimizer is not None and ":" in optimizer:
@@ -68,7 +83,7 @@ class SharedPolicy:
             if not isinstance(settings, dict):
                 raise ConfigError(f"--shared-optimizer {optimizer!r}: the settings must be a JSON object")
         names = frozenset(n.strip() for n in (frozen or "").split(",") if n.strip())
-        return cls(name, settings, names)
+        return cls(name, settings, names, server_lr)
 
     # ------------------------------------------------------------ the optimizer
 
@@ -129,7 +144,10 @@ class SharedPolicy:
         if key not in cloud:
             raise PolicyError(f"{self.describe()} (--shared-optimizer) has no setting {short(key)}")
         if key == "lr":
-            self.check_lr(value)
+            if self.server_lr is None:
+                self.check_lr(value)
+            elif not _number_or_none(value):
+                raise PolicyError(f"a learning rate must be a number, got {short(value)}")
         elif _plain(value) != cloud[key]:
             raise PolicyError(f"this cloud half is shared and trains with {key}={cloud[key]!r} (--shared-optimizer "
                               f"{self.describe()}); this edge asks for {key}={short(value)}")
@@ -149,16 +167,22 @@ class SharedPolicy:
         scheduler may change no setting but the learning rate.
         """
         rates = op.lrs if op.lrs is not None else [op.lr]
+        if self.server_lr is not None:
+            self._check_changes(op)
+            return self.server_lr  # split rates: the edge's rate is its own half's
         if not (isinstance(rates, list) and rates and all(_number_or_none(r) for r in rates) and len(set(rates)) == 1):
             raise PolicyError(f"a shared half has one learning rate (--shared-optimizer {self.describe()}); this "
                               f"step's groups have {short(rates)}")
+        self._check_changes(op)
+        return None if rates[0] is None else self.check_lr(rates[0])
+
+    def _check_changes(self, op: o.Step) -> None:
         cloud = self.defaults()
         for changes in op.changes or []:
             if not isinstance(changes, dict):
                 raise PolicyError(f"a group's changed settings must be a map, got {short(changes)}")
             for key, value in changes.items():
                 self._check_setting(key, value, cloud)
-        return None if rates[0] is None else self.check_lr(rates[0])
 
     # ------------------------------------------------------------ frozen parameters
 
@@ -182,7 +206,10 @@ class SharedPolicy:
     # ------------------------------------------------------------ messages
 
     def describe(self) -> str:
-        return f"{self.optimizer}({json.dumps(self.settings, sort_keys=True)})" if self.optimizer else "no optimizer"
+        if not self.optimizer:
+            return "no optimizer"
+        rates = ", its own rate (--server-lr)" if self.server_lr is not None else ""
+        return f"{self.optimizer}({json.dumps(self.settings, sort_keys=True)}){rates}"
 
     def _no_optimizer(self) -> PolicyError:
         return PolicyError("this cloud half is shared: its optimizer is the cloud's choice, and this cloud sets none "

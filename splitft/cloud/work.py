@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..wire.protocol import Ack, Backward, Bye, Forward, Message, Sync
-from . import prices, snapshots
+from . import prices, selection, snapshots
 from .checkpoint_folder import CheckpointStore
+from .cut_average import HeldGrads, averages_cut, held_backward
 from .jobs import Job
 from .session import CloudSession
 
@@ -46,7 +47,7 @@ def job(checkpointing: Checkpointing, session: CloudSession, msg: Request, seq: 
                generator=isinstance(msg, Forward) and session.random.may_draw(msg.train))
 
 
-def run(checkpointing: Checkpointing, session: CloudSession, msg: Request, seq: int) -> Message:
+def run(checkpointing: Checkpointing, session: CloudSession, msg: Request, seq: int) -> Message | HeldGrads:
     """Apply ``msg``'s operations, checkpoint if they crossed a boundary (or the edge asked), then
     do what ``msg`` asks. A goodbye writes no checkpoint: the session's go when it ends."""
     before = session.mirrored.steps
@@ -67,7 +68,9 @@ def run(checkpointing: Checkpointing, session: CloudSession, msg: Request, seq: 
     if isinstance(msg, Forward):
         return session.forward(msg)
     if isinstance(msg, Backward):
-        return session.backward(msg)
+        if averages_cut(session):
+            return held_backward(session, msg)
+        return selection.skipped(session, msg) or session.backward(msg)
     if isinstance(msg, Sync):
         return Ack(state=session.state() if msg.want_state else None,
                    grad_norms=session.grad_norms(msg.grad_norm, msg.grad_names) if msg.grad_norm is not None else None)

@@ -21,7 +21,7 @@ from ..cut import CutSpec
 from ..errors import ConfigError, SplitFTError
 from ..metrics import Metrics
 from ..wire.operations import LoadWeights
-from . import optimizers, resume
+from . import move, optimizers, resume
 from .cloud_half import CloudHalf
 from .ghosts import Ghosts, install, uninstall
 from .mirror import ModelMirror
@@ -334,6 +334,14 @@ class SplitModel(nn.Module):
         """
         self.scheduler.drain()
         resume.save(path, self.session, self.stage, self.mirror, self.edge_state_dict)
+
+    def move_to(self, address: str) -> None:
+        """Move this session, mid-training, to the cloud at ``address`` (call it after ``opt.step()``):
+        the cloud half's whole state travels from the cloud it is on to that one, through this edge,
+        and training goes on there exactly as it would have (see :mod:`splitft.edge.move`)."""
+        self.scheduler.drain()
+        with self.session.lock:
+            move.move(self.session, self.stage.step, address, self.session.route.follow)
 
     def close(self, reason: str = "done") -> None:
         if self.step_log is not None:

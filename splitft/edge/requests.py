@@ -430,6 +430,11 @@ class EdgeSession:
             self._heartbeat.start()
             return welcome
 
+    def moved(self, connection: transports.Connection, welcome: Welcome, reconnect: Callable[[], transports.Connection] | None) -> None:
+        """The session goes on at another cloud (:mod:`.move`): its link, how to reopen it, its welcome."""
+        self.connection, self._reconnect, self.route = connection, reconnect, Route(self.route.follow)
+        self._welcomed(welcome)
+
     def sync(self, want_state: bool = False, checkpoint: bool = False,
              pin: bool = False) -> dict[str, np.ndarray] | None:
         """Apply pending operations in the cloud now; the cloud part's weights if ``want_state``."""

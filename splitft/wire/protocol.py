@@ -205,6 +205,36 @@ class Ack(Message):
 
 
 @dataclass
+class Leave(Message):
+    """Edge → cloud: this session moves to another cloud: answer with its state (a ``handoff``)
+    and end it here. Operations go first, in a ``sync``: a leave carries none."""
+
+    TYPE: ClassVar[str] = "leave"
+    NUMBERED: ClassVar[bool] = True
+    seq: int = 0
+
+
+@dataclass
+class Handoff(Message):
+    """Cloud → edge: a session's state for the cloud it moves to: ``{"meta": map, "skeleton": tree
+    of plain values, "tensors": map name → array, "mac": str}``, the mac keyed by the session's token."""
+
+    TYPE: ClassVar[str] = "handoff"
+    state: dict
+    seq: int = 0
+
+
+@dataclass
+class Arrive(Message):
+    """Edge → cloud: continue here a session that left another cloud: the hello that opened it (as
+    a map, its ``resume`` filled in) and the ``state`` of its handoff. Answered like a hello."""
+
+    TYPE: ClassVar[str] = "arrive"
+    hello: dict
+    state: dict
+
+
+@dataclass
 class Error(Message):
     TYPE: ClassVar[str] = "error"
     code: str
@@ -238,7 +268,8 @@ class Pong(Message):
 
 MESSAGES: dict[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Hello, Welcome, Redirect, Forward, Output, Backward, InputGrads, Sync, Ack, Error, Bye, Ping, Pong)
+    for cls in (Hello, Welcome, Redirect, Forward, Output, Backward, InputGrads, Sync, Ack, Error, Bye, Ping, Pong,
+                Leave, Handoff, Arrive)
 }
 
 #: Field names per message type, in declaration order (the order they are encoded in).
