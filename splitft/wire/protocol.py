@@ -36,7 +36,7 @@ from ..errors import ProtocolError, TooLarge
 from .operations import Operation, to_wire as operation_to_wire
 from .records import _CACHE_LIMIT, _short, build_checked, record_fields
 
-PROTOCOL_VERSION = 5  # 5: gradients a backward did not reach, gradient norms per parameter, operations by parameter name; 4: fields by position; 3: parameter groups and frozen parameters by name; 2: numbered requests, typed operations, welcome.limits (docs/wire.md)
+PROTOCOL_VERSION = 6  # 6: a live session moves between clouds (leave, handoff, arrive); 5: gradients a backward did not reach, gradient norms per parameter, operations by parameter name; 4: fields by position; 3: parameter groups and frozen parameters by name; 2: numbered requests, typed operations, welcome.limits (docs/wire.md)
 _ARRAY_EXT = 1
 MAX_DIMS = 8
 #: Most entries one list or map of a header may claim. msgpack allocates a container's slots as
