@@ -64,17 +64,6 @@ class Watch:
 
     # ------------------------------------------------------------ on the serving thread
 
-    def dispatched(self, peer: bytes, kind: str) -> None:
-        self.requests[kind] += 1
-        if len(self._waiting) >= MAX_WAITING:
-            self._waiting.clear()
-        self._waiting[peer] = (time.perf_counter(), kind)
-
-    def replied(self, peer: bytes) -> None:
-        started = self._waiting.pop(peer, None)
-        if started is not None:
-            self.latency[started[1]].observe(time.perf_counter() - started[0])
-
     def refused(self, code: str) -> None:
         self.refusals[code] += 1
 
@@ -124,8 +113,12 @@ def watch(server: Any) -> Watch:
         server.answers[kind] = _dispatching(w, handler, kind.TYPE)
     send, error, bind, forget = server.send, server._error, server.bind, server._forget
 
-    def replied(peer: bytes, frames: list, kind: str) -> None:
-        w.replied(peer)
+    waiting, latency, clock = w._waiting, w.latency, time.perf_counter
+
+    def replied(peer: bytes, frames: list, kind: str) -> None:  # once per message: the latency since dispatch
+        started = waiting.pop(peer, None)
+        if started is not None:
+            latency[started[1]].observe(clock() - started[0])
         send(peer, frames, kind)
 
     def refused(exc: BaseException, seq: int, call: Any) -> Any:
@@ -148,8 +141,13 @@ def watch(server: Any) -> Watch:
 
 
 def _dispatching(w: Watch, handler: Callable[..., Any], kind: str) -> Callable[..., Any]:
-    def dispatch(peer: bytes, msg: Any, seq: int) -> Any:
-        w.dispatched(peer, kind)
+    requests, waiting, clock = w.requests, w._waiting, time.perf_counter
+
+    def dispatch(peer: bytes, msg: Any, seq: int) -> Any:  # once per message: counted, and timed until its reply
+        requests[kind] += 1
+        if len(waiting) >= MAX_WAITING:
+            waiting.clear()
+        waiting[peer] = (clock(), kind)
         return handler(peer, msg, seq)
     return dispatch
 
