@@ -85,12 +85,19 @@ def test_a_script_writes_a_split_models_figures_through_splitft_tensorboard(digi
     assert "privacy/epsilon" not in acc.Tags()["scalars"]  # no budget, no figure
 
 
-def test_tensorboard_without_the_package_says_which_extra(monkeypatch, tmp_path):
+def test_tensorboard_without_the_package_says_which_extra(monkeypatch, tmp_path, capsys):
     import sys
 
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
     with pytest.raises(splitft.ConfigError, match=r"splitft\[tensorboard\]"):
         splitft.TensorBoard(tmp_path / "tb")
+
+    def no_cloud(*_, **__):
+        raise AssertionError("a cloud was started for a run that cannot write its events")
+
+    monkeypatch.setattr("splitft.app.launch.local_cloud", no_cloud)
+    assert main(["demo", "--tensorboard", str(tmp_path / "tb")]) == 2  # said before a cloud starts
+    assert "splitft[tensorboard]" in capsys.readouterr().err
 
 
 def test_a_trainer_on_a_split_model_reports_to_tensorboard(tmp_path):

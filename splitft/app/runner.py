@@ -95,6 +95,10 @@ class TaskRun:
         get_task(self.task)  # an unknown task raises listing the known ones
         if self.topology not in (None, "plain", "ushape"):
             raise ConfigError(f"topology is 'plain' or 'ushape', got {self.topology!r}")
+        if self.tensorboard is not None:
+            from ..edge.tensorboard import require
+
+            require()  # the extra is missing: said now, not after connecting
 
 
 @dataclass

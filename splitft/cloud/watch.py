@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import bisect
 import time
-import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -58,8 +57,9 @@ class Watch:
         self.ended = 0
         self.ended_steps = 0
         self.ended_bytes: defaultdict[Traffic, int] = defaultdict(int)  # traffic of sessions gone
-        #: Each live session's optimizer steps when this process bound it (a resumed one brings its own).
-        self._first_steps: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        #: Each live session by id, with its optimizer steps when this process bound it (a resumed
+        #: one brings its own); a plain dict, so that a scrape copies it in one call.
+        self._live: dict[str, tuple[Any, int]] = {}
         self._waiting: dict[bytes, tuple[float, str]] = {}  # peer → (dispatched at, request type)
 
     # ------------------------------------------------------------ on the serving thread
@@ -68,28 +68,38 @@ class Watch:
         self.refusals[code] += 1
 
     def bound(self, session: Any) -> None:
-        if session not in self._first_steps:
-            self._first_steps[session] = session.mirrored.steps
+        known = self._live.get(session.id)
+        if known is not None and known[0] is session:
+            return  # the same session on a new connection
+        if known is None:
             self.opened += 1
+        else:  # restored in place of the one this process held: what that one did is kept
+            self._keep(*known)
+        self._live[session.id] = (session, session.mirrored.steps)
 
     def forgotten(self, session: Any) -> None:
-        if session in self._first_steps:
+        known = self._live.get(session.id)
+        if known is not None and known[0] is session:
+            del self._live[session.id]
             self.ended += 1
-            self.ended_steps += session.mirrored.steps - self._first_steps.pop(session)
-            for key, wire in session_traffic(session).items():
-                self.ended_bytes[key] += wire
+            self._keep(*known)
+
+    def _keep(self, session: Any, first_steps: int) -> None:
+        self.ended_steps += session.mirrored.steps - first_steps
+        for key, wire in session_traffic(session).items():
+            self.ended_bytes[key] += wire
 
     # ------------------------------------------------------------ on the scraper's thread
 
     def steps(self) -> int:
         """Optimizer steps applied by this process, over ended and live sessions."""
-        live = sum(s.mirrored.steps - first for s, first in list(self._first_steps.items()))
+        live = sum(s.mirrored.steps - first for s, first in list(self._live.values()))
         return self.ended_steps + live
 
     def traffic(self) -> dict[Traffic, int]:
         """Wire bytes by direction, kind and codec, over ended and live sessions."""
         total = dict(self.ended_bytes)
-        for session in list(self._first_steps.keys()):
+        for session, _ in list(self._live.values()):
             for key, wire in session_traffic(session).items():
                 total[key] = total.get(key, 0) + wire
         return total

@@ -33,12 +33,7 @@ class TensorBoard:
     """
 
     def __init__(self, log_dir: str | os.PathLike) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:
-            raise ConfigError(f"TensorBoard event files need the tensorboard package ({exc}): install the "
-                              "'tensorboard' extra (pip install 'splitft[tensorboard]')") from None
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+        self.writer = require()(log_dir=str(log_dir))
         self.log_dir = self.writer.log_dir
         self.step = 0  # optimizer steps seen
         self._hooks: list[Any] = []
@@ -96,9 +91,19 @@ class TensorBoard:
         self.close()
 
 
+def require() -> Any:
+    """torch's ``SummaryWriter``, or a :class:`ConfigError` naming the extra to install."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        raise ConfigError(f"TensorBoard event files need the tensorboard package ({exc}): install the "
+                          "'tensorboard' extra (pip install 'splitft[tensorboard]')") from None
+    return SummaryWriter
+
+
 def _totals(metrics: Metrics) -> tuple[float, int, int, dict[str, float]]:
     return (time.perf_counter(), metrics.direction("up").wire, metrics.direction("down").wire,
             dict(metrics.seconds))
 
 
-__all__ = ["TensorBoard"]
+__all__ = ["TensorBoard", "require"]
