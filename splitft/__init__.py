@@ -26,7 +26,7 @@ _EXPORTS = {
     "Codecs": "options", "Factory": "options", "Faults": "options", "Link": "options", "Schedule": "options",
     "SplitFTError": "errors", "ConfigError": "errors", "PlaceholderError": "errors", "CutError": "errors",
     "HandshakeError": "errors", "CapacityError": "errors", "RemoteError": "errors", "TransportError": "errors",
-    "CloudServer": "cloud", "serve_in_thread": "cloud",
+    "CloudServer": "cloud", "serve_in_thread": "cloud", "TensorBoard": "edge.tensorboard",
 }
 
 __all__ = sorted([*_EXPORTS, "errors"])
@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers; at run time th
     from . import errors
     from .cloud import CloudServer, serve_in_thread
     from .edge import SplitModel, split
+    from .edge.tensorboard import TensorBoard
     from .errors import (CapacityError, ConfigError, CutError, HandshakeError, PlaceholderError, RemoteError,
                          SplitFTError, TransportError)
     from .options import Codecs, Factory, Faults, Link, Schedule

@@ -91,6 +91,9 @@ def _add_traffic_options(p: argparse.ArgumentParser) -> None:
                         "time (default: 1; exact; refused through BatchNorm in the cloud part)")
     g.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for any cloud reply (default: 60)")
     g.add_argument("--metrics", default=None, metavar="PATH", help="append one JSON record per step to PATH")
+    g.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="write TensorBoard event files to DIR: loss and accuracy per epoch; bytes each way, the "
+                        "wire/compute time split and privacy spent per step (needs the 'tensorboard' extra)")
 
 
 def _add_privacy_options(p: argparse.ArgumentParser) -> None:
@@ -201,7 +204,7 @@ def _task_run(args: argparse.Namespace) -> TaskRun:
                    schedule=Schedule(args.micro_batches, window=args.window,
                                      delayed_gradients=args.delayed_gradients),
                    faults=Faults(args.timeout, args.reconnect_timeout, args.heartbeat), freeze_edge=args.freeze_edge,
-                   metrics_path=args.metrics, progress=True, privacy=_privacy_run(args), device=args.device)
+                   metrics_path=args.metrics, tensorboard=args.tensorboard, progress=True, privacy=_privacy_run(args), device=args.device)
 
 
 def _privacy_run(args: argparse.Namespace):

@@ -97,6 +97,14 @@ def add_cloud_parser(sub: argparse._SubParsersAction) -> None:
                         "every layer's weights are gathered for its forward and backward, so each step moves "
                         "about 3x the half's weights between ranks (a replica's all-reduce moves 2x)")
     _add_rank_options(cloud)
+    g = cloud.add_argument_group("watching it (Prometheus; needs the 'metrics' extra)")
+    g.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (splitft_*: sessions, requests, "
+                        "bytes, latencies, memory, refusals, checkpoints, ranks); each rank of a cloud of several "
+                        "on PORT + its local rank; 0 picks a free port (default: off)")
+    g.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="the address the metrics endpoint listens on; another machine's scraper needs a "
+                        "non-loopback one, e.g. 0.0.0.0 (default: 127.0.0.1)")
 
 
 def _add_checkpoint_options(cloud: argparse.ArgumentParser) -> None:
@@ -225,6 +233,13 @@ def run_cloud(args: argparse.Namespace) -> int:
     from ..devices import Placement
     from ..errors import SplitFTError
 
+    if args.metrics_port is not None:
+        from ..cloud import prometheus
+
+        if not prometheus.available():  # said once, before any rank starts
+            print("cloud: error: --metrics-port needs the prometheus_client package: install the 'metrics' "
+                  "extra (pip install 'splitft[metrics]')", file=sys.stderr, flush=True)
+            return 2
     if args.workers > 1 and not workers.launched():
         try:
             workers.launch_for(args)
@@ -245,6 +260,7 @@ def run_cloud(args: argparse.Namespace) -> int:
         batch = _batch_split(args, placement, say)
         if batch is not None and batch.rank > 0:
             return _batch_worker(args, batch, placement)
+        endpoint = _metrics_endpoint(args, group, say)  # a port in use is refused before the cloud starts
         listener = transports.listen(workers.bind_address(group, args), **options)
         limits, policy = _limits_and_policy(args)
         rounds = _rounds(args, placement)
@@ -258,6 +274,8 @@ def run_cloud(args: argparse.Namespace) -> int:
                              shared_model=args.shared_model, policy=policy, placement=placement, rounds=rounds,
                              shared_policy=_shared_policy(args),
                              **({"make_session": batch.make_session()} if batch is not None else {}))
+        if endpoint is not None:
+            endpoint.watch(server)
     except (SplitFTError, transports.TransportError) as exc:
         say(f"error: {exc}")
         return 2
@@ -272,8 +290,24 @@ def run_cloud(args: argparse.Namespace) -> int:
     finally:
         if batch is not None:
             batch.stop()
+        if endpoint is not None:
+            endpoint.close()
         workers.leave(group)
     return 1 if rounds is not None and rounds.failure else 0
+
+
+def _metrics_endpoint(args: argparse.Namespace, group: Any, say: Any) -> Any:
+    """The Prometheus endpoint ``--metrics-port`` asks for (None without it), on PORT + the local rank."""
+    if args.metrics_port is None:
+        return None
+    from ..cloud.prometheus import Endpoint
+
+    port = args.metrics_port + (group.env.local_rank if group is not None and args.metrics_port else 0)
+    endpoint = Endpoint(port, args.metrics_host)
+    if is_public(f"tcp://{args.metrics_host}:0"):
+        say(f"warning: the metrics at {endpoint.url} are open to any machine that reaches them (--metrics-host)")
+    say(f"metrics at {endpoint.url}")
+    return endpoint
 
 
 def _listener_options(args: argparse.Namespace, say: Any) -> dict:

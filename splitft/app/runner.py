@@ -86,6 +86,7 @@ class TaskRun:
     faults: Faults = field(default_factory=Faults)
     freeze_edge: bool = False
     metrics_path: str | None = None
+    tensorboard: str | None = None  # write TensorBoard event files here (splitft.TensorBoard)
     progress: bool = False  # a progress bar per epoch (command line)
     privacy: PrivacyRun | None = None  # defences on what crosses (splitft.privacy)
     device: str | None = None  # where the edge half and its data live (None: the CPU)
@@ -94,6 +95,10 @@ class TaskRun:
         get_task(self.task)  # an unknown task raises listing the known ones
         if self.topology not in (None, "plain", "ushape"):
             raise ConfigError(f"topology is 'plain' or 'ushape', got {self.topology!r}")
+        if self.tensorboard is not None:
+            from ..edge.tensorboard import require
+
+            require()  # the extra is missing: said now, not after connecting
 
 
 @dataclass
@@ -113,6 +118,7 @@ class Prepared:
     epochs: int
     batch_size: int
     protection: Any = None  # splitft.privacy.Protection when defences are on
+    board: Any = None  # splitft.TensorBoard when the run writes event files
 
 
 @dataclass
@@ -169,11 +175,34 @@ def prepare(run: TaskRun, connect: Any) -> Prepared:
 
             protection = protect(model, run.privacy.defences(sample_rate=batch_size / len(train_data),
                                                              epochs=epochs))
+        board = _board(run, model, optimizer)
     except BaseException:
         model.close("error")
         raise
     return Prepared(run, task, model, optimizer, criterion, train_data, test_data, cut, rejoin, ushape,
-                    epochs=epochs, batch_size=batch_size, protection=protection)
+                    epochs=epochs, batch_size=batch_size, protection=protection, board=board)
+
+
+def _board(run: TaskRun, model: SplitModel, optimizer: torch.optim.Optimizer) -> Any:
+    """The run's TensorBoard writer, watching the split model's steps (None without ``tensorboard``)."""
+    if run.tensorboard is None:
+        return None
+    from ..edge.tensorboard import TensorBoard
+
+    board = TensorBoard(run.tensorboard)
+    board.watch(model, optimizer)
+    return board
+
+
+def _epoch_logger(board: Any) -> Any:
+    """Each epoch's loss and test accuracy, written at the steps taken so far."""
+    if board is None:
+        return None
+
+    def log(record: dict[str, float]) -> None:
+        board.log(**{f"{'test' if key == 'accuracy' else 'train'}/{key}": value
+                     for key, value in record.items() if key in ("loss", "accuracy")})
+    return log
 
 
 def train(prepared: Prepared) -> RunResult:
@@ -181,13 +210,20 @@ def train(prepared: Prepared) -> RunResult:
     model, run = prepared.model, prepared.run
     start = time.perf_counter()
     trainer = prepared.task.train_function()
-    with model:
-        if trainer is not None:
-            result = trainer(prepared)
-        else:
-            result = fit(model, prepared.optimizer, prepared.criterion, prepared.train, prepared.test,
-                         epochs=prepared.epochs, batch_size=prepared.batch_size, seed=run.seed,
-                         predict=model.predict, progress=run.progress, pass_ids=True)
+    log_epoch = _epoch_logger(prepared.board)
+    try:
+        with model:
+            if trainer is not None:
+                result = trainer(prepared)
+                for record in result.history if log_epoch is not None else ():
+                    log_epoch(record)
+            else:
+                result = fit(model, prepared.optimizer, prepared.criterion, prepared.train, prepared.test,
+                             epochs=prepared.epochs, batch_size=prepared.batch_size, seed=run.seed,
+                             predict=model.predict, progress=run.progress, pass_ids=True, on_epoch=log_epoch)
+    finally:
+        if prepared.board is not None:
+            prepared.board.close()
     seconds = time.perf_counter() - start
     metrics, specs = model.metrics, model.session.codecs.specs
     return RunResult(

@@ -48,12 +48,14 @@ def _read(unread: deque[tuple[torch.Tensor, int]], count: int, total: float, see
 def fit(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Callable[[Any, torch.Tensor], torch.Tensor],
         train: Split, test: Split, *, epochs: int, batch_size: int, seed: int = 0,
         predict: Callable[..., torch.Tensor] | None = None, progress: bool = False,
-        pass_ids: bool = False, evaluate: bool = True) -> FitResult:
+        pass_ids: bool = False, evaluate: bool = True,
+        on_epoch: Callable[[dict[str, float]], None] | None = None) -> FitResult:
     """Train ``epochs`` epochs, evaluating after each; shows a bar per epoch when ``progress``.
 
     ``pass_ids`` gives the model each sample's stable id (``model(x, sample_ids=ids)``), which
     codecs with per-sample state need. ``evaluate=False`` skips the test accuracy, for a task
-    that measures itself otherwise (a language model's perplexity).
+    that measures itself otherwise (a language model's perplexity). ``on_epoch`` is given each
+    epoch's record (loss, accuracy) as soon as it is known (a TensorBoard writer).
     """
     from tqdm.auto import tqdm
 
@@ -89,6 +91,8 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Callable[
             result.accuracy = record["accuracy"] = accuracy(predict, test)
             bar.set_postfix(loss=f"{record['loss']:.4f}", test_acc=f"{result.accuracy:.4f}")
         result.history.append(record | {"seconds": time.perf_counter() - start, "train_seconds": training})
+        if on_epoch is not None:
+            on_epoch(result.history[-1])
         bar.close()
     result.seconds = time.perf_counter() - start
     return result
