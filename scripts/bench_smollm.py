@@ -6,8 +6,9 @@ same training windows, and reports the held-out perplexity it reached, the wire 
 training step each way and the time per step. What crosses the cut is the decoder's hidden
 states, tokens x hidden (128 x 576 per window), going to the cloud and coming back: the codec
 given is used for both (slots fwd and ret), each with its usual gradient partner (bwd, ret_bwd).
-The rotary position embeddings and position ids cross with every call too, uncompressed (side
-tensors always go through identity); they are counted in the bytes.
+The position ids cross with every call too, uncompressed (side tensors always go through
+identity); they are counted in the bytes. The rotary tables do not cross: the task's decoder
+layers rebuild them from the position ids (splitft.app.tasks.rotary).
 
 A run is named by its codec spec ('identity', 'fp16', 'fixpoint:bits=8,channel_dim=2',
 'lowrank:rank=4', 'acsgd:bits=4,channel_dim=2', a chain such as
@@ -17,9 +18,9 @@ directions too, and 'SPEC;bwd=...;ret=...;ret_bwd=...' any slot. Each training w
 `--epochs` times (default 2), so AC-SGD sends the first epoch in full (its warm-up) and 4-bit
 deltas after it.
 
-The rotary tables and position ids are measured once (a forward of the unsplit model, the
-tensors the cloud's first layer gets besides the hidden states), and each run also reports its
-bytes with them left out: what a cloud that rebuilds them from the position ids would cost.
+The side tensors are measured once (a forward of the unsplit model, the tensors the cloud's
+first layer gets besides the hidden states: the position ids, 1 KiB at 128 tokens), and each run
+also reports its bytes with them left out.
 
     python scripts/bench_smollm.py                          # the default codecs, seeds 0 and 1
     python scripts/bench_smollm.py identity lowrank:rank=1 --seeds 0 --limit 16   # a quick look
@@ -58,11 +59,11 @@ class Result:
     step_seconds: float  # training only, mean per step
     up_per_step: float  # wire bytes edge -> cloud per training step (evaluation excluded)
     down_per_step: float
-    ratio_up: float  # raw / wire bytes of the activation message to the cloud (hidden states, rotary tables)
+    ratio_up: float  # raw / wire bytes of the activation message to the cloud (hidden states, position ids)
     ratio_down: float  # the same for the trunk's output coming back
     first_loss: float
     last_loss: float
-    side_per_step: float = 0.0  # bytes of the side tensors (rotary tables, position ids) in up_per_step
+    side_per_step: float = 0.0  # bytes of the side tensors (position ids) in up_per_step
 
 
 SLOTS = ("fwd", "bwd", "ret", "ret_bwd")
@@ -87,7 +88,7 @@ def run_codecs(name: str, seed: int):
 
 def side_bytes(model: torch.nn.Module, train, cut: str, batch_size: int) -> int:
     """Bytes of the tensors the cloud's first layer gets besides the hidden states, per forward
-    call: they cross uncompressed (identity) with every call today."""
+    call: they cross uncompressed (identity) with every call."""
     from splitft.app.data import batches, call
 
     first_layer = model.get_submodule(cut.partition(":")[0])
@@ -154,7 +155,7 @@ def _mean(rs: list[Result], field: str) -> float:
 
 def table(results: list[Result]) -> str:
     """Markdown, one row per run, means over its seeds. "Less than identity" compares all bytes
-    both ways; "without side tensors" leaves the rotary tables and position ids out of both."""
+    both ways; "without side tensors" leaves the position ids out of both."""
     runs = list(dict.fromkeys(r.run for r in results))
     base = [r for r in results if r.run == "identity"]
     base_total = _mean(base, "up_per_step") + _mean(base, "down_per_step") if base else None

@@ -85,7 +85,7 @@ def test_short_split_fine_tune_of_the_real_model_matches_local(cloud):
                 split_loss = float(model(**first_batch, labels=train.y[:BATCH]).loss)
             opt = model.attach(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3))
             fit = fine_tune(model, opt, train, test, epochs=1, batch_size=BATCH, pass_ids=True)
-            crossed = model.metrics.bytes[("up", "activation")].raw
+            crossed = model.metrics.bytes[("up", "activation")]
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
 
@@ -97,7 +97,33 @@ def test_short_split_fine_tune_of_the_real_model_matches_local(cloud):
     for p in (fit.before, fit.after):
         assert math.isfinite(p.perplexity) and p.perplexity > 1 and p.tokens == 2 * BATCH * (LENGTH - 1)
     torch.testing.assert_close(fit.after.perplexity, local_fit.after.perplexity)
-    assert crossed > 0
+    # every call sends the hidden states and the position ids (1 x LENGTH int64), not the rotary
+    # tables (2 x LENGTH x 64 float32): the cloud's layers rebuild them
+    hidden = BATCH * LENGTH * 576 * 4
+    assert crossed.messages == 1 + 3 + 2 * 2  # a forward, three steps, two evaluations of two batches
+    assert hidden < crossed.raw / crossed.messages <= hidden + LENGTH * 8
+
+
+@needs_model
+def test_the_decoder_layers_rebuild_their_rotary_tables_bit_for_bit():
+    """The task's model hands its layers no rotary tables (so none cross a cut inside the
+    decoder); each layer computes them from the position ids, and the logits and gradients are
+    those of the model that passes them, bit for bit."""
+    from splitft.app.tasks.smollm import pretrained, with_lora
+
+    rebuilt, plain = smollm_lora(), with_lora(pretrained())
+    given = []
+    rebuilt.base_model.model.model.layers[2].register_forward_pre_hook(
+        lambda module, args, kwargs: given.append(kwargs.get("position_embeddings")), with_kwargs=True, prepend=True)
+    ids = torch.randint(0, 49152, (2, 16), generator=torch.Generator().manual_seed(0))
+    out = [model(input_ids=ids, labels=ids) for model in (rebuilt, plain)]
+    assert given == [None]
+    assert torch.equal(out[0].logits, out[1].logits) and torch.equal(out[0].loss, out[1].loss)
+    for o in out:
+        o.loss.backward()
+    grads = [[p.grad for p in model.parameters() if p.requires_grad] for model in (rebuilt, plain)]
+    assert len(grads[0]) == len(grads[1]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 @needs_model
