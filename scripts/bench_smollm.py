@@ -37,6 +37,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
+import textwrap  # noqa: E402
 import time  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -190,14 +191,19 @@ def plot(results: list[Result], path: Path) -> None:
 
     runs = [run for run in dict.fromkeys(r.run for r in results) if run != "local"]
     base = [r for r in results if r.run == "identity"]
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    for run in runs:
+    # chain specs run to a few hundred characters: each point gets a number, keyed under the axes
+    key = [line for number, run in enumerate(runs, 1)
+           for line in textwrap.wrap(f"{number}: {run} (seeds {', '.join(str(r.seed) for r in results if r.run == run)})",
+                                     width=150, subsequent_indent="    ")]
+    fig, ax = plt.subplots(figsize=(9, 5.5 + 0.1 * len(key)))
+    for number, run in enumerate(runs, 1):
         rs = [r for r in results if r.run == run]
         total = statistics.mean(r.up_per_step + r.down_per_step for r in rs) / 2**10
         ppl = [r.perplexity for r in rs]
         err = statistics.stdev(ppl) if len(ppl) > 1 else 0.0
         ax.errorbar(total, statistics.mean(ppl), yerr=err, fmt="o", ms=4, capsize=2)
-        ax.annotate(run, (total, statistics.mean(ppl)), fontsize=6, xytext=(3, 2), textcoords="offset points")
+        ax.annotate(str(number), (total, statistics.mean(ppl)), fontsize=7, xytext=(3, 2), textcoords="offset points")
+    fig.text(0.01, 0.01, "\n".join(key), fontsize=5.5, family="monospace", va="bottom")
     if base:
         ref = statistics.mean(r.perplexity for r in base)
         ref_bytes = statistics.mean(r.up_per_step + r.down_per_step for r in base) / 2**10
@@ -205,13 +211,14 @@ def plot(results: list[Result], path: Path) -> None:
             ax.axhline(ref + dy, color="grey", ls=style, lw=0.8, label=f"identity + {dy:g} perplexity")
         for times, style in ((10, "--"), (16, ":")):
             ax.axvline(ref_bytes / times, color="tab:red", ls=style, lw=0.8, label=f"{times}x fewer bytes than identity")
-        ax.set_ylim(ref - 0.5, ref + 3.0)
+        lowest = min(statistics.mean(r.perplexity for r in results if r.run == run) for run in runs)
+        ax.set_ylim(min(ref - 0.5, lowest - 0.3), ref + 3.0)
     ax.set_xscale("log")
     ax.set_xlabel("KiB per training step, both ways, everything counted")
     ax.set_ylabel("held-out perplexity")
     ax.set_title("SmolLM2-135M LoRA fine-tune through each codec (points off the top are cut)", fontsize=9)
     ax.legend(fontsize=7, loc="upper right")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.1 * len(key) / (5.5 + 0.1 * len(key)) + 0.01, 1, 1))
     fig.savefig(path, dpi=130)
 
 
