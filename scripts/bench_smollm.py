@@ -37,7 +37,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
-import textwrap  # noqa: E402
 import time  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -192,9 +191,10 @@ def plot(results: list[Result], path: Path) -> None:
     runs = [run for run in dict.fromkeys(r.run for r in results) if run != "local"]
     base = [r for r in results if r.run == "identity"]
     # chain specs run to a few hundred characters: each point gets a number, keyed under the axes
-    key = [line for number, run in enumerate(runs, 1)
-           for line in textwrap.wrap(f"{number}: {run} (seeds {', '.join(str(r.seed) for r in results if r.run == run)})",
-                                     width=150, subsequent_indent="    ")]
+    key = []
+    for number, run in enumerate(runs, 1):
+        text = f"{number}: {run} (seeds {', '.join(str(r.seed) for r in results if r.run == run)})"
+        key += [("    " if i else "") + text[i:i + 150] for i in range(0, len(text), 150)]
     fig, ax = plt.subplots(figsize=(9, 5.5 + 0.1 * len(key)))
     for number, run in enumerate(runs, 1):
         rs = [r for r in results if r.run == run]
@@ -211,8 +211,8 @@ def plot(results: list[Result], path: Path) -> None:
             ax.axhline(ref + dy, color="grey", ls=style, lw=0.8, label=f"identity + {dy:g} perplexity")
         for times, style in ((10, "--"), (16, ":")):
             ax.axvline(ref_bytes / times, color="tab:red", ls=style, lw=0.8, label=f"{times}x fewer bytes than identity")
-        lowest = min(statistics.mean(r.perplexity for r in results if r.run == run) for run in runs)
-        ax.set_ylim(min(ref - 0.5, lowest - 0.3), ref + 3.0)
+        lowest = min(min(r.perplexity for r in results if r.run == run) for run in runs)
+        ax.set_ylim(min(ref - 0.5, lowest - 0.2), ref + 3.0)
     ax.set_xscale("log")
     ax.set_xlabel("KiB per training step, both ways, everything counted")
     ax.set_ylabel("held-out perplexity")
