@@ -81,10 +81,13 @@ def rebuild_rotary(decoder: nn.Module) -> nn.Module:
     Both halves of a split build the model with the same factory, so both get the change; a
     layer's copy of the rotary module holds a non-persistent buffer, not a weight.
     """
-    rotary = decoder.rotary_emb
+    rotary, layers = getattr(decoder, "rotary_emb", None), getattr(decoder, "layers", None)
+    if not isinstance(rotary, nn.Module) or not isinstance(layers, nn.ModuleList):
+        raise ConfigError(f"rebuild_rotary takes a Llama-family decoder (a module with a rotary_emb module and a "
+                          f"ModuleList of layers), got {type(decoder).__name__}")
     if isinstance(rotary, DeferredRotary):
         return decoder
-    for layer in decoder.layers:
+    for layer in layers:
         layer.rotary = copy.deepcopy(rotary)
         layer.__class__ = _rebuilding(type(layer))
     decoder.rotary_emb = DeferredRotary(rotary)
@@ -93,5 +96,5 @@ def rebuild_rotary(decoder: nn.Module) -> nn.Module:
 
 def rotary_of(decoder: nn.Module) -> nn.Module:
     """The decoder's own rotary module, whether or not :func:`rebuild_rotary` deferred it."""
-    rotary = decoder.rotary_emb
+    rotary = decoder.get_submodule("rotary_emb")
     return rotary.rotary if isinstance(rotary, DeferredRotary) else rotary
