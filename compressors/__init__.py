@@ -12,13 +12,18 @@ reveal (AC-SGD sample ids). Before decoding a peer's payload, ``codec.decode_cos
 ``codec.held_nbytes()`` says what a codec holds in buffers and caches; caches are per instance
 and bounded.
 
-One file per family: ``identity``; ``quant`` (``fp16``, ``fixpoint``); ``lowrank`` (SFT factors);
-``circconv`` (``c3sl``); ``binary`` (B-SL, with its binarized layers); ``delta`` (``acsgd``).
-``bitpack`` packs b-bit codes for any codec that needs it; ``policy`` holds :class:`Bounds` and
-the option classification every codec declares.
+One file per family: ``identity``; ``quant`` (``fp16``, ``fixpoint``); ``scaled`` (``quant``: per-tile
+scales and normal levels, for an LLM's hidden states); ``lowrank`` (SFT factors); ``circconv``
+(``c3sl``); ``binary`` (B-SL, with its binarized layers); ``delta`` (``acsgd``).
+
+Codecs compose by spec (``outliers:k=4>hadamard>delta>quant:bits=2``): ``chain`` holds the stage
+contract, and the stages are ``rotation`` (``hadamard``), ``outliers`` and ``delta_stage``
+(``delta``: AC-SGD over whatever codec follows). ``bitpack`` packs b-bit codes for any codec that
+needs it; ``policy`` holds :class:`Bounds` and the option classification every codec declares.
 """
 
-from . import binary, circconv, delta, identity, lowrank, quant  # noqa: F401  (registration side effects)
+from . import binary, circconv, delta, identity, lowrank, quant, scaled  # noqa: F401  (registration side effects)
+from . import delta_stage, outliers, rotation  # noqa: F401  (chain stages, registered too)
 from ._wire import all_finite
 from .base import Codec, CodecContext, Payload, WIRE_DTYPES
 from .errors import CompressionError, DesyncError, PolicyError, UnknownCodecError
@@ -30,6 +35,7 @@ from .registry import (
     default_grad_spec,
     make_codec,
     names,
+    parse_chain,
     parse_spec,
     register,
 )
@@ -37,5 +43,5 @@ from .registry import (
 __all__ = [
     "Bounds", "Codec", "CodecContext", "CompressionError", "DesyncError", "Payload", "PolicyError",
     "UnknownCodecError", "WIRE_DTYPES", "all_finite", "canonical_spec", "check_spec", "codec_class",
-    "default_grad_spec", "make_codec", "names", "parse_spec", "register",
+    "default_grad_spec", "make_codec", "names", "parse_chain", "parse_spec", "register",
 ]

@@ -87,6 +87,9 @@ class CodecContext:
     #: Where a decode puts its tensor (and does its work): the receiver's compute device, so that
     #: only the payload crosses to it. None: the host.
     device: torch.device | str | None = None
+    #: Set by a ``delta`` stage for the codec after it when the batch holds a sample's first send
+    #: (nothing of it at the receiver yet): a quantizer may spend more bits on it (``first_bits``).
+    first: bool = False
 
 
 def to_numpy(x: torch.Tensor) -> np.ndarray:
@@ -121,6 +124,9 @@ class Codec(ABC):
     version: ClassVar[int] = 1
     #: The gradient codec to pair with this one when the user names none.
     default_grad_codec: ClassVar[str] = "identity"
+    #: True for codecs that may stand before another in a chain spec (``hadamard>quant``): they
+    #: transform a tensor and hand it to the next codec (see :mod:`compressors.chain`).
+    wraps: ClassVar[bool] = False
     #: True when training encodes need ``CodecContext.sample_ids`` (a stable id per sample), so a
     #: runtime can ask the user for them before the first step instead of failing inside it.
     needs_sample_ids: ClassVar[bool] = False

@@ -51,6 +51,9 @@ class Bounds:
     max_ids: int = field(default=1 << 22, metadata={"min": 1, "help": "AC-SGD capacity, and one more than the largest sample id a payload may name"})
     #: acsgd ``warmup``: full-precision sends per sample before deltas start.
     max_warmup: int = field(default=100, metadata={"min": 0, "help": "most AC-SGD full-precision warm-up sends per sample"})
+    #: Codecs in one chain spec (``outliers>hadamard>delta>quant``): each stage adds its work
+    #: and its part of the payload to every message.
+    max_stages: int = field(default=8, metadata={"min": 1, "help": "most codecs one chain spec may compose"})
     #: Length of a spec string, so parsing and logging a spec stays cheap.
     max_spec_chars: int = field(default=256, metadata={"min": 1, "help": "longest codec spec string"})
 

@@ -53,3 +53,22 @@ def test_split_generation_per_token_against_local_gives_the_same_tokens(tmp_path
     cells = json.loads(out.read_text())["cells"]
     assert [(c["batch"], c["prompt"], c["equal"]) for c in cells] == [(1, 6, True), (3, 6, True)]
     assert all(c["local_ms"] > 0 and c["split_ms"] > 0 for c in cells)
+
+
+def test_the_seeds_script_trains_c3sl_on_the_deep_cloud_half_and_tabulates_it():
+    """digits_deep keeps digits_cnn's edge (the task's cut, 32x8x8 per sample) before four
+    convolutions; scripts/seeds.py trains through C3-SL on it and prints a table row per codec."""
+    import torch
+
+    from splitft.app.models import digits_cnn, digits_deep
+
+    deep, usual = digits_deep(seed=0), digits_cnn(seed=0)
+    assert list(deep)[:2] == [deep.block1, deep.block2]
+    x = torch.zeros(2, 1, 8, 8)
+    assert deep.block2(deep.block1(x)).shape == usual.block2(usual.block1(x)).shape == (2, 32, 8, 8)
+    assert sum(isinstance(m, torch.nn.Conv2d) for m in deep[2:].modules()) == 4
+    assert deep(x).shape == (2, 10)
+    text = _run("seeds.py", "c3sl:r=4", "--seeds", "1", "--epochs", "1")
+    assert re.search(rf"^c3sl:r=4 seed 0: test accuracy {NUMBER}, fwd 4\.0x, bwd 4\.0x", text, re.MULTILINE), text
+    row = re.search(rf"^\| deep \| `c3sl:r=4` \| `identity` \| 1 \| ({NUMBER}) \| 4\.0x \| 4\.0x \|$", text, re.MULTILINE)
+    assert row and 0.0 <= float(row.group(1)) <= 1.0, text

@@ -130,8 +130,9 @@ def test_bounds_defaults_are_frozen_and_validated() -> None:
 # ---------------------------------------------------------------- check_spec: acceptance
 
 _VALUE = r"(?:-?\d[\w.+-]*|true|false)"  # concrete values, not placeholders such as r=R
-_NAME = r"(?:identity|fp16|fixpoint|lowrank|c3sl|binary|acsgd)"
-SPEC_TEXT = re.compile(rf"\b{_NAME}(?::[a-z_]+={_VALUE}(?:,[a-z_]+={_VALUE})*)?\b")
+_NAME = r"(?:identity|fp16|fixpoint|lowrank|c3sl|binary|acsgd|quant|hadamard|outliers|delta)"
+_STAGE = rf"{_NAME}(?::[a-z_]+={_VALUE}(?:,[a-z_]+={_VALUE})*)?"
+SPEC_TEXT = re.compile(rf"\b{_STAGE}(?:>{_STAGE})*\b")
 
 
 def documented_specs() -> list[str]:
@@ -255,7 +256,7 @@ def test_decode_cost_bounds_the_decoded_tensor(spec: str, shape, dtype, strided:
     assert cost >= dec.held_nbytes() - held
 
 
-@pytest.mark.parametrize("spec", compressors.names())
+@pytest.mark.parametrize("spec", compressors.names() + ["outliers:k=2>hadamard>delta>quant:bits=2"])
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_decode_cost_of_mutated_payloads_raises_only_compression_errors(spec: str, data: st.DataObject) -> None:
@@ -545,7 +546,8 @@ WORKSPACE_SLACK = 4 << 20
 
 @pytest.mark.parametrize("spec", ["identity", "fp16", "fixpoint:bits=3", "fixpoint:bits=8", "binary",
                                   "lowrank:rank=1", "lowrank:rank=4", "c3sl:r=4", "acsgd", "acsgd:warmup=0",
-                                  "acsgd:eval_bits=8"])
+                                  "acsgd:eval_bits=8", "quant:bits=2", "quant:bits=8,levels=uniform,tile=64",
+                                  "hadamard>quant:bits=2", "outliers:k=4>hadamard>delta>quant:bits=2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
 def test_decode_cost_bounds_the_measured_peak(spec: str, dtype: torch.dtype) -> None:
     assert_decode_peak_priced(spec, dtype)

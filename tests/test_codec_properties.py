@@ -17,7 +17,8 @@ import compressors
 from compressors import CodecContext, CompressionError, Payload, make_codec
 from tests.test_registry_walk import ctx_for, make_input
 
-SPECS = compressors.names()
+#: Every codec, and chains whose payloads nest the next codec's (arrays under ">" names, meta["inner"]).
+SPECS = compressors.names() + ["outliers:k=2>hadamard>delta>quant:bits=2", "hadamard>quant:bits=3,tile=4"]
 
 meta_values = st.one_of(
     st.none(), st.booleans(), st.integers(-3, 1 << 45), st.floats(allow_nan=True),

@@ -27,6 +27,16 @@ EXTRA_SPECS = [
     "binary:flip_eps=2.0",
     "acsgd:bits=2,warmup=0",
     "acsgd:eval_bits=0",
+    "quant:bits=1",
+    "quant:bits=4,tile=3",
+    "quant:bits=3,levels=uniform,stochastic=true",
+    "quant:bits=2,stochastic=true,eval_bits=8",
+    "hadamard>quant:bits=2",
+    "outliers:k=2>hadamard:block=2>quant:bits=3,tile=4",
+    "hadamard>delta>quant:bits=2",
+    "delta:warmup=1>fp16",
+    "hadamard>lowrank:rank=1",
+    "outliers:k=4>hadamard>delta>quant:bits=1,first_bits=2,eval_bits=8",
 ]
 SPECS = compressors.names() + EXTRA_SPECS
 
@@ -54,8 +64,7 @@ def make_input(spec: str, shape: tuple[int, ...], dtype: torch.dtype, strided: b
 
 
 def ctx_for(spec: str, x: torch.Tensor, train: bool = True) -> CodecContext:
-    cls = compressors.codec_class(compressors.parse_spec(spec)[0])
-    ids = np.arange(x.shape[0], dtype=np.int64) if cls.needs_sample_ids and x.dim() else None
+    ids = np.arange(x.shape[0], dtype=np.int64) if make_codec(spec).needs_sample_ids and x.dim() else None
     return CodecContext(train=train, sample_ids=ids)
 
 
@@ -114,7 +123,7 @@ def test_roundtrip_contract(spec: str, shape: tuple[int, ...], dtype: torch.dtyp
 
 def test_walk_covers_every_family() -> None:
     assert {"identity", "fp16", "fixpoint", "lowrank", "c3sl", "binary", "acsgd"} <= set(compressors.names())
-    assert all(s.partition(":")[0] in compressors.names() for s in EXTRA_SPECS)
+    assert all(name in compressors.names() for s in EXTRA_SPECS for name, _ in compressors.parse_chain(s))
 
 
 @pytest.mark.parametrize("spec", SPECS)

@@ -59,6 +59,28 @@ def digits_bsl(seed: int | None = 0) -> nn.Sequential:
     return _seeded(build, seed)
 
 
+def digits_deep(seed: int | None = 0) -> nn.Sequential:
+    """:func:`digits_cnn`'s edge (cut after ``block2``, 32x8x8 per sample) before a cloud half of
+    four convolutions (0.28 M parameters), to test claims made for deep receivers: C3-SL binds R
+    samples into one vector, and reports 16x at a negligible drop on CIFAR-class CNNs whose cloud
+    half has depth to spare to read each sample back out of the noise the others leave. (Measured
+    here, depth alone does not do it: docs/seeds.md.)"""
+    def conv(c_in: int, c_out: int) -> list[nn.Module]:
+        return [nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU()]
+
+    def build() -> nn.Sequential:
+        return nn.Sequential(OrderedDict(
+            block1=nn.Sequential(*conv(1, 32)),
+            block2=nn.Sequential(*conv(32, 32)),
+            block3=nn.Sequential(*conv(32, 64), *conv(64, 64)),
+            block4=nn.Sequential(*conv(64, 128), nn.MaxPool2d(2)),
+            block5=nn.Sequential(*conv(128, 128), nn.AdaptiveAvgPool2d(1)),
+            head=nn.Sequential(nn.Flatten(), nn.Linear(128, 10)),
+        ))
+
+    return _seeded(build, seed)
+
+
 M = TypeVar("M", bound=nn.Module)
 
 

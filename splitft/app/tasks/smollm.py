@@ -41,6 +41,7 @@ from torch import nn
 from ..data import Split, batches, call
 from ...errors import ConfigError
 from ..train import FitResult
+from .rotary import rebuild_rotary
 
 if TYPE_CHECKING:
     from ..runner import Prepared
@@ -201,9 +202,13 @@ def with_lora(model: nn.Module, *, rank: int = 8, alpha: int = 16, layers: list[
 def smollm_lora(rank: int = 8, alpha: int = 16, layers: list[int] | None = None, seed: int = 0) -> nn.Module:
     """The task's model: pre-trained SmolLM2-135M-Instruct with LoRA adapters (see :func:`with_lora`).
 
-    The same weights on every call, on the edge and in the cloud.
+    The same weights on every call, on the edge and in the cloud. Each decoder layer computes its
+    rotary tables from the position ids (:func:`~splitft.app.tasks.rotary.rebuild_rotary`), so
+    the cut carries the ids and not the tables; the outputs are the same, bit for bit.
     """
-    return with_lora(pretrained(), rank=rank, alpha=alpha, layers=layers, seed=seed)
+    model: Any = with_lora(pretrained(), rank=rank, alpha=alpha, layers=layers, seed=seed)
+    rebuild_rotary(model.base_model.model.model)
+    return model
 
 
 def cut_layers(cut: str) -> list[int]:

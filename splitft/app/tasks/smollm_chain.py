@@ -29,6 +29,7 @@ from torch import nn
 from ..data import Split, batches
 from ...errors import ConfigError
 from . import smollm
+from .rotary import rotary_of
 
 if TYPE_CHECKING:
     from ..runner import Prepared
@@ -89,7 +90,7 @@ def smollm_chain(rank: int = 8, alpha: int = 16, layers: list[int] | None = None
         untied = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None)
         untied.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
         head = untied
-    links = [(f"layer{i}", DecoderLink(layer, decoder.rotary_emb, decoder.config))
+    links = [(f"layer{i}", DecoderLink(layer, rotary_of(decoder), decoder.config))
              for i, layer in enumerate(decoder.layers)]
     return nn.Sequential(OrderedDict([("embed", decoder.embed_tokens), *links, ("norm", decoder.norm),
                                       ("head", NextTokenHead(head))]))
