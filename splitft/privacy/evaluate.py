@@ -26,7 +26,7 @@ from ..app.data import Split, batches, load_digits
 from .attacks import dcor_score, inversion_attack, label_leak, through_codec
 from .defences import Budget, Defences, Noise, protect
 
-FACTORIES = ("splitft.app.models:digits_cnn", "splitft.app.models:digits_bsl")
+FACTORIES = ("splitft.app.models:digits_cnn", "splitft.app.models:digits_bsl", "splitft.privacy.models:digits_deep")
 AUX = 360  # training images held back as the attacker's auxiliary data
 
 
@@ -43,10 +43,18 @@ class Setting:
     noise_labels: bool = False  # with epsilon: noise on the label gradient edge -> cloud
     clip: float = 1.0  # per-sample L2 clip of the activation (its norm is ~30 unclipped)
     label_clip: float = 1e-3  # per-sample L2 clip of the label gradient (~1e-2 unclipped, batch 64)
+    adversarial: float = 0.0  # weight of adversarial training against the edge's own decoder
+    deep: bool = False  # cut later: the edge pools to 4x4 before the cut (digits_deep)
 
     @property
     def factory(self) -> str:
+        if self.deep:
+            return FACTORIES[2]
         return FACTORIES[1] if self.codec.split(":")[0] == "binary" else FACTORIES[0]
+
+    @property
+    def cut(self) -> str:
+        return "block4" if self.deep else "block3"
 
 
 PRESETS: dict[str, Setting] = {s.name: s for s in [
@@ -107,6 +115,7 @@ def _defences(s: Setting, *, seed: int, epochs: int, sample_rate: float, delta: 
         budget=Budget(epsilon=s.epsilon if s.epsilon is not None else math.inf, delta=delta,
                       sample_rate=sample_rate, epochs=epochs),
         seed=10_000 + seed,
+        adversarial=s.adversarial,
     )
 
 
@@ -156,7 +165,7 @@ def _crossed(model: Any, protection: Any, aux: Split, test: Split) -> tuple[list
 
 def run_setting(s: Setting, *, seed: int = 0, epochs: int = 10, batch_size: int = 64, lr: float = 1e-3,
                 delta: float = 1e-5, address: str | None = None, inversion_steps: int = 600,
-                timeout: float = 60.0) -> dict[str, Any]:
+                strong_steps: int = 1500, timeout: float = 60.0) -> dict[str, Any]:
     """Train one setting split between edge and cloud, then attack what crossed; one result row.
 
     ``address``: a ``splitft cloud`` serving :data:`FACTORIES`; None runs the cloud on a thread.
@@ -176,7 +185,7 @@ def run_setting(s: Setting, *, seed: int = 0, epochs: int = 10, batch_size: int 
     else:
         connection = transports.connect(address)
     try:
-        model = splitft.split(load_factory(s.factory)(seed=seed), "block3", "head",
+        model = splitft.split(load_factory(s.factory)(seed=seed), s.cut, "head",
                               factory=splitft.Factory(s.factory, kwargs={"seed": seed}), connect=connection,
                               codecs=splitft.Codecs(s.codec, ret="identity", seed=seed),
                               faults=splitft.Faults(timeout=timeout))
@@ -199,6 +208,7 @@ def run_setting(s: Setting, *, seed: int = 0, epochs: int = 10, batch_size: int 
     test_z = through_codec(crossed[1], fwd_spec, seed=seed + 2)
     inversion = inversion_attack(aux_z, aux.tensor(), test_z, test.tensor(), steps=inversion_steps, seed=seed)
     leak = label_leak(torch.cat(grads), torch.cat(labels)) if grads else {}
+    strong = _strong_attacks(aux_z, aux, test_z, test, steps=strong_steps, seed=seed)
     return {
         **asdict(s), "seed": seed, "epochs": epochs,
         "accuracy": float((logits.argmax(1) == test.y).double().mean()),
@@ -207,8 +217,24 @@ def run_setting(s: Setting, *, seed: int = 0, epochs: int = 10, batch_size: int 
         "inversion_mse": inversion.mse, "inversion_ssim": inversion.ssim,
         "baseline_mse": inversion.baseline_mse, "baseline_ssim": inversion.baseline_ssim,
         "label_leak": leak.get("direction_accuracy", float("nan")), "label_chance": leak.get("chance", float("nan")),
-        "epsilon_spent": spent, "noise_multipliers": multipliers,
+        "epsilon_spent": spent, "noise_multipliers": multipliers, **strong,
+        "best_ssim": max(inversion.ssim or 0.0, strong.get("strong_ssim", 0.0), strong.get("class_mean_ssim", 0.0)),
     }
+
+
+def _strong_attacks(aux_z: torch.Tensor, aux: Split, test_z: torch.Tensor, test: Split, *, steps: int,
+                    seed: int) -> dict[str, float]:
+    """The attacks of :mod:`splitft.privacy.strong` on what crossed (none when ``steps`` is 0)."""
+    from .strong import class_mean_attack, class_mean_floor, learned_decoder_attack
+
+    if steps <= 0:
+        return {}
+    decoder = learned_decoder_attack(aux_z, aux.tensor(), test_z, test.tensor(), steps=steps, seed=seed)
+    by_class, class_accuracy = class_mean_attack(aux_z, aux.tensor(), aux.y, test_z, test.tensor(), test.y,
+                                                 steps=steps // 2, seed=seed)
+    floor = class_mean_floor(aux.tensor(), aux.y, test.tensor(), test.y)
+    return {"strong_mse": decoder.mse, "strong_ssim": decoder.ssim or 0.0, "class_mean_ssim": by_class.ssim or 0.0,
+            "attacker_class_accuracy": class_accuracy, "class_floor_ssim": floor.ssim or 0.0}
 
 
 TOKEN_SETTINGS = ["identity", "fp16", "fixpoint:bits=8", "fixpoint:bits=4", "fixpoint:bits=2", "noise-0.003",
