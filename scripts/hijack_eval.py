@@ -11,7 +11,7 @@ Trains the digits CNN split U-shape (edge: block1-2, cloud: block3, edge: head) 
 The cloud runs on a thread of this process (the real cloud code path, over an in-process
 transport), so that the attacker's decoder can be read. Writes hijack.csv and hijack.md into --out.
 
-    python scripts/hijack_eval.py --out docs/privacy --seeds 3 --epochs 5
+    python scripts/hijack_eval.py --out docs/privacy --seeds 3 --epochs 10 --fsha-epochs 30
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the malicious cloud lives in tests/, never in the product
 
 HONEST = "splitft.app.models:digits_cnn"
+BINARY = "splitft.app.models:digits_bsl"  # the binary codec's model (B-SL), as in the ablation grid
 HIJACK = "tests.fsha:fsha_digits"
 FIELDS = ["cloud", "codec", "seed", "probe", "steps", "detected_step", "ssim_at_detection", "ssim_final",
           "first_step_over_half", "accuracy", "probes", "failed_probes", "min_honest_ratio"]
@@ -43,6 +44,7 @@ def run(cloud: str, codec: str, *, seed: int, epochs: int, probe: bool, measure_
 
     import splitft
     import transports
+    from compressors.binary import keep_latent_weights_clipped
     from splitft.app.data import batches
     from splitft.cloud import CloudServer, load_factory, serve_in_thread
     from splitft.errors import CloudMisbehaving
@@ -53,7 +55,7 @@ def run(cloud: str, codec: str, *, seed: int, epochs: int, probe: bool, measure_
 
     train, _, test = data()
     listener = transports.InprocListener()
-    server = CloudServer(listener, [HONEST, HIJACK])
+    server = CloudServer(listener, [HONEST, BINARY, HIJACK])
     thread = serve_in_thread(server)
     ratios: list[float] = []
     row: dict[str, Any] = {"cloud": "fsha" if cloud == HIJACK else "honest", "codec": codec, "seed": seed,
@@ -61,31 +63,34 @@ def run(cloud: str, codec: str, *, seed: int, epochs: int, probe: bool, measure_
     curve: list[tuple[int, float]] = []
     try:
         before = len(fsha.ATTACKERS)
-        model = splitft.split(load_factory(HONEST)(seed=seed), "block3", "head",
+        if cloud == HONEST and codec.split(":")[0] == "binary":
+            cloud = BINARY
+        model = splitft.split(load_factory(HONEST if cloud == HIJACK else cloud)(seed=seed), "block3", "head",
                               factory=splitft.Factory(cloud, kwargs={"seed": seed}), connect=listener.connect(),
                               codecs=splitft.Codecs(codec, seed=seed), faults=splitft.Faults(timeout=120))
         with model:
             protection = protect(model, Defences(probe=Probe() if probe else None, seed=20_000 + seed))
             attacker = fsha.ATTACKERS[before] if cloud == HIJACK and len(fsha.ATTACKERS) > before else None
             optimizer = model.attach(torch.optim.Adam(model.parameters(), lr=1e-3))
+            keep_latent_weights_clipped(optimizer, model)
             criterion = nn.CrossEntropyLoss()
 
             def attacker_ssim() -> float:
-                seen: list[torch.Tensor] = []
-                stop = protection.watch(lambda kind, t: seen.append(t) if kind == "activation" else None)
-                model.eval()
+                """The attacker's decoder on the edge's activations of the test images (computed on
+                the edge's own modules: the split refuses to run once the probe has tripped)."""
+                net = model.model
+                net.eval()
                 with torch.no_grad():
-                    model(test.x)
-                stop()
-                model.train()
-                return float(ssim(attacker.reconstruct(seen[0]), test.tensor().float()))
+                    z = net.block2(net.block1(test.x))
+                net.train()
+                return float(ssim(attacker.reconstruct(z), test.tensor().float()))
 
             step = 0
             try:
                 for epoch in range(epochs):
                     model.train()
-                    for x, y, _ in batches(train, 64, shuffle=True, seed=seed, epoch=epoch):
-                        loss = criterion(model(x), y)
+                    for x, y, ids in batches(train, 64, shuffle=True, seed=seed, epoch=epoch):
+                        loss = criterion(model(x, sample_ids=ids), y)
                         loss.backward()
                         optimizer.step()
                         optimizer.zero_grad()
@@ -101,7 +106,7 @@ def run(cloud: str, codec: str, *, seed: int, epochs: int, probe: bool, measure_
                     row["ssim_at_detection"] = attacker_ssim()
             model.eval()
             with torch.no_grad():
-                row["accuracy"] = float((model(test.x).argmax(1) == test.y).double().mean())
+                row["accuracy"] = float((model(test.x, sample_ids=test.ids).argmax(1) == test.y).double().mean())
             snap = protection.detector.snapshot() if protection.detector is not None else {}
     finally:
         server.stop()
@@ -121,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hijack_eval.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="privacy", help="folder for hijack.csv and hijack.md (default: privacy)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per run (default: 3)")
-    parser.add_argument("--epochs", type=int, default=5, help="epochs per run (default: 5)")
+    parser.add_argument("--epochs", type=int, default=10, help="epochs per honest run (default: 10)")
+    parser.add_argument("--fsha-epochs", type=int, default=30, help="epochs per run against FSHA (default: 30)")
     parser.add_argument("--codecs", default=",".join(CODECS), help="codecs of the honest runs (default: the "
                                                                    "ablation grid's)")
     args = parser.parse_args(argv)
@@ -136,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         if key in done:
             continue
         print(f"{key}", file=sys.stderr, flush=True)
-        row = run(cloud, codec, seed=seed, epochs=args.epochs, probe=probe)
+        row = run(cloud, codec, seed=seed, epochs=args.fsha_epochs if cloud == HIJACK else args.epochs, probe=probe,
+                  measure_every=20)
         _append(path, row)
     table = summary(_read(path), args)
     (out / "hijack.md").write_text(table)
@@ -159,7 +166,8 @@ def _append(path: Path, row: dict[str, Any]) -> None:
 
 def summary(rows: list[dict[str, str]], args: argparse.Namespace) -> str:
     """The markdown tables: detection against FSHA, and alarms over honest runs."""
-    command = f"python scripts/hijack_eval.py --out {args.out} --seeds {args.seeds} --epochs {args.epochs}"
+    command = (f"python scripts/hijack_eval.py --out {args.out} --seeds {args.seeds} --epochs {args.epochs} "
+               f"--fsha-epochs {args.fsha_epochs}")
     lines = [f"<!-- made by: {command} -->", "", "| cloud | probe | runs | detected | step detected "
              "| attacker SSIM then | attacker SSIM at the end | first step attacker SSIM > 0.5 | edge accuracy |",
              "|---|---|---|---|---|---|---|---|---|"]

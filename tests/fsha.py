@@ -45,7 +45,7 @@ class Attacker:
         self.public = public
         self.generator = torch.Generator().manual_seed(seed)
         self.autoencoder_opt = torch.optim.Adam([*self.pilot.parameters(), *self.decoder.parameters()], lr=lr)
-        self.critic_opt = torch.optim.Adam(self.critic.parameters(), lr=lr)
+        self.critic_opt = torch.optim.Adam(self.critic.parameters(), lr=lr, betas=(0.5, 0.9))
         self.steps = 0
 
     def step(self, z: torch.Tensor) -> torch.Tensor:
@@ -59,15 +59,18 @@ class Attacker:
             self.autoencoder_opt.zero_grad()
             loss.backward()
             self.autoencoder_opt.step()
-            real, fake = self.critic(code.detach()), self.critic(z.detach())
-            critic_loss = (F.binary_cross_entropy_with_logits(real, torch.ones_like(real))
-                           + F.binary_cross_entropy_with_logits(fake, torch.zeros_like(fake)))
+            real, fake = code.detach(), z.detach().float()
+            # Wasserstein critic with gradient penalty, as in the FSHA paper
+            mix = torch.rand(real.shape[0], 1, 1, 1, generator=self.generator)
+            between = (mix * real + (1 - mix) * fake).requires_grad_()
+            (slope,) = torch.autograd.grad(self.critic(between).sum(), between, create_graph=True)
+            penalty = ((slope.reshape(slope.shape[0], -1).norm(dim=1) - 1) ** 2).mean()
+            critic_loss = self.critic(fake).mean() - self.critic(real).mean() + 10 * penalty
             self.critic_opt.zero_grad()
             critic_loss.backward()
             self.critic_opt.step()
-            leaf = z.detach().requires_grad_()
-            score = self.critic(leaf)
-            (crafted,) = torch.autograd.grad(F.binary_cross_entropy_with_logits(score, torch.ones_like(score)), leaf)
+            leaf = z.detach().float().requires_grad_()
+            (crafted,) = torch.autograd.grad(-self.critic(leaf).mean(), leaf)
         self.steps += 1
         return crafted
 

@@ -75,10 +75,25 @@ PRESETS: dict[str, Setting] = {s.name: s for s in [
 ]}
 
 
+#: Defences against inversion, measured with the stronger attacks too (``privacy_eval.py --frontier``),
+#: beside the table's settings that stand for each kind of defence.
+FRONTIER_PRESETS: dict[str, Setting] = {s.name: s for s in [
+    Setting("noise-0.1", noise_multiplier=0.1),
+    Setting("adversarial-1", adversarial=1.0),
+    Setting("deep", deep=True),
+    Setting("deep-noise-0.1", deep=True, noise_multiplier=0.1),
+    Setting("deep-noise-0.2", deep=True, noise_multiplier=0.2),
+]}
+FRONTIER = ["identity", "noise-0.1", "noise-0.2", "c3sl:r=4", "adversarial-1", "deep", "deep-noise-0.1",
+            "deep-noise-0.2"]
+
+
 def setting(name: str) -> Setting:
     """A preset by name, or a codec spec (``fixpoint:bits=4``) as a row with no defence."""
     if name in PRESETS:
         return PRESETS[name]
+    if name in FRONTIER_PRESETS:
+        return FRONTIER_PRESETS[name]
     import compressors
 
     try:
