@@ -59,7 +59,8 @@ def run(cloud: str, codec: str, *, seed: int, epochs: int, probe: bool, measure_
     thread = serve_in_thread(server)
     ratios: list[float] = []
     row: dict[str, Any] = {"cloud": "fsha" if cloud == HIJACK else "honest", "codec": codec, "seed": seed,
-                           "probe": probe, "detected_step": "", "ssim_at_detection": "", "first_step_over_half": ""}
+                           "probe": probe, "detected_step": "", "ssim_at_detection": "", "first_step_over_half": "",
+                           "accuracy": ""}
     curve: list[tuple[int, float]] = []
     try:
         before = len(fsha.ATTACKERS)
@@ -104,9 +105,10 @@ def run(cloud: str, codec: str, *, seed: int, epochs: int, probe: bool, measure_
                 row["detected_step"] = step + 1
                 if attacker is not None:
                     row["ssim_at_detection"] = attacker_ssim()
-            model.eval()
-            with torch.no_grad():
-                row["accuracy"] = float((model(test.x, sample_ids=test.ids).argmax(1) == test.y).double().mean())
+            if not row["detected_step"]:  # a tripped probe refuses every further forward
+                model.eval()
+                with torch.no_grad():
+                    row["accuracy"] = float((model(test.x, sample_ids=test.ids).argmax(1) == test.y).double().mean())
             snap = protection.detector.snapshot() if protection.detector is not None else {}
     finally:
         server.stop()
@@ -135,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "hijack.csv"
     done = {(r["cloud"], r["codec"], r["seed"], r["probe"]) for r in _read(path)}
-    cells = [(HIJACK, "identity", s, p) for s in range(args.seeds) for p in (False, True)]
+    cells = [(HIJACK, "identity", s, True) for s in range(args.seeds)]
     cells += [(HONEST, c, s, True) for c in args.codecs.split(",") for s in range(args.seeds)]
+    cells += [(HIJACK, "identity", s, False) for s in range(args.seeds)]  # the attack's course, undisturbed
     for cloud, codec, seed, probe in cells:
         key = ("fsha" if cloud == HIJACK else "honest", codec, str(seed), str(probe))
         if key in done:
@@ -192,7 +195,7 @@ def summary(rows: list[dict[str, str]], args: argparse.Namespace) -> str:
 
 
 def _values(rows: list[dict[str, str]], key: str, digits: int, low: bool = False) -> str:
-    values = [float(r[key]) for r in rows if r.get(key) not in ("", None)]
+    values = [float(r[key]) for r in rows if r.get(key) not in ("", None) and float(r[key]) == float(r[key])]
     if not values:
         return "—"
     if low:

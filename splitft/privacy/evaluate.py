@@ -253,7 +253,8 @@ def _strong_attacks(aux_z: torch.Tensor, aux: Split, test_z: torch.Tensor, test:
 
 
 TOKEN_SETTINGS = ["identity", "fp16", "fixpoint:bits=8", "fixpoint:bits=4", "fixpoint:bits=2", "noise-0.003",
-                  "noise-0.01", "noise-0.03", "noise-0.1"]
+                  "noise-0.01", "noise-0.03", "noise-0.1", "layer4", "layer6", "layer4-noise-0.01",
+                  "layer6-noise-0.01"]
 
 
 def token_recovery(settings: list[str] = TOKEN_SETTINGS, *, aux: int = 200, target: int = 100, max_length: int = 64,
@@ -263,7 +264,8 @@ def token_recovery(settings: list[str] = TOKEN_SETTINGS, *, aux: int = 200, targ
     The pre-trained edge, before any fine-tuning: the cloud can run the public model itself, so
     its auxiliary states are BBC training articles passed through the edge, and its targets are
     test articles. ``noise-S``: per-sample clipping to the median norm and Gaussian noise of
-    multiplier S; anything else is a codec spec. Needs the ``nlp`` extra.
+    multiplier S; ``layerK`` (and ``layerK-noise-S``): the cut later, at the input of encoder
+    layer K (K = 6: the encoder's output); anything else is a codec spec. Needs the ``nlp`` extra.
     """
     from ..app.tasks.bbc import load_bbc, minilm_classifier
     from .attacks import token_recovery_accuracy
@@ -272,22 +274,26 @@ def token_recovery(settings: list[str] = TOKEN_SETTINGS, *, aux: int = 200, targ
     train, test = load_bbc(max_length=max_length, limit=aux)
     model = minilm_classifier().eval()
 
-    def states(split: Split, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def states(split: Split, count: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
         ids, mask = split.field("input_ids")[:count], split.field("attention_mask")[:count]
         with torch.no_grad():
-            hidden = model.bert(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[2]
+            hidden = model.bert(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
         return hidden, ids, mask
 
-    (h_aux, i_aux, m_aux), (h_tgt, i_tgt, m_tgt) = states(train, aux), states(test, target)
-    clip = float(h_aux.reshape(h_aux.shape[0], -1).norm(dim=1).median())
+    (all_aux, i_aux, m_aux), (all_tgt, i_tgt, m_tgt) = states(train, aux), states(test, target)
     rows = []
     for name in settings:
-        if name.startswith("noise-"):
+        layer, _, rest = name.partition("-") if name.startswith("layer") else ("layer2", "", name)
+        h_aux, h_tgt = all_aux[int(layer[5:])], all_tgt[int(layer[5:])]
+        if name.startswith("layer") and not rest:
+            rest = "identity"
+        if rest.startswith("noise-"):
+            clip = float(h_aux.reshape(h_aux.shape[0], -1).norm(dim=1).median())
             generator = torch.Generator().manual_seed(seed)
-            sigma = float(name.split("-", 1)[1])
+            sigma = float(rest.split("-", 1)[1])
             a, t = (clip_and_noise(h, clip, sigma, generator) for h in (h_aux, h_tgt))
         else:
-            a, t = through_codec(h_aux, name, seed=seed), through_codec(h_tgt, name, seed=seed + 1)
+            a, t = through_codec(h_aux, rest, seed=seed), through_codec(h_tgt, rest, seed=seed + 1)
         accuracy = token_recovery_accuracy(a, i_aux, t, i_tgt, aux_mask=m_aux, target_mask=m_tgt)
         rows.append({"setting": name, "token_recovery": accuracy})
     # references: always guessing the commonest auxiliary token, and the best any lookup can do
