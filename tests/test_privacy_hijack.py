@@ -76,3 +76,11 @@ def test_probe_needs_a_ushape_split_and_checks_its_settings(cloud):
             Probe(**bad)
     with pytest.raises(splitft.ConfigError, match="Probe"):
         Defences(probe=0.1)
+
+
+def test_the_command_line_turns_the_probe_and_adversarial_training_on():
+    from splitft.app.cli import _build_parser, _task_run
+
+    args = _build_parser().parse_args(["demo", "--topology", "ushape", "--detect-hijack", "--adversarial", "1.5"])
+    defences = _task_run(args).privacy.defences(sample_rate=0.1, epochs=2)
+    assert defences.probe == Probe() and defences.adversarial == 1.5 and defences.budget is None
