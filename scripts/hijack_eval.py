@@ -68,7 +68,8 @@ def run(cloud: str, codec: str, *, seed: int, epochs: int, probe: bool, measure_
             cloud = BINARY
         model = splitft.split(load_factory(HONEST if cloud == HIJACK else cloud)(seed=seed), "block3", "head",
                               factory=splitft.Factory(cloud, kwargs={"seed": seed}), connect=listener.connect(),
-                              codecs=splitft.Codecs(codec, seed=seed), faults=splitft.Faults(timeout=120))
+                              codecs=splitft.Codecs(codec, ret="identity" if cloud == BINARY else None, seed=seed),
+                              faults=splitft.Faults(timeout=120))
         with model:
             protection = protect(model, Defences(probe=Probe() if probe else None, seed=20_000 + seed))
             attacker = fsha.ATTACKERS[before] if cloud == HIJACK and len(fsha.ATTACKERS) > before else None
@@ -97,7 +98,7 @@ def run(cloud: str, codec: str, *, seed: int, epochs: int, probe: bool, measure_
                         optimizer.zero_grad()
                         step += 1
                         if protection.detector is not None and protection.detector.last_ratio is not None \
-                                and cloud == HONEST:
+                                and cloud != HIJACK:
                             ratios.append(protection.detector.last_ratio)
                         if attacker is not None and step % measure_every == 0:
                             curve.append((step, attacker_ssim()))
