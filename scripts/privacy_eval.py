@@ -9,6 +9,10 @@ accountant. Writes privacy.csv, privacy.md and privacy.png into --out (see docs/
 
     python scripts/privacy_eval.py --out docs/privacy --seeds 3 --epochs 10
     python scripts/privacy_eval.py --settings identity,bsl,dp-eps3 --seeds 1 --epochs 2 --inproc
+    python scripts/privacy_eval.py --frontier --out docs/privacy/frontier --seeds 3 --epochs 10
+
+``--frontier`` runs the defences against inversion with the stronger attacks too (a learned
+decoder, the class-mean attack) and draws frontier.png: accuracy against the strongest attack.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ def _stderr(line: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the grid (settings x seeds), then write the CSV, the markdown table and the plot."""
-    from splitft.privacy.evaluate import PRESETS
+    from splitft.privacy.evaluate import FRONTIER, PRESETS
     from splitft.privacy.report import INVERSION_STEPS, run_grid, token_table
 
     parser = argparse.ArgumentParser(
@@ -40,12 +44,19 @@ def main(argv: list[str] | None = None) -> int:
                "--epochs 2 --inproc")
     parser.add_argument("--out", default="privacy", help="folder for privacy.csv, privacy.md and privacy.png "
                                                          "(default: privacy)")
-    parser.add_argument("--settings", default=",".join(PRESETS),
-                        help="comma-separated presets or codec specs (a codec spec is a row with no defence)")
+    parser.add_argument("--settings", default=None,
+                        help="comma-separated presets or codec specs (a codec spec is a row with no defence; default: "
+                             "every preset of the table)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per setting (default: 3)")
     parser.add_argument("--epochs", type=int, default=10, help="training epochs per run (default: 10)")
     parser.add_argument("--inversion-steps", type=int, default=INVERSION_STEPS,
                         help=f"decoder training steps (default: {INVERSION_STEPS})")
+    parser.add_argument("--strong-steps", type=int, default=None,
+                        help="training steps of the stronger attacks (learned decoder, class-mean); 0: off "
+                             "(default: 0, or 1500 with --frontier)")
+    parser.add_argument("--frontier", action="store_true",
+                        help="the frontier settings (" + ", ".join(FRONTIER) + ") with the stronger attacks, "
+                             "unless --settings names others; draws frontier.png")
     parser.add_argument("--inproc", action="store_true", help="run the cloud on a thread of this process")
     parser.add_argument("--summary-only", action="store_true", help="rebuild the table and plot from the CSV")
     parser.add_argument("--tokens", action="store_true",
@@ -56,9 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         command = "python scripts/privacy_eval.py " + " ".join(sys.argv[1:] if argv is None else argv)
         print(token_table(Path(args.out), command), end="")
         return 0
-    names = [n.strip() for n in args.settings.split(",") if n.strip()]
+    chosen = args.settings if args.settings is not None else ",".join(FRONTIER if args.frontier else PRESETS)
+    names = [n.strip() for n in chosen.split(",") if n.strip()]
+    strong = args.strong_steps if args.strong_steps is not None else (1500 if args.frontier else 0)
     print(run_grid(Path(args.out), names, seeds=args.seeds, epochs=args.epochs, inversion_steps=args.inversion_steps,
-                   inproc=args.inproc, summary_only=args.summary_only, progress=_stderr))
+                   strong_steps=strong, inproc=args.inproc, summary_only=args.summary_only, progress=_stderr))
     return 0
 
 

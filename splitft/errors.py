@@ -56,6 +56,12 @@ class PeerGone(SplitFTError):
     """The other side ended the session (it said goodbye, or was interrupted)."""
 
 
+class CloudMisbehaving(SplitFTError):
+    """The gradients the cloud returns do not behave as the backward of any model would (a probe
+    of the edge's defences caught it steering the edge, e.g. feature-space hijacking); training
+    stopped before the edge took another step from them."""
+
+
 class TooLarge(ProtocolError):
     """A message is bigger than the receiver accepts (``--max-message-mb``)."""
 

@@ -105,6 +105,12 @@ def _add_privacy_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dp-epsilon", type=float, default=None, metavar="EPS",
                    help="differential privacy on what crosses: per-sample clipping and Gaussian noise "
                         "calibrated to EPS over the run; training stops before the budget is spent (default: off)")
+    g.add_argument("--adversarial", type=float, default=0.0, metavar="WEIGHT",
+                   help="train the edge against a decoder of its own, so that what crosses is harder to invert "
+                        "(weight WEIGHT; default: off)")
+    g.add_argument("--detect-hijack", action="store_true",
+                   help="U-shape: probe, with scaled gradients, that the cloud's gradients are the backward of "
+                        "what the edge sent; stop training when the cloud steers the edge (default: off)")
     g.add_argument("--dp-delta", type=float, default=1e-5, help="the delta of the budget (default: 1e-5)")
     g.add_argument("--dp-clip", type=float, default=1.0, help="per-sample L2 bound before noise (default: 1.0)")
     g.add_argument("--dp-on", choices=("activations", "labels", "both"), default="activations",
@@ -210,10 +216,10 @@ def _task_run(args: argparse.Namespace) -> TaskRun:
 def _privacy_run(args: argparse.Namespace):
     from .runner import PrivacyRun
 
-    if not args.leak_loss and args.dp_epsilon is None:
+    if not args.leak_loss and args.dp_epsilon is None and not args.adversarial and not args.detect_hijack:
         return None
     return PrivacyRun(leak_loss=args.leak_loss, epsilon=args.dp_epsilon, delta=args.dp_delta, clip=args.dp_clip,
-                      on=args.dp_on)
+                      on=args.dp_on, adversarial=args.adversarial, probe=args.detect_hijack)
 
 
 def _edge(args: argparse.Namespace, address: str) -> int:

@@ -35,6 +35,8 @@ class PrivacyRun:
     ``epsilon``: differential privacy on what crosses, calibrated to (epsilon, ``delta``) over the
     run, each sample clipped to L2 norm ``clip``; ``on`` says which tensors are noised: the
     activation edge → cloud, the gradient a U-shape edge returns (it carries the labels), or both.
+    ``adversarial``: the weight of adversarial training against the edge's own decoder.
+    ``probe``: U-shape: stop training when the cloud's gradients are not the backward of what was sent.
     """
 
     leak_loss: float = 0.0
@@ -42,6 +44,8 @@ class PrivacyRun:
     delta: float = 1e-5
     clip: float = 1.0
     on: Literal["activations", "labels", "both"] = "activations"
+    adversarial: float = 0.0
+    probe: bool = False
 
     def __post_init__(self) -> None:
         if self.on not in ("activations", "labels", "both"):
@@ -49,7 +53,7 @@ class PrivacyRun:
         self.defences(sample_rate=1.0, epochs=1)  # each defence checks itself when built: now, not after connecting
 
     def defences(self, *, sample_rate: float, epochs: int) -> Any:
-        from ..privacy import Budget, Defences, Noise
+        from ..privacy import Budget, Defences, Noise, Probe
 
         noise = Noise(self.clip) if self.epsilon is not None else None
         return Defences(
@@ -57,7 +61,8 @@ class PrivacyRun:
             activations=noise if self.on in ("activations", "both") else None,
             label_gradients=noise if self.on in ("labels", "both") else None,
             budget=Budget(epsilon=self.epsilon, delta=self.delta, sample_rate=sample_rate, epochs=epochs)
-            if self.epsilon is not None else None)
+            if self.epsilon is not None else None,
+            adversarial=self.adversarial, probe=Probe() if self.probe else None)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ Attacks that measure leakage (distance correlation, model inversion, label leaka
 from .accountant import PrivacyAccountant, calibrate, randomized_response_rdp
 from .dcor import distance_correlation
 from .defences import Budget, Defences, Noise, PrivacyBudgetExceeded, Protection, clip_and_noise, protect
+from .hijack import Probe
 
-__all__ = ["Budget", "Defences", "Noise", "PrivacyAccountant", "PrivacyBudgetExceeded", "Protection", "calibrate",
+__all__ = ["Budget", "Defences", "Noise", "PrivacyAccountant", "PrivacyBudgetExceeded", "Probe", "Protection", "calibrate",
            "clip_and_noise", "distance_correlation", "protect", "randomized_response_rdp"]

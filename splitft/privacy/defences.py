@@ -11,6 +11,12 @@ do not know about it, and the user's loop does not change:
   sample's activation to an L2 norm and adds Gaussian noise before the codec sees it.
 * **label protection (U-shape)**: a hook on the trunk output's gradient clips and noises, per
   sample, the gradient the edge returns to the cloud, which otherwise carries the labels.
+* **adversarial training** against inversion: the edge trains a decoder of its own on each batch
+  and adds the gradient that pushes the activation away from what it can decode
+  (:mod:`splitft.privacy.adversary`); nothing extra crosses.
+* **hijack probes** (U-shape): on random steps the gradient returned to the cloud is scaled, and
+  the cloud's answer must scale with it, as any honest backward does
+  (:mod:`splitft.privacy.hijack`); a cloud steering the edge stops training.
 * **randomized response**: the ``binary`` codec's ``flip_eps`` flips bits inside the codec; the
   accountant counts it with the Gaussian releases (:mod:`splitft.privacy.accountant`).
 
@@ -34,6 +40,8 @@ from ..edge.ghosts import standin_of
 from ..edge.standins import CutPoint, TrunkEntry
 from ..errors import ConfigError, SplitFTError
 from .accountant import PrivacyAccountant, calibrate
+from .adversary import AdversarialDecoder
+from .hijack import HijackDetector, Probe
 from .dcor import distance_correlation
 
 if TYPE_CHECKING:
@@ -116,6 +124,10 @@ class Defences:
         label_gradients: U-shape only: DP on the gradient the edge returns for the trunk's output.
         budget: the (epsilon, delta) to spend; needed with any noise, and it also accounts for
             the ``binary`` codec's randomized response when that is on.
+        adversarial: weight of adversarial training against inversion: the edge trains its own
+            decoder on each batch and its activations away from it (0: off).
+        probe: U-shape only: check with scaled-gradient probes that the cloud's gradients are the
+            backward of what the edge sent, and stop training with CloudMisbehaving when not.
         seed: seed of the edge's private noise generator; None draws one from the OS. Never
             reuse the split's ``seed``, which the cloud knows.
     """
@@ -125,10 +137,14 @@ class Defences:
     label_gradients: Noise | None = None
     budget: Budget | None = None
     seed: int | None = None
+    adversarial: float = 0.0
+    probe: Probe | None = None
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.leak_loss, (int, float)) and math.isfinite(self.leak_loss) and self.leak_loss >= 0):
-            raise ConfigError(f"Defences(leak_loss=...) is the weight lambda >= 0, got {self.leak_loss!r}")
+        for name in ("leak_loss", "adversarial"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ConfigError(f"Defences({name}=...) is a weight >= 0, got {value!r}")
         for name in ("activations", "label_gradients"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, Noise):
@@ -140,12 +156,15 @@ class Defences:
                     self.budget is None or self.budget.planned_steps is None or math.isinf(self.budget.epsilon)):
                 raise ConfigError(f"Defences({name}=Noise(noise_multiplier=None)) is calibrated from the budget: give "
                                   "a finite Budget(epsilon=...) with steps=... or epochs=..., or a noise_multiplier")
+        if self.probe is not None and not isinstance(self.probe, Probe):
+            raise ConfigError(f"Defences(probe=...) takes a Probe(...), got {self.probe!r}")
         if self.budget is not None and not isinstance(self.budget, Budget):
             raise ConfigError(f"Defences(budget=...) takes a Budget(...), got {self.budget!r}")
 
     @property
     def any(self) -> bool:
-        return bool(self.leak_loss) or self.activations is not None or self.label_gradients is not None
+        return (bool(self.leak_loss) or bool(self.adversarial) or self.activations is not None
+                or self.label_gradients is not None or self.probe is not None)
 
 
 def _positive(value: Any) -> bool:
@@ -177,6 +196,8 @@ class _Call:
 
     charged: bool
     inputs: torch.Tensor | None = None
+    factor: float = 1.0  # the hijack probe's scale of the gradient returned (1: an ordinary step)
+    sent_norm: float | None = None  # norm of the gradient returned to the cloud, once sent
 
 
 @dataclass
@@ -196,6 +217,8 @@ class Protection:
     noise_multipliers: dict[str, float] = field(default_factory=dict)
     steps: int = 0  # training forwards through the cut
     last_leak: float | None = None  # distance correlation of the last batch whose leak loss was applied
+    adversary: AdversarialDecoder | None = None
+    detector: HijackDetector | None = None
     _input: torch.Tensor | None = None
     _pending: _Call | None = None
     _resolved: bool = False
@@ -215,7 +238,8 @@ class Protection:
         return {"epsilon": self.spent(), "delta": budget.delta if budget else None,
                 "epsilon_budget": budget.epsilon if budget else None, "steps": self.steps,
                 "noise_multipliers": dict(self.noise_multipliers), "randomized_response_eps": self.rr_eps,
-                "leak_loss": self.defences.leak_loss, "last_distance_correlation": self.last_leak}
+                "leak_loss": self.defences.leak_loss, "last_distance_correlation": self.last_leak,
+                "probe": self.detector.snapshot() if self.detector is not None else None}
 
     def watch(self, watcher: Watcher) -> Callable[[], None]:
         """Call ``watcher(kind, tensor)`` with what is handed to the codec after the defences:
@@ -318,16 +342,35 @@ class Protection:
         if charged:
             self._charge()
         call = _Call(charged=charged, inputs=self._input)
+        if self.detector is not None:
+            self.detector.refuse_if_tripped()
+            if charged and z.requires_grad:
+                call.factor = self.detector.draw()
+                z.register_hook(self._probe_hook(call))  # first: it sees the cloud's answer as it came
         if self.defences.leak_loss and charged and z.requires_grad and z.shape[0] >= 2 and call.inputs is not None:
             inputs = call.inputs.detach().reshape(z.shape[0], -1).float() if call.inputs.shape[0] == z.shape[0] else None
             if inputs is not None:
                 z.register_hook(self._leak_hook(inputs, z.detach()))
+        if self.adversary is not None and charged and z.requires_grad and call.inputs is not None \
+                and call.inputs.shape[0] == z.shape[0]:
+            z.register_hook(self.adversary.hook(call.inputs, z))
         if self.defences.activations is not None:
             z = clip_and_noise(z, self.defences.activations.clip, self.noise_multipliers["activations"],
                                self.generator)
         self._notify("activation", z)
         self._pending = call
         return (z, *args[1:]), kwargs
+
+    def _probe_hook(self, call: _Call) -> Callable[[torch.Tensor], torch.Tensor]:
+        detector = self.detector
+        assert detector is not None
+
+        def check_answer(grad: torch.Tensor) -> torch.Tensor:
+            if call.sent_norm is not None:
+                detector.check(call.factor, call.sent_norm, float(grad.detach().float().norm()))
+            return grad / call.factor if call.factor != 1.0 else grad
+
+        return check_answer
 
     def _leak_hook(self, inputs: torch.Tensor, z: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         weight = float(self.defences.leak_loss)
@@ -346,22 +389,31 @@ class Protection:
         noise = self.defences.label_gradients
         stream = output if isinstance(output, torch.Tensor) else (
             output[0] if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor) else None)
-        if (noise is None and not self._watchers) or stream is None or not stream.requires_grad:
+        if (noise is None and not self._watchers and self.detector is None) or stream is None \
+                or not stream.requires_grad:
             return
         call = self._pending or _Call(charged=False)
 
         def protect_gradient(grad: torch.Tensor) -> torch.Tensor:
-            if noise is None:  # only watched
-                self._notify("label_gradient", grad)
-                return grad
+            if noise is None:  # only watched, or probed
+                return self._probed(call, grad)
             if not call.charged:  # a backward through an uncounted forward: count it before it is sent
                 self._charge()
                 call.charged = True
             protected = clip_and_noise(grad, noise.clip, self.noise_multipliers["label_gradients"], self.generator)
-            self._notify("label_gradient", protected)
-            return protected
+            return self._probed(call, protected)
 
         stream.register_hook(protect_gradient)
+
+
+    def _probed(self, call: _Call, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient as sent: scaled on a probed step, its norm kept for the check of the answer."""
+        if call.factor != 1.0:
+            grad = grad * call.factor
+        if self.detector is not None:
+            call.sent_norm = float(grad.detach().float().norm())
+        self._notify("label_gradient", grad)
+        return grad
 
 
 def _standin(split_model: SplitModel) -> nn.Module:
@@ -403,6 +455,9 @@ def protect(split_model: SplitModel, defences: Defences) -> Protection:
     if defences.label_gradients is not None and not ushape:
         raise ConfigError("label_gradients protects the gradient a U-shape edge returns to the cloud; in a plain "
                           "split the labels cross with the batch (cut U-shape with rejoin= to keep them on the edge)")
+    if defences.probe is not None and not ushape:
+        raise ConfigError("the hijack probe checks the gradient a U-shape edge returns to the cloud against the "
+                          "cloud's answer; in a plain split the edge returns none (cut U-shape with rejoin=)")
     rr_eps = _randomized_response_eps(split_model)
     budget = defences.budget
     seed = defences.seed if defences.seed is not None else secrets.randbits(63)
@@ -416,7 +471,11 @@ def protect(split_model: SplitModel, defences: Defences) -> Protection:
         log.warning("the binary codec's randomized response is on but no Budget was given: it is not accounted")
         protection.rr_eps = None
     standin = _standin(split_model)
-    if defences.leak_loss:
+    if defences.probe is not None:  # a stream of its own: the noise stays as the seed makes it
+        protection.detector = HijackDetector(defences.probe, torch.Generator().manual_seed(seed ^ 0x5EED))
+    if defences.adversarial:
+        protection.adversary = AdversarialDecoder(float(defences.adversarial), seed=seed % 2**31)
+    if defences.leak_loss or defences.adversarial:
         protection._handles.append(split_model.model.register_forward_pre_hook(protection._capture_input,
                                                                                 with_kwargs=True))
     protection._handles.append(standin.register_forward_pre_hook(protection._before_cut, with_kwargs=True))

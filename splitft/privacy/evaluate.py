@@ -26,7 +26,7 @@ from ..app.data import Split, batches, load_digits
 from .attacks import dcor_score, inversion_attack, label_leak, through_codec
 from .defences import Budget, Defences, Noise, protect
 
-FACTORIES = ("splitft.app.models:digits_cnn", "splitft.app.models:digits_bsl")
+FACTORIES = ("splitft.app.models:digits_cnn", "splitft.app.models:digits_bsl", "splitft.privacy.models:digits_deep")
 AUX = 360  # training images held back as the attacker's auxiliary data
 
 
@@ -43,10 +43,18 @@ class Setting:
     noise_labels: bool = False  # with epsilon: noise on the label gradient edge -> cloud
     clip: float = 1.0  # per-sample L2 clip of the activation (its norm is ~30 unclipped)
     label_clip: float = 1e-3  # per-sample L2 clip of the label gradient (~1e-2 unclipped, batch 64)
+    adversarial: float = 0.0  # weight of adversarial training against the edge's own decoder
+    deep: bool = False  # cut later: the edge pools to 4x4 before the cut (digits_deep)
 
     @property
     def factory(self) -> str:
+        if self.deep:
+            return FACTORIES[2]
         return FACTORIES[1] if self.codec.split(":")[0] == "binary" else FACTORIES[0]
+
+    @property
+    def cut(self) -> str:
+        return "block4" if self.deep else "block3"
 
 
 PRESETS: dict[str, Setting] = {s.name: s for s in [
@@ -67,10 +75,25 @@ PRESETS: dict[str, Setting] = {s.name: s for s in [
 ]}
 
 
+#: Defences against inversion, measured with the stronger attacks too (``privacy_eval.py --frontier``),
+#: beside the table's settings that stand for each kind of defence.
+FRONTIER_PRESETS: dict[str, Setting] = {s.name: s for s in [
+    Setting("noise-0.1", noise_multiplier=0.1),
+    Setting("adversarial-1", adversarial=1.0),
+    Setting("deep", deep=True),
+    Setting("deep-noise-0.1", deep=True, noise_multiplier=0.1),
+    Setting("deep-noise-0.2", deep=True, noise_multiplier=0.2),
+]}
+FRONTIER = ["identity", "noise-0.1", "noise-0.2", "c3sl:r=4", "adversarial-1", "deep", "deep-noise-0.1",
+            "deep-noise-0.2"]
+
+
 def setting(name: str) -> Setting:
     """A preset by name, or a codec spec (``fixpoint:bits=4``) as a row with no defence."""
     if name in PRESETS:
         return PRESETS[name]
+    if name in FRONTIER_PRESETS:
+        return FRONTIER_PRESETS[name]
     import compressors
 
     try:
@@ -107,6 +130,7 @@ def _defences(s: Setting, *, seed: int, epochs: int, sample_rate: float, delta: 
         budget=Budget(epsilon=s.epsilon if s.epsilon is not None else math.inf, delta=delta,
                       sample_rate=sample_rate, epochs=epochs),
         seed=10_000 + seed,
+        adversarial=s.adversarial,
     )
 
 
@@ -156,7 +180,7 @@ def _crossed(model: Any, protection: Any, aux: Split, test: Split) -> tuple[list
 
 def run_setting(s: Setting, *, seed: int = 0, epochs: int = 10, batch_size: int = 64, lr: float = 1e-3,
                 delta: float = 1e-5, address: str | None = None, inversion_steps: int = 600,
-                timeout: float = 60.0) -> dict[str, Any]:
+                strong_steps: int = 1500, timeout: float = 60.0) -> dict[str, Any]:
     """Train one setting split between edge and cloud, then attack what crossed; one result row.
 
     ``address``: a ``splitft cloud`` serving :data:`FACTORIES`; None runs the cloud on a thread.
@@ -176,7 +200,7 @@ def run_setting(s: Setting, *, seed: int = 0, epochs: int = 10, batch_size: int 
     else:
         connection = transports.connect(address)
     try:
-        model = splitft.split(load_factory(s.factory)(seed=seed), "block3", "head",
+        model = splitft.split(load_factory(s.factory)(seed=seed), s.cut, "head",
                               factory=splitft.Factory(s.factory, kwargs={"seed": seed}), connect=connection,
                               codecs=splitft.Codecs(s.codec, ret="identity", seed=seed),
                               faults=splitft.Faults(timeout=timeout))
@@ -199,6 +223,7 @@ def run_setting(s: Setting, *, seed: int = 0, epochs: int = 10, batch_size: int 
     test_z = through_codec(crossed[1], fwd_spec, seed=seed + 2)
     inversion = inversion_attack(aux_z, aux.tensor(), test_z, test.tensor(), steps=inversion_steps, seed=seed)
     leak = label_leak(torch.cat(grads), torch.cat(labels)) if grads else {}
+    strong = _strong_attacks(aux_z, aux, test_z, test, steps=strong_steps, seed=seed)
     return {
         **asdict(s), "seed": seed, "epochs": epochs,
         "accuracy": float((logits.argmax(1) == test.y).double().mean()),
@@ -207,12 +232,29 @@ def run_setting(s: Setting, *, seed: int = 0, epochs: int = 10, batch_size: int 
         "inversion_mse": inversion.mse, "inversion_ssim": inversion.ssim,
         "baseline_mse": inversion.baseline_mse, "baseline_ssim": inversion.baseline_ssim,
         "label_leak": leak.get("direction_accuracy", float("nan")), "label_chance": leak.get("chance", float("nan")),
-        "epsilon_spent": spent, "noise_multipliers": multipliers,
+        "epsilon_spent": spent, "noise_multipliers": multipliers, **strong,
+        "best_ssim": max(inversion.ssim or 0.0, strong.get("strong_ssim", 0.0), strong.get("class_mean_ssim", 0.0)),
     }
 
 
+def _strong_attacks(aux_z: torch.Tensor, aux: Split, test_z: torch.Tensor, test: Split, *, steps: int,
+                    seed: int) -> dict[str, float]:
+    """The attacks of :mod:`splitft.privacy.strong` on what crossed (none when ``steps`` is 0)."""
+    from .strong import class_mean_attack, class_mean_floor, learned_decoder_attack
+
+    if steps <= 0:
+        return {}
+    decoder = learned_decoder_attack(aux_z, aux.tensor(), test_z, test.tensor(), steps=steps, seed=seed)
+    by_class, class_accuracy = class_mean_attack(aux_z, aux.tensor(), aux.y, test_z, test.tensor(), test.y,
+                                                 steps=steps // 2, seed=seed)
+    floor = class_mean_floor(aux.tensor(), aux.y, test.tensor(), test.y)
+    return {"strong_mse": decoder.mse, "strong_ssim": decoder.ssim or 0.0, "class_mean_ssim": by_class.ssim or 0.0,
+            "attacker_class_accuracy": class_accuracy, "class_floor_ssim": floor.ssim or 0.0}
+
+
 TOKEN_SETTINGS = ["identity", "fp16", "fixpoint:bits=8", "fixpoint:bits=4", "fixpoint:bits=2", "noise-0.003",
-                  "noise-0.01", "noise-0.03", "noise-0.1"]
+                  "noise-0.01", "noise-0.03", "noise-0.1", "layer4", "layer6", "layer4-noise-0.01",
+                  "layer6-noise-0.01"]
 
 
 def token_recovery(settings: list[str] = TOKEN_SETTINGS, *, aux: int = 200, target: int = 100, max_length: int = 64,
@@ -222,7 +264,8 @@ def token_recovery(settings: list[str] = TOKEN_SETTINGS, *, aux: int = 200, targ
     The pre-trained edge, before any fine-tuning: the cloud can run the public model itself, so
     its auxiliary states are BBC training articles passed through the edge, and its targets are
     test articles. ``noise-S``: per-sample clipping to the median norm and Gaussian noise of
-    multiplier S; anything else is a codec spec. Needs the ``nlp`` extra.
+    multiplier S; ``layerK`` (and ``layerK-noise-S``): the cut later, at the input of encoder
+    layer K (K = 6: the encoder's output); anything else is a codec spec. Needs the ``nlp`` extra.
     """
     from ..app.tasks.bbc import load_bbc, minilm_classifier
     from .attacks import token_recovery_accuracy
@@ -231,22 +274,26 @@ def token_recovery(settings: list[str] = TOKEN_SETTINGS, *, aux: int = 200, targ
     train, test = load_bbc(max_length=max_length, limit=aux)
     model = minilm_classifier().eval()
 
-    def states(split: Split, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def states(split: Split, count: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
         ids, mask = split.field("input_ids")[:count], split.field("attention_mask")[:count]
         with torch.no_grad():
-            hidden = model.bert(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[2]
+            hidden = model.bert(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
         return hidden, ids, mask
 
-    (h_aux, i_aux, m_aux), (h_tgt, i_tgt, m_tgt) = states(train, aux), states(test, target)
-    clip = float(h_aux.reshape(h_aux.shape[0], -1).norm(dim=1).median())
+    (all_aux, i_aux, m_aux), (all_tgt, i_tgt, m_tgt) = states(train, aux), states(test, target)
     rows = []
     for name in settings:
-        if name.startswith("noise-"):
+        layer, _, rest = name.partition("-") if name.startswith("layer") else ("layer2", "", name)
+        h_aux, h_tgt = all_aux[int(layer[5:])], all_tgt[int(layer[5:])]
+        if name.startswith("layer") and not rest:
+            rest = "identity"
+        if rest.startswith("noise-"):
+            clip = float(h_aux.reshape(h_aux.shape[0], -1).norm(dim=1).median())
             generator = torch.Generator().manual_seed(seed)
-            sigma = float(name.split("-", 1)[1])
+            sigma = float(rest.split("-", 1)[1])
             a, t = (clip_and_noise(h, clip, sigma, generator) for h in (h_aux, h_tgt))
         else:
-            a, t = through_codec(h_aux, name, seed=seed), through_codec(h_tgt, name, seed=seed + 1)
+            a, t = through_codec(h_aux, rest, seed=seed), through_codec(h_tgt, rest, seed=seed + 1)
         accuracy = token_recovery_accuracy(a, i_aux, t, i_tgt, aux_mask=m_aux, target_mask=m_tgt)
         rows.append({"setting": name, "token_recovery": accuracy})
     # references: always guessing the commonest auxiliary token, and the best any lookup can do

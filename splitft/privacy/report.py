@@ -27,9 +27,11 @@ INVERSION_STEPS = 600
 FIELDS = ["name", "codec", "leak_loss", "epsilon", "noise_multiplier", "noise_activations", "noise_labels", "clip",
           "label_clip", "seed", "epochs", "accuracy", "bytes_up", "bytes_down", "activation_bytes", "fwd_ratio",
           "train_seconds", "dcor", "inversion_mse", "inversion_ssim", "baseline_mse", "baseline_ssim", "label_leak",
-          "label_chance", "epsilon_spent", "noise_multipliers"]
+          "label_chance", "epsilon_spent", "noise_multipliers", "adversarial", "deep", "strong_mse", "strong_ssim",
+          "class_mean_ssim", "attacker_class_accuracy", "class_floor_ssim", "best_ssim"]
 NUMBERS = ["accuracy", "dcor", "inversion_mse", "inversion_ssim", "label_leak", "epsilon_spent", "activation_bytes",
-           "baseline_mse", "baseline_ssim", "fwd_ratio"]
+           "baseline_mse", "baseline_ssim", "fwd_ratio", "strong_ssim", "class_mean_ssim", "attacker_class_accuracy",
+           "class_floor_ssim", "best_ssim"]
 
 
 def read_rows(path: Path) -> list[dict[str, str]]:
@@ -41,8 +43,12 @@ def read_rows(path: Path) -> list[dict[str, str]]:
 
 def append_row(path: Path, row: dict[str, Any]) -> None:
     new = not path.exists()
+    fields = FIELDS
+    if not new:  # a CSV written before the stronger attacks keeps its columns
+        with path.open(newline="") as f:
+            fields = next(csv.reader(f), FIELDS)
     with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         if new:
             writer.writeheader()
         writer.writerow({k: json.dumps(v) if isinstance(v, dict) else v for k, v in row.items()})
@@ -78,9 +84,12 @@ def summarise(rows: list[dict[str, str]], order: list[str] | None = None) -> tup
         entry: dict[str, Any] = {"name": name, "codec": cell[0]["codec"], "seeds": len(cell),
                                  "noise_multipliers": cell[0]["noise_multipliers"]}
         for key in NUMBERS:
-            entry[key] = [float(r[key]) if r[key] not in ("", "None") else float("nan") for r in cell]
+            entry[key] = [float(r[key]) if r.get(key) not in ("", "None", None) else float("nan") for r in cell]
         summary.append(entry)
     baseline = summary[0] if summary else None
+    strong = any(not math.isnan(v) for s in summary for v in s["best_ssim"])
+    if strong:
+        return summary, _strong_table(summary)
     lines = [
         "| setting | codec | seeds | test accuracy | inversion MSE | inversion SSIM | distance corr. "
         "| label leak | activation MB | epsilon spent | noise multiplier |",
@@ -99,6 +108,26 @@ def summarise(rows: list[dict[str, str]], order: list[str] | None = None) -> tup
                       f"{statistics.mean(baseline['baseline_mse']):.4f} and SSIM "
                       f"{statistics.mean(baseline['baseline_ssim']):.3f}; label-leak chance is 0.100."]
     return summary, "\n".join(lines) + "\n"
+
+
+def _strong_table(summary: list[dict[str, Any]]) -> str:
+    """The table with every inversion attack, the last column the strongest (the frontier's x)."""
+    lines = ["| setting | codec | seeds | test accuracy | inversion SSIM (grid decoder) | learned decoder SSIM "
+             "| class-mean attack SSIM | attacker's class accuracy | strongest attack SSIM | distance corr. "
+             "| label leak | activation MB | epsilon spent |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in summary:
+        lines.append(
+            f"| {s['name']} | {s['codec']} | {s['seeds']} | {_mean_std(s['accuracy'])} | "
+            f"{_mean_std(s['inversion_ssim'])} | {_mean_std(s['strong_ssim'])} | {_mean_std(s['class_mean_ssim'])} | "
+            f"{_mean_std(s['attacker_class_accuracy'])} | {_mean_std(s['best_ssim'])} | {_mean_std(s['dcor'])} | "
+            f"{_mean_std(s['label_leak'])} | {statistics.mean(s['activation_bytes']) / 1e6:.1f} | "
+            f"{_epsilon(s['epsilon_spent'])} |")
+    first = summary[0]
+    lines += ["", f"An attack that learned nothing (the public mean image) scores SSIM "
+                  f"{statistics.mean(first['baseline_ssim']):.3f}; the public mean image of each test image's true "
+                  f"class scores {statistics.mean(first['class_floor_ssim']):.3f} (the class-mean attack when it reads "
+                  "every class right); label-leak chance is 0.100."]
+    return "\n".join(lines) + "\n"
 
 
 def plot(summary: list[dict[str, Any]], path: Path) -> Path | None:
@@ -160,12 +189,13 @@ def token_table(out: Path, command: str) -> str:
 
 
 def run_grid(out: Path, names: list[str], *, seeds: int, epochs: int, inversion_steps: int = INVERSION_STEPS,
-             inproc: bool = False, summary_only: bool = False,
+             strong_steps: int = 0, inproc: bool = False, summary_only: bool = False,
              progress: Callable[[str], None] = lambda line: None) -> str:
     """Run the cells of the grid (settings ``names`` x ``seeds``) that ``out``/privacy.csv does not
     hold yet, each appended as it finishes, then write privacy.md and privacy.png from the CSV and
     return the table. ``progress`` gets a line per cell started; ``inproc`` runs the cloud on a
-    thread of this process instead of a ``splitft cloud`` process."""
+    thread of this process instead of a ``splitft cloud`` process; ``strong_steps`` > 0 adds the
+    attacks of :mod:`splitft.privacy.strong`, trained that many steps."""
     out.mkdir(parents=True, exist_ok=True)
     csv_path = out / "privacy.csv"
     settings = [setting(n) for n in names]
@@ -178,7 +208,7 @@ def run_grid(out: Path, names: list[str], *, seeds: int, epochs: int, inversion_
             for i, (s, seed) in enumerate(todo, 1):
                 progress(f"[{i}/{len(todo)}] {s.name} seed {seed}")
                 append_row(csv_path, run_setting(s, seed=seed, epochs=epochs, address=address,
-                                                 inversion_steps=inversion_steps))
+                                                 inversion_steps=inversion_steps, strong_steps=strong_steps))
 
         if inproc:
             run_all(None)
@@ -191,9 +221,14 @@ def run_grid(out: Path, names: list[str], *, seeds: int, epochs: int, inversion_
     summary, table = summarise(rows, names)
     command = (f"python scripts/privacy_eval.py --out {out} --settings {','.join(names)} --seeds {seeds} "
                f"--epochs {epochs}" + (f" --inversion-steps {inversion_steps}"
-                                       if inversion_steps != INVERSION_STEPS else "") + (" --inproc" if inproc else ""))
+                                       if inversion_steps != INVERSION_STEPS else "")
+               + (f" --strong-steps {strong_steps}" if strong_steps else "") + (" --inproc" if inproc else ""))
     (out / "privacy.md").write_text(f"<!-- made by: {command} -->\n\n{table}")
     path = plot(summary, out / "privacy.png")
+    if any(not math.isnan(v) for s in summary for v in s["best_ssim"]):
+        from .frontier import plot_frontier
+
+        plot_frontier(summary, out / "frontier.png")
     if path is not None:
         progress(f"wrote {path}")
     return table
