@@ -68,12 +68,15 @@ class Row:
     delayed: bool
     window: int
 
+    bwd: str | None = None  # the gradient codec, when the row names one (``CODEC;bwd=SPEC``)
+
     @classmethod
     def parse(cls, name: str, window: int) -> "Row":
-        mode, _, codec = name.rpartition("+")
+        mode, _, codecs = name.rpartition("+")
         if mode not in ("", "frozen", "delayed"):
             raise SystemExit(f"unknown row {name!r}: CODEC, frozen+CODEC or delayed+CODEC")
-        return cls(name, codec, mode == "frozen", mode == "delayed", window if mode else 1)
+        codec, _, bwd = codecs.partition(";bwd=")
+        return cls(name, codec, mode == "frozen", mode == "delayed", window if mode else 1, bwd or None)
 
     @property
     def streams(self) -> bool:
@@ -83,7 +86,7 @@ class Row:
         from splitft.options import Codecs, Faults, Schedule
         from splitft.app.runner import TaskRun
 
-        bwd = GRADIENT_CODEC.get(self.codec.split(":")[0], self.codec)
+        bwd = self.bwd or GRADIENT_CODEC.get(self.codec.split(":")[0], self.codec)
         return TaskRun(task=task, seed=seed, max_length=max_length, codecs=Codecs(self.codec, bwd, seed=seed),
                        freeze_edge=self.frozen, schedule=Schedule(window=self.window, delayed_gradients=self.delayed),
                        faults=Faults(timeout=600.0))
@@ -249,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--out", default="docs/time_to_accuracy", help="folder for tta.csv and tta.md (default: %(default)s)")
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows (default: %(default)s)")
+    parser.add_argument("--row", action="append", default=[], metavar="ROW",
+                        help="one more row, after --rows, which may hold commas: a chained codec, and its gradient "
+                             "codec after ';bwd=' (e.g. 'outliers:k=4>hadamard>delta>quant:bits=2,eval_bits=8;"
+                             "bwd=hadamard>quant:bits=2,stochastic=true')")
     parser.add_argument("--links", default=";".join(LINKS), help="semicolon-separated links (default: %(default)s)")
     parser.add_argument("--target", type=float, default=None,
                         help="test accuracy to reach (default: 0.95), or for smollm-plain the held-out perplexity to "
@@ -265,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     metric = Metric(args.task)
     if args.target is None:
         args.target = 47.0 if metric.perplexity else 0.95
-    rows = [Row.parse(name.strip(), args.window) for name in args.rows.split(",") if name.strip()]
+    rows = [Row.parse(name.strip(), args.window) for name in [*args.rows.split(","), *args.row] if name.strip()]
     links = [link.strip() for link in args.links.split(";") if link.strip()]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

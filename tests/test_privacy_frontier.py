@@ -41,7 +41,7 @@ def test_rows_with_the_stronger_attacks_get_the_frontier_table_and_plot(tmp_path
 
 def test_the_cut_later_setting_runs_split_and_meets_every_attack():
     s = setting("deep-noise-0.1")
-    assert s.deep and s.cut == "block4" and s.factory == "splitft.privacy.models:digits_deep"
+    assert s.deep and s.cut == "block4" and s.factory == "splitft.privacy.models:digits_deep_edge"
     assert set(FRONTIER) >= {"identity", "deep", "deep-noise-0.1", "adversarial-1"}
     row = run_setting(s, epochs=1, inversion_steps=20, strong_steps=20)
     assert row["activation_bytes"] > 0 and row["epsilon_spent"] > 0

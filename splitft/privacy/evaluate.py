@@ -26,7 +26,7 @@ from ..app.data import Split, batches, load_digits
 from .attacks import dcor_score, inversion_attack, label_leak, through_codec
 from .defences import Budget, Defences, Noise, protect
 
-FACTORIES = ("splitft.app.models:digits_cnn", "splitft.app.models:digits_bsl", "splitft.privacy.models:digits_deep")
+FACTORIES = ("splitft.app.models:digits_cnn", "splitft.app.models:digits_bsl", "splitft.privacy.models:digits_deep_edge")
 AUX = 360  # training images held back as the attacker's auxiliary data
 
 
@@ -44,7 +44,7 @@ class Setting:
     clip: float = 1.0  # per-sample L2 clip of the activation (its norm is ~30 unclipped)
     label_clip: float = 1e-3  # per-sample L2 clip of the label gradient (~1e-2 unclipped, batch 64)
     adversarial: float = 0.0  # weight of adversarial training against the edge's own decoder
-    deep: bool = False  # cut later: the edge pools to 4x4 before the cut (digits_deep)
+    deep: bool = False  # cut later: the edge pools to 4x4 before the cut (digits_deep_edge)
 
     @property
     def factory(self) -> str:

@@ -1,6 +1,6 @@
 """Model factories for the privacy grid that the application's tasks do not need.
 
-``digits_deep`` is :func:`splitft.app.models.digits_cnn` with one more block on the edge: the
+``digits_deep_edge`` is :func:`splitft.app.models.digits_cnn` with one more block on the edge: the
 edge pools to 4x4 before the cut, so what crosses is a quarter of the image's resolution and
 one layer further from the pixels ("cut later"). Edge and cloud both name it, so it lives in
 the library.
@@ -15,7 +15,7 @@ from torch import nn
 from ..app.models import _seeded
 
 
-def digits_deep(seed: int | None = 0, channels: int = 64) -> nn.Sequential:
+def digits_deep_edge(seed: int | None = 0, channels: int = 64) -> nn.Sequential:
     """The digits CNN cut later: edge block1-3 (pooled to ``channels`` x 4 x 4), cloud block4, edge head.
 
     Split U-shape at ``block4`` with ``rejoin="head"``.
