@@ -5,6 +5,7 @@ without cycles."""
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -52,7 +53,7 @@ def test_no_global_rng_calls_in_the_package() -> None:
     root = Path(compressors.__file__).parent
     banned = ("torch.manual_seed", "np.random.", "numpy.random.", "random.random", "torch.seed(")
     for path in sorted(root.glob("*.py")):
-        text = path.read_text()
+        text = re.sub(r"(np|numpy)\.random\.default_rng\((?!\))", "", path.read_text())  # a generator of its own, seeded
         for b in banned:
             assert b not in text, f"{path.name} uses the global RNG ({b})"
         for line in text.splitlines():
