@@ -76,6 +76,13 @@ def _add_traffic_options(p: argparse.ArgumentParser) -> None:
                         "'splitft codecs' for the list")
     g.add_argument("--bwd", default=None, metavar="SPEC",
                    help="codec for gradients (default: the forward codec's usual partner)")
+    g.add_argument("--codecs", choices=("auto",), default=None,
+                   help="'auto': measure the link at the handshake and choose each direction's codec from the "
+                        "registry within --codec-budget and the cloud's policy (overrides --fwd; --bwd still "
+                        "names the gradient's)")
+    g.add_argument("--codec-budget", type=float, default=None, metavar="FRACTION",
+                   help="with --codecs auto: the test accuracy the codecs may give up against identity, as "
+                        "measured on the digits ablation (default: 0.002)")
     g.add_argument("--link", default=None, metavar="SPEC",
                    help="emulate a slower network on the edge's connection: 'RATE,DELAY' such as "
                         "'100mbit,20ms' (one-way delay), or 'up=RATE,DELAY;down=RATE,DELAY'")
@@ -194,7 +201,8 @@ def _task_run(args: argparse.Namespace) -> TaskRun:
     return TaskRun(task=args.task, factory=Factory(model) if model else None, cut=args.cut, rejoin=args.rejoin,
                    topology=args.topology, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                    seed=args.seed, limit=args.limit, max_length=args.max_length,
-                   codecs=Codecs(args.fwd, args.bwd, seed=args.seed),
+                   codecs=Codecs(args.codecs or args.fwd, args.bwd, seed=args.seed,
+                                 **({} if args.codec_budget is None else {"budget": args.codec_budget})),
                    schedule=Schedule(args.micro_batches, window=args.window,
                                      delayed_gradients=args.delayed_gradients),
                    faults=Faults(args.timeout, args.reconnect_timeout, args.heartbeat), freeze_edge=args.freeze_edge,
@@ -227,6 +235,10 @@ def _edge(args: argparse.Namespace, address: str) -> int:
     print(f"edge: connected to {address} (session {run.model.session.session_id}); {run.task.name}: "
           f"{'ushape' if run.ushape else 'plain'} split at {run.cut}{' rejoin ' + run.rejoin if run.rejoin else ''}, "
           f"codecs {codecs['fwd']} / {codecs['bwd']}{', edge frozen' if args.freeze_edge else ''}", file=sys.stderr)
+    auto = run.model.metrics.notes.get("codecs_auto")
+    if auto is not None:
+        print(f"edge: codecs auto: rtt {auto['rtt_ms']} ms, up {auto['up_MBps']} MB/s, down {auto['down_MBps']} MB/s, "
+              f"budget {auto['budget']} -> {', '.join(f'{k} {v}' for k, v in auto['specs'].items())}", file=sys.stderr)
     try:
         result = train(run)
     except KeyboardInterrupt:

@@ -29,8 +29,8 @@ from ..errors import CapacityError, ConfigError, ProtocolError, SessionLost, Spl
 from ..factories import load_factory
 from ..state_files import CheckpointError
 from ..wire import protocol
-from ..wire.protocol import Ack, Backward, Bye, Error, Forward, Hello, Ping, Pong, Sync, Welcome
-from . import prices, snapshots, work
+from ..wire.protocol import Ack, Backward, Bye, Error, Forward, Hello, Ping, Pong, Probe, Probed, Sync, Welcome
+from . import prices, probes, snapshots, work
 from .admission import Admission
 from .blame import ErrorLog
 from .budget import MemoryBook
@@ -276,6 +276,10 @@ class CloudServer:
     def _on_ping(self, peer: bytes, msg: Ping, seq: int) -> Pong:
         self._session_of(peer, msg)
         return Pong()
+
+    @answers(Probe)
+    def _on_probe(self, peer: bytes, msg: Probe, seq: int) -> Probed:
+        return probes.answer(msg, self.policy)  # no session needed: an edge probes before its hello
 
     def _session_of(self, peer: bytes, msg: protocol.Message) -> CloudSession:
         session = self.sessions.get(peer)

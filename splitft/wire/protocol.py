@@ -236,9 +236,34 @@ class Pong(Message):
     TYPE: ClassVar[str] = "pong"
 
 
+@dataclass
+class Probe(Message):
+    """Edge → cloud, before its hello (``--codecs auto``): a measurement of the link.
+
+    ``pad`` (uint8, an array frame) travels up; with ``echo`` the cloud sends the same bytes back,
+    so the edge times each direction. No session is needed: the cloud answers every probe with a
+    ``probed`` naming the codecs its policy allows, and refuses a pad beyond its probe cap.
+    """
+
+    TYPE: ClassVar[str] = "probe"
+    pad: np.ndarray | None = None
+    echo: bool = False
+
+
+@dataclass
+class Probed(Message):
+    """Cloud → edge: a probe's answer; ``allowed`` maps a direction to the codec names its policy
+    accepts there (a direction not named accepts every registered codec)."""
+
+    TYPE: ClassVar[str] = "probed"
+    pad: np.ndarray | None = None
+    allowed: dict = field(default_factory=dict)
+
+
 MESSAGES: dict[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Hello, Welcome, Redirect, Forward, Output, Backward, InputGrads, Sync, Ack, Error, Bye, Ping, Pong)
+    for cls in (Hello, Welcome, Redirect, Forward, Output, Backward, InputGrads, Sync, Ack, Error, Bye, Ping, Pong,
+                Probe, Probed)
 }
 
 #: Field names per message type, in declaration order (the order they are encoded in).
