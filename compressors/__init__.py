@@ -13,12 +13,13 @@ reveal (AC-SGD sample ids). Before decoding a peer's payload, ``codec.decode_cos
 and bounded.
 
 One file per family: ``identity``; ``quant`` (``fp16``, ``fixpoint``); ``lowrank`` (SFT factors);
-``circconv`` (``c3sl``); ``binary`` (B-SL, with its binarized layers); ``delta`` (``acsgd``).
+``circconv`` (``c3sl``); ``binary`` (B-SL, with its binarized layers); ``delta`` (``acsgd``);
+``errbound`` (an error bound per element instead of a bit width).
 ``bitpack`` packs b-bit codes for any codec that needs it; ``policy`` holds :class:`Bounds` and
 the option classification every codec declares.
 """
 
-from . import binary, circconv, delta, identity, lowrank, quant  # noqa: F401  (registration side effects)
+from . import binary, circconv, delta, errbound, identity, lowrank, quant  # noqa: F401  (registration side effects)
 from .base import Codec, CodecContext, Payload, WIRE_DTYPES
 from .errors import CompressionError, DesyncError, PolicyError, UnknownCodecError
 from .policy import Bounds
