@@ -92,6 +92,10 @@ def _add_traffic_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--delayed-gradients", action="store_true",
                    help="with --window W >= 2: stream a trainable edge too, each step's cut gradient applied one "
                         "step late to the weights it was taken at (asynchronous; converges approximately)")
+    g.add_argument("--freeze-progressively", default=None, metavar="WINDOW,THRESHOLD",
+                   help="freeze the edge's layers front to back as they converge (a layer's mean gradient norm "
+                        "over the last WINDOW steps down to THRESHOLD times its first WINDOW steps'), then stream "
+                        "as a frozen edge does with --window; e.g. '4,0.5'")
     g.add_argument("--micro-batches", type=int, default=1, metavar="K",
                    help="pipeline each step as K micro-batches, so the wire and the cloud work at the same "
                         "time (default: 1; exact; refused through BatchNorm in the cloud part)")
@@ -206,7 +210,20 @@ def _task_run(args: argparse.Namespace) -> TaskRun:
                    schedule=Schedule(args.micro_batches, window=args.window,
                                      delayed_gradients=args.delayed_gradients),
                    faults=Faults(args.timeout, args.reconnect_timeout, args.heartbeat), freeze_edge=args.freeze_edge,
+                   freeze_progressively=_freeze_rule(args.freeze_progressively),
                    metrics_path=args.metrics, progress=True, privacy=_privacy_run(args), device=args.device)
+
+
+def _freeze_rule(text: str | None) -> tuple[int, float] | None:
+    from ..errors import ConfigError
+
+    if text is None:
+        return None
+    window, _, threshold = text.partition(",")
+    try:
+        return int(window), float(threshold)
+    except ValueError:
+        raise ConfigError(f"--freeze-progressively takes WINDOW,THRESHOLD such as '4,0.5', got {text!r}") from None
 
 
 def _privacy_run(args: argparse.Namespace):
