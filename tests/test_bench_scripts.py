@@ -53,3 +53,8 @@ def test_split_generation_per_token_against_local_gives_the_same_tokens(tmp_path
     cells = json.loads(out.read_text())["cells"]
     assert [(c["batch"], c["prompt"], c["equal"]) for c in cells] == [(1, 6, True), (3, 6, True)]
     assert all(c["local_ms"] > 0 and c["split_ms"] > 0 for c in cells)
+
+
+def test_the_offload_benchmark_prints_the_step_ratio():
+    text = _run("bench_offload.py", "--width", "64", "--layers", "2", "--batch", "4", "--steps", "4")
+    assert re.search(rf"median step in memory {NUMBER} ms, offloaded {NUMBER} ms, ratio {NUMBER}$", text, re.M), text
