@@ -58,3 +58,8 @@ def test_split_generation_per_token_against_local_gives_the_same_tokens(tmp_path
 def test_the_offload_benchmark_prints_the_step_ratio():
     text = _run("bench_offload.py", "--width", "64", "--layers", "2", "--batch", "4", "--steps", "4")
     assert re.search(rf"median step in memory {NUMBER} ms, offloaded {NUMBER} ms, ratio {NUMBER}$", text, re.M), text
+
+
+def test_the_error_bound_benchmark_keeps_every_bound():
+    rows = [line.split(" | ") for line in _run("bench_errbound.py").splitlines() if "errbound" in line]
+    assert len(rows) == 9 and all(float(error) <= float(bound.rstrip(" |")) for *_, error, bound in rows), rows
