@@ -122,3 +122,9 @@ def test_probes_need_no_session_echo_what_came_and_are_capped(cloud):
         wide = _ask(conn, Probe(pad=np.zeros(8, np.float32)))
         assert isinstance(wide, Error) and "uint8" in wide.message
         assert isinstance(_ask(conn, Probe()), Probed)  # the cloud goes on answering
+
+
+def test_an_open_connection_is_probed_then_used_for_the_session(cloud):
+    connection = transports.connect(cloud)
+    with split(digits_cnn(), "block3", factory=DIGITS, connect=connection, codecs=Codecs("auto")) as model:
+        assert model.session.session_id and model.metrics.notes["codecs_auto"]["rtt_ms"] < 50

@@ -111,6 +111,8 @@ def connect_stage(link: Link, codecs: Codecs, faults: Faults, hello: Hello, save
 
 
 def _auto(link: Link, codecs: Codecs, faults: Faults) -> tuple[Codecs, auto_codecs.AutoChoice]:
+    if isinstance(link.connect, transports.Connection):  # the one connection there is: probed as it is, then used
+        return auto_codecs.resolve(link.connect, codecs, faults.timeout)
     connection, _ = open_link(link)
     try:
         return auto_codecs.resolve(connection, codecs, faults.timeout)
