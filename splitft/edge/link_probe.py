@@ -25,7 +25,7 @@ from ..wire.protocol import Error, Probe, Probed
 #: Empty probes whose fastest round trip is the link's latency.
 PINGS = 3
 #: Tries of each padded probe; the fastest counts (queues and the scheduler only add time).
-TRIES = 2
+TRIES = 3
 #: The first pad, and the largest (the cloud's cap, ``splitft.cloud.probes.PROBE_MAX_BYTES``).
 FIRST_PAD = 64 << 10
 MOST_PAD = 1 << 20
