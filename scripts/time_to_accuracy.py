@@ -72,7 +72,7 @@ class Row:
     freezing: tuple[int, float] | None = None  # progressive: (window, threshold) of the rule
 
     @classmethod
-    def parse(cls, name: str, window: int, freezing: tuple[int, float] = (4, 0.5)) -> "Row":
+    def parse(cls, name: str, window: int, freezing: tuple[int, float] = (4, 0.3)) -> "Row":
         mode, _, codec = name.rpartition("+")
         if mode not in ("", "frozen", "delayed", "progressive"):
             raise SystemExit(f"unknown row {name!r}: CODEC, frozen+CODEC, delayed+CODEC or progressive+CODEC")
@@ -268,9 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=4, help="steps in flight of a streaming row (default: 4)")
     parser.add_argument("--freeze-window", type=int, default=4,
                         help="progressive rows: steps per mean of a layer's gradient norms (default: 4)")
-    parser.add_argument("--freeze-threshold", type=float, default=0.5,
-                        help="progressive rows: a layer freezes once its last mean is this fraction of its first "
-                             "(default: 0.5)")
+    parser.add_argument("--freeze-threshold", type=float, default=0.3,
+                        help="progressive rows: a layer freezes once its last mean differs from the one before by at "
+                             "most this fraction (default: 0.3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--task", default=TASK, help="a task cut plain (default: %(default)s; digits for a quick look, "
                                                      "smollm-plain for the language model)")

@@ -94,8 +94,8 @@ def _add_traffic_options(p: argparse.ArgumentParser) -> None:
                         "step late to the weights it was taken at (asynchronous; converges approximately)")
     g.add_argument("--freeze-progressively", default=None, metavar="WINDOW,THRESHOLD",
                    help="freeze the edge's layers front to back as they converge (a layer's mean gradient norm "
-                        "over the last WINDOW steps down to THRESHOLD times its first WINDOW steps'), then stream "
-                        "as a frozen edge does with --window; e.g. '4,0.5'")
+                        "over its last WINDOW steps within THRESHOLD, relative, of the WINDOW steps' before), then "
+                        "stream as a frozen edge does with --window; e.g. '4,0.3'")
     g.add_argument("--micro-batches", type=int, default=1, metavar="K",
                    help="pipeline each step as K micro-batches, so the wire and the cloud work at the same "
                         "time (default: 1; exact; refused through BatchNorm in the cloud part)")
@@ -223,7 +223,7 @@ def _freeze_rule(text: str | None) -> tuple[int, float] | None:
     try:
         return int(window), float(threshold)
     except ValueError:
-        raise ConfigError(f"--freeze-progressively takes WINDOW,THRESHOLD such as '4,0.5', got {text!r}") from None
+        raise ConfigError(f"--freeze-progressively takes WINDOW,THRESHOLD such as '4,0.3', got {text!r}") from None
 
 
 def _privacy_run(args: argparse.Namespace):
