@@ -254,8 +254,10 @@ def _edge(args: argparse.Namespace, address: str) -> int:
           f"codecs {codecs['fwd']} / {codecs['bwd']}{', edge frozen' if args.freeze_edge else ''}", file=sys.stderr)
     auto = run.model.metrics.notes.get("codecs_auto")
     if auto is not None:
-        print(f"edge: codecs auto: rtt {auto['rtt_ms']} ms, up {auto['up_MBps']} MB/s, down {auto['down_MBps']} MB/s, "
-              f"budget {auto['budget']} -> {', '.join(f'{k} {v}' for k, v in auto['specs'].items())}", file=sys.stderr)
+        up, down = (f"{rate} MB/s" if rate is not None else "too fast to measure"
+                    for rate in (auto["up_MBps"], auto["down_MBps"]))
+        print(f"edge: codecs auto: rtt {auto['rtt_ms']} ms, up {up}, down {down}, budget {auto['budget']} -> "
+              f"{', '.join(f'{k} {v}' for k, v in auto['specs'].items())}", file=sys.stderr)
     try:
         result = train(run)
     except KeyboardInterrupt:
