@@ -14,7 +14,8 @@ and bounded.
 
 One file per family: ``identity``; ``quant`` (``fp16``, ``fixpoint``); ``scaled`` (``quant``: per-tile
 scales and normal levels, for an LLM's hidden states); ``lowrank`` (SFT factors); ``circconv``
-(``c3sl``); ``binary`` (B-SL, with its binarized layers); ``delta`` (``acsgd``).
+(``c3sl``); ``binary`` (B-SL, with its binarized layers); ``delta`` (``acsgd``); ``errbound`` (an
+error bound per element instead of a bit width).
 
 Codecs compose by spec (``outliers:k=4>hadamard>delta>quant:bits=2``): ``chain`` holds the stage
 contract, and the stages are ``rotation`` (``hadamard``), ``outliers`` and ``delta_stage``
@@ -22,7 +23,7 @@ contract, and the stages are ``rotation`` (``hadamard``), ``outliers`` and ``del
 needs it; ``policy`` holds :class:`Bounds` and the option classification every codec declares.
 """
 
-from . import binary, circconv, delta, identity, lowrank, quant, scaled  # noqa: F401  (registration side effects)
+from . import binary, circconv, delta, errbound, identity, lowrank, quant, scaled  # noqa: F401  (registration side effects)
 from . import delta_stage, outliers, rotation  # noqa: F401  (chain stages, registered too)
 from ._wire import all_finite
 from .base import Codec, CodecContext, Payload, WIRE_DTYPES

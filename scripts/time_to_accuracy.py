@@ -7,6 +7,8 @@ Each row of the table is a way to train it:
   identity, fp16, lowrank:rank=1, acsgd:bits=4 (8-bit gradients)   synchronous: one round trip a step
   frozen+CODEC        the edge's layers frozen, ``window`` steps in flight (streaming): no round trip
   delayed+CODEC       a trainable edge streaming with its cut gradients applied one step late
+  progressive+CODEC   the edge's layers frozen as they converge (--freeze-window, --freeze-threshold),
+                      synchronous until the last one froze, then streaming ``window`` steps
 
 Two phases, each run against a ``splitft cloud`` process of its own on tcp loopback:
 
@@ -67,20 +69,23 @@ class Row:
     frozen: bool
     delayed: bool
     window: int
-
+    freezing: tuple[int, float] | None = None  # progressive: (window, threshold) of the rule
     bwd: str | None = None  # the gradient codec, when the row names one (``CODEC;bwd=SPEC``)
 
     @classmethod
-    def parse(cls, name: str, window: int) -> "Row":
+    def parse(cls, name: str, window: int, freezing: tuple[int, float] = (4, 0.3)) -> "Row":
         mode, _, codecs = name.rpartition("+")
-        if mode not in ("", "frozen", "delayed"):
-            raise SystemExit(f"unknown row {name!r}: CODEC, frozen+CODEC or delayed+CODEC")
+        if mode not in ("", "frozen", "delayed", "progressive"):
+            raise SystemExit(f"unknown row {name!r}: CODEC, frozen+CODEC, delayed+CODEC or progressive+CODEC")
         codec, _, bwd = codecs.partition(";bwd=")
-        return cls(name, codec, mode == "frozen", mode == "delayed", window if mode else 1, bwd or None)
+        return cls(name, codec, mode == "frozen", mode == "delayed", window if mode else 1,
+                   freezing if mode == "progressive" else None, bwd or None)
 
     @property
     def streams(self) -> bool:
-        return self.window > 1
+        """Whether every step streams (a progressive row's first steps wait a round trip: its limit
+        counts one for every step, an upper bound)."""
+        return self.window > 1 and self.freezing is None
 
     def task_run(self, task: str, seed: int, max_length: int | None = None) -> object:
         from splitft.options import Codecs, Faults, Schedule
@@ -89,6 +94,7 @@ class Row:
         bwd = self.bwd or GRADIENT_CODEC.get(self.codec.split(":")[0], self.codec)
         return TaskRun(task=task, seed=seed, max_length=max_length, codecs=Codecs(self.codec, bwd, seed=seed),
                        freeze_edge=self.frozen, schedule=Schedule(window=self.window, delayed_gradients=self.delayed),
+                       freeze_progressively=self.freezing,
                        faults=Faults(timeout=600.0))
 
 
@@ -166,7 +172,9 @@ def train(row: Row, address: str, link: str | None, *, task: str, seed: int, ste
                     break
             breakdown = model.metrics.breakdown(seconds)
             up, down = model.metrics.direction("up").wire, model.metrics.direction("down").wire
+            freezing = model.metrics.notes.get("freezing")
     return {"steps": done, "seconds": seconds, "losses": [float(v) for v in losses], "history": history,
+            "freezing": freezing,
             "breakdown": breakdown, "bytes_up": up, "bytes_down": down}
 
 
@@ -187,7 +195,8 @@ def cell(row: Row, link: str, result: dict, target: float, reference: list[float
             "limit_s": f"{max(edge, cloud, wire) + round_trip:.4f}", "losses_equal": equal,
             "bytes_up": result["bytes_up"], "bytes_down": result["bytes_down"],
             # "accuracy": the metric's (step, value) pairs, test accuracy or perplexity
-            "history": json.dumps({"accuracy": result["history"], "losses": result["losses"]})}
+            "history": json.dumps({"accuracy": result["history"], "losses": result["losses"]}
+                                  | ({"freezing": result["freezing"]} if result.get("freezing") else {}))}
 
 
 def same_losses(timed: dict, first: dict | None) -> bool:
@@ -263,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=4, help="steps between evaluations in phase 1 (default: 4)")
     parser.add_argument("--max-steps", type=int, default=112, help="give up on a row after this many steps (2 epochs)")
     parser.add_argument("--window", type=int, default=4, help="steps in flight of a streaming row (default: 4)")
+    parser.add_argument("--freeze-window", type=int, default=4,
+                        help="progressive rows: steps per mean of a layer's gradient norms (default: 4)")
+    parser.add_argument("--freeze-threshold", type=float, default=0.3,
+                        help="progressive rows: a layer freezes once its last mean differs from the one before by at "
+                             "most this fraction (default: 0.3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--task", default=TASK, help="a task cut plain (default: %(default)s; digits for a quick look, "
                                                      "smollm-plain for the language model)")
@@ -272,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     metric = Metric(args.task)
     if args.target is None:
         args.target = 47.0 if metric.perplexity else 0.95
-    rows = [Row.parse(name.strip(), args.window) for name in [*args.rows.split(","), *args.row] if name.strip()]
+    rows = [Row.parse(name.strip(), args.window, (args.freeze_window, args.freeze_threshold))
+            for name in [*args.rows.split(","), *args.row] if name.strip()]
     links = [link.strip() for link in args.links.split(";") if link.strip()]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

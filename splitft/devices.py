@@ -109,9 +109,12 @@ class Placement:
     inside the autograd graph, so the gradients that cross keep the edge's dtype too.
     """
 
-    def __init__(self, device: str | torch.device | None = "cpu", dtype: str | torch.dtype | None = None) -> None:
+    def __init__(self, device: str | torch.device | None = "cpu", dtype: str | torch.dtype | None = None, *,
+                 offload: bool = False) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype)
+        #: keep the half's optimizer state in host memory between steps (``--offload-optimizer``)
+        self.offload = bool(offload)
 
     def place(self, module: torch.nn.Module) -> None:
         """Move (and cast) ``module`` here; a no-op for one already placed."""

@@ -47,6 +47,9 @@ class Metrics:
         self.bytes: dict[tuple[str, str], ByteCount] = defaultdict(ByteCount)
         self.seconds: dict[str, float] = defaultdict(float)
         self.steps = 0
+        #: What the run decided at its start and its records should carry (the codecs ``auto``
+        #: chose, and from what), by name; plain JSON values.
+        self.notes: dict[str, Any] = {}
 
     def count(self, direction: str, kind: str, *, raw: int = 0, payload: int = 0, wire: int,
               messages: int = 1) -> None:
@@ -81,6 +84,8 @@ class Metrics:
             out["bytes"][d] = asdict(self.direction(d)) | {
                 k: asdict(self.bytes[(d, k)]) for k in KINDS if (d, k) in self.bytes
             }
+        if self.notes:
+            out["notes"] = dict(self.notes)
         return out
 
     def breakdown(self, wall: float) -> dict[str, float]:

@@ -25,6 +25,11 @@ from .factories import check_factory_name
 
 KeySource = str | os.PathLike | bytes  # a key file from `splitft keys`, or Z85 bytes
 Opener = Callable[[], transports.Connection]
+#: The codec spec that leaves the choice to the edge, from its measured link.
+AUTO = "auto"
+#: The test accuracy ``auto`` may give up against identity by default (a fraction; see the
+#: table in :mod:`splitft.edge.auto_codecs`): lossless and 4-bit fixed point, not low rank.
+AUTO_BUDGET = 0.002
 
 
 @dataclass(frozen=True)
@@ -34,8 +39,10 @@ class Codecs:
     ``fwd`` encodes the activation edge → cloud and ``bwd`` its gradient (default: the ``fwd``
     codec's usual partner); ``ret`` and ``ret_bwd`` do the same for a U-shape trunk's output
     (default: like ``fwd``). Specs are checked against the registry here (``splitft codecs``
-    lists them); :attr:`specs` holds all four, normalised. Where a ``Codecs`` is expected, a plain
-    string such as ``"fp16"`` means ``Codecs(fwd="fp16")``.
+    lists them); :attr:`specs` holds all four, normalised. ``fwd="auto"`` leaves the directions not
+    named to the edge, which measures its link before the hello and picks, within ``budget`` (the
+    test accuracy it may give up), what the link needs (:mod:`splitft.edge.auto_codecs`). Where a
+    ``Codecs`` is expected, a plain string such as ``"fp16"`` means ``Codecs(fwd="fp16")``.
     """
 
     fwd: str = "identity"
@@ -43,6 +50,7 @@ class Codecs:
     ret: str | None = None
     ret_bwd: str | None = None
     seed: int = 0
+    budget: float = AUTO_BUDGET
     specs: dict[str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -52,7 +60,19 @@ class Codecs:
                 raise ConfigError(f"codec {name} must be a spec such as 'fp16' or 'lowrank:rank=4', got {value!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
+        if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)) or not 0 <= self.budget < 1:
+            raise ConfigError(f"budget (the accuracy --codecs auto may give up, a fraction) must be in [0, 1), "
+                              f"got {self.budget!r}")
+        if self.auto:  # chosen when the edge has measured its link (splitft.edge.auto_codecs)
+            object.__setattr__(self, "specs", {})
+            return
         object.__setattr__(self, "specs", resolve_codecs(self.fwd, self.bwd, self.ret, self.ret_bwd))
+
+    @property
+    def auto(self) -> bool:
+        """Whether the codecs are left to the edge to choose from its measured link (``"auto"``):
+        every direction not named is chosen within :attr:`budget`."""
+        return self.fwd == AUTO
 
     @classmethod
     def of(cls, value: str | Codecs | None) -> Codecs:

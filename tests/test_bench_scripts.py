@@ -72,3 +72,13 @@ def test_the_seeds_script_trains_c3sl_on_the_deep_cloud_half_and_tabulates_it():
     assert re.search(rf"^c3sl:r=4 seed 0: test accuracy {NUMBER}, fwd 4\.0x, bwd 4\.0x", text, re.MULTILINE), text
     row = re.search(rf"^\| deep \| `c3sl:r=4` \| `identity` \| 1 \| ({NUMBER}) \| 4\.0x \| 4\.0x \|$", text, re.MULTILINE)
     assert row and 0.0 <= float(row.group(1)) <= 1.0, text
+
+
+def test_the_offload_benchmark_prints_the_step_ratio():
+    text = _run("bench_offload.py", "--width", "64", "--layers", "2", "--batch", "4", "--steps", "4")
+    assert re.search(rf"median step in memory {NUMBER} ms, offloaded {NUMBER} ms, ratio {NUMBER}$", text, re.M), text
+
+
+def test_the_error_bound_benchmark_keeps_every_bound():
+    rows = [line.split(" | ") for line in _run("bench_errbound.py").splitlines() if "errbound" in line]
+    assert len(rows) == 9 and all(float(error) <= float(bound.rstrip(" |")) for *_, error, bound in rows), rows

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CLOUD = ROOT / "splitft" / "cloud"
 #: The messages only the cloud sends: an edge sending one is refused.
 REPLIES = {protocol.Welcome, protocol.Redirect, protocol.Output, protocol.InputGrads, protocol.Ack, protocol.Error,
-           protocol.Pong, protocol.Handoff}
+           protocol.Pong, protocol.Handoff, protocol.Probed}
 
 
 # ---------------------------------------------------------------- import cycles

@@ -77,6 +77,13 @@ def _add_traffic_options(p: argparse.ArgumentParser) -> None:
                         "'splitft codecs' for the list")
     g.add_argument("--bwd", default=None, metavar="SPEC",
                    help="codec for gradients (default: the forward codec's usual partner)")
+    g.add_argument("--codecs", choices=("auto",), default=None,
+                   help="'auto': measure the link at the handshake and choose each direction's codec from the "
+                        "registry within --codec-budget and the cloud's policy (overrides --fwd; --bwd still "
+                        "names the gradient's)")
+    g.add_argument("--codec-budget", type=float, default=None, metavar="FRACTION",
+                   help="with --codecs auto: the test accuracy the codecs may give up against identity, as "
+                        "measured on the digits ablation (default: 0.002)")
     g.add_argument("--link", default=None, metavar="SPEC",
                    help="emulate a slower network on the edge's connection: 'RATE,DELAY' such as "
                         "'100mbit,20ms' (one-way delay), or 'up=RATE,DELAY;down=RATE,DELAY'")
@@ -86,6 +93,10 @@ def _add_traffic_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--delayed-gradients", action="store_true",
                    help="with --window W >= 2: stream a trainable edge too, each step's cut gradient applied one "
                         "step late to the weights it was taken at (asynchronous; converges approximately)")
+    g.add_argument("--freeze-progressively", default=None, metavar="WINDOW,THRESHOLD",
+                   help="freeze the edge's layers front to back as they converge (a layer's mean gradient norm "
+                        "over its last WINDOW steps within THRESHOLD, relative, of the WINDOW steps' before), then "
+                        "stream as a frozen edge does with --window; e.g. '4,0.3'")
     g.add_argument("--micro-batches", type=int, default=1, metavar="K",
                    help="pipeline each step as K micro-batches, so the wire and the cloud work at the same "
                         "time (default: 1; exact; refused through BatchNorm in the cloud part)")
@@ -206,11 +217,25 @@ def _task_run(args: argparse.Namespace) -> TaskRun:
     return TaskRun(task=args.task, factory=Factory(model) if model else None, cut=args.cut, rejoin=args.rejoin,
                    topology=args.topology, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                    seed=args.seed, limit=args.limit, max_length=args.max_length,
-                   codecs=Codecs(args.fwd, args.bwd, seed=args.seed),
+                   codecs=Codecs(args.codecs or args.fwd, args.bwd, seed=args.seed,
+                                 **({} if args.codec_budget is None else {"budget": args.codec_budget})),
                    schedule=Schedule(args.micro_batches, window=args.window,
                                      delayed_gradients=args.delayed_gradients),
                    faults=Faults(args.timeout, args.reconnect_timeout, args.heartbeat), freeze_edge=args.freeze_edge,
+                   freeze_progressively=_freeze_rule(args.freeze_progressively),
                    metrics_path=args.metrics, tensorboard=args.tensorboard, progress=True, privacy=_privacy_run(args), device=args.device)
+
+
+def _freeze_rule(text: str | None) -> tuple[int, float] | None:
+    from ..errors import ConfigError
+
+    if text is None:
+        return None
+    window, _, threshold = text.partition(",")
+    try:
+        return int(window), float(threshold)
+    except ValueError:
+        raise ConfigError(f"--freeze-progressively takes WINDOW,THRESHOLD such as '4,0.3', got {text!r}") from None
 
 
 def _privacy_run(args: argparse.Namespace):
@@ -239,6 +264,12 @@ def _edge(args: argparse.Namespace, address: str) -> int:
     print(f"edge: connected to {address} (session {run.model.session.session_id}); {run.task.name}: "
           f"{'ushape' if run.ushape else 'plain'} split at {run.cut}{' rejoin ' + run.rejoin if run.rejoin else ''}, "
           f"codecs {codecs['fwd']} / {codecs['bwd']}{', edge frozen' if args.freeze_edge else ''}", file=sys.stderr)
+    auto = run.model.metrics.notes.get("codecs_auto")
+    if auto is not None:
+        up, down = (f"{rate} MB/s" if rate is not None else "too fast to measure"
+                    for rate in (auto["up_MBps"], auto["down_MBps"]))
+        print(f"edge: codecs auto: rtt {auto['rtt_ms']} ms, up {up}, down {down}, budget {auto['budget']} -> "
+              f"{', '.join(f'{k} {v}' for k, v in auto['specs'].items())}", file=sys.stderr)
     try:
         result = train(run)
     except KeyboardInterrupt:

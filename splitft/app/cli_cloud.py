@@ -167,6 +167,9 @@ def _add_hardware_options(cloud: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="keep the cloud halves in this dtype: bfloat16 halves their memory (the edge's tensors "
                         "are cast on the way in and back on the way out) (default: float32, the model's own)")
+    g.add_argument("--offload-optimizer", action="store_true",
+                   help="keep each half's optimizer state (Adam: twice its weights) in host memory between steps, "
+                        "copied onto the device for each step: a half whose state does not fit beside it")
 
 
 def _add_policy_options(cloud: argparse.ArgumentParser) -> None:
@@ -256,7 +259,8 @@ def run_cloud(args: argparse.Namespace) -> int:
         group = workers.join(args)
         _check_open(workers.bind_address(group, args), args, say)
         options = _listener_options(args, say)
-        placement = Placement(workers.device(group, args.device), None if args.dtype == "float32" else args.dtype)
+        placement = Placement(workers.device(group, args.device), None if args.dtype == "float32" else args.dtype,
+                              offload=args.offload_optimizer)
         batch = _batch_split(args, placement, say)
         if batch is not None and batch.rank > 0:
             return _batch_worker(args, batch, placement)

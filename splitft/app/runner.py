@@ -19,6 +19,7 @@ from torch import nn
 from .data import Split, first, moved
 from ..devices import resolve_device
 from ..edge import SplitModel, split
+from ..edge.freezing import ProgressiveFreezing
 from ..errors import ConfigError
 from ..factories import load_factory
 from ..metrics import Metrics
@@ -90,6 +91,9 @@ class TaskRun:
     schedule: Schedule = field(default_factory=Schedule)
     faults: Faults = field(default_factory=Faults)
     freeze_edge: bool = False
+    #: (window, threshold): freeze the edge's layers as they converge, then stream
+    #: (:class:`splitft.edge.freezing.ProgressiveFreezing`); None: the edge trains throughout.
+    freeze_progressively: tuple[int, float] | None = None
     metrics_path: str | None = None
     tensorboard: str | None = None  # write TensorBoard event files here (splitft.TensorBoard)
     progress: bool = False  # a progress bar per epoch (command line)
@@ -171,6 +175,9 @@ def prepare(run: TaskRun, connect: Any) -> Prepared:
     try:
         optimizer = model.attach(getattr(torch.optim, task.optimizer)(model.parameters(), lr=run.lr or task.lr))
         keep_latent_weights_clipped(optimizer, model)  # binarized edges (B-SL); nothing to clip otherwise
+        if run.freeze_progressively is not None:
+            ProgressiveFreezing(model, optimizer, window=run.freeze_progressively[0],
+                                threshold=run.freeze_progressively[1])
         criterion = nn.CrossEntropyLoss() if ushape else model.remote_loss(nn.CrossEntropyLoss())
         epochs = run.epochs if run.epochs is not None else task.epochs
         batch_size = run.batch_size or task.batch_size

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..errors import CapacityError, ConfigError, ModelError, PolicyError, ProtocolError
 from ..wire import operations as o
+from . import offload
 from .blame import blame, short
 from .caches import SessionCaches
 from .graphs import Graphs
@@ -247,7 +248,8 @@ def step(session: Target, op: o.Step) -> bool:
         with half.own_grads(), blame(ModelError, "the optimizer step failed"):
             if half.shared is not None:
                 check_finite_grads(half.chain.parameters())
-            optimizer.step()
+            with offload.stepping(optimizer, half.placement.device, half.placement.offload):
+                optimizer.step()
     mirrored.steps += 1
     if half.shared is not None and rounds is None:
         half.shared.stepped()

@@ -13,6 +13,7 @@ whom to evict. Sessions that hear nothing for ``Limits.session_timeout`` (or, be
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -28,8 +29,9 @@ from ..errors import CapacityError, ConfigError, ProtocolError, SessionLost, Spl
 from ..factories import load_factory
 from ..state_files import CheckpointError
 from ..wire import protocol
-from ..wire.protocol import Ack, Arrive, Backward, Bye, Error, Forward, Hello, Leave, Ping, Pong, Sync, Welcome
-from . import moves, prices, snapshots, work
+from ..wire.protocol import (Ack, Arrive, Backward, Bye, Error, Forward, Hello, Leave, Ping, Pong, Probe, Probed,
+                             Sync, Welcome)
+from . import moves, prices, probes, snapshots, work
 from .admission import Admission
 from .blame import ErrorLog
 from .budget import MemoryBook
@@ -195,7 +197,7 @@ class CloudServer:
         except Exception as exc:  # noqa: BLE001 — a bad request must never stop the server
             reply, numbered = self._failed(peer, msg, exc, seq, numbered)
         if reply is not None:
-            self._reply(peer, session, reply, seq, numbered)
+            self.answer(peer, session, reply, seq, numbered)
 
     def _failed(self, peer: bytes, msg: protocol.Message | None, exc: Exception, seq: int,
                 numbered: bool) -> tuple[Error, bool]:
@@ -220,7 +222,7 @@ class CloudServer:
             except Exception as exc:  # noqa: BLE001 — as in handle: every failure gets a typed reply
                 reply, numbered = self._failed(peer, msg, exc, seq, numbered)
             if reply is not None:
-                self._reply(peer, session, reply, seq, numbered)
+                self.answer(peer, session, reply, seq, numbered)
             while (held := self.jobs.next_held(job.key)) is not None:
                 self.handle(*held)
 
@@ -240,8 +242,9 @@ class CloudServer:
         return Error(code=code_of(exc), message=text[: self.limits.max_error_chars], seq=seq,
                      call=call if isinstance(call, int) and not isinstance(call, bool) else 0)
 
-    def _reply(self, peer: bytes, session: CloudSession | None, reply: protocol.Message, seq: int,
+    def answer(self, peer: bytes, session: CloudSession | None, reply: protocol.Message, seq: int,
                numbered: bool) -> None:
+        """Send ``reply`` (kept in the session's reply cache when its request was numbered)."""
         if seq and hasattr(reply, "seq"):
             reply.seq = seq
         try:
@@ -254,10 +257,6 @@ class CloudServer:
         if session is not None and session.id in self.by_id:
             self.book.set(session.id, session.held_bytes())
         self.send(peer, out, reply.TYPE)
-
-    def answer(self, peer: bytes, session: CloudSession | None, reply: protocol.Message, seq: int, numbered: bool) -> None:
-        """Send the reply to a request answered later than it was handled (kept for its round)."""
-        self._reply(peer, session, reply, seq, numbered)
 
     def send(self, peer: bytes, frames: list, kind: str) -> None:
         """Send ``frames`` to ``peer``, counted in its session's metrics; a peer gone is logged."""
@@ -281,6 +280,10 @@ class CloudServer:
     def _on_ping(self, peer: bytes, msg: Ping, seq: int) -> Pong:
         self._session_of(peer, msg)
         return Pong()
+
+    @answers(Probe)
+    def _on_probe(self, peer: bytes, msg: Probe, seq: int) -> Probed:
+        return probes.answer(msg, self.policy)  # no session needed: an edge probes before its hello
 
     def _session_of(self, peer: bytes, msg: protocol.Message) -> CloudSession:
         session = self.sessions.get(peer)
@@ -445,8 +448,7 @@ class CloudServer:
 
     def evict(self, session_id: str, text: str) -> None:
         """Free a session to make room for another (:mod:`.admission` chose it)."""
-        session = self.by_id.get(session_id)
-        if session is None:
+        if (session := self.by_id.get(session_id)) is None:
             self.admission.forget(session_id)
             return
         self._forget(session, text)
@@ -478,10 +480,8 @@ class CloudServer:
         """Tell every connected edge the cloud is going away, then close the listener."""
         self.jobs.close()  # a checkpoint being written is finished first
         for peer in list(self.sessions):
-            try:
+            with contextlib.suppress(transports.TransportError):
                 self.listener.send(peer, protocol.encode(Bye(reason=reason)))
-            except transports.TransportError:
-                pass
             self._end(peer, reason, discard=False)  # a restarted cloud resumes them from their checkpoints
         self.listener.close()
 

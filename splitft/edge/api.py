@@ -19,7 +19,7 @@ from ..errors import ConfigError, translated
 from ..options import Codecs, Factory, Faults, Link, Opener, Schedule
 from ..wire.protocol import Hello
 from ..wire.coding import SlotCodecs
-from . import resume
+from . import auto_codecs, resume
 from .facade import split_class
 from .model import SplitModel
 from .requests import EdgeSession
@@ -66,6 +66,9 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
     faults = _given(faults, Faults, "faults")
     spec = parse_cut(model, cut, rejoin)
     saved = resume.read(resume_from) if resume_from is not None else None
+    choice = None
+    if codecs.auto:  # measured on a connection of its own, before the hello names the codecs
+        codecs, choice = _auto(link, codecs, faults)
     hello = hello_for(model, spec, factory, codecs, push=saved is None)
     if saved is not None:
         resume.check_identity(hello, saved[1], resume_from)
@@ -78,6 +81,8 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
     except BaseException:
         session.close("error")
         raise
+    if choice is not None:
+        session.metrics.notes["codecs_auto"] = choice.record()
     if saved is not None:
         tree, meta = saved
         resume.load_edge_half(split_model, session, tree, resume_from)
@@ -103,6 +108,16 @@ def connect_stage(link: Link, codecs: Codecs, faults: Faults, hello: Hello, save
         session.drop()
         raise
     return session, stage
+
+
+def _auto(link: Link, codecs: Codecs, faults: Faults) -> tuple[Codecs, auto_codecs.AutoChoice]:
+    if isinstance(link.connect, transports.Connection):  # the one connection there is: probed as it is, then used
+        return auto_codecs.resolve(link.connect, codecs, faults.timeout)
+    connection, _ = open_link(link)
+    try:
+        return auto_codecs.resolve(connection, codecs, faults.timeout)
+    finally:
+        connection.close()
 
 
 def _given(value: T | None, cls: type[T], name: str) -> T:

@@ -36,7 +36,7 @@ from ..errors import ProtocolError, TooLarge
 from .operations import Operation, to_wire as operation_to_wire
 from .records import _CACHE_LIMIT, _short, build_checked, record_fields
 
-PROTOCOL_VERSION = 6  # 6: a live session moves between clouds (leave, handoff, arrive); 5: gradients a backward did not reach, gradient norms per parameter, operations by parameter name; 4: fields by position; 3: parameter groups and frozen parameters by name; 2: numbered requests, typed operations, welcome.limits (docs/wire.md)
+PROTOCOL_VERSION = 6  # 6: a live session moves between clouds (leave, handoff, arrive), the edge probes the link (probe, probed); 5: gradients a backward did not reach, gradient norms per parameter, operations by parameter name; 4: fields by position; 3: parameter groups and frozen parameters by name; 2: numbered requests, typed operations, welcome.limits (docs/wire.md)
 _ARRAY_EXT = 1
 MAX_DIMS = 8
 #: Most entries one list or map of a header may claim. msgpack allocates a container's slots as
@@ -266,10 +266,35 @@ class Pong(Message):
     TYPE: ClassVar[str] = "pong"
 
 
+@dataclass
+class Probe(Message):
+    """Edge → cloud, before its hello (``--codecs auto``): a measurement of the link.
+
+    ``pad`` (uint8, an array frame) travels up; with ``echo`` the cloud sends the same bytes back,
+    so the edge times each direction. No session is needed: the cloud answers every probe with a
+    ``probed`` naming the codecs its policy allows, and refuses a pad beyond its probe cap.
+    """
+
+    TYPE: ClassVar[str] = "probe"
+    pad: np.ndarray | None = None
+    echo: bool = False
+
+
+@dataclass
+class Probed(Message):
+    """Cloud → edge: a probe's answer; ``allowed`` maps a direction to the codec names its policy
+    accepts there (a direction not named accepts every registered codec)."""
+
+    TYPE: ClassVar[str] = "probed"
+    pad: np.ndarray | None = None
+    allowed: dict = field(default_factory=dict)
+
+
 MESSAGES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (Hello, Welcome, Redirect, Forward, Output, Backward, InputGrads, Sync, Ack, Error, Bye, Ping, Pong,
-                Leave, Handoff, Arrive)
+                Leave, Handoff, Arrive,
+                Probe, Probed)
 }
 
 #: Field names per message type, in declaration order (the order they are encoded in).
