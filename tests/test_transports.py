@@ -182,3 +182,22 @@ def test_wake_after_close_is_harmless_and_waiting_is_refused(wakeable):
     conn.wake()
     with pytest.raises(transports.TransportClosed):
         conn.wait_readable(0)
+
+
+def test_a_listener_woken_from_another_thread_ends_its_receive_even_one_that_starts_later(wakeable):
+    # A cloud's workers wake its serving thread when a job ends, so that thread can sleep in recv.
+    listener, conn = wakeable
+    assert listener.supports_wake
+    listener.wake()  # before the receive: it must not be missed
+    start = time.monotonic()
+    with pytest.raises(TransportTimeout, match="woken"):
+        listener.recv(timeout=30)
+    waker = threading.Timer(0.05, listener.wake)
+    waker.start()
+    with pytest.raises(TransportTimeout, match="woken"):
+        listener.recv(timeout=30)
+    waker.join()
+    assert time.monotonic() - start < 20  # woken, not timed out
+    conn.send([b"after"])  # and it still receives
+    _, frames = listener.recv(timeout=5)
+    assert [bytes(f) for f in frames] == [b"after"]

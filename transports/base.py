@@ -65,6 +65,8 @@ class Listener(ABC):
     """The cloud's end: many peers, each told apart by an opaque id."""
 
     address: str
+    #: Whether :meth:`wake` ends a waiting :meth:`recv` (else a receive waits out its timeout).
+    supports_wake: bool = False
 
     @abstractmethod
     def send(self, peer: PeerId, frames: Sequence[Frame]) -> int:
@@ -77,6 +79,13 @@ class Listener(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the socket. Safe to call twice."""
+
+    def wake(self) -> None:
+        """End a :meth:`recv` that waits in another thread now, with :class:`TransportTimeout`
+        (the next one, if none waits). Thread-safe. For a server whose worker threads finish work
+        the receiving thread must answer: it can sleep in :meth:`recv` instead of polling, which
+        on a small machine steals the cores those workers compute on. Here it does nothing: see
+        :attr:`supports_wake`."""
 
     def origin(self, peer: PeerId) -> str:
         """Who stands behind ``peer``: its authenticated key, else its network address, else ""

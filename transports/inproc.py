@@ -15,6 +15,7 @@ from .base import Connection, Frame, Listener, PeerId, message_nbytes
 from .errors import TransportClosed, TransportTimeout
 
 _CLOSED = object()
+_WAKE = object()  # wake(): ends a waiting recv
 
 
 def _copy(frames: Sequence[Frame]) -> list[memoryview]:
@@ -55,6 +56,8 @@ class _Mailbox:
 class InprocListener(Listener):
     """The cloud side. Edges get their end from :meth:`connect`."""
 
+    supports_wake = True
+
     _ids = itertools.count(1)
 
     def __init__(self, name: str = "inproc") -> None:
@@ -89,7 +92,12 @@ class InprocListener(Listener):
             raise TransportTimeout(f"no message on {self.address} within {timeout:.1f} s") from None
         if item is _CLOSED:
             raise TransportClosed("listener is closed")
+        if item is _WAKE:
+            raise TransportTimeout(f"woken on {self.address}")
         return item
+
+    def wake(self) -> None:
+        self._inbox.put(_WAKE)
 
     def close(self) -> None:
         if not self._closed:

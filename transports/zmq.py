@@ -330,6 +330,8 @@ class ZmqListener(Listener):
     reply, and its edge retries.
     """
 
+    supports_wake = True
+
     def __init__(self, address: str, *, context: zmq.Context | None = None, max_message_bytes: int = -1,
                  secret_key: bytes | None = None, allowed_keys: Collection[bytes] | None = None,
                  on_refused: Callable[[str], None] | None = None, heartbeat: float | None = 2.0) -> None:
@@ -376,6 +378,9 @@ class ZmqListener(Listener):
         self.address = address
         self._poller = zmq.Poller()  # kept: building one per receive costs more than the poll
         self._poller.register(self._sock, zmq.POLLIN)
+        self._wake_read, self._wake_write = os.pipe()  # wake() writes a byte: any thread may
+        os.set_blocking(self._wake_write, False)
+        self._poller.register(self._wake_read, zmq.POLLIN)
         self._origins: OrderedDict[PeerId, tuple[str, ...]] = OrderedDict()
         self._closed = False
 
@@ -403,7 +408,11 @@ class ZmqListener(Listener):
                 deadline = None if timeout is None else time.monotonic() + timeout
                 while peer is None:
                     left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    if self._poller.poll(_poll_ms(left)):
+                    ready = dict(self._poller.poll(_poll_ms(left)))
+                    if self._wake_read in ready:
+                        os.read(self._wake_read, 4096)
+                        raise TransportTimeout(f"woken on {self.address}")
+                    if ready:
                         peer = _recv_nowait(sock)
                     elif deadline is not None and time.monotonic() >= deadline:
                         raise TransportTimeout(f"no message on {self.address} within {timeout:.1f} s")
@@ -424,8 +433,17 @@ class ZmqListener(Listener):
     def origins(self, peer: PeerId) -> tuple[str, ...]:
         return self._origins.get(peer, ("",))
 
+    def wake(self) -> None:
+        try:
+            os.write(self._wake_write, b"w")
+        except (BlockingIOError, OSError):  # already woken (the pipe is full), or closed
+            pass
+
     def _release(self) -> None:
         self._sock.close(linger=0)
+        for fd in (getattr(self, "_wake_read", None), getattr(self, "_wake_write", None)):
+            if fd is not None:  # not yet made when the bind failed
+                os.close(fd)
         if self._auth is not None:
             self._auth.stop()
         if self._own_ctx:
