@@ -434,6 +434,8 @@ class ZmqListener(Listener):
         return self._origins.get(peer, ("",))
 
     def wake(self) -> None:
+        if self._closed:  # its pipe is closed, and the number may belong to another file now
+            return
         try:
             os.write(self._wake_write, b"w")
         except (BlockingIOError, OSError):  # already woken (the pipe is full), or closed
