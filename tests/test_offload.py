@@ -3,6 +3,9 @@ step with it offloaded is the step without, bit for bit."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import torch
 from torch import nn
 
@@ -17,9 +20,9 @@ def test_the_state_is_held_in_host_copies_between_steps_and_the_steps_are_unchan
     plain, offloaded = nn.Linear(32, 16), nn.Linear(32, 16)
     offloaded.load_state_dict(plain.state_dict())
     opt_a, opt_b = torch.optim.AdamW(plain.parameters(), lr=1e-2), torch.optim.AdamW(offloaded.parameters(), lr=1e-2)
-    during: list[int] = []
+    during: list[weakref.ref] = []  # the state the step computed on (addresses would be reused)
     opt_b.register_step_post_hook(lambda o, *_: during.extend(
-        v.data_ptr() for s in o.state.values() for k, v in s.items() if k != "step"))
+        weakref.ref(v) for s in o.state.values() for k, v in s.items() if k != "step"))
     for _ in range(3):
         x = torch.randn(8, 32)
         for model, opt, moved in ((plain, opt_a, False), (offloaded, opt_b, True)):
@@ -27,8 +30,9 @@ def test_the_state_is_held_in_host_copies_between_steps_and_the_steps_are_unchan
             model(x).square().mean().backward()
             with offload.stepping(opt, torch.device("cpu"), moved):
                 opt.step()
-        held = [v.data_ptr() for s in opt_b.state.values() for k, v in s.items() if k != "step"]
-        assert held and not set(held) & set(during[-len(held):])  # the step's copies were let go
+        held = [v for s in opt_b.state.values() for k, v in s.items() if k != "step"]
+        gc.collect()
+        assert held and all(r() is None for r in during[-len(held):])  # the step's copies were let go
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), offloaded.parameters()))
     for (sa, sb) in zip(opt_a.state.values(), opt_b.state.values()):
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
