@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ import splitft
 from splitft import Faults, Schedule
 from splitft.app.data import batches, load_digits
 from splitft.app.experiment import budgeted_score
+from splitft.app.launch import CloudStartError, start_cloud
 from splitft.app.models import digits_cnn
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,16 +42,10 @@ FACTORY, CUT = "splitft.app.models:digits_cnn", "block3"
 def cloud(extra: list[str]) -> tuple[subprocess.Popen, str]:
     ready = Path(tempfile.mkdtemp(prefix="splitft-adasplit-")) / "address"
     env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "splitft", "cloud", "--bind", "tcp://127.0.0.1:0", "--ready-file",
-                             str(ready), "--sessions", "0", "--model", FACTORY, *extra], cwd=ROOT, env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not (ready.exists() and ready.read_text()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit("the cloud process did not start")
-        time.sleep(0.05)
-    return proc, ready.read_text()
+    try:
+        return start_cloud([FACTORY], ready, flags=extra, sessions=0, start_timeout=120, quiet=True, env=env)
+    except CloudStartError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def cpu_seconds(pid: int) -> float:

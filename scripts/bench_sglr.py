@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -34,6 +33,7 @@ from torch import nn
 import splitft
 from splitft import Faults
 from splitft.app.data import Split, load_digits
+from splitft.app.launch import CloudStartError, start_cloud
 from splitft.app.models import digits_cnn
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,19 +55,13 @@ def shards(train: Split, edges: int, seed: int = 0) -> list[tuple[torch.Tensor, 
 def cloud(edges: int, lr: float, extra: list[str], timeout: float) -> tuple[subprocess.Popen, str]:
     """A real cloud process serving the shared half in rounds of ``edges``."""
     ready = Path(tempfile.mkdtemp(prefix="splitft-sglr-")) / "address"
-    cmd = [sys.executable, "-m", "splitft", "cloud", "--bind", "tcp://127.0.0.1:0", "--ready-file", str(ready),
-           "--sessions", "0", "--model", FACTORY, "--shared-model", "--sync-rounds", str(edges),
-           "--round-timeout", str(timeout), "--shared-optimizer", f'SGD:{{"lr": {lr}, "momentum": 0.9}}', *extra]
+    flags = ["--shared-model", "--sync-rounds", str(edges), "--round-timeout", str(timeout),
+             "--shared-optimizer", f'SGD:{{"lr": {lr}, "momentum": 0.9}}', *extra]
     env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not (ready.exists() and ready.read_text()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit("the cloud process did not start")
-        time.sleep(0.05)
-    return proc, ready.read_text()
+    try:
+        return start_cloud([FACTORY], ready, flags=flags, sessions=0, start_timeout=120, quiet=True, env=env)
+    except CloudStartError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def edge(address: str, data: tuple[torch.Tensor, torch.Tensor], args: argparse.Namespace, seed: int,

@@ -25,6 +25,36 @@ class CloudStartError(SplitFTError):
     """The cloud process did not come up."""
 
 
+def start_cloud(models: Iterable[str], ready: Path, *, flags: Iterable[str] = (), sessions: int = 1,
+                device: str | None = None, start_timeout: float = 60.0, quiet: bool = False,
+                env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """Start ``splitft cloud`` on a free port of 127.0.0.1 with ``flags`` and wait until it listens.
+
+    Returns the process (the caller stops it; it runs in a session of its own) and its address,
+    which it writes to ``ready``. Raises :class:`CloudStartError` if it exits or does not listen
+    within ``start_timeout`` seconds. :func:`local_cloud` is this within a ``with`` block.
+    """
+    cmd = [sys.executable, "-m", "splitft", "cloud", "--bind", "tcp://127.0.0.1:0", "--sessions", str(sessions),
+           "--ready-file", str(ready)]
+    for model in models:
+        cmd += ["--model", model]
+    if device is not None:
+        cmd += ["--device", device]
+    proc = subprocess.Popen([*cmd, *flags], start_new_session=True, env=os.environ.copy() if env is None else env,
+                            stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL if quiet else None)
+    deadline = time.monotonic() + start_timeout
+    while not ready.exists() or not ready.read_text():
+        if proc.poll() is not None:
+            raise CloudStartError(f"the cloud process exited early (code {proc.returncode})")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise CloudStartError(f"the cloud process did not start within {start_timeout:g} s")
+        time.sleep(0.05)
+    address = ready.read_text()
+    log.info("cloud process %d listening on %s", proc.pid, address)
+    return proc, address
+
+
 @contextlib.contextmanager
 def local_cloud(models: Iterable[str], *, sessions: int = 1, start_timeout: float = 60.0,
                 exit_timeout: float = 10.0, quiet: bool = False, device: str | None = None) -> Iterator[str]:
@@ -38,25 +68,9 @@ def local_cloud(models: Iterable[str], *, sessions: int = 1, start_timeout: floa
     when there is one).
     """
     with tempfile.TemporaryDirectory(prefix="splitft-cloud-") as tmp:
-        ready = Path(tmp) / "address"
-        cmd = [sys.executable, "-m", "splitft", "cloud", "--bind", "tcp://127.0.0.1:0", "--sessions", str(sessions),
-               "--ready-file", str(ready)]
-        for model in models:
-            cmd += ["--model", model]
-        if device is not None:
-            cmd += ["--device", device]
-        proc = subprocess.Popen(cmd, start_new_session=True, env=os.environ.copy(), stdin=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL if quiet else None)
+        proc, address = start_cloud(models, Path(tmp) / "address", sessions=sessions, device=device,
+                                    start_timeout=start_timeout, quiet=quiet)
         try:
-            deadline = time.monotonic() + start_timeout
-            while not ready.exists() or not ready.read_text():
-                if proc.poll() is not None:
-                    raise CloudStartError(f"the cloud process exited early (code {proc.returncode})")
-                if time.monotonic() > deadline:
-                    raise CloudStartError(f"the cloud process did not start within {start_timeout:g} s")
-                time.sleep(0.05)
-            address = ready.read_text()
-            log.info("cloud process %d listening on %s", proc.pid, address)
             yield address
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=exit_timeout)
@@ -70,4 +84,4 @@ def local_cloud(models: Iterable[str], *, sessions: int = 1, start_timeout: floa
                     proc.wait(timeout=5)
 
 
-__all__ = ["CloudStartError", "local_cloud"]
+__all__ = ["CloudStartError", "local_cloud", "start_cloud"]
