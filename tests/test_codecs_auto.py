@@ -128,3 +128,32 @@ def test_an_open_connection_is_probed_then_used_for_the_session(cloud):
     connection = transports.connect(cloud)
     with split(digits_cnn(), "block3", factory=DIGITS, connect=connection, codecs=Codecs("auto")) as model:
         assert model.session.session_id and model.metrics.notes["codecs_auto"]["rtt_ms"] < 50
+
+
+def test_a_resumed_session_keeps_the_codecs_it_was_saved_with(tmp_path):
+    """Saved on a slow link (compressing codecs), resumed on loopback: a new measurement would pick
+    lossless codecs, the handshake's identity check would refuse them, and a run that went on with
+    them would diverge from the one interrupted. The checkpoint's codecs are used instead."""
+    proc, address, _ = start_cloud(tmp_path, "--sessions", "0", "--model", DIGITS,
+                                   "--checkpoint-dir", str(tmp_path / "ck"))
+    x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
+    try:
+        first = _auto(address, SLOW)
+        saved = dict(first.session.codecs.specs)
+        assert saved["fwd"] != "identity", saved
+        opt = first.attach(torch.optim.SGD(first.parameters(), lr=0.1))
+        first.remote_loss(torch.nn.CrossEntropyLoss())(first(x), y).backward()
+        opt.step()
+        first.save_checkpoint(tmp_path / "edge")
+        first.session.drop()
+        with split(digits_cnn(), "block3", factory=DIGITS, connect=address, codecs=Codecs("auto"),
+                   resume_from=tmp_path / "edge") as second:
+            assert second.session.codecs.specs == saved and second.stage.step == 1
+            opt = second.attach(torch.optim.SGD(second.parameters(), lr=0.1))
+            second.remote_loss(torch.nn.CrossEntropyLoss())(second(x), y).backward()
+            opt.step()
+        with pytest.raises(ConfigError, match="different model, cut, codecs"):  # a named direction still checked
+            split(digits_cnn(), "block3", factory=DIGITS, connect=address, codecs=Codecs("auto", bwd="identity"),
+                  resume_from=tmp_path / "edge")
+    finally:
+        stop(proc)

@@ -67,7 +67,9 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
     spec = parse_cut(model, cut, rejoin)
     saved = resume.read(resume_from) if resume_from is not None else None
     choice = None
-    if codecs.auto:  # measured on a connection of its own, before the hello names the codecs
+    if codecs.auto and saved is not None:  # a resumed session goes on with the codecs it was saved with
+        codecs = resume.saved_codecs(codecs, saved[1])
+    elif codecs.auto:  # measured on a connection of its own, before the hello names the codecs
         codecs, choice = _auto(link, codecs, faults)
     hello = hello_for(model, spec, factory, codecs, push=saved is None)
     if saved is not None:

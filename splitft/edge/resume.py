@@ -17,12 +17,13 @@ import json
 import os
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
 
 from ..errors import CheckpointError, ConfigError
+from ..options import Codecs
 from ..state_files import read_checkpoint, write_checkpoint
 from ..wire.coding import SlotCodecs
 from ..wire.protocol import Hello
@@ -30,6 +31,8 @@ from ..wire.protocol import Hello
 # What a resumed session must agree on with the one it continues (the cloud checks the same).
 IDENTITY = ("factory", "factory_kwargs", "cut", "rejoin", "fingerprint", "codecs", "seed")
 _NEEDED = ("session", "token", "seq", "step", "optimizer_id", "hello")
+#: The directions a hello names a codec for, the forward one first.
+_DIRECTIONS = ("fwd", "bwd", "ret", "ret_bwd")
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,17 @@ def check_identity(hello: Hello, meta: dict[str, Any], path: str | os.PathLike |
     if meta["hello"] != json.loads(json.dumps(identity)):
         raise ConfigError(f"the edge checkpoint {path} was written for a different model, cut, codecs or "
                           "seed than this split() asks for")
+
+
+def saved_codecs(codecs: Codecs, meta: dict[str, Any]) -> Codecs:
+    """``Codecs("auto")`` resumed: the directions it leaves open take the codecs the checkpoint was
+    written with, not a new measurement of the link, which may choose others and so diverge from
+    the run that was interrupted (named directions are kept and checked like any others)."""
+    saved = meta["hello"].get("codecs")
+    if not isinstance(saved, dict) or any(not isinstance(saved.get(k), str) for k in _DIRECTIONS):
+        raise CheckpointError("the edge checkpoint does not name its codecs; name them (--fwd/--bwd)")
+    return replace(codecs, fwd=saved["fwd"], **{k: saved[k] if getattr(codecs, k) is None else getattr(codecs, k)
+                                                 for k in _DIRECTIONS[1:]})
 
 
 def resume_point(meta: dict[str, Any]) -> ResumePoint:
