@@ -22,6 +22,7 @@ from splitft.errors import CapacityError
 from splitft.wire import protocol
 from splitft.wire.protocol import Arrive, Error, Handoff, Leave, Welcome
 from tests.conftest import start_cloud, stop
+from tests.faulty import FaultyConnection, message_type
 from tests.models import mlp
 
 MLP = "tests.models:mlp"
@@ -43,8 +44,15 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(16, 12, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(STEPS)]
 
 
-def _train(address: str, move_to: str | None = None, codecs: str = "identity") -> tuple[dict, dict, str | None]:
-    model = splitft.split(mlp(), 2, factory=MLP, connect=address, codecs=codecs, faults=Faults(timeout=30))
+def _train(address: str, move_to: str | None = None, codecs: str = "identity",
+           lose_handoff: bool = False) -> tuple[dict, dict, str | None]:
+    model = splitft.split(mlp(), 2, factory=MLP, connect=address, codecs=codecs,
+                          faults=Faults(timeout=3 if lose_handoff else 30))
+    if lose_handoff:  # the first handoff never reaches the edge; a new link (the session's reconnect) is clean
+        lost = []
+        model.session.connection = FaultyConnection(
+            model.session.connection, on_recv=lambda frames: lost or message_type(frames) != "handoff"
+            or lost.append(1))
     opt = model.attach(torch.optim.Adam(model.parameters(), lr=0.01))
     crit = model.remote_loss(nn.CrossEntropyLoss())
     try:
@@ -84,12 +92,45 @@ def test_a_session_moved_mid_training_ends_with_the_weights_of_one_that_never_mo
     _equal(moved_cloud, cloud)  # weights, and Adam's moments and step count, travelled
 
 
+def test_a_handoff_lost_on_the_way_is_asked_for_again_and_nothing_is_lost(clouds):
+    (a, a_log), (b, b_log), _ = clouds
+    edge, cloud, _ = _train(a)
+    moved_edge, moved_cloud, sid = _train(a, move_to=b, lose_handoff=True)
+    assert _moved_here(b_log, sid) and f"session {sid} ended after {MOVE_AT} steps: moved to another cloud" in a_log.text
+    _equal(moved_edge, edge)
+    _equal(moved_cloud, cloud)
+
+
+def test_a_session_comes_back_to_a_cloud_that_never_heard_its_goodbye(clouds):
+    (a, a_log), (b, _), _ = clouds
+    edge, cloud, _ = _train(a)
+    model = splitft.split(mlp(), 2, factory=MLP, connect=a, faults=Faults(timeout=30))
+    # the goodbye to A after the move is lost: A still holds the session when it comes back
+    model.session.connection = FaultyConnection(model.session.connection,
+                                                on_send=lambda frames: 0 if message_type(frames) == "bye" else 1)
+    opt = model.attach(torch.optim.Adam(model.parameters(), lr=0.01))
+    crit = model.remote_loss(nn.CrossEntropyLoss())
+    try:
+        for step, (x, y) in enumerate(_batches(), 1):
+            ids = torch.arange(16) + 16 * (step % 2)
+            crit(model(x, sample_ids=ids), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if step in (MOVE_AT, MOVE_AT + 2):
+                model.move_to(b if step == MOVE_AT else a)
+        _equal(model.edge_state_dict(), edge)
+        _equal(model.cloud_state_dict(), cloud)
+    finally:
+        model.close()
+    assert f"session {model.session.session_id} ended after {MOVE_AT} steps: it moved away and came back" in a_log.text
+
+
 def test_a_cloud_that_refuses_the_state_leaves_the_session_where_it_was(clouds):
     (a, _), _, (small, _) = clouds
     edge, cloud, _ = _train(a)
     with pytest.raises(CapacityError, match="--max-move-mb"):
         _train(a, move_to=small)
-    # the refusal sent the session back to A; a run that carries on after it still matches
+    # the session stayed on A; a run that carries on after the refusal still matches
     model = splitft.split(mlp(), 2, factory=MLP, connect=a, faults=Faults(timeout=30))
     opt = model.attach(torch.optim.Adam(model.parameters(), lr=0.01))
     crit = model.remote_loss(nn.CrossEntropyLoss())

@@ -5,16 +5,19 @@ No folder is shared: the state travels through the edge, which holds the session
 - **Leaving** (``leave``, answered with a ``handoff``): the cloud holding the session answers with
   its snapshot, the same a checkpoint holds (:func:`.snapshots.snapshot`: the half's weights and
   gradients, the optimizer's state, the step count, the codecs' and generators' state), as arrays
-  and a tree of plain values (no code), with a MAC over all of it keyed by the session's token;
-  then it ends the session.
+  and a tree of plain values (no code), with a MAC over all of it keyed by the session's token.
+  The session stays, unchanged, until the edge says goodbye once the other cloud has taken it: a
+  handoff lost on the way is asked for again (the same request, answered anew while nothing came
+  after it), and a session the other cloud refuses simply goes on here.
 - **Arriving** (``arrive``: the session's hello, its resume filled in, and the handoff's state):
   the other cloud checks, before it builds anything, that the state's arrays are at most
   ``max_move_bytes`` (``--max-move-mb``) and the session memory budget, that the state is that
   session's (its meta names the hello's session and token, and the MAC, keyed by the token the
-  hello presents, matches), that no live session here has that id, and that it has room for a
-  session (admission, as for a hello); the hello itself is checked as any (version, model,
-  codecs within policy). The session is then rebuilt like one restored from a checkpoint, as a
-  priced job, and the edge welcomed at the request and step it left at.
+  hello presents, matches), that a live session here with that id, if any, has that token and no
+  request under way, and that it has room for a session (admission, as for a hello); the hello
+  itself is checked as any (version, model, codecs within policy). The session is then rebuilt like one restored from a checkpoint, as a
+  priced job, and the edge welcomed at the request and step it left at. A session coming back to
+  a cloud that still holds it (its goodbye was lost) replaces the copy left here.
 
 Only what the edge could set anyway travels: the half is its own session's copy (a shared half
 does not move), so a state that does not fit the model is a :class:`~splitft.errors.CheckpointError`,
@@ -36,7 +39,7 @@ import torch
 
 from ..errors import CapacityError, CheckpointError, ProtocolError, ResumeError
 from ..state_files import flatten_state, unflatten_state
-from ..wire.protocol import Arrive, Handoff, Hello, Leave
+from ..wire.protocol import Arrive, Handoff, Hello, Leave, Message
 from ..wire.records import build_checked
 from .blame import blame, short
 from .build import hello_identity
@@ -62,9 +65,15 @@ def mac(token: str, meta: dict, skeleton: Any, arrays: dict[str, np.ndarray]) ->
     return digest.hexdigest()
 
 
-def leave(session: CloudSession, msg: Leave, end: Callable[[], None]) -> Job:
+def asked_again(msg: Message, last_seq: int) -> bool:
+    """Whether ``msg`` repeats the session's last request and is a ``leave``: answered anew rather
+    than from the reply cache, which may not have room for a whole state (nothing changed since)."""
+    return isinstance(msg, Leave) and msg.seq == last_seq
+
+
+def leave(session: CloudSession, msg: Leave) -> Job:
     """The session's state for the cloud it moves to, as a priced job (its hashing is linear in the
-    state, so a large one runs on a worker); ``end`` ends the session here once the state is taken."""
+    state, so a large one runs on a worker); the session stays here until the edge's goodbye."""
     def work() -> Handoff:
         tree, meta = snapshot(session)
         meta["seq"] = msg.seq  # the new cloud goes on after this request
@@ -79,9 +88,9 @@ def leave(session: CloudSession, msg: Leave, end: Callable[[], None]) -> Job:
                               "mac": mac(session.token, meta, skeleton, arrays)})
 
     def then(handoff: Handoff) -> Handoff:
-        end()
-        log.info("session %s left for another cloud at request %d (step %d), %s of state", session.id, msg.seq,
-                 handoff.state["meta"]["steps"], mib(sum(a.nbytes for a in handoff.state["tensors"].values())))
+        log.info("session %s handed over its state to move at request %d (step %d), %s; it stays here until the "
+                 "edge says goodbye", session.id, msg.seq, handoff.state["meta"]["steps"],
+                 mib(sum(a.nbytes for a in handoff.state["tensors"].values())))
         return handoff
 
     return Job(session.id, session.seat.origin, Price(checkpoint_bytes=session.held_bytes()), work=work, then=then,
@@ -101,7 +110,8 @@ def arrive(server: Sessions, peer: bytes, msg: Arrive, welcome: Callable[[Hello,
         raise ResumeError(f"this state is not session {sid}'s: its token or MAC does not match the hello's token")
     if meta.get("hello") != json.loads(json.dumps(hello_identity(hello))):
         raise ResumeError(f"session {sid}'s state serves a different model, cut or codecs than this hello asks for")
-    if sid in server.by_id:
+    stale = server.by_id.get(sid)  # the session left here before and its goodbye was lost: the state is newer
+    if stale is not None and (server.jobs.busy(sid) or not hmac.compare_digest(stale.token, token)):
         raise ResumeError(f"session {sid} is already live on this cloud; resume it with a hello instead")
     for key in _NUMBERS:
         if not (isinstance(meta.get(key), int) and not isinstance(meta[key], bool) and meta[key] >= 0):
@@ -120,6 +130,8 @@ def arrive(server: Sessions, peer: bytes, msg: Arrive, welcome: Callable[[Hello,
         return session
 
     def bind(session: CloudSession) -> CloudSession:
+        if stale is not None and server.by_id.get(sid) is stale:
+            server.forget(stale, f"ended after {stale.mirrored.steps} steps: it moved away and came back")
         server.bind(peer, session)
         server.event(f"session {sid} moved here from another cloud at request {session.replies.last_seq} "
                      f"(step {session.mirrored.steps}, {mib(nbytes)} of state)")
@@ -163,4 +175,4 @@ def _check_optimizer_state(session: CloudSession) -> None:
                                       f"parameter {list(param.shape)}")
 
 
-__all__ = ["arrive", "leave", "mac"]
+__all__ = ["arrive", "asked_again", "leave", "mac"]

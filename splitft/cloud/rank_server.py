@@ -84,10 +84,10 @@ class RankServer(CloudServer):
         super().bind(peer, session)
         self.group.claim(session.id)
 
-    def _forget(self, session: CloudSession, text: str, discard: bool = True) -> None:
+    def forget(self, session: CloudSession, text: str, discard: bool = True) -> None:
         mine = self.group.owns(session.id)
         ended = self.ended
-        super()._forget(session, text, discard and mine)
+        super().forget(session, text, discard and mine)
         if not mine:
             self.ended = ended  # another rank holds it now and will count it
             return

@@ -179,7 +179,7 @@ class CloudServer:
             if seq < 0:
                 raise ProtocolError(f"request seq must be >= 0, got {seq}")
             if seq and session is not None and msg.NUMBERED:
-                if not session.replies.is_new(seq):
+                if not session.replies.is_new(seq) and not moves.asked_again(msg, session.replies.last_seq):
                     self.send(peer, *session.replies.again(seq))
                     return
                 numbered = True
@@ -337,7 +337,7 @@ class CloudServer:
 
     @answers(Leave)
     def _on_leave(self, peer: bytes, msg: Leave, seq: int) -> Job:
-        return moves.leave(self._session_of(peer, msg), msg, lambda: self._end(peer, "moved to another cloud"))
+        return moves.leave(self._session_of(peer, msg), msg)
 
     @answers(Arrive)
     def _on_arrive(self, peer: bytes, msg: Arrive, seq: int) -> Job:
@@ -421,9 +421,9 @@ class CloudServer:
     def _end(self, peer: bytes, reason: str, discard: bool = True) -> None:
         session = self.sessions.pop(peer, None)
         if session is not None:
-            self._forget(session, f"ended after {session.mirrored.steps} steps: {reason}", discard)
+            self.forget(session, f"ended after {session.mirrored.steps} steps: {reason}", discard)
 
-    def _forget(self, session: CloudSession, text: str, discard: bool = True) -> None:
+    def forget(self, session: CloudSession, text: str, discard: bool = True) -> None:
         """Free a session; with ``discard`` its regular checkpoints go too (a pinned one stays)."""
         replies = session.replies
         self.finished.append({"session": session.id, "steps": session.mirrored.steps, "requests": replies.last_seq,
@@ -451,7 +451,7 @@ class CloudServer:
         if (session := self.by_id.get(session_id)) is None:
             self.admission.forget(session_id)
             return
-        self._forget(session, text)
+        self.forget(session, text)
 
     def expire(self, now: float | None = None) -> None:
         """Free sessions that heard nothing for ``limits.session_timeout`` (checked once a second)."""
@@ -467,9 +467,9 @@ class CloudServer:
                 continue  # working for its edge: not idle
             idle = now - session.seat.last_seen
             if idle > self.limits.session_timeout:
-                self._forget(session, f"expired after {idle:.0f} s without a message")
+                self.forget(session, f"expired after {idle:.0f} s without a message")
             elif not self.admission.trained(session.id) and idle > self.limits.handshake_timeout:
-                self._forget(session, f"freed: no request for {idle:.0f} s after its hello")
+                self.forget(session, f"freed: no request for {idle:.0f} s after its hello")
 
     def resumable(self) -> set[str] | None:
         """The sessions whose regular checkpoints must stay: those alive here (None: the folder

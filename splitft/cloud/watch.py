@@ -121,7 +121,7 @@ def watch(server: Any) -> Watch:
     w = Watch(server)
     for kind, handler in list(server.answers.items()):
         server.answers[kind] = _dispatching(w, handler, kind.TYPE)
-    send, error, bind, forget = server.send, server._error, server.bind, server._forget
+    send, error, bind, forget = server.send, server._error, server.bind, server.forget
 
     waiting, latency, clock = w._waiting, w.latency, time.perf_counter
 
@@ -144,7 +144,7 @@ def watch(server: Any) -> Watch:
         w.forgotten(session)
         forget(session, text, discard)
 
-    server.send, server._error, server.bind, server._forget = replied, refused, bound, forgotten
+    server.send, server._error, server.bind, server.forget = replied, refused, bound, forgotten
     for session in list(server.by_id.values()):
         w.bound(session)
     return w

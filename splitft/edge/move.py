@@ -9,8 +9,11 @@ as if it had not moved. The edge's own half and codecs do not change. Later faul
 the new cloud. No folder is shared: the state travels through the edge, which holds the token
 that authenticates it (:mod:`splitft.cloud.moves`).
 
-If the other cloud refuses the session (its policy, its size, no room), the state goes back to
-the first cloud the same way, and the error is raised: the session is where it was.
+The first cloud keeps the session, unchanged, until the other has taken it; then the edge says
+goodbye there. So a handoff lost on the way is asked for again on a new link (as any lost reply),
+and if the other cloud refuses the session (its policy, its size, no room) the error is raised
+and the session goes on where it was. A goodbye that does not arrive leaves the first cloud a
+session nobody uses, which it frees when it has been idle too long.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from ..metrics import Metrics
 from ..errors import ConfigError, HandshakeError, SplitFTError, from_code, translated
 from ..wire import protocol
 from ..wire.coding import Traffic
-from ..wire.protocol import Arrive, Error, Handoff, Hello, Leave, Welcome
+from ..wire.protocol import Ack, Arrive, Bye, Error, Handoff, Hello, Leave, Welcome
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +75,12 @@ def move(session: Moving, step: int, address: str,
             connection = follow(address)
         welcome = _arrive(connection, arrive, session.timeout, session.metrics)
     except (SplitFTError, transports.TransportError) as exc:
-        log.warning("the cloud at %s did not take session %s (%s); it goes back where it was", address,
+        log.warning("the cloud at %s did not take session %s (%s); it goes on where it was", address,
                     session.session_id, exc)
-        _arrive(session.connection, arrive, session.timeout, session.metrics)
         raise
-    old = session.connection
+    old, seq = session.connection, session.last_seq
     session.moved(connection, welcome, lambda: follow(address))
+    _goodbye(old, seq + 1, min(session.timeout, 5.0), session.metrics)
     old.close()
     log.info("session %s moved to %s at request %d (step %d) in %.3f s", session.session_id, address, welcome.seq,
              welcome.steps, time.monotonic() - started)
@@ -91,6 +94,23 @@ def _resume_hello(session: Moving, step: int) -> Hello:
     return Hello(**{**vars(hello), "weights": None, "value_hash": None,
                     "resume": {"session": session.session_id, "token": session.token, "step": step, "seq": seq,
                                "log_from": seq + 1}})
+
+
+def _goodbye(connection: transports.Connection, seq: int, timeout: float, metrics: Metrics) -> None:
+    """End the session at the cloud it left, which kept it until now; one try (if it is lost, that
+    cloud frees the idle session in its own time)."""
+    deadline = time.monotonic() + timeout
+    try:
+        with translated():
+            metrics.count("up", "control", wire=connection.send(protocol.encode(
+                Bye(reason="moved to another cloud", seq=seq))))
+            reply = None
+            while not isinstance(reply, (Ack, Error)):  # a heartbeat's pong may come first
+                reply = protocol.decode(connection.recv(max(0.0, deadline - time.monotonic())))
+        if isinstance(reply, Error):
+            log.info("the cloud the session left answered its goodbye with %s: %s", reply.code, reply.message)
+    except (SplitFTError, transports.TransportError) as exc:
+        log.info("the cloud the session left did not confirm its goodbye (%s); it frees the session when idle", exc)
 
 
 def _arrive(connection: transports.Connection, arrive: Arrive, timeout: float, metrics: Metrics) -> Welcome:
