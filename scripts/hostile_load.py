@@ -69,6 +69,7 @@ import splitft  # noqa: E402
 import transports  # noqa: E402
 from splitft.wire import protocol  # noqa: E402
 from splitft.app.cli import main as cli  # noqa: E402
+from splitft.app.launch import CloudStartError, start_cloud  # noqa: E402
 from splitft.cut import extract, fingerprint, parse_cut  # noqa: E402
 from splitft.app.models import tiny_mlp  # noqa: E402
 from splitft.wire.protocol import Backward, Bye, Forward, Ping, Sync, payload_to_wire  # noqa: E402
@@ -87,20 +88,12 @@ SHARED = ["--shared-model", "--sync-rounds", "2", "--round-timeout", "30", "--sh
 
 
 def _start_cloud(folder: Path, *extra: str) -> tuple[subprocess.Popen, str]:
-    ready = folder / f"address-{time.monotonic_ns()}"
-    cmd = [sys.executable, "-m", "splitft", "cloud", "--bind", "tcp://127.0.0.1:0", "--sessions", "0",
-           "--model", FACTORY, "--ready-file", str(ready), *extra]
-    for flag, value in BUDGETS.items():
-        cmd += [flag, value]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=os.environ | {"OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + 60
-    while not (ready.exists() and ready.read_text()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit("the cloud process did not start")
-        time.sleep(0.05)
-    return proc, ready.read_text()
+    flags = [*extra, *(part for flag, value in BUDGETS.items() for part in (flag, value))]
+    try:
+        return start_cloud([FACTORY], folder / f"address-{time.monotonic_ns()}", flags=flags, sessions=0,
+                           quiet=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    except CloudStartError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def _memory(pid: int, field: str = "VmRSS") -> int:
