@@ -15,9 +15,10 @@ No folder is shared: the state travels through the edge, which holds the session
   session's (its meta names the hello's session and token, and the MAC, keyed by the token the
   hello presents, matches), that a live session here with that id, if any, has that token and no
   request under way, and that it has room for a session (admission, as for a hello); the hello
-  itself is checked as any (version, model, codecs within policy). The session is then rebuilt like one restored from a checkpoint, as a
-  priced job, and the edge welcomed at the request and step it left at. A session coming back to
-  a cloud that still holds it (its goodbye was lost) replaces the copy left here.
+  itself is checked as any (version, model, codecs within policy). The session is then rebuilt
+  like one restored from a checkpoint, as a priced job, and the edge welcomed at the request and
+  step it left at. A session coming back to a cloud that still holds it (its goodbye was lost)
+  replaces the copy left here.
 
 Only what the edge could set anyway travels: the half is its own session's copy (a shared half
 does not move), so a state that does not fit the model is a :class:`~splitft.errors.CheckpointError`,
