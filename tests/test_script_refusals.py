@@ -70,6 +70,14 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
     "a parameter group added after the first step": (
         lambda model, net, opt: (opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)]}), opt.step()),
         ConfigError, r"parameter groups changed"),
+    "optimizer state cleared (a reset of every moment)": (
+        lambda model, net, opt: (opt.state.clear(), opt.step()), ConfigError, r"state was reset"),
+    "optimizer state written for a cloud parameter": (
+        lambda model, net, opt: (opt.state[net[2].weight].update(momentum_buffer=torch.zeros(net[2].weight.shape)),
+                                 opt.step()), ConfigError, r"written for a cloud parameter"),
+    "a learning rate set as a tensor": (
+        lambda model, net, opt: (opt.param_groups[0].update(lr=torch.tensor(0.05)), opt.step()), ConfigError,
+        r"lr is a tensor"),
     "optimizer state saved and loaded back": (
         lambda model, net, opt: opt.load_state_dict(opt.state_dict()), ConfigError, r"save_checkpoint"),
     "a copy of the model for an EMA": (lambda model, net, opt: copy.deepcopy(model), ConfigError, r"EMA"),

@@ -136,10 +136,16 @@ class OptimizerMirror:
         self.settings = optimizer_settings(optimizer)
         self.members = _members(optimizer)
         self.sent = self._group_settings()
+        self._stepping = self.sent  # the groups' settings of the step under way, read before it runs
+        # The optimizer's state as the last step left it: a script that resets it is caught
+        # before the next step (the cloud's copy keeps the cloud half's state).
+        self._state: Any = optimizer.state
+        self._entries = len(optimizer.state)
 
     def attached(self, op_id: int) -> None:
         """Build the cloud's copy, as attachment ``op_id`` (the cloud builds each id once)."""
         optimizer, cloud_names = self.optimizer, self.model.cloud_half.names_by_id
+        self._state, self._entries = optimizer.state, len(optimizer.state)  # as loaded from a checkpoint
         groups = [{"names": [cloud_names[id(p)] for p in group["params"] if id(p) in cloud_names],
                    "settings": settings} for group, settings in zip(optimizer.param_groups, self.sent)]
         # The common case, one group of every cloud parameter, goes as small as it did before groups.
@@ -152,7 +158,11 @@ class OptimizerMirror:
         for group in self.optimizer.param_groups:
             settings = {}
             for key in self.settings:
-                value = _plain(_scalar(group.get(key)))
+                if isinstance(group.get(key), torch.Tensor):
+                    raise ConfigError(f"{type(self.optimizer).__name__}'s {key} is a tensor: torch steps with it in "
+                                      "the tensor's own precision, which the cloud's copy would not repeat bit for "
+                                      f"bit; set it as a Python number (group[{key!r}] = float(value))")
+                value = _plain(group.get(key))
                 if value is _NOT_PLAIN:
                     raise ConfigError(f"{type(self.optimizer).__name__}'s {key} is {group.get(key)!r}; a split model "
                                       "mirrors plain numbers and flags, not this")
@@ -166,12 +176,32 @@ class OptimizerMirror:
             raise ConfigError(f"{type(self.optimizer).__name__}'s parameter groups changed since it was attached "
                               "(add_param_group, or a group's params list edited); a split model mirrors the groups "
                               "it was attached with: build a new optimizer and attach it")
+        if self.optimizer.state is not self._state or len(self.optimizer.state) != self._entries:
+            self._check_state()
+        self._stepping = self._group_settings()  # refused now, if it cannot be sent, not after the step
         self.model.cloud_half.hidden = True
+
+    def _check_state(self) -> None:
+        """The script changed the optimizer's state since the last step: fine for the edge's own
+        parameters' entries, but state written for a cloud parameter, or entries cleared (a reset,
+        which unsplit would reset the cloud half's moments too), cannot be repeated in the cloud."""
+        state, owns = self.optimizer.state, self.model.cloud_half.owns
+        name = type(self.optimizer).__name__
+        if any(entry for param, entry in state.items() if owns(param)):
+            raise ConfigError(f"{name}'s state was written for a cloud parameter; the cloud's copy of the optimizer "
+                              "keeps the cloud half's state, which the edge cannot set")
+        if state is not self._state or len(state) < self._entries:
+            raise ConfigError(f"{name}'s state was reset since its last step (opt.state cleared or replaced, or "
+                              "load_state_dict); the cloud's copy keeps the cloud half's moments, so the halves would "
+                              "step differently. A split model cannot reset them: train on, or restart from a "
+                              "checkpoint (model.save_checkpoint / resume_from=)")
+        self._entries = len(state)
 
     def after_step(self) -> None:
         model = self.model
         model.cloud_half.hidden = False
-        now = self._group_settings()
+        now = self._stepping
+        self._state, self._entries = self.optimizer.state, len(self.optimizer.state)
         lrs: list[Any] = [group.get("lr") for group in now]
         changes = [{k: v for k, v in group.items() if k != "lr" and v != before.get(k)}
                    for group, before in zip(now, self.sent)]
@@ -189,13 +219,6 @@ class OptimizerMirror:
 
 def _members(optimizer: torch.optim.Optimizer) -> list[tuple[int, ...]]:
     return [tuple(map(id, group["params"])) for group in optimizer.param_groups]
-
-
-def _scalar(value: Any) -> Any:
-    """A one-element tensor setting (a tensor learning rate) as a number."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
-    return value
 
 
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
