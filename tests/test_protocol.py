@@ -165,9 +165,10 @@ def test_a_remembered_array_reference_still_checks_its_frame():
 
 
 def test_a_body_that_passed_does_not_let_other_types_through():
-    ok = msgpack.packb([V, "backward", 1, [], [], 2])
+    ok = msgpack.packb([V, "backward", 1, [], [], 2, True])
     assert protocol.decode([ok]) == protocol.Backward(call=1, grads=[], seq=2)
-    for fields in ([True, [], [], 2], [1, {}, [], 2], [1, [], [], 2.0], [1, [], [], 2, 2], [1, [], []]):
+    for fields in ([True, [], [], 2, True], [1, {}, [], 2, True], [1, [], [], 2.0, True], [1, [], [], 2, 1],
+                   [1, [], [], 2, True, 2], [1, [], [], 2]):
         with pytest.raises(ProtocolError):
             protocol.decode([msgpack.packb([V, "backward", *fields])])
 

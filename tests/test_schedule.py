@@ -40,7 +40,7 @@ class Recorder:
             part.eager_grads = ([], [])
         return [out]
 
-    def send_backward(self, call, part, grads, ops):
+    def send_backward(self, call, part, grads, ops, params=True):
         self.events.append(("backward", part.id, grads[0].shape[0], list(ops)))
         part.grad = grads[0]
 

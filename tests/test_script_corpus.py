@@ -233,11 +233,30 @@ def loads_a_cloud_layer_by_hand_mid_training(model, net, crit, data):
         opt.step()
 
 
+def edge_gradients_alone_by_autograd_grad_and_restricted_backward(model, net, crit, data):
+    """The first layer's gradient read with ``autograd.grad`` (a probe: nothing accumulates), and on
+    odd steps a backward restricted to it with ``inputs=`` (the rest keep last step's gradients),
+    no ``zero_grad`` between: the cloud half's parameters must accumulate exactly as unsplit."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    first = list(net[0].parameters())
+    norms = []
+    for i, (x, y) in enumerate(data):
+        grads = torch.autograd.grad(crit(model(x), y), first)
+        norms.append(torch.linalg.vector_norm(grads[0]).item())
+        if i % 2:
+            crit(model(x), y).backward(inputs=first)
+        else:
+            crit(model(x), y).backward()
+        opt.step()
+    return norms
+
+
 SCRIPTS = [accumulation_zero_grad_and_clip, groups_and_warmup, layerwise_lr_decay, one_cycle_with_momentum, freeze_by_name_mid_training,
            trainable_only_optimizer, eval_between_steps, fp16_with_grad_scaler,
            zero_grad_by_hand_and_clip_through_grad_data, clip_in_two_steps_with_foreach, logs_each_layers_gradient_norm,
            averages_accumulated_gradients_by_hand, learning_rate_set_by_hand_and_frozen_by_attribute,
-           one_optimizer_over_two_models, loads_a_cloud_layer_by_hand_mid_training]
+           one_optimizer_over_two_models, loads_a_cloud_layer_by_hand_mid_training,
+           edge_gradients_alone_by_autograd_grad_and_restricted_backward]
 
 
 @pytest.fixture(scope="module")

@@ -88,13 +88,6 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
                                  for e, p in zip([q.detach().clone() for q in mlp_dropout().parameters()],
                                                  model.parameters())],
         PlaceholderError, r"cloud parameter"),
-    "autograd.grad of edge parameters through the cut": (
-        lambda model, net, opt: torch.autograd.grad(model.remote_loss(nn.CrossEntropyLoss())(
-            model(_data(1)[0][0]), _data(1)[0][1]), list(net[0].parameters())), ConfigError, r"autograd.grad"),
-    "backward(inputs=edge parameters), then a step": (
-        lambda model, net, opt: (model.remote_loss(nn.CrossEntropyLoss())(model(_data(1)[0][0]), _data(1)[0][1])
-                                 .backward(inputs=list(net[0].parameters())), opt.step()), ConfigError,
-        r"backward\(inputs=...\)"),
     "a gradient penalty (create_graph=True)": (
         lambda model, net, opt: torch.autograd.grad(model.remote_loss(nn.CrossEntropyLoss())(
             model(_data(1)[0][0]), _data(1)[0][1]), list(net[0].parameters()), create_graph=True),

@@ -282,7 +282,11 @@ class BatchSplitSession(CloudSession):
 
     # ------------------------------------------------------------ backward
 
-    def backpropagate(self, call: int, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    def backpropagate(self, call: int, outputs: list[torch.Tensor], grads: list[torch.Tensor],
+                      only: list[torch.Tensor] | None = None) -> None:
+        if only is not None:
+            raise ConfigError("a backward into the inputs alone (backward(inputs=...), autograd.grad on the edge) "
+                              "is not served by a batch split across ranks (--split-batch)")
         shards = self.shards.pop(call, None)
         if shards is None:
             raise ProtocolError(f"call {call}'s shards are gone (freed by an optimizer step)")

@@ -251,16 +251,20 @@ class CloudSession:
         self.graphs.take(msg.call)
         with watch("compute"):
             if outputs:
-                self.backpropagate(msg.call, outputs, grads)
+                self.backpropagate(msg.call, outputs, grads, None if msg.params else _needed(pending.inputs))
         with watch("codec"):
             entries = encode_input_grads(self.codecs, pending.inputs, pending.in_coded, pending.in_grad,
                                          [leaf.grad for leaf in pending.inputs], ctx)
         return InputGrads(call=msg.call, grads=entries, timings=watch.seconds, unreached=self.half.unreached())
 
-    def backpropagate(self, call: int, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        """The backward of forward call ``call`` (a batch split across ranks overrides it)."""
+    def backpropagate(self, call: int, outputs: list[torch.Tensor], grads: list[torch.Tensor],
+                      only: list[torch.Tensor] | None = None) -> None:
+        """The backward of forward call ``call`` (a batch split across ranks overrides it); with
+        ``only``, into those inputs alone, the half's parameters untouched."""
+        if only is not None and not only:
+            return  # no input wants a gradient, and the parameters must get none
         with self.half.own_grads(), blame(ModelError, "backpropagating the edge's gradient failed"):
-            torch.autograd.backward(outputs, grads)
+            torch.autograd.backward(outputs, grads, inputs=only)
 
     # ------------------------------------------------------------ operations and answers
 
@@ -279,6 +283,10 @@ class CloudSession:
     def weights(self) -> dict[str, torch.Tensor]:
         """The half's whole state under the original model's names (a sharded half gathers it)."""
         return self.half.chain.qualified_state_dict()
+
+
+def _needed(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [leaf for leaf in inputs if leaf.requires_grad]
 
 
 def _set_modes(chain: nn.Module, train: bool, flipped: list[nn.Module]) -> None:

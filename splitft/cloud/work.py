@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import ConfigError
 from ..wire.protocol import Ack, Backward, Bye, Forward, Message, Sync
 from . import prices, selection, snapshots
 from .checkpoint_folder import CheckpointStore
@@ -68,6 +69,9 @@ def run(checkpointing: Checkpointing, session: CloudSession, msg: Request, seq: 
     if isinstance(msg, Forward):
         return session.forward(msg)
     if isinstance(msg, Backward):
+        if not msg.params and (averages_cut(session) or session.half.shared is not None):
+            raise ConfigError("a backward into the inputs alone (backward(inputs=...), autograd.grad on the edge) is "
+                              "not served by a shared half")
         if averages_cut(session):
             return held_backward(session, msg)
         return selection.skipped(session, msg) or session.backward(msg)

@@ -44,16 +44,18 @@ class _RemoteCall(torch.autograd.Function):
                               "the gradient that comes back from the cloud is a number, not a graph, so a gradient "
                               "of it (a gradient penalty, second-order methods) would silently leave the cloud half "
                               "out. Compute the penalty on edge modules only, or train this model unsplit")
-        anchor = ctx.next_functions[-1][0]  # the anchor's gradient accumulator: the cloud half's stand-in
-        if not torch._C._will_engine_execute_node(anchor):
-            raise ConfigError("backward(inputs=...) naming no cloud parameter, or autograd.grad, through a split "
-                              "model: unsplit, the cloud half's parameters would get no gradient from it, but the "
-                              "cloud's backward accumulates into them, so the halves would step differently. Call "
-                              "loss.backward() (and zero the gradients you do not want), or compute this gradient "
-                              "on edge modules only")
         call: Call = ctx.call
-        input_grads = ctx.scheduler.backward(call, grads)
-        call.cloud_half.backward_reached(call.trainable, call.unreached)
+        # Whether the engine accumulates into the anchor, the cloud half's stand-in: not under
+        # backward(inputs=...) naming edge tensors only, nor autograd.grad, and then, as unsplit,
+        # the cloud half's parameters get nothing.
+        params = torch._C._will_engine_execute_node(ctx.next_functions[-1][0])
+        if not params and (call.streamed or call.stash is not None):
+            raise ConfigError("backward(inputs=...) naming no cloud parameter, or autograd.grad, through a split "
+                              "model with steps in flight or delayed gradients (Schedule(window>1)): the cloud has "
+                              "backpropagated into its parameters already; call loss.backward()")
+        input_grads = ctx.scheduler.backward(call, grads, params=params)
+        if params:
+            call.cloud_half.backward_reached(call.trainable, call.unreached)
         extra = len(ctx.needs_input_grad) - 2 - call.n_leaves
         return (None, None, *input_grads, *([None] * extra))
 

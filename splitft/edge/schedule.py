@@ -90,7 +90,8 @@ class Stage(Protocol):
     def can_eager(self) -> bool: ...
     def send_forward(self, call: Call, part: Part, leaves: list[torch.Tensor], ops: list[Operation]) -> None: ...
     def receive_output(self, call: Call, part: Part, leaves: list[torch.Tensor]) -> list[torch.Tensor]: ...
-    def send_backward(self, call: Call, part: Part, grads: list[torch.Tensor | None], ops: list[Operation]) -> None: ...
+    def send_backward(self, call: Call, part: Part, grads: list[torch.Tensor | None], ops: list[Operation],
+                      params: bool = True) -> None: ...
     def receive_input_grads(self, call: Call, part: Part) -> list[torch.Tensor | None]: ...
     def eager_input_grads(self, call: Call, part: Part, scale: torch.Tensor) -> list[torch.Tensor | None]: ...
 
@@ -229,20 +230,23 @@ class Scheduler:
         (part,) = call.parts
         self._backprop_edge(call, self.stage.eager_input_grads(call, part, scale))
 
-    def backward(self, call: Call, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
-        """Gradients of the call's inputs, given those of its outputs."""
+    def backward(self, call: Call, grads: tuple[torch.Tensor | None, ...],
+                 params: bool = True) -> list[torch.Tensor | None]:
+        """Gradients of the call's inputs, given those of its outputs (``params``: the cloud half's
+        parameters accumulate theirs too)."""
         with self.lock:
             ops = self.ops.take()
             sent_ops = False
             for part in call.parts:
                 if part.eager_grads is None and not call.streamed:
-                    self.stage.send_backward(call, part, part_output_grads(call, part, grads), [] if sent_ops else ops)
+                    self.stage.send_backward(call, part, part_output_grads(call, part, grads), [] if sent_ops else ops,
+                                             params=params)
                     sent_ops = True
             if not sent_ops:
                 self.ops.requeue(ops)  # nothing was sent: the operations wait for the next message
             if call.stash is not None and not call.streamed:  # delayed-gradient mode, a synchronous step
                 return self._backprop_edge(call, self._input_grads(call, grads))
-            return self._input_grads(call, grads)
+            return self._input_grads(call, grads, params)
 
     def _backprop_edge(self, call: Call, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Backpropagate the cut's gradients through the edge's graph (kept apart from the call's)."""
@@ -251,7 +255,8 @@ class Scheduler:
             torch.autograd.backward([leaf for leaf, _ in pairs], [g for _, g in pairs])
         return [None] * len(grads)
 
-    def _input_grads(self, call: Call, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
+    def _input_grads(self, call: Call, grads: tuple[torch.Tensor | None, ...],
+                     params: bool = True) -> list[torch.Tensor | None]:
         """The call's input gradients from its parts' replies (or from what came with the outputs)."""
         per_part = []
         for part in call.parts:
@@ -261,7 +266,8 @@ class Scheduler:
             # the loss's incoming gradient (a streamed call has one part and one output, the loss)
             (scale,) = (grads[0],) if call.streamed else part_output_grads(call, part, grads)
             assert scale is not None  # the loss needs a gradient: autograd gives it one
-            self.ops.queue(ApplyEager(call=part.id, scale=float(scale)))
+            if params:  # the parameters' part of an eager backward, held in the cloud until now
+                self.ops.queue(ApplyEager(call=part.id, scale=float(scale)))
             if call.streamed and any(call.in_grad):  # delayed gradients: the previous call's is due now
                 self._apply_delayed()
                 self._delayed = (call, scale)

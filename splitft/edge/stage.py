@@ -134,7 +134,7 @@ class CloudStage:
     # ------------------------------------------------------------ backward
 
     def send_backward(self, call: Call, part: Part, grads: list[torch.Tensor | None],
-                      ops: list[Operation]) -> None:
+                      ops: list[Operation], params: bool = True) -> None:
         ctx = CodecContext("gradient", train=True, step=self.step, sample_ids=part.sample_ids)
         traffic = Traffic()
         entries: list[dict | None] = []
@@ -147,7 +147,8 @@ class CloudStage:
                 (entry,), _ = self.codecs.encode([grad], 0 if coded.stream else None, "ret_bwd", ctx, [False],
                                                  traffic, raw=[raw_nbytes(coded.shape, coded.dtype)])
                 entries.append(entry)
-        part.seq = self.requests.send(Backward(call=part.id, grads=entries, ops=ops), "gradient", traffic)
+        part.seq = self.requests.send(Backward(call=part.id, grads=entries, ops=ops, params=params), "gradient",
+                                      traffic)
 
     def receive_input_grads(self, call: Call, part: Part) -> list[torch.Tensor | None]:
         reply, wire_in = self.requests.await_reply(part.seq, InputGrads)

@@ -116,7 +116,9 @@ class Output(Message):
 
 @dataclass
 class Backward(Message):
-    """Edge → cloud: gradients of a forward call's outputs."""
+    """Edge → cloud: gradients of a forward call's outputs. ``params`` false: only the call's
+    inputs' gradients are wanted (``backward(inputs=...)`` or ``autograd.grad`` on the edge), so
+    the half's parameters accumulate nothing."""
 
     TYPE: ClassVar[str] = "backward"
     NUMBERED: ClassVar[bool] = True
@@ -124,6 +126,7 @@ class Backward(Message):
     grads: list
     ops: list = field(default_factory=list)
     seq: int = 0
+    params: bool = True
 
 
 @dataclass
