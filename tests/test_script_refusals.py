@@ -267,3 +267,28 @@ def test_clip_grad_norm_imported_before_splitft_clips_both_halves_bitwise(cloud,
                             timeout=240, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "True"
+
+
+def test_a_second_backward_through_one_forward_is_refused_in_a_u_shape_and_mirrored_in_a_plain_split(cloud):
+    """``backward(retain_graph=True)`` then another backward of the same forward: a plain split's
+    cloud computed the loss's backward with the forward and repeats its share; a U-shape trunk's
+    graph is freed in the cloud after the first, so the second is refused before it is sent."""
+    x, y = _data(1)[0]
+    local = mlp()
+    out = local(x)
+    loss = nn.functional.cross_entropy(out, y)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    with splitft.split(mlp(), 2, factory=MLP, connect=cloud) as plain:
+        loss = plain.remote_loss(nn.CrossEntropyLoss())(plain(x), y)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        plain.attach(torch.optim.SGD(plain.parameters(), lr=0.0))
+        grads = {n: p.grad.clone() for n, p in plain.named_parameters() if not plain.cloud_half.owns(p)}
+        assert len(grads) == 2 and all(torch.equal(g, dict(local.named_parameters())[n.removeprefix("model.")].grad)
+                                       for n, g in grads.items())
+    with splitft.split(mlp(), 2, 4, factory=MLP, connect=cloud) as ushape:
+        loss = nn.functional.cross_entropy(ushape(x), y)
+        loss.backward(retain_graph=True)
+        with pytest.raises(ConfigError, match="second backward through the same forward"):
+            loss.backward()

@@ -68,6 +68,7 @@ class Call:
     # so that the loss's backward does not free that graph before the gradient for it arrives)
     leaves: list[torch.Tensor] = field(default_factory=list)
     inflight: Inflight | None = None
+    backpropagated: bool = False  # its backward went to the cloud, which then freed the call's graph
     cloud_half: Any = None  # the edge's record of the cloud's gradients (splitft.edge.cloud_half), told of the backward
     trainable: frozenset[str] = frozenset()  # the cloud parameters that required a gradient at the forward
     #: Those of them the cloud said its graph did not reach (across the parts' replies); None: no word yet.
@@ -235,6 +236,11 @@ class Scheduler:
         """Gradients of the call's inputs, given those of its outputs (``params``: the cloud half's
         parameters accumulate theirs too)."""
         with self.lock:
+            if call.backpropagated and any(part.eager_grads is None for part in call.parts) and not call.streamed:
+                raise ConfigError("a second backward through the same forward (backward(retain_graph=True), then "
+                                  "another): the cloud frees its graph after the first, so it cannot be repeated "
+                                  "there; run the forward again, or add the losses and call backward once")
+            call.backpropagated = True
             ops = self.ops.take()
             sent_ops = False
             for part in call.parts:
