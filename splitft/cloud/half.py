@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -206,12 +206,13 @@ class Half:
 
     # ------------------------------------------------------------ gradients
 
+    def own_grads(self) -> AbstractContextManager[None]:
+        """Shared half: put this session's gradient buffers in place for the duration (an own
+        half's are in place: nothing to do, and no generator built per operation for it)."""
+        return _IN_PLACE if self.shared is None else self._swapped_grads()
+
     @contextmanager
-    def own_grads(self) -> Iterator[None]:
-        """Shared half: put this session's gradient buffers in place for the duration."""
-        if self.shared is None:
-            yield
-            return
+    def _swapped_grads(self) -> Iterator[None]:
         params = list(self.chain.parameters())
         for p, g in zip(params, self._grads or [None] * len(params)):
             p.grad = g
@@ -236,6 +237,10 @@ class Half:
         with self.own_grads():
             names = [name for name, p in self.named_params.items() if p.requires_grad and p.grad is None]
         return names or None
+
+
+#: An own half's gradients are its parameters' own: nothing to put in place.
+_IN_PLACE = nullcontext()
 
 
 def check_norm_type(norm_type: float) -> None:
