@@ -28,7 +28,7 @@ from ..errors import CapacityError, HandshakeError, ProtocolError
 from ..wire import operations as o
 from ..wire.protocol import Hello
 from .blame import blame, short
-from .budget import model_nbytes
+from .budget import model_nbytes, parameter_storages
 from .build import hello_identity
 
 if TYPE_CHECKING:
@@ -172,12 +172,15 @@ class Half:
         self._grads: list[torch.Tensor | None] | None = None  # shared half: this session's gradients
         self._named: dict[str, nn.Parameter] | None = None
         self._names: dict[int, str] | None = None
+        self._storages: frozenset[int] | None = None
+        self._sharded = False
 
     def sharded(self, placement: Placement, model_bytes: int) -> None:
         """The half was cut into shards across ranks (:mod:`.shard`): it computes on
         ``placement``'s device now, and this rank holds ``model_bytes`` of it."""
         self.placement, self.model_bytes = placement, model_bytes
         self._named, self._names = None, None  # sharding made new parameter objects
+        self._sharded = True  # whose shards are the process group's to place: never cached
 
     # ------------------------------------------------------------ parameters by name
 
@@ -187,6 +190,15 @@ class Half:
         if self._named is None:
             self._named = self.chain.qualified_parameters()
         return self._named
+
+    def parameter_storages(self) -> frozenset[int] | None:
+        """Where the parameters keep their values, found once (weights are loaded by copying into
+        them); None for a sharded half, whose meter looks each time."""
+        if self._sharded:
+            return None
+        if self._storages is None:
+            self._storages = parameter_storages(self.chain)
+        return self._storages
 
     def name_of(self, param: torch.Tensor) -> str:
         """A parameter's unsplit name."""

@@ -160,7 +160,7 @@ class CloudSession:
         caching = self.caches.named((args_skel, kw_skel))
         try:
             with torch.set_grad_enabled(grad), blame(ModelError, "the cloud part failed on the inputs the edge sent"), \
-                    GraphMeter(half.chain) as meter, autocast_region(autocast, half.placement.device), \
+                    GraphMeter(half.chain, half.parameter_storages()) as meter, autocast_region(autocast, half.placement.device), \
                     self.random.active(train):
                 value = edge_dtype(half.chain(*args, **kwargs), inputs.tensors, half.placement.dtype)
                 if target is not None:

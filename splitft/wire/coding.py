@@ -302,10 +302,12 @@ class SlotCodecs:
                 for slot in SLOTS
             }
         self.raw = compressors.make_codec("identity")
+        # Those that may hold anything: a codec keeping Codec's own held_nbytes holds nothing, ever.
+        self._holding = [codec for codec in self.slots.values() if type(codec).held_nbytes is not Codec.held_nbytes]
 
     def held_nbytes(self) -> int:
         """Bytes the codecs hold now (buffers, caches): counted against a session's memory."""
-        return sum(codec.held_nbytes() for codec in self.slots.values())
+        return sum(codec.held_nbytes() for codec in self._holding) if self._holding else 0
 
     def decode_cost(self, entries: list[tuple[Payload, bool]], stream: int | None, slot: str | None,
                     ctx: CodecContext, expand_to: dict[int, tuple[int, ...]] | None = None) -> int:
