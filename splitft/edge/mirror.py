@@ -101,7 +101,8 @@ class ModelMirror:
         parameters it froze (``requires_grad_(False)``) and the modules in the other mode than the
         split model's (``flipped``, by name)."""
         params = self.cloud_half.params
-        frozen = frozenset(name for name, param in params.items() if not param.requires_grad)
+        with torch._C.DisableTorchFunctionSubclass():  # a flag read on each placeholder, not a dispatch each
+            frozen = frozenset(name for name, param in params.items() if not param.requires_grad)
         if frozen != self._frozen_sent:
             self.outbox.queue(SetFrozen(names=sorted(frozen)))
             self._frozen_sent = frozen
@@ -135,6 +136,7 @@ class OptimizerMirror:
         self.model, self.optimizer = model, optimizer
         self.settings = optimizer_settings(optimizer)
         self.members = _members(optimizer)
+        self._raw: list[tuple] | None = None  # each group's settings as last read, when all were immutable values
         self.sent = self._group_settings()
 
     def attached(self, op_id: int) -> None:
@@ -148,6 +150,12 @@ class OptimizerMirror:
                                                 groups=None if whole else groups))
 
     def _group_settings(self) -> list[dict[str, Any]]:
+        # Read every step: unchanged immutable values (the usual case) need no conversion again.
+        raw = [tuple(map(group.get, self.settings)) for group in self.optimizer.param_groups]
+        immutable = all(_immutable(v) for values in raw for v in values)
+        if immutable and raw == self._raw:
+            return self.sent
+        self._raw = raw if immutable else None
         out = []
         for group in self.optimizer.param_groups:
             settings = {}
@@ -189,6 +197,15 @@ class OptimizerMirror:
 
 def _members(optimizer: torch.optim.Optimizer) -> list[tuple[int, ...]]:
     return [tuple(map(id, group["params"])) for group in optimizer.param_groups]
+
+
+def _immutable(value: Any) -> bool:
+    """A setting that cannot change without being replaced (a list or a tensor can, in place)."""
+    return value is None or value.__class__ in _IMMUTABLE or (
+        value.__class__ is tuple and all(v.__class__ in _IMMUTABLE for v in value))
+
+
+_IMMUTABLE = {bool, int, float, str}
 
 
 def _scalar(value: Any) -> Any:
