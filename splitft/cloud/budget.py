@@ -84,7 +84,8 @@ class GraphMeter:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        if isinstance(tensor, nn.Parameter):
+        cls = tensor.__class__  # a plain tensor (most of what is saved) skips Parameter's Python instance check
+        if cls is nn.Parameter or (cls is not torch.Tensor and isinstance(tensor, nn.Parameter)):
             return tensor
         try:
             storage = tensor.untyped_storage()

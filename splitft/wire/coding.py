@@ -191,19 +191,16 @@ def from_wire(tree: Any, depth: int = 0) -> tuple[list[tuple[Payload, bool]], An
 def expansions(skeleton: Any) -> dict[int, tuple[int, ...]]:
     """Entry index → the shape a compacted entry repeats to, for every such leaf of ``skeleton``."""
     found: dict[int, tuple[int, ...]] = {}
-
-    def walk(node: Any) -> None:
+    stack = [skeleton]  # a loop, not a nested function: one would refer to itself, a cycle per call
+    while stack:
+        node = stack.pop()
         if isinstance(node, _Leaf):
             if node.expand is not None:
                 found[node.index] = node.expand
         elif isinstance(node, (tuple, list)):
-            for v in node:
-                walk(v)
+            stack.extend(node)
         elif isinstance(node, dict):
-            for v in node.values():
-                walk(v)
-
-    walk(skeleton)
+            stack.extend(node.values())
     return found
 
 
