@@ -214,7 +214,8 @@ def ghost(module: nn.Module, standin: nn.Module, *, never_run: tuple[str, ...] =
     state = module.__dict__  # instance attributes, set past nn.Module.__setattr__ (standin is not a submodule)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        standin.train(module.training)
+        if standin.training != module.training:  # a standin has no children: its own flag is its mode
+            standin.train(module.training)
         return standin(*args, **kwargs)
 
     def apply(fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
