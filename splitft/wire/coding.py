@@ -278,7 +278,7 @@ def raw_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     numel = 1
     for d in shape:
         numel *= d
-    return numel * torch.empty((), dtype=dtype).element_size()
+    return numel * dtype.itemsize  # not an empty tensor built to ask it
 
 
 class SlotCodecs:
