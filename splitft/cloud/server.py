@@ -70,8 +70,7 @@ class CloudServer:
         shared_policy: its optimizer and frozen parameters, the cloud's choice
             (:class:`~splitft.cloud.shared_policy.SharedPolicy`; default: no optimizer, none frozen).
         policy: which codecs and codec options edges may ask for (:class:`Policy`).
-        placement: the device (and dtype) every cloud half computes in (:class:`Placement`;
-            default: the CPU).
+        placement: the device (and dtype) every cloud half computes in (:class:`Placement`; default: the CPU).
         rounds: train shared halves in synchronous data-parallel rounds
             (:class:`~splitft.cloud.rounds.Rounds`; default: steps in arrival order).
         make_session: builds each new session, with :class:`CloudSession`'s arguments (default:
@@ -83,7 +82,8 @@ class CloudServer:
                  checkpoint_dir: str | None = None, checkpoint_every: int = 1, keep_checkpoints: int = 2,
                  fsync: bool = True, shared_model: bool = False, policy: Policy | None = None,
                  placement: Placement | None = None, rounds: Any = None,
-                 make_session: Callable[..., CloudSession] = CloudSession, shared_policy: SharedPolicy | None = None) -> None:
+                 make_session: Callable[..., CloudSession] = CloudSession,
+                 shared_policy: SharedPolicy | None = None) -> None:
         self.listener = listener
         self.factories = {name: load_factory(name) for name in factories}
         self.max_sessions = max_sessions

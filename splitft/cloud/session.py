@@ -161,8 +161,8 @@ class CloudSession:
             self.random.on_its_own()
         try:
             with torch.set_grad_enabled(grad), blame(ModelError, "the cloud part failed on the inputs the edge sent"), \
-                    GraphMeter(half.chain, half.parameter_storages()) as meter, autocast_region(autocast, half.placement.device), \
-                    self.random.active(train):
+                    GraphMeter(half.chain, half.parameter_storages()) as meter, \
+                    autocast_region(autocast, half.placement.device), self.random.active(train):
                 value = edge_dtype(half.chain(*args, **kwargs), inputs.tensors, half.placement.dtype)
                 if target is not None:
                     if mirrored.loss_fn is None:
