@@ -7,8 +7,7 @@ enough for a user.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from typing import Literal
 
 import compressors
 import transports
@@ -151,20 +150,32 @@ def from_code(code: str, message: str) -> SplitFTError:
     return cls(message)
 
 
-@contextlib.contextmanager
-def translated() -> Iterator[None]:
+class _Translated:
+    """The context :func:`translated` returns: a class rather than a generator, since every codec
+    call of a message enters one (a generator-based context costs several times as much)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> Literal[False]:
+        if exc is None or isinstance(exc, SplitFTError):
+            return False
+        for leaf, ours in _TRANSLATIONS:
+            if isinstance(exc, leaf):
+                raise ours(str(exc)) from exc
+        return False
+
+
+_TRANSLATED = _Translated()
+#: Leaf-package error → splitft's, the more specific first.
+_TRANSLATIONS = ((transports.TransportTimeout, TransportTimeout), (transports.TransportRefused, AuthError),
+                 (transports.TransportError, TransportError), (compressors.DesyncError, DesyncError),
+                 (compressors.CompressionError, CompressionError))
+
+
+def translated() -> _Translated:
     """Re-raise leaf-package errors as splitft errors, keeping the original as the cause."""
-    try:
-        yield
-    except SplitFTError:
-        raise
-    except transports.TransportTimeout as exc:
-        raise TransportTimeout(str(exc)) from exc
-    except transports.TransportRefused as exc:
-        raise AuthError(str(exc)) from exc
-    except transports.TransportError as exc:
-        raise TransportError(str(exc)) from exc
-    except compressors.DesyncError as exc:
-        raise DesyncError(str(exc)) from exc
-    except compressors.CompressionError as exc:
-        raise CompressionError(str(exc)) from exc
+    return _TRANSLATED

@@ -6,31 +6,46 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from typing import Literal
 
 import compressors
 
 from ..errors import SplitFTError
+from ..metrics import Timed
 from ..wire.records import _short
 
 #: A peer's value as an error quotes it: its repr, cut short (the wire's own rule, one import here).
 short = _short
 
 
-@contextmanager
-def blame(kind: type[SplitFTError], what: str) -> Iterator[None]:
+class _Blame:
+    """The context :func:`blame` returns (a class: a request enters several)."""
+
+    __slots__ = ("kind", "what")
+
+    def __init__(self, kind: type[SplitFTError], what: str) -> None:
+        self.kind, self.what = kind, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> Literal[False]:
+        if exc is None or not isinstance(exc, Exception) or isinstance(exc, _OURS):
+            return False
+        raise self.kind(f"{self.what}: {type(exc).__name__}: {str(exc)[:500]}") from exc
+
+
+_OURS = (SplitFTError, compressors.CompressionError)
+
+
+def blame(kind: type[SplitFTError], what: str) -> _Blame:
     """Turn an unexpected exception raised by edge-supplied input into a typed error.
 
     Our own typed errors pass through; anything else (a KeyError in a codec fed a malformed
     payload, a RuntimeError from a layer fed the wrong shape) is the edge's input, not our bug.
     """
-    try:
-        yield
-    except (SplitFTError, compressors.CompressionError):
-        raise
-    except Exception as exc:
-        raise kind(f"{what}: {type(exc).__name__}: {str(exc)[:500]}") from exc
+    return _Blame(kind, what)
 
 
 class Stopwatch:
@@ -39,13 +54,8 @@ class Stopwatch:
     def __init__(self) -> None:
         self.seconds = {"compute": 0.0, "codec": 0.0}
 
-    @contextmanager
-    def __call__(self, stage: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[stage] += time.perf_counter() - start
+    def __call__(self, stage: str) -> Timed:
+        return Timed(self.seconds, stage)
 
 
 class ErrorLog:

@@ -77,14 +77,15 @@ class GraphMeter:
     after its forward); each storage is counted once.
     """
 
-    def __init__(self, module: nn.Module) -> None:
-        self._held = {_local(p).untyped_storage().data_ptr() for p in module.parameters()}
+    def __init__(self, module: nn.Module, held: frozenset[int] | None = None) -> None:
+        self._held = parameter_storages(module) if held is None else held
         self._seen: set[int] = set()
         self.nbytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        if isinstance(tensor, nn.Parameter):
+        cls = tensor.__class__  # a plain tensor (most of what is saved) skips Parameter's Python instance check
+        if cls is nn.Parameter or (cls is not torch.Tensor and isinstance(tensor, nn.Parameter)):
             return tensor
         try:
             storage = tensor.untyped_storage()
@@ -102,6 +103,12 @@ class GraphMeter:
 
     def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)
+
+
+def parameter_storages(module: nn.Module) -> frozenset[int]:
+    """Where ``module``'s parameters keep their values (a sharded one's local shard): what a
+    :class:`GraphMeter` does not count, and may be given once for many forwards."""
+    return frozenset(_local(p).untyped_storage().data_ptr() for p in module.parameters())
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
@@ -163,4 +170,5 @@ class MemoryBook:
         self.held.pop(session, None)
 
 
-__all__ = ["GraphMeter", "Holdings", "MemoryBook", "holdings", "model_nbytes", "tensors_nbytes"]
+__all__ = ["GraphMeter", "Holdings", "MemoryBook", "holdings", "model_nbytes", "parameter_storages",
+           "tensors_nbytes"]

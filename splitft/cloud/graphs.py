@@ -47,30 +47,55 @@ class Pending:
 
 
 class Graphs:
-    """Forward calls' graphs by call number, and eager calls' deferred gradients, at most ``most`` each."""
+    """Forward calls' graphs by call number, and eager calls' deferred gradients, at most ``most`` each.
+
+    What they hold is kept as a running total (each entry's bytes counted once, when it comes),
+    since the session's memory is checked several times a request.
+    """
 
     def __init__(self, most: int) -> None:
         self.most = most
         self.pending: OrderedDict[int, Pending] = OrderedDict()
         self.deferred: OrderedDict[int, Deferred] = OrderedDict()
+        self._deferred_bytes: dict[int, int] = {}
+        self._nbytes = 0
 
     def keep(self, call: int, pending: Pending) -> list[int]:
         """Keep call ``call``'s graph; returns the calls whose graphs were dropped to stay in bound."""
+        replaced = self.pending.get(call)  # one graph per call number: a second replaces the first
+        if replaced is not None:
+            self._nbytes -= replaced.nbytes
         self.pending[call] = pending
+        self._nbytes += pending.nbytes
         dropped = []
         while len(self.pending) > self.most:
-            dropped.append(self.pending.popitem(last=False)[0])
+            number, gone = self.pending.popitem(last=False)
+            self._nbytes -= gone.nbytes
+            dropped.append(number)
         return dropped
 
     def take(self, call: int) -> Pending | None:
         """Call ``call``'s graph, no longer kept (None: there is none)."""
-        return self.pending.pop(call, None)
+        pending = self.pending.pop(call, None)
+        if pending is not None:
+            self._nbytes -= pending.nbytes
+        return pending
 
     def defer(self, call: int, grads: Deferred) -> None:
         """Keep an eager call's parameter gradients until the edge says how to scale them."""
+        nbytes = tensors_nbytes(g for _, g in grads)
+        self._nbytes += nbytes - self._deferred_bytes.get(call, 0)  # a second for the same call replaces the first
         self.deferred[call] = grads
+        self._deferred_bytes[call] = nbytes
         while len(self.deferred) > self.most:
-            self.deferred.popitem(last=False)
+            self.applied(next(iter(self.deferred)))
+
+    def applied(self, call: int) -> Deferred | None:
+        """An eager call's gradients, no longer kept (None: there are none)."""
+        grads = self.deferred.pop(call, None)
+        if grads is not None:
+            self._nbytes -= self._deferred_bytes.pop(call)
+        return grads
 
     def after_step(self, shared: bool) -> None:
         """An optimizer step: an own half's graphs can no longer be backpropagated correctly (a
@@ -78,10 +103,11 @@ class Graphs:
         if not shared:
             self.pending.clear()
         self.deferred.clear()
+        self._deferred_bytes.clear()
+        self._nbytes = sum(p.nbytes for p in self.pending.values())
 
     def nbytes(self) -> int:
-        pending = sum(p.nbytes for p in self.pending.values())
-        return pending + sum(tensors_nbytes(g for _, g in d) for d in self.deferred.values())
+        return self._nbytes
 
 
 __all__ = ["Deferred", "Graphs", "Pending"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -28,7 +28,7 @@ from ..errors import CapacityError, HandshakeError, ProtocolError
 from ..wire import operations as o
 from ..wire.protocol import Hello
 from .blame import blame, short
-from .budget import model_nbytes
+from .budget import model_nbytes, parameter_storages
 from .build import hello_identity
 
 if TYPE_CHECKING:
@@ -172,12 +172,15 @@ class Half:
         self._grads: list[torch.Tensor | None] | None = None  # shared half: this session's gradients
         self._named: dict[str, nn.Parameter] | None = None
         self._names: dict[int, str] | None = None
+        self._storages: frozenset[int] | None = None
+        self._sharded = False
 
     def sharded(self, placement: Placement, model_bytes: int) -> None:
         """The half was cut into shards across ranks (:mod:`.shard`): it computes on
         ``placement``'s device now, and this rank holds ``model_bytes`` of it."""
         self.placement, self.model_bytes = placement, model_bytes
         self._named, self._names = None, None  # sharding made new parameter objects
+        self._sharded = True  # whose shards are the process group's to place: never cached
 
     # ------------------------------------------------------------ parameters by name
 
@@ -187,6 +190,15 @@ class Half:
         if self._named is None:
             self._named = self.chain.qualified_parameters()
         return self._named
+
+    def parameter_storages(self) -> frozenset[int] | None:
+        """Where the parameters keep their values, found once (weights are loaded by copying into
+        them); None for a sharded half, whose meter looks each time."""
+        if self._sharded:
+            return None
+        if self._storages is None:
+            self._storages = parameter_storages(self.chain)
+        return self._storages
 
     def name_of(self, param: torch.Tensor) -> str:
         """A parameter's unsplit name."""
@@ -206,12 +218,13 @@ class Half:
 
     # ------------------------------------------------------------ gradients
 
+    def own_grads(self) -> AbstractContextManager[None]:
+        """Shared half: put this session's gradient buffers in place for the duration (an own
+        half's are in place: nothing to do, and no generator built per operation for it)."""
+        return _IN_PLACE if self.shared is None else self._swapped_grads()
+
     @contextmanager
-    def own_grads(self) -> Iterator[None]:
-        """Shared half: put this session's gradient buffers in place for the duration."""
-        if self.shared is None:
-            yield
-            return
+    def _swapped_grads(self) -> Iterator[None]:
         params = list(self.chain.parameters())
         for p, g in zip(params, self._grads or [None] * len(params)):
             p.grad = g
@@ -236,6 +249,10 @@ class Half:
         with self.own_grads():
             names = [name for name, p in self.named_params.items() if p.requires_grad and p.grad is None]
         return names or None
+
+
+#: An own half's gradients are its parameters' own: nothing to put in place.
+_IN_PLACE = nullcontext()
 
 
 def check_norm_type(norm_type: float) -> None:

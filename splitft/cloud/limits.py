@@ -112,8 +112,8 @@ class Limits:
         if self.train_fraction > 1:
             raise ConfigError(f"--train-fraction is a share of the batches, at most 1, got {self.train_fraction!r}")
 
-    def check_frames(self, frames: Sequence[Any]) -> None:
-        """Refuse a message by its size alone, before anything in it is parsed."""
+    def check_frames(self, frames: Sequence[Any]) -> int:
+        """Refuse a message by its size alone, before anything in it is parsed; returns its bytes."""
         if len(frames) > self.max_frames:
             raise TooLarge(f"a message of {len(frames)} frames arrived; this cloud accepts at most "
                            f"{self.max_frames} (one per array)")
@@ -127,6 +127,7 @@ class Limits:
                 f"a message of {size} bytes arrived; this cloud accepts at most {self.max_message_bytes} "
                 "(start it with a larger --max-message-mb, or send less: a compressing codec, smaller batches)"
             )
+        return size
 
     def check_decoded(self, nbytes: int, what: str) -> None:
         """Refuse a message whose tensors would decode to more than one message may."""

@@ -13,7 +13,7 @@ offload, bit for bit (tested on the CPU, where the copies are real copies too).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
@@ -51,12 +51,17 @@ def _capturable(optimizer: torch.optim.Optimizer) -> bool:
     return any(group.get("capturable") or group.get("fused") for group in optimizer.param_groups)
 
 
+def stepping(optimizer: torch.optim.Optimizer, device: torch.device, enabled: bool) -> AbstractContextManager[None]:
+    """Around one optimizer step: the state on ``device`` during it, on the host after it (not
+    offloading, nothing: no generator built per step for it)."""
+    return _offloaded(optimizer, device) if enabled else _NOTHING
+
+
+_NOTHING = nullcontext()
+
+
 @contextmanager
-def stepping(optimizer: torch.optim.Optimizer, device: torch.device, enabled: bool) -> Iterator[None]:
-    """Around one optimizer step: the state on ``device`` during it, on the host after it."""
-    if not enabled:
-        yield
-        return
+def _offloaded(optimizer: torch.optim.Optimizer, device: torch.device) -> Iterator[None]:
     to_device(optimizer, device)
     try:
         yield

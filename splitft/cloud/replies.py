@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
 
 from ..errors import SessionLost
 from ..wire import protocol
@@ -51,16 +50,20 @@ class Replies:
                               "(requests were lost); resume the session to re-send them")
         return True
 
-    def keep(self, seq: int, kind: str, frames: list, limits: Limits, held: Callable[[], int]) -> None:
+    def keep(self, seq: int, kind: str, frames: list, limits: Limits, held: int) -> int:
         """Record ``seq`` as applied and cache its reply, within the cache's count and the session's
-        memory (``held``: what the session holds now, this cache included)."""
+        memory (``held``: what the session holds now, this cache included); returns how much the
+        cache grew (less than nothing when it dropped older replies to fit)."""
+        others, before = held - self.nbytes, self.nbytes
         self.last_seq = seq
         nbytes = nested_nbytes(frames)
         self._cache[seq] = (kind, frames, nbytes)
         self.nbytes += nbytes
-        while self._cache and (len(self._cache) > limits.reply_cache or held() > limits.session_memory_bytes):
+        while self._cache and (len(self._cache) > limits.reply_cache
+                               or others + self.nbytes > limits.session_memory_bytes):
             _, (_, _, dropped) = self._cache.popitem(last=False)
             self.nbytes -= dropped
+        return self.nbytes - before
 
     def again(self, seq: int) -> tuple[list, str]:
         """The frames (and type) answering a repeat of request ``seq``; never applies it again."""

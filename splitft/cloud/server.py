@@ -70,8 +70,7 @@ class CloudServer:
         shared_policy: its optimizer and frozen parameters, the cloud's choice
             (:class:`~splitft.cloud.shared_policy.SharedPolicy`; default: no optimizer, none frozen).
         policy: which codecs and codec options edges may ask for (:class:`Policy`).
-        placement: the device (and dtype) every cloud half computes in (:class:`Placement`;
-            default: the CPU).
+        placement: the device (and dtype) every cloud half computes in (:class:`Placement`; default: the CPU).
         rounds: train shared halves in synchronous data-parallel rounds
             (:class:`~splitft.cloud.rounds.Rounds`; default: steps in arrival order).
         make_session: builds each new session, with :class:`CloudSession`'s arguments (default:
@@ -227,14 +226,14 @@ class CloudServer:
                 self.handle(*held)
 
     def _decode(self, frames: list, session: CloudSession | None) -> protocol.Message:
-        self.limits.check_frames(frames)
+        size = self.limits.check_frames(frames)
         try:
             msg = protocol.decode(frames)
         except RecursionError:
             raise ProtocolError("the message body is nested too deeply") from None
         if session is not None:
             session.seat.heard()
-            session.metrics.count("up", traffic_kind(msg.TYPE), wire=transports.message_nbytes(frames))
+            session.metrics.count("up", traffic_kind(msg.TYPE), wire=size)
         return msg
 
     def _error(self, exc: BaseException, seq: int, call: Any) -> Error:
@@ -252,10 +251,11 @@ class CloudServer:
         except SplitFTError as exc:  # the cloud part returned something that cannot cross the wire
             reply = self._error(exc, seq, 0)
             out = protocol.encode(reply)
-        if numbered and session is not None:
-            session.replies.keep(seq, reply.TYPE, out, self.limits, session.held_bytes)
-        if session is not None and session.id in self.by_id:
-            self.book.set(session.id, session.held_bytes())
+        if session is not None:
+            held = session.held_bytes()  # read once: the reply cache's share changes as it keeps this reply
+            held += session.replies.keep(seq, reply.TYPE, out, self.limits, held) if numbered else 0
+            if session.id in self.by_id:
+                self.book.set(session.id, held)
         self.send(peer, out, reply.TYPE)
 
     def send(self, peer: bytes, frames: list, kind: str) -> None:

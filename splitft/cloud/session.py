@@ -151,17 +151,18 @@ class CloudSession:
         leaves = [t.detach().requires_grad_() if g and t.is_floating_point() else t
                   for t, g in zip(inputs.tensors, inputs.grads)]
         cast = [half.placement.cast_in(t) for t in leaves[:n_args + n_kw]]  # in the graph: grads keep the edge's dtype
-        args, kwargs = self.caches.bind((unflatten(args_skel, cast[:n_args]),
-                                         unflatten(kw_skel, cast[n_args:n_args + n_kw])))
+        caching = self.caches.named((args_skel, kw_skel))
+        args, kwargs = unflatten(args_skel, cast[:n_args]), unflatten(kw_skel, cast[n_args:n_args + n_kw])
+        if caching:  # the session's caches in place of their numbers (a training step names none)
+            args, kwargs = self.caches.bind((args, kwargs))
         target = unflatten(target_skel, leaves[n_args + n_kw:])
         _set_modes(half.chain, train, mirrored.flipped)
         if mirrored.flipped:
             self.random.on_its_own()
-        caching = self.caches.named((args_skel, kw_skel))
         try:
             with torch.set_grad_enabled(grad), blame(ModelError, "the cloud part failed on the inputs the edge sent"), \
-                    GraphMeter(half.chain) as meter, autocast_region(autocast, half.placement.device), \
-                    self.random.active(train):
+                    GraphMeter(half.chain, half.parameter_storages()) as meter, \
+                    autocast_region(autocast, half.placement.device), self.random.active(train):
                 value = edge_dtype(half.chain(*args, **kwargs), inputs.tensors, half.placement.dtype)
                 if target is not None:
                     if mirrored.loss_fn is None:

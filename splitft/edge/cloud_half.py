@@ -50,7 +50,7 @@ class CloudHalf:
         self.names_by_id: dict[int, str] = {}  # id of a placeholder -> its name
         self.has_grad: set[str] = set()
         self.unreached: frozenset[str] = frozenset()  # trainable, but the last reported graph gave no gradient
-        self._grads: dict[str, CloudGrad] = {}
+        self._grads: dict[str, tuple[CloudGrad, torch.device]] = {}  # handle, and the device it reports
         self._norms: dict[float, dict[str, torch.Tensor]] = {}
         self.hidden = False  # a mirrored optimizer is stepping: the cloud steps its own parameters
         self.device = torch.device("cpu")  # where the edge's tensors (and so the gradients' handles) are
@@ -74,16 +74,15 @@ class CloudHalf:
     def grad_of(self, name: str) -> CloudGrad | None:
         if self.hidden or name not in self.has_grad:
             return None
-        grad = self._grads.get(name)
-        if grad is None or grad.device != self.device:
-            grad = self._grads[name] = CloudGrad(self.params[name], name, self, self.device)
-        return grad
+        made = self._grads.get(name)
+        if made is None or made[1] != self.device:
+            made = self._grads[name] = (CloudGrad(self.params[name], name, self, self.device), self.device)
+        return made[0]
 
     def clear_grad(self, name: str) -> None:
         """``p.grad = None``: the cloud clears it too (``zero_grad()``, by the optimizer or the model)."""
         if name in self.has_grad:
-            self.has_grad.discard(name)
-            self._grads.pop(name, None)
+            self.has_grad.discard(name)  # its handle is kept (it holds no values): the next p.grad returns it again
             self._changed()
             self._queue(ZeroGrad(set_to_none=True, names=[name]))
 

@@ -88,18 +88,16 @@ class Ghosts:
         self._model = model
         self._places = [(model.get_submodule(parent) if parent else model, child, model.get_submodule(name))
                         for name in chain.names for parent, _, child in [name.rpartition(".")]]
-        self._batchnorms = [(f"{name}.{key}" if key else name, module) for name in chain.names
-                            for key, module in model.get_submodule(name).named_modules()
+        # Every module of the cloud half by its unsplit name, found once: a ghost refuses new
+        # children, so the walk a forward would make to read their modes finds the same ones.
+        self._cloud_modules = [(f"{name}.{key}" if key else name, module) for name in chain.names
+                         for key, module in model.get_submodule(name).named_modules()]
+        self._batchnorms = [(name, module) for name, module in self._cloud_modules
                             if isinstance(module, nn.modules.batchnorm._BatchNorm)]
 
     def flipped(self, training: bool) -> list[str]:
         """The cloud half's modules whose mode is not ``training`` (a layer put in ``eval()`` by name)."""
-        found = []
-        for name in self.chain.names:
-            for key, module in self._model.get_submodule(name).named_modules():
-                if module.training != training:
-                    found.append(f"{name}.{key}" if key else name)
-        return found
+        return [name for name, module in self._cloud_modules if module.training != training]
 
     def state_names(self) -> set[str]:
         """The cloud half's state keys, named as in the unsplit model."""
@@ -216,7 +214,8 @@ def ghost(module: nn.Module, standin: nn.Module, *, never_run: tuple[str, ...] =
     state = module.__dict__  # instance attributes, set past nn.Module.__setattr__ (standin is not a submodule)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        standin.train(module.training)
+        if standin.training != module.training:  # a standin has no children: its own flag is its mode
+            standin.train(module.training)
         return standin(*args, **kwargs)
 
     def apply(fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:

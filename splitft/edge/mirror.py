@@ -101,7 +101,8 @@ class ModelMirror:
         parameters it froze (``requires_grad_(False)``) and the modules in the other mode than the
         split model's (``flipped``, by name)."""
         params = self.cloud_half.params
-        frozen = frozenset(name for name, param in params.items() if not param.requires_grad)
+        with torch._C.DisableTorchFunctionSubclass():  # a flag read on each placeholder, not a dispatch each
+            frozen = frozenset(name for name, param in params.items() if not param.requires_grad)
         if frozen != self._frozen_sent:
             self.outbox.queue(SetFrozen(names=sorted(frozen)))
             self._frozen_sent = frozen
@@ -135,8 +136,9 @@ class OptimizerMirror:
         self.model, self.optimizer = model, optimizer
         self.settings = optimizer_settings(optimizer)
         self.members = _members(optimizer)
-        self.sent = self._group_settings()
-        self._stepping = self.sent  # the groups' settings of the step under way, read before it runs
+        self._raw: list[tuple] | None = None  # each group's settings as last sent, when all were immutable values
+        self.sent, self._raw = self._group_settings()
+        self._stepping = self.sent, self._raw  # the groups' settings of the step under way, read before it runs
         # The optimizer's state as the last step left it: a script that resets it is caught
         # before the next step (the cloud's copy keeps the cloud half's state).
         self._state: Any = optimizer.state
@@ -153,7 +155,13 @@ class OptimizerMirror:
         self.model.outbox.queue(AttachOptimizer(name=type(optimizer).__name__, settings=self.settings, id=op_id,
                                                 groups=None if whole else groups))
 
-    def _group_settings(self) -> list[dict[str, Any]]:
+    def _group_settings(self) -> tuple[list[dict[str, Any]], list[tuple] | None]:
+        """Each group's settings as sent, and their raw values when all are immutable (then, read
+        every step, unchanged ones need no conversion again)."""
+        raw = [tuple(map(group.get, self.settings)) for group in self.optimizer.param_groups]
+        immutable = all(_immutable(v) for values in raw for v in values)
+        if immutable and raw == self._raw:
+            return self.sent, self._raw
         out = []
         for group in self.optimizer.param_groups:
             settings = {}
@@ -168,7 +176,7 @@ class OptimizerMirror:
                                       "mirrors plain numbers and flags, not this")
                 settings[key] = value
             out.append(settings)
-        return out
+        return out, raw if immutable else None
 
     def before_step(self) -> None:
         """Refuse, before the step runs, what the mirror would not carry: groups added or changed."""
@@ -200,7 +208,7 @@ class OptimizerMirror:
     def after_step(self) -> None:
         model = self.model
         model.cloud_half.hidden = False
-        now = self._stepping
+        now, self._raw = self._stepping
         self._state, self._entries = self.optimizer.state, len(self.optimizer.state)
         lrs: list[Any] = [group.get("lr") for group in now]
         changes = [{k: v for k, v in group.items() if k != "lr" and v != before.get(k)}
@@ -219,6 +227,15 @@ class OptimizerMirror:
 
 def _members(optimizer: torch.optim.Optimizer) -> list[tuple[int, ...]]:
     return [tuple(map(id, group["params"])) for group in optimizer.param_groups]
+
+
+def _immutable(value: Any) -> bool:
+    """A setting that cannot change without being replaced (a list or a tensor can, in place)."""
+    return value is None or value.__class__ in _IMMUTABLE or (
+        value.__class__ is tuple and all(v.__class__ in _IMMUTABLE for v in value))
+
+
+_IMMUTABLE = {bool, int, float, str}
 
 
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

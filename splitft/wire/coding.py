@@ -191,19 +191,16 @@ def from_wire(tree: Any, depth: int = 0) -> tuple[list[tuple[Payload, bool]], An
 def expansions(skeleton: Any) -> dict[int, tuple[int, ...]]:
     """Entry index → the shape a compacted entry repeats to, for every such leaf of ``skeleton``."""
     found: dict[int, tuple[int, ...]] = {}
-
-    def walk(node: Any) -> None:
+    stack = [skeleton]  # a loop, not a nested function: one would refer to itself, a cycle per call
+    while stack:
+        node = stack.pop()
         if isinstance(node, _Leaf):
             if node.expand is not None:
                 found[node.index] = node.expand
         elif isinstance(node, (tuple, list)):
-            for v in node:
-                walk(v)
+            stack.extend(node)
         elif isinstance(node, dict):
-            for v in node.values():
-                walk(v)
-
-    walk(skeleton)
+            stack.extend(node.values())
     return found
 
 
@@ -281,7 +278,7 @@ def raw_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     numel = 1
     for d in shape:
         numel *= d
-    return numel * torch.empty((), dtype=dtype).element_size()
+    return numel * dtype.itemsize  # not an empty tensor built to ask it
 
 
 class SlotCodecs:
@@ -302,10 +299,12 @@ class SlotCodecs:
                 for slot in SLOTS
             }
         self.raw = compressors.make_codec("identity")
+        # Those that may hold anything: a codec keeping Codec's own held_nbytes holds nothing, ever.
+        self._holding = [codec for codec in self.slots.values() if type(codec).held_nbytes is not Codec.held_nbytes]
 
     def held_nbytes(self) -> int:
         """Bytes the codecs hold now (buffers, caches): counted against a session's memory."""
-        return sum(codec.held_nbytes() for codec in self.slots.values())
+        return sum(codec.held_nbytes() for codec in self._holding) if self._holding else 0
 
     def decode_cost(self, entries: list[tuple[Payload, bool]], stream: int | None, slot: str | None,
                     ctx: CodecContext, expand_to: dict[int, tuple[int, ...]] | None = None) -> int:
