@@ -38,7 +38,9 @@ _MONITORED = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | 
 
 
 def _poll_ms(timeout: float | None) -> int | None:
-    return None if timeout is None else max(0, int(timeout * 1000))
+    """A poll's timeout in whole milliseconds, rounded up: rounded down, the last millisecond of
+    every wait would spin through polls of 0 ms."""
+    return None if timeout is None else max(0, math.ceil(timeout * 1000))
 
 
 #: Flags as plain ints: or-ing pyzmq's enum flags costs about a microsecond a message.
@@ -205,7 +207,7 @@ class ZmqConnection(Connection):
                 left = None if deadline is None else deadline - time.monotonic()
                 # Whole milliseconds, rounded up: ZeroMQ's poll cannot wait less, and a wait
                 # rounded down to 0 ms would return at once again and again (a busy loop).
-                ready = dict(self._wake_poller.poll(None if left is None else max(0, math.ceil(left * 1000))))
+                ready = dict(self._wake_poller.poll(_poll_ms(left)))
                 if read_fd in ready:
                     _drain(read_fd)
                 # Data first, as in recv: a reply that made it counts even if the link died after
