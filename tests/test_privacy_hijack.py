@@ -15,7 +15,10 @@ from splitft.app.data import batches, load_digits
 from splitft.app.models import digits_cnn
 from splitft.errors import CloudMisbehaving
 from splitft.privacy import Defences, Probe, protect
-from tests.conftest import DIGITS, start_cloud, stop
+from splitft.privacy.attacks import ssim
+from splitft.privacy.evaluate import data
+from tests import fsha
+from tests.conftest import DIGITS, InprocCloud, start_cloud, stop
 
 HIJACK = "tests.fsha:fsha_digits"
 STEPS = 40
@@ -50,6 +53,33 @@ def _train(address: str, factory: str, probe: Probe, steps: int = STEPS):
             opt.step()
             opt.zero_grad()
     return protection, None, steps
+
+
+def test_the_fixture_hijacks_an_unprotected_edge():
+    """The malicious cloud is a working attack: left alone, its decoder rebuilds held-out digits
+    from the edge's activations within a few dozen steps. The cloud is on a thread of this process
+    (the same server code) so that the attacker it built, and only that one, can be read."""
+    cloud = InprocCloud([HIJACK])
+    before = len(fsha.ATTACKERS)
+    train, _, test = data()
+    try:
+        model = splitft.split(digits_cnn(), "block3", "head", factory=HIJACK, connect=cloud.connect(),
+                              faults=splitft.Faults(timeout=60))
+        with model:
+            (attacker,) = fsha.ATTACKERS[before:]  # the cloud's parameter count builds no attacker
+            opt = model.attach(torch.optim.Adam(model.parameters(), lr=1e-3))
+            for epoch in range(5):
+                for x, y, _ in batches(train, 64, shuffle=True, seed=0, epoch=epoch):
+                    nn.functional.cross_entropy(model(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+            edge = model.model.eval()
+            with torch.no_grad():
+                z = edge.block2(edge.block1(test.x))
+    finally:
+        cloud.close()
+    assert attacker.steps == 85
+    assert ssim(attacker.reconstruct(z), test.tensor().float()) > 0.5
 
 
 def test_probe_stops_a_hijacking_cloud(cloud):
