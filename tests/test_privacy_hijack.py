@@ -95,6 +95,24 @@ def test_probe_never_accuses_an_honest_cloud(cloud):
     snap = protection.detector.snapshot()
     assert snap["probes"] >= 5 and snap["failed_probes"] == 0
     assert 0.5 < snap["last_probe_ratio"] < 2.0  # an honest backward keeps its gain when the gradient is scaled
+    assert 0.5 < snap["lowest_probe_ratio"] <= snap["last_probe_ratio"]
+
+
+def test_probe_checks_a_trunk_of_several_modules(cloud):
+    """A trunk of several modules hands the edge's forward an inner output at its first module;
+    the probe must still see the gradient the edge returns for the trunk's own output."""
+    train, _ = load_digits()
+    model = splitft.split(digits_cnn(), "block2", "head", factory=DIGITS, connect=cloud,
+                          faults=splitft.Faults(timeout=60))
+    with model:
+        protection = protect(model, Defences(probe=Probe(rate=0.5, warmup=3), seed=5))
+        opt = model.attach(torch.optim.Adam(model.parameters(), lr=1e-3))
+        for (x, y, _), _ in zip(batches(train, 32, shuffle=True, seed=1), range(20)):
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    snap = protection.detector.snapshot()
+    assert snap["checked_steps"] == 20 and snap["probes"] >= 3 and snap["failed_probes"] == 0, snap
 
 
 def test_probe_needs_a_ushape_split_and_checks_its_settings(cloud):

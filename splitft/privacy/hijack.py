@@ -79,6 +79,7 @@ class HijackDetector:
         self.steps = 0  # training steps whose answer was checked
         self.tripped: str | None = None
         self.last_ratio: float | None = None
+        self.lowest_ratio: float | None = None  # how close an honest cloud came to an alarm
 
     def draw(self) -> float:
         """The factor for the next training step: 1 (ordinary) or a probe's ``c``."""
@@ -109,6 +110,7 @@ class HijackDetector:
             return
         ratio = gain / reference
         self.last_ratio = ratio
+        self.lowest_ratio = ratio if self.lowest_ratio is None else min(self.lowest_ratio, ratio)
         if ratio >= self.probe.threshold:
             self.strikes = 0
             return
@@ -127,4 +129,5 @@ class HijackDetector:
 
     def snapshot(self) -> dict[str, float | int | bool | None]:
         return {"probes": self.probes, "failed_probes": self.failed, "tripped": self.tripped is not None,
-                "last_probe_ratio": self.last_ratio, "checked_steps": self.steps}
+                "last_probe_ratio": self.last_ratio, "lowest_probe_ratio": self.lowest_ratio,
+                "checked_steps": self.steps}
