@@ -4,7 +4,7 @@ answers every probe as a backward does and is never accused."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -15,6 +15,7 @@ from splitft.app.data import batches, load_digits
 from splitft.app.models import digits_cnn
 from splitft.errors import CloudMisbehaving
 from splitft.privacy import Defences, Probe, protect
+from splitft.privacy.hijack import HijackDetector
 from splitft.privacy.attacks import ssim
 from splitft.privacy.evaluate import data
 from tests import fsha
@@ -115,11 +116,34 @@ def test_probe_checks_a_trunk_of_several_modules(cloud):
     assert snap["checked_steps"] == 20 and snap["probes"] >= 3 and snap["failed_probes"] == 0, snap
 
 
+def _probed_run(answer: Callable[[int, float], float], steps: int = 100) -> HijackDetector:
+    """The default detector over ``steps`` steps whose answer norm is ``answer(step, sent norm)``."""
+    detector = HijackDetector(Probe(), torch.Generator().manual_seed(0))
+    for step in range(steps):
+        factor = detector.draw()
+        sent = 0.07 * factor
+        try:
+            detector.check(factor, sent, answer(step, sent))
+        except CloudMisbehaving:
+            break
+    return detector
+
+
+def test_probe_keeps_up_with_a_gain_that_drifts():
+    """A hijacking cloud's critic grows its gradient fast while it trains (~15% a step on the
+    digits): its probes must fail against the recent gain, not pass against a stale one; an
+    honest cloud whose gain drifts as fast is still never accused."""
+    hijacking = _probed_run(lambda step, sent: 0.01 * 1.15 ** step)
+    assert hijacking.tripped is not None and hijacking.failed == 2, hijacking.snapshot()
+    honest = _probed_run(lambda step, sent: sent * 0.2 * 1.15 ** step)
+    assert honest.tripped is None and honest.probes >= 5 and honest.failed == 0, honest.snapshot()
+
+
 def test_probe_needs_a_ushape_split_and_checks_its_settings(cloud):
     model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connect=cloud, faults=splitft.Faults(timeout=60))
     with model, pytest.raises(splitft.ConfigError, match="U-shape"):
         protect(model, Defences(probe=Probe()))
-    for bad in ({"rate": 0}, {"scale": (1.0, 2.0)}, {"threshold": 1.5}, {"strikes": 0}):
+    for bad in ({"rate": 0}, {"scale": (1.0, 2.0)}, {"threshold": 1.5}, {"strikes": 0}, {"window": 0}):
         with pytest.raises(splitft.ConfigError):
             Probe(**bad)
     with pytest.raises(splitft.ConfigError, match="Probe"):

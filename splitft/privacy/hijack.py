@@ -9,7 +9,7 @@ The probe: on a random few training steps (drawn from the edge's private generat
 cloud cannot tell which) the edge sends ``c · g`` with ``c`` drawn in ``scale``, and divides
 the answer by ``c`` before training on it, so an honest cloud's gradient reaches the edge
 unchanged. It then compares the gain ``|dz| / |g sent|`` of the probe with the median gain of
-recent ordinary steps: an honest backward keeps the gain (``|Jᵀ c g| / |c g|``), a cloud that
+the last few ordinary steps: an honest backward keeps the gain (``|Jᵀ c g| / |c g|``), a cloud that
 ignores ``g`` shows a gain ``c`` times smaller. Two probes in a row below ``threshold`` raise
 :class:`~splitft.errors.CloudMisbehaving` from the backward, before the edge steps on it, and
 every later forward is refused.
@@ -45,13 +45,18 @@ class Probe:
             (an honest cloud keeps ~1; one that ignores the gradient shows ~1/c).
         strikes: failed probes in a row that stop training.
         warmup: ordinary steps seen before the first probe (the median needs them).
+        window: the recent ordinary steps whose median gain a probe is compared with. Few: the
+            gain drifts as training goes, and a hijacking cloud's drifts fast (its critic's
+            gradient grew ~15% a step in the digits measurements), so a long window lags behind it
+            and lets its probes pass.
     """
 
     rate: float = 0.1
     scale: tuple[float, float] = (4.0, 8.0)
     threshold: float = 0.5
     strikes: int = 2
-    warmup: int = 5
+    warmup: int = 3
+    window: int = 3
 
     def __post_init__(self) -> None:
         if not (0 < self.rate <= 1):
@@ -61,18 +66,18 @@ class Probe:
             raise ConfigError(f"Probe(scale=(low, high)) needs 1 < low <= high, got {self.scale!r}")
         if not (0 < self.threshold < 1):
             raise ConfigError(f"Probe(threshold=...) is in (0, 1), got {self.threshold!r}")
-        if not (isinstance(self.strikes, int) and self.strikes >= 1 and isinstance(self.warmup, int)
-                and self.warmup >= 1):
-            raise ConfigError(f"Probe(strikes=..., warmup=...) are ints >= 1, got {self.strikes!r}, {self.warmup!r}")
+        counts = (self.strikes, self.warmup, self.window)
+        if not all(isinstance(n, int) and n >= 1 for n in counts):
+            raise ConfigError(f"Probe(strikes=..., warmup=..., window=...) are ints >= 1, got {counts!r}")
 
 
 class HijackDetector:
     """The probe's state on one edge: recent gains, strikes, and whether it has tripped."""
 
-    def __init__(self, probe: Probe, generator: torch.Generator, history: int = 20):
+    def __init__(self, probe: Probe, generator: torch.Generator):
         self.probe = probe
         self.generator = generator
-        self.gains: deque[float] = deque(maxlen=history)
+        self.gains: deque[float] = deque(maxlen=probe.window)
         self.strikes = 0
         self.probes = 0
         self.failed = 0
