@@ -5,18 +5,19 @@ an honest cloud answers with ``dz = Jᵀ g``, the backward of its part: *linear 
 the model, its normalisation or dropout. A cloud running feature-space hijacking (FSHA) answers
 with the gradient of its own discriminator instead, which does not depend on ``g`` at all.
 
-The probe: on a random few training steps (drawn from the edge's private generator, so the
-cloud cannot tell which) the edge sends ``c · g`` with ``c`` drawn in ``scale``, and divides
-the answer by ``c`` before training on it, so an honest cloud's gradient reaches the edge
-unchanged. It then compares the gain ``|dz| / |g sent|`` of the probe with the median gain of
-the last few ordinary steps: an honest backward keeps the gain (``|Jᵀ c g| / |c g|``), a cloud that
-ignores ``g`` shows a gain ``c`` times smaller. Two probes in a row below ``threshold`` raise
-:class:`~splitft.errors.CloudMisbehaving` from the backward, before the edge steps on it, and
-every later forward is refused.
+The probe: on a random half of the training steps (drawn from the edge's private generator, so
+the cloud cannot predict which) the edge sends ``c · g`` with ``c`` drawn in ``scale``, and
+divides the answer by ``c`` before training on it, so an honest cloud's gradient reaches the
+edge unchanged. It then compares the gain ``|dz| / |g sent|`` of the probe with the median gain
+of the last few ordinary steps: an honest backward keeps the gain (``|Jᵀ c g| / |c g|``), a
+cloud that ignores ``g`` shows a gain ``c`` times smaller. Two probes in a row below
+``threshold`` raise :class:`~splitft.errors.CloudMisbehaving` from the backward, before the edge
+steps on it, and every later forward is refused.
 
 Costs: nothing crosses but the gradient; the cloud's part trains on a scaled gradient on the
-probed steps (under Adam almost nothing; under SGD a ``c`` times longer step). Limits: a cloud
-that scales its crafted gradient with ``|g|`` keeps the gain and passes; the probe tests that
+probed steps (under Adam almost nothing; under SGD a ``c`` times longer step, so a lower
+``rate`` or learning rate there). Limits: a cloud that scales its crafted gradient with ``|g|``
+(it can see that a probed gradient is larger) keeps the gain and passes; the probe tests that
 the answer depends on what the edge sent, in size, not that it is the true backward.
 """
 
@@ -39,7 +40,9 @@ class Probe:
     """Settings of the hijack detector (``Defences(probe=Probe())``).
 
     Args:
-        rate: share of training steps probed (drawn at random each step).
+        rate: share of training steps probed (drawn at random each step). High, because the
+            attack is fast: on the digits a hijacking cloud's decoder passed SSIM 0.5 after 13 to
+            22 steps; at 0.5 the probe stopped it first in 30 runs of 30, at 0.1 in 17 of 30.
         scale: the range the factor ``c`` is drawn from.
         threshold: a probe fails when its gain is below this share of the recent median gain
             (an honest cloud keeps ~1; one that ignores the gradient shows ~1/c).
@@ -51,7 +54,7 @@ class Probe:
             and lets its probes pass.
     """
 
-    rate: float = 0.1
+    rate: float = 0.5
     scale: tuple[float, float] = (4.0, 8.0)
     threshold: float = 0.5
     strikes: int = 2
