@@ -2,16 +2,21 @@
 
 Trains the digits CNN split U-shape (edge: block1-2, cloud: block3, edge: head) against
 
-* a malicious cloud running feature-space hijacking (``tests/fsha.py``), with and without the
-  edge's probe (``Defences(probe=Probe())``): the step at which the probe stops training, and the
-  SSIM of the attacker's reconstructions of the test images at that step and over the run;
+* a malicious cloud running feature-space hijacking (``tests/fsha.py``), without the edge's probe
+  (the attacker's SSIM on the test images at every step: how fast the attack works) and with it
+  at each ``--rates`` over ``--draws`` draws of the probed steps (the step at which the probe
+  stops training, and the attacker's SSIM then);
 * honest clouds for every codec of the ablation grid (``scripts/ablate.py``), with the probe on:
-  every alarm there is a false one.
+  every alarm there is a false one; with ``--bbc``, MiniLM on BBC News too.
 
-The cloud runs on a thread of this process (the real cloud code path, over an in-process
-transport), so that the attacker's decoder can be read. Writes hijack.csv and hijack.md into --out.
+The attacker's SSIM is the higher of two views of the held-out digits: the edge's activations
+as inference sends them (BatchNorm's running statistics) and as training sends them (batch
+statistics). The cloud runs on a thread of this process (the real cloud code path, over an
+in-process transport), so that the attacker's decoder can be read. Writes hijack.csv,
+hijack_curves.csv, hijack_bbc.csv, hijack.md and hijack.png into --out.
 
-    python scripts/hijack_eval.py --out docs/privacy --seeds 3 --epochs 10 --fsha-epochs 30
+    python scripts/hijack_eval.py --out docs/privacy --seeds 3 --epochs 10 --fsha-epochs 10 \
+        --rates 0.1,0.3,0.5 --honest-rates 0.3,0.5 --draws 10
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import argparse  # noqa: E402
 import csv  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -36,6 +42,8 @@ HIJACK = "tests.fsha:fsha_digits"
 FIELDS = ["cloud", "codec", "seed", "probe", "probe_seed", "steps", "detected_step", "ssim_at_detection",
           "ssim_final", "first_step_over_half", "accuracy", "probes", "failed_probes", "min_honest_ratio"]
 CURVE = ["seed", "probe", "probe_seed", "step", "ssim_inference", "ssim_training"]
+TEXT = ["task", "codec", "seed", "probe", "epochs", "batch_size", "limit", "alarm", "accuracy", "steps", "probes",
+        "failed_probes", "lowest_ratio", "seconds"]
 
 
 def run(cloud: str, codec: str, *, seed: int, epochs: int, rate: float | None, probe_seed: int,
@@ -61,8 +69,8 @@ def run(cloud: str, codec: str, *, seed: int, epochs: int, rate: float | None, p
     thread = serve_in_thread(server)
     ratios: list[float] = []
     row: dict[str, Any] = {"cloud": "fsha" if cloud == HIJACK else "honest", "codec": codec, "seed": seed,
-                           "probe_seed": probe_seed, "detected_step": "", "ssim_at_detection": "", "first_step_over_half": "",
-                           "accuracy": ""}
+                           "probe_seed": probe_seed, "detected_step": "", "ssim_at_detection": "",
+                           "first_step_over_half": "", "accuracy": ""}
     curve: list[tuple[int, float, float]] = []
     try:
         before = len(fsha.ATTACKERS)
@@ -136,6 +144,49 @@ def attacker_ssim(net: Any, attacker: Any, test: Any) -> tuple[float, float]:
     return scores[0], scores[1]
 
 
+def honest_text(codec: str, *, seed: int, epochs: int, limit: int | None, rate: float, batch_size: int = 8,
+                test: int = 88) -> dict[str, Any]:
+    """MiniLM on BBC News (U-shape, the task's cut, optimizer and learning rate; batches of
+    ``batch_size`` articles to keep steps short on one core) against an honest cloud with the probe
+    on at ``rate``: every alarm is a false one. Accuracy on the first ``test`` test articles."""
+    import torch
+
+    import transports
+    from splitft.app.data import first
+    from splitft.app.runner import TaskRun, prepare, train
+    from splitft.app.tasks import get_task
+    from splitft.cloud import CloudServer, serve_in_thread
+    from splitft.errors import CloudMisbehaving
+    from splitft.options import Codecs, Factory, Faults, Link
+    from splitft.privacy import Defences, Probe, protect
+
+    task = get_task("bbc")
+    factory = Factory(task.model, kwargs={"seed": seed}, weights=task.weights)  # type: ignore[arg-type]
+    listener = transports.InprocListener()
+    server = CloudServer(listener, [factory.name])
+    thread = serve_in_thread(server)
+    row: dict[str, Any] = {"task": "bbc", "codec": codec, "seed": seed, "probe": rate, "epochs": epochs,
+                           "batch_size": batch_size, "limit": limit or "", "alarm": False, "accuracy": ""}
+    try:
+        with torch.random.fork_rng(devices=[]):
+            prepared = prepare(TaskRun(task="bbc", factory=factory, epochs=epochs, seed=seed, limit=limit,
+                                       batch_size=batch_size, codecs=Codecs(codec, seed=seed),
+                                       faults=Faults(timeout=300)), Link(listener.connect()))
+            prepared.test = first(prepared.test, test)
+            protection = protect(prepared.model, Defences(probe=Probe(rate=rate), seed=20_000 + seed))
+            try:
+                row.update(accuracy=train(prepared).accuracy)
+            except CloudMisbehaving:
+                row.update(alarm=True)
+        snap = protection.detector.snapshot()
+        row.update(steps=snap["checked_steps"], probes=snap["probes"], failed_probes=snap["failed_probes"],
+                   lowest_ratio=snap["lowest_probe_ratio"] if snap["lowest_probe_ratio"] is not None else "")
+    finally:
+        server.stop()
+        thread.join(timeout=10)
+    return row
+
+
 def data() -> Any:
     from splitft.privacy.evaluate import data as digits
 
@@ -158,10 +209,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fsha-epochs", type=int, default=10, help="epochs per run against FSHA (default: 10)")
     parser.add_argument("--rates", default="0.1", help="probe rates to measure, comma-separated (default: 0.1, "
                                                        "Probe()'s)")
+    parser.add_argument("--honest-rates", default=None, help="probe rates of the honest runs (default: --rates)")
     parser.add_argument("--draws", type=int, default=1, help="probed runs against FSHA per seed and rate, each "
                                                              "with its own draw of probed steps (default: 1)")
     parser.add_argument("--codecs", default=",".join(CODECS), help="codecs of the honest runs (default: the "
                                                                    "ablation grid's)")
+    parser.add_argument("--bbc", default="", help="codecs of honest MiniLM/BBC News runs with the probe, comma-"
+                                                  "separated (default: none; minutes each on one core)")
+    parser.add_argument("--bbc-epochs", type=int, default=2, help="epochs per BBC run (default: 2)")
+    parser.add_argument("--bbc-limit", type=int, default=160, help="BBC training articles (default: 160)")
+    parser.add_argument("--bbc-rate", type=float, default=0.5, help="probe rate of the BBC runs (default: 0.5)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -170,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     rates = args.rates.split(",")
     cells = [(HIJACK, "identity", s, "off", 0) for s in range(args.seeds)]  # the attack's course, undisturbed
     cells += [(HIJACK, "identity", s, r, d) for r in rates for s in range(args.seeds) for d in range(args.draws)]
-    cells += [(HONEST, c, s, r, 0) for r in rates for c in args.codecs.split(",") for s in range(args.seeds)]
+    honest_rates = args.honest_rates.split(",") if args.honest_rates else rates
+    cells += [(HONEST, c, s, r, 0) for r in honest_rates for c in args.codecs.split(",") for s in range(args.seeds)]
     for cloud, codec, seed, rate, draw in cells:
         probe_seed = 20_000 + seed + 1_000 * draw
         key = ("fsha" if cloud == HIJACK else "honest", codec, str(seed), rate, str(probe_seed))
@@ -184,8 +242,14 @@ def main(argv: list[str] | None = None) -> int:
         for step, inference, training in curve:
             _append(out / "hijack_curves.csv", {"seed": seed, "probe": rate, "probe_seed": probe_seed, "step": step,
                                                 "ssim_inference": inference, "ssim_training": training}, CURVE)
+    text_done = {r["codec"] for r in _read(out / "hijack_bbc.csv")}
+    for codec in (c for c in args.bbc.split(",") if c and c not in text_done):
+        print(("honest", "bbc", codec), file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        row = honest_text(codec, seed=0, epochs=args.bbc_epochs, limit=args.bbc_limit, rate=args.bbc_rate)
+        _append(out / "hijack_bbc.csv", {**row, "seconds": round(time.perf_counter() - start)}, TEXT)
     rows = _read(path)
-    table = summary(rows, args)
+    table = summary(rows, args) + text_summary(_read(out / "hijack_bbc.csv"))
     (out / "hijack.md").write_text(table)
     plot(_read(out / "hijack_curves.csv"), rows, out / "hijack.png")
     print(table)
@@ -208,7 +272,10 @@ def _append(path: Path, row: dict[str, Any], fields: list[str]) -> None:
 def summary(rows: list[dict[str, str]], args: argparse.Namespace) -> str:
     """The markdown tables: the attack's course, detection against it, and alarms over honest runs."""
     command = (f"python scripts/hijack_eval.py --out {args.out} --seeds {args.seeds} --epochs {args.epochs} "
-               f"--fsha-epochs {args.fsha_epochs} --rates {args.rates} --draws {args.draws}")
+               f"--fsha-epochs {args.fsha_epochs} --rates {args.rates} --draws {args.draws}"
+               + (f" --honest-rates {args.honest_rates}" if args.honest_rates else "")
+               + (f" --bbc {args.bbc} --bbc-epochs {args.bbc_epochs} --bbc-limit {args.bbc_limit} "
+                  f"--bbc-rate {args.bbc_rate:g}" if args.bbc else ""))
     fsha = [r for r in rows if r["cloud"] == "fsha"]
     lines = [f"<!-- made by: {command} -->", "", "| FSHA, no probe: seed | first step attacker SSIM > 0.5 "
              "| attacker SSIM at the end | steps | edge accuracy |", "|---|---|---|---|---|"]
@@ -216,13 +283,14 @@ def summary(rows: list[dict[str, str]], args: argparse.Namespace) -> str:
         lines.append(f"| {r['seed']} | {r['first_step_over_half'] or '—'} | {float(r['ssim_final']):.3f} | "
                      f"{r['steps']} | {float(r['accuracy']):.3f} |")
     lines += ["", "| FSHA, probe rate | runs | detected | step detected | attacker SSIM then "
-              "| stopped before attacker SSIM > 0.5 |", "|---|---|---|---|---|---|"]
+              "| stopped before attacker SSIM > 0.5 | probes failed |", "|---|---|---|---|---|---|---|"]
     for rate in dict.fromkeys(r["probe"] for r in fsha if r["probe"] != "off"):
         cell = [r for r in fsha if r["probe"] == rate]
         detected = [r for r in cell if r["detected_step"]]
         early = [r for r in detected if not r["first_step_over_half"] and float(r["ssim_at_detection"]) <= 0.5]
         lines.append(f"| {rate} | {len(cell)} | {len(detected)}/{len(cell)} | {_values(detected, 'detected_step', 0)} "
-                     f"| {_values(detected, 'ssim_at_detection', 3)} | {len(early)}/{len(cell)} |")
+                     f"| {_values(detected, 'ssim_at_detection', 3)} | {len(early)}/{len(cell)} | "
+                     f"{sum(int(r['failed_probes']) for r in cell)}/{sum(int(r['probes']) for r in cell)} |")
     lines += ["", "| honest cloud, codec | probe rate | runs | false alarms | probes | lowest probe gain ratio "
               "| accuracy |", "|---|---|---|---|---|---|---|"]
     honest = [r for r in rows if r["cloud"] == "honest"]
@@ -231,6 +299,20 @@ def summary(rows: list[dict[str, str]], args: argparse.Namespace) -> str:
         alarms = sum(1 for r in cell if r["detected_step"])
         lines.append(f"| {codec} | {rate} | {len(cell)} | {alarms} | {sum(int(r['probes']) for r in cell)} | "
                      f"{_values(cell, 'min_honest_ratio', 2, low=True)} | {_values(cell, 'accuracy', 3)} |")
+    return "\n".join(lines) + "\n"
+
+
+def text_summary(rows: list[dict[str, str]]) -> str:
+    """The honest MiniLM runs' table (empty without them)."""
+    if not rows:
+        return ""
+    lines = ["", "| MiniLM/BBC, honest cloud, codec | probe rate | epochs × steps | false alarm | probes "
+             "| lowest probe gain ratio | accuracy (88 test articles) |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        epochs = int(r["epochs"])
+        lines.append(f"| {r['codec']} | {r['probe']} | {epochs} × {int(r['steps']) // max(epochs, 1)} | "
+                     f"{'yes' if r['alarm'] == 'True' else 'no'} | {r['probes']} | "
+                     f"{_values([r], 'lowest_ratio', 2)} | {_values([r], 'accuracy', 3)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -249,15 +331,17 @@ def plot(curves: list[dict[str, str]], rows: list[dict[str, str]], path: Path) -
         line, = ax.plot(steps, [float(c["ssim_training"]) for c in run_], label=f"seed {seed}, training-time")
         ax.plot(steps, [float(c["ssim_inference"]) for c in run_], "--", color=line.get_color(),
                 label=f"seed {seed}, inference-time")
-    stops = [int(r["detected_step"]) for r in rows if r["cloud"] == "fsha" and r["detected_step"]]
-    if stops:
-        ax.hist(stops, bins=range(0, max(stops) + 2), weights=[1 / len(stops)] * len(stops), color="grey", alpha=0.4,
-                label="probe stopped training (share of probed runs)")
+    probed = [r for r in rows if r["cloud"] == "fsha" and r["detected_step"]]
+    for rate in dict.fromkeys(r["probe"] for r in probed):
+        stops = [int(r["detected_step"]) for r in probed if r["probe"] == rate]
+        ax.hist(stops, bins=range(0, max(stops) + 2), weights=[1 / len(stops)] * len(stops), histtype="step",
+                lw=1.5, label=f"probe at rate {rate} stopped training here (share of its runs)")
     ax.axhline(0.5, color="black", lw=0.5)
-    ax.set_xlim(0, 80)
+    ax.set_xlim(0, 60)
     ax.set_xlabel("training step")
     ax.set_ylabel("attacker's SSIM on held-out digits")
-    ax.legend(fontsize=7)
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
