@@ -43,7 +43,10 @@ class Probe:
         rate: share of training steps probed (drawn at random each step). High, because the
             attack is fast: on the digits a hijacking cloud's decoder passed SSIM 0.5 after 13 to
             22 steps; at 0.5 the probe stopped it first in 30 runs of 30, at 0.1 in 17 of 30.
-        scale: the range the factor ``c`` is drawn from.
+        scale: the range the factor ``c`` is drawn from. Large, so that a cloud that ignores the
+            gradient (ratio ~1/c) stays far under ``threshold`` while an honest one, whose gain
+            varies from batch to batch (down to 0.41 of the median on MiniLM with a low-rank
+            codec), stays above it.
         threshold: a probe fails when its gain is below this share of the recent median gain
             (an honest cloud keeps ~1; one that ignores the gradient shows ~1/c).
         strikes: failed probes in a row that stop training.
@@ -55,11 +58,11 @@ class Probe:
     """
 
     rate: float = 0.5
-    scale: tuple[float, float] = (4.0, 8.0)
-    threshold: float = 0.5
+    scale: tuple[float, float] = (16.0, 32.0)
+    threshold: float = 0.25
     strikes: int = 2
     warmup: int = 3
-    window: int = 3
+    window: int = 5
 
     def __post_init__(self) -> None:
         if not (0 < self.rate <= 1):
