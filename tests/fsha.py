@@ -12,8 +12,12 @@ edge's head still learns, but on every training forward it also
   activations look like the pilot's codes to the discriminator,
 
 so that the edge turns, step by step, into an encoder whose output the attacker's decoder
-inverts. Every built attacker is kept in :data:`ATTACKERS` so an in-process measurement can read
-its decoder; a cloud process's attackers stay in that process.
+inverts. Every attacker that trains is kept in :data:`ATTACKERS` so an in-process measurement can
+read its decoder; a cloud process's attackers stay in that process.
+
+A cloud builds each factory twice: once on the meta device, to count its parameters before
+admitting it, then for real. The meta build gets no attacker: its decoder would hold no weights,
+and convolving real activations with meta weights returns uninitialised memory, not an error.
 """
 
 from __future__ import annotations
@@ -88,8 +92,8 @@ class HijackingTrunk(nn.Sequential):
         return "Sequential"
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        attacker = self.__dict__["attacker"]
-        if self.training and torch.is_grad_enabled() and z.requires_grad:
+        attacker = self.__dict__.get("attacker")
+        if attacker is not None and self.training and torch.is_grad_enabled() and z.requires_grad:
             crafted = attacker.step(z)
             z.register_hook(lambda grad: crafted.to(grad.dtype))
         return super().forward(z)
@@ -98,12 +102,18 @@ class HijackingTrunk(nn.Sequential):
 def fsha_digits(seed: int | None = 0) -> nn.Sequential:
     """The digits CNN with a hijacking ``block3``; public data: the privacy grid's auxiliary images."""
     from splitft.app.models import digits_cnn
-    from splitft.privacy.evaluate import data
 
     honest = digits_cnn(seed)
     trunk = HijackingTrunk(*honest.block3)
+    if torch.empty(0).device.type != "meta":  # the meta build only counts parameters (see above)
+        trunk.__dict__["attacker"] = _attacker(seed)
+    return nn.Sequential(OrderedDict(block1=honest.block1, block2=honest.block2, block3=trunk, head=honest.head))
+
+
+def _attacker(seed: int | None) -> Attacker:
+    from splitft.privacy.evaluate import data
+
     _, public, _ = data()
     attacker = Attacker(public.tensor().float(), seed=0 if seed is None else seed)
-    trunk.__dict__["attacker"] = attacker  # not a submodule: not the cloud half's parameters
-    ATTACKERS.append(attacker)
-    return nn.Sequential(OrderedDict(block1=honest.block1, block2=honest.block2, block3=trunk, head=honest.head))
+    ATTACKERS.append(attacker)  # kept in the trunk's __dict__: not a submodule, not the cloud half's parameters
+    return attacker

@@ -387,6 +387,11 @@ class Protection:
 
     def _after_trunk(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         noise = self.defences.label_gradients
+        entry = standin_of(module)
+        if isinstance(entry, TrunkEntry) and entry.last is not None:
+            # A trunk of several modules hands the forward an inner output that carries no gradient;
+            # the trunk's own output, which the last module hands on, is the one the edge answers.
+            output = entry.last
         stream = output if isinstance(output, torch.Tensor) else (
             output[0] if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor) else None)
         if (noise is None and not self._watchers and self.detector is None) or stream is None \

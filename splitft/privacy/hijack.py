@@ -5,18 +5,19 @@ an honest cloud answers with ``dz = Jᵀ g``, the backward of its part: *linear 
 the model, its normalisation or dropout. A cloud running feature-space hijacking (FSHA) answers
 with the gradient of its own discriminator instead, which does not depend on ``g`` at all.
 
-The probe: on a random few training steps (drawn from the edge's private generator, so the
-cloud cannot tell which) the edge sends ``c · g`` with ``c`` drawn in ``scale``, and divides
-the answer by ``c`` before training on it, so an honest cloud's gradient reaches the edge
-unchanged. It then compares the gain ``|dz| / |g sent|`` of the probe with the median gain of
-recent ordinary steps: an honest backward keeps the gain (``|Jᵀ c g| / |c g|``), a cloud that
-ignores ``g`` shows a gain ``c`` times smaller. Two probes in a row below ``threshold`` raise
-:class:`~splitft.errors.CloudMisbehaving` from the backward, before the edge steps on it, and
-every later forward is refused.
+The probe: on a random half of the training steps (drawn from the edge's private generator, so
+the cloud cannot predict which) the edge sends ``c · g`` with ``c`` drawn in ``scale``, and
+divides the answer by ``c`` before training on it, so an honest cloud's gradient reaches the
+edge unchanged. It then compares the gain ``|dz| / |g sent|`` of the probe with the median gain
+of the last few ordinary steps: an honest backward keeps the gain (``|Jᵀ c g| / |c g|``), a
+cloud that ignores ``g`` shows a gain ``c`` times smaller. Two probes in a row below
+``threshold`` raise :class:`~splitft.errors.CloudMisbehaving` from the backward, before the edge
+steps on it, and every later forward is refused.
 
 Costs: nothing crosses but the gradient; the cloud's part trains on a scaled gradient on the
-probed steps (under Adam almost nothing; under SGD a ``c`` times longer step). Limits: a cloud
-that scales its crafted gradient with ``|g|`` keeps the gain and passes; the probe tests that
+probed steps (under Adam almost nothing; under SGD a ``c`` times longer step, so a lower
+``rate`` or learning rate there). Limits: a cloud that scales its crafted gradient with ``|g|``
+(it can see that a probed gradient is larger) keeps the gain and passes; the probe tests that
 the answer depends on what the edge sent, in size, not that it is the true backward.
 """
 
@@ -39,19 +40,29 @@ class Probe:
     """Settings of the hijack detector (``Defences(probe=Probe())``).
 
     Args:
-        rate: share of training steps probed (drawn at random each step).
-        scale: the range the factor ``c`` is drawn from.
+        rate: share of training steps probed (drawn at random each step). High, because the
+            attack is fast: on the digits a hijacking cloud's decoder passed SSIM 0.5 after 13 to
+            22 steps; at 0.5 the probe stopped it first in 30 runs of 30, at 0.1 in 17 of 30.
+        scale: the range the factor ``c`` is drawn from. Large, so that a cloud that ignores the
+            gradient (ratio ~1/c) stays far under ``threshold`` while an honest one, whose gain
+            varies from batch to batch, stays above it: on the digits the lowest honest ratio was
+            0.65; on MiniLM 0.36, and a rank-1 low-rank codec there still raised a false alarm.
         threshold: a probe fails when its gain is below this share of the recent median gain
             (an honest cloud keeps ~1; one that ignores the gradient shows ~1/c).
         strikes: failed probes in a row that stop training.
         warmup: ordinary steps seen before the first probe (the median needs them).
+        window: the recent ordinary steps whose median gain a probe is compared with. Few: the
+            gain drifts as training goes, and a hijacking cloud's drifts fast (its critic's
+            gradient grew ~15% a step in the digits measurements), so a long window lags behind it
+            and lets its probes pass.
     """
 
-    rate: float = 0.1
-    scale: tuple[float, float] = (4.0, 8.0)
-    threshold: float = 0.5
+    rate: float = 0.5
+    scale: tuple[float, float] = (16.0, 32.0)
+    threshold: float = 0.25
     strikes: int = 2
-    warmup: int = 5
+    warmup: int = 3
+    window: int = 5
 
     def __post_init__(self) -> None:
         if not (0 < self.rate <= 1):
@@ -61,24 +72,25 @@ class Probe:
             raise ConfigError(f"Probe(scale=(low, high)) needs 1 < low <= high, got {self.scale!r}")
         if not (0 < self.threshold < 1):
             raise ConfigError(f"Probe(threshold=...) is in (0, 1), got {self.threshold!r}")
-        if not (isinstance(self.strikes, int) and self.strikes >= 1 and isinstance(self.warmup, int)
-                and self.warmup >= 1):
-            raise ConfigError(f"Probe(strikes=..., warmup=...) are ints >= 1, got {self.strikes!r}, {self.warmup!r}")
+        counts = (self.strikes, self.warmup, self.window)
+        if not all(isinstance(n, int) and n >= 1 for n in counts):
+            raise ConfigError(f"Probe(strikes=..., warmup=..., window=...) are ints >= 1, got {counts!r}")
 
 
 class HijackDetector:
     """The probe's state on one edge: recent gains, strikes, and whether it has tripped."""
 
-    def __init__(self, probe: Probe, generator: torch.Generator, history: int = 20):
+    def __init__(self, probe: Probe, generator: torch.Generator):
         self.probe = probe
         self.generator = generator
-        self.gains: deque[float] = deque(maxlen=history)
+        self.gains: deque[float] = deque(maxlen=probe.window)
         self.strikes = 0
         self.probes = 0
         self.failed = 0
         self.steps = 0  # training steps whose answer was checked
         self.tripped: str | None = None
         self.last_ratio: float | None = None
+        self.lowest_ratio: float | None = None  # how close an honest cloud came to an alarm
 
     def draw(self) -> float:
         """The factor for the next training step: 1 (ordinary) or a probe's ``c``."""
@@ -109,6 +121,7 @@ class HijackDetector:
             return
         ratio = gain / reference
         self.last_ratio = ratio
+        self.lowest_ratio = ratio if self.lowest_ratio is None else min(self.lowest_ratio, ratio)
         if ratio >= self.probe.threshold:
             self.strikes = 0
             return
@@ -127,4 +140,5 @@ class HijackDetector:
 
     def snapshot(self) -> dict[str, float | int | bool | None]:
         return {"probes": self.probes, "failed_probes": self.failed, "tripped": self.tripped is not None,
-                "last_probe_ratio": self.last_ratio, "checked_steps": self.steps}
+                "last_probe_ratio": self.last_ratio, "lowest_probe_ratio": self.lowest_ratio,
+                "checked_steps": self.steps}
