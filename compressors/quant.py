@@ -137,7 +137,10 @@ def quantize_parts(x: torch.Tensor, bits: int, axis: int | None
     half = 1 << (bits - 1)
     x32 = x.detach().to(torch.float32)
     step = _steps(scale, half, tuple(x.shape), axis).to(x32.device)
-    q = torch.div(x32, step).round_().clamp_(-half, half - 1)
+    # + 0 turns the -0 that rounding leaves for small negatives into the +0 an integer code
+    # dequantizes to: -0 + -0 is -0 but +0 + -0 is +0, so a sender adding the codes to a buffer
+    # row holding -0 would keep a zero of the other sign than its receiver (and its checksum)
+    q = torch.div(x32, step).round_().clamp_(-half, half - 1).add_(0.0)
     if use_torch(x.device):  # packed where the tensor lives; only the packed bytes cross
         packed = bitpack.pack_tensor(q.to(torch.int32) + half, bits)
         return download(packed), scale, q, step

@@ -80,6 +80,23 @@ def test_buffers_stay_bit_identical_through_training() -> None:
     assert edge.state_dict()["steps"][:N].tolist() == [5] * N  # (grown buffers may hold spare rows)
 
 
+def test_buffers_holding_negative_zeros_stay_bit_identical() -> None:
+    """A hidden state's small negatives are -0 in the fp16 buffers; a delta that rounds to a code
+    of 0 must add +0 on both ends (the sender's rounded -0 once kept -0 where the receiver's
+    integer code made +0, so the checksums differed on the next step: MiniLM's states did it)."""
+    edge, cloud = pair()
+    ids = np.arange(B, dtype=np.int64)
+    x = torch.randn(B, *SHAPE, generator=torch.Generator().manual_seed(1))
+    for t in range(3):
+        moved = x + 0.1 * t
+        moved[:, :, 0, 0] = -1e-9  # -0 in fp16: the first step stores it, the next ones' deltas round to 0
+        y = cloud.decode(edge.encode(moved, train_ctx(ids)), train_ctx(ids))
+        assert y.shape == x.shape
+        if t == 0:
+            assert torch.signbit(cloud.state_dict()["buffer"][:B].reshape(B, *SHAPE)[:, :, 0, 0]).all()
+        assert_in_sync(edge, cloud)
+
+
 def test_evaluation_does_not_touch_the_buffers() -> None:
     edge, cloud = pair()
     data = Data()
