@@ -26,7 +26,6 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
-import csv  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -204,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "scripts"))
     from ablate import CODECS
 
+    from splitft.privacy.report import append_row, read_rows
+
     parser = argparse.ArgumentParser(prog="hijack_eval.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="privacy", help="folder for the results (default: privacy)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per run (default: 3)")
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "hijack.csv"
-    done = {(r["cloud"], r["codec"], r["seed"], r["probe"], r["probe_seed"]) for r in _read(path)}
+    done = {(r["cloud"], r["codec"], r["seed"], r["probe"], r["probe_seed"]) for r in read_rows(path)}
     rates = args.rates.split(",")
     cells = [(HIJACK, "identity", s, "off", 0) for s in range(args.seeds)]  # the attack's course, undisturbed
     cells += [(HIJACK, "identity", s, r, d) for r in rates for s in range(args.seeds) for d in range(args.draws)]
@@ -240,35 +241,24 @@ def main(argv: list[str] | None = None) -> int:
         row, curve = run(cloud, codec, seed=seed, epochs=args.fsha_epochs if cloud == HIJACK else args.epochs,
                          rate=None if rate == "off" else float(rate), probe_seed=probe_seed)
         row.update(probe=rate)
-        _append(path, row, FIELDS)
+        append_row(path, row, FIELDS)
         for step, inference, training in curve:
-            _append(out / "hijack_curves.csv", {"seed": seed, "probe": rate, "probe_seed": probe_seed, "step": step,
+            append_row(out / "hijack_curves.csv", {"seed": seed, "probe": rate, "probe_seed": probe_seed, "step": step,
                                                 "ssim_inference": inference, "ssim_training": training}, CURVE)
-    text_done = {r["codec"] for r in _read(out / "hijack_bbc.csv")}
+    text_done = {r["codec"] for r in read_rows(out / "hijack_bbc.csv")}
     for codec in (c for c in args.bbc.split(",") if c and c not in text_done):
         print(("honest", "bbc", codec), file=sys.stderr, flush=True)
         start = time.perf_counter()
         row = honest_text(codec, seed=0, epochs=args.bbc_epochs, limit=args.bbc_limit, rate=args.bbc_rate)
-        _append(out / "hijack_bbc.csv", {**row, "seconds": round(time.perf_counter() - start)}, TEXT)
-    rows = _read(path)
-    table = summary(rows, args) + text_summary(_read(out / "hijack_bbc.csv"))
+        append_row(out / "hijack_bbc.csv", {**row, "seconds": round(time.perf_counter() - start)}, TEXT)
+    rows = read_rows(path)
+    table = summary(rows, args) + text_summary(read_rows(out / "hijack_bbc.csv"))
     (out / "hijack.md").write_text(table)
-    plot(_read(out / "hijack_curves.csv"), rows, out / "hijack.png")
+    plot(read_rows(out / "hijack_curves.csv"), rows, out / "hijack.png")
     print(table)
     return 0
 
 
-def _read(path: Path) -> list[dict[str, str]]:
-    return list(csv.DictReader(path.open())) if path.exists() else []
-
-
-def _append(path: Path, row: dict[str, Any], fields: list[str]) -> None:
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        if new:
-            writer.writeheader()
-        writer.writerow(row)
 
 
 def summary(rows: list[dict[str, str]], args: argparse.Namespace) -> str:

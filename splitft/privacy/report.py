@@ -41,12 +41,13 @@ def read_rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def append_row(path: Path, row: dict[str, Any]) -> None:
+def append_row(path: Path, row: dict[str, Any], fields: list[str] = FIELDS) -> None:
+    """Append ``row`` to the CSV at ``path`` (a header of ``fields`` first), synced to disk, so a
+    long measurement killed midway keeps every row it finished."""
     new = not path.exists()
-    fields = FIELDS
     if not new:  # a CSV written before the stronger attacks keeps its columns
         with path.open(newline="") as f:
-            fields = next(csv.reader(f), FIELDS)
+            fields = next(csv.reader(f), fields)
     with path.open("a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         if new:

@@ -16,7 +16,6 @@ at evaluation and in the attack alike.
 
 from __future__ import annotations
 
-import csv
 import math
 import statistics
 import time
@@ -32,6 +31,7 @@ from ..app.data import Split, batches, call, first
 from ..errors import ConfigError
 from .attacks import token_recovery_accuracy
 from .defences import Budget, Defences, Noise, clip_and_noise, protect
+from .report import append_row, read_rows
 
 #: The token table's rows that are defences a U-shape run can train with.
 TEXT_SETTINGS = ["identity", "noise-0.01", "noise-0.03", "layer4", "layer4-noise-0.01", "layer5",
@@ -184,20 +184,6 @@ COLUMNS = [("accuracy", "BBC test accuracy"), ("tokens_pretrained", "token recov
            ("tokens_finetuned", "token recovery, fine-tuned edge (auxiliary states through it)")]
 
 
-def _read(path: Path) -> list[dict[str, str]]:
-    if not path.exists():
-        return []
-    with path.open(newline="") as f:
-        return list(csv.DictReader(f))
-
-
-def _append(path: Path, row: dict[str, Any]) -> None:
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
-        if new:
-            writer.writeheader()
-        writer.writerow(row)
 
 
 def _cell(values: list[float]) -> str:
@@ -214,12 +200,12 @@ def text_table(out: Path, names: list[str], *, seeds: int, epochs: int = 1, comm
     out.mkdir(parents=True, exist_ok=True)
     csv_path = out / "tokens_trained.csv"
     settings = [text_setting(n).name for n in names]
-    done = {(r["setting"], int(r["seed"]), int(r["epochs"])) for r in _read(csv_path)}
+    done = {(r["setting"], int(r["seed"]), int(r["epochs"])) for r in read_rows(csv_path)}
     todo = [(n, seed) for seed in range(seeds) for n in settings if (n, seed, epochs) not in done]  # a seed at a time
     for i, (name, seed) in enumerate(todo, 1):
         progress(f"[{i}/{len(todo)}] {name} seed {seed}")
-        _append(csv_path, run_text_setting(name, seed=seed, epochs=epochs, **options))
-    rows = [r for r in _read(csv_path) if r["setting"] in settings and int(r["epochs"]) == epochs]
+        append_row(csv_path, run_text_setting(name, seed=seed, epochs=epochs, **options), FIELDS)
+    rows = [r for r in read_rows(csv_path) if r["setting"] in settings and int(r["epochs"]) == epochs]
     lines = ["| setting | seeds | " + " | ".join(title for _, title in COLUMNS) + " |",
              "|---|---|" + "---|" * len(COLUMNS)]
     for name in settings:
