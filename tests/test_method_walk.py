@@ -79,7 +79,7 @@ def test_a_refused_module_method_raises_naming_the_fix_and_changes_nothing(split
         MODULE_REFUSED[name](model)
     assert len(str(caught.value)) > 40  # says what to do instead
     assert {n: (p.dtype, p.device) for n, p in model.named_parameters()} == before
-    assert isinstance(model.model[2], nn.Linear) and model.model[2].weight.is_meta
+    assert isinstance(model.model[2], nn.Linear) and model.model[2].weight.device.type == "meta"
 
 
 def test_views_report_the_unsplit_model_with_the_cloud_half_as_placeholders(split_mlp):
@@ -87,12 +87,12 @@ def test_views_report_the_unsplit_model_with_the_cloud_half_as_placeholders(spli
     local = mlp()
     named = {n.removeprefix("model."): p for n, p in model.named_parameters()}
     assert {n: p.shape for n, p in named.items()} == {n: p.shape for n, p in local.named_parameters()}
-    assert {n for n, p in named.items() if p.is_meta} == {n for n, _ in model.named_cloud_parameters()}
+    assert {n for n, p in named.items() if p.device.type == "meta"} == {n for n, _ in model.named_cloud_parameters()}
     assert {id(p) for p in model.edge_parameters()} == {id(p) for p in net[0].parameters()}
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in local.parameters())
-    assert model.get_parameter("model.4.weight").is_meta and model.get_submodule("model.4") is net[4]
+    assert model.get_parameter("model.4.weight").device.type == "meta" and model.get_submodule("model.4") is net[4]
     model.to("cpu").float()  # device moves and same-dtype casts: the edge's, placeholders untouched
-    assert net[4].weight.is_meta and not net[0].weight.is_meta
+    assert net[4].weight.device.type == "meta" and net[0].weight.device.type == "cpu"
     calls = []
     handle = model.register_forward_hook(lambda mod, args, out: calls.append(out.shape))
     x, _ = _data(1)[0]

@@ -206,6 +206,35 @@ def test_a_refusal_names_the_tensor_and_the_fix():
 def test_a_placeholder_is_a_parameter_of_the_right_shape_on_the_meta_device():
     weight = _placeholder(torch.ones(2, 3), "parameter")
     assert isinstance(weight, torch.nn.Parameter) and isinstance(weight, RemoteTensor)
-    assert weight.shape == (2, 3) and weight.dtype == torch.float32 and weight.is_meta and weight.requires_grad
+    assert weight.shape == (2, 3) and weight.dtype == torch.float32 and weight.requires_grad
+    # On the meta device, yet not "meta": its values exist, in the cloud (code skipping meta tensors must not skip it)
+    assert weight.device.type == "meta" and not weight.is_meta
     assert math.prod(weight.shape) == weight.numel() == 6
     assert "values in the cloud" in repr(weight)
+
+
+#: Arguments after the tensor that torch.nn.init's initialisers need (the others take the tensor alone).
+_INIT_ARGUMENTS: dict[str, tuple] = {"constant_": (0.5,), "sparse_": (0.5,)}
+
+
+def _initialisers() -> list[str]:
+    return sorted(name for name in dir(torch.nn.init)
+                  if name.endswith("_") and not name.startswith("_") and callable(getattr(torch.nn.init, name)))
+
+
+@pytest.mark.parametrize("name", _initialisers())
+def test_no_initialiser_silently_skips_a_cloud_parameter(name):
+    """Torch's initialisers return early on a meta tensor ("sampling is a no-op"): on a cloud
+    parameter that would leave the cloud's values as they were while the script believes them
+    initialised. Each one must push values to the cloud or raise."""
+    shape = (4, 4, 3) if name == "dirac_" else (4, 6)
+    weight = _placeholder(torch.ones(shape), "parameter")
+    outcome = "returned"
+    try:
+        with torch.no_grad():
+            getattr(torch.nn.init, name)(weight, *_INIT_ARGUMENTS.get(name, ()))
+    except PlaceholderError:
+        outcome = "refused"
+    except ReachedTheCloud:
+        outcome = "mirrored"
+    assert outcome != "returned", f"torch.nn.init.{name} returned on a cloud parameter without reaching the cloud"

@@ -2,7 +2,10 @@
 
 After :func:`splitft.split` the cloud half's parameters and buffers are :class:`CloudTensor`
 placeholders: tensors with the shape, dtype and ``requires_grad`` of the originals but no values
-(those live in the cloud), reported on the ``meta`` device. Their gradients are
+(those live in the cloud), reported on the ``meta`` device (yet ``is_meta`` is False: torch's
+initialisers return early on a meta tensor, "sampling is a no-op", which on a cloud parameter
+would be a silent divergence; answered False, they reach an operation that is mirrored or
+refused). Their gradients are
 :class:`CloudGrad` handles, reported on the edge's device so torch groups them with the edge's
 gradients in parameter order. Both are tensor subclasses that own every torch operation on them,
 as ``DTensor`` and ``FakeTensor`` own theirs: what the cloud can mirror is routed to it
@@ -83,6 +86,8 @@ class RemoteTensor(Tensor):
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if func == _IS_META:
+            return False
         remote = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, RemoteTensor)]
         self = args[0] if args else None
         if isinstance(self, CloudGrad) or (isinstance(self, list) and any(isinstance(t, CloudGrad) for t in self)):
@@ -153,7 +158,7 @@ class CloudGrad(RemoteTensor):
 # ---------------------------------------------------------------- what reads no values
 
 _PROPERTIES = ("shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "ndim", "layout", "names",
-               "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_sparse_csr", "is_quantized", "is_mkldnn", "is_nested",
+               "is_cuda", "is_cpu", "is_sparse", "is_sparse_csr", "is_quantized", "is_mkldnn", "is_nested",
                "is_xpu", "is_mps", "is_mtia", "is_xla", "is_ipu", "is_vulkan", "is_maia", "itemsize", "nbytes",
                "output_nr", "_version", "_is_view", "is_complex", "is_floating_point", "is_signed", "dim", "ndimension",
                "size", "numel", "nelement", "element_size", "get_device", "is_contiguous", "stride", "storage_offset",
@@ -172,6 +177,10 @@ def _metadata() -> set[Any]:
             found.add(attribute.__set__)
     return found
 
+
+#: ``t.is_meta``'s getter: a placeholder has values (in the cloud), so code that skips tensors
+#: without any (``torch.nn.init.trunc_normal_``, ``orthogonal_``, ``sparse_``, ``dirac_``) must not skip it.
+_IS_META = cast(Any, Tensor.is_meta).__get__
 
 #: Operations that read no values: answered here, from the placeholder's own shape and dtype.
 #: ``requires_grad_`` is among them: the edge sends the cloud half's frozen set with each forward.
