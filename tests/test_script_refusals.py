@@ -195,6 +195,42 @@ def test_a_forward_hook_on_the_last_trunk_layer_sees_its_real_output(cloud):
     assert torch.equal(seen[0], seen_local[0])
 
 
+#: In-place changes to a cloud container that torch makes past ``__setattr__`` (they write the
+#: module's tables of children, parameters and buffers directly).
+CONTAINER_CHANGES: dict[str, Callable[[nn.Module], object]] = {
+    "Sequential.append": lambda net: net.block2.append(nn.Tanh()),
+    "Sequential.insert": lambda net: net.block2.insert(1, nn.Tanh()),
+    "Sequential.extend": lambda net: net.block2.extend([nn.Tanh()]),
+    "add_module": lambda net: net.block2.add_module("extra", nn.Tanh()),
+    "register_module over a layer": lambda net: net.block2.register_module("2", nn.GELU()),
+    "register_buffer": lambda net: net.block2[1].register_buffer("extra", torch.zeros(1)),
+    "register_parameter": lambda net: net.block2[1].register_parameter("scale", nn.Parameter(torch.ones(1))),
+    "SyncBatchNorm.convert_sync_batchnorm": lambda net: nn.SyncBatchNorm.convert_sync_batchnorm(net),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONTAINER_CHANGES))
+def test_a_cloud_container_changed_in_place_is_refused_and_training_stays_exact(cloud, name):
+    """``Sequential.append`` on a cloud block used to change the edge's copy only: the cloud went
+    on running the factory's block while the script believed it extended (silent divergence)."""
+    from splitft.app.models import digits_cnn
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 1, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(3)]
+    local = digits_cnn()
+    _steps(local, torch.optim.SGD(local.parameters(), lr=0.05, momentum=0.9), nn.CrossEntropyLoss(), data)
+    net = digits_cnn()
+    model = splitft.split(net, "block2", factory=DIGITS, connect=cloud)
+    with model:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        crit = model.remote_loss(nn.CrossEntropyLoss())
+        _steps(model, opt, crit, data[:1])
+        with pytest.raises(CutError, match=r"'block2.*runs in the cloud"):
+            CONTAINER_CHANGES[name](net)
+        _steps(model, opt, crit, data[1:])
+        assert_bitwise({k.removeprefix("model."): v for k, v in model.state_dict().items()}, local.state_dict())
+
+
 def test_channels_last_is_refused_when_the_cloud_half_convolves(cloud):
     from splitft.app.models import digits_cnn
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import inspect
 import itertools
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -229,8 +228,9 @@ def ghost(module: nn.Module, standin: nn.Module, *, never_run: tuple[str, ...] =
     for key, sub in module.named_modules():
         where = f"{standin_name(module)}.{key}" if key else standin_name(module)
         sub.__dict__.update({hook: _refused_hook(where, hook) for hook in (_HOOKS if key else never_run)})
-        sub.__dict__["_load_from_state_dict"] = _quiet_load(sub._load_from_state_dict)
         sub.__dict__["_splitft_where"] = where
+        for table in _TABLES:  # add_module, register_buffer, Sequential.append write these directly
+            sub.__dict__[table] = _FixedTable(sub.__dict__[table], where, table)
         sub.__class__ = ghost_class(type(sub))
     return module
 
@@ -275,20 +275,34 @@ _SETTABLE = {"training", "gradient_checkpointing"}
 _GHOST_CLASSES: dict[type, type] = {}
 
 
-def _quiet_load(load: Callable[..., Any]) -> Callable[..., Any]:
-    """Loading a ghost's state reaches the cloud (a placeholder's ``copy_``); torch would warn that
-    copying into a ``meta`` tensor does nothing, which is not so here."""
-    def quiet(*args: Any, **kwargs: Any) -> Any:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter")
-            return load(*args, **kwargs)
-    return quiet
+#: A module's tables of children, parameters and buffers: a ghost's are fixed.
+_TABLES = ("_modules", "_parameters", "_buffers")
+
+
+class _FixedTable(dict):
+    """A ghost's table of children, parameters or buffers: what the cloud's module has, unchangeable.
+
+    ``add_module``, ``register_buffer``, ``register_parameter`` and the containers' ``append``,
+    ``insert``, ``extend`` and ``update`` write the table directly, past ``__setattr__``; the
+    cloud's module would not change with it, so each refuses, like setting an attribute.
+    """
+
+    def __init__(self, entries: dict, where: str, table: str) -> None:
+        super().__init__(entries)
+        self.where, self.table = where, table
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        kind = {"_modules": "submodules", "_parameters": "parameters", "_buffers": "buffers"}[self.table]
+        raise CutError(f"changing the {kind} of {self.where!r}: that module runs in the cloud, built by the factory, "
+                       "and would not change with it (split training would silently differ). Change the model "
+                       "before split(), and the cloud's factory the same way")
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = __ior__ = _refuse
 
 
 _HOOKS = ("register_forward_pre_hook", "register_forward_hook", "register_full_backward_hook",
           "register_full_backward_pre_hook", "register_backward_hook")
-_GHOST_ATTRIBUTES = ("forward", "_apply", "extra_repr", "_splitft_standin", "_load_from_state_dict", "_splitft_where",
-                     *_HOOKS)
+_GHOST_ATTRIBUTES = ("forward", "_apply", "extra_repr", "_splitft_standin", "_splitft_where", *_HOOKS)
 
 
 def _refused_hook(where: str, hook: str) -> Callable[..., Any]:
@@ -325,6 +339,8 @@ def uninstall(model: nn.Module, chain: Chain) -> nn.Module:
         for sub in _module(model, name).modules():
             for attribute in _GHOST_ATTRIBUTES:
                 sub.__dict__.pop(attribute, None)
+            for table in _TABLES:
+                sub.__dict__[table] = dict(sub.__dict__[table])
             if isinstance(sub, _Ghost):
                 sub.__class__ = sub.__class__.__mro__[2]  # the model's own class, behind _Ghost
     return model
