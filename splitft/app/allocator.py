@@ -13,12 +13,15 @@ mapped and unmapped (a cloud's memory falls back after a large request), and up 
 :data:`TRIM_THRESHOLD` free at a heap's top is kept for the next step. :func:`splitft.split`
 leaves the allocator of a user's process alone: it is the process's, not the library's; a script
 that wants the same sets ``MALLOC_TRIM_THRESHOLD_`` and ``MALLOC_MMAP_THRESHOLD_`` in its
-environment, or calls :func:`tune`.
+environment, or calls :func:`tune`. A threshold set in the environment wins over ours: whoever
+started the process chose it (a cloud whose large requests should stay mapped, a benchmark that
+gives every process the same).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 
 #: Buffers of this size or more are mapped on their own and returned when freed.
 MMAP_THRESHOLD = 4 << 20
@@ -30,11 +33,13 @@ _M_MMAP_THRESHOLD = -3
 
 
 def tune(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int = TRIM_THRESHOLD) -> bool:
-    """Set glibc's mmap and trim thresholds for this process; True when it could (glibc)."""
+    """Set glibc's mmap and trim thresholds for this process, each unless the environment set it
+    (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``); True when it could (glibc)."""
     try:
         libc = ctypes.CDLL(None)
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and \
-            bool(libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+        return all(bool(libc.mallopt(option, value)) for option, value, variable in (
+            (_M_MMAP_THRESHOLD, mmap_threshold, "MALLOC_MMAP_THRESHOLD_"),
+            (_M_TRIM_THRESHOLD, trim_threshold, "MALLOC_TRIM_THRESHOLD_")) if variable not in os.environ)
     except (OSError, AttributeError):  # not glibc
         return False
 
