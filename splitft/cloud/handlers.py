@@ -332,6 +332,7 @@ def apply_eager(session: Target, op: o.ApplyEager) -> None:
                 param.grad = grad * op.scale
             else:
                 param.grad.add_(grad, alpha=op.scale)
+    session.graphs.take(op.call)  # the graph kept in case the scale was not exact is not needed
 
 
 @handles(o.ZeroGrad)

@@ -193,6 +193,9 @@ class CloudSession:
         eager_grads, unreached = None, None
         if (msg.grad and msg.eager and msg.target is not None and self.half.shared is None
                 and isinstance(value, torch.Tensor) and value.dim() == 0 and value.requires_grad):
+            # The graph is kept too, until the edge's backward says how the loss's gradient scales
+            # (apply_eager frees it; a backward of its own runs it again for a scale that is not exact).
+            self.keep_graph(msg, leaves, inputs, outs, out_coded, saved, flops)
             eager_grads = self._eager_backward(msg, value, leaves, inputs, watch)
             unreached = [self.half.name_of(p) for p, g in self.graphs.deferred[msg.call] if g is None] or None
         elif msg.grad:
@@ -211,7 +214,7 @@ class CloudSession:
             needed = [leaf for leaf, g in zip(leaves, inputs.grads) if g]
             params: list[torch.Tensor] = [p for p in self.half.named_params.values() if p.requires_grad]
             with blame(ModelError, "the cloud part's backward failed"):
-                found = torch.autograd.grad(loss, needed + params, allow_unused=True)
+                found = torch.autograd.grad(loss, needed + params, allow_unused=True, retain_graph=True)
         self.fits(tensors_nbytes(found[len(needed):]), "keeping this call's parameter gradients")
         self.graphs.defer(msg.call, list(zip(params, found[len(needed):])))
         by_leaf = iter(found[:len(needed)])
@@ -250,6 +253,7 @@ class CloudSession:
         with watch("codec"):
             outputs, grads = decode_backward(msg, pending, self.codecs, ctx, self.half.shared, self.check_decode)
         self.graphs.take(msg.call)
+        self.graphs.applied(msg.call)  # an eager call backpropagated again: its gradients for 1 go
         with watch("compute"):
             if outputs:
                 self.backpropagate(msg.call, outputs, grads, None if msg.params else _needed(pending.inputs))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
@@ -236,11 +237,16 @@ class Scheduler:
         """Gradients of the call's inputs, given those of its outputs (``params``: the cloud half's
         parameters accumulate theirs too)."""
         with self.lock:
-            if call.backpropagated and any(part.eager_grads is None for part in call.parts) and not call.streamed:
+            exact = _scales_exactly(call, grads)
+            if call.backpropagated and not call.streamed and (
+                    not exact or any(part.eager_grads is None for part in call.parts)):
                 raise ConfigError("a second backward through the same forward (backward(retain_graph=True), then "
                                   "another): the cloud frees its graph after the first, so it cannot be repeated "
                                   "there; run the forward again, or add the losses and call backward once")
             call.backpropagated = True
+            if not exact:  # the cloud backpropagates the graph it kept, for the gradient the loss got
+                for part in call.parts:
+                    part.eager_grads = None
             ops = self.ops.take()
             sent_ops = False
             for part in call.parts:
@@ -340,6 +346,19 @@ def join_outputs(call: Call, outputs: list[list[torch.Tensor]], loss_reduction: 
                 "joined; use micro_batches=1"
             )
     return joined
+
+
+def _scales_exactly(call: Call, grads: tuple) -> bool:
+    """Whether an eager call's gradients, computed in the cloud for a loss gradient of 1, become
+    the unsplit model's when scaled by the loss's own: exactly when that is ±2^k (a scaling that
+    commutes with every rounding of the backward). A loss divided by 3 or weighted 0.3 would give
+    gradients an ulp away from the unsplit model's, and the cloud backpropagates again instead.
+    Micro-batches and streamed steps keep the scaling (they are not the unsplit arithmetic anyway)."""
+    if call.streamed or len(call.parts) != 1 or call.parts[0].eager_grads is None:
+        return True
+    (scale,) = part_output_grads(call, call.parts[0], grads)
+    value = float(scale) if scale is not None else 1.0
+    return math.isfinite(value) and abs(math.frexp(value)[0]) == 0.5
 
 
 def part_output_grads(call: Call, part: Part, grads: tuple) -> list[torch.Tensor | None]:
