@@ -76,6 +76,8 @@ class Attached(Protocol):
     optimizer: torch.optim.Optimizer | None
     optimizer_id: int
 
+    def edge_optimizer_state(self) -> dict | None: ...
+
 
 class EdgeHalf(Protocol):
     """The split model's own weights (:class:`~splitft.edge.model.SplitModel`)."""
@@ -94,9 +96,7 @@ def save(path: str | os.PathLike, session: Session, coding: Coding, attached: At
         session.sync(pin=True)
         # The cloud's checkpoint holds the state after that sync's operations, numbered one below
         # it; a resumed edge continues from that number, re-using the sync's.
-        optimizer = attached.optimizer
-        tree = {"weights": edge_state(),
-                "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        tree = {"weights": edge_state(), "optimizer": attached.edge_optimizer_state(),
                 "codecs": coding.codecs.state_dict()}
         hello = session.hello
         assert hello is not None
