@@ -227,3 +227,35 @@ def test_an_adagrad_built_after_split_resumes_from_an_edge_checkpoint_bitwise(tm
     finally:
         stop(proc)
     assert_bitwise(state, expected)
+
+
+def test_a_step_with_a_closure_trains_bitwise_and_lbfgs_is_refused_before_it_steps(cloud):
+    """``opt.step(closure)`` runs the closure's forward and backward first, as the step would, but
+    before the cloud half's gradients are hidden from the edge's step. LBFGS calls its closure
+    again and again inside one step, which the cloud's copy cannot repeat: refused when attached."""
+    data = _data(3)
+
+    def script(model: nn.Module, crit: nn.Module) -> list[float]:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        losses = []
+        for x, y in data:
+            def closure() -> torch.Tensor:
+                opt.zero_grad()
+                loss = crit(model(x), y)
+                loss.backward()
+                return loss
+            losses.append(opt.step(closure).item())
+        return losses
+
+    local = mlp()
+    expected_losses = script(local, nn.CrossEntropyLoss())
+    model, net, crit = _split(cloud)
+    with model:
+        losses = script(model, crit)
+        state = model.state_dict()
+    assert_bitwise(state, local.state_dict())
+    assert losses == expected_losses
+    model, net, crit = _split(cloud)
+    with model:
+        with pytest.raises(ConfigError, match=r"LBFGS steps by calling a closure"):
+            model.attach(torch.optim.LBFGS(model.parameters()))

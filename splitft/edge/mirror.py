@@ -274,6 +274,11 @@ def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     cls = type(optimizer)
     if not cls.__module__.startswith("torch.optim") or getattr(torch.optim, cls.__name__, None) is not cls:
         raise ConfigError(f"the cloud mirrors torch.optim optimizers by name; {cls.__qualname__} is not one of them")
+    closure = inspect.signature(cls.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ConfigError(f"{cls.__name__} steps by calling a closure (the loss evaluated again inside its step), "
+                          "which the cloud's copy of the optimizer cannot repeat; use an optimizer whose step takes "
+                          "the gradients as they are")
     # Only what the constructor takes: AdamW keeps a 'decoupled_weight_decay' default that its
     # __init__ does not accept, so mirroring every default would fail in the cloud.
     accepted = inspect.signature(cls).parameters
