@@ -125,6 +125,27 @@ def test_adagrads_initial_accumulator_reaches_the_clouds_optimizer(cloud, rejoin
     assert_bitwise(state, expected)
 
 
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+def test_an_adagrad_built_before_split_trains_bitwise_and_the_edge_keeps_no_cloud_accumulator(cloud, rejoin):
+    """Built on the whole model, its accumulators for the cloud half are real tensors: being what
+    the constructor makes, they are the cloud's copy's too, and give way to placeholders here."""
+    data = _data(3)
+
+    def build(model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.Adagrad(model.parameters(), lr=0.1, initial_accumulator_value=0.3)
+
+    expected = _local(lambda model, crit: _train(model, build(model), crit, data))
+    net = mlp()
+    opt = build(net)
+    model = splitft.split(net, 2, rejoin, factory=MLP, connect=cloud)
+    with model:
+        crit = nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss())
+        _train(model, opt, crit, data)
+        state = model.state_dict()
+        assert opt.state[net[2].weight]["sum"].is_meta and not opt.state[net[0].weight]["sum"].is_meta
+    assert_bitwise(state, expected)
+
+
 SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
     "OneCycleLR": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.3, total_steps=4,
                                                                   cycle_momentum=False),

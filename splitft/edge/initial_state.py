@@ -7,7 +7,9 @@ built by class name with the same settings, makes the same state over the real p
 entry for a cloud parameter is harmless exactly when it is still what the constructor made: the
 mirror checks that when it attaches (the constructor is run again over the cloud parameters, with
 the settings the cloud receives, and the two compared), and keeps the entries it accepted, so that
-state a script writes for a cloud parameter later is told apart from them and refused.
+state a script writes for a cloud parameter later is told apart from them and refused. An optimizer
+built before ``split()`` made real tensors: equal to the constructor's, they are replaced by its
+placeholders, so the edge does not hold the cloud half's state.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .placeholders import CloudState
+from .placeholders import CloudState, RemoteTensor
 
 
 def constructor_state(optimizer: torch.optim.Optimizer, owns: Callable[[torch.Tensor], bool], settings: dict[str, Any],
@@ -39,6 +41,8 @@ def same_entry(got: dict[str, Any], made: dict[str, Any]) -> bool:
 
 
 def _same(got: Any, made: Any) -> bool:
+    if isinstance(made, CloudState) and isinstance(got, torch.Tensor) and not isinstance(got, RemoteTensor):
+        return _filled(got, made)  # made before split(), from the parameter it was then
     if isinstance(made, CloudState) or isinstance(got, CloudState):
         return isinstance(got, CloudState) and isinstance(made, CloudState) and got.recipe() == made.recipe()
     if isinstance(made, torch.Tensor) or isinstance(got, torch.Tensor):
@@ -46,6 +50,21 @@ def _same(got: Any, made: Any) -> bool:
                 and (got.dtype, got.shape, got.device) == (made.dtype, made.shape, made.device)
                 and (got.is_meta or torch.equal(got, made)))
     return type(got) is type(made) and bool(got == made)
+
+
+def _filled(got: torch.Tensor, made: CloudState) -> bool:
+    """Whether a real tensor is what ``made`` stands for (its shape, dtype, and fill everywhere)."""
+    fill = made._splitft_fill
+    return (got.shape == made.shape and got.dtype == made.dtype and got.layout == torch.strided
+            and (fill is None or bool((got == fill).all())))
+
+
+def to_placeholders(entry: dict[str, Any], made: dict[str, Any]) -> None:
+    """Put ``made``'s placeholders in ``entry`` where it holds real tensors of the same values
+    (an optimizer built before ``split()``): the cloud's copy keeps them, the edge need not."""
+    for key, value in made.items():
+        if isinstance(value, CloudState) and not isinstance(entry[key], CloudState):
+            entry[key] = value
 
 
 def unchanged(state: dict[torch.Tensor, dict[str, Any]],
@@ -61,4 +80,4 @@ def unchanged(state: dict[torch.Tensor, dict[str, Any]],
     return True
 
 
-__all__ = ["constructor_state", "same_entry", "unchanged"]
+__all__ = ["constructor_state", "same_entry", "to_placeholders", "unchanged"]

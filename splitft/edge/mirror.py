@@ -167,6 +167,8 @@ class OptimizerMirror:
             raise ConfigError(f"this {type(optimizer).__name__} already holds state for cloud parameters that its "
                               "constructor did not make (written, or loaded before it was attached); the cloud's copy "
                               "starts from the constructor's state: attach it before loading its state_dict")
+        for param, entry in entries.items():
+            initial_state.to_placeholders(entry, made[param])
 
     def attached(self, op_id: int) -> None:
         """Build the cloud's copy, as attachment ``op_id`` (the cloud builds each id once)."""
