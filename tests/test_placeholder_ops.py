@@ -4,9 +4,10 @@ Torch's own lists of operations drive this, so an operation torch adds later is 
 it appears: every function that tensor subclasses can override
 (``torch.overrides.get_testing_overrides``, called with arguments of the types its schema names)
 and every operator of the OpInfo database (called on its own sample inputs), each applied to a
-cloud parameter's placeholder, a cloud gradient's handle and an inner trunk output. Each call
-must raise a splitft error, unless the function is in a written list: what reads no values
-(shape, dtype, ``requires_grad``...) or what is mirrored to the cloud.
+cloud parameter's placeholder, a cloud gradient's handle, the optimizer state made like a cloud
+parameter (``torch.full_like(p, v)``) and an inner trunk output. Each call must raise a splitft
+error, unless the function is in a written list: what reads no values (shape, dtype,
+``requires_grad``...) or what is mirrored to the cloud.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from splitft.edge.cloud_half import CloudHalf
-from splitft.edge.placeholders import MIRRORED, CloudGrad, CloudTensor, RemoteTensor
+from splitft.edge.placeholders import MIRRORED, CloudGrad, CloudState, CloudTensor, RemoteTensor
 from splitft.errors import CutError, PlaceholderError
 from splitft.edge.intermediate import TrunkIntermediate
 
@@ -61,10 +62,12 @@ def _placeholder(like: torch.Tensor, kind: str) -> torch.Tensor:
         return CloudTensor(torch.nn.Parameter(like.detach().float(), requires_grad=True), "block.weight", REMOTE)
     if kind == "gradient":
         return CloudGrad(like.detach().float(), "block.weight", REMOTE, torch.device("cpu"))
+    if kind == "optimizer state":  # what Adagrad's constructor makes for a cloud parameter
+        return torch.full_like(_placeholder(like, "parameter"), 0.1)
     return TrunkIntermediate(like.detach().float(), "block.1", ["block.0", "block.1", "block.2"])
 
 
-KINDS = ["parameter", "gradient", "inner trunk output"]
+KINDS = ["parameter", "gradient", "optimizer state", "inner trunk output"]
 REFUSALS = (PlaceholderError, CutError)
 
 
@@ -82,8 +85,13 @@ def _allowed(func: Any, kind: str) -> bool:
     name = _name(func)
     if name.removesuffix(".__get__").removesuffix(".__set__").split(".")[-1] in METADATA:
         return True
-    mirrored = MIRRORED["values"] if kind == "parameter" else MIRRORED["gradients"] if kind == "gradient" else set()
-    return func in mirrored
+    return func in _mirrored(kind)
+
+
+def _mirrored(kind: str) -> frozenset[Any]:
+    """What reaches the cloud (or, for optimizer state, makes another such tensor) on a ``kind``."""
+    return {"parameter": MIRRORED["values"], "gradient": MIRRORED["gradients"],
+            "optimizer state": MIRRORED["made like"]}.get(kind, frozenset())
 
 
 _VALUES: dict[str, Callable[[torch.Tensor], Any]] = {
@@ -141,7 +149,7 @@ def test_no_overridable_torch_function_silently_succeeds_on_a_cloud_tensor(kind)
     like = torch.ones(2, 3)
     returned, refused, total = [], 0, 0
     for func in torch.overrides.get_testing_overrides():
-        if kind != "inner trunk output" and func in MIRRORED["values" if kind == "parameter" else "gradients"]:
+        if func in _mirrored(kind):
             continue  # mirrored: reaches the cloud (tested with a real cloud in test_script_corpus)
         built = _arguments(func, _placeholder(like, kind), like)
         if built is None:
@@ -201,6 +209,20 @@ def test_a_refusal_names_the_tensor_and_the_fix():
     inner = _placeholder(torch.ones(2, 3), "inner trunk output")
     with pytest.raises(CutError, match=r"output of 'block.1', an inner module of the trunk 'block.0'..'block.2'"):
         torch.relu(inner)
+
+
+def test_a_tensor_made_like_a_placeholder_keeps_its_recipe_and_asks_nothing_of_the_cloud():
+    """``torch.full_like(p, v)`` and its kin read no values: they answer here, remembering the fill
+    (how the mirror tells an optimizer's initial state from state written later)."""
+    weight = _placeholder(torch.ones(2, 3), "parameter")
+    assert not torch.is_complex(weight) and torch.is_floating_point(weight) and torch.numel(weight) == 6
+    state = torch.full_like(weight, 0.1, memory_format=torch.preserve_format)
+    assert isinstance(state, CloudState) and not isinstance(state, torch.nn.Parameter) and not state.requires_grad
+    assert state.recipe() == ("block.weight", (2, 3), torch.float32, 0.1)
+    assert torch.zeros_like(state, dtype=torch.float64).recipe() == ("block.weight", (2, 3), torch.float64, 0)
+    assert torch.equal(torch.ones_like(weight, device="cpu"), torch.ones(2, 3))  # asked for on a device: made there
+    with pytest.raises(PlaceholderError, match=r"made like cloud parameter 'block.weight'"):
+        state.add_(1.0)
 
 
 def test_a_placeholder_is_a_parameter_of_the_right_shape_on_the_meta_device():

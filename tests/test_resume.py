@@ -126,6 +126,42 @@ def test_edge_restarted_from_its_checkpoint_continues_exactly(tmp_path):
     assert_same(weights, local_weights(data))
 
 
+def test_an_edge_resumed_before_its_next_zero_grad_clears_the_gradients_the_cloud_kept(tmp_path):
+    """A loop that clears gradients first (zero_grad, forward, backward, step) is checkpointed with
+    the step's gradients still in place; the cloud's checkpoint keeps them, so the resumed edge
+    must know of them for its first zero_grad to clear them, as a fresh unsplit process would
+    find none."""
+    data = _data(6)
+
+    def train(model, opt, crit, part):
+        for x, y in part:
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+
+    local = mlp()
+    train(local, torch.optim.Adam(local.parameters(), lr=0.01), nn.CrossEntropyLoss(), data)
+    listener = InprocListener()
+    server = CloudServer(listener, [MLP], checkpoint_dir=str(tmp_path / "ck"), fsync=False)
+    thread = serve_in_thread(server)
+    try:
+        first = splitft.split(mlp(), 2, factory=MLP, connect=listener.connect)
+        train(first, torch.optim.Adam(first.parameters(), lr=0.01), first.remote_loss(nn.CrossEntropyLoss()),
+              data[:3])
+        first.save_checkpoint(tmp_path / "edge")
+        first.session.drop()
+        second = splitft.split(mlp(seed=5), 2, factory=MLP, connect=listener.connect, resume_from=tmp_path / "edge")
+        with second:
+            assert second.model[2].weight.grad is not None  # the cloud still holds step 3's gradient
+            train(second, torch.optim.Adam(second.parameters(), lr=0.01), second.remote_loss(nn.CrossEntropyLoss()),
+                  data[3:])
+            weights = second.state_dict()
+    finally:
+        server.stop()
+        thread.join(timeout=10)
+    assert all(torch.equal(weights[k], v) for k, v in local.state_dict().items())
+
+
 def test_resume_with_a_wrong_token_is_refused(tmp_path):
     listener = InprocListener()
     server = CloudServer(listener, [MLP], checkpoint_dir=str(tmp_path / "ck"), fsync=False)

@@ -89,6 +89,7 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
         tree, meta = saved
         resume.load_edge_half(split_model, session, tree, resume_from)
         split_model.mirror.resume(tree["optimizer"], meta["optimizer_id"])
+        split_model.cloud_half.has_grad.update(resume.saved_cloud_grads(meta, split_model.cloud_half.params))
     if edge_device is not None:
         split_model.to(edge_device)
     return split_model

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..wire.operations import AttachOptimizer, Operation, SetFrozen, SetLoss, SetModes, Step
-from . import optimizers
+from . import initial_state, optimizers
 from .cloud_half import CloudHalf
 
 
@@ -80,10 +80,8 @@ class ModelMirror:
             raise ConfigError(f"this split model already mirrors a {type(self.optimizer).__name__}; the cloud half "
                               "steps with one optimizer: put every group in it (or give the others edge "
                               "parameters only, which stay local)")
-        if any(state for p, state in optimizer.state.items() if self.cloud_half.owns(p)):
-            raise ConfigError("this optimizer already holds state for cloud parameters (loaded before it was "
-                              "attached); attach it before loading its state_dict")
         optimizer_mirror = OptimizerMirror(self, optimizer)  # refuses what it cannot mirror, before any change
+        optimizer_mirror.check_initial_state()
         if self.resume_state is not None:
             optimizers.load_optimizer_state(optimizer, self.resume_state)
             op_id = self.optimizer_id  # the cloud restored its optimizer: this attach is a no-op there
@@ -95,6 +93,16 @@ class ModelMirror:
         self.resume_state = None
         self.optimizer = optimizer
         return optimizer
+
+    def edge_optimizer_state(self) -> dict | None:
+        """The attached optimizer's ``state_dict()`` without the cloud parameters' entries (the
+        cloud checkpoints its own; the edge's are placeholders), for an edge checkpoint."""
+        if self.optimizer is None:
+            return None
+        saved = self.optimizer.state_dict()
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        cloud = {i for i, p in enumerate(params) if self.cloud_half.owns(p)}
+        return {**saved, "state": {i: entry for i, entry in saved["state"].items() if i not in cloud}}
 
     def module_state(self, flipped: list[str]) -> None:
         """Tell the cloud what the script changed on its modules by name, when that changed: the
@@ -143,11 +151,31 @@ class OptimizerMirror:
         # before the next step (the cloud's copy keeps the cloud half's state).
         self._state: Any = optimizer.state
         self._entries = len(optimizer.state)
+        #: The cloud parameters' entries as the constructor made them: (parameter, entry, its items).
+        self._initial: list[tuple[torch.Tensor, dict[str, Any], dict[str, Any]]] = []
+
+    def check_initial_state(self) -> None:
+        """Refuse state for a cloud parameter that the cloud's copy, built with the same settings,
+        would not start from: only what the optimizer's own constructor makes (Adagrad's
+        accumulators) is mirrored, by building the same optimizer in the cloud."""
+        optimizer, owns = self.optimizer, self.model.cloud_half.owns
+        entries = {p: entry for p, entry in optimizer.state.items() if entry and owns(p)}
+        if not entries:
+            return
+        made = initial_state.constructor_state(optimizer, owns, self.settings, self.sent)
+        if entries.keys() != made.keys() or not all(initial_state.same_entry(entries[p], made[p]) for p in made):
+            raise ConfigError(f"this {type(optimizer).__name__} already holds state for cloud parameters that its "
+                              "constructor did not make (written, or loaded before it was attached); the cloud's copy "
+                              "starts from the constructor's state: attach it before loading its state_dict")
+        for param, entry in entries.items():
+            initial_state.to_placeholders(entry, made[param])
 
     def attached(self, op_id: int) -> None:
         """Build the cloud's copy, as attachment ``op_id`` (the cloud builds each id once)."""
         optimizer, cloud_names = self.optimizer, self.model.cloud_half.names_by_id
         self._state, self._entries = optimizer.state, len(optimizer.state)  # as loaded from a checkpoint
+        owns = self.model.cloud_half.owns
+        self._initial = [(p, entry, dict(entry)) for p, entry in optimizer.state.items() if entry and owns(p)]
         groups = [{"names": [cloud_names[id(p)] for p in group["params"] if id(p) in cloud_names],
                    "settings": settings} for group, settings in zip(optimizer.param_groups, self.sent)]
         # The common case, one group of every cloud parameter, goes as small as it did before groups.
@@ -184,25 +212,30 @@ class OptimizerMirror:
             raise ConfigError(f"{type(self.optimizer).__name__}'s parameter groups changed since it was attached "
                               "(add_param_group, or a group's params list edited); a split model mirrors the groups "
                               "it was attached with: build a new optimizer and attach it")
-        if self.optimizer.state is not self._state or len(self.optimizer.state) != self._entries:
+        state = self.optimizer.state
+        if (state is not self._state or len(state) != self._entries
+                or (self._initial and not initial_state.unchanged(state, self._initial))):
             self._check_state()
         self._stepping = self._group_settings()  # refused now, if it cannot be sent, not after the step
         self.model.cloud_half.hidden = True
 
     def _check_state(self) -> None:
         """The script changed the optimizer's state since the last step: fine for the edge's own
-        parameters' entries, but state written for a cloud parameter, or entries cleared (a reset,
-        which unsplit would reset the cloud half's moments too), cannot be repeated in the cloud."""
+        parameters' entries, but state written for a cloud parameter (beyond the entries its
+        constructor made, kept as they were), or entries cleared (a reset, which unsplit would
+        reset the cloud half's moments too), cannot be repeated in the cloud."""
         state, owns = self.optimizer.state, self.model.cloud_half.owns
         name = type(self.optimizer).__name__
-        if any(entry for param, entry in state.items() if owns(param)):
-            raise ConfigError(f"{name}'s state was written for a cloud parameter; the cloud's copy of the optimizer "
-                              "keeps the cloud half's state, which the edge cannot set")
         if state is not self._state or len(state) < self._entries:
             raise ConfigError(f"{name}'s state was reset since its last step (opt.state cleared or replaced, or "
                               "load_state_dict); the cloud's copy keeps the cloud half's moments, so the halves would "
                               "step differently. A split model cannot reset them: train on, or restart from a "
                               "checkpoint (model.save_checkpoint / resume_from=)")
+        initial = {id(param) for param, _, _ in self._initial}
+        if not initial_state.unchanged(state, self._initial) or any(
+                entry for param, entry in state.items() if owns(param) and id(param) not in initial):
+            raise ConfigError(f"{name}'s state was written for a cloud parameter; the cloud's copy of the optimizer "
+                              "keeps the cloud half's state, which the edge cannot set")
         self._entries = len(state)
 
     def after_step(self) -> None:
@@ -243,6 +276,11 @@ def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     cls = type(optimizer)
     if not cls.__module__.startswith("torch.optim") or getattr(torch.optim, cls.__name__, None) is not cls:
         raise ConfigError(f"the cloud mirrors torch.optim optimizers by name; {cls.__qualname__} is not one of them")
+    closure = inspect.signature(cls.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ConfigError(f"{cls.__name__} steps by calling a closure (the loss evaluated again inside its step), "
+                          "which the cloud's copy of the optimizer cannot repeat; use an optimizer whose step takes "
+                          "the gradients as they are")
     # Only what the constructor takes: AdamW keeps a 'decoupled_weight_decay' default that its
     # __init__ does not accept, so mirroring every default would fail in the cloud.
     accepted = inspect.signature(cls).parameters

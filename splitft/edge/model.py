@@ -328,12 +328,13 @@ class SplitModel(nn.Module):
 
         The cloud writes its half (it must run with ``--checkpoint-dir``) and the edge writes
         ``PATH.json`` + ``PATH-<hash>.safetensors``: the edge part's weights, the attached
-        optimizer's state, the codec state, the step id and the session's resume token (keep the
-        files private: the token resumes the session). ``split(..., resume_from=PATH)`` continues
-        from here.
+        optimizer's state of the edge's parameters, the codec state, the step id, which cloud
+        parameters hold a gradient, and the session's resume token (keep the files private: the
+        token resumes the session). ``split(..., resume_from=PATH)`` continues from here.
         """
         self.scheduler.drain()
-        resume.save(path, self.session, self.stage, self.mirror, self.edge_state_dict)
+        resume.save(path, self.session, self.stage, self.mirror, self.edge_state_dict,
+                    lambda: sorted(self.cloud_half.has_grad))
 
     def move_to(self, address: str) -> None:
         """Move this session, mid-training, to the cloud at ``address`` (call it after ``opt.step()``):

@@ -14,6 +14,10 @@ parameters would restore the edge half's only, so it is refused (settings alone 
 mirrored at the next step); ``model.save_checkpoint`` and ``split(resume_from=...)`` restore both
 halves.
 
+``opt.step(closure)``: the hook runs the closure (its forward and backward) before the cloud's
+gradients are hidden, and the step gets the loss it returned, as an optimizer that calls its closure
+once would. LBFGS, which calls it many times within one step, is refused when it is attached.
+
 Clearing, clipping and unscaling gradients need no hook: ``p.grad`` of a placeholder routes
 torch's own functions to the cloud (see :mod:`.placeholders`).
 """
@@ -93,10 +97,20 @@ def _mirror_of(optimizer: torch.optim.Optimizer) -> Any:
     return _MIRRORS[optimizer]
 
 
-def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[tuple, dict] | None:
     mirror = _mirror_of(optimizer)
-    if mirror is not None:
+    if mirror is None:
+        return None
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if closure is None:
         mirror.before_step()
+        return None
+    # opt.step(closure): its forward and backward run now, as the step would run them first, but
+    # before the step hides the cloud half's gradients; the step gets the loss it computed.
+    with torch.enable_grad():
+        loss = closure()
+    mirror.before_step()
+    return (args[0],), {"closure": lambda: loss}
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -23,6 +23,12 @@ What is mirrored:
   is fetched from the cloud; ``mul_``, ``div_``, ``clamp_``, ``zero_`` and torch's foreach and
   loss-scaling kernels over it are applied there. Torch's own ``clip_grad_norm_``,
   ``clip_grad_value_`` and ``GradScaler`` therefore act on both halves, however they were imported.
+
+What is made from a placeholder's shape alone (``torch.zeros_like(p)``, ``full_like``, ``ones_like``,
+``empty_like``) is a :class:`CloudState`: the state an optimizer's constructor makes for a cloud
+parameter (Adagrad's accumulators), which the cloud's copy of the optimizer, built with the same
+settings, makes too. It remembers how it was made, so the edge can check that it is still that
+initial state (:mod:`.initial_state`), and refuses every operation on its values like a placeholder.
 """
 
 from __future__ import annotations
@@ -94,8 +100,8 @@ class RemoteTensor(Tensor):
             handler = _GRAD_OPS.get(func)
             if handler is not None and all(isinstance(t, CloudGrad) for t in remote):
                 return handler(*args, **kwargs)
-        elif isinstance(self, CloudTensor) and len(remote) == 1:
-            handler = _VALUE_OPS.get(func)
+        elif isinstance(self, (CloudTensor, CloudState)) and len(remote) == 1:
+            handler = (_VALUE_OPS if isinstance(self, CloudTensor) else _LIKE_OPS).get(func)
             if handler is not None:
                 return handler(*args, **kwargs)
         raise PlaceholderError(_refusal(func, remote[0] if remote else self))
@@ -140,8 +146,9 @@ class CloudTensor(RemoteTensor):
 
 
 def remote_of(tensor: Any) -> Remote | None:
-    """The handle on the cloud half behind a placeholder or its gradient (None for any other tensor)."""
-    return tensor._splitft_remote if isinstance(tensor, RemoteTensor) else None
+    """The handle on the cloud half behind a placeholder or its gradient (None for any other tensor,
+    a :class:`CloudState` included: it is no tensor of the cloud half's)."""
+    return tensor._splitft_remote if isinstance(tensor, (CloudTensor, CloudGrad)) else None
 
 
 class CloudGrad(RemoteTensor):
@@ -155,6 +162,30 @@ class CloudGrad(RemoteTensor):
         return f"the gradient of cloud parameter {self._splitft_name!r}"
 
 
+class CloudState(RemoteTensor):
+    """A tensor made from a cloud tensor's shape alone (``torch.full_like(p, 0.1)``): what an
+    optimizer's constructor keeps for a cloud parameter. Its values are known (``fill``: a number,
+    or None for ``empty_like``'s), but kept nowhere here: the cloud's copy of the optimizer makes
+    its own; any operation on them raises, as on a placeholder."""
+
+    _splitft_fill: Any
+
+    @staticmethod
+    def __new__(cls, like: Tensor, name: str, remote: Remote, dtype: torch.dtype, fill: Any) -> CloudState:
+        made = RemoteTensor._make(cls, torch.empty(like.shape, dtype=dtype, device="meta"), name, remote, "meta",
+                                  False)
+        made._splitft_fill = fill
+        return made
+
+    def recipe(self) -> tuple[Any, ...]:
+        """How it was made: two CloudStates of one recipe are the same tensor."""
+        return self._splitft_name, tuple(self.shape), self.dtype, self._splitft_fill
+
+    def _what(self) -> str:
+        return (f"a tensor made like cloud parameter {self._splitft_name!r} (optimizer state for it lives in the "
+                "cloud's copy of the optimizer)")
+
+
 # ---------------------------------------------------------------- what reads no values
 
 _PROPERTIES = ("shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "ndim", "layout", "names",
@@ -166,8 +197,12 @@ _PROPERTIES = ("shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn"
                "_is_zerotensor", "is_conj", "is_neg", "_grad_fn")
 
 
+#: The same questions asked as ``torch.is_complex(p)`` (Adagrad's constructor asks this one).
+_TORCH_FUNCTIONS = ("is_complex", "is_floating_point", "is_signed", "is_conj", "is_neg", "is_inference", "numel")
+
+
 def _metadata() -> set[Any]:
-    found: set[Any] = set()
+    found: set[Any] = {getattr(torch, name) for name in _TORCH_FUNCTIONS if hasattr(torch, name)}
     for name in _PROPERTIES:
         attribute = torch.Tensor.__dict__.get(name) or getattr(torch._C.TensorBase, name, None)
         if attribute is None:
@@ -214,9 +249,41 @@ def _zero(target: CloudTensor) -> CloudTensor:
 #: What torch passes for ``t.data``: the property's getter (``Tensor.data`` is a descriptor on the class).
 _DATA_GETTER = cast(Any, Tensor.data).__get__
 
+
+def _like(fill_of: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.zeros_like`` and its kin: a :class:`CloudState` of the source's shape, or a real
+    tensor where the call asks for one on a device of its own (it reads no values either way)."""
+
+    def like(source: RemoteTensor, *args: Any, dtype: Any = None, layout: Any = None, device: Any = None,
+             pin_memory: Any = None, requires_grad: bool = False, memory_format: Any = None, **fill: Any) -> Tensor:
+        value = fill_of(*args, **fill)
+        if (layout not in (None, torch.strided) or requires_grad or pin_memory
+                or memory_format not in (None, torch.preserve_format, torch.contiguous_format)):
+            raise PlaceholderError(f"a tensor like {source._what()} is made here with the default layout, "
+                                   "memory format and no gradient only")
+        dtype = dtype or source.dtype
+        if device is not None and torch.device(device).type != "meta":
+            made = torch.empty(source.shape, dtype=dtype, device=device)
+            return made if value is None else made.fill_(value)
+        return CloudState(source, source._splitft_name, source._splitft_remote, dtype, value)
+
+    return like
+
+
+def _fill_value(fill_value: Any) -> Any:
+    if not isinstance(fill_value, (bool, int, float, complex)):
+        raise PlaceholderError("torch.full_like of a cloud tensor takes a Python number as its value")
+    return fill_value
+
+
+_LIKE_OPS: dict[Any, Callable[..., Any]] = {
+    torch.zeros_like: _like(lambda: 0), torch.ones_like: _like(lambda: 1), torch.full_like: _like(_fill_value),
+    torch.empty_like: _like(lambda: None),
+}
+
 _VALUE_OPS: dict[Any, Callable[..., Any]] = {
     Tensor.copy_: _copy, Tensor.fill_: _fill, Tensor.zero_: _zero,
-    Tensor.detach: CloudTensor.alias, _DATA_GETTER: CloudTensor.alias,
+    Tensor.detach: CloudTensor.alias, _DATA_GETTER: CloudTensor.alias, **_LIKE_OPS,
 }
 
 
@@ -374,7 +441,8 @@ _GRAD_OPS: dict[Any, Callable[..., Any]] = {
 }
 
 #: Every torch function that reaches the cloud rather than raising, by the kind of tensor it takes.
-MIRRORED: dict[str, frozenset[Any]] = {"values": frozenset(_VALUE_OPS), "gradients": frozenset(_GRAD_OPS)}
+MIRRORED: dict[str, frozenset[Any]] = {"values": frozenset(_VALUE_OPS), "gradients": frozenset(_GRAD_OPS),
+                                       "made like": frozenset(_LIKE_OPS)}
 
 
 def _refusal(func: Any, tensor: Any) -> str:
@@ -391,4 +459,4 @@ def _refusal(func: Any, tensor: Any) -> str:
             "with model.state_dict(); set them with model.load_state_dict(...) or p.copy_(tensor)")
 
 
-__all__ = ["CloudGrad", "CloudTensor", "MIRRORED", "Remote", "RemoteTensor", "remote_of"]
+__all__ = ["CloudGrad", "CloudState", "CloudTensor", "MIRRORED", "Remote", "RemoteTensor", "remote_of"]

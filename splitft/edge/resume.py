@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -76,6 +76,8 @@ class Attached(Protocol):
     optimizer: torch.optim.Optimizer | None
     optimizer_id: int
 
+    def edge_optimizer_state(self) -> dict | None: ...
+
 
 class EdgeHalf(Protocol):
     """The split model's own weights (:class:`~splitft.edge.model.SplitModel`)."""
@@ -85,8 +87,10 @@ class EdgeHalf(Protocol):
 
 
 def save(path: str | os.PathLike, session: Session, coding: Coding, attached: Attached,
-         edge_state: Callable[[], dict[str, Any]]) -> None:
-    """Checkpoint both halves at this step boundary (see :meth:`SplitModel.save_checkpoint`)."""
+         edge_state: Callable[[], dict[str, Any]], cloud_grads: Callable[[], list[str]]) -> None:
+    """Checkpoint both halves at this step boundary (see :meth:`SplitModel.save_checkpoint`);
+    ``cloud_grads`` names the cloud parameters that have a gradient now, which the cloud's
+    checkpoint keeps: the resumed edge must know of them, or its next ``zero_grad`` clears none."""
     with session.lock:
         if session.checkpoint_every <= 0:
             raise CheckpointError("the cloud keeps no checkpoints, so this one could not be resumed; "
@@ -94,14 +98,12 @@ def save(path: str | os.PathLike, session: Session, coding: Coding, attached: At
         session.sync(pin=True)
         # The cloud's checkpoint holds the state after that sync's operations, numbered one below
         # it; a resumed edge continues from that number, re-using the sync's.
-        optimizer = attached.optimizer
-        tree = {"weights": edge_state(),
-                "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        tree = {"weights": edge_state(), "optimizer": attached.edge_optimizer_state(),
                 "codecs": coding.codecs.state_dict()}
         hello = session.hello
         assert hello is not None
         meta = {"kind": "edge", "session": session.session_id, "token": session.token, "seq": session.last_seq - 1,
-                "step": coding.step, "optimizer_id": attached.optimizer_id,
+                "step": coding.step, "optimizer_id": attached.optimizer_id, "cloud_grads": cloud_grads(),
                 "hello": {k: getattr(hello, k) for k in IDENTITY}}
         write_checkpoint(path, tree, meta)
 
@@ -133,6 +135,12 @@ def saved_codecs(codecs: Codecs, meta: dict[str, Any]) -> Codecs:
                                                  for k in _DIRECTIONS[1:]})
 
 
+def saved_cloud_grads(meta: dict[str, Any], names: Iterable[str]) -> set[str]:
+    """Which of the cloud parameters ``names`` had a gradient when the checkpoint was written."""
+    saved = meta.get("cloud_grads", [])
+    return set(names).intersection(saved if isinstance(saved, list) else [])
+
+
 def resume_point(meta: dict[str, Any]) -> ResumePoint:
     """Where the checkpoint's session goes on from."""
     return ResumePoint(meta["session"], meta["token"], meta["seq"], meta["step"])
@@ -157,4 +165,4 @@ def load_edge_half(split: EdgeHalf, session: Session, tree: dict, path: str | os
 
 
 __all__ = ["IDENTITY", "ResumePoint", "check_identity", "load_edge_half", "read", "restore_coding", "resume_point",
-           "save"]
+           "save", "saved_cloud_grads"]
