@@ -14,15 +14,15 @@ from splitft.errors import ProtocolError
 
 
 def test_ack_is_exactly_these_bytes():
-    # array[6, "ack", state: nil, grad_norms: nil, seq: 7]
-    assert protocol.encode(protocol.Ack(seq=7)) == [b"\x95\x07\xa3ack\xc0\xc0\x07"]
+    # array[8, "ack", state: nil, grad_norms: nil, seq: 7]
+    assert protocol.encode(protocol.Ack(seq=7)) == [b"\x95\x08\xa3ack\xc0\xc0\x07"]
 
 
 def test_array_travels_as_extension_reference_plus_raw_frame():
     arr = np.arange(6, dtype=np.float32).reshape(2, 3)
     frames = protocol.encode(protocol.Output(call=7, value=protocol.payload_to_wire(Payload("identity", 1, {"x": arr}), True)))
     assert frames[0] == (
-        b"\x98\x07\xa6output\x07\x81\xa2$t\x95\xa8identity\x01\x80"  # [7, "output", call 7, value: {"$t": [...
+        b"\x98\x08\xa6output\x07\x81\xa2$t\x95\xa8identity\x01\x80"  # [7, "output", call 7, value: {"$t": [...
         b"\x81\xa1x"
         b"\xc7\x0d\x01" b"\x93\x00\xa7float32\x92\x02\x03"  # ext8, 13 bytes, type 1: [frame 0, dtype, shape]
         b"\xc3\x80\xc0\xc0\x00"  # ...grad]}, timings {}, grads nil, unreached nil, seq 0]
@@ -125,7 +125,7 @@ MALFORMED = {
 
 
 def test_a_version_3_header_is_named_as_such():
-    with pytest.raises(ProtocolError, match="the peer speaks protocol 3, this side speaks 7"):
+    with pytest.raises(ProtocolError, match=f"the peer speaks protocol 3, this side speaks {protocol.PROTOCOL_VERSION}"):
         protocol.decode([msgpack.packb({"v": 3, "t": "ack", "b": {"seq": 1}})])
 
 
@@ -165,10 +165,11 @@ def test_a_remembered_array_reference_still_checks_its_frame():
 
 
 def test_a_body_that_passed_does_not_let_other_types_through():
-    ok = msgpack.packb([V, "backward", 1, [], [], 2, True])
-    assert protocol.decode([ok]) == protocol.Backward(call=1, grads=[], seq=2)
-    for fields in ([True, [], [], 2, True], [1, {}, [], 2, True], [1, [], [], 2.0, True], [1, [], [], 2, 1],
-                   [1, [], [], 2, True, 2], [1, [], [], 2]):
+    ok = msgpack.packb([V, "backward", 1, [], [], 2, True, 5])
+    assert protocol.decode([ok]) == protocol.Backward(call=1, grads=[], seq=2, pass_id=5)
+    for fields in ([True, [], [], 2, True, None], [1, {}, [], 2, True, None], [1, [], [], 2.0, True, None],
+                   [1, [], [], 2, 1, None], [1, [], [], 2, True, "5"], [1, [], [], 2, True, None, 2],
+                   [1, [], [], 2, True]):
         with pytest.raises(ProtocolError):
             protocol.decode([msgpack.packb([V, "backward", *fields])])
 
@@ -241,7 +242,7 @@ def test_operation_records_travel_as_the_maps_the_cloud_checks():
     maps = [{"op": "step", "id": 3, "lr": 0.5, "lrs": None, "changes": None},
             {"op": "zero_grad", "set_to_none": True, "model": False, "names": ["a.weight"]},
             {"op": "load_weights", "weights": weights, "partial": True},
-            {"op": "apply", "call": 7, "scale": 2.0}]
+            {"op": "apply", "call": 7, "scale": 2.0, "pass_id": None}]
     sent = protocol.encode(protocol.Sync(ops=records, seq=4))
     assert [bytes(memoryview(f)) for f in sent] == [bytes(memoryview(f))
                                                     for f in protocol.encode(protocol.Sync(ops=maps, seq=4))]

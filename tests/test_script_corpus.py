@@ -263,7 +263,20 @@ def accumulates_over_three_with_a_weighted_loss(model, net, crit, data):
         opt.step()
 
 
-SCRIPTS = [accumulation_zero_grad_and_clip, accumulates_over_three_with_a_weighted_loss, groups_and_warmup, layerwise_lr_decay, one_cycle_with_momentum, freeze_by_name_mid_training,
+def three_views_in_one_loss_accumulated_over_three_batches(model, net, crit, data):
+    """One loss over three views of a batch (three forward calls, one backward), gradients kept over
+    three batches: torch sums what one backward pass brings a parameter before adding it to
+    ``p.grad``, so the cloud must too, in the engine's order."""
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for i, (x, y) in enumerate(data):
+        (crit(model(x), y) + crit(model(x * 0.5), y) + crit(model(-x), y)).backward()
+        if i % 3 == 2:
+            opt.step()
+            opt.zero_grad()
+
+
+SCRIPTS = [accumulation_zero_grad_and_clip, accumulates_over_three_with_a_weighted_loss,
+           three_views_in_one_loss_accumulated_over_three_batches, groups_and_warmup, layerwise_lr_decay, one_cycle_with_momentum, freeze_by_name_mid_training,
            trainable_only_optimizer, eval_between_steps, fp16_with_grad_scaler,
            zero_grad_by_hand_and_clip_through_grad_data, clip_in_two_steps_with_foreach, logs_each_layers_gradient_norm,
            averages_accumulated_gradients_by_hand, learning_rate_set_by_hand_and_frozen_by_attribute,

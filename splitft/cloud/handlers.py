@@ -24,6 +24,7 @@ from ..wire import operations as o
 from . import offload
 from .blame import blame, short
 from .caches import SessionCaches
+from .passes import PassGrads
 from .graphs import Graphs
 from .half import Half, SharedPart, cast_weights
 from .limits import Limits
@@ -77,6 +78,9 @@ class Target(Protocol):
     def graphs(self) -> Graphs: ...
 
     @property
+    def passes(self) -> PassGrads: ...
+
+    @property
     def caches(self) -> SessionCaches: ...
 
     @property
@@ -117,6 +121,8 @@ def apply_ops(session: Target, ops: list) -> int:
     stepped = 0
     for value in ops:
         op = o.from_wire(value)
+        if not isinstance(op, o.ApplyEager):
+            session.passes.flush()  # the edge's backward pass ended before this: its sums reach .grad
         stepped += bool(handler_for(type(op))(session, op))
     return stepped
 
@@ -325,13 +331,7 @@ def apply_eager(session: Target, op: o.ApplyEager) -> None:
     if deferred is None:
         raise ProtocolError(f"no eager call {op.call} to apply (freed by an optimizer step, or never sent)")
     with torch.no_grad(), session.half.own_grads():
-        for param, grad in deferred:
-            if grad is None:
-                continue
-            if param.grad is None:
-                param.grad = grad * op.scale
-            else:
-                param.grad.add_(grad, alpha=op.scale)
+        session.passes.add(op.pass_id if session.half.shared is None else None, deferred, op.scale)
     session.graphs.take(op.call)  # the graph kept in case the scale was not exact is not needed
 
 

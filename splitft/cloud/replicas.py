@@ -162,6 +162,7 @@ class BatchSplitSession(CloudSession):
     # thread, and the half (whose forward all-gathers when sharded) is never run on meta tensors.
     off_thread = False
     count_on_meta = False
+    groups_passes = False
 
     def __init__(self, hello: protocol.Hello, *args: Any, link: BatchLink,
                  report: Callable[[str], None] | None = None, **kwargs: Any) -> None:

@@ -41,6 +41,7 @@ from .caches import SessionCaches
 from .calls import Group, Inputs, decode_backward, decode_forward, edge_dtype, encode_input_grads
 from .codec_policy import Policy
 from .costs import Pricing
+from .passes import PassGrads
 from .graphs import Graphs, Pending
 from .half import Half, SharedPart, host_state, load_initial
 from .handlers import Mirrored, apply_ops
@@ -100,6 +101,7 @@ class CloudSession:
         self.mirrored = Mirrored(shared)
         self.caches = SessionCaches()  # key/value caches for generation
         self.graphs = Graphs(self.limits.max_pending_calls)
+        self.passes = PassGrads()
         self.replies = Replies(self.id)
         self.metrics = Metrics()
         if shared is not None:
@@ -116,7 +118,7 @@ class CloudSession:
     def held_bytes(self) -> int:
         """What this session holds now (see :mod:`splitft.cloud.budget`)."""
         return (self.half.model_bytes + self.codecs.held_nbytes() + self.graphs.nbytes() + self.replies.nbytes
-                + self.caches.nbytes())
+                + self.caches.nbytes() + self.passes.nbytes())
 
     def fits(self, extra: int, what: str) -> None:
         """Refuse work that would take this session (or the cloud) over its memory budget."""
@@ -256,11 +258,37 @@ class CloudSession:
         self.graphs.applied(msg.call)  # an eager call backpropagated again: its gradients for 1 go
         with watch("compute"):
             if outputs:
-                self.backpropagate(msg.call, outputs, grads, None if msg.params else _needed(pending.inputs))
+                self._backward_pass(msg, outputs, grads, None if msg.params else _needed(pending.inputs))
         with watch("codec"):
             entries = encode_input_grads(self.codecs, pending.inputs, pending.in_coded, pending.in_grad,
                                          [leaf.grad for leaf in pending.inputs], ctx)
-        return InputGrads(call=msg.call, grads=entries, timings=watch.seconds, unreached=self.half.unreached())
+        unreached = [name for name in self.half.unreached() or ()
+                     if not self.passes.holds(self.half.named_params[name])]  # summed, not in .grad yet
+        return InputGrads(call=msg.call, grads=entries, timings=watch.seconds, unreached=unreached or None)
+
+    #: Whether a backward's parameter gradients join the edge's pass (:mod:`.passes`): a batch split
+    #: across ranks accumulates on every rank's replica, and leaves its gradients where they land.
+    groups_passes = True
+
+    def _backward_pass(self, msg: Backward, outputs: list[torch.Tensor], grads: list[torch.Tensor],
+                       only: list[torch.Tensor] | None) -> None:
+        """Backpropagate ``msg``'s call, its parameter gradients a contribution to the edge's pass."""
+        pass_id = msg.pass_id if self.groups_passes and self.half.shared is None and only is None else None
+        if pass_id is None:
+            self.passes.flush()
+            self.backpropagate(msg.call, outputs, grads, only)
+            return
+        params = [p for p in self.half.named_params.values() if p.requires_grad]
+        before = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            self.backpropagate(msg.call, outputs, grads, only)
+            fresh = [(p, p.grad) for p in params]
+        finally:
+            for p, grad in zip(params, before):
+                p.grad = grad
+        self.passes.add(pass_id, fresh, owned=True)
 
     def backpropagate(self, call: int, outputs: list[torch.Tensor], grads: list[torch.Tensor],
                       only: list[torch.Tensor] | None = None) -> None:
@@ -279,6 +307,7 @@ class CloudSession:
 
     def grad_norms(self, norm_type: float, names: list | None = None) -> list[float | None]:
         """Gradient norms the edge asked for (a sharded half gathers them from every rank)."""
+        self.passes.flush()
         return self.half.grad_norms(norm_type, names)
 
     def state(self) -> dict[str, np.ndarray]:

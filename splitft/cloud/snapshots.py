@@ -92,6 +92,7 @@ def snapshot(session: CloudSession) -> tuple[dict[str, Any], dict[str, Any]]:
     half, mirrored = session.half, session.mirrored
     if half.shared is not None:
         raise CheckpointError("sessions of a shared cloud part are not checkpointed")
+    session.passes.flush()  # the gradients as the edge's last backward pass left them
     optimizer = mirrored.own_optimizer
     with torch.no_grad():
         tree = {

@@ -279,7 +279,7 @@ class Scheduler:
             (scale,) = (grads[0],) if call.streamed else part_output_grads(call, part, grads)
             assert scale is not None  # the loss needs a gradient: autograd gives it one
             if params:  # the parameters' part of an eager backward, held in the cloud until now
-                self.ops.queue(ApplyEager(call=part.id, scale=float(scale)))
+                self.ops.queue(ApplyEager(call=part.id, scale=float(scale), pass_id=backward_pass()))
             if call.streamed and any(call.in_grad):  # delayed gradients: the previous call's is due now
                 self._apply_delayed()
                 self._delayed = (call, scale)
@@ -346,6 +346,13 @@ def join_outputs(call: Call, outputs: list[list[torch.Tensor]], loss_reduction: 
                 "joined; use micro_batches=1"
             )
     return joined
+
+
+def backward_pass() -> int | None:
+    """The number of the autograd backward pass running now (None outside one): the cloud sums
+    what one pass brings its parameters before adding it to their gradients, as torch's engine does."""
+    task = torch._C._current_graph_task_id()
+    return task if task >= 0 else None
 
 
 def _scales_exactly(call: Call, grads: tuple) -> bool:

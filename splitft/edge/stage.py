@@ -23,7 +23,7 @@ from ..wire.coding import SlotCodecs, Traffic, from_wire, raw_nbytes, stream_ind
 from ..wire.operations import Operation
 from ..wire.protocol import Backward, Forward, InputGrads, Message, Output
 from .requests import Expect, Reply
-from .schedule import Call, Part
+from .schedule import Call, Part, backward_pass
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +147,8 @@ class CloudStage:
                 (entry,), _ = self.codecs.encode([grad], 0 if coded.stream else None, "ret_bwd", ctx, [False],
                                                  traffic, raw=[raw_nbytes(coded.shape, coded.dtype)])
                 entries.append(entry)
-        part.seq = self.requests.send(Backward(call=part.id, grads=entries, ops=ops, params=params), "gradient",
-                                      traffic)
+        part.seq = self.requests.send(Backward(call=part.id, grads=entries, ops=ops, params=params,
+                                               pass_id=backward_pass()), "gradient", traffic)
 
     def receive_input_grads(self, call: Call, part: Part) -> list[torch.Tensor | None]:
         reply, wire_in = self.requests.await_reply(part.seq, InputGrads)

@@ -127,6 +127,7 @@ class Backward(Message):
     ops: list = field(default_factory=list)
     seq: int = 0
     params: bool = True
+    pass_id: int | None = None  # the edge's backward pass (see ApplyEager.pass_id)
 
 
 @dataclass

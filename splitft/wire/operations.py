@@ -78,6 +78,7 @@ class ApplyEager(Operation):
     NAME: ClassVar[str] = "apply"
     call: int
     scale: float
+    pass_id: int | None = None  # the edge's backward pass: one pass's contributions are summed first (cloud/passes.py)
 
 
 @dataclass
