@@ -165,8 +165,10 @@ class Schedule:
     a BatchNorm layer of the cloud part in training mode would see micro-batches, so a call
     through one is refused (keep 1 for those). ``eager_backward`` (plain split): the cloud runs the backward right after
     the loss and sends the cut's gradient with it, one round trip per step instead of two; the edge
-    scales it by the loss's incoming gradient and has the cloud scale its own the same way. It is
-    not used when the cloud checkpoints sessions. ``window`` (a frozen edge in a plain split,
+    scales it by the loss's incoming gradient and has the cloud scale its own the same way (a
+    gradient other than ±2^k would round differently from the unsplit backward: the edge then
+    sends a backward, and the cloud runs the graph it kept for it). It is not used when the cloud
+    checkpoints sessions. ``window`` (a frozen edge in a plain split,
     :mod:`splitft.edge.streaming`): up to this many steps in flight before the edge waits for the
     oldest reply; the weights equal synchronous training's (1: synchronous). ``delayed_gradients``
     lets a trainable edge stream too, asynchronously: each step's cut gradient is applied one step
