@@ -95,7 +95,11 @@ class GraphMeter:
                 self.nbytes += storage.nbytes()
         except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested)
             self.nbytes += tensor.numel() * tensor.element_size()
-        return tensor
+        # Not the tensor itself: a node's saved output would hold its own node (output -> grad_fn
+        # -> saved output), a cycle through C++ that no collector sees, so a graph never
+        # backpropagated (or kept with retain_graph) would never be freed. The values are all the
+        # backward reads.
+        return tensor.detach()
 
     def __enter__(self) -> "GraphMeter":
         self._hooks.__enter__()
