@@ -39,7 +39,7 @@ def _examples(kind: str, n: int = 24, length: int = 10) -> list[dict]:
 def _trainer(model, kind: str, out: Path):
     args = transformers.TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=4, per_device_eval_batch_size=8,
-        gradient_accumulation_steps=2, num_train_epochs=2, learning_rate=5e-3, weight_decay=0.1, warmup_steps=2,
+        gradient_accumulation_steps=3, num_train_epochs=2, learning_rate=5e-3, weight_decay=0.1, warmup_steps=2,
         seed=0, use_cpu=True, report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True)
     return transformers.Trainer(model=model, args=args, train_dataset=_examples(kind),
                                 eval_dataset=_examples(kind, n=8))
@@ -69,8 +69,8 @@ def test_trainer_with_its_defaults_trains_the_split_model_exactly_like_the_unspl
     with model:
         metrics, state = _train(model, kind, tmp_path / "split")
     assert set(state) == set(local_state)
-    for name, value in local_state.items():
-        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    for name, value in local_state.items():  # bitwise, with the loss divided by 3 for accumulation
+        assert torch.equal(state[name], value), name
     assert metrics["eval_loss"] == pytest.approx(local_metrics["eval_loss"], rel=1e-4)
     moved = max(float((state[n] - tiny_hf(kind).state_dict()[n]).abs().max()) for n in state)
     assert moved > 1e-3  # it really trained
@@ -81,7 +81,7 @@ def test_trainer_with_its_defaults_trains_the_split_model_exactly_like_the_unspl
     written = {k: v for f in files for k, v in load_file(f).items()}
     for name, value in local_state.items():
         if name in written:
-            torch.testing.assert_close(written[name], value, rtol=1e-4, atol=1e-5)
+            assert torch.equal(written[name], value), name
     assert len(written) >= len(local_state) - 1  # (a tied weight may be written once)
 
 
@@ -89,7 +89,7 @@ def test_an_accelerate_loop_trains_the_split_model_exactly_like_the_unsplit_one(
     from accelerate import Accelerator
 
     def run(model):
-        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=3)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         data = torch.utils.data.DataLoader(_examples("bert", 16), batch_size=4,
                                            collate_fn=lambda rows: {k: torch.stack([torch.as_tensor(r[k]) for r in rows])
@@ -111,8 +111,8 @@ def test_an_accelerate_loop_trains_the_split_model_exactly_like_the_unsplit_one(
                           connect=hf_cloud)
     with model:
         state = run(model)
-    for name, value in local.items():
-        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    for name, value in local.items():  # bitwise, with the loss divided by 3 for accumulation
+        assert torch.equal(state[name], value), name
 
 
 def _lm_examples(n: int = 16, length: int = 12) -> list[dict]:
