@@ -312,6 +312,45 @@ def test_a_script_trains_split_exactly_as_locally(cloud, script, rejoin):
         assert got == expected  # what the script read along the way (norms it logged), to the last bit
 
 
+@pytest.mark.parametrize("make", [
+    lambda: nn.CrossEntropyLoss(weight=torch.tensor([0.2, 0.3, 0.5]), label_smoothing=0.1),
+    lambda: nn.BCEWithLogitsLoss(pos_weight=torch.tensor([3.0, 1.0, 0.25])),
+], ids=["class-weighted cross-entropy", "BCE with pos_weight"])
+def test_a_loss_with_tensor_settings_is_computed_in_the_cloud_exactly(cloud, make):
+    """Class weights and ``pos_weight`` (imbalanced data) travel with the loss; the cloud's loss
+    uses the same numbers, so training is bitwise the unsplit model's."""
+    multilabel = isinstance(make(), nn.BCEWithLogitsLoss)
+    data = [(x, nn.functional.one_hot(y, 3).float() if multilabel else y) for x, y in _data(4)]
+
+    def train(model, crit):
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        for x, y in data:
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+
+    local = mlp()
+    train(local, make())
+    model = splitft.split(mlp(), 2, factory=MLP, connect=cloud)
+    with model:
+        train(model, model.remote_loss(make()))
+        state = model.state_dict()
+    assert_bitwise(state, local.state_dict())
+
+
+def test_a_loss_tensor_setting_the_cloud_cannot_trust_is_refused():
+    from splitft.cloud.handlers import MAX_LOSS_TENSOR, loss_tensor
+    from splitft.errors import ProtocolError
+
+    good = {"tensor": [0.5, 2.0], "dtype": "float32", "shape": [2]}
+    assert torch.equal(loss_tensor(good, "weight"), torch.tensor([0.5, 2.0]))
+    for bad in ({**good, "dtype": "int64"}, {**good, "shape": [3]}, {**good, "tensor": [0.5, float("nan")]},
+                {**good, "tensor": [1, 2]}, {**good, "shape": [-2]}, {**good, "extra": 1}, {"tensor": "x"},
+                {"tensor": [0.0] * (MAX_LOSS_TENSOR + 1), "dtype": "float32", "shape": [MAX_LOSS_TENSOR + 1]}):
+        with pytest.raises(ProtocolError):
+            loss_tensor(bad, "weight")
+
+
 def test_a_cloud_layer_put_in_eval_mode_by_name_runs_in_eval_mode_in_the_cloud(cloud):
     """digits_cnn's block2 holds a BatchNorm: in eval mode it uses (and keeps) its running statistics."""
     from splitft.app.models import digits_cnn

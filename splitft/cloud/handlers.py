@@ -10,6 +10,7 @@ replayed request again is harmless.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Callable, Iterable
@@ -45,6 +46,7 @@ class Mirrored:
     optimizer_spec: o.AttachOptimizer | None = None
     optimizer_id: int = 0
     loss_fn: nn.Module | None = None
+    loss_meta: nn.Module | None = None  # the loss's twin on the meta device, for pricing a call
     loss_spec: o.SetLoss | None = None
     flipped: list[nn.Module] = field(default_factory=list)  # modules the edge runs in the other mode
     steps: int = 0
@@ -225,11 +227,37 @@ def set_loss(session: Target, op: o.SetLoss) -> None:
     cls = getattr(nn, op.name, None)
     if not (isinstance(cls, type) and issubclass(cls, nn.modules.loss._Loss)):
         raise ConfigError(f"{short(op.name)} is not a torch.nn loss")
+    if not isinstance(op.settings, dict):
+        raise ProtocolError(f"a loss's settings must be a map, got {short(op.settings)}")
+    settings: dict[str, Any] = {k: loss_tensor(v, f"{cls.__name__}({k}=...)") if isinstance(v, dict) else v
+                                for k, v in op.settings.items()}
     try:
-        session.mirrored.loss_fn = cls(**op.settings)
+        loss_fn = cls(**settings).to(session.half.placement.device)
     except Exception as exc:
         raise ConfigError(f"cannot build {cls.__name__} with {short(op.settings)}: {exc}") from exc
+    session.mirrored.loss_fn = loss_fn
+    session.mirrored.loss_meta = copy.deepcopy(loss_fn).to("meta") if any(True for _ in loss_fn.buffers()) else loss_fn
     session.mirrored.loss_spec = op
+
+
+#: The most numbers a loss's tensor setting may hold (a class weight over a vocabulary fits).
+MAX_LOSS_TENSOR = 1 << 20
+_LOSS_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                "float64": torch.float64}
+
+
+def loss_tensor(value: dict, what: str) -> torch.Tensor:
+    """A loss's tensor setting (a class weight, ``pos_weight``) from the numbers the edge sent, checked."""
+    numbers, dtype, shape = value.get("tensor"), _LOSS_DTYPES.get(str(value.get("dtype"))), value.get("shape")
+    if (set(value) != {"tensor", "dtype", "shape"} or dtype is None or not isinstance(numbers, list)
+            or not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape)):
+        raise ProtocolError(f"{what} must be a tensor as numbers, a float dtype and a shape")
+    if len(numbers) > MAX_LOSS_TENSOR or len(numbers) != math.prod(shape):
+        raise ProtocolError(f"{what} holds {len(numbers)} numbers for shape {short(shape)} "
+                            f"(at most {MAX_LOSS_TENSOR})")
+    if not all(isinstance(n, float) and math.isfinite(n) for n in numbers):
+        raise ProtocolError(f"{what} must hold finite floats")
+    return torch.tensor(numbers, dtype=dtype).reshape(shape)
 
 
 @handles(o.Step)

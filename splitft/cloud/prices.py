@@ -192,7 +192,7 @@ def _meta_run(session: Priced, msg: Forward, inputs: Inputs, twin: torch.nn.Modu
     kwargs = _without_caches(unflatten(kw_skel, metas[n_args:n_args + n_kw]))
     twin.train(msg.train)
     value = twin(*args, **kwargs)
-    loss_fn = session.mirrored.loss_fn
+    loss_fn = session.mirrored.loss_meta
     if inputs.skeletons[2] is not None and loss_fn is not None:
         value = loss_fn(value, unflatten(target_skel, metas[n_args + n_kw:]))
     outs, skeleton = flatten(value)

@@ -21,6 +21,7 @@ from ..errors import ConfigError
 from ..wire.operations import AttachOptimizer, Operation, SetFrozen, SetLoss, SetModes, Step
 from . import initial_state, optimizers
 from .cloud_half import CloudHalf
+from .placeholders import RemoteTensor
 
 
 class Link(Protocol):
@@ -294,14 +295,22 @@ def loss_settings(criterion: nn.Module) -> dict[str, Any]:
     cls = type(criterion)
     if getattr(nn, cls.__name__, None) is not cls or not issubclass(cls, nn.modules.loss._Loss):
         raise ConfigError(f"the cloud computes torch.nn losses by name; {cls.__qualname__} is not one")
-    settings = {}
+    settings: dict[str, Any] = {}
     for name in inspect.signature(cls).parameters:
         value = getattr(criterion, name, None)
-        if isinstance(value, torch.Tensor):
-            raise ConfigError(f"{cls.__name__}({name}=<tensor>) cannot be mirrored to the cloud")
-        if _plain(value) is not _NOT_PLAIN and value is not None:
+        if isinstance(value, torch.Tensor):  # a class weight, BCEWithLogitsLoss's pos_weight
+            settings[name] = loss_tensor(cls, name, value)
+        elif _plain(value) is not _NOT_PLAIN and value is not None:
             settings[name] = value
     return settings
+
+
+def loss_tensor(cls: type, name: str, value: torch.Tensor) -> dict[str, Any]:
+    """A loss's tensor setting as numbers the cloud rebuilds exactly (each float is a double on the wire)."""
+    if not value.is_floating_point() or isinstance(value, RemoteTensor):
+        raise ConfigError(f"{cls.__name__}({name}=...) must be a floating tensor of the edge's to be mirrored")
+    flat = value.detach().to("cpu").reshape(-1)
+    return {"tensor": flat.tolist(), "dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape)}
 
 
 _NOT_PLAIN = object()
