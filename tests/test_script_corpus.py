@@ -338,6 +338,36 @@ def test_a_loss_with_tensor_settings_is_computed_in_the_cloud_exactly(cloud, mak
     assert_bitwise(state, local.state_dict())
 
 
+@pytest.mark.parametrize("change", [
+    lambda ce, step: setattr(ce, "label_smoothing", 0.05 * step),
+    lambda ce, step: ce.weight.mul_(1.5),
+    lambda ce, step: setattr(ce, "weight", torch.tensor([0.6, 0.3, 0.1])),
+], ids=["label_smoothing by a curriculum", "class weights changed in place", "class weights set anew"])
+def test_a_criterion_changed_after_remote_loss_is_followed_by_the_cloud(cloud, change):
+    """The script keeps its criterion and changes it between steps; the cloud's loss must follow."""
+    data = _data(4)
+
+    def train(model, ce, crit):
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        for step, (x, y) in enumerate(data):
+            if step:
+                change(ce, step)
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+
+    def criterion():
+        return nn.CrossEntropyLoss(weight=torch.tensor([0.2, 0.3, 0.5]))
+
+    local, ce = mlp(), criterion()
+    train(local, ce, ce)
+    model, ce = splitft.split(mlp(), 2, factory=MLP, connect=cloud), criterion()
+    with model:
+        train(model, ce, model.remote_loss(ce))
+        state = model.state_dict()
+    assert_bitwise(state, local.state_dict())
+
+
 def test_a_loss_tensor_setting_the_cloud_cannot_trust_is_refused():
     from splitft.cloud.handlers import MAX_LOSS_TENSOR, loss_tensor
     from splitft.errors import ProtocolError

@@ -61,6 +61,8 @@ class ModelMirror:
                  on_step: Callable[[], None]) -> None:
         self.link, self.outbox, self.steps, self.cloud_half, self.on_step = link, outbox, steps, cloud_half, on_step
         self.optimizer: torch.optim.Optimizer | None = None
+        self._criterion: nn.Module | None = None  # the remote loss, and what it was when last sent
+        self._criterion_sent: tuple = ()
         self.optimizer_id = 0  # optimizers attached so far: the cloud builds each id once
         self.resume_state: dict | None = None  # optimizer state from an edge checkpoint, for the next attach
         #: The cloud parameters that require a gradient, as last sent.
@@ -125,7 +127,17 @@ class ModelMirror:
         micro-batches add up)."""
         settings = loss_settings(criterion)
         self.outbox.queue(SetLoss(name=type(criterion).__name__, settings=settings))
+        self._criterion, self._criterion_sent = criterion, loss_fingerprint(criterion)
         return str(settings.get("reduction", "mean"))
+
+    def loss_changed(self) -> str | None:
+        """Before a call of the remote loss: a criterion changed since it was sent (a curriculum's
+        ``label_smoothing``, class weights set anew or changed in place) is sent again, so the
+        cloud's loss follows; returns the reduction then (None: unchanged)."""
+        criterion = self._criterion
+        if criterion is None or loss_fingerprint(criterion) == self._criterion_sent:
+            return None
+        return self.loss(criterion)
 
 
 class OptimizerMirror:
@@ -296,13 +308,31 @@ def loss_settings(criterion: nn.Module) -> dict[str, Any]:
     if getattr(nn, cls.__name__, None) is not cls or not issubclass(cls, nn.modules.loss._Loss):
         raise ConfigError(f"the cloud computes torch.nn losses by name; {cls.__qualname__} is not one")
     settings: dict[str, Any] = {}
-    for name in inspect.signature(cls).parameters:
+    for name in _setting_names(cls):
         value = getattr(criterion, name, None)
         if isinstance(value, torch.Tensor):  # a class weight, BCEWithLogitsLoss's pos_weight
             settings[name] = loss_tensor(cls, name, value)
         elif _plain(value) is not _NOT_PLAIN and value is not None:
             settings[name] = value
     return settings
+
+
+_SETTING_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _setting_names(cls: type) -> tuple[str, ...]:
+    """A loss class's constructor arguments (its settings), looked up once per class."""
+    names = _SETTING_NAMES.get(cls)
+    if names is None:
+        names = _SETTING_NAMES[cls] = tuple(inspect.signature(cls).parameters)
+    return names
+
+
+def loss_fingerprint(criterion: nn.Module) -> tuple:
+    """What changes when a criterion's settings change: each setting, a tensor by identity and
+    version (an in-place change bumps it), cheaply enough to look before every call."""
+    values = ((name, getattr(criterion, name, None)) for name in _setting_names(type(criterion)))
+    return tuple((name, (id(v), v._version) if isinstance(v, torch.Tensor) else repr(v)) for name, v in values)
 
 
 def loss_tensor(cls: type, name: str, value: torch.Tensor) -> dict[str, Any]:

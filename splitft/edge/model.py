@@ -244,7 +244,12 @@ class SplitModel(nn.Module):
         if self.spec.ushape:
             raise ConfigError("in a U-shape split the loss stays on the edge: call your criterion directly")
         self.scheduler.loss_reduction = self.mirror.loss(criterion)
-        return RemoteLoss(self._remote)
+        return RemoteLoss(self._remote, before=self._criterion_changed)
+
+    def _criterion_changed(self) -> None:
+        reduction = self.mirror.loss_changed()
+        if reduction is not None:
+            self.scheduler.loss_reduction = reduction
 
     # ------------------------------------------------------------ cloud state
 

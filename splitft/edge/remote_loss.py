@@ -35,10 +35,13 @@ CloudCall = Callable[[tuple, dict, Any], Any]
 class RemoteLoss:
     """``crit(out, target)`` for a plain split: the cloud runs its part and the loss."""
 
-    def __init__(self, call: CloudCall) -> None:
+    def __init__(self, call: CloudCall, before: Callable[[], None] | None = None) -> None:
         self.call = call
+        self.before = before  # sends the criterion again if the script changed it since
 
     def __call__(self, out: Any, target: torch.Tensor) -> torch.Tensor:
+        if self.before is not None:
+            self.before()
         args, kwargs = call_parts(out)
         return self.call(args, kwargs, target)
 
