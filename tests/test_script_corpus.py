@@ -368,6 +368,30 @@ def test_a_criterion_changed_after_remote_loss_is_followed_by_the_cloud(cloud, c
     assert_bitwise(state, local.state_dict())
 
 
+def test_two_remote_losses_called_in_turn_each_compute_their_own(cloud):
+    """A script with two criteria (a smoothed loss on some batches, a plain one on others): the
+    second ``remote_loss`` must not replace the first for good."""
+    data = _data(4)
+
+    def train(model, crits):
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        for step, (x, y) in enumerate(data):
+            opt.zero_grad()
+            crits[step % 2](model(x), y).backward()
+            opt.step()
+
+    def criteria():
+        return nn.CrossEntropyLoss(label_smoothing=0.2), nn.CrossEntropyLoss(reduction="sum")
+
+    local = mlp()
+    train(local, criteria())
+    model = splitft.split(mlp(), 2, factory=MLP, connect=cloud)
+    with model:
+        train(model, [model.remote_loss(c) for c in criteria()])
+        state = model.state_dict()
+    assert_bitwise(state, local.state_dict())
+
+
 def test_a_loss_tensor_setting_the_cloud_cannot_trust_is_refused():
     from splitft.cloud.handlers import MAX_LOSS_TENSOR, loss_tensor
     from splitft.errors import ProtocolError

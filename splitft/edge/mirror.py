@@ -130,12 +130,12 @@ class ModelMirror:
         self._criterion, self._criterion_sent = criterion, loss_fingerprint(criterion)
         return str(settings.get("reduction", "mean"))
 
-    def loss_changed(self) -> str | None:
-        """Before a call of the remote loss: a criterion changed since it was sent (a curriculum's
-        ``label_smoothing``, class weights set anew or changed in place) is sent again, so the
-        cloud's loss follows; returns the reduction then (None: unchanged)."""
-        criterion = self._criterion
-        if criterion is None or loss_fingerprint(criterion) == self._criterion_sent:
+    def loss_for_call(self, criterion: nn.Module) -> str | None:
+        """Before a call of the remote loss of ``criterion``: sent again when it is not the one the
+        cloud computes (a script with two remote losses, called in turn) or changed since it was
+        sent (a curriculum's ``label_smoothing``, class weights set anew or changed in place), so
+        the cloud's loss follows; returns the reduction then (None: nothing to send)."""
+        if criterion is self._criterion and loss_fingerprint(criterion) == self._criterion_sent:
             return None
         return self.loss(criterion)
 

@@ -244,10 +244,10 @@ class SplitModel(nn.Module):
         if self.spec.ushape:
             raise ConfigError("in a U-shape split the loss stays on the edge: call your criterion directly")
         self.scheduler.loss_reduction = self.mirror.loss(criterion)
-        return RemoteLoss(self._remote, before=self._criterion_changed)
+        return RemoteLoss(self._remote, before=lambda: self._loss_for_call(criterion))
 
-    def _criterion_changed(self) -> None:
-        reduction = self.mirror.loss_changed()
+    def _loss_for_call(self, criterion: nn.Module) -> None:
+        reduction = self.mirror.loss_for_call(criterion)
         if reduction is not None:
             self.scheduler.loss_reduction = reduction
 

@@ -37,7 +37,7 @@ class RemoteLoss:
 
     def __init__(self, call: CloudCall, before: Callable[[], None] | None = None) -> None:
         self.call = call
-        self.before = before  # sends the criterion again if the script changed it since
+        self.before = before  # sends the criterion again if it is not the cloud's as it is now
 
     def __call__(self, out: Any, target: torch.Tensor) -> torch.Tensor:
         if self.before is not None:
