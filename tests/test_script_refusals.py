@@ -93,6 +93,9 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
                                  for e, p in zip([q.detach().clone() for q in mlp_dropout().parameters()],
                                                  model.parameters())],
         PlaceholderError, r"cloud parameter"),
+    "the optimizer's moments reset by walking its state": (
+        lambda model, net, opt: [entry["momentum_buffer"].zero_() for entry in opt.state.values()],
+        PlaceholderError, r"optimizer state of cloud parameter '2.weight'"),
     "a gradient penalty (create_graph=True)": (
         lambda model, net, opt: torch.autograd.grad(model.remote_loss(nn.CrossEntropyLoss())(
             model(_data(1)[0][0]), _data(1)[0][1]), list(net[0].parameters()), create_graph=True),
@@ -193,6 +196,62 @@ def test_a_forward_hook_on_the_last_trunk_layer_sees_its_real_output(cloud):
         net[3].register_forward_hook(lambda m, a, out: seen.append(out))
         model(x)
     assert torch.equal(seen[0], seen_local[0])
+
+
+#: Hooks a script registered before ``split()`` on what then runs in the cloud: (plain, U-shape).
+HOOKS_BEFORE_SPLIT: dict[str, Callable[[nn.Module], object]] = {
+    "a forward hook on a cloud layer": lambda net: net[2].register_forward_hook(lambda m, a, out: out * 2),
+    "a forward hook on the next cloud layer": lambda net: net[3].register_forward_hook(lambda m, a, out: out * 2),
+    "a full backward hook": lambda net: net[2].register_full_backward_hook(lambda m, gi, go: (gi[0] * 0.5,)),
+    "a backward pre-hook": lambda net: net[3].register_full_backward_pre_hook(lambda m, go: (go[0] * 0.5,)),
+    "a gradient hook on a cloud weight": lambda net: net[2].weight.register_hook(lambda g: g * 0.5),
+    "a post-accumulate hook on a cloud weight": lambda net: net[2].weight.register_post_accumulate_grad_hook(
+        lambda p: p.grad.mul_(0.5)),
+}
+
+
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+@pytest.mark.parametrize("name", sorted(HOOKS_BEFORE_SPLIT))
+def test_a_hook_registered_before_split_on_the_cloud_half_is_refused_by_split(cloud, name, rejoin):
+    """It would never run in the cloud (a U-shape trunk's forward hooks do run on the edge: one on
+    the trunk's last layer is kept, see above): training would silently differ. The split is
+    refused before it changed the model, which still trains on its own."""
+    net = mlp()
+    HOOKS_BEFORE_SPLIT[name](net)
+    if rejoin and name == "a forward hook on the next cloud layer":
+        pytest.skip("net[3] ends a U-shape trunk: its forward hook sees the trunk's real output")
+    if rejoin and name == "a forward hook on a cloud layer":  # it runs on the edge, and reads an inner output
+        model = splitft.split(net, 2, rejoin, factory=MLP, connect=cloud)
+        with model, pytest.raises(CutError, match=r"output of '2', an inner module of the trunk"):
+            model(_data(1)[0][0])
+        return
+    with pytest.raises(CutError, match=r"hook.*(never run|cloud)"):
+        splitft.split(net, 2, rejoin, factory=MLP, connect=cloud)
+    assert not net[2].weight.is_meta and torch.isfinite(net(_data(1)[0][0])).all()
+
+
+def test_a_backward_hook_on_a_trunk_layer_is_refused_when_registered(cloud):
+    """The U-shape trunk's backward runs in the cloud: a module backward hook would see the edge's
+    stand-ins (it changed the cloud half's gradients where the unsplit one changes the edge's)."""
+    model = splitft.split(mlp(), 2, 4, factory=MLP, connect=cloud)
+    with model:
+        for register in ("register_full_backward_hook", "register_full_backward_pre_hook", "register_backward_hook"):
+            with pytest.raises(CutError, match=register):
+                getattr(model.model[2], register)(lambda *args: None)
+
+
+def test_a_global_module_hook_is_refused_at_the_forward(cloud):
+    """``register_module_forward_hook`` runs on every module's call, the cloud half's too when unsplit."""
+    x, y = _data(1)[0]
+    model = splitft.split(mlp(), 2, factory=MLP, connect=cloud)
+    with model:
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, out: None)
+        try:
+            with pytest.raises(ConfigError, match=r"global module hook"):
+                model(x)
+        finally:
+            handle.remove()
+        model(x)  # removed: the forward runs again
 
 
 #: In-place changes to a cloud container that torch makes past ``__setattr__`` (they write the

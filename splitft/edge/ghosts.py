@@ -45,6 +45,7 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
     stages = extract(model, spec)
     tensors = _cloud_tensors(stages)
     _refuse_ties(model, stages, tensors)
+    _refuse_hooks(stages, tensors, spec.ushape)
     make = placeholder or _meta_placeholder
     memo: dict[int, Any] = {}
     swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -71,9 +72,7 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
                 standin = TrunkFollower(name, entry, last=i == len(stages.names) - 1)
         else:
             standin = CutPoint(name) if i == 0 else Unreachable(name)
-        # A plain split's first ghost runs its pre-hooks (then stops the forward), the others run nothing.
-        never = () if spec.ushape else _HOOKS[1:] if i == 0 else _HOOKS
-        ghost(module, standin, never_run=never)
+        ghost(module, standin, never_run=_never_run(spec.ushape, i))
     return chain
 
 
@@ -110,6 +109,10 @@ class Ghosts:
                 raise ConfigError(f"{standin_name(ghost)!r} runs in the cloud, but the model's forward would call "
                                   f"another module there: it was replaced after split(). Replace layers before "
                                   "split(), in the cloud's factory too")
+        if any(_GLOBAL_HOOKS):
+            raise ConfigError("a global module hook is registered (torch.nn.modules.module.register_module_forward_hook "
+                              "and its kin, or a tool that uses them): it runs on every module's call, but the cloud "
+                              "half's modules run in the cloud, where it would not; register hooks on edge modules")
 
     def apply(self, fn: Callable[[nn.Module], None], root: nn.Module) -> None:
         """``fn`` on every module of ``root``, the ghosts' first: what it does to their tensors
@@ -303,6 +306,45 @@ class _FixedTable(dict):
 _HOOKS = ("register_forward_pre_hook", "register_forward_hook", "register_full_backward_hook",
           "register_full_backward_pre_hook", "register_backward_hook")
 _GHOST_ATTRIBUTES = ("forward", "_apply", "extra_repr", "_splitft_standin", "_splitft_where", *_HOOKS)
+
+
+#: The process-wide hooks every module's call runs (torch.nn.modules.module.register_module_*_hook).
+_GLOBAL_HOOKS = (nn.modules.module._global_forward_pre_hooks, nn.modules.module._global_forward_hooks,
+                 nn.modules.module._global_backward_pre_hooks, nn.modules.module._global_backward_hooks)
+
+#: Where a module keeps the hooks each registration adds.
+_HOOK_TABLES = {"register_forward_pre_hook": "_forward_pre_hooks", "register_forward_hook": "_forward_hooks",
+                "register_full_backward_hook": "_backward_hooks", "register_full_backward_pre_hook": "_backward_pre_hooks",
+                "register_backward_hook": "_backward_hooks"}
+
+
+def _never_run(ushape: bool, index: int) -> tuple[str, ...]:
+    """The hooks the ``index``-th cloud module's ghost cannot run on itself. A plain split's first
+    runs its forward pre-hooks (then stops the forward), the others run nothing; a U-shape trunk's
+    modules run their forward hooks on the edge (one that reads an inner module's output is refused
+    at the forward), but no backward hook: the trunk's backward runs in the cloud."""
+    if ushape:
+        return _HOOKS[2:]
+    return _HOOKS[1:] if index == 0 else _HOOKS
+
+
+def _refuse_hooks(stages: Any, tensors: dict[str, torch.Tensor], ushape: bool) -> None:
+    """Hooks registered before ``split()`` on what goes to the cloud: refused as they would be
+    after it (they would never run, and training would silently differ), before anything changed."""
+    for i, (name, module) in enumerate(zip(stages.names, stages.stages)):
+        never = _never_run(ushape, i)
+        for key, sub in module.named_modules():
+            for hook in (_HOOKS if key else never):
+                if getattr(sub, _HOOK_TABLES[hook], None):
+                    where = f"{name}.{key}" if key else name
+                    raise CutError(f"{where!r} has a hook ({hook}, registered before split()): that module runs in the "
+                                   "cloud, so the hook would never run there; remove it, register it on a module that "
+                                   "stays on the edge, or cut elsewhere")
+    for name, tensor in tensors.items():
+        if getattr(tensor, "_backward_hooks", None) or getattr(tensor, "_post_accumulate_grad_hooks", None):
+            raise CutError(f"cloud parameter {name!r} has a gradient hook (register_hook or "
+                           "register_post_accumulate_grad_hook, before split()): its gradient is computed and "
+                           "accumulated in the cloud, where the hook would never run; remove it or cut elsewhere")
 
 
 def _refused_hook(where: str, hook: str) -> Callable[..., Any]:
