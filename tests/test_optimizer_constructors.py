@@ -102,6 +102,62 @@ def test_an_optimizer_built_after_split_trains_bitwise_as_unsplit(cloud, case):
     assert_bitwise(state, expected)
 
 
+@pytest.mark.parametrize("case", OPTIMIZERS, ids=_id)
+def test_the_optimizer_state_lists_the_cloud_parameters_where_the_unsplit_one_does(cloud, case, tmp_path):
+    """After steps, ``opt.state`` has an entry for every parameter the unsplit optimizer has one
+    for, with the same keys, shapes and dtypes; the cloud half's are placeholders, so a script
+    that walks the state (a reset of the moments) raises on them instead of skipping the cloud
+    half. ``opt.state_dict()`` leaves them out, and saves."""
+    name, options = case
+    data = _data(2)
+    local = mlp()
+    local_opt = _build(name, options, local)
+    _train(local, local_opt, nn.CrossEntropyLoss(), data)
+    model, net, crit = _split(cloud)
+    with model:
+        opt = _build(name, options, model)
+        _train(model, opt, crit, data)
+        cloud_params = {id(p) for p in model.cloud_parameters()}
+        for (pname, param), twin in zip(net.named_parameters(), local.parameters()):
+            assert (param in opt.state) == (twin in local_opt.state), pname
+            entry, expected = opt.state.get(param, {}), local_opt.state.get(twin, {})
+            if id(param) not in cloud_params or not expected:
+                continue
+            if getattr(entry, "opaque", False):  # keys unknown here: every read raises
+                with pytest.raises(PlaceholderError, match=r"optimizer state of cloud parameter"):
+                    entry[next(iter(expected))]
+                with pytest.raises(PlaceholderError):
+                    list(entry.values())
+                continue
+            assert entry.keys() == expected.keys(), pname
+            for key, value in expected.items():
+                if isinstance(value, torch.Tensor):
+                    got = entry[key]
+                    assert (got.shape, got.dtype, got.device.type) == (value.shape, value.dtype, "meta"), (pname, key)
+                    with pytest.raises(PlaceholderError, match=r"optimizer state of cloud parameter|made like cloud"):
+                        got.zero_()
+        saved = opt.state_dict()
+        indexes = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+        assert not {indexes[i] for i in cloud_params if i in indexes} & set(saved["state"])
+        torch.save(saved, tmp_path / "opt.pt")
+
+
+def test_a_reset_of_the_moments_by_walking_the_state_raises_before_the_cloud_half_diverges(cloud):
+    """The unsplit script zeroes every parameter's Adam moments; the split one meets the cloud
+    half's entries and raises there: before this, they were missing from ``opt.state`` and the
+    reset silently changed the edge half's alone."""
+    model, net, crit = _split(cloud)
+    with model:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        _train(model, opt, crit, _data(1))
+        assert net[2].weight in opt.state and opt.state[net[2].weight]["step"].shape == ()
+        with pytest.raises(PlaceholderError, match=r"optimizer state of cloud parameter '2.weight'"):
+            for entry in opt.state.values():
+                entry["exp_avg"].zero_()
+        with pytest.raises(PlaceholderError, match=r"written for a cloud parameter"):
+            opt.state[net[2].weight]["exp_avg"] = torch.zeros(net[2].weight.shape)
+
+
 @pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
 def test_adagrads_initial_accumulator_reaches_the_clouds_optimizer(cloud, rejoin):
     """The cloud's copy starts from the accumulator the edge's constructor made: with another

@@ -10,6 +10,14 @@ the settings the cloud receives, and the two compared), and keeps the entries it
 state a script writes for a cloud parameter later is told apart from them and refused. An optimizer
 built before ``split()`` made real tensors: equal to the constructor's, they are replaced by its
 placeholders, so the edge does not hold the cloud half's state.
+
+The state an optimizer's steps make is kept the same way: after the first step that gives a cloud
+parameter state in the unsplit optimizer (its gradient existed), its entry in ``opt.state`` is a
+read-only :class:`CloudEntry` of :class:`~.placeholders.CloudMoment` placeholders with the keys,
+shapes and dtypes the real one has (learnt from the same optimizer class stepped once over
+``meta`` tensors). A script that walks the optimizer's state (resetting or scaling the moments,
+reading a step count) therefore meets the cloud half's entries where the unsplit script does,
+and raises there instead of changing the edge half's alone.
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ from typing import Any
 
 import torch
 
-from .placeholders import CloudState, RemoteTensor
+from ..errors import PlaceholderError
+from .placeholders import CloudMoment, CloudState, RemoteTensor
 
 
 def constructor_state(optimizer: torch.optim.Optimizer, owns: Callable[[torch.Tensor], bool], settings: dict[str, Any],
@@ -80,4 +89,109 @@ def unchanged(state: dict[torch.Tensor, dict[str, Any]],
     return True
 
 
-__all__ = ["constructor_state", "same_entry", "to_placeholders", "unchanged"]
+class CloudEntry(dict):
+    """``opt.state[p]`` of a cloud parameter, as its steps made it: placeholders, read-only.
+
+    ``opaque``: the keys are not known here (the optimizer could not be stepped over ``meta``
+    tensors); then reading any key, or walking the entry, raises too.
+    """
+
+    def __init__(self, name: str, items: dict[str, Any], opaque: bool = False) -> None:
+        super().__init__(items)
+        self.name, self.opaque = name, opaque
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise PlaceholderError(f"the optimizer state of cloud parameter {self.name!r} was written for a cloud "
+                               "parameter: it lives in the cloud's copy of the optimizer, which the edge cannot "
+                               "change (split training would silently differ from the unsplit model)")
+
+    def _unknown(self, *args: Any, **kwargs: Any) -> Any:
+        if self.opaque:
+            raise PlaceholderError(f"the optimizer state of cloud parameter {self.name!r} lives in the cloud's copy "
+                                   "of the optimizer, which the edge cannot read")
+        raise KeyError(args[0] if args else None)
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _refuse
+    __missing__ = _unknown
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if self.opaque:
+            self._unknown(key)
+        return super().get(key, default)
+
+    def __iter__(self) -> Any:
+        if self.opaque:
+            self._unknown()
+        return super().__iter__()
+
+    def keys(self) -> Any:
+        if self.opaque:
+            self._unknown()
+        return super().keys()
+
+    def values(self) -> Any:
+        if self.opaque:
+            self._unknown()
+        return super().values()
+
+    def items(self) -> Any:
+        if self.opaque:
+            self._unknown()
+        return super().items()
+
+    def __reduce_ex__(self, proto: Any) -> Any:
+        raise PlaceholderError(f"copying or saving the optimizer state of cloud parameter {self.name!r}: it lives in "
+                               "the cloud's copy of the optimizer; model.save_checkpoint(path) saves it")
+
+
+def read_only(entry: dict[str, Any], name: str, remote: Any) -> CloudEntry:
+    """A cloud parameter's entry as its constructor made it, as a :class:`CloudEntry`: its real
+    tensors (Adagrad's step count) become placeholders, since the cloud's copy changes its own."""
+    return CloudEntry(name, {key: CloudMoment(value, name, remote, value.dtype, None)
+                             if isinstance(value, torch.Tensor) and not isinstance(value, RemoteTensor) else value
+                             for key, value in entry.items()})
+
+
+#: Settings that only choose how a step runs (a kernel, a device for the step count), not what
+#: state it keeps: off for the step over ``meta`` tensors, which fused and capturable refuse.
+_HOW_IT_RUNS = {"fused": False, "foreach": False, "capturable": False, "differentiable": False}
+
+
+def step_entries(optimizer: torch.optim.Optimizer, params: dict[int, str], remote: Any, settings: dict[str, Any],
+                 group_settings: list[dict[str, Any]]) -> dict[torch.Tensor, CloudEntry]:
+    """The entries ``optimizer``'s step makes for the cloud parameters ``params`` (id -> name), as
+    :class:`CloudEntry` placeholders: ``type(optimizer)`` with the settings the cloud receives,
+    stepped once over ``meta`` tensors of the same shapes with gradients. None of the parameters'
+    values are needed, and nothing is allocated. A parameter whose step makes no state (SGD
+    without momentum) gets no entry."""
+    by_meta: dict[int, torch.Tensor] = {}
+    groups = []
+    for group, sent in zip(optimizer.param_groups, group_settings):
+        metas = []
+        for param in group["params"]:
+            if id(param) in params:
+                meta = torch.empty(param.shape, dtype=param.dtype, device="meta", requires_grad=True)
+                meta.grad = torch.empty_like(meta)
+                by_meta[id(meta)] = param
+                metas.append(meta)
+        if metas:
+            groups.append({**_how_it_runs(sent), "params": metas})
+    if not groups:
+        return {}
+    try:
+        dry = type(optimizer)(groups, **_how_it_runs(settings))
+        with torch.no_grad():
+            dry.step()
+        made = {by_meta[id(meta)]: entry for meta, entry in dry.state.items() if entry}
+    except Exception:  # noqa: BLE001 — an optimizer that cannot step over meta tensors: its keys stay unknown
+        return {p: CloudEntry(params[id(p)], {}, opaque=True) for p in by_meta.values()}
+    return {param: CloudEntry(params[id(param)], {
+        key: CloudMoment(value, params[id(param)], remote, value.dtype, None)
+        for key, value in entry.items() if isinstance(value, torch.Tensor)}) for param, entry in made.items()}
+
+
+def _how_it_runs(settings: dict[str, Any]) -> dict[str, Any]:
+    return {**settings, **{key: off for key, off in _HOW_IT_RUNS.items() if key in settings}}
+
+
+__all__ = ["CloudEntry", "constructor_state", "read_only", "same_entry", "step_entries", "to_placeholders", "unchanged"]

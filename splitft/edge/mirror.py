@@ -11,6 +11,7 @@ behaves exactly as it does locally.
 from __future__ import annotations
 
 import inspect
+import operator
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -102,10 +103,7 @@ class ModelMirror:
         cloud checkpoints its own; the edge's are placeholders), for an edge checkpoint."""
         if self.optimizer is None:
             return None
-        saved = self.optimizer.state_dict()
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        cloud = {i for i, p in enumerate(params) if self.cloud_half.owns(p)}
-        return {**saved, "state": {i: entry for i, entry in saved["state"].items() if i not in cloud}}
+        return self.optimizer.state_dict()  # the cloud half's entries are left out (OptimizerMirror._edge_entries_only)
 
     def module_state(self, flipped: list[str]) -> None:
         """Tell the cloud what the script changed on its modules by name, when that changed: the
@@ -166,6 +164,10 @@ class OptimizerMirror:
         self._entries = len(optimizer.state)
         #: The cloud parameters' entries as the constructor made them: (parameter, entry, its items).
         self._initial: list[tuple[torch.Tensor, dict[str, Any], dict[str, Any]]] = []
+        #: Every cloud parameter's entry the mirror put or accepted in ``optimizer.state``, in two
+        #: lists (parameters, entries) that one look compares with the state, by identity.
+        self._kept: tuple[list[torch.Tensor], list[dict[str, Any]]] = ([], [])
+        self._stated: set[str] = set()  # the cloud parameters with an entry, by name (or none to make)
 
     def check_initial_state(self) -> None:
         """Refuse state for a cloud parameter that the cloud's copy, built with the same settings,
@@ -188,7 +190,13 @@ class OptimizerMirror:
         optimizer, cloud_names = self.optimizer, self.model.cloud_half.names_by_id
         self._state, self._entries = optimizer.state, len(optimizer.state)  # as loaded from a checkpoint
         owns = self.model.cloud_half.owns
+        for param, entry in list(optimizer.state.items()):
+            if entry and owns(param):  # the constructor's (Adagrad's step count is a real tensor): placeholders
+                optimizer.state[param] = initial_state.read_only(entry, cloud_names[id(param)], self.model.cloud_half)
         self._initial = [(p, entry, dict(entry)) for p, entry in optimizer.state.items() if entry and owns(p)]
+        self._kept = ([p for p, _, _ in self._initial], [entry for _, entry, _ in self._initial])
+        self._stated = {cloud_names[id(p)] for p, _, _ in self._initial}
+        optimizer.register_state_dict_post_hook(self._edge_entries_only)
         groups = [{"names": [cloud_names[id(p)] for p in group["params"] if id(p) in cloud_names],
                    "settings": settings} for group, settings in zip(optimizer.param_groups, self.sent)]
         # The common case, one group of every cloud parameter, goes as small as it did before groups.
@@ -226,7 +234,7 @@ class OptimizerMirror:
                               "(add_param_group, or a group's params list edited); a split model mirrors the groups "
                               "it was attached with: build a new optimizer and attach it")
         state = self.optimizer.state
-        if (state is not self._state or len(state) != self._entries
+        if (state is not self._state or len(state) != self._entries or not self._entries_kept(state)
                 or (self._initial and not initial_state.unchanged(state, self._initial))):
             self._check_state()
         self._stepping = self._group_settings()  # refused now, if it cannot be sent, not after the step
@@ -244,17 +252,49 @@ class OptimizerMirror:
                               "load_state_dict); the cloud's copy keeps the cloud half's moments, so the halves would "
                               "step differently. A split model cannot reset them: train on, or restart from a "
                               "checkpoint (model.save_checkpoint / resume_from=)")
-        initial = {id(param) for param, _, _ in self._initial}
+        kept = {id(param): entry for param, entry in zip(*self._kept)}
         if not initial_state.unchanged(state, self._initial) or any(
-                entry for param, entry in state.items() if owns(param) and id(param) not in initial):
+                entry and kept.get(id(param)) is not entry for param, entry in state.items() if owns(param)):
             raise ConfigError(f"{name}'s state was written for a cloud parameter; the cloud's copy of the optimizer "
                               "keeps the cloud half's state, which the edge cannot set")
         self._entries = len(state)
+
+    def _entries_kept(self, state: dict) -> bool:
+        """Whether each cloud parameter's entry is still the one the mirror put there (one look, by identity)."""
+        params, entries = self._kept
+        return not any(map(operator.is_not, map(state.get, params), entries))
+
+    def _state_made(self) -> None:
+        """After a step: the cloud parameters that had a gradient got state in the cloud's copy, as
+        they would in the unsplit optimizer; their entries here are made for the first one."""
+        cloud_half = self.model.cloud_half
+        new = cloud_half.has_grad - self._stated
+        self._stated |= new
+        ids = {id(cloud_half.params[name]): name for name in new}
+        made = initial_state.step_entries(self.optimizer, ids, cloud_half, self.settings, self.sent)
+        state = self.optimizer.state
+        for param, entry in made.items():
+            if not state.get(param):  # an entry the constructor made (Adagrad's) is kept as it is
+                state[param] = entry
+                self._kept[0].append(param)
+                self._kept[1].append(entry)
+
+    def _edge_entries_only(self, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+        """``opt.state_dict()`` holds the edge half's state: the cloud half's is the cloud's copy's
+        (``model.save_checkpoint`` saves both), and its placeholders here cannot be saved."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        owns = self.model.cloud_half.owns
+        cloud = {i for i, p in enumerate(params) if owns(p)}
+        if cloud:
+            saved["state"] = {i: entry for i, entry in saved["state"].items() if i not in cloud}
+        return saved
 
     def after_step(self) -> None:
         model = self.model
         model.cloud_half.hidden = False
         now, self._raw = self._stepping
+        if not model.cloud_half.has_grad <= self._stated:
+            self._state_made()
         self._state, self._entries = self.optimizer.state, len(self.optimizer.state)
         lrs: list[Any] = [group.get("lr") for group in now]
         changes = [{k: v for k, v in group.items() if k != "lr" and v != before.get(k)}

@@ -29,6 +29,8 @@ What is made from a placeholder's shape alone (``torch.zeros_like(p)``, ``full_l
 parameter (Adagrad's accumulators), which the cloud's copy of the optimizer, built with the same
 settings, makes too. It remembers how it was made, so the edge can check that it is still that
 initial state (:mod:`.initial_state`), and refuses every operation on its values like a placeholder.
+The state an optimizer's steps make for a cloud parameter stands in ``opt.state`` as
+:class:`CloudMoment` placeholders, which refuse the same way.
 """
 
 from __future__ import annotations
@@ -184,6 +186,20 @@ class CloudState(RemoteTensor):
     def _what(self) -> str:
         return (f"a tensor made like cloud parameter {self._splitft_name!r} (optimizer state for it lives in the "
                 "cloud's copy of the optimizer)")
+
+
+class CloudMoment(CloudState):
+    """An optimizer's state for a cloud parameter as its steps made it (Adam's ``exp_avg``, a step
+    count): kept, and changed by each step, in the cloud's copy of the optimizer only. It stands in
+    ``opt.state[p]`` where the unsplit optimizer keeps the real one, so a script that walks the
+    optimizer's state meets it, and an operation on it raises, instead of skipping the cloud half."""
+
+    def _what(self) -> str:
+        return f"the optimizer state of cloud parameter {self._splitft_name!r}"
+
+    def _hint(self) -> str:
+        return ("it lives in the cloud's copy of the optimizer, which the edge can neither read nor change (split "
+                "training would silently differ from the unsplit model). model.save_checkpoint(path) saves it")
 
 
 # ---------------------------------------------------------------- what reads no values
@@ -454,9 +470,11 @@ def _refusal(func: Any, tensor: Any) -> str:
         return (f"{name} on {what}: the gradient lives in the cloud, and only these reach it there: its norm "
                 "(torch.linalg.vector_norm, .norm(), clip_grad_norm_), mul_, div_, clamp_, zero_, and "
                 "setting p.grad = None (zero_grad). Clip with torch.nn.utils.clip_grad_norm_ / clip_grad_value_")
+    if isinstance(tensor, CloudMoment):
+        return f"{name} on {what}: {tensor._hint()}"
     return (f"{name} on {what}: its values live in the cloud, so this would compute on nothing (split "
             "training would silently differ from the unsplit model). Do it before split(); read the weights "
             "with model.state_dict(); set them with model.load_state_dict(...) or p.copy_(tensor)")
 
 
-__all__ = ["CloudGrad", "CloudState", "CloudTensor", "MIRRORED", "Remote", "RemoteTensor", "remote_of"]
+__all__ = ["CloudGrad", "CloudMoment", "CloudState", "CloudTensor", "MIRRORED", "Remote", "RemoteTensor", "remote_of"]
