@@ -83,8 +83,6 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
     "a learning rate set as a tensor": (
         lambda model, net, opt: (opt.param_groups[0].update(lr=torch.tensor(0.05)), opt.step()), ConfigError,
         r"lr is a tensor"),
-    "optimizer state saved and loaded back": (
-        lambda model, net, opt: opt.load_state_dict(opt.state_dict()), ConfigError, r"save_checkpoint"),
     "a copy of the model for an EMA": (lambda model, net, opt: copy.deepcopy(model), ConfigError, r"EMA"),
     "torch.optim.swa_utils.AveragedModel": (
         lambda model, net, opt: torch.optim.swa_utils.AveragedModel(model), ConfigError, r"EMA"),

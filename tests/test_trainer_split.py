@@ -190,3 +190,42 @@ def test_trainer_with_activation_checkpointing_trains_the_split_model_bitwise(hf
         split = run(model, tmp_path / "split")
     assert split.keys() == local.keys()
     assert [k for k, v in local.items() if not torch.equal(split[k], v)] == []
+
+
+def _resumable(model, kind: str, out: Path, max_steps: int):
+    args = transformers.TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=3, max_steps=max_steps,
+        learning_rate=5e-3, weight_decay=0.1, warmup_steps=2, seed=0, use_cpu=True, report_to="none",
+        save_strategy="steps", save_steps=2, logging_strategy="no", disable_tqdm=True)
+    return transformers.Trainer(model=model, args=args, train_dataset=_examples(kind))
+
+
+def _stopped_and_resumed(make, kind: str, out: Path) -> dict:
+    """Train to a checkpoint at step 2 and stop; a new model and Trainer resume it to step 4."""
+    first = make()
+    _resumable(first, kind, out, max_steps=2).train()
+    getattr(first, "close", lambda: None)()
+    second = make()
+    _resumable(second, kind, out, max_steps=4).train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    state = second.state_dict()
+    getattr(second, "close", lambda: None)()
+    return state
+
+
+@pytest.mark.parametrize("kind", ["bert"])
+def test_trainer_resumes_a_split_run_from_its_checkpoint_as_it_resumes_the_unsplit_one(hf_cloud, tmp_path, kind):
+    """Its checkpoint's optimizer.pt holds the cloud half's moments too (``opt.state_dict()``
+    fetches them), and ``resume_from_checkpoint`` loads them back into a new session's optimizer:
+    the resumed split run ends where the resumed unsplit run ends, bitwise."""
+    local = _stopped_and_resumed(lambda: tiny_hf(kind), kind, tmp_path / "local")
+    saved = torch.load(tmp_path / "local" / "checkpoint-2" / "optimizer.pt")
+    split = _stopped_and_resumed(lambda: splitft.split(tiny_hf(kind), CUTS[kind], connect=hf_cloud,
+                                                       factory=splitft.Factory(FACTORY, {"kind": kind})),
+                                 kind, tmp_path / "split")
+    split_saved = torch.load(tmp_path / "split" / "checkpoint-2" / "optimizer.pt")
+    assert split_saved["state"].keys() == saved["state"].keys()  # the cloud half's entries are in it
+    for index, entry in saved["state"].items():
+        assert all(torch.equal(split_saved["state"][index][key], value) for key, value in entry.items()), index
+    assert set(split) == set(local)
+    for name, value in local.items():
+        assert torch.equal(split[name], value), name

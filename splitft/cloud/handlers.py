@@ -22,7 +22,7 @@ from torch import nn
 
 from ..errors import CapacityError, ConfigError, ModelError, PolicyError, ProtocolError
 from ..wire import operations as o
-from . import offload
+from . import offload, optimizer_state
 from .blame import blame, short
 from .caches import SessionCaches
 from .passes import PassGrads
@@ -423,6 +423,12 @@ def load_weights(session: Target, op: o.LoadWeights) -> None:
                           "(load_weights is refused)")
     weights = cast_weights(half.chain, op.weights, "load_weights.weights", partial=op.partial)
     half.chain.load_qualified_state_dict(weights, partial=op.partial)
+
+
+@handles(o.LoadOptimizerState)
+def load_optimizer_state(session: Target, op: o.LoadOptimizerState) -> None:
+    """``opt.load_state_dict`` with the cloud half's entries: they become its optimizer's state."""
+    optimizer_state.load(session, op.entries)
 
 
 __all__ = ["HANDLERS", "Mirrored", "Target", "apply_ops", "check_finite_grads", "handler_for", "handles",

@@ -89,7 +89,8 @@ def guess(session: Priced, msg: Message, checkpoint: bool) -> Price:
         elif isinstance(msg, Backward) and msg.call in session.graphs.pending:
             price.flops += backward(session, msg, session.graphs.pending[msg.call], check_it=False)
         elif isinstance(msg, Sync):
-            price.flops += session.pricing.cost.params * (bool(msg.want_state) * 4 + (msg.grad_norm is not None))
+            price.flops += session.pricing.cost.params * (bool(msg.want_state) * 4 + (msg.grad_norm is not None)
+                                                          + bool(msg.want_optimizer_state) * 12)
     except Exception as exc:  # noqa: BLE001 — the request fails in its own work, at its own point
         log.debug("session %s: request not priced ahead (%s); it fails where it always did", session.id, exc)
     return price
@@ -107,6 +108,10 @@ def _ops(session: Priced, ops: Any) -> int:
             flops += params
         elif name == "load_weights" and isinstance(value.get("weights"), dict):
             flops += sum(int(a.nbytes) for a in value["weights"].values() if isinstance(a, np.ndarray))
+        elif name == "load_optimizer_state" and isinstance(value.get("entries"), dict):
+            flops += sum(int(a.nbytes) for entry in value["entries"].values() if isinstance(entry, dict)
+                         for a in entry.values() if isinstance(a, np.ndarray))
+            flops += STEP_FLOPS_PER_PARAM * params  # the layout it is checked against: a step over meta tensors
     return flops
 
 

@@ -1,4 +1,4 @@
-"""The state an optimizer's constructor makes for the cloud half's parameters.
+"""The optimizer state the edge holds for the cloud half's parameters: placeholders.
 
 Some optimizers start their state in the constructor (Adagrad: a step count and an accumulator of
 ``initial_accumulator_value`` per parameter). Over a split model the cloud half's entries are made
@@ -12,12 +12,13 @@ built before ``split()`` made real tensors: equal to the constructor's, they are
 placeholders, so the edge does not hold the cloud half's state.
 
 The state an optimizer's steps make is kept the same way: after the first step that gives a cloud
-parameter state in the unsplit optimizer (its gradient existed), its entry in ``opt.state`` is a
-read-only :class:`CloudEntry` of :class:`~.placeholders.CloudMoment` placeholders with the keys,
-shapes and dtypes the real one has (learnt from the same optimizer class stepped once over
-``meta`` tensors). A script that walks the optimizer's state (resetting or scaling the moments,
-reading a step count) therefore meets the cloud half's entries where the unsplit script does,
-and raises there instead of changing the edge half's alone.
+parameter state in the unsplit optimizer (its gradient existed), or a load of a state dict, its
+entry in ``opt.state`` is a read-only :class:`CloudEntry` of :class:`~.placeholders.CloudMoment`
+placeholders with the keys, shapes and dtypes the real one has
+(:mod:`splitft.optimizer_layout`). A script that walks the optimizer's state (resetting or
+scaling the moments, reading a step count) therefore meets the cloud half's entries where the
+unsplit script does, and raises there instead of changing the edge half's alone; the values are
+read with ``opt.state_dict()``, which fetches them.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import PlaceholderError
+from ..optimizer_layout import Layout, state_layout
 from .placeholders import CloudMoment, CloudState, RemoteTensor
 
 
@@ -152,46 +154,28 @@ def read_only(entry: dict[str, Any], name: str, remote: Any) -> CloudEntry:
                              for key, value in entry.items()})
 
 
-#: Settings that only choose how a step runs (a kernel, a device for the step count), not what
-#: state it keeps: off for the step over ``meta`` tensors, which fused and capturable refuse.
-_HOW_IT_RUNS = {"fused": False, "foreach": False, "capturable": False, "differentiable": False}
-
-
 def step_entries(optimizer: torch.optim.Optimizer, params: dict[int, str], remote: Any, settings: dict[str, Any],
                  group_settings: list[dict[str, Any]]) -> dict[torch.Tensor, CloudEntry]:
     """The entries ``optimizer``'s step makes for the cloud parameters ``params`` (id -> name), as
-    :class:`CloudEntry` placeholders: ``type(optimizer)`` with the settings the cloud receives,
-    stepped once over ``meta`` tensors of the same shapes with gradients. None of the parameters'
-    values are needed, and nothing is allocated. A parameter whose step makes no state (SGD
-    without momentum) gets no entry."""
-    by_meta: dict[int, torch.Tensor] = {}
-    groups = []
+    :class:`CloudEntry` placeholders with the layout the optimizer keeps
+    (:func:`~splitft.optimizer_layout.state_layout`, with the settings the cloud receives). A
+    parameter whose step makes no state (SGD without momentum) gets no entry."""
+    groups, members = [], []
     for group, sent in zip(optimizer.param_groups, group_settings):
-        metas = []
-        for param in group["params"]:
-            if id(param) in params:
-                meta = torch.empty(param.shape, dtype=param.dtype, device="meta", requires_grad=True)
-                meta.grad = torch.empty_like(meta)
-                by_meta[id(meta)] = param
-                metas.append(meta)
-        if metas:
-            groups.append({**_how_it_runs(sent), "params": metas})
-    if not groups:
-        return {}
-    try:
-        dry = type(optimizer)(groups, **_how_it_runs(settings))
-        with torch.no_grad():
-            dry.step()
-        made = {by_meta[id(meta)]: entry for meta, entry in dry.state.items() if entry}
-    except Exception:  # noqa: BLE001 — an optimizer that cannot step over meta tensors: its keys stay unknown
-        return {p: CloudEntry(params[id(p)], {}, opaque=True) for p in by_meta.values()}
-    return {param: CloudEntry(params[id(param)], {
-        key: CloudMoment(value, params[id(param)], remote, value.dtype, None)
-        for key, value in entry.items() if isinstance(value, torch.Tensor)}) for param, entry in made.items()}
+        found = [p for p in group["params"] if id(p) in params]
+        groups.append((sent, [(p.shape, p.dtype) for p in found]))
+        members.append(found)
+    layout = state_layout(type(optimizer), groups, settings)
+    if layout is None:
+        return {p: CloudEntry(params[id(p)], {}, opaque=True) for found in members for p in found}
+    return {param: placeholders(params[id(param)], keys, remote)
+            for found, group in zip(members, layout) for param, keys in zip(found, group) if keys}
 
 
-def _how_it_runs(settings: dict[str, Any]) -> dict[str, Any]:
-    return {**settings, **{key: off for key, off in _HOW_IT_RUNS.items() if key in settings}}
+def placeholders(name: str, keys: dict[str, Layout], remote: Any) -> CloudEntry:
+    """A cloud parameter's entry of the given layout, as placeholders."""
+    return CloudEntry(name, {key: CloudMoment(torch.empty(shape, device="meta"), name, remote, dtype, None)
+                             for key, (shape, dtype) in keys.items()})
 
 
-__all__ = ["CloudEntry", "constructor_state", "read_only", "same_entry", "step_entries", "to_placeholders", "unchanged"]
+__all__ = ["CloudEntry", "constructor_state", "placeholders", "read_only", "same_entry", "step_entries", "to_placeholders", "unchanged"]

@@ -10,16 +10,18 @@ behaves exactly as it does locally.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..wire.operations import AttachOptimizer, Operation, SetFrozen, SetLoss, SetModes, Step
+from ..optimizer_layout import state_layout
+from ..wire.operations import AttachOptimizer, LoadOptimizerState, Operation, SetFrozen, SetLoss, SetModes, Step
 from . import initial_state, optimizers
 from .cloud_half import CloudHalf
 from .placeholders import RemoteTensor
@@ -31,6 +33,8 @@ class Link(Protocol):
     shared: bool  # other edges train the same cloud half: a step is sent at once
 
     def sync(self, want_state: bool = False, checkpoint: bool = False, pin: bool = False) -> Any: ...
+
+    def optimizer_state(self) -> dict[str, dict[str, Any]]: ...
 
 
 class Queue(Protocol):
@@ -62,6 +66,7 @@ class ModelMirror:
                  on_step: Callable[[], None]) -> None:
         self.link, self.outbox, self.steps, self.cloud_half, self.on_step = link, outbox, steps, cloud_half, on_step
         self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizer_mirror: OptimizerMirror | None = None
         self._criterion: nn.Module | None = None  # the remote loss, and what it was when last sent
         self._criterion_sent: tuple = ()
         self.optimizer_id = 0  # optimizers attached so far: the cloud builds each id once
@@ -95,15 +100,16 @@ class ModelMirror:
         optimizer_mirror.attached(op_id)
         optimizers.mirrored(optimizer, optimizer_mirror)
         self.resume_state = None
-        self.optimizer = optimizer
+        self.optimizer, self.optimizer_mirror = optimizer, optimizer_mirror
         return optimizer
 
     def edge_optimizer_state(self) -> dict | None:
         """The attached optimizer's ``state_dict()`` without the cloud parameters' entries (the
         cloud checkpoints its own; the edge's are placeholders), for an edge checkpoint."""
-        if self.optimizer is None:
+        if self.optimizer is None or self.optimizer_mirror is None:
             return None
-        return self.optimizer.state_dict()  # the cloud half's entries are left out (OptimizerMirror._edge_entries_only)
+        with self.optimizer_mirror.edge_only():
+            return self.optimizer.state_dict()
 
     def module_state(self, flipped: list[str]) -> None:
         """Tell the cloud what the script changed on its modules by name, when that changed: the
@@ -145,6 +151,8 @@ class OptimizerMirror:
     the cloud parameters' names); each step carries the groups' learning rates and any other
     setting a scheduler changed since the previous one. While the edge's optimizer steps, the
     cloud's gradients are hidden from it (``cloud_half.hidden``): the cloud steps its parameters.
+    The cloud parameters' entries in ``optimizer.state`` are placeholders (:mod:`.initial_state`);
+    ``state_dict()`` fetches their values and ``load_state_dict`` sends them to the cloud's copy.
 
     Args:
         model: the split model's mirror this optimizer is attached to.
@@ -168,6 +176,7 @@ class OptimizerMirror:
         #: lists (parameters, entries) that one look compares with the state, by identity.
         self._kept: tuple[list[torch.Tensor], list[dict[str, Any]]] = ([], [])
         self._stated: set[str] = set()  # the cloud parameters with an entry, by name (or none to make)
+        self._edge_only = False
 
     def check_initial_state(self) -> None:
         """Refuse state for a cloud parameter that the cloud's copy, built with the same settings,
@@ -196,7 +205,7 @@ class OptimizerMirror:
         self._initial = [(p, entry, dict(entry)) for p, entry in optimizer.state.items() if entry and owns(p)]
         self._kept = ([p for p, _, _ in self._initial], [entry for _, entry, _ in self._initial])
         self._stated = {cloud_names[id(p)] for p, _, _ in self._initial}
-        optimizer.register_state_dict_post_hook(self._edge_entries_only)
+        optimizer.register_state_dict_post_hook(self._with_cloud_entries)
         groups = [{"names": [cloud_names[id(p)] for p in group["params"] if id(p) in cloud_names],
                    "settings": settings} for group, settings in zip(optimizer.param_groups, self.sent)]
         # The common case, one group of every cloud parameter, goes as small as it did before groups.
@@ -279,15 +288,94 @@ class OptimizerMirror:
                 self._kept[0].append(param)
                 self._kept[1].append(entry)
 
-    def _edge_entries_only(self, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
-        """``opt.state_dict()`` holds the edge half's state: the cloud half's is the cloud's copy's
-        (``model.save_checkpoint`` saves both), and its placeholders here cannot be saved."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+    @contextlib.contextmanager
+    def edge_only(self) -> Iterator[None]:
+        """``state_dict()`` within holds the edge half's entries only (an edge checkpoint: the cloud
+        checkpoints its own)."""
+        self._edge_only = True
+        try:
+            yield
+        finally:
+            self._edge_only = False
+
+    def _cloud_params(self) -> dict[int, torch.Tensor]:
+        """The optimizer's cloud parameters by their index in its ``state_dict``."""
         owns = self.model.cloud_half.owns
-        cloud = {i for i, p in enumerate(params) if owns(p)}
-        if cloud:
-            saved["state"] = {i: entry for i, entry in saved["state"].items() if i not in cloud}
+        params = (p for group in self.optimizer.param_groups for p in group["params"])
+        return {i: p for i, p in enumerate(params) if owns(p)}
+
+    def _with_cloud_entries(self, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+        """``opt.state_dict()``: the cloud half's entries are its copy's, fetched (one round trip,
+        after the steps still on their way), as the tensors the unsplit optimizer would hold, so
+        the state dict saves, and loads into a split or an unsplit model alike. A shared half's
+        optimizer is every edge's: its entries are left out."""
+        cloud = self._cloud_params()
+        if not cloud:
+            return saved
+        state = {i: entry for i, entry in saved["state"].items() if i not in cloud}
+        if not (self._edge_only or self.model.link.shared):
+            fetched, names = self.model.link.optimizer_state(), self.model.cloud_half.names_by_id
+            for i, param in cloud.items():
+                arrays = fetched.get(names[id(param)])
+                if arrays:
+                    here = self.optimizer.state.get(param)  # placeholders, whose dtypes the values take
+                    state[i] = {key: _local_value(array, dict.get(here, key) if isinstance(here, dict) else None)
+                                for key, array in arrays.items()}
+            state = dict(sorted(state.items()))
+        saved["state"] = state
         return saved
+
+    def load_state(self, saved: dict[str, Any], load: Callable[[torch.optim.Optimizer, dict], None]) -> None:
+        """``opt.load_state_dict(saved)``: the edge half's entries load here (``load``: torch's
+        own), the cloud half's go to the cloud's copy, which from then on holds exactly them, as
+        torch's load leaves the optimizer holding exactly what it loaded. Checked here first
+        against the layout the optimizer keeps, so a refused load changes nothing."""
+        name = type(self.optimizer).__name__
+        if self.model.link.shared:
+            raise ConfigError(f"{name}.load_state_dict over a shared cloud half: its optimizer is every edge's")
+        cloud, names, remote = self._cloud_params(), self.model.cloud_half.names_by_id, self.model.cloud_half
+        given = saved.get("state", {})
+        entries: dict[str, dict[str, Any]] = {}
+        layouts: dict[int, dict[str, Any]] = {}
+        expected = self._layout([p for i, p in cloud.items() if given.get(i)])
+        for i, param in cloud.items():
+            entry = given.get(i)
+            if not entry:
+                continue
+            pname = names[id(param)]
+            keys = expected.get(id(param), {})
+            found = {key: value for key, value in entry.items()}
+            if set(found) != set(keys) or not all(isinstance(v, torch.Tensor) and not isinstance(v, RemoteTensor)
+                                                  and tuple(v.shape) == keys[k][0] for k, v in found.items()):
+                raise ConfigError(f"{name}.load_state_dict: the entry of cloud parameter {pname!r} is not the state "
+                                  f"this {name} keeps ({sorted(keys)} with their shapes): a state dict of another "
+                                  "optimizer or model?")
+            entries[pname] = {key: _wire_value(value) for key, value in found.items()}
+            layouts[i] = keys
+        load(self.optimizer, {**saved, "state": {i: e for i, e in given.items() if i not in cloud}})
+        self.model.outbox.queue(LoadOptimizerState(entries=entries))
+        state = self.optimizer.state
+        for i, keys in layouts.items():
+            state[cloud[i]] = initial_state.placeholders(names[id(cloud[i])], keys, remote)
+        self._initial = []
+        self._kept = ([cloud[i] for i in layouts], [state[cloud[i]] for i in layouts])
+        self._stated = {names[id(cloud[i])] for i in layouts}
+        self._state, self._entries = state, len(state)
+
+    def _layout(self, params: list[torch.Tensor]) -> dict[int, dict[str, Any]]:
+        """The state layout this optimizer keeps for ``params`` (by id); refused when not known."""
+        groups, members = [], []
+        wanted = {id(p) for p in params}
+        for group, sent in zip(self.optimizer.param_groups, self.sent):
+            found = [p for p in group["params"] if id(p) in wanted]
+            groups.append((sent, [(p.shape, p.dtype) for p in found]))
+            members.append(found)
+        layout = state_layout(type(self.optimizer), groups, self.settings)
+        if layout is None:
+            raise ConfigError(f"the state a {type(self.optimizer).__name__} keeps is not known ahead of its steps, so "
+                              "its cloud half's part cannot be loaded; use model.save_checkpoint(path) and "
+                              "split(..., resume_from=path)")
+        return {id(p): keys for found, group in zip(members, layout) for p, keys in zip(found, group)}
 
     def after_step(self) -> None:
         model = self.model
@@ -309,6 +397,19 @@ class OptimizerMirror:
             # message, so it lands between the other edges' steps where the user's loop put it.
             model.link.sync()
         model.on_step()
+
+
+def _local_value(array: Any, placeholder: Any) -> torch.Tensor:
+    """A fetched state value as the unsplit optimizer holds it (the placeholder's dtype: bfloat16
+    travels as float32)."""
+    value = torch.tensor(array)
+    return value.to(placeholder.dtype) if isinstance(placeholder, torch.Tensor) else value
+
+
+def _wire_value(value: torch.Tensor) -> Any:
+    """A state value as it travels (bfloat16, which numpy lacks, as float32: exact)."""
+    value = value.detach().cpu()
+    return (value.float() if value.dtype == torch.bfloat16 else value).numpy().copy()
 
 
 def _members(optimizer: torch.optim.Optimizer) -> list[tuple[int, ...]]:

@@ -9,10 +9,10 @@ step hook; from then on each step is forwarded to the cloud, and while it runs t
 gradients are hidden from it, so the edge's step leaves the cloud's parameters to the cloud's.
 One that only holds edge parameters is local, as it would be on the unsplit model.
 
-Optimizer state. ``opt.load_state_dict`` of per-parameter state (moments) over a split model's
-parameters would restore the edge half's only, so it is refused (settings alone load: they are
-mirrored at the next step); ``model.save_checkpoint`` and ``split(resume_from=...)`` restore both
-halves.
+Optimizer state. ``opt.state_dict()`` of a mirrored optimizer holds both halves' entries (the
+cloud's fetched), and ``opt.load_state_dict`` loads the edge half's here and sends the cloud
+half's to the cloud's copy (settings are mirrored at the next step); see
+:class:`~splitft.edge.mirror.OptimizerMirror`.
 
 ``opt.step(closure)``: the hook runs the closure (its forward and backward) before the cloud's
 gradients are hidden, and the step gets the loss it returned, as an optimizer that calls its closure
@@ -119,14 +119,14 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
         mirror.after_step()
 
 
-def _load_refused(original: Callable[..., None]) -> Callable[..., None]:
+def _load_mirrored(original: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(original)
     def load_state_dict(self: torch.optim.Optimizer, state_dict: dict) -> None:
-        if state_dict.get("state") and (self in _MIRRORS or cloud_owner(self) is not None):
-            raise ConfigError(f"{type(self).__name__}.load_state_dict over a split model's parameters would "
-                              "restore the edge half's optimizer state only (the cloud keeps its own); checkpoint with "
-                              "model.save_checkpoint(path) and continue with split(..., resume_from=path)")
-        original(self, state_dict)
+        mirror = _mirror_of(self)  # attached now, if it holds a cloud half's placeholders
+        if mirror is None:
+            original(self, state_dict)
+        else:
+            mirror.load_state(state_dict, original)
 
     load_state_dict.__splitft_original__ = original  # type: ignore[attr-defined]
     return load_state_dict
@@ -149,7 +149,7 @@ def install() -> None:
         register_optimizer_step_pre_hook(_before_step)
         register_optimizer_step_post_hook(_after_step)
         optimizer = torch.optim.Optimizer
-        optimizer.load_state_dict = _load_refused(optimizer.load_state_dict)  # type: ignore[method-assign]
+        optimizer.load_state_dict = _load_mirrored(optimizer.load_state_dict)  # type: ignore[method-assign]
         _INSTALLED = True
 
 

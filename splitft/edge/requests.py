@@ -440,18 +440,23 @@ class EdgeSession:
         """Apply pending operations in the cloud now; the cloud part's weights if ``want_state``."""
         return self.sync_reply(want_state=want_state, checkpoint=checkpoint, pin=pin).state
 
+    def optimizer_state(self) -> dict[str, dict[str, np.ndarray]]:
+        """The cloud optimizer's state, parameter name → {key → array}, once pending operations are applied."""
+        return self.sync_reply(want_optimizer_state=True).optimizer_state or {}
+
     def sync_reply(self, want_state: bool = False, checkpoint: bool = False, pin: bool = False,
-                   grad_norm: float | None = None, grad_names: list[str] | None = None) -> Ack:
+                   grad_norm: float | None = None, grad_names: list[str] | None = None,
+                   want_optimizer_state: bool = False) -> Ack:
         """Apply pending operations in the cloud now; its reply carries the cloud part's weights
-        (``want_state``) and the ``grad_norm``-type norm of each of its gradients (of the
-        ``grad_names``d parameters' only, when given).
+        (``want_state``), the ``grad_norm``-type norm of each of its gradients (of the
+        ``grad_names``d parameters' only, when given) and its optimizer's state (``want_optimizer_state``).
 
         ``checkpoint`` makes the cloud write a checkpoint right after these operations (``pin``:
         one it keeps until the next pinned one, to match an edge checkpoint).
         """
         with self._lock:
             msg = Sync(ops=self.outbox.take(), want_state=want_state, checkpoint=checkpoint or pin, pin=pin,
-                       grad_norm=grad_norm, grad_names=grad_names)
+                       grad_norm=grad_norm, grad_names=grad_names, want_optimizer_state=want_optimizer_state)
             reply, wire_in = self.exchange(msg, "control", Ack)
             self.metrics.count("down", "control", wire=wire_in)
             assert isinstance(reply, Ack)

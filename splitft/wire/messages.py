@@ -155,6 +155,7 @@ class Sync(Message):
     pin: bool = False  # ... and keep it: the edge is saving its own checkpoint to match it
     grad_norm: float | None = None  # answer with the norm (of this type) of each cloud gradient
     grad_names: list | None = None  # ... of these parameters only (unsplit names); None: all
+    want_optimizer_state: bool = False  # answer with the optimizer's state of each cloud parameter
     seq: int = 0
 
 
@@ -164,6 +165,8 @@ class Ack(Message):
     state: dict | None = None
     #: Per parameter of the half (or per one asked for), in order; None where it has no gradient.
     grad_norms: list | None = None
+    #: The optimizer's state, parameter name → {state key → array} (bfloat16 as float32).
+    optimizer_state: dict | None = None
     seq: int = 0
 
 

@@ -124,6 +124,16 @@ class LoadWeights(Operation):
 
 
 @dataclass
+class LoadOptimizerState(Operation):
+    """The optimizer's state is these entries from now on (``opt.load_state_dict`` of a state
+    dict with the cloud half's moments): parameter name → {state key → array}; a parameter of the
+    optimizer not named has no state, as after torch's own load."""
+
+    NAME: ClassVar[str] = "load_optimizer_state"
+    entries: dict
+
+
+@dataclass
 class SetFrozen(Operation):
     """The cloud half's parameters with ``requires_grad=False`` (``requires_grad_``, freezing a layer
     by name); every other parameter of the half trains. Sent when the set changes."""
@@ -152,7 +162,7 @@ class FreeCache(Operation):
 
 OPERATIONS: dict[str, type[Operation]] = {
     cls.NAME: cls for cls in (AttachOptimizer, SetLoss, Step, ApplyEager, ZeroGrad, ScaleGrads, ClampGrads,
-                              LoadWeights, SetFrozen, SetModes, FreeCache)
+                              LoadWeights, LoadOptimizerState, SetFrozen, SetModes, FreeCache)
 }
 
 #: Operations that act alike on a list of named parameters: two in a row over different
@@ -219,5 +229,5 @@ def from_wire(value: Any) -> Operation:
     return build_checked(cls, {k: v for k, v in value.items() if k != "op"}, f"operation {cls.NAME}")
 
 
-__all__ = ["ApplyEager", "AttachOptimizer", "ClampGrads", "FreeCache", "LoadWeights", "OPERATIONS", "Operation", "ScaleGrads",
+__all__ = ["ApplyEager", "AttachOptimizer", "ClampGrads", "FreeCache", "LoadOptimizerState", "LoadWeights", "OPERATIONS", "Operation", "ScaleGrads",
            "SetFrozen", "SetLoss", "SetModes", "Step", "ZeroGrad", "from_wire", "merged", "names_of", "to_wire"]

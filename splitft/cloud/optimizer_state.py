@@ -1,0 +1,106 @@
+"""A session's optimizer state, read for an edge (``opt.state_dict()`` on a split model) and
+replaced by one (``opt.load_state_dict``): by the half's parameter names, so the edge puts each
+entry where its optimizer lists the parameter.
+
+What an edge loads is checked against what this optimizer keeps
+(:func:`splitft.optimizer_layout.state_layout`): every named parameter one of its own, every key
+one it keeps, each array of that shape and castable to that dtype, finite. Nothing is loaded
+until all of it passed, so a refused load changes nothing. The total is at most the state the
+optimizer makes by itself, which the session's memory already counts on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, PolicyError, ProtocolError
+from ..optimizer_layout import state_layout
+from .blame import blame, short
+from .half import tensors_from_wire
+
+
+class Session(Protocol):
+    """What is read of a session (:class:`~splitft.cloud.session.CloudSession`)."""
+
+    @property
+    def half(self) -> Any: ...
+
+    @property
+    def mirrored(self) -> Any: ...
+
+
+def read(session: Session) -> dict[str, dict[str, np.ndarray]]:
+    """The optimizer's state per parameter name, on the host (bfloat16 as float32)."""
+    optimizer = _own_optimizer(session, "read")
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for param, entry in optimizer.state.items():
+        out[session.half.name_of(param)] = {key: _host(value) for key, value in entry.items()
+                                            if isinstance(value, torch.Tensor)}
+    return out
+
+
+def load(session: Session, entries: Any) -> None:
+    """Make ``entries`` the optimizer's state (the parameters not named have none), checked first."""
+    optimizer = _own_optimizer(session, "replace")
+    if not isinstance(entries, dict) or not all(isinstance(v, dict) for v in entries.values()):
+        raise ProtocolError("load_optimizer_state.entries must map parameter names to maps of arrays")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    index = {session.half.name_of(p): i for i, p in enumerate(params)}
+    unknown = [name for name in entries if name not in index]
+    if unknown:
+        raise ProtocolError(f"load_optimizer_state names {short(unknown[0])}, not a parameter of this session's "
+                            "optimizer")
+    expected = _layout(optimizer)
+    if expected is None:
+        raise ConfigError(f"the state a {type(optimizer).__name__} keeps is not known to the cloud ahead of its "
+                          "steps, so a loaded one cannot be checked; checkpoint with model.save_checkpoint(path)")
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, arrays in entries.items():
+        i = index[name]
+        keys = expected[i]
+        values = tensors_from_wire(arrays, f"load_optimizer_state of {name!r}")
+        if set(values) != set(keys):
+            raise ProtocolError(f"load_optimizer_state of {name!r}: keys {short(sorted(values))}; this "
+                                f"{type(optimizer).__name__} keeps {short(sorted(keys))}")
+        state[i] = {}
+        for key, value in values.items():
+            shape, dtype = keys[key]
+            if tuple(value.shape) != shape:
+                raise ProtocolError(f"load_optimizer_state of {name!r}: {key!r} has shape {tuple(value.shape)}, "
+                                    f"not {shape}")
+            with blame(ProtocolError, f"load_optimizer_state of {name!r}: {key!r} cannot be cast to {dtype}"):
+                value = value.to(dtype)
+            if value.is_floating_point() and not torch.isfinite(value).all():
+                raise ProtocolError(f"load_optimizer_state of {name!r}: {key!r} contains NaN or Inf")
+            state[i][key] = value
+    saved = optimizer.state_dict()
+    with blame(ConfigError, "the optimizer refused the state"):
+        optimizer.load_state_dict({**saved, "state": state})
+
+
+def _own_optimizer(session: Session, what: str) -> torch.optim.Optimizer:
+    if session.half.shared is not None:
+        raise PolicyError(f"a shared cloud half's optimizer is every edge's; one edge may not {what} its state")
+    optimizer = session.mirrored.own_optimizer
+    if optimizer is None:
+        raise ProtocolError(f"no optimizer is attached in this session: nothing to {what}")
+    return optimizer
+
+
+def _layout(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]] | None:
+    """Per parameter of ``optimizer`` (in its groups' order), the keys its state has, with their layout."""
+    groups = [({k: v for k, v in group.items() if k != "params"}, [(p.shape, p.dtype) for p in group["params"]])
+              for group in optimizer.param_groups]
+    found = state_layout(type(optimizer), groups, {})  # each group holds every setting
+    return None if found is None else [keys for group in found for keys in group]
+
+
+def _host(value: torch.Tensor) -> np.ndarray:
+    full = value.full_tensor() if hasattr(value, "full_tensor") else value
+    return (full.float() if full.dtype == torch.bfloat16 else full).detach().cpu().numpy()
+
+
+__all__ = ["load", "read"]

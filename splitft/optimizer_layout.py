@@ -1,0 +1,51 @@
+"""What state a ``torch.optim`` optimizer keeps per parameter, known without any parameter's values.
+
+The edge shows the cloud half's optimizer state as placeholders with the real keys, shapes and
+dtypes; the cloud checks a state an edge loads against the same. Both learn them by building the
+optimizer class with the same settings over ``meta`` tensors shaped like the parameters, each
+with a gradient, and stepping it once: nothing is allocated, and what the step makes is what a
+real one makes (the settings that only choose a kernel or the step count's device, ``fused``,
+``foreach``, ``capturable``, ``differentiable``, are off for it: they change no key).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+#: Settings that only choose how a step runs, not what state it keeps.
+_HOW_IT_RUNS = {"fused": False, "foreach": False, "capturable": False, "differentiable": False}
+
+#: One state value's layout: its shape and dtype.
+Layout = tuple[tuple[int, ...], torch.dtype]
+
+
+def state_layout(cls: type, groups: list[tuple[dict[str, Any], list[tuple[torch.Size, torch.dtype]]]],
+                 settings: dict[str, Any]) -> list[list[dict[str, Layout]]] | None:
+    """Per group, per parameter (given as its shape and dtype), the state ``cls`` keeps after a
+    step with a gradient: state key → (shape, dtype) of its tensors ({} where it keeps none).
+    None when ``cls`` cannot step over ``meta`` tensors (one that reads a value on the host)."""
+    metas = [[torch.empty(shape, dtype=dtype, device="meta", requires_grad=True) for shape, dtype in params]
+             for _, params in groups]
+    if not any(metas):
+        return [[] for _ in groups]
+    for group in metas:
+        for meta in group:
+            meta.grad = torch.empty_like(meta)
+    try:
+        dry = cls([{**_how_it_runs(group_settings), "params": params}
+                   for (group_settings, _), params in zip(groups, metas) if params], **_how_it_runs(settings))
+        with torch.no_grad():
+            dry.step()
+    except Exception:  # noqa: BLE001 — any optimizer's own failure on meta tensors means: not known here
+        return None
+    return [[{key: (tuple(value.shape), value.dtype) for key, value in dry.state.get(meta, {}).items()
+              if isinstance(value, torch.Tensor)} for meta in group] for group in metas]
+
+
+def _how_it_runs(settings: dict[str, Any]) -> dict[str, Any]:
+    return {**settings, **{key: off for key, off in _HOW_IT_RUNS.items() if key in settings}}
+
+
+__all__ = ["Layout", "state_layout"]

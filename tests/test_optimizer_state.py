@@ -1,0 +1,201 @@
+"""A split model's optimizer state is the unsplit one's: ``opt.state_dict()`` holds the cloud
+half's entries (fetched from the cloud's copy), bitwise those the unsplit optimizer would hold,
+and ``opt.load_state_dict`` of such a state dict continues training exactly, split (a new session)
+or unsplit. The cloud checks a loaded state against what its optimizer keeps. Every test runs
+against a real cloud process."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import splitft
+from splitft.errors import ConfigError, SplitFTError
+from splitft.wire.operations import LoadOptimizerState
+from tests.conftest import start_cloud, stop
+from tests.models import mlp
+from tests.test_faults import _data
+from tests.test_script_corpus import assert_bitwise
+
+MLP = "tests.models:mlp"
+
+BUILDS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "Adam": lambda params: torch.optim.Adam(params, lr=0.01),
+    "AdamW-amsgrad": lambda params: torch.optim.AdamW(params, lr=0.01, amsgrad=True, weight_decay=0.1),
+    "SGD-momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True),
+    "Adagrad": lambda params: torch.optim.Adagrad(params, lr=0.05, initial_accumulator_value=0.1),
+    "RMSprop-centered": lambda params: torch.optim.RMSprop(params, lr=0.01, centered=True, momentum=0.5),
+    "NAdam": lambda params: torch.optim.NAdam(params, lr=0.01),
+}
+
+
+@pytest.fixture(scope="module")
+def cloud(tmp_path_factory):
+    proc, address, err = start_cloud(tmp_path_factory.mktemp("cloud"), "--sessions", "0", "--model", MLP)
+    yield address
+    stop(proc)
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, crit: nn.Module, data: list) -> None:
+    for x, y in data:
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+
+
+def _split(cloud: str, rejoin: int | None) -> tuple[splitft.SplitModel, nn.Module]:
+    model = splitft.split(mlp(), 2, rejoin, factory=MLP, connect=cloud)
+    return model, nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss())
+
+
+def _assert_same_state(got: dict, expected: dict) -> None:
+    assert got["param_groups"] == expected["param_groups"]
+    assert got["state"].keys() == expected["state"].keys()
+    for index, entry in expected["state"].items():
+        assert got["state"][index].keys() == entry.keys(), index
+        for key, value in entry.items():
+            assert got["state"][index][key].dtype == value.dtype and torch.equal(got["state"][index][key], value), \
+                (index, key)
+
+
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+@pytest.mark.parametrize("name", sorted(BUILDS))
+def test_a_state_dict_saved_from_a_split_run_is_the_unsplit_one_and_resumes_both_bitwise(cloud, tmp_path, name,
+                                                                                       rejoin):
+    build, data = BUILDS[name], _data(4)
+    local = mlp()
+    local_opt = build(local.parameters())
+    _train(local, local_opt, nn.CrossEntropyLoss(), data[:2])
+    expected_state = copy.deepcopy(local_opt.state_dict())
+    _train(local, local_opt, nn.CrossEntropyLoss(), data[2:])
+
+    model, crit = _split(cloud, rejoin)
+    with model:
+        opt = build(model.parameters())
+        _train(model, opt, crit, data[:2])
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "checkpoint.pt")
+    saved = torch.load(tmp_path / "checkpoint.pt")
+    _assert_same_state(saved["optimizer"], expected_state)
+
+    again, crit = _split(cloud, rejoin)  # a new session: the cloud's optimizer starts empty
+    with again:
+        again.load_state_dict(saved["model"])
+        opt = build(again.parameters())
+        opt.load_state_dict(copy.deepcopy(saved["optimizer"]))  # torch's load keeps the tensors it is given
+        _train(again, opt, crit, data[2:])
+        assert_bitwise(again.state_dict(), local.state_dict())
+        _assert_same_state(opt.state_dict(), local_opt.state_dict())
+
+    unsplit = mlp()
+    unsplit.load_state_dict(saved["model"])
+    unsplit_opt = build(unsplit.parameters())
+    unsplit_opt.load_state_dict(saved["optimizer"])
+    _train(unsplit, unsplit_opt, nn.CrossEntropyLoss(), data[2:])
+    assert_bitwise(unsplit.state_dict(), local.state_dict())
+
+
+def test_a_state_dict_of_the_unsplit_run_loads_into_the_split_one(cloud):
+    """The other way: checkpointed unsplit, continued split."""
+    data = _data(4)
+    local = mlp()
+    local_opt = torch.optim.Adam(local.parameters(), lr=0.01)
+    _train(local, local_opt, nn.CrossEntropyLoss(), data[:2])
+    weights, state = copy.deepcopy(local.state_dict()), copy.deepcopy(local_opt.state_dict())
+    _train(local, local_opt, nn.CrossEntropyLoss(), data[2:])
+    model, crit = _split(cloud, None)
+    with model:
+        model.load_state_dict(weights)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        opt.load_state_dict(state)
+        _train(model, opt, crit, data[2:])
+        assert_bitwise(model.state_dict(), local.state_dict())
+
+
+def test_loading_an_empty_state_clears_the_cloud_halfs_moments_too(cloud):
+    """torch's load leaves the optimizer holding exactly what it loaded: nothing, here."""
+    data = _data(4)
+    local = mlp()
+    local_opt = torch.optim.Adam(local.parameters(), lr=0.01)
+    _train(local, local_opt, nn.CrossEntropyLoss(), data[:2])
+    local_opt.load_state_dict({**local_opt.state_dict(), "state": {}})
+    _train(local, local_opt, nn.CrossEntropyLoss(), data[2:])
+    model, crit = _split(cloud, None)
+    with model:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        _train(model, opt, crit, data[:2])
+        opt.load_state_dict({**opt.state_dict(), "state": {}})
+        _train(model, opt, crit, data[2:])
+        assert_bitwise(model.state_dict(), local.state_dict())
+
+
+def test_a_state_dict_that_does_not_fit_is_refused_before_anything_changed(cloud):
+    data = _data(3)
+    local = mlp()
+    local_opt = torch.optim.Adam(local.parameters(), lr=0.01)
+    _train(local, local_opt, nn.CrossEntropyLoss(), data)
+    model, crit = _split(cloud, None)
+    with model:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        _train(model, opt, crit, data[:2])
+        wrong = copy.deepcopy(opt.state_dict())
+        wrong["state"][2]["exp_avg"] = torch.zeros(3, 3)  # 2.weight's moment, of another shape
+        with pytest.raises(ConfigError, match=r"cloud parameter '2.weight' is not the state"):
+            opt.load_state_dict(wrong)
+        momentum = copy.deepcopy(opt.state_dict())
+        momentum["state"][2] = {"momentum_buffer": torch.zeros(16, 16)}  # an SGD's
+        with pytest.raises(ConfigError, match=r"not the state"):
+            opt.load_state_dict(momentum)
+        _train(model, opt, crit, data[2:])
+        assert_bitwise(model.state_dict(), local.state_dict())
+
+
+@pytest.mark.parametrize("entries, message", [
+    ({"9.weight": {"step": np.zeros((), np.float32)}}, r"not a parameter of this session's optimizer"),
+    ({"2.weight": {"step": np.zeros((), np.float32)}}, r"keys"),
+    ({"2.weight": {"step": np.zeros((), np.float32), "exp_avg": np.zeros((3, 3), np.float32),
+                   "exp_avg_sq": np.zeros((16, 16), np.float32)}}, r"shape"),
+    ({"2.weight": {"step": np.zeros((), np.float32), "exp_avg": np.full((16, 16), np.nan, np.float32),
+                   "exp_avg_sq": np.zeros((16, 16), np.float32)}}, r"NaN"),
+    ({"2.weight": [1, 2]}, r"map parameter names to maps"),
+])
+def test_the_cloud_refuses_a_loaded_state_that_is_not_its_optimizers(cloud, entries, message):
+    """What an edge sends is checked against the layout the cloud's optimizer keeps; a refused
+    load leaves the state as it was."""
+    model, crit = _split(cloud, None)
+    with model:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        _train(model, opt, crit, _data(1))
+        before = model.session.optimizer_state()
+        model.session.outbox.queue(LoadOptimizerState(entries=entries))
+        with pytest.raises(SplitFTError, match=message):
+            model.session.sync()
+        after = model.session.optimizer_state()
+        assert before.keys() == after.keys() and all(
+            np.array_equal(before[n][k], after[n][k]) for n in before for k in before[n])
+
+
+def test_the_state_of_an_optimizer_whose_layout_is_not_known_ahead_saves_but_does_not_load(cloud):
+    """ASGD reads a value on the host in its step, so the state it keeps cannot be learnt over meta
+    tensors: the cloud could not check a loaded one. Saving works; loading is refused, with the fix,
+    before anything changed."""
+    data = _data(3)
+    model, crit = _split(cloud, None)
+    with model:
+        opt = torch.optim.ASGD(model.parameters(), lr=0.05)
+        _train(model, opt, crit, data[:2])
+        saved = copy.deepcopy(opt.state_dict())
+        assert set(saved["state"]) == {0, 1, 2, 3, 4, 5} and saved["state"][2]["ax"].shape == (16, 16)
+        with pytest.raises(ConfigError, match=r"not known ahead of its steps.*save_checkpoint"):
+            opt.load_state_dict(saved)
+        _train(model, opt, crit, data[2:])
+        state = model.state_dict()
+    local = mlp()
+    local_opt = torch.optim.ASGD(local.parameters(), lr=0.05)
+    _train(local, local_opt, nn.CrossEntropyLoss(), data)
+    assert_bitwise(state, local.state_dict())
