@@ -199,3 +199,21 @@ def test_the_state_of_an_optimizer_whose_layout_is_not_known_ahead_saves_but_doe
     local_opt = torch.optim.ASGD(local.parameters(), lr=0.05)
     _train(local, local_opt, nn.CrossEntropyLoss(), data)
     assert_bitwise(state, local.state_dict())
+
+
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+@pytest.mark.parametrize("name", ["Adam", "SGD-momentum", "Adagrad"])
+def test_after_unsplit_the_same_optimizer_trains_the_whole_model_on_exactly(cloud, name, rejoin):
+    """``unsplit()`` gives the optimizer the cloud's state for the parameters that come back:
+    without it the cloud half's moments would start afresh (Adam) or raise (placeholders)."""
+    build, data = BUILDS[name], _data(4)
+    local = mlp()
+    local_opt = build(local.parameters())
+    _train(local, local_opt, nn.CrossEntropyLoss(), data)
+    model, crit = _split(cloud, rejoin)
+    opt = build(model.parameters())
+    _train(model, opt, crit, data[:2])
+    whole = model.unsplit()
+    _train(whole, opt, nn.CrossEntropyLoss(), data[2:])
+    assert_bitwise(whole.state_dict(), local.state_dict())
+    _assert_same_state(opt.state_dict(), local_opt.state_dict())

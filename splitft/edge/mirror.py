@@ -362,6 +362,25 @@ class OptimizerMirror:
         self._stated = {names[id(cloud[i])] for i in layouts}
         self._state, self._entries = state, len(state)
 
+    def unsplit(self, fetched: dict[str, dict[str, Any]] | None) -> None:
+        """The model is whole again: the cloud parameters' entries become the cloud's state
+        (``fetched``; None for a shared half's, which starts afresh here), placed as torch's own
+        load places a state, and the optimizer is no longer mirrored."""
+        optimizers.forget(self.optimizer)
+        names = self.model.cloud_half.names_by_id
+        state, index = self.optimizer.state, 0
+        packed = self.optimizer.state_dict()["param_groups"]  # the groups as a state dict holds them (ids)
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                name = names.get(id(param))
+                if name is not None:
+                    arrays = (fetched or {}).get(name)
+                    state.pop(param, None)
+                    if arrays:
+                        state[param] = {key: _placed(param, key, torch.tensor(array), index, packed)
+                                        for key, array in arrays.items()}
+                index += 1
+
     def _layout(self, params: list[torch.Tensor]) -> dict[int, dict[str, Any]]:
         """The state layout this optimizer keeps for ``params`` (by id); refused when not known."""
         groups, members = [], []
@@ -404,6 +423,15 @@ def _local_value(array: Any, placeholder: Any) -> torch.Tensor:
     travels as float32)."""
     value = torch.tensor(array)
     return value.to(placeholder.dtype) if isinstance(placeholder, torch.Tensor) else value
+
+
+def _placed(param: torch.Tensor, key: str, value: torch.Tensor, index: int, groups: list) -> torch.Tensor:
+    """A state value where torch's ``load_state_dict`` puts it for ``param`` (its dtype and device,
+    a step count as it is)."""
+    place = getattr(torch.optim.Optimizer, "_process_value_according_to_param_policy", None)
+    if place is not None:
+        return place(param, value, index, groups, key)
+    return value.to(dtype=param.dtype, device=param.device) if value.is_floating_point() and key != "step" else value
 
 
 def _wire_value(value: torch.Tensor) -> Any:

@@ -305,12 +305,18 @@ class SplitModel(nn.Module):
 
     def unsplit(self) -> nn.Module:
         """The whole trained model, in one piece on the edge: the cloud half's modules back in place
-        with the cloud's weights. Ends the session (the split model cannot train after this)."""
+        with the cloud's weights, and the attached optimizer holding the cloud's state for them, so
+        training can go on unsplit, exactly. Ends the session (the split model cannot train after this)."""
         modules = self.ghosts.chain
         modules.load_qualified_state_dict(self.cloud_state_dict())
+        optimizer = self.mirror.optimizer_mirror
+        moments = self.session.optimizer_state() if optimizer is not None and not self.session.shared else None
         self.close()
         self.cloud_half.has_grad.clear()
-        return uninstall(self.model, modules)
+        whole = uninstall(self.model, modules)
+        if optimizer is not None:
+            optimizer.unsplit(moments)  # the optimizer steps the whole model on the edge from now on
+        return whole
 
     def save_pretrained(self, path: str | os.PathLike, state_dict: Mapping[str, Any] | None = None,
                         **kwargs: Any) -> Any:

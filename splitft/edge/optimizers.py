@@ -64,6 +64,11 @@ def mirrored(optimizer: torch.optim.Optimizer, mirror: Any) -> None:
     _LOCAL.pop(optimizer, None)
 
 
+def forget(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer`` is mirrored no more (its model is whole again): its steps are local."""
+    _MIRRORS.pop(optimizer, None)
+
+
 def cloud_owner(optimizer: torch.optim.Optimizer) -> Attaches | None:
     """Who attaches ``optimizer`` (the split model whose cloud placeholders it holds), or None."""
     owners: dict[int, Attaches] = {}
@@ -153,4 +158,4 @@ def install() -> None:
         _INSTALLED = True
 
 
-__all__ = ["Attaches", "cloud_owner", "install", "load_optimizer_state", "mirrored", "register"]
+__all__ = ["Attaches", "cloud_owner", "forget", "install", "load_optimizer_state", "mirrored", "register"]
