@@ -48,6 +48,9 @@ def load(session: Session, entries: Any) -> None:
     if not isinstance(entries, dict) or not all(isinstance(v, dict) for v in entries.values()):
         raise ProtocolError("load_optimizer_state.entries must map parameter names to maps of arrays")
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(hasattr(p, "full_tensor") for p in params):
+        raise ConfigError("this cloud shards the half over its ranks (FSDP2): a loaded optimizer state is not placed "
+                          "on them; checkpoint with model.save_checkpoint(path)")
     index = {session.half.name_of(p): i for i, p in enumerate(params)}
     unknown = [name for name in entries if name not in index]
     if unknown:
