@@ -229,3 +229,22 @@ def test_trainer_resumes_a_split_run_from_its_checkpoint_as_it_resumes_the_unspl
     assert set(split) == set(local)
     for name, value in local.items():
         assert torch.equal(split[name], value), name
+
+
+def test_a_model_asked_for_its_hidden_states_before_split_still_splits(hf_cloud):
+    """transformers installs output-recording hooks on its layers the first time a forward asks
+    for hidden states: they record and never change an output, so split() keeps them (hooks a
+    script registers on cloud modules are refused)."""
+    kind = "bert"
+    net = tiny_hf(kind)
+    example = _examples(kind, n=2)
+    ids = torch.stack([e["input_ids"] for e in example])
+    net(input_ids=ids, output_hidden_states=True)
+    hooked = [m for m in net.modules() if m._forward_hooks]
+    if not hooked:
+        pytest.skip("this transformers version records hidden states without hooks")
+    model = splitft.split(net, CUTS[kind], factory=splitft.Factory(FACTORY, {"kind": kind}), connect=hf_cloud)
+    with model:
+        out = model(input_ids=ids, labels=torch.tensor([0, 1]))
+        out.loss.backward()
+        assert torch.isfinite(out.loss)

@@ -318,6 +318,17 @@ _HOOK_TABLES = {"register_forward_pre_hook": "_forward_pre_hooks", "register_for
                 "register_backward_hook": "_backward_hooks"}
 
 
+#: Libraries whose models register hooks of their own: transformers installs output-recording
+#: hooks the first time a forward asks for hidden states or attentions; they record, never change
+#: what a module returns, and the cloud's copy of the model installs its own when asked.
+_LIBRARY_HOOKS = ("transformers.",)
+
+
+def _library_hook(hook: Any) -> bool:
+    module = getattr(hook, "__module__", None) or ""
+    return module.startswith(_LIBRARY_HOOKS)
+
+
 def _never_run(ushape: bool, index: int) -> tuple[str, ...]:
     """The hooks the ``index``-th cloud module's ghost cannot run on itself. A plain split's first
     runs its forward pre-hooks (then stops the forward), the others run nothing; a U-shape trunk's
@@ -335,7 +346,7 @@ def _refuse_hooks(stages: Any, tensors: dict[str, torch.Tensor], ushape: bool) -
         never = _never_run(ushape, i)
         for key, sub in module.named_modules():
             for hook in (_HOOKS if key else never):
-                if getattr(sub, _HOOK_TABLES[hook], None):
+                if any(not _library_hook(h) for h in getattr(sub, _HOOK_TABLES[hook], {}).values()):
                     where = f"{name}.{key}" if key else name
                     raise CutError(f"{where!r} has a hook ({hook}, registered before split()): that module runs in the "
                                    "cloud, so the hook would never run there; remove it, register it on a module that "
