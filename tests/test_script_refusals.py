@@ -94,6 +94,17 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
     "the optimizer's moments reset by walking its state": (
         lambda model, net, opt: [entry["momentum_buffer"].zero_() for entry in opt.state.values()],
         PlaceholderError, r"optimizer state of cloud parameter '2.weight'"),
+    "an accuracy computed from what a plain split's model(x) returns": (
+        lambda model, net, opt: (model(_data(1)[0][0]).argmax(1) == _data(1)[0][1]).float().mean(), ConfigError,
+        r"argmax on what a plain split's model\(x\) returns: the activation at the cut.*model.predict"),
+    "a loss term made from a plain split's model(x) (label smoothing by hand)": (
+        lambda model, net, opt: (lambda out: model.remote_loss(nn.CrossEntropyLoss())(out, _data(1)[0][1])
+                                 - 0.1 * out.log_softmax(-1).mean())(model(_data(1)[0][0])),
+        ConfigError, r"log_softmax on what a plain split's model\(x\) returns"),
+    "mixup: two remote losses of one model(x) backpropagated together": (
+        lambda model, net, opt: (lambda out, crit, x, y: (0.7 * crit(out, y) + 0.3 * crit(out, y.flip(0))).backward())(
+            model(_data(1)[0][0]), model.remote_loss(nn.CrossEntropyLoss()), *_data(1)[0]),
+        ConfigError, r"two remote losses computed from one model\(x\) are backpropagated together"),
     "a gradient penalty (create_graph=True)": (
         lambda model, net, opt: torch.autograd.grad(model.remote_loss(nn.CrossEntropyLoss())(
             model(_data(1)[0][0]), _data(1)[0][1]), list(net[0].parameters()), create_graph=True),
@@ -140,6 +151,30 @@ def test_an_optimizer_built_before_split_trains_the_cloud_half(cloud):
         state = model.state_dict()
     assert_bitwise(state, local.state_dict())
     assert model.session.metrics.steps == len(data)
+
+
+def test_two_remote_losses_of_one_model_x_in_two_passes_or_one_only_backpropagated_train_bitwise(cloud):
+    """What is refused is one pass through two losses of one forward; a second loss computed for
+    logging, or each loss backpropagated on its own (two passes, as unsplit), trains exactly."""
+    data = _data(3)
+
+    def script(model, crit, opt) -> None:
+        for x, y in data:
+            opt.zero_grad()
+            out = model(x)
+            loss, logged = crit(out, y), crit(out, y.flip(0))
+            loss.backward(retain_graph=True)
+            (0.5 * crit(out, y.flip(0))).backward()
+            opt.step()
+            assert torch.isfinite(logged)
+
+    local = mlp()
+    script(local, nn.CrossEntropyLoss(), torch.optim.SGD(local.parameters(), lr=0.1, momentum=0.9))
+    model = splitft.split(mlp(), 2, factory=MLP, connect=cloud)
+    with model:
+        script(model, model.remote_loss(nn.CrossEntropyLoss()),
+               torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        assert_bitwise(model.state_dict(), local.state_dict())
 
 
 def test_a_layer_referenced_before_split_is_the_ghost_and_its_parameters_the_placeholders(cloud):

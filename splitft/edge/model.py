@@ -27,7 +27,7 @@ from .ghosts import Ghosts, install, uninstall
 from .mirror import ModelMirror
 from .placeholders import CloudTensor
 from .remote_call import CacheRefs, RemoteCaller
-from .remote_loss import CutActivation, RemoteLoss, call_parts
+from .remote_loss import CutActivation, CutTensor, RemoteLoss, call_parts
 from .requests import EdgeSession
 from .schedule import Scheduler
 from .stage import CloudStage
@@ -186,7 +186,8 @@ class SplitModel(nn.Module):
                 self.model(*args, **kwargs)
         except CutReached as cut:
             if len(cut.call_args) == 1 and not cut.call_kwargs:
-                return cut.call_args[0]
+                value = cut.call_args[0]
+                return CutTensor(value) if isinstance(value, torch.Tensor) else value
             return CutActivation(cut.call_args, cut.call_kwargs)
         raise SplitFTError("the model's forward returned without reaching the cut; check the cut name")
 

@@ -236,6 +236,8 @@ _IS_META = cast(Any, Tensor.is_meta).__get__
 #: Operations that read no values: answered here, from the placeholder's own shape and dtype.
 #: ``requires_grad_`` is among them: the edge sends the cloud half's frozen set with each forward.
 _METADATA = _metadata()
+#: The operations that read no values (shape, dtype, ``requires_grad``...), for other stand-ins too.
+METADATA = frozenset(_METADATA)
 
 
 # ---------------------------------------------------------------- a parameter's or buffer's values
@@ -477,4 +479,4 @@ def _refusal(func: Any, tensor: Any) -> str:
             "with model.state_dict(); set them with model.load_state_dict(...) or p.copy_(tensor)")
 
 
-__all__ = ["CloudGrad", "CloudMoment", "CloudState", "CloudTensor", "MIRRORED", "Remote", "RemoteTensor", "remote_of"]
+__all__ = ["CloudGrad", "CloudMoment", "CloudState", "METADATA", "CloudTensor", "MIRRORED", "Remote", "RemoteTensor", "remote_of"]

@@ -1,7 +1,10 @@
 """The loss of a plain split, computed in the cloud: ``crit = model.remote_loss(criterion)``.
 
 The model's forward stops at the cut and returns what would cross it; ``crit(out, target)``
-sends that and the target, and the cloud runs its half and the loss.
+sends that and the target, and the cloud runs its half and the loss. What it returns is a
+:class:`CutTensor`: the activation at the cut, not the model's output, so a script that computes
+on it as on the output (an accuracy from ``out.argmax(1)``, a term of the loss made from ``out``)
+gets an error naming the fix instead of a silently different number.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ from typing import Any
 
 import torch
 
+from ..errors import ConfigError
+from .placeholders import METADATA
+
 
 @dataclass
 class CutActivation:
@@ -21,10 +27,48 @@ class CutActivation:
     kwargs: dict
 
 
+class CutTensor(torch.Tensor):
+    """A plain split's ``model(x)``: the activation at the cut, for ``crit(out, target)`` (a remote
+    loss) or ``model.predict``. It answers what reads no values (its shape, its dtype); any
+    computation on it raises, since the unsplit model's ``model(x)`` is the output the cloud computes."""
+
+    _splitft_value: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, value: torch.Tensor) -> CutTensor:
+        made: Any = torch.Tensor._make_wrapper_subclass(cls, value.shape, strides=value.stride(), dtype=value.dtype,
+                                                        device=value.device, requires_grad=value.requires_grad)
+        made._splitft_value = value
+        return made
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # torch's: unannotated
+        return f"CutTensor(the activation at the cut, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    @classmethod
+    def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func in METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        raise ConfigError(_REFUSAL.format(name=getattr(func, "__qualname__", None) or getattr(func, "__name__", func)))
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]  # torch's default is a plain function
+            cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        raise ConfigError(_REFUSAL.format(name=func))
+
+
+_REFUSAL = ("{name} on what a plain split's model(x) returns: the activation at the cut, not the model's output (the "
+            "cloud computes that, with the loss: crit = model.remote_loss(criterion); crit(out, target)). For the "
+            "output use model.predict(x); to compute on it while training, cut a U-shape (rejoin=) so the head "
+            "runs on the edge")
+
+
 def call_parts(cut: Any) -> tuple[tuple, dict]:
     """The arguments of the cloud's call for what the model's forward returned at the cut."""
     if isinstance(cut, CutActivation):
         return cut.args, cut.kwargs
+    if isinstance(cut, CutTensor):
+        return (cut._splitft_value,), {}
     return (cut,), {}
 
 
@@ -43,7 +87,37 @@ class RemoteLoss:
         if self.before is not None:
             self.before()
         args, kwargs = call_parts(out)
-        return self.call(args, kwargs, target)
+        loss = self.call(args, kwargs, target)
+        if isinstance(out, CutTensor) and isinstance(loss, torch.Tensor) and loss.requires_grad:
+            _one_pass_each(out, loss)
+        return loss
 
 
-__all__ = ["CloudCall", "CutActivation", "RemoteLoss", "call_parts"]
+def _one_pass_each(out: CutTensor, loss: torch.Tensor) -> None:
+    """Refuse, in the backward, two losses of one ``model(x)`` backpropagated in one pass (mixup's
+    ``lam * crit(out, ya) + (1 - lam) * crit(out, yb)``). Unsplit, the cloud half ran once and
+    its backward gets the two losses' gradients summed; here each loss ran the cloud half on its
+    own, whose gradients add up in another order (a silent drift of an ulp per step). Looked at
+    only once a second loss is made from the same ``out``: a lone loss costs nothing."""
+    losses: list[torch.Tensor] = out.__dict__.setdefault("_splitft_losses", [])
+    losses.append(loss)
+    if len(losses) < 2:
+        return
+    passes: set[int] = out.__dict__.setdefault("_splitft_passes", set())
+
+    def once_per_pass(grad: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        if task in passes:
+            raise ConfigError("two remote losses computed from one model(x) are backpropagated together (mixup, a "
+                              "weighted sum of losses): unsplit, the cloud half runs once and backpropagates their "
+                              "summed gradient, which the cloud, having computed each loss on its own, cannot repeat "
+                              "bit for bit. Make it one remote loss call (soft targets: crit(out, lam * ya_onehot + "
+                              "(1 - lam) * yb_onehot)), or cut a U-shape (rejoin=) so the losses run on the edge")
+        passes.add(task)
+
+    for each in losses[:-1] if len(losses) == 2 else ():
+        each.register_hook(once_per_pass)
+    loss.register_hook(once_per_pass)
+
+
+__all__ = ["CloudCall", "CutActivation", "CutTensor", "RemoteLoss", "call_parts"]
