@@ -80,7 +80,7 @@ def test_a_lost_acsgd_message_is_detected_and_repaired(inproc_cloud, caplog):
         codec = model.stage.codecs.slots["fwd"]
         from compressors import CodecContext
         with torch.no_grad():
-            codec.encode(model(x) * 1.5, CodecContext(train=True, sample_ids=ids.numpy()))
+            codec.encode(model(x).activation * 1.5, CodecContext(train=True, sample_ids=ids.numpy()))
         with caplog.at_level(logging.WARNING, logger="splitft.edge"):
             step(x, y, ids)
         assert "resending at full precision" in caplog.text

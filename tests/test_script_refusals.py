@@ -153,6 +153,18 @@ def test_an_optimizer_built_before_split_trains_the_cloud_half(cloud):
     assert model.session.metrics.steps == len(data)
 
 
+def test_a_plain_splits_model_x_answers_its_shape_and_gives_the_activation_when_asked(cloud):
+    x, _ = _data(1)[0]
+    net = mlp()
+    expected = net[1](net[0](x))
+    model = splitft.split(net, 2, factory=MLP, connect=cloud)
+    with model:
+        out = model(x)
+        assert out.shape == expected.shape and out.dtype == expected.dtype and out.size(0) == len(x)
+        assert torch.equal(out.activation, expected)
+        assert model.predict(x).shape == (len(x), 3)
+
+
 def test_two_remote_losses_of_one_model_x_in_two_passes_or_one_only_backpropagated_train_bitwise(cloud):
     """What is refused is one pass through two losses of one forward; a second loss computed for
     logging, or each loss backpropagated on its own (two passes, as unsplit), trains exactly."""

@@ -44,6 +44,11 @@ class CutTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # torch's: unannotated
         return f"CutTensor(the activation at the cut, shape={tuple(self.shape)}, dtype={self.dtype})"
 
+    @property
+    def activation(self) -> torch.Tensor:
+        """The activation itself, to compute on as such (what crosses the cut: a privacy analysis)."""
+        return self._splitft_value
+
     @classmethod
     def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func in METADATA:
@@ -60,7 +65,7 @@ class CutTensor(torch.Tensor):
 _REFUSAL = ("{name} on what a plain split's model(x) returns: the activation at the cut, not the model's output (the "
             "cloud computes that, with the loss: crit = model.remote_loss(criterion); crit(out, target)). For the "
             "output use model.predict(x); to compute on it while training, cut a U-shape (rejoin=) so the head "
-            "runs on the edge")
+            "runs on the edge; for the activation itself (what crosses the cut), out.activation")
 
 
 def call_parts(cut: Any) -> tuple[tuple, dict]:
