@@ -9,6 +9,7 @@ gets an error naming the fix instead of a silently different number.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -104,8 +105,8 @@ def _one_pass_each(out: CutTensor, loss: torch.Tensor) -> None:
     its backward gets the two losses' gradients summed; here each loss ran the cloud half on its
     own, whose gradients add up in another order (a silent drift of an ulp per step). Looked at
     only once a second loss is made from the same ``out``: a lone loss costs nothing."""
-    losses: list[torch.Tensor] = out.__dict__.setdefault("_splitft_losses", [])
-    losses.append(loss)
+    losses: list[weakref.ref[torch.Tensor]] = out.__dict__.setdefault("_splitft_losses", [])
+    losses.append(weakref.ref(loss))  # weakly: an output kept for later keeps no graph alive
     if len(losses) < 2:
         return
     passes: set[int] = out.__dict__.setdefault("_splitft_passes", set())
@@ -120,8 +121,9 @@ def _one_pass_each(out: CutTensor, loss: torch.Tensor) -> None:
                               "(1 - lam) * yb_onehot)), or cut a U-shape (rejoin=) so the losses run on the edge")
         passes.add(task)
 
-    for each in losses[:-1] if len(losses) == 2 else ():
-        each.register_hook(once_per_pass)
+    first = losses[0]() if len(losses) == 2 else None
+    if first is not None:
+        first.register_hook(once_per_pass)
     loss.register_hook(once_per_pass)
 
 
