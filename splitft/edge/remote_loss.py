@@ -9,7 +9,6 @@ gets an error naming the fix instead of a silently different number.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -103,12 +102,8 @@ def _one_pass_each(out: CutTensor, loss: torch.Tensor) -> None:
     """Refuse, in the backward, two losses of one ``model(x)`` backpropagated in one pass (mixup's
     ``lam * crit(out, ya) + (1 - lam) * crit(out, yb)``). Unsplit, the cloud half ran once and
     its backward gets the two losses' gradients summed; here each loss ran the cloud half on its
-    own, whose gradients add up in another order (a silent drift of an ulp per step). Looked at
-    only once a second loss is made from the same ``out``: a lone loss costs nothing."""
-    losses: list[weakref.ref[torch.Tensor]] = out.__dict__.setdefault("_splitft_losses", [])
-    losses.append(weakref.ref(loss))  # weakly: an output kept for later keeps no graph alive
-    if len(losses) < 2:
-        return
+    own, whose gradients add up in another order (a silent drift of an ulp per step). Each loss's
+    hook notes its backward pass on the output it was made from (a set of numbers: no graph kept)."""
     passes: set[int] = out.__dict__.setdefault("_splitft_passes", set())
 
     def once_per_pass(grad: torch.Tensor) -> None:
@@ -121,9 +116,6 @@ def _one_pass_each(out: CutTensor, loss: torch.Tensor) -> None:
                               "(1 - lam) * yb_onehot)), or cut a U-shape (rejoin=) so the losses run on the edge")
         passes.add(task)
 
-    first = losses[0]() if len(losses) == 2 else None
-    if first is not None:
-        first.register_hook(once_per_pass)
     loss.register_hook(once_per_pass)
 
 
