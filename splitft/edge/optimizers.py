@@ -12,7 +12,7 @@ One that only holds edge parameters is local, as it would be on the unsplit mode
 Optimizer state. ``opt.state_dict()`` of a mirrored optimizer holds both halves' entries (the
 cloud's fetched), and ``opt.load_state_dict`` loads the edge half's here and sends the cloud
 half's to the cloud's copy (settings are mirrored at the next step); see
-:class:`~splitft.edge.mirror.OptimizerMirror`.
+:class:`~splitft.edge.optimizer_mirror.OptimizerMirror`.
 
 ``opt.step(closure)``: the hook runs the closure (its forward and backward) before the cloud's
 gradients are hidden, and the step gets the loss it returned, as an optimizer that calls its closure
@@ -45,7 +45,7 @@ class Attaches(Protocol):
 _INSTALLED = False
 #: Held while the hooks are installed: edges split in several threads of one process at once.
 _INSTALLING = threading.Lock()
-#: Optimizers mirrored to a cloud half, with their mirror (see splitft.edge.mirror.OptimizerMirror).
+#: Optimizers mirrored to a cloud half, with their mirror (see splitft.edge.optimizer_mirror.OptimizerMirror).
 _MIRRORS: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
 #: Optimizers found to hold no cloud placeholder, with how many parameters they had then.
 _LOCAL: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()

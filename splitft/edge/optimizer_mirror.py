@@ -1,0 +1,368 @@
+"""The cloud's copy of one optimizer, as the edge keeps it in step (:class:`OptimizerMirror`).
+
+Built when the optimizer is attached (:class:`~splitft.edge.mirror.ModelMirror`), it sends the
+cloud what each step changed, refuses what it cannot repeat before the step runs, keeps the cloud
+parameters' entries of ``optimizer.state`` as placeholders (:mod:`.initial_state`), and carries
+``state_dict`` / ``load_state_dict`` over both halves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import operator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import ConfigError
+from ..optimizer_layout import state_layout
+from ..wire.operations import AttachOptimizer, LoadOptimizerState, Step
+from . import initial_state, optimizers
+from .placeholders import RemoteTensor
+
+if TYPE_CHECKING:
+    from .mirror import ModelMirror
+
+
+class OptimizerMirror:
+    """The cloud's copy of one optimizer: built when it is attached, stepped and zeroed with it.
+
+    The cloud builds the same class with the same settings over the same parameter groups (by
+    the cloud parameters' names); each step carries the groups' learning rates and any other
+    setting a scheduler changed since the previous one. While the edge's optimizer steps, the
+    cloud's gradients are hidden from it (``cloud_half.hidden``): the cloud steps its parameters.
+    The cloud parameters' entries in ``optimizer.state`` are placeholders (:mod:`.initial_state`);
+    ``state_dict()`` fetches their values and ``load_state_dict`` sends them to the cloud's copy.
+
+    Args:
+        model: the split model's mirror this optimizer is attached to.
+        optimizer: the user's optimizer.
+    """
+
+    def __init__(self, model: ModelMirror, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.settings = optimizer_settings(optimizer)
+        self.members = _members(optimizer)
+        self._raw: list[tuple] | None = None  # each group's settings as last sent, when all were immutable values
+        self.sent, self._raw = self._group_settings()
+        self._stepping = self.sent, self._raw  # the groups' settings of the step under way, read before it runs
+        # The optimizer's state as the last step left it: a script that resets it is caught
+        # before the next step (the cloud's copy keeps the cloud half's state).
+        self._state: Any = optimizer.state
+        self._entries = len(optimizer.state)
+        #: The cloud parameters' entries as the constructor made them: (parameter, entry, its items).
+        self._initial: list[tuple[torch.Tensor, dict[str, Any], dict[str, Any]]] = []
+        #: Every cloud parameter's entry the mirror put or accepted in ``optimizer.state``, in two
+        #: lists (parameters, entries) that one look compares with the state, by identity.
+        self._kept: tuple[list[torch.Tensor], list[dict[str, Any]]] = ([], [])
+        self._stated: set[str] = set()  # the cloud parameters with an entry, by name (or none to make)
+        self._edge_only = False
+
+    def check_initial_state(self) -> None:
+        """Refuse state for a cloud parameter that the cloud's copy, built with the same settings,
+        would not start from: only what the optimizer's own constructor makes (Adagrad's
+        accumulators) is mirrored, by building the same optimizer in the cloud."""
+        optimizer, owns = self.optimizer, self.model.cloud_half.owns
+        entries = {p: entry for p, entry in optimizer.state.items() if entry and owns(p)}
+        if not entries:
+            return
+        made = initial_state.constructor_state(optimizer, owns, self.settings, self.sent)
+        if entries.keys() != made.keys() or not all(initial_state.same_entry(entries[p], made[p]) for p in made):
+            raise ConfigError(f"this {type(optimizer).__name__} already holds state for cloud parameters that its "
+                              "constructor did not make (written, or loaded before it was attached); the cloud's copy "
+                              "starts from the constructor's state: attach it before loading its state_dict")
+        for param, entry in entries.items():
+            initial_state.to_placeholders(entry, made[param])
+
+    def attached(self, op_id: int) -> None:
+        """Build the cloud's copy, as attachment ``op_id`` (the cloud builds each id once)."""
+        optimizer, cloud_names = self.optimizer, self.model.cloud_half.names_by_id
+        self._state, self._entries = optimizer.state, len(optimizer.state)  # as loaded from a checkpoint
+        owns = self.model.cloud_half.owns
+        for param, entry in list(optimizer.state.items()):
+            if entry and owns(param):  # the constructor's (Adagrad's step count is a real tensor): placeholders
+                optimizer.state[param] = initial_state.read_only(entry, cloud_names[id(param)], self.model.cloud_half)
+        self._initial = [(p, entry, dict(entry)) for p, entry in optimizer.state.items() if entry and owns(p)]
+        self._kept = ([p for p, _, _ in self._initial], [entry for _, entry, _ in self._initial])
+        self._stated = {cloud_names[id(p)] for p, _, _ in self._initial}
+        optimizer.register_state_dict_post_hook(self._with_cloud_entries)
+        groups = [{"names": [cloud_names[id(p)] for p in group["params"] if id(p) in cloud_names],
+                   "settings": settings} for group, settings in zip(optimizer.param_groups, self.sent)]
+        # The common case, one group of every cloud parameter, goes as small as it did before groups.
+        whole = len(groups) == 1 and len(groups[0]["names"]) == len(cloud_names) and self.sent[0] == self.settings
+        self.model.outbox.queue(AttachOptimizer(name=type(optimizer).__name__, settings=self.settings, id=op_id,
+                                                groups=None if whole else groups))
+
+    def _group_settings(self) -> tuple[list[dict[str, Any]], list[tuple] | None]:
+        """Each group's settings as sent, and their raw values when all are immutable (then, read
+        every step, unchanged ones need no conversion again)."""
+        raw = [tuple(map(group.get, self.settings)) for group in self.optimizer.param_groups]
+        immutable = all(_immutable(v) for values in raw for v in values)
+        if immutable and raw == self._raw:
+            return self.sent, self._raw
+        out = []
+        for group in self.optimizer.param_groups:
+            settings = {}
+            for key in self.settings:
+                if isinstance(group.get(key), torch.Tensor):
+                    raise ConfigError(f"{type(self.optimizer).__name__}'s {key} is a tensor: torch steps with it in "
+                                      "the tensor's own precision, which the cloud's copy would not repeat bit for "
+                                      f"bit; set it as a Python number (group[{key!r}] = float(value))")
+                value = plain_setting(group.get(key))
+                if value is NOT_PLAIN:
+                    raise ConfigError(f"{type(self.optimizer).__name__}'s {key} is {group.get(key)!r}; a split model "
+                                      "mirrors plain numbers and flags, not this")
+                settings[key] = value
+            out.append(settings)
+        return out, raw if immutable else None
+
+    def before_step(self) -> None:
+        """Refuse, before the step runs, what the mirror would not carry: groups added or changed."""
+        if _members(self.optimizer) != self.members:
+            raise ConfigError(f"{type(self.optimizer).__name__}'s parameter groups changed since it was attached "
+                              "(add_param_group, or a group's params list edited); a split model mirrors the groups "
+                              "it was attached with: build a new optimizer and attach it")
+        state = self.optimizer.state
+        if (state is not self._state or len(state) != self._entries or not self._entries_kept(state)
+                or (self._initial and not initial_state.unchanged(state, self._initial))):
+            self._check_state()
+        self._stepping = self._group_settings()  # refused now, if it cannot be sent, not after the step
+        self.model.cloud_half.hidden = True
+
+    def _check_state(self) -> None:
+        """The script changed the optimizer's state since the last step: fine for the edge's own
+        parameters' entries, but state written for a cloud parameter (beyond the entries its
+        constructor made, kept as they were), or entries cleared (a reset, which unsplit would
+        reset the cloud half's moments too), cannot be repeated in the cloud."""
+        state, owns = self.optimizer.state, self.model.cloud_half.owns
+        name = type(self.optimizer).__name__
+        if state is not self._state or len(state) < self._entries:
+            raise ConfigError(f"{name}'s state was reset since its last step (opt.state cleared or replaced, or "
+                              "load_state_dict); the cloud's copy keeps the cloud half's moments, so the halves would "
+                              "step differently. A split model cannot reset them: train on, or restart from a "
+                              "checkpoint (model.save_checkpoint / resume_from=)")
+        kept = {id(param): entry for param, entry in zip(*self._kept)}
+        if not initial_state.unchanged(state, self._initial) or any(
+                entry and kept.get(id(param)) is not entry for param, entry in state.items() if owns(param)):
+            raise ConfigError(f"{name}'s state was written for a cloud parameter; the cloud's copy of the optimizer "
+                              "keeps the cloud half's state, which the edge cannot set")
+        self._entries = len(state)
+
+    def _entries_kept(self, state: dict) -> bool:
+        """Whether each cloud parameter's entry is still the one the mirror put there (one look, by identity)."""
+        params, entries = self._kept
+        return not any(map(operator.is_not, map(state.get, params), entries))
+
+    def _state_made(self) -> None:
+        """After a step: the cloud parameters that had a gradient got state in the cloud's copy, as
+        they would in the unsplit optimizer; their entries here are made for the first one."""
+        cloud_half = self.model.cloud_half
+        new = cloud_half.has_grad - self._stated
+        self._stated |= new
+        ids = {id(cloud_half.params[name]): name for name in new}
+        made = initial_state.step_entries(self.optimizer, ids, cloud_half, self.settings, self.sent)
+        state = self.optimizer.state
+        for param, entry in made.items():
+            if not state.get(param):  # an entry the constructor made (Adagrad's) is kept as it is
+                state[param] = entry
+                self._kept[0].append(param)
+                self._kept[1].append(entry)
+
+    @contextlib.contextmanager
+    def edge_only(self) -> Iterator[None]:
+        """``state_dict()`` within holds the edge half's entries only (an edge checkpoint: the cloud
+        checkpoints its own)."""
+        self._edge_only = True
+        try:
+            yield
+        finally:
+            self._edge_only = False
+
+    def _cloud_params(self) -> dict[int, torch.Tensor]:
+        """The optimizer's cloud parameters by their index in its ``state_dict``."""
+        owns = self.model.cloud_half.owns
+        params = (p for group in self.optimizer.param_groups for p in group["params"])
+        return {i: p for i, p in enumerate(params) if owns(p)}
+
+    def _with_cloud_entries(self, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+        """``opt.state_dict()``: the cloud half's entries are its copy's, fetched (one round trip,
+        after the steps still on their way), as the tensors the unsplit optimizer would hold, so
+        the state dict saves, and loads into a split or an unsplit model alike. A shared half's
+        optimizer is every edge's: its entries are left out."""
+        cloud = self._cloud_params()
+        if not cloud:
+            return saved
+        state = {i: entry for i, entry in saved["state"].items() if i not in cloud}
+        if not (self._edge_only or self.model.link.shared):
+            fetched, names = self.model.link.optimizer_state(), self.model.cloud_half.names_by_id
+            for i, param in cloud.items():
+                arrays = fetched.get(names[id(param)])
+                if arrays:
+                    here = self.optimizer.state.get(param)  # placeholders, whose dtypes the values take
+                    state[i] = {key: _local_value(array, dict.get(here, key) if isinstance(here, dict) else None)
+                                for key, array in arrays.items()}
+            state = dict(sorted(state.items()))
+        saved["state"] = state
+        return saved
+
+    def load_state(self, saved: dict[str, Any], load: Callable[[torch.optim.Optimizer, dict], None]) -> None:
+        """``opt.load_state_dict(saved)``: the edge half's entries load here (``load``: torch's
+        own), the cloud half's go to the cloud's copy, which from then on holds exactly them, as
+        torch's load leaves the optimizer holding exactly what it loaded. Checked here first
+        against the layout the optimizer keeps, so a refused load changes nothing."""
+        name = type(self.optimizer).__name__
+        if self.model.link.shared:
+            raise ConfigError(f"{name}.load_state_dict over a shared cloud half: its optimizer is every edge's")
+        cloud, names, remote = self._cloud_params(), self.model.cloud_half.names_by_id, self.model.cloud_half
+        given = saved.get("state", {})
+        entries: dict[str, dict[str, Any]] = {}
+        layouts: dict[int, dict[str, Any]] = {}
+        expected = self._layout([p for i, p in cloud.items() if given.get(i)])
+        for i, param in cloud.items():
+            entry = given.get(i)
+            if not entry:
+                continue
+            pname = names[id(param)]
+            keys = expected.get(id(param), {})
+            found = {key: value for key, value in entry.items()}
+            if set(found) != set(keys) or not all(isinstance(v, torch.Tensor) and not isinstance(v, RemoteTensor)
+                                                  and tuple(v.shape) == keys[k][0] for k, v in found.items()):
+                raise ConfigError(f"{name}.load_state_dict: the entry of cloud parameter {pname!r} is not the state "
+                                  f"this {name} keeps ({sorted(keys)} with their shapes): a state dict of another "
+                                  "optimizer or model?")
+            entries[pname] = {key: _wire_value(value) for key, value in found.items()}
+            layouts[i] = keys
+        load(self.optimizer, {**saved, "state": {i: e for i, e in given.items() if i not in cloud}})
+        self.model.outbox.queue(LoadOptimizerState(entries=entries))
+        state = self.optimizer.state
+        for i, keys in layouts.items():
+            state[cloud[i]] = initial_state.placeholders(names[id(cloud[i])], keys, remote)
+        self._initial = []
+        self._kept = ([cloud[i] for i in layouts], [state[cloud[i]] for i in layouts])
+        self._stated = {names[id(cloud[i])] for i in layouts}
+        self._state, self._entries = state, len(state)
+
+    def unsplit(self, fetched: dict[str, dict[str, Any]] | None) -> None:
+        """The model is whole again: the cloud parameters' entries become the cloud's state
+        (``fetched``; None for a shared half's, which starts afresh here), placed as torch's own
+        load places a state, and the optimizer is no longer mirrored."""
+        optimizers.forget(self.optimizer)
+        names = self.model.cloud_half.names_by_id
+        state, index = self.optimizer.state, 0
+        packed = self.optimizer.state_dict()["param_groups"]  # the groups as a state dict holds them (ids)
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                name = names.get(id(param))
+                if name is not None:
+                    arrays = (fetched or {}).get(name)
+                    state.pop(param, None)
+                    if arrays:
+                        state[param] = {key: _placed(param, key, torch.tensor(array), index, packed)
+                                        for key, array in arrays.items()}
+                index += 1
+
+    def _layout(self, params: list[torch.Tensor]) -> dict[int, dict[str, Any]]:
+        """The state layout this optimizer keeps for ``params`` (by id); refused when not known."""
+        groups, members = [], []
+        wanted = {id(p) for p in params}
+        for group, sent in zip(self.optimizer.param_groups, self.sent):
+            found = [p for p in group["params"] if id(p) in wanted]
+            groups.append((sent, [(p.shape, p.dtype) for p in found]))
+            members.append(found)
+        layout = state_layout(type(self.optimizer), groups, self.settings)
+        if layout is None:
+            raise ConfigError(f"the state a {type(self.optimizer).__name__} keeps is not known ahead of its steps, so "
+                              "its cloud half's part cannot be loaded; use model.save_checkpoint(path) and "
+                              "split(..., resume_from=path)")
+        return {id(p): keys for found, group in zip(members, layout) for p, keys in zip(found, group)}
+
+    def after_step(self) -> None:
+        model = self.model
+        model.cloud_half.hidden = False
+        now, self._raw = self._stepping
+        if not model.cloud_half.has_grad <= self._stated:
+            self._state_made()
+        self._state, self._entries = self.optimizer.state, len(self.optimizer.state)
+        lrs: list[Any] = [group.get("lr") for group in now]
+        changes = [{k: v for k, v in group.items() if k != "lr" and v != before.get(k)}
+                   for group, before in zip(now, self.sent)]
+        self.sent = now
+        model.steps.step += 1
+        single = len(lrs) == 1
+        model.outbox.queue(Step(id=model.steps.step, lr=lrs[0] if single else None, lrs=None if single else lrs,
+                                changes=changes if any(changes) else None))
+        if model.link.shared:
+            # Other edges train the same cloud half: apply the step now, not with this edge's next
+            # message, so it lands between the other edges' steps where the user's loop put it.
+            model.link.sync()
+        model.on_step()
+
+
+def _local_value(array: Any, placeholder: Any) -> torch.Tensor:
+    """A fetched state value as the unsplit optimizer holds it (the placeholder's dtype: bfloat16
+    travels as float32)."""
+    value = torch.tensor(array)
+    return value.to(placeholder.dtype) if isinstance(placeholder, torch.Tensor) else value
+
+
+def _placed(param: torch.Tensor, key: str, value: torch.Tensor, index: int, groups: list) -> torch.Tensor:
+    """A state value where torch's ``load_state_dict`` puts it for ``param`` (its dtype and device,
+    a step count as it is)."""
+    place = getattr(torch.optim.Optimizer, "_process_value_according_to_param_policy", None)
+    if place is not None:
+        return place(param, value, index, groups, key)
+    return value.to(dtype=param.dtype, device=param.device) if value.is_floating_point() and key != "step" else value
+
+
+def _wire_value(value: torch.Tensor) -> Any:
+    """A state value as it travels (bfloat16, which numpy lacks, as float32: exact)."""
+    value = value.detach().cpu()
+    return (value.float() if value.dtype == torch.bfloat16 else value).numpy().copy()
+
+
+def _members(optimizer: torch.optim.Optimizer) -> list[tuple[int, ...]]:
+    return [tuple(map(id, group["params"])) for group in optimizer.param_groups]
+
+
+def _immutable(value: Any) -> bool:
+    """A setting that cannot change without being replaced (a list or a tensor can, in place)."""
+    return value is None or value.__class__ in _IMMUTABLE or (
+        value.__class__ is tuple and all(v.__class__ in _IMMUTABLE for v in value))
+
+
+_IMMUTABLE = {bool, int, float, str}
+
+
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What the cloud needs to build the same optimizer; refuses what it cannot rebuild by name."""
+    cls = type(optimizer)
+    if not cls.__module__.startswith("torch.optim") or getattr(torch.optim, cls.__name__, None) is not cls:
+        raise ConfigError(f"the cloud mirrors torch.optim optimizers by name; {cls.__qualname__} is not one of them")
+    closure = inspect.signature(cls.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ConfigError(f"{cls.__name__} steps by calling a closure (the loss evaluated again inside its step), "
+                          "which the cloud's copy of the optimizer cannot repeat; use an optimizer whose step takes "
+                          "the gradients as they are")
+    # Only what the constructor takes: AdamW keeps a 'decoupled_weight_decay' default that its
+    # __init__ does not accept, so mirroring every default would fail in the cloud.
+    accepted = inspect.signature(cls).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+    return {k: plain_setting(v) for k, v in optimizer.defaults.items()
+            if (takes_any or k in accepted) and plain_setting(v) is not NOT_PLAIN}
+
+
+NOT_PLAIN = object()
+
+
+def plain_setting(value: Any) -> Any:
+    """``value`` if msgpack can carry it as a setting, else a marker."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)) and all(isinstance(v, (bool, int, float)) for v in value):
+        return list(value)
+    return NOT_PLAIN
+
+
+__all__ = ["NOT_PLAIN", "OptimizerMirror", "optimizer_settings", "plain_setting"]
