@@ -12,7 +12,7 @@ import contextlib
 import inspect
 import operator
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -20,10 +20,20 @@ from ..errors import ConfigError
 from ..optimizer_layout import state_layout
 from ..wire.operations import AttachOptimizer, LoadOptimizerState, Step
 from . import initial_state, optimizers
+from .cloud_half import CloudHalf
 from .placeholders import RemoteTensor
 
-if TYPE_CHECKING:
-    from .mirror import ModelMirror
+
+class Owner(Protocol):
+    """What an optimizer's copy needs of its split model's mirror (:class:`~splitft.edge.mirror.ModelMirror`):
+    the session (``link``: ``shared``, ``sync``, ``optimizer_state``), where operations wait
+    (``outbox``), the step count (``steps``), the cloud half's tensors, what runs after each step."""
+
+    link: Any
+    outbox: Any
+    steps: Any
+    cloud_half: CloudHalf
+    on_step: Callable[[], None]
 
 
 class OptimizerMirror:
@@ -41,7 +51,7 @@ class OptimizerMirror:
         optimizer: the user's optimizer.
     """
 
-    def __init__(self, model: ModelMirror, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, model: Owner, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
         self.settings = optimizer_settings(optimizer)
         self.members = _members(optimizer)
@@ -365,4 +375,4 @@ def plain_setting(value: Any) -> Any:
     return NOT_PLAIN
 
 
-__all__ = ["NOT_PLAIN", "OptimizerMirror", "optimizer_settings", "plain_setting"]
+__all__ = ["NOT_PLAIN", "OptimizerMirror", "Owner", "optimizer_settings", "plain_setting"]

@@ -102,8 +102,13 @@ def _one_pass_each(out: CutTensor, loss: torch.Tensor) -> None:
     """Refuse, in the backward, two losses of one ``model(x)`` backpropagated in one pass (mixup's
     ``lam * crit(out, ya) + (1 - lam) * crit(out, yb)``). Unsplit, the cloud half ran once and
     its backward gets the two losses' gradients summed; here each loss ran the cloud half on its
-    own, whose gradients add up in another order (a silent drift of an ulp per step). Each loss's
-    hook notes its backward pass on the output it was made from (a set of numbers: no graph kept)."""
+    own, whose gradients add up in another order (a silent drift of an ulp per step). Looked at
+    once a second loss is made from the same ``out`` (a lone loss costs nothing): a hook on each
+    notes its backward pass."""
+    losses: list[torch.Tensor] = out.__dict__.setdefault("_splitft_losses", [])
+    losses.append(loss)
+    if len(losses) < 2:
+        return
     passes: set[int] = out.__dict__.setdefault("_splitft_passes", set())
 
     def once_per_pass(grad: torch.Tensor) -> None:
@@ -116,7 +121,14 @@ def _one_pass_each(out: CutTensor, loss: torch.Tensor) -> None:
                               "(1 - lam) * yb_onehot)), or cut a U-shape (rejoin=) so the losses run on the edge")
         passes.add(task)
 
-    loss.register_hook(once_per_pass)
+    try:
+        for each in losses[:-1] if len(losses) == 2 else ():
+            each.register_hook(once_per_pass)
+        loss.register_hook(once_per_pass)
+    except RuntimeError:  # a streamed loss, filled in when its step arrives, takes no hook
+        raise ConfigError("a second remote loss from one model(x) while steps are streamed: whether the two are "
+                          "backpropagated together (which the cloud cannot repeat bit for bit) cannot be told; "
+                          "make it one remote loss call") from None
 
 
 __all__ = ["CloudCall", "CutActivation", "CutTensor", "RemoteLoss", "call_parts"]
