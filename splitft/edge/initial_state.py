@@ -23,7 +23,7 @@ read with ``opt.state_dict()``, which fetches them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 import torch
@@ -154,12 +154,11 @@ def read_only(entry: dict[str, Any], name: str, remote: Any) -> CloudEntry:
                              for key, value in entry.items()})
 
 
-def step_entries(optimizer: torch.optim.Optimizer, params: dict[int, str], remote: Any, settings: dict[str, Any],
-                 group_settings: list[dict[str, Any]]) -> dict[torch.Tensor, CloudEntry]:
-    """The entries ``optimizer``'s step makes for the cloud parameters ``params`` (id -> name), as
-    :class:`CloudEntry` placeholders with the layout the optimizer keeps
-    (:func:`~splitft.optimizer_layout.state_layout`, with the settings the cloud receives). A
-    parameter whose step makes no state (SGD without momentum) gets no entry."""
+def layouts(optimizer: torch.optim.Optimizer, params: Container[int], settings: dict[str, Any],
+            group_settings: list[dict[str, Any]]) -> dict[int, dict[str, Layout]] | None:
+    """The state ``optimizer`` keeps for each of its parameters whose id is in ``params`` (by id),
+    with the settings the cloud receives (:func:`~splitft.optimizer_layout.state_layout`); None
+    when it cannot be known ahead of a step."""
     groups, members = [], []
     for group, sent in zip(optimizer.param_groups, group_settings):
         found = [p for p in group["params"] if id(p) in params]
@@ -167,9 +166,20 @@ def step_entries(optimizer: torch.optim.Optimizer, params: dict[int, str], remot
         members.append(found)
     layout = state_layout(type(optimizer), groups, settings)
     if layout is None:
-        return {p: CloudEntry(params[id(p)], {}, opaque=True) for found in members for p in found}
-    return {param: placeholders(params[id(param)], keys, remote)
-            for found, group in zip(members, layout) for param, keys in zip(found, group) if keys}
+        return None
+    return {id(p): keys for found, group in zip(members, layout) for p, keys in zip(found, group)}
+
+
+def step_entries(optimizer: torch.optim.Optimizer, params: dict[int, str], remote: Any, settings: dict[str, Any],
+                 group_settings: list[dict[str, Any]]) -> dict[torch.Tensor, CloudEntry]:
+    """The entries ``optimizer``'s step makes for the cloud parameters ``params`` (id -> name), as
+    :class:`CloudEntry` placeholders of the layout it keeps (:func:`layouts`). A parameter whose
+    step makes no state (SGD without momentum) gets no entry."""
+    found = layouts(optimizer, params, settings, group_settings)
+    members = [p for group in optimizer.param_groups for p in group["params"] if id(p) in params]
+    if found is None:
+        return {p: CloudEntry(params[id(p)], {}, opaque=True) for p in members}
+    return {p: placeholders(params[id(p)], found[id(p)], remote) for p in members if found[id(p)]}
 
 
 def placeholders(name: str, keys: dict[str, Layout], remote: Any) -> CloudEntry:
@@ -178,4 +188,4 @@ def placeholders(name: str, keys: dict[str, Layout], remote: Any) -> CloudEntry:
                              for key, (shape, dtype) in keys.items()})
 
 
-__all__ = ["CloudEntry", "constructor_state", "placeholders", "read_only", "same_entry", "step_entries", "to_placeholders", "unchanged"]
+__all__ = ["CloudEntry", "constructor_state", "layouts", "placeholders", "read_only", "same_entry", "step_entries", "to_placeholders", "unchanged"]

@@ -17,7 +17,6 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import ConfigError
-from ..optimizer_layout import state_layout
 from ..wire.operations import AttachOptimizer, LoadOptimizerState, Step
 from . import initial_state, optimizers
 from .cloud_half import CloudHalf
@@ -236,13 +235,12 @@ class OptimizerMirror:
                 continue
             pname = names[id(param)]
             keys = expected.get(id(param), {})
-            found = {key: value for key, value in entry.items()}
-            if set(found) != set(keys) or not all(isinstance(v, torch.Tensor) and not isinstance(v, RemoteTensor)
-                                                  and tuple(v.shape) == keys[k][0] for k, v in found.items()):
+            if set(entry) != set(keys) or not all(isinstance(v, torch.Tensor) and not isinstance(v, RemoteTensor)
+                                                  and tuple(v.shape) == keys[k][0] for k, v in entry.items()):
                 raise ConfigError(f"{name}.load_state_dict: the entry of cloud parameter {pname!r} is not the state "
                                   f"this {name} keeps ({sorted(keys)} with their shapes): a state dict of another "
                                   "optimizer or model?")
-            entries[pname] = {key: _wire_value(value) for key, value in found.items()}
+            entries[pname] = {key: _wire_value(value) for key, value in entry.items()}
             layouts[i] = keys
         load(self.optimizer, {**saved, "state": {i: e for i, e in given.items() if i not in cloud}})
         self.model.outbox.queue(LoadOptimizerState(entries=entries))
@@ -275,18 +273,12 @@ class OptimizerMirror:
 
     def _layout(self, params: list[torch.Tensor]) -> dict[int, dict[str, Any]]:
         """The state layout this optimizer keeps for ``params`` (by id); refused when not known."""
-        groups, members = [], []
-        wanted = {id(p) for p in params}
-        for group, sent in zip(self.optimizer.param_groups, self.sent):
-            found = [p for p in group["params"] if id(p) in wanted]
-            groups.append((sent, [(p.shape, p.dtype) for p in found]))
-            members.append(found)
-        layout = state_layout(type(self.optimizer), groups, self.settings)
-        if layout is None:
+        found = initial_state.layouts(self.optimizer, {id(p) for p in params}, self.settings, self.sent)
+        if found is None:
             raise ConfigError(f"the state a {type(self.optimizer).__name__} keeps is not known ahead of its steps, so "
                               "its cloud half's part cannot be loaded; use model.save_checkpoint(path) and "
                               "split(..., resume_from=path)")
-        return {id(p): keys for found, group in zip(members, layout) for p, keys in zip(found, group)}
+        return found
 
     def after_step(self) -> None:
         model = self.model
@@ -320,10 +312,7 @@ def _local_value(array: Any, placeholder: Any) -> torch.Tensor:
 def _placed(param: torch.Tensor, key: str, value: torch.Tensor, index: int, groups: list) -> torch.Tensor:
     """A state value where torch's ``load_state_dict`` puts it for ``param`` (its dtype and device,
     a step count as it is)."""
-    place = getattr(torch.optim.Optimizer, "_process_value_according_to_param_policy", None)
-    if place is not None:
-        return place(param, value, index, groups, key)
-    return value.to(dtype=param.dtype, device=param.device) if value.is_floating_point() and key != "step" else value
+    return torch.optim.Optimizer._process_value_according_to_param_policy(param, value, index, groups, key)
 
 
 def _wire_value(value: torch.Tensor) -> Any:
