@@ -67,6 +67,36 @@ def test_cloud_crash_mid_step_resumes_from_its_checkpoint(tmp_path):
     assert_same(weights, local_weights(data, accumulate=2))
 
 
+def test_a_replay_resends_what_was_sent_though_the_script_reused_its_buffers(tmp_path):
+    """A script that fills the same input and label tensors in place for every micro-batch: the
+    requests kept for a replay (since the cloud's last checkpoint) must hold what was sent, not
+    what the buffers hold by the time the cloud comes back."""
+    data = _data(4)
+    cloud = RestartableCloud(tmp_path / "ck")
+    model = splitft.split(mlp(), 2, factory=MLP, connect=cloud.connect, faults=Faults(timeout=0.5, heartbeat=0))
+    xb, yb = torch.empty(8, 12), torch.empty(8, dtype=torch.int64)
+    try:
+        opt = model.attach(torch.optim.Adam(model.parameters(), lr=0.01))
+        crit = model.remote_loss(nn.CrossEntropyLoss())
+        for i, (x, y) in enumerate(data):
+            for j in range(2):
+                xb.copy_(x[8 * j:8 * (j + 1)])
+                yb.copy_(y[8 * j:8 * (j + 1)])
+                loss = crit(model(xb), yb) / 2
+                if (i, j) in ((1, 1), (3, 1)):  # the first micro-batch's requests are replayed
+                    cloud.crash()
+                    cloud.start()
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+        weights = {**model.edge_state_dict(), **model.cloud_state_dict()}
+        assert model.session.recoveries >= 2
+    finally:
+        model.close()
+        cloud.crash()
+    assert_same(weights, local_weights(data, accumulate=2))
+
+
 def test_a_goodbye_to_a_cloud_that_restarted_ends_the_session_there(tmp_path):
     """The cloud restarts between the last step and the goodbye: the edge gets the session back
     to end it, so the cloud counts it as ended (``--sessions N`` exits) and drops its checkpoints,

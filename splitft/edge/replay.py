@@ -9,30 +9,49 @@ from dataclasses import dataclass, field
 
 @dataclass
 class _Entry:
-    frames: list[bytes]
+    frames: list
     steps: list[int] = field(default_factory=list)  # optimizer step ids the request carries
     checkpoint: bool = False  # the request asks the cloud for a checkpoint
     nbytes: int = 0
+    borrowed: bool = False  # ``frames`` are the sent objects themselves (views of live tensors)
 
 
 class ReplayLog:
-    """Requests that may have to be sent again, by sequence number, as the bytes sent."""
+    """Requests that may have to be sent again, by sequence number, as the bytes sent.
+
+    The frames may be views of tensors a script can change once it has control again, so the log
+    keeps its own copy of each. A request whose reply is read before the script runs again (a
+    synchronous step: every request of a plain training loop) may be logged *borrowed*, the frames
+    themselves: nothing can change them while it is in flight, and when its reply comes without a
+    checkpoint to wait for it is dropped, so most steps never copy their activation at all.
+    :meth:`own` copies whatever borrowed entry is still kept, before control goes back.
+    """
 
     def __init__(self) -> None:
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._borrowed: set[int] = set()
         self.nbytes = 0
 
-    def add(self, seq: int, frames: list, steps: list[int], checkpoint: bool = False) -> None:
-        # Our own copy: the frames may be views of tensors the caller changes later.
-        copies = [memoryview(f).tobytes() for f in frames]
+    def add(self, seq: int, frames: list, steps: list[int], checkpoint: bool = False, borrowed: bool = False) -> None:
+        kept = list(frames) if borrowed else [memoryview(f).tobytes() for f in frames]
         self.drop(seq)
-        self._entries[seq] = _Entry(copies, list(steps), checkpoint, sum(len(f) for f in copies))
+        self._entries[seq] = _Entry(kept, list(steps), checkpoint, sum(memoryview(f).nbytes for f in kept), borrowed)
         self.nbytes += self._entries[seq].nbytes
+        if borrowed:
+            self._borrowed.add(seq)
+
+    def own(self) -> None:
+        """Copy the frames of every borrowed entry still kept (the script is about to run again)."""
+        for seq in list(self._borrowed):
+            entry = self._entries[seq]
+            entry.frames, entry.borrowed = [memoryview(f).tobytes() for f in entry.frames], False
+        self._borrowed.clear()
 
     def drop(self, seq: int) -> None:
         entry = self._entries.pop(seq, None)
         if entry is not None:
             self.nbytes -= entry.nbytes
+            self._borrowed.discard(seq)
 
     def trim_before(self, seq: int) -> None:
         """Forget every request numbered below ``seq``."""

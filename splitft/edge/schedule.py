@@ -18,6 +18,7 @@ import logging
 import math
 import threading
 from dataclasses import dataclass, field
+from contextlib import AbstractContextManager
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -96,6 +97,7 @@ class Stage(Protocol):
                       params: bool = True) -> None: ...
     def receive_input_grads(self, call: Call, part: Part) -> list[torch.Tensor | None]: ...
     def eager_input_grads(self, call: Call, part: Part, scale: torch.Tensor) -> list[torch.Tensor | None]: ...
+    def borrowing(self) -> AbstractContextManager[None]: ...
 
 
 class Ops(Protocol):
@@ -139,13 +141,14 @@ class Scheduler:
             rows = partition(call, leaves, self.options.micro_batches)
             ops = self.ops.take()
             inputs = []
-            for j, part_rows in enumerate(rows):
-                ids = call.sample_ids[part_rows] if call.sample_ids is not None and call.batch else call.sample_ids
-                part = Part(next(self._ids), part_rows, ids)
-                inputs.append(part_inputs(call, leaves, part))
-                self.stage.send_forward(call, part, inputs[-1], ops if j == 0 else [])
-                call.parts.append(part)
-            outputs = [self.stage.receive_output(call, part, x) for part, x in zip(call.parts, inputs)]
+            with self.stage.borrowing():  # every reply is read before the script runs again
+                for j, part_rows in enumerate(rows):
+                    ids = call.sample_ids[part_rows] if call.sample_ids is not None and call.batch else call.sample_ids
+                    part = Part(next(self._ids), part_rows, ids)
+                    inputs.append(part_inputs(call, leaves, part))
+                    self.stage.send_forward(call, part, inputs[-1], ops if j == 0 else [])
+                    call.parts.append(part)
+                outputs = [self.stage.receive_output(call, part, x) for part, x in zip(call.parts, inputs)]
             joined = join_outputs(call, outputs, self.loss_reduction)
             self._remember(call, joined)
             return joined
@@ -249,16 +252,19 @@ class Scheduler:
                     part.eager_grads = None
             ops = self.ops.take()
             sent_ops = False
-            for part in call.parts:
-                if part.eager_grads is None and not call.streamed:
-                    self.stage.send_backward(call, part, part_output_grads(call, part, grads), [] if sent_ops else ops,
-                                             params=params)
-                    sent_ops = True
-            if not sent_ops:
-                self.ops.requeue(ops)  # nothing was sent: the operations wait for the next message
-            if call.stash is not None and not call.streamed:  # delayed-gradient mode, a synchronous step
-                return self._backprop_edge(call, self._input_grads(call, grads))
-            return self._input_grads(call, grads, params)
+            with self.stage.borrowing():  # every reply is read before the script runs again
+                for part in call.parts:
+                    if part.eager_grads is None and not call.streamed:
+                        self.stage.send_backward(call, part, part_output_grads(call, part, grads),
+                                                 [] if sent_ops else ops, params=params)
+                        sent_ops = True
+                if not sent_ops:
+                    self.ops.requeue(ops)  # nothing was sent: the operations wait for the next message
+                if call.stash is not None and not call.streamed:  # delayed-gradient mode, a synchronous step
+                    input_grads = self._input_grads(call, grads)
+                else:
+                    return self._input_grads(call, grads, params)
+            return self._backprop_edge(call, input_grads)  # runs the script's hooks: out of the scope
 
     def _backprop_edge(self, call: Call, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Backpropagate the cut's gradients through the edge's graph (kept apart from the call's)."""

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from compressors import CodecContext
@@ -38,6 +40,7 @@ class Requests(Protocol):
     def await_reply(self, seq: int, expect: Expect, timer: str = "wait") -> Reply: ...
     def exchange(self, msg: Message, kind: str, expect: Expect, traffic: Traffic | None = None,
                  timer: str = "wait") -> Reply: ...
+    def borrowing(self) -> AbstractContextManager[None]: ...
 
 
 class CloudStage:
@@ -76,6 +79,11 @@ class CloudStage:
         return self.requests.checkpoint_every <= 0
 
     # ------------------------------------------------------------ forward
+
+    def borrowing(self) -> AbstractContextManager[None]:
+        """A scope whose requests have their replies read before the script runs again: their
+        frames are logged for a replay without a copy (:meth:`EdgeSession.borrowing`)."""
+        return self.requests.borrowing()
 
     def _context(self, call: Call, part: Part, resync: bool = False) -> CodecContext:
         """The activation context; what comes back is decoded where the call's tensors live."""
