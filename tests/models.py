@@ -76,20 +76,20 @@ def tiny_bert_pretrained(seed: int = 0) -> nn.Module:
         return BertForSequenceClassification(config).eval()
 
 
-def tiny_hf(kind: str = "bert", seed: int = 0) -> nn.Module:
-    """A randomly initialised transformers model without dropout (its randomness would differ
-    between the halves): ``"bert"`` for sequence classification, ``"llama"`` a causal LM."""
+def tiny_hf(kind: str = "bert", seed: int = 0, dropout: float = 0.0) -> nn.Module:
+    """A randomly initialised transformers model, without dropout unless asked for (hidden and
+    attention): ``"bert"`` for sequence classification, ``"llama"`` a causal LM."""
     import transformers
 
     if kind == "bert":
         config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
                                          intermediate_size=37, max_position_embeddings=64, num_labels=3,
-                                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+                                         hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
         cls = transformers.BertForSequenceClassification
     elif kind == "llama":
         config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                          tie_word_embeddings=False)
+                                          tie_word_embeddings=False, attention_dropout=dropout)
         cls = transformers.LlamaForCausalLM
     else:
         raise ValueError(f"tiny_hf knows 'bert' and 'llama', not {kind!r}")
@@ -103,6 +103,14 @@ def mlp_dropout(seed: int = 0) -> nn.Sequential:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 3))
+
+
+def mlp_dropout_everywhere(seed: int = 0) -> nn.Sequential:
+    """Dropout before every cut and after: cut at 3 (and rejoined at 6 for a U-shape), each piece draws."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(12, 16), nn.Dropout(0.3), nn.ReLU(), nn.Linear(16, 16), nn.Dropout(0.5),
+                             nn.ReLU(), nn.Linear(16, 16), nn.Dropout(0.2), nn.Linear(16, 3))
 
 
 def mlp_batchnorm(seed: int = 0) -> nn.Sequential:

@@ -51,7 +51,10 @@ def test_raw_payload_and_ratio_per_direction(inproc_cloud, eager):
         assert activations.raw == 3 * (4 * cut + labels)
         assert activations.payload == 3 * (2 * cut + labels)
         assert gradients.raw == 3 * 4 * cut and gradients.payload == 3 * 2 * cut
-        assert activations.payload < activations.wire < activations.payload + 3 * 1024  # headers are small
+        # headers are small; the first forward also carries the edge's generator state, which
+        # the half (no dropout) turns out not to need, so the others go without
+        state = torch.get_rng_state().numel()
+        assert activations.payload + state < activations.wire < activations.payload + 3 * 1024 + state
         if eager:  # the gradient rode on the loss's reply: no message, no header of its own
             assert gradients.messages == 0 and gradients.ratio == 2.0
             assert model.metrics.bytes[("up", "gradient")].messages == 0  # no backward request either

@@ -1,12 +1,15 @@
-"""Dropout in the cloud half draws from the session's own generator, not the cloud process's.
+"""Dropout in the cloud half draws the unsplit model's masks, and no other edge's traffic changes them.
 
-A real cloud process serves an edge alone, then the same edge again while another edge trains
-in between its steps: the first edge's weights must come out the same both times. Drawn from the
-process's generator, its masks would depend on the other edge's traffic and on its own earlier run.
+The host generator runs through both halves in the unsplit model's order (the edge sends its state
+when it changed, the cloud sends back the state its dropout left): a script seeded with
+``torch.manual_seed`` trains a model with dropout on both sides of the cut to the unsplit run's
+weights, bit for bit. Between two draws of one edge, the cloud keeps the session's stream apart
+from the process's generator, which its other sessions draw from.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -45,9 +48,11 @@ def test_an_edge_draws_the_same_dropout_masks_whoever_else_trains(tmp_path):
             neighbour = _edge(address, seed=1) if other else None
             if neighbour is not None:
                 neighbour_crit = neighbour[0].remote_loss(nn.CrossEntropyLoss())
+            torch.manual_seed(0)
             for i, (x, y) in enumerate(data):
                 if neighbour is not None:  # the other edge's dropout runs between this edge's steps
-                    _step(neighbour[0], neighbour[1], neighbour_crit, *neighbour[2][i])
+                    with torch.random.fork_rng(devices=[]):  # its own generator, as in a process of its own
+                        _step(neighbour[0], neighbour[1], neighbour_crit, *neighbour[2][i])
                 _step(model, opt, crit, x, y)
             finals.append(model.cloud_state_dict())
             model.close()
@@ -55,9 +60,10 @@ def test_an_edge_draws_the_same_dropout_masks_whoever_else_trains(tmp_path):
                 neighbour[0].close()
         for name, value in finals[0].items():
             assert torch.equal(value, finals[1][name]), name
-        # and dropout did act: an edge with another seed draws other masks
-        model, opt, data = _edge(address, seed=2)
+        # and dropout did act: an edge whose generator is seeded otherwise draws other masks
+        model, opt, data = _edge(address, seed=0)
         crit = model.remote_loss(nn.CrossEntropyLoss())
+        torch.manual_seed(2)
         for x, y in _edge_data(seed=0):
             _step(model, opt, crit, x, y)
         other_seed = model.cloud_state_dict()
@@ -91,3 +97,167 @@ def test_starting_a_cloud_in_this_process_leaves_its_generator_alone():
         assert torch.equal(torch.get_rng_state(), before)
     finally:
         server.stop()
+
+
+EVERYWHERE = "tests.models:mlp_dropout_everywhere"
+
+
+def _seeded_loop(model: nn.Module, crit: nn.Module, seed: int) -> torch.Tensor:
+    """A user's loop: seeded, a shuffling DataLoader (it draws its order from the same generator),
+    dropout on the edge, in the cloud and (U-shape) after it again. Returns the generator's state."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(5)
+    data = TensorDataset(torch.randn(48, 12, generator=gen), torch.randint(0, 3, (48,), generator=gen))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for _ in range(2):
+        for x, y in DataLoader(data, batch_size=16, shuffle=True):
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+    return torch.get_rng_state()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("rejoin", [None, 6], ids=["plain", "ushape"])
+def test_dropout_on_both_sides_trains_as_the_unsplit_model_bit_for_bit(tmp_path, rejoin):
+    from tests.models import mlp_dropout_everywhere
+
+    proc, address, err = start_cloud(tmp_path, "--sessions", "0", "--model", EVERYWHERE)
+    try:
+        local = mlp_dropout_everywhere()
+        local_rng = _seeded_loop(local, nn.CrossEntropyLoss(), seed=3)
+        net = mlp_dropout_everywhere()
+        model = splitft.split(net, 3, rejoin, factory=EVERYWHERE, connect=address, faults=Faults(timeout=30))
+        with model:
+            crit = nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss())
+            split_rng = _seeded_loop(model, crit, seed=3)
+            state = model.state_dict()
+        for name, value in local.state_dict().items():
+            assert torch.equal(state[name], value), name
+        assert torch.equal(split_rng, local_rng)  # the script's generator went on as unsplit
+        # the masks mattered: another seed trains other weights
+        other = mlp_dropout_everywhere()
+        _seeded_loop(other, nn.CrossEntropyLoss(), seed=4)
+        assert any(not torch.equal(v, other.state_dict()[n]) for n, v in state.items())
+    finally:
+        stop(proc)
+        print(err.text[-2000:])
+
+
+def test_a_generator_state_is_checked_before_the_cloud_takes_it():
+    from splitft.cloud.randomness import HOST_STATE_BYTES, edge_generator_state
+    from splitft.errors import ProtocolError
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        fresh = torch.get_rng_state().numpy()
+        torch.rand(3)
+        drawn = torch.get_rng_state().numpy()
+    for good in (fresh, drawn):
+        assert torch.equal(edge_generator_state(good), torch.from_numpy(good))
+    shifted = drawn.copy()
+    shifted[16:24] = np.array([624], dtype=np.uint64).view(np.uint8)  # reads would run past the state
+    unseeded = drawn.copy()
+    unseeded[12:16] = 0
+    for bad in (drawn[:-1], drawn.astype(np.int16), drawn.reshape(2, -1), list(drawn), shifted, unseeded,
+                np.zeros(HOST_STATE_BYTES, np.uint8)):
+        with pytest.raises(ProtocolError, match="forward.rng"):
+            edge_generator_state(bad)
+
+
+def test_a_malformed_generator_state_is_refused_and_the_session_goes_on(monkeypatch):
+    from splitft.cloud import CloudServer, serve_in_thread
+    from splitft.errors import ProtocolError
+    from transports import InprocListener
+
+    listener = InprocListener()
+    server = CloudServer(listener, [MODEL])
+    thread = serve_in_thread(server)
+    try:
+        model, opt, data = _edge(listener.connect, seed=0)
+        with model:
+            crit = model.remote_loss(nn.CrossEntropyLoss())
+            x, y = data[0]
+            tampered = torch.zeros(torch.get_rng_state().numel(), dtype=torch.uint8)
+            with monkeypatch.context() as patch:
+                patch.setattr(torch, "get_rng_state", lambda: tampered)
+                with pytest.raises(ProtocolError, match="generator state"):
+                    crit(model(x), y)
+            _step(model, opt, crit, x, y)  # the edge's real state goes with the next forward
+            model.sync()  # the step rides on the next message
+            (session,) = server.sessions.values()
+            assert session.mirrored.steps == 1
+    finally:
+        server.stop()
+        thread.join(timeout=10)
+
+
+def _inproc_cloud(*factories: str):
+    from splitft.cloud import CloudServer, serve_in_thread
+    from transports import InprocListener
+
+    listener = InprocListener()
+    server = CloudServer(listener, list(factories))
+    return listener, server, serve_in_thread(server)
+
+
+def test_the_state_goes_only_where_the_half_may_draw():
+    """A half without dropout: the edge's state goes with the first training forward, which learns
+    that the half draws nothing, and never again, though the script reseeds before every step; a
+    half with dropout gets it with every forward after the edge's generator moved."""
+    from splitft.wire import protocol
+    from tests.faulty import FaultyConnection
+    from tests.models import mlp
+
+    listener, server, thread = _inproc_cloud("tests.models:mlp", MODEL)
+    sent: dict[str, list[bool]] = {"tests.models:mlp": [], MODEL: []}
+    try:
+        for factory, net in (("tests.models:mlp", mlp()), (MODEL, mlp_dropout())):
+            def note(frames, factory=factory) -> int:
+                msg = protocol.decode([bytes(memoryview(f)) for f in frames])
+                if isinstance(msg, protocol.Forward):
+                    sent[factory].append(msg.rng is not None)
+                return 1
+
+            model = splitft.split(net, 2, factory=factory, connect=lambda: FaultyConnection(listener.connect(), note))
+            with model:
+                opt = model.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+                crit = model.remote_loss(nn.CrossEntropyLoss())
+                for i, (x, y) in enumerate(_edge_data(seed=0)):
+                    torch.manual_seed(i)
+                    _step(model, opt, crit, x, y)
+        assert sent["tests.models:mlp"] == [True] + [False] * (STEPS - 1)
+        assert sent[MODEL] == [True] * STEPS
+    finally:
+        server.stop()
+        thread.join(timeout=10)
+
+
+def test_monte_carlo_dropout_at_inference_draws_the_unsplit_masks():
+    """``model.eval()`` with the dropout layers put back in training mode (Monte Carlo dropout for
+    an uncertainty estimate): the cloud half's predictions are the unsplit model's, sample by sample."""
+    def mc_predictions(model, predict) -> list[torch.Tensor]:
+        model.eval()
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                module.train()
+        torch.manual_seed(11)
+        x = _edge_data(seed=3)[0][0]
+        with torch.no_grad():
+            return [predict(x) for _ in range(4)]
+
+    local = mlp_dropout()
+    expected = mc_predictions(local, local)
+    listener, server, thread = _inproc_cloud(MODEL)
+    try:
+        model = splitft.split(mlp_dropout(), 2, factory=MODEL, connect=listener.connect)
+        with model:
+            got = mc_predictions(model, model.predict)
+    finally:
+        server.stop()
+        thread.join(timeout=10)
+    assert not torch.equal(expected[0], expected[1])  # the masks differ from sample to sample
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)

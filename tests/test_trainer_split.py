@@ -85,6 +85,21 @@ def test_trainer_with_its_defaults_trains_the_split_model_exactly_like_the_unspl
     assert len(written) >= len(local_state) - 1  # (a tied weight may be written once)
 
 
+@pytest.mark.parametrize("kind", ["bert", "llama"])
+def test_trainer_trains_a_model_with_dropout_split_exactly_like_the_unsplit_one(hf_cloud, tmp_path, kind):
+    """Dropout on the edge's layers, in the cloud's and in the edge's again after them (attention
+    and hidden dropout): the masks are the unsplit run's, so the weights are too, bit for bit."""
+    _, local_state = _train(tiny_hf(kind, dropout=0.1), kind, tmp_path / "local")
+    _, no_dropout = _train(tiny_hf(kind), kind, tmp_path / "plain")
+    model = splitft.split(tiny_hf(kind, dropout=0.1), CUTS[kind],
+                          factory=splitft.Factory(FACTORY, {"kind": kind, "dropout": 0.1}), connect=hf_cloud)
+    with model:
+        _, state = _train(model, kind, tmp_path / "split")
+    for name, value in local_state.items():
+        assert torch.equal(state[name], value), name
+    assert any(not torch.equal(value, no_dropout[name]) for name, value in local_state.items())  # it dropped
+
+
 def test_an_accelerate_loop_trains_the_split_model_exactly_like_the_unsplit_one(hf_cloud):
     from accelerate import Accelerator
 

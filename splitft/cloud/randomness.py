@@ -3,10 +3,15 @@
 Dropout draws from torch's global generator, which a cloud process shares among all its
 sessions. Drawn from there, one edge's masks would depend on every other edge's traffic, and on
 whichever session last resumed from a checkpoint (which used to restore the process's state). So
-each session keeps a generator state of its own, seeded from the seed the edge sent in its hello,
-and the half computes with that state swapped in: the same script against the same cloud gives
-the same weights however many other edges the cloud serves, and a resumed session continues its
-own stream.
+each session keeps a generator state of its own and the half computes with that state swapped in.
+
+The state is the edge's: a forward carries the edge's host generator state whenever it changed
+since the cloud last had it (``forward.rng``), and a forward that drew sends the state it left
+back (``output.rng``), which the edge goes on from. The host's generator thus runs through both
+halves in the unsplit model's order, and a half with dropout draws the unsplit model's masks, bit
+for bit, on a host half. Until an edge sends its state (and for an accelerator's draws) the stream
+is seeded from the seed of the hello: the same script against the same cloud gives the same
+weights however many other edges the cloud serves, and a resumed session continues its own stream.
 
 Sessions may compute at the same time (a heavy request runs on a worker thread, :mod:`.jobs`),
 and the process has one generator: a half that draws holds :data:`GENERATOR` while its state is
@@ -25,10 +30,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
+
+from ..errors import ProtocolError
 
 #: Spreads (seed, stream) pairs apart: stream s of seed k is seeded with k * STRIDE + s.
 STRIDE = 1_000_003
+#: Bytes of torch's host generator state (``torch.get_rng_state()``): what ``forward.rng`` must hold.
+HOST_STATE_BYTES = torch.get_rng_state().numel()
 #: Held by a session while its states are the process's (re-entrant: a caller may take it first).
 GENERATOR = threading.RLock()
 #: Per kind of half: per mode (training?), whether its forward drew random numbers.
@@ -95,6 +105,10 @@ class SessionRandom:
                 if cuda:
                     self.accelerator = torch.cuda.get_rng_state(self.device)
 
+    def follow(self, state: torch.Tensor) -> None:
+        """Go on from the edge's host generator state (checked by :func:`edge_generator_state`)."""
+        self.host = state
+
     def state(self) -> dict[str, torch.Tensor]:
         """For a checkpoint."""
         return {"rng": self.host} | ({"cuda_rng": self.accelerator} if self.accelerator is not None else {})
@@ -106,6 +120,29 @@ class SessionRandom:
             self.accelerator = tree["cuda_rng"].clone()
 
 
+def edge_generator_state(value: Any) -> torch.Tensor:
+    """A host generator state an edge sent, as a tensor of our own; :class:`ProtocolError` when it
+    is not one torch's generator accepts (checked on a scratch generator: nothing is set yet)."""
+    if not (isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.shape == (HOST_STATE_BYTES,)):
+        shape = getattr(value, "shape", None)
+        raise ProtocolError(f"forward.rng must be {HOST_STATE_BYTES} bytes of a host generator state (uint8), "
+                            f"got {type(value).__name__} {getattr(value, 'dtype', '')} {shape if shape else ''}")
+    # Where the Mersenne twister reads next: torch checks each bound alone, but only a position
+    # whose words left and read add up (or the freshly seeded one) keeps its reads inside the state.
+    left, position = int(value[8:12].view(np.int32)[0]), int(value[16:24].view(np.uint64)[0])
+    if not (left + position == _MT_WORDS + 1 and 1 <= left <= _MT_WORDS or (left, position) == (1, 0)):
+        raise ProtocolError(f"forward.rng is not a host generator state: position {position} with {left} words left")
+    state = torch.from_numpy(value.copy())
+    try:
+        torch.Generator().set_state(state)
+    except RuntimeError as exc:
+        raise ProtocolError(f"forward.rng is not a host generator state: {exc}") from None
+    return state
+
+
+_MT_WORDS = 624  # the Mersenne twister's state, in 32-bit words
+
+
 def half_kind(hello: Any) -> str:
     """Which half a hello asks for, whatever its codecs and seed: halves of one kind run one code."""
     return repr((hello.factory, sorted(hello.factory_kwargs.items()), hello.cut, hello.rejoin, hello.fingerprint))
@@ -115,4 +152,4 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a is None and b is None or a is not None and b is not None and torch.equal(a, b)
 
 
-__all__ = ["GENERATOR", "SessionRandom", "half_kind"]
+__all__ = ["GENERATOR", "HOST_STATE_BYTES", "SessionRandom", "edge_generator_state", "half_kind"]

@@ -46,7 +46,7 @@ from .graphs import Graphs, Pending
 from .half import Half, SharedPart, host_state, load_initial
 from .handlers import Mirrored, apply_ops
 from .limits import Limits
-from .randomness import SessionRandom, half_kind
+from .randomness import SessionRandom, edge_generator_state, half_kind
 from .replies import Replies
 
 log = logging.getLogger(__name__)
@@ -180,13 +180,19 @@ class CloudSession:
 
     def forward(self, msg: Forward) -> Output:
         watch = Stopwatch()
+        edge_rng = edge_generator_state(msg.rng) if msg.rng is not None else None
         ctx = self.context("activation", msg.train, msg.step, msg.sample_ids)
         with watch("codec"):
             inputs = decode_forward(msg, self.codecs, ctx, self.half.ushape, self.check_decode)
         self.seat.working()
         flops = prices.forward(self, msg, inputs)  # refused here, before the half runs
+        if edge_rng is not None:
+            self.random.follow(edge_rng)
+        rng_before = self.random.host
         with watch("compute"):
             leaves, value, saved = self.run(inputs, msg.train, msg.grad, msg.autocast)
+        rng_after = self.random.host
+        drew = rng_after is not rng_before and not torch.equal(rng_after, rng_before)
         with watch("codec"):
             outs, out_skel = flatten(value)
             stream = stream_index(out_skel) if self.half.ushape else None
@@ -203,7 +209,7 @@ class CloudSession:
         elif msg.grad:
             self.keep_graph(msg, leaves, inputs, outs, out_coded, saved, flops)
         return Output(call=msg.call, value=to_wire(out_skel, entries), timings=watch.seconds, grads=eager_grads,
-                      unreached=unreached)
+                      unreached=unreached, rng=rng_after.numpy() if drew else None)
 
     def _eager_backward(self, msg: Forward, loss: torch.Tensor, leaves: list[torch.Tensor], inputs: Inputs,
                         watch: Stopwatch) -> list[dict | None]:

@@ -195,8 +195,8 @@ class SplitModel(nn.Module):
     def _remote(self, args: tuple, kwargs: dict, target: Any = None) -> Any:
         """A call of the cloud half, once the cloud knows what the script changed on its modules."""
         self.ghosts.refuse_batch_statistics(self.scheduler.options.micro_batches)
-        self._mirror_module_state()
-        return self.caller(args, kwargs, target, train=self.training, trainable=self.mirror.trainable)
+        modes = self._mirror_module_state()
+        return self.caller(args, kwargs, target, train=self.training, trainable=self.mirror.trainable, modes=modes)
 
     def _trunk(self, *args: Any, **kwargs: Any) -> Any:
         """U-shape: run the cloud's trunk on what the model passes to its first module."""
@@ -226,9 +226,12 @@ class SplitModel(nn.Module):
         """The optimizer the cloud mirrors (None before one is attached)."""
         return self.mirror.optimizer
 
-    def _mirror_module_state(self) -> None:
-        """Tell the cloud what the script changed on its modules by name (frozen parameters, modes)."""
-        self.mirror.module_state(self.ghosts.flipped(self.training))
+    def _mirror_module_state(self) -> tuple[str, ...]:
+        """Tell the cloud what the script changed on its modules by name (frozen parameters, modes);
+        returns the modules whose mode is not the model's."""
+        flipped = self.ghosts.flipped(self.training)
+        self.mirror.module_state(flipped)
+        return tuple(flipped)
 
     def _fetch_norms(self, norm_type: float) -> list[float | None]:
         """The cloud's norm of each of its gradients (after what changed on its modules)."""

@@ -45,6 +45,7 @@ class Part:
     out_grad: list[bool] = field(default_factory=list)
     eager_grads: tuple | None = None  # parsed input gradients that came with the output (eager backward)
     seq: int = 0  # request number of its forward, then of its backward
+    rng_sent: bool = False  # its forward carried the edge's generator state
 
 
 @dataclass
@@ -73,6 +74,7 @@ class Call:
     backpropagated: bool = False  # its backward went to the cloud, which then freed the call's graph
     cloud_half: Any = None  # the edge's record of the cloud's gradients (splitft.edge.cloud_half), told of the backward
     trainable: frozenset[str] = frozenset()  # the cloud parameters that required a gradient at the forward
+    modes: tuple[str, ...] = ()  # the cloud modules whose mode differed from the call's (by name)
     #: Those of them the cloud said its graph did not reach (across the parts' replies); None: no word yet.
     unreached: set[str] | None = None
 

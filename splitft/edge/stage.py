@@ -60,6 +60,10 @@ class CloudStage:
         self.ushape = ushape
         #: Optimizer steps taken: the id of the latest step (the cloud applies each once), in every codec context.
         self.step = step
+        #: The host generator state the cloud half's stream is at, as far as this edge knows (None: not known).
+        self._rng_synced: torch.Tensor | None = None
+        #: Whether the half's forward draws random numbers, learnt per (training?, modules in the other mode).
+        self._cloud_draws: dict[tuple[bool, tuple[str, ...]], bool] = {}
 
     def check(self, call: Call) -> None:
         """Refuse a training call without sample ids when a codec keeps state per sample."""
@@ -99,8 +103,43 @@ class CloudStage:
             entries, part.sent = self.codecs.encode(leaves, stream_index(args_skel), "fwd", ctx, call.in_grad, traffic)
         msg = Forward(call=part.id, train=call.train, grad=call.grad, args=to_wire(args_skel, entries),
                       kwargs=to_wire(kwargs_skel, entries), target=to_wire(target_skel, entries), ops=ops,
-                      step=self.step, sample_ids=part.sample_ids, eager=call.eager, autocast=call.autocast)
+                      step=self.step, sample_ids=part.sample_ids, eager=call.eager, autocast=call.autocast,
+                      rng=self._rng_to_send(call))
+        part.rng_sent = msg.rng is not None
         return msg, traffic
+
+    def _rng_to_send(self, call: Call) -> np.ndarray | None:
+        """The host generator's state, when it changed since the cloud half's stream was at it (the
+        edge drew, the script seeded) and the half may draw in these modes: its dropout then draws on
+        from where the edge's left off, as in the unsplit model (:mod:`splitft.cloud.randomness`)."""
+        if self._cloud_draws.get((call.train, call.modes)) is False:
+            return None
+        state = torch.get_rng_state()
+        if self._rng_synced is not None and torch.equal(state, self._rng_synced):
+            return None
+        self._rng_synced = state
+        return state.numpy()
+
+    def _follow_cloud_rng(self, call: Call, part: Part, reply: Output) -> None:
+        """Learn whether the half draws in these modes; when it drew, the edge's generator goes on
+        from the state it left, as the unsplit model's next draw would (not for a streamed step,
+        whose reply comes after the script ran on)."""
+        key = (call.train, call.modes)
+        if part.rng_sent:
+            self._cloud_draws[key] = reply.rng is not None
+        elif reply.rng is not None and self._cloud_draws.get(key) is False:
+            self._cloud_draws[key] = True
+            log.warning("the cloud half drew random numbers in a forward like those where it drew none before "
+                        "(its draws depend on the data?): this one's came from its own stream, not from the "
+                        "edge's generator as unsplit; from now on the edge's state goes with every such forward")
+        if reply.rng is None or call.streamed:
+            return
+        state = torch.from_numpy(np.array(reply.rng, dtype=np.uint8))
+        try:
+            torch.set_rng_state(state)
+        except RuntimeError as exc:
+            raise ProtocolError(f"the cloud sent a generator state torch does not accept: {exc}") from None
+        self._rng_synced = state
 
     def send_forward(self, call: Call, part: Part, leaves: list[torch.Tensor], ops: list[Operation]) -> None:
         msg, traffic = self._forward_message(call, part, leaves, ops, self._context(call, part))
@@ -110,15 +149,21 @@ class CloudStage:
         """The part's outputs, decoded; the cut's gradient too, when it came along (eager backward)."""
         ctx = self._context(call, part)
         try:
-            reply, wire_in = self.requests.await_reply(part.seq, Output)
-        except DesyncError as exc:
-            # A desync of stateful codecs (a lost or repeated message) is repaired once, by
-            # sending the same rows again at full precision, which resets both ends' state.
-            log.warning("codec state out of step with the cloud (%s); resending at full precision", exc)
-            ctx = self._context(call, part, resync=True)
-            msg, traffic = self._forward_message(call, part, leaves, [], ctx)
-            reply, wire_in = self.requests.exchange(msg, "activation", Output, traffic)
+            try:
+                reply, wire_in = self.requests.await_reply(part.seq, Output)
+            except DesyncError as exc:
+                # A desync of stateful codecs (a lost or repeated message) is repaired once, by
+                # sending the same rows again at full precision, which resets both ends' state.
+                log.warning("codec state out of step with the cloud (%s); resending at full precision", exc)
+                ctx = self._context(call, part, resync=True)
+                self._rng_synced = None  # refused before the half ran: the state goes again
+                msg, traffic = self._forward_message(call, part, leaves, [], ctx)
+                reply, wire_in = self.requests.exchange(msg, "activation", Output, traffic)
+        except BaseException:
+            self._rng_synced = None  # whether the cloud's stream took the state sent is not known
+            raise
         assert isinstance(reply, Output)
+        self._follow_cloud_rng(call, part, reply)
         out_entries, skeleton = from_wire(reply.value)
         if call.out_skeleton is None:
             call.out_skeleton = skeleton

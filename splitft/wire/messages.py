@@ -96,6 +96,9 @@ class Forward(Message):
     sample_ids: np.ndarray | None = None
     eager: bool = False  # plain split: run the backward now and send the cut's gradient with the loss
     autocast: str | None = None  # the edge's forward ran under autocast to this dtype: so does the cloud's
+    #: The edge's host generator state (``torch.get_rng_state()``, uint8), when it changed since the
+    #: cloud last had it: the half's dropout goes on drawing from it, as the unsplit model would.
+    rng: np.ndarray | None = None
     seq: int = 0
 
 
@@ -111,6 +114,9 @@ class Output(Message):
     #: Eager forward: the cloud parameters that required a gradient but that this call's graph
     #: does not reach (they get none); None when there are none.
     unreached: list | None = None
+    #: The host generator state after the half's forward, when it drew random numbers (dropout):
+    #: the edge goes on from it, as the unsplit model's next draw would.
+    rng: np.ndarray | None = None
     seq: int = 0
 
 
