@@ -22,7 +22,7 @@ from torch import nn
 import splitft
 from splitft.errors import ConfigError, CutError, HandshakeError, PlaceholderError
 from tests.conftest import ROOT, start_cloud, stop
-from tests.models import checkpointed_mlp, deep_supervised, mlp, mlp_dropout
+from tests.models import checkpointed_mlp, deep_supervised, mlp, mlp_batchnorm, mlp_dropout
 from tests.test_faults import _data
 from tests.test_script_corpus import assert_bitwise
 
@@ -34,7 +34,8 @@ DIGITS = "splitft.app.models:digits_cnn"
 def cloud(tmp_path_factory):
     proc, address, err = start_cloud(tmp_path_factory.mktemp("cloud"), "--sessions", "0", "--model", MLP,
                                      "--model", DIGITS, "--model", "tests.models:deep_supervised",
-                                     "--model", "tests.models:mlp_dropout", "--model", "tests.models:checkpointed_mlp")
+                                     "--model", "tests.models:mlp_dropout", "--model", "tests.models:checkpointed_mlp",
+                                     "--model", "tests.models:mlp_batchnorm")
     yield address
     stop(proc)
 
@@ -165,28 +166,36 @@ def test_a_plain_splits_model_x_answers_its_shape_and_gives_the_activation_when_
         assert model.predict(x).shape == (len(x), 3)
 
 
-def test_two_remote_losses_of_one_model_x_in_two_passes_or_one_only_backpropagated_train_bitwise(cloud):
+@pytest.mark.parametrize("make", [mlp, mlp_batchnorm, mlp_dropout], ids=["mlp", "batch norm", "dropout"])
+def test_two_remote_losses_of_one_model_x_in_two_passes_or_one_only_backpropagated_train_bitwise(cloud, make):
     """What is refused is one pass through two losses of one forward; a second loss computed for
-    logging, or each loss backpropagated on its own (two passes, as unsplit), trains exactly."""
+    logging (also under no_grad), or each loss backpropagated on its own (two passes, as unsplit),
+    trains exactly. Unsplit, the cloud half ran once for all of them: its batch norm statistics
+    moved once and its dropout drew one set of masks, and so they do here."""
     data = _data(3)
 
-    def script(model, crit, opt) -> None:
+    def script(model, crit, opt) -> list[float]:
+        torch.manual_seed(0)
+        logged = []
         for x, y in data:
             opt.zero_grad()
             out = model(x)
-            loss, logged = crit(out, y), crit(out, y.flip(0))
+            loss, metric = crit(out, y), crit(out, y.flip(0))
+            with torch.no_grad():
+                logged += [metric.item(), crit(out, y.roll(1)).item()]
             loss.backward(retain_graph=True)
             (0.5 * crit(out, y.flip(0))).backward()
             opt.step()
-            assert torch.isfinite(logged)
+        return logged + [float(v) for v in torch.get_rng_state()[:64]]
 
-    local = mlp()
-    script(local, nn.CrossEntropyLoss(), torch.optim.SGD(local.parameters(), lr=0.1, momentum=0.9))
-    model = splitft.split(mlp(), 2, factory=MLP, connect=cloud)
+    local = make()
+    expected = script(local, nn.CrossEntropyLoss(), torch.optim.SGD(local.parameters(), lr=0.1, momentum=0.9))
+    model = splitft.split(make(), 2, factory=f"tests.models:{make.__name__}", connect=cloud)
     with model:
-        script(model, model.remote_loss(nn.CrossEntropyLoss()),
-               torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-        assert_bitwise(model.state_dict(), local.state_dict())
+        got = script(model, model.remote_loss(nn.CrossEntropyLoss()),
+                     torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        assert_bitwise(model.state_dict(), local.state_dict())  # batch norm's running statistics included
+    assert got == expected  # the losses logged, and where the script's generator ended
 
 
 def test_a_layer_referenced_before_split_is_the_ghost_and_its_parameters_the_placeholders(cloud):

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import compressors
@@ -186,13 +187,13 @@ class CloudSession:
             inputs = decode_forward(msg, self.codecs, ctx, self.half.ushape, self.check_decode)
         self.seat.working()
         flops = prices.forward(self, msg, inputs)  # refused here, before the half runs
+        rng_before = self.random.host
         if edge_rng is not None:
             self.random.follow(edge_rng)
-        rng_before = self.random.host
-        with watch("compute"):
+        with watch("compute"), self._traceless(msg.again, rng_before):
             leaves, value, saved = self.run(inputs, msg.train, msg.grad, msg.autocast)
         rng_after = self.random.host
-        drew = rng_after is not rng_before and not torch.equal(rng_after, rng_before)
+        drew = not msg.again and rng_after is not rng_before and not torch.equal(rng_after, rng_before)
         with watch("codec"):
             outs, out_skel = flatten(value)
             stream = stream_index(out_skel) if self.half.ushape else None
@@ -210,6 +211,24 @@ class CloudSession:
             self.keep_graph(msg, leaves, inputs, outs, out_coded, saved, flops)
         return Output(call=msg.call, value=to_wire(out_skel, entries), timings=watch.seconds, grads=eager_grads,
                       unreached=unreached, rng=rng_after.numpy() if drew else None)
+
+    @contextmanager
+    def _traceless(self, again: bool, rng: torch.Tensor) -> Iterator[None]:
+        """A forward repeated for another loss of the same inputs (``forward.again``) leaves the
+        half as the first left it, as unsplit the half ran once: its buffers (batch norm's running
+        statistics, counted batches) and its generator stream (``rng``) are put back."""
+        if not again:
+            yield
+            return
+        buffers = [(b, b.detach().clone()) for b in self.half.chain.buffers()]
+        try:
+            yield
+        finally:
+            self.random.follow(rng)
+            with torch.no_grad():
+                for buffer, before in buffers:
+                    if not torch.equal(buffer, before):
+                        buffer.data.copy_(before)  # not a new version: a graph may hold the buffer
 
     def _eager_backward(self, msg: Forward, loss: torch.Tensor, leaves: list[torch.Tensor], inputs: Inputs,
                         watch: Stopwatch) -> list[dict | None]:

@@ -192,11 +192,13 @@ class SplitModel(nn.Module):
         raise SplitFTError("the model's forward returned without reaching the cut; check the cut name")
 
     @torch.compiler.disable  # torch.compile(model) compiles the edge's code around it; the call itself runs as is
-    def _remote(self, args: tuple, kwargs: dict, target: Any = None) -> Any:
-        """A call of the cloud half, once the cloud knows what the script changed on its modules."""
+    def _remote(self, args: tuple, kwargs: dict, target: Any = None, again: torch.Tensor | None = None) -> Any:
+        """A call of the cloud half, once the cloud knows what the script changed on its modules
+        (``again``: see :class:`~splitft.edge.remote_loss.CloudCall`)."""
         self.ghosts.refuse_batch_statistics(self.scheduler.options.micro_batches)
         modes = self._mirror_module_state()
-        return self.caller(args, kwargs, target, train=self.training, trainable=self.mirror.trainable, modes=modes)
+        return self.caller(args, kwargs, target, train=self.training, trainable=self.mirror.trainable, modes=modes,
+                           again=again)
 
     def _trunk(self, *args: Any, **kwargs: Any) -> Any:
         """U-shape: run the cloud's trunk on what the model passes to its first module."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -77,8 +77,12 @@ def call_parts(cut: Any) -> tuple[tuple, dict]:
     return (cut,), {}
 
 
-#: Calls the cloud half with ``(args, kwargs, target)``: the split model's call through the cut.
-CloudCall = Callable[[tuple, dict, Any], Any]
+class CloudCall(Protocol):
+    """The split model's call through the cut: the cloud half on ``(args, kwargs)``, with the loss
+    for ``target``; ``again``: these arguments already crossed for an earlier loss, whose forward
+    started from this generator state (the cloud repeats that forward, leaving no trace)."""
+
+    def __call__(self, args: tuple, kwargs: dict, target: Any = None, again: torch.Tensor | None = None) -> Any: ...
 
 
 class RemoteLoss:
@@ -92,10 +96,23 @@ class RemoteLoss:
         if self.before is not None:
             self.before()
         args, kwargs = call_parts(out)
-        loss = self.call(args, kwargs, target)
+        loss = self.call(args, kwargs, target, again=_again(out))
         if isinstance(out, CutTensor) and isinstance(loss, torch.Tensor) and loss.requires_grad:
             _one_pass_each(out, loss)
         return loss
+
+
+def _again(out: Any) -> torch.Tensor | None:
+    """For a second loss of one ``model(x)`` (a metric logged beside the training loss, mixup):
+    the generator state the first loss's forward started from. Unsplit, the cloud half ran once
+    for both, so its second run here must draw the same dropout masks, and leave its buffers (batch
+    norm's running statistics) and its generator as the first left them. None for the first loss."""
+    if not isinstance(out, (CutTensor, CutActivation)):
+        return None
+    start = out.__dict__.get("_splitft_start_rng")
+    if start is None:
+        out.__dict__["_splitft_start_rng"] = torch.get_rng_state()
+    return start
 
 
 def _one_pass_each(out: CutTensor, loss: torch.Tensor) -> None:

@@ -75,6 +75,9 @@ class Call:
     cloud_half: Any = None  # the edge's record of the cloud's gradients (splitft.edge.cloud_half), told of the backward
     trainable: frozenset[str] = frozenset()  # the cloud parameters that required a gradient at the forward
     modes: tuple[str, ...] = ()  # the cloud modules whose mode differed from the call's (by name)
+    #: A second loss of one activation: the generator state the first call started from (the
+    #: cloud repeats that forward without side effects); None for any other call.
+    again: torch.Tensor | None = None
     #: Those of them the cloud said its graph did not reach (across the parts' replies); None: no word yet.
     unreached: set[str] | None = None
 
@@ -163,7 +166,7 @@ class Scheduler:
         t = self._template
         needs_nothing_back = not any(call.in_grad) or (self.options.delayed_gradients and call.stash is not None)
         return (self.options.window > 1 and self.options.micro_batches == 1 and call.eager and call.train
-                and needs_nothing_back and t is not None and _same(t.skeleton, call.skeleton))
+                and needs_nothing_back and call.again is None and t is not None and _same(t.skeleton, call.skeleton))
 
     def _say_why_synchronous(self, call: Call) -> None:
         """Once: why training steps wait a round trip each although a window was asked for, so a

@@ -104,7 +104,7 @@ class CloudStage:
         msg = Forward(call=part.id, train=call.train, grad=call.grad, args=to_wire(args_skel, entries),
                       kwargs=to_wire(kwargs_skel, entries), target=to_wire(target_skel, entries), ops=ops,
                       step=self.step, sample_ids=part.sample_ids, eager=call.eager, autocast=call.autocast,
-                      rng=self._rng_to_send(call))
+                      rng=self._rng_to_send(call), again=call.again is not None)
         part.rng_sent = msg.rng is not None
         return msg, traffic
 
@@ -114,6 +114,8 @@ class CloudStage:
         from where the edge's left off, as in the unsplit model (:mod:`splitft.cloud.randomness`)."""
         if self._cloud_draws.get((call.train, call.modes)) is False:
             return None
+        if call.again is not None:  # the first loss's start, whatever the stream is at now (it stays there)
+            return call.again.numpy()
         state = torch.get_rng_state()
         if self._rng_synced is not None and torch.equal(state, self._rng_synced):
             return None
@@ -124,6 +126,8 @@ class CloudStage:
         """Learn whether the half draws in these modes; when it drew, the edge's generator goes on
         from the state it left, as the unsplit model's next draw would (not for a streamed step,
         whose reply comes after the script ran on)."""
+        if call.again is not None:
+            return  # a repeated forward: the half's stream and the edge's stay where the first left them
         key = (call.train, call.modes)
         if part.rng_sent:
             self._cloud_draws[key] = reply.rng is not None

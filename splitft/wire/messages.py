@@ -99,6 +99,9 @@ class Forward(Message):
     #: The edge's host generator state (``torch.get_rng_state()``, uint8), when it changed since the
     #: cloud last had it: the half's dropout goes on drawing from it, as the unsplit model would.
     rng: np.ndarray | None = None
+    #: These inputs already crossed, for an earlier loss of one ``model(x)``: the half runs again
+    #: from ``rng`` and leaves no trace (its buffers and generator as they were), as unsplit it ran once.
+    again: bool = False
     seq: int = 0
 
 

@@ -38,7 +38,7 @@ from .messages import (MESSAGES, Ack, Arrive, Backward, Bye, Error, Forward, Han
 from .operations import Operation, to_wire as operation_to_wire
 from .records import _CACHE_LIMIT, _short, build_checked, record_fields
 
-PROTOCOL_VERSION = 10  # 10: forward.rng, output.rng (the cloud half draws from the edge's generator); 9: sync.want_optimizer_state, ack.optimizer_state, load_optimizer_state; 8: apply.pass_id, backward.pass_id (one backward pass summed before .grad); 7: a session that leaves stays until its bye (a lost handoff is asked again), backward.params; 6: a live session moves between clouds (leave, handoff, arrive), the edge probes the link (probe, probed); 5: gradients a backward did not reach, gradient norms per parameter, operations by parameter name; 4: fields by position; 3: parameter groups and frozen parameters by name; 2: numbered requests, typed operations, welcome.limits (docs/wire.md)
+PROTOCOL_VERSION = 10  # 10: forward.rng, output.rng (the cloud half draws from the edge's generator), forward.again; 9: sync.want_optimizer_state, ack.optimizer_state, load_optimizer_state; 8: apply.pass_id, backward.pass_id (one backward pass summed before .grad); 7: a session that leaves stays until its bye (a lost handoff is asked again), backward.params; 6: a live session moves between clouds (leave, handoff, arrive), the edge probes the link (probe, probed); 5: gradients a backward did not reach, gradient norms per parameter, operations by parameter name; 4: fields by position; 3: parameter groups and frozen parameters by name; 2: numbered requests, typed operations, welcome.limits (docs/wire.md)
 _ARRAY_EXT = 1
 MAX_DIMS = 8
 #: Most entries one list or map of a header may claim. msgpack allocates a container's slots as
