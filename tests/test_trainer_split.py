@@ -185,9 +185,11 @@ def test_trainer_saves_a_split_peft_model_with_tied_embeddings_as_it_saves_the_u
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_trainer_with_activation_checkpointing_trains_the_split_model_bitwise(hf_cloud, tmp_path):
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no dropout", "dropout"])
+def test_trainer_with_activation_checkpointing_trains_the_split_model_bitwise(hf_cloud, tmp_path, dropout):
     """gradient_checkpointing_enable() marks every layer, the cloud's ghosts too: those are called
-    plainly (the cloud computes the same values), the edge's own layers checkpoint."""
+    plainly (the cloud computes the same values), the edge's own layers checkpoint (and recompute
+    with the masks they drew)."""
     fields = transformers.TrainingArguments.__dataclass_fields__
     flag = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
 
@@ -198,9 +200,9 @@ def test_trainer_with_activation_checkpointing_trains_the_split_model_bitwise(hf
         transformers.Trainer(model=model, args=args, train_dataset=_examples("llama")).train()
         return model.state_dict()
 
-    local = run(tiny_hf("llama"), tmp_path / "local")
-    model = splitft.split(tiny_hf("llama"), CUTS["llama"], factory=splitft.Factory(FACTORY, {"kind": "llama"}),
-                          connect=hf_cloud)
+    local = run(tiny_hf("llama", dropout=dropout), tmp_path / "local")
+    model = splitft.split(tiny_hf("llama", dropout=dropout), CUTS["llama"],
+                          factory=splitft.Factory(FACTORY, {"kind": "llama", "dropout": dropout}), connect=hf_cloud)
     with model:
         split = run(model, tmp_path / "split")
     assert split.keys() == local.keys()
@@ -227,16 +229,19 @@ def _stopped_and_resumed(make, kind: str, out: Path) -> dict:
     return state
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no dropout", "dropout"])
 @pytest.mark.parametrize("kind", ["bert"])
-def test_trainer_resumes_a_split_run_from_its_checkpoint_as_it_resumes_the_unsplit_one(hf_cloud, tmp_path, kind):
+def test_trainer_resumes_a_split_run_from_its_checkpoint_as_it_resumes_the_unsplit_one(hf_cloud, tmp_path, kind,
+                                                                                        dropout):
     """Its checkpoint's optimizer.pt holds the cloud half's moments too (``opt.state_dict()``
     fetches them), and ``resume_from_checkpoint`` loads them back into a new session's optimizer:
-    the resumed split run ends where the resumed unsplit run ends, bitwise."""
-    local = _stopped_and_resumed(lambda: tiny_hf(kind), kind, tmp_path / "local")
+    the resumed split run ends where the resumed unsplit run ends, bitwise. With dropout too: the
+    checkpoint's generator state, restored on the edge, goes with the next forward."""
+    local = _stopped_and_resumed(lambda: tiny_hf(kind, dropout=dropout), kind, tmp_path / "local")
     saved = torch.load(tmp_path / "local" / "checkpoint-2" / "optimizer.pt")
-    split = _stopped_and_resumed(lambda: splitft.split(tiny_hf(kind), CUTS[kind], connect=hf_cloud,
-                                                       factory=splitft.Factory(FACTORY, {"kind": kind})),
-                                 kind, tmp_path / "split")
+    factory = splitft.Factory(FACTORY, {"kind": kind, "dropout": dropout})
+    split = _stopped_and_resumed(lambda: splitft.split(tiny_hf(kind, dropout=dropout), CUTS[kind], connect=hf_cloud,
+                                                       factory=factory), kind, tmp_path / "split")
     split_saved = torch.load(tmp_path / "split" / "checkpoint-2" / "optimizer.pt")
     assert split_saved["state"].keys() == saved["state"].keys()  # the cloud half's entries are in it
     for index, entry in saved["state"].items():
