@@ -187,13 +187,14 @@ class CloudSession:
             inputs = decode_forward(msg, self.codecs, ctx, self.half.ushape, self.check_decode)
         self.seat.working()
         flops = prices.forward(self, msg, inputs)  # refused here, before the half runs
-        rng_before = self.random.host
+        stream_at = self.random.host  # where the session's stream is: a repeated forward puts it back
         if edge_rng is not None:
             self.random.follow(edge_rng)
-        with watch("compute"), self._traceless(msg.again, rng_before):
+        start = self.random.host
+        with watch("compute"), self._traceless(msg.again, stream_at):
             leaves, value, saved = self.run(inputs, msg.train, msg.grad, msg.autocast)
         rng_after = self.random.host
-        drew = not msg.again and rng_after is not rng_before and not torch.equal(rng_after, rng_before)
+        drew = not msg.again and rng_after is not start and not torch.equal(rng_after, start)
         with watch("codec"):
             outs, out_skel = flatten(value)
             stream = stream_index(out_skel) if self.half.ushape else None
