@@ -147,8 +147,8 @@ def test_dropout_on_both_sides_trains_as_the_unsplit_model_bit_for_bit(tmp_path,
 
 
 def test_a_generator_state_is_checked_before_the_cloud_takes_it():
-    from splitft.cloud.randomness import HOST_STATE_BYTES, edge_generator_state
     from splitft.errors import ProtocolError
+    from splitft.generator_state import HOST_STATE_BYTES, checked_host_state
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(7)
@@ -156,7 +156,7 @@ def test_a_generator_state_is_checked_before_the_cloud_takes_it():
         torch.rand(3)
         drawn = torch.get_rng_state().numpy()
     for good in (fresh, drawn):
-        assert torch.equal(edge_generator_state(good), torch.from_numpy(good))
+        assert torch.equal(checked_host_state(good, "forward.rng"), torch.from_numpy(good))
     shifted = drawn.copy()
     shifted[16:24] = np.array([624], dtype=np.uint64).view(np.uint8)  # reads would run past the state
     unseeded = drawn.copy()
@@ -164,7 +164,7 @@ def test_a_generator_state_is_checked_before_the_cloud_takes_it():
     for bad in (drawn[:-1], drawn.astype(np.int16), drawn.reshape(2, -1), list(drawn), shifted, unseeded,
                 np.zeros(HOST_STATE_BYTES, np.uint8)):
         with pytest.raises(ProtocolError, match="forward.rng"):
-            edge_generator_state(bad)
+            checked_host_state(bad, "forward.rng")
 
 
 def test_a_malformed_generator_state_is_refused_and_the_session_goes_on(monkeypatch):

@@ -30,15 +30,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 import torch
-
-from ..errors import ProtocolError
 
 #: Spreads (seed, stream) pairs apart: stream s of seed k is seeded with k * STRIDE + s.
 STRIDE = 1_000_003
-#: Bytes of torch's host generator state (``torch.get_rng_state()``): what ``forward.rng`` must hold.
-HOST_STATE_BYTES = torch.get_rng_state().numel()
 #: Held by a session while its states are the process's (re-entrant: a caller may take it first).
 GENERATOR = threading.RLock()
 #: Per kind of half: per mode (training?), whether its forward drew random numbers.
@@ -106,7 +101,8 @@ class SessionRandom:
                     self.accelerator = torch.cuda.get_rng_state(self.device)
 
     def follow(self, state: torch.Tensor) -> None:
-        """Go on from the edge's host generator state (checked by :func:`edge_generator_state`)."""
+        """Go on from the edge's host generator state (checked by
+        :func:`splitft.generator_state.checked_host_state`)."""
         self.host = state
 
     def state(self) -> dict[str, torch.Tensor]:
@@ -120,29 +116,6 @@ class SessionRandom:
             self.accelerator = tree["cuda_rng"].clone()
 
 
-def edge_generator_state(value: Any) -> torch.Tensor:
-    """A host generator state an edge sent, as a tensor of our own; :class:`ProtocolError` when it
-    is not one torch's generator accepts (checked on a scratch generator: nothing is set yet)."""
-    if not (isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.shape == (HOST_STATE_BYTES,)):
-        shape = getattr(value, "shape", None)
-        raise ProtocolError(f"forward.rng must be {HOST_STATE_BYTES} bytes of a host generator state (uint8), "
-                            f"got {type(value).__name__} {getattr(value, 'dtype', '')} {shape if shape else ''}")
-    # Where the Mersenne twister reads next: torch checks each bound alone, but only a position
-    # whose words left and read add up (or the freshly seeded one) keeps its reads inside the state.
-    left, position = int(value[8:12].view(np.int32)[0]), int(value[16:24].view(np.uint64)[0])
-    if not (left + position == _MT_WORDS + 1 and 1 <= left <= _MT_WORDS or (left, position) == (1, 0)):
-        raise ProtocolError(f"forward.rng is not a host generator state: position {position} with {left} words left")
-    state = torch.from_numpy(value.copy())
-    try:
-        torch.Generator().set_state(state)
-    except RuntimeError as exc:
-        raise ProtocolError(f"forward.rng is not a host generator state: {exc}") from None
-    return state
-
-
-_MT_WORDS = 624  # the Mersenne twister's state, in 32-bit words
-
-
 def half_kind(hello: Any) -> str:
     """Which half a hello asks for, whatever its codecs and seed: halves of one kind run one code."""
     return repr((hello.factory, sorted(hello.factory_kwargs.items()), hello.cut, hello.rejoin, hello.fingerprint))
@@ -152,4 +125,4 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a is None and b is None or a is not None and b is not None and torch.equal(a, b)
 
 
-__all__ = ["GENERATOR", "HOST_STATE_BYTES", "SessionRandom", "edge_generator_state", "half_kind"]
+__all__ = ["GENERATOR", "SessionRandom", "half_kind"]

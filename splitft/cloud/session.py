@@ -47,7 +47,8 @@ from .graphs import Graphs, Pending
 from .half import Half, SharedPart, host_state, load_initial
 from .handlers import Mirrored, apply_ops
 from .limits import Limits
-from .randomness import SessionRandom, edge_generator_state, half_kind
+from ..generator_state import checked_host_state
+from .randomness import SessionRandom, half_kind
 from .replies import Replies
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ class CloudSession:
 
     def forward(self, msg: Forward) -> Output:
         watch = Stopwatch()
-        edge_rng = edge_generator_state(msg.rng) if msg.rng is not None else None
+        edge_rng = checked_host_state(msg.rng, "forward.rng") if msg.rng is not None else None
         ctx = self.context("activation", msg.train, msg.step, msg.sample_ids)
         with watch("codec"):
             inputs = decode_forward(msg, self.codecs, ctx, self.half.ushape, self.check_decode)

@@ -20,6 +20,7 @@ import torch
 from compressors import CodecContext
 
 from ..errors import ConfigError, DesyncError, ProtocolError
+from ..generator_state import checked_host_state
 from ..metrics import Metrics
 from ..wire.coding import SlotCodecs, Traffic, from_wire, raw_nbytes, stream_index, to_wire
 from ..wire.operations import Operation
@@ -138,11 +139,8 @@ class CloudStage:
                         "edge's generator as unsplit; from now on the edge's state goes with every such forward")
         if reply.rng is None or call.streamed:
             return
-        state = torch.from_numpy(np.array(reply.rng, dtype=np.uint8))
-        try:
-            torch.set_rng_state(state)
-        except RuntimeError as exc:
-            raise ProtocolError(f"the cloud sent a generator state torch does not accept: {exc}") from None
+        state = checked_host_state(reply.rng, "output.rng")
+        torch.set_rng_state(state)
         self._rng_synced = state
 
     def send_forward(self, call: Call, part: Part, leaves: list[torch.Tensor], ops: list[Operation]) -> None:
