@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import random
+import threading
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 
@@ -30,9 +33,25 @@ class ReplayLog:
     def __init__(self) -> None:
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._borrowed: set[int] = set()
+        self._scopes = threading.local()  # .depth: borrowing() scopes this thread is in
         self.nbytes = 0
 
-    def add(self, seq: int, frames: list, steps: list[int], checkpoint: bool = False, borrowed: bool = False) -> None:
+    @contextmanager
+    def borrowing(self) -> Iterator[None]:
+        """A scope whose requests all have their replies read before it ends, with no script code
+        run in between: what :meth:`add` logs in it is borrowed, and what is still kept of it is
+        copied when the scope ends, normally or not."""
+        depth = getattr(self._scopes, "depth", 0)
+        self._scopes.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._scopes.depth = depth
+            if not depth:
+                self.own()
+
+    def add(self, seq: int, frames: list, steps: list[int], checkpoint: bool = False) -> None:
+        borrowed = getattr(self._scopes, "depth", 0) > 0
         kept = list(frames) if borrowed else [memoryview(f).tobytes() for f in frames]
         self.drop(seq)
         self._entries[seq] = _Entry(kept, list(steps), checkpoint, sum(memoryview(f).nbytes for f in kept), borrowed)

@@ -27,8 +27,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Protocol, Union
 
 import numpy as np
@@ -117,7 +117,6 @@ class EdgeSession:
         self.outbox = Outbox(self.sync)
         self._seq = 0
         self._log = ReplayLog()
-        self._borrowing = threading.local()  # .depth: of borrowing() scopes; requests sent in one are logged uncopied
         self._outstanding: set[int] = set()  # numbers of requests whose reply has not been read
         self._early: dict[int, Reply] = {}  # replies that overtook the one awaited
         self._lock = threading.RLock()  # autograd may run backward on another thread
@@ -168,8 +167,7 @@ class EdgeSession:
         seq = self._seq if numbered else 0
         if seq:
             steps = [op.id for op in getattr(msg, "ops", ()) if isinstance(op, Step) and isinstance(op.id, int)]
-            self._log.add(seq, frames, steps, checkpoint=bool(getattr(msg, "checkpoint", False)),
-                          borrowed=getattr(self._borrowing, "depth", 0) > 0)
+            self._log.add(seq, frames, steps, checkpoint=bool(getattr(msg, "checkpoint", False)))
         try:
             with translated():
                 wire = self.connection.send(frames)
@@ -226,20 +224,11 @@ class EdgeSession:
         with self.borrowing():
             return self.await_reply(self.send(msg, kind, traffic), expect, timer)
 
-    @contextmanager
-    def borrowing(self) -> Iterator[None]:
+    def borrowing(self) -> AbstractContextManager[None]:
         """A scope whose requests all have their replies read before it ends, with no script code
-        run in between: their frames are logged for a replay without a copy (nothing can change
-        them), and whatever the log still keeps of them is copied when the scope ends, normally
-        or not (see :class:`~splitft.edge.replay.ReplayLog`)."""
-        depth = getattr(self._borrowing, "depth", 0)
-        self._borrowing.depth = depth + 1
-        try:
-            yield
-        finally:
-            self._borrowing.depth = depth
-            if not depth:
-                self._log.own()
+        run in between: they are logged for a replay without a copy of their frames
+        (:meth:`ReplayLog.borrowing <splitft.edge.replay.ReplayLog.borrowing>`)."""
+        return self._log.borrowing()
 
     def _reply_to(self, seq: int, timer: str) -> Reply:
         with self.metrics.timed(timer):  # blocked on the other side: wire plus cloud work
