@@ -146,6 +146,15 @@ def test_dropout_on_both_sides_trains_as_the_unsplit_model_bit_for_bit(tmp_path,
         print(err.text[-2000:])
 
 
+def _inproc_cloud(*factories: str):
+    from splitft.cloud import CloudServer, serve_in_thread
+    from transports import InprocListener
+
+    listener = InprocListener()
+    server = CloudServer(listener, list(factories))
+    return listener, server, serve_in_thread(server)
+
+
 def test_a_generator_state_is_checked_before_the_cloud_takes_it():
     from splitft.errors import ProtocolError
     from splitft.generator_state import HOST_STATE_BYTES, checked_host_state
@@ -168,13 +177,9 @@ def test_a_generator_state_is_checked_before_the_cloud_takes_it():
 
 
 def test_a_malformed_generator_state_is_refused_and_the_session_goes_on(monkeypatch):
-    from splitft.cloud import CloudServer, serve_in_thread
     from splitft.errors import ProtocolError
-    from transports import InprocListener
 
-    listener = InprocListener()
-    server = CloudServer(listener, [MODEL])
-    thread = serve_in_thread(server)
+    listener, server, thread = _inproc_cloud(MODEL)
     try:
         model, opt, data = _edge(listener.connect, seed=0)
         with model:
@@ -192,15 +197,6 @@ def test_a_malformed_generator_state_is_refused_and_the_session_goes_on(monkeypa
     finally:
         server.stop()
         thread.join(timeout=10)
-
-
-def _inproc_cloud(*factories: str):
-    from splitft.cloud import CloudServer, serve_in_thread
-    from transports import InprocListener
-
-    listener = InprocListener()
-    server = CloudServer(listener, list(factories))
-    return listener, server, serve_in_thread(server)
 
 
 def test_the_state_goes_only_where_the_half_may_draw():
