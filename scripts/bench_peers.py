@@ -21,6 +21,14 @@ end each variant's whole model is fetched and compared to the local one (they do
 arithmetic, so they should be equal bit for bit; the exit status is 1 if not), and the empty round
 trip of each transport is timed.
 
+Every process gets half the machine's cores as torch threads (``--threads``). An edge and its peer
+run at once where the peer's optimizer step overlaps the edge's backward; with more threads than
+their share the two wait for each other's cores, and oneDNN's convolution kernels wait on their
+threads in spinning barriers, so the wait shows up as CPU time. With each process at the whole
+2-core machine, batch 64 swung between steps of ~8 and ~15 ms on the raw floor itself (its edge's
+CPU 4.5 against 9.5 ms), which made every ratio there a matter of luck: an artifact of putting both
+machines on one, which two machines do not have.
+
 Workloads are MODEL:BATCH: `cnn` is the digits CNN (splitft.app.models:digits_cnn) cut at block3;
 `encoder` is a transformer encoder of --encoder-layers layers (token embedding, post-norm layers,
 a linear head over the flattened sequence) cut after its first layer, so the cloud half does most
@@ -65,6 +73,10 @@ def workload(spec: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- the coordinator
+
+
+def _half_the_cores() -> int:
+    return max(1, len(os.sched_getaffinity(0)) // 2)
 
 
 def _free_port() -> int:
@@ -237,8 +249,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per variant first (default: 5)")
     parser.add_argument("--pings", type=int, default=500,
                         help="empty round trips per transport, timed on the first workload (default: 500; 0: none)")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
-                        help=f"torch threads in every process (default here: {torch.get_num_threads()})")
+    parser.add_argument("--threads", type=int, default=_half_the_cores(),
+                        help="torch threads in every process (default: half the cores this process may use, "
+                             f"{_half_the_cores()} here: the edge and its peer each get their share, as on two "
+                             "machines; see the module docstring)")
     parser.add_argument("--rpc-transport", choices=("tcp", "default"), default="tcp",
                         help="tcp: TensorPipe's uv transport and basic channel, so its bytes go over tcp "
                              "loopback like the others; default: TensorPipe's own choice (shared memory)")
