@@ -5,8 +5,8 @@ last one; throughput is bytes over that time. "raw" sends ``[header, array]`` wi
 zero-copy and receives with ``copy=False``; "splitft" runs the product's path on both ends:
 codec encode + protocol encode (msgpack header, array frames) + ``ZmqConnection.send``, and
 ``ZmqListener.recv`` + protocol decode + codec decode to a torch tensor. Rounds of the two
-alternate against the same receiver process, so machine noise hits both alike; the ratio of the
-medians is printed. A third column, "transport", sends the raw round's ``[tag, array]`` frames
+alternate against the same receiver process, so machine noise hits both alike; each round's
+throughput ratio to the raw round beside it is taken, and their median and range are printed. A third column, "transport", sends the raw round's ``[tag, array]`` frames
 through ``ZmqConnection.send`` / ``ZmqListener.recv`` with no codec and no protocol: it shows
 what the transport itself costs, apart from encoding and decoding. The last column is the
 message path's fixed cost: its median time per message minus raw's.
@@ -78,6 +78,13 @@ def _receiver(raw_address: str, splitft_address: str, transport_address: str) ->
     plain.close()
 
 
+def _paired(raw: list[float], other: list[float]) -> str:
+    """Throughput against raw's in the same round (raw's time over the other's), as the median of
+    the rounds and their range: a slow moment of the machine hits both sides of a round alike."""
+    ratios = [r / o for r, o in zip(raw, other, strict=True)]
+    return f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=11, help="timed rounds per cell; medians are compared (default: 11)")
@@ -123,23 +130,25 @@ def main(argv: list[str] | None = None) -> None:
         protocol.decode(conn.recv(60))
 
     rounds = {"raw": raw_round, "transport": transport_round, "splitft": splitft_round}
-    print(f"{'size':>6s} {'raw GB/s':>9s} {'transport GB/s':>15s} {'ratio':>6s} {'splitft GB/s':>13s} {'ratio':>6s}"
-          f" {'us/msg over raw':>16s}   (median of {args.rounds} rounds)")
+    print(f"{'size':>6s} {'raw GB/s':>9s} {'transport GB/s':>15s} {'ratio [range]':>17s} {'splitft GB/s':>13s}"
+          f" {'ratio [range]':>17s} {'us/msg over raw':>16s}   (medians of {args.rounds} rounds)")
     for label, nbytes in SIZES.items():
         tensor = torch.ones(nbytes // 4)
         count = max(8, args.megabytes * 2**20 // nbytes)
         for run in rounds.values():  # warm-up: connections, first-touch of buffers
             run(tensor, count)
         times: dict[str, list[float]] = {name: [] for name in rounds}
-        for _ in range(args.rounds):
-            for name, run in rounds.items():
+        order = list(rounds)
+        for i in range(args.rounds):
+            for name in order[i % 3:] + order[:i % 3]:  # each goes first in turn: no place in the cycle favours one
                 start = time.perf_counter()
-                run(tensor, count)
+                rounds[name](tensor, count)
                 times[name].append(time.perf_counter() - start)
         rate = {name: nbytes * count / statistics.median(t) / 1e9 for name, t in times.items()}
-        extra = (statistics.median(times["splitft"]) - statistics.median(times["raw"])) / count * 1e6
-        print(f"{label:>6s} {rate['raw']:9.2f} {rate['transport']:15.2f} {rate['transport'] / rate['raw']:6.2f}x "
-              f"{rate['splitft']:13.2f} {rate['splitft'] / rate['raw']:6.2f}x {extra:16.1f}", flush=True)
+        ratio = {name: _paired(times["raw"], times[name]) for name in ("transport", "splitft")}
+        extra = statistics.median(s - r for s, r in zip(times["splitft"], times["raw"], strict=True)) / count * 1e6
+        print(f"{label:>6s} {rate['raw']:9.2f} {rate['transport']:15.2f} {ratio['transport']:>17s} "
+              f"{rate['splitft']:13.2f} {ratio['splitft']:>17s} {extra:16.1f}", flush=True)
     sock.send_multipart([b"stop", b""])
     proc.join(timeout=10)
     sock.close(linger=0)
