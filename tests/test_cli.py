@@ -82,6 +82,43 @@ def test_demo_trains_digits_to_95_percent():
     assert "epoch 15/15" in result.stderr  # a progress bar per epoch
 
 
+def test_the_demo_gives_each_side_half_the_cores_unless_told_otherwise(monkeypatch):
+    import argparse
+
+    import torch
+
+    from splitft.app.cli import _shared_cores
+
+    on_cpu = argparse.Namespace(device="cpu", cloud_device="cpu")
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        assert _shared_cores(on_cpu, 1) == 1 and torch.get_num_threads() == 1
+        torch.set_num_threads(before)
+        monkeypatch.setenv("OMP_NUM_THREADS", str(before))
+        assert _shared_cores(on_cpu, 1) is None and torch.get_num_threads() == before  # the user's word stands
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("environment, expected", [(None, "1"), ("3", "3")])
+def test_a_cloud_started_here_takes_the_threads_it_is_given_unless_the_environment_names_them(
+        tmp_path, monkeypatch, environment, expected):
+    from pathlib import Path
+
+    from splitft.app.launch import start_cloud as launch
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    if environment is not None:
+        monkeypatch.setenv("OMP_NUM_THREADS", environment)
+    proc, _ = launch(["splitft.app.models:digits_cnn"], tmp_path / "address", threads=1, quiet=True)
+    try:
+        variables = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
+    finally:
+        stop(proc)
+    assert f"OMP_NUM_THREADS={expected}".encode() in variables
+
+
 def _two_terminals(tmp_path):
     cloud, address, cloud_err = start_cloud(tmp_path, "--sessions", "1")
     edge = splitft_process("edge", "--connect", address, "--epochs", "500")
