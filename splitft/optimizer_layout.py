@@ -10,6 +10,7 @@ real one makes (the settings that only choose a kernel or the step count's devic
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -48,4 +49,20 @@ def _how_it_runs(settings: dict[str, Any]) -> dict[str, Any]:
     return {**settings, **{key: off for key, off in _HOW_IT_RUNS.items() if key in settings}}
 
 
-__all__ = ["Layout", "state_layout"]
+def same_kind(value: Any, current: Any) -> bool:
+    """Whether ``value`` (a setting as msgpack carries it) may replace an optimizer setting now
+    ``current``, on either side: a flag for a flag (or for None, where torch decides, as ``foreach``
+    and ``fused`` default), a finite number for a number, as many finite numbers for a tuple."""
+    if current is None or value is None:
+        return all(v is None or isinstance(v, bool) for v in (value, current))
+    if isinstance(current, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(current, bool)
+    if isinstance(current, (int, float)):
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    if isinstance(current, (tuple, list)):
+        return (isinstance(value, list) and len(value) == len(current)
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value))
+    return False
+
+
+__all__ = ["Layout", "same_kind", "state_layout"]

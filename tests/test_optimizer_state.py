@@ -180,6 +180,55 @@ def test_the_cloud_refuses_a_loaded_state_that_is_not_its_optimizers(cloud, entr
             np.array_equal(before[n][k], after[n][k]) for n in before for k in before[n])
 
 
+@pytest.mark.parametrize("saved_with, loaded_into", [
+    (lambda params: torch.optim.Adam(params, lr=0.01, amsgrad=True), lambda params: torch.optim.Adam(params, lr=0.02)),
+    (lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), lambda params: torch.optim.SGD(params, lr=0.1)),
+    (lambda params: torch.optim.Adam(params, lr=0.01, foreach=False), lambda params: torch.optim.Adam(params, lr=0.01)),
+], ids=["Adam-amsgrad", "SGD-momentum", "Adam-foreach"])
+def test_a_state_dict_whose_settings_change_what_the_optimizer_keeps_loads_as_torch_loads_it(
+        cloud, saved_with, loaded_into):
+    """torch's load takes the state dict's group settings with its state: an optimizer built without
+    amsgrad (or momentum) loads one saved with it and steps with it from then on, keeping the state
+    it brought; the split one does the same on both sides of the cut."""
+    data = _data(4)
+    saver = mlp()
+    saver_opt = saved_with(saver.parameters())
+    _train(saver, saver_opt, nn.CrossEntropyLoss(), data[:2])
+    weights, state = copy.deepcopy(saver.state_dict()), copy.deepcopy(saver_opt.state_dict())
+    local = mlp()
+    local.load_state_dict(weights)
+    local_opt = loaded_into(local.parameters())
+    local_opt.load_state_dict(copy.deepcopy(state))
+    _train(local, local_opt, nn.CrossEntropyLoss(), data[2:])
+    model, crit = _split(cloud, None)
+    with model:
+        model.load_state_dict(weights)
+        opt = loaded_into(model.parameters())
+        opt.load_state_dict(copy.deepcopy(state))
+        _train(model, opt, crit, data[2:])
+        assert_bitwise(model.state_dict(), local.state_dict())
+        _assert_same_state(opt.state_dict(), local_opt.state_dict())
+
+
+@pytest.mark.parametrize("changes, message", [
+    ([{"amsgrad": 1.0}], r"amsgrad must keep its type"),
+    ([{"params": [0]}], r"cannot set the optimizer's 'params'"),
+    ([{"nesterov": True}], r"cannot set the optimizer's 'nesterov'"),
+    ([{}, {}], r"one map per parameter group \(1\)"),
+])
+def test_the_cloud_refuses_loaded_settings_that_are_not_its_optimizers(cloud, changes, message):
+    model, crit = _split(cloud, None)
+    with model:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        _train(model, opt, crit, _data(1))
+        before = model.session.optimizer_state()
+        model.session.outbox.queue(LoadOptimizerState(entries={}, changes=changes))
+        with pytest.raises(SplitFTError, match=message):
+            model.session.sync()
+        after = model.session.optimizer_state()
+        assert before.keys() == after.keys()
+
+
 def test_the_state_of_an_optimizer_whose_layout_is_not_known_ahead_saves_but_does_not_load(cloud):
     """ASGD reads a value on the host in its step, so the state it keeps cannot be learnt over meta
     tensors: the cloud could not check a loaded one. Saving works; loading is refused, with the fix,

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import CapacityError, ConfigError, ModelError, PolicyError, ProtocolError
+from ..optimizer_layout import same_kind
 from ..wire import operations as o
 from . import offload, optimizer_state
 from .blame import blame, short
@@ -334,20 +335,9 @@ def _set_hyperparameters(optimizer: torch.optim.Optimizer, op: o.Step) -> None:
         for key, value in changes.items():
             if key in ("params", "lr") or key not in group:
                 raise ProtocolError(f"a step cannot change the optimizer's {short(key)}")
-            if not _plain_setting(value, group[key]):
+            if not same_kind(value, group[key]):
                 raise ProtocolError(f"setting {key} must keep its type, got {short(value)}")
             group[key] = tuple(value) if isinstance(group[key], tuple) else value
-
-
-def _plain_setting(value: Any, current: Any) -> bool:
-    if isinstance(current, bool) or isinstance(value, bool):
-        return isinstance(value, bool) and isinstance(current, bool)
-    if isinstance(current, (int, float)):
-        return isinstance(value, (int, float)) and math.isfinite(value)
-    if isinstance(current, (tuple, list)):
-        return (isinstance(value, list) and len(value) == len(current)
-                and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value))
-    return False
 
 
 @handles(o.ApplyEager)
@@ -427,8 +417,9 @@ def load_weights(session: Target, op: o.LoadWeights) -> None:
 
 @handles(o.LoadOptimizerState)
 def load_optimizer_state(session: Target, op: o.LoadOptimizerState) -> None:
-    """``opt.load_state_dict`` with the cloud half's entries: they become its optimizer's state."""
-    optimizer_state.load(session, op.entries)
+    """``opt.load_state_dict`` with the cloud half's entries: they become its optimizer's state
+    (and the settings the loaded state dict's groups hold, its groups' settings)."""
+    optimizer_state.load(session, op.entries, op.changes)
 
 
 __all__ = ["HANDLERS", "Mirrored", "Target", "apply_ops", "check_finite_grads", "handler_for", "handles",

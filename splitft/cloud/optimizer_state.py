@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, PolicyError, ProtocolError
-from ..optimizer_layout import state_layout
+from ..optimizer_layout import same_kind, state_layout
 from .blame import blame, short
 from .half import tensors_from_wire
 
@@ -42,9 +42,11 @@ def read(session: Session) -> dict[str, dict[str, np.ndarray]]:
     return out
 
 
-def load(session: Session, entries: Any) -> None:
-    """Make ``entries`` the optimizer's state (the parameters not named have none), checked first."""
+def load(session: Session, entries: Any, changes: Any = None) -> None:
+    """Make ``entries`` the optimizer's state (the parameters not named have none) and ``changes``
+    (per group, settings the loaded state dict holds) its groups' settings, all checked first."""
     optimizer = _own_optimizer(session, "replace")
+    settings = _loaded_settings(optimizer, changes)
     if not isinstance(entries, dict) or not all(isinstance(v, dict) for v in entries.values()):
         raise ProtocolError("load_optimizer_state.entries must map parameter names to maps of arrays")
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -56,7 +58,7 @@ def load(session: Session, entries: Any) -> None:
     if unknown:
         raise ProtocolError(f"load_optimizer_state names {short(unknown[0])}, not a parameter of this session's "
                             "optimizer")
-    expected = _layout(optimizer)
+    expected = _layout(optimizer, settings)
     if expected is None:
         raise ConfigError(f"the state a {type(optimizer).__name__} keeps is not known to the cloud ahead of its "
                           "steps, so a loaded one cannot be checked; checkpoint with model.save_checkpoint(path)")
@@ -80,8 +82,28 @@ def load(session: Session, entries: Any) -> None:
                 raise ProtocolError(f"load_optimizer_state of {name!r}: {key!r} contains NaN or Inf")
             state[i][key] = value
     saved = optimizer.state_dict()
+    for packed, changed in zip(saved["param_groups"], settings, strict=True):
+        packed.update(changed)
     with blame(ConfigError, "the optimizer refused the state"):
         optimizer.load_state_dict({**saved, "state": state})
+
+
+def _loaded_settings(optimizer: torch.optim.Optimizer, changes: Any) -> list[dict[str, Any]]:
+    """Per group, the settings a load changes (checked as a step's changes are, its lr included)."""
+    groups = optimizer.param_groups
+    if changes is None:
+        return [{} for _ in groups]
+    if not isinstance(changes, list) or len(changes) != len(groups) or not all(isinstance(c, dict) for c in changes):
+        raise ProtocolError(f"load_optimizer_state.changes must hold one map per parameter group ({len(groups)})")
+    out = []
+    for group, changed in zip(groups, changes):
+        for key, value in changed.items():
+            if key == "params" or key not in group:
+                raise ProtocolError(f"a loaded state cannot set the optimizer's {short(key)}")
+            if not same_kind(value, group[key]):
+                raise ProtocolError(f"loaded setting {key} must keep its type, got {short(value)}")
+        out.append({key: tuple(value) if isinstance(group[key], tuple) else value for key, value in changed.items()})
+    return out
 
 
 def _own_optimizer(session: Session, what: str) -> torch.optim.Optimizer:
@@ -93,10 +115,12 @@ def _own_optimizer(session: Session, what: str) -> torch.optim.Optimizer:
     return optimizer
 
 
-def _layout(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]] | None:
-    """Per parameter of ``optimizer`` (in its groups' order), the keys its state has, with their layout."""
-    groups = [({k: v for k, v in group.items() if k != "params"}, [(p.shape, p.dtype) for p in group["params"]])
-              for group in optimizer.param_groups]
+def _layout(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """Per parameter of ``optimizer`` (in its groups' order), the keys its state has with each
+    group's ``settings`` in place, with their layout."""
+    groups = [({**{k: v for k, v in group.items() if k != "params"}, **changed},
+               [(p.shape, p.dtype) for p in group["params"]])
+              for group, changed in zip(optimizer.param_groups, settings)]
     found = state_layout(type(optimizer), groups, {})  # each group holds every setting
     return None if found is None else [keys for group in found for keys in group]
 

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import ConfigError
+from ..optimizer_layout import same_kind
 from ..wire.operations import AttachOptimizer, LoadOptimizerState, Step
 from . import initial_state, optimizers
 from .cloud_half import CloudHalf
@@ -228,7 +229,8 @@ class OptimizerMirror:
         given = saved.get("state", {})
         entries: dict[str, dict[str, Any]] = {}
         layouts: dict[int, dict[str, Any]] = {}
-        expected = self._layout([p for i, p in cloud.items() if given.get(i)])
+        loaded = self._loaded_settings(saved)
+        expected = self._layout([p for i, p in cloud.items() if given.get(i)], loaded)
         for i, param in cloud.items():
             entry = given.get(i)
             if not entry:
@@ -243,7 +245,9 @@ class OptimizerMirror:
             entries[pname] = {key: _wire_value(value) for key, value in entry.items()}
             layouts[i] = keys
         load(self.optimizer, {**saved, "state": {i: e for i, e in given.items() if i not in cloud}})
-        self.model.outbox.queue(LoadOptimizerState(entries=entries))
+        changes = [{k: v for k, v in now.items() if v != before.get(k)} for now, before in zip(loaded, self.sent)]
+        self.model.outbox.queue(LoadOptimizerState(entries=entries, changes=changes if any(changes) else None))
+        self.sent, self._raw = loaded, None
         state = self.optimizer.state
         for i, keys in layouts.items():
             state[cloud[i]] = initial_state.placeholders(names[id(cloud[i])], keys, remote)
@@ -271,9 +275,30 @@ class OptimizerMirror:
                                         for key, array in arrays.items()}
                 index += 1
 
-    def _layout(self, params: list[torch.Tensor]) -> dict[int, dict[str, Any]]:
-        """The state layout this optimizer keeps for ``params`` (by id); refused when not known."""
-        found = initial_state.layouts(self.optimizer, {id(p) for p in params}, self.settings, self.sent)
+    def _loaded_settings(self, saved: dict[str, Any]) -> list[dict[str, Any]]:
+        """Each group's settings once torch's load has taken ``saved``'s (it keeps only the groups'
+        parameters), as they are sent; refused, before anything is loaded, where one cannot be."""
+        groups = saved.get("param_groups")
+        if not isinstance(groups, list) or len(groups) != len(self.sent):
+            return self.sent  # torch's own load refuses it, with its own words
+        out = []
+        for group, sent in zip(groups, self.sent):
+            settings = dict(sent)
+            for key in self.settings:
+                if isinstance(group, dict) and key in group:
+                    value = plain_setting(group[key])
+                    if value != sent.get(key) and (value is NOT_PLAIN or not same_kind(value, sent.get(key))):
+                        raise ConfigError(f"{type(self.optimizer).__name__}.load_state_dict: the state dict's {key} is "
+                                          f"{group[key]!r} where the optimizer has {sent.get(key)!r}; a split model "
+                                          "mirrors a change of a plain number or flag to one of its kind, not this")
+                    settings[key] = value
+            out.append(settings)
+        return out
+
+    def _layout(self, params: list[torch.Tensor], settings: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+        """The state layout this optimizer keeps for ``params`` (by id) with each group's
+        ``settings``; refused when not known."""
+        found = initial_state.layouts(self.optimizer, {id(p) for p in params}, self.settings, settings)
         if found is None:
             raise ConfigError(f"the state a {type(self.optimizer).__name__} keeps is not known ahead of its steps, so "
                               "its cloud half's part cannot be loaded; use model.save_checkpoint(path) and "

@@ -131,6 +131,9 @@ class LoadOptimizerState(Operation):
 
     NAME: ClassVar[str] = "load_optimizer_state"
     entries: dict
+    #: Per group, the settings the loaded state dict holds that differ from the group's (torch's
+    #: load takes them, ``amsgrad`` or a momentum that changes what the state keeps); None: none.
+    changes: list | None = None
 
 
 @dataclass
