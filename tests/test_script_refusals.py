@@ -68,6 +68,10 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
     "a cloud layer replaced by a module walk": (
         lambda model, net, opt: ([setattr(m, "3", nn.GELU()) for m in model.modules() if isinstance(m, nn.Sequential)],
                                  model(_data(1)[0][0])), ConfigError, r"'3' runs in the cloud.*replaced"),
+    "a layer replaced by index, as in an nn.Sequential": (
+        lambda model, net, opt: model.__setitem__(2, nn.Linear(16, 16)), ConfigError, r"cannot be added, replaced"),
+    "a layer appended to the split nn.Sequential": (
+        lambda model, net, opt: model.append(nn.Softmax(-1)), ConfigError, r"cannot be added, replaced"),
     "a dropout's p changed on a cloud layer": (
         lambda model, net, opt: [setattr(m, "p", 0.0) for m in model.modules() if isinstance(m, nn.Dropout)],
         CutError, r"setting 'p' of '3'"),

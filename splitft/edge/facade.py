@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from ..errors import ConfigError
 from .model import SplitModel
 
 
@@ -39,12 +40,43 @@ def split_class(model_class: type[nn.Module]) -> type[SplitModel]:
     forward.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
     forward.__doc__ = SplitModel.forward.__doc__
     members: dict[str, Any] = {"forward": forward, "__module__": __name__}
+    for name in _READING:  # model[-1], len(model), for block in model: Python looks these up on the class
+        if _defines(model_class, name):
+            members[name] = _to_wrapped(name)
+    if issubclass(model_class, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+        for name in _REPLACING:
+            if _defines(model_class, name):
+                members[name] = _refuse_replacing
     if any(c.__module__.split(".")[0] in ("transformers", "peft") and c.__name__ in ("PreTrainedModel", "PeftModel")
            for c in model_class.__mro__):
         # isinstance(model, PreTrainedModel / PeftModel) holds, as for the model the user split: Trainer and
         # Accelerate then save with save_pretrained (a PEFT model's adapter files, a config) and load back.
         members["__class__"] = property(lambda self: model_class)
     return type(f"Split{model_class.__name__}", (SplitModel,), members)
+
+
+#: A container's reading methods, answered by the wrapped model (its modules, the cloud's as ghosts).
+_READING = ("__getitem__", "__len__", "__iter__", "__contains__", "__reversed__")
+#: torch's containers' methods that put another module in place of one: the cut is made.
+_REPLACING = ("__setitem__", "__delitem__", "append", "extend", "insert", "pop", "update", "clear")
+
+
+def _defines(model_class: type, name: str) -> bool:
+    """Whether ``model_class`` has ``name`` where a plain module has not (a container's)."""
+    return getattr(model_class, name, None) is not None and getattr(nn.Module, name, None) is None
+
+
+def _to_wrapped(name: str) -> Any:
+    def method(self: SplitModel, *args: Any) -> Any:
+        return getattr(self.model, name)(*args)
+
+    method.__name__ = name
+    return method
+
+
+def _refuse_replacing(self: SplitModel, *args: Any, **kwargs: Any) -> Any:
+    raise ConfigError(f"{type(self.model).__name__}'s modules cannot be added, replaced or removed once it is split: "
+                      "the cloud half is built from the model as it was cut; change the model, then split it")
 
 
 __all__ = ["split_class"]
