@@ -275,7 +275,30 @@ def three_views_in_one_loss_accumulated_over_three_batches(model, net, crit, dat
             opt.zero_grad()
 
 
-SCRIPTS = [accumulation_zero_grad_and_clip, accumulates_over_three_with_a_weighted_loss,
+def reinitialises_by_module_walk_and_by_index(model, net, crit, data):
+    """A fresh start after building: torch's initialisers by module walk (random draws, and a
+    counter that numbers the layers in the order the walk reaches them), then the head re-drawn
+    the way transformers' _init_weights does, reached by index as in an nn.Sequential."""
+    torch.manual_seed(3)
+    layer = iter(range(10))
+
+    def init(module):
+        if isinstance(module, nn.Linear):
+            nn.init.kaiming_uniform_(module.weight, a=5 ** 0.5) if next(layer) % 2 else nn.init.xavier_normal_(module.weight)
+            with torch.no_grad():
+                module.bias.fill_(0.01 * next(layer))
+
+    model.apply(init)
+    model[-1].weight.data.normal_(mean=0.0, std=0.02)
+    model[len(model) - 1].bias.data.zero_()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in data:
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+
+
+SCRIPTS = [accumulation_zero_grad_and_clip, reinitialises_by_module_walk_and_by_index, accumulates_over_three_with_a_weighted_loss,
            three_views_in_one_loss_accumulated_over_three_batches, groups_and_warmup, layerwise_lr_decay, one_cycle_with_momentum, freeze_by_name_mid_training,
            trainable_only_optimizer, eval_between_steps, fp16_with_grad_scaler,
            zero_grad_by_hand_and_clip_through_grad_data, clip_in_two_steps_with_foreach, logs_each_layers_gradient_norm,

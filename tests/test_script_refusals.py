@@ -57,9 +57,6 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
     "parameters flattened to one vector": (
         lambda model, net, opt: torch.nn.utils.parameters_to_vector(model.parameters()), PlaceholderError,
         r"cloud parameter '2.weight'"),
-    "a random re-initialisation by module walk": (
-        lambda model, net, opt: model.apply(lambda m: nn.init.xavier_uniform_(m.weight) if isinstance(m, nn.Linear)
-                                            else None), PlaceholderError, r"before split"),
     "a truncated-normal initialisation by module walk (skipped on meta tensors)": (
         lambda model, net, opt: model.apply(lambda m: nn.init.trunc_normal_(m.weight, std=0.02)
                                             if isinstance(m, nn.Linear) else None), PlaceholderError, r"before split"),

@@ -114,21 +114,6 @@ class Ghosts:
                               "and its kin, or a tool that uses them): it runs on every module's call, but the cloud "
                               "half's modules run in the cloud, where it would not; register hooks on edge modules")
 
-    def apply(self, fn: Callable[[nn.Module], None], root: nn.Module) -> None:
-        """``fn`` on every module of ``root``, the ghosts' first: what it does to their tensors
-        reaches the cloud, and what cannot raises before ``fn`` touched anything else."""
-        ghosts = {id(ghost) for _, _, ghost in self._places}
-        for _, _, ghost in self._places:
-            ghost.apply(fn)
-
-        def rest(module: nn.Module) -> None:
-            for child in module.children():
-                if id(child) not in ghosts:
-                    rest(child)
-            fn(module)
-
-        rest(root)
-
     def refuse_replacing(self, target: str) -> None:
         """``set_submodule(target)`` would replace (part of) a module that runs in the cloud."""
         name = target.removeprefix("model.")

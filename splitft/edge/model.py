@@ -89,13 +89,6 @@ class SplitModel(nn.Module):
 
     # ------------------------------------------------------------ what cannot reach the cloud half
 
-    def apply(self, fn: Any) -> SplitModel:
-        """``fn`` on every module, as on the unsplit model, the cloud half's ghosts first: what it
-        does to their tensors reaches the cloud, and what cannot raises before ``fn`` touched
-        anything else."""
-        self.ghosts.apply(fn, self)
-        return self
-
     def __deepcopy__(self, memo: dict) -> Any:
         raise ConfigError("a split model cannot be copied: its cloud half's values live in the cloud, and its session "
                           "is one connection. For an EMA of the weights (AveragedModel, deepcopy + update), keep it "

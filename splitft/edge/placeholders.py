@@ -16,7 +16,10 @@ unforeseen use of a cloud tensor can never be a silent no-op.
 What is mirrored:
 
 * on a parameter or buffer: ``copy_(tensor)``, ``zero_()``, ``fill_(value)`` push the new values
-  to the cloud (``load_state_dict`` of a submodule, ``reset_running_stats``, ``nn.init.zeros_``);
+  to the cloud (``load_state_dict`` of a submodule, ``reset_running_stats``, ``nn.init.zeros_``),
+  and so do ``normal_``, ``uniform_`` and torch's initialisers built on them (``model.apply(init)``,
+  ``p.data.normal_(0, 0.02)``, ``nn.init.kaiming_uniform_``, ``xavier_normal_``), whose values are
+  drawn here from the edge's generator, as the unsplit model would draw them;
   ``requires_grad_`` is sent with the next forward;
 * ``p.grad`` is the cloud's gradient: ``None`` exactly when the cloud's is; assigning ``None``
   clears the cloud's; its norm (``torch.linalg.vector_norm``, ``Tensor.norm``, ``_foreach_norm``)
@@ -35,6 +38,7 @@ The state an optimizer's steps make for a cloud parameter stands in ``opt.state`
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any, Protocol, cast
@@ -56,6 +60,8 @@ class Remote(Protocol):
     def change_grads(self, names: list[str], kind: str, value: Any) -> None: ...
     def push_values(self, name: str, value: Tensor) -> None: ...
     def refuse_grad(self, name: str, value: Any) -> None: ...
+    @property
+    def device(self) -> torch.device: ...  # the edge half's: where the unsplit model's values would be drawn
 
 
 class RemoteTensor(Tensor):
@@ -97,7 +103,7 @@ class RemoteTensor(Tensor):
         if func == _IS_META:
             return False
         remote = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, RemoteTensor)]
-        self = args[0] if args else None
+        self = args[0] if args else kwargs.get("tensor")  # torch.nn.init's initialisers pass tensor=
         if isinstance(self, CloudGrad) or (isinstance(self, list) and any(isinstance(t, CloudGrad) for t in self)):
             handler = _GRAD_OPS.get(func)
             if handler is not None and all(isinstance(t, CloudGrad) for t in remote):
@@ -243,13 +249,27 @@ METADATA = frozenset(_METADATA)
 # ---------------------------------------------------------------- a parameter's or buffer's values
 
 
-def _values_like(target: CloudTensor, fill: Callable[[Tensor], Any]) -> CloudTensor:
+def _values_like(target: CloudTensor, fill: Callable[[Tensor], Any], device: torch.device | None = None) -> CloudTensor:
     if torch.is_grad_enabled() and target.requires_grad:
         raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
-    value = torch.empty(target.shape, dtype=target.dtype)
+    value = torch.empty(target.shape, dtype=target.dtype, device=device)
     fill(value)
-    target._splitft_remote.push_values(target._splitft_name, value)
+    target._splitft_remote.push_values(target._splitft_name, value.to("cpu"))
     return target
+
+
+def _drawn(draw: Callable[..., Any], *, no_grad: bool = False) -> Callable[..., CloudTensor]:
+    """``Tensor.normal_``, ``uniform_`` and the initialisers that draw (``nn.init.normal_``,
+    ``kaiming_uniform_``...): the values are drawn here, on the edge half's device and from the
+    generator the call names (else torch's), as the unsplit model's parameter would draw them,
+    then pushed to the cloud. ``no_grad``: an initialiser, which runs without grad in torch."""
+
+    def drawn(*args: Any, **kwargs: Any) -> CloudTensor:
+        target, args = (args[0], args[1:]) if args else (kwargs.pop("tensor"), ())  # torch.nn.init passes tensor=
+        with torch.no_grad() if no_grad else contextlib.nullcontext():
+            return _values_like(target, lambda value: draw(value, *args, **kwargs), target._splitft_remote.device)
+
+    return drawn
 
 
 def _copy(target: CloudTensor, source: Tensor, non_blocking: bool = False) -> CloudTensor:
@@ -301,6 +321,10 @@ _LIKE_OPS: dict[Any, Callable[..., Any]] = {
 
 _VALUE_OPS: dict[Any, Callable[..., Any]] = {
     Tensor.copy_: _copy, Tensor.fill_: _fill, Tensor.zero_: _zero,
+    Tensor.normal_: _drawn(Tensor.normal_), Tensor.uniform_: _drawn(Tensor.uniform_),
+    # the initialisers torch lets a tensor subclass own; the others reach the Tensor methods above
+    **{init: _drawn(init, no_grad=True) for init in (torch.nn.init.normal_, torch.nn.init.uniform_,
+                                                     torch.nn.init.constant_, torch.nn.init.kaiming_uniform_)},
     Tensor.detach: CloudTensor.alias, _DATA_GETTER: CloudTensor.alias, **_LIKE_OPS,
 }
 
