@@ -88,7 +88,8 @@ def test_a_header_is_bounded_on_its_own_and_its_worst_parse_costs_tens_of_mib(cl
     reply = _ask(address, [bomb])
     assert reply.code == "too_large" and "header" in reply.message, reply
     assert time.monotonic() - start < 10
-    assert _memory(proc.pid, "VmHWM") - before < 32 * MiB
+    # refused after ~25 MiB of parse (up to 38 seen on a loaded machine); parsed whole it would hold ~350 MiB
+    assert _memory(proc.pid, "VmHWM") - before < 48 * MiB
     # The worst headers under the limit: 256 KiB of empty maps, and of empty lists; lists claiming
     # the longest length a list may have, nested as deep as msgpack goes; one list beyond it.
     cap = protocol.MAX_CONTAINER_LEN
