@@ -249,39 +249,24 @@ METADATA = frozenset(_METADATA)
 # ---------------------------------------------------------------- a parameter's or buffer's values
 
 
-def _values_like(target: CloudTensor, fill: Callable[[Tensor], Any], device: torch.device | None = None) -> CloudTensor:
-    if torch.is_grad_enabled() and target.requires_grad:
-        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
-    value = torch.empty(target.shape, dtype=target.dtype, device=device)
-    fill(value)
-    target._splitft_remote.push_values(target._splitft_name, value.to("cpu"))
-    return target
+def _new_values(make: Callable[..., Any], *, no_grad: bool = False) -> Callable[..., CloudTensor]:
+    """An in-place operation that gives a cloud parameter or buffer new values without reading the
+    old ones (``copy_``, ``fill_``, ``zero_``, ``normal_``, ``uniform_``, torch's initialisers): run
+    here on a fresh tensor on the edge half's device, so a draw comes from the generator the unsplit
+    model's would use (the call's, else torch's), and its result pushed to the cloud. ``no_grad``:
+    an initialiser, which torch runs without grad."""
 
-
-def _drawn(draw: Callable[..., Any], *, no_grad: bool = False) -> Callable[..., CloudTensor]:
-    """``Tensor.normal_``, ``uniform_`` and the initialisers that draw (``nn.init.normal_``,
-    ``kaiming_uniform_``...): the values are drawn here, on the edge half's device and from the
-    generator the call names (else torch's), as the unsplit model's parameter would draw them,
-    then pushed to the cloud. ``no_grad``: an initialiser, which runs without grad in torch."""
-
-    def drawn(*args: Any, **kwargs: Any) -> CloudTensor:
+    def made(*args: Any, **kwargs: Any) -> CloudTensor:
         target, args = (args[0], args[1:]) if args else (kwargs.pop("tensor"), ())  # torch.nn.init passes tensor=
         with torch.no_grad() if no_grad else contextlib.nullcontext():
-            return _values_like(target, lambda value: draw(value, *args, **kwargs), target._splitft_remote.device)
+            if torch.is_grad_enabled() and target.requires_grad:
+                raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+            value = torch.empty(target.shape, dtype=target.dtype, device=target._splitft_remote.device)
+            make(value, *args, **kwargs)
+        target._splitft_remote.push_values(target._splitft_name, value.to("cpu"))
+        return target
 
-    return drawn
-
-
-def _copy(target: CloudTensor, source: Tensor, non_blocking: bool = False) -> CloudTensor:
-    return _values_like(target, lambda value: value.copy_(source.detach().to("cpu")))
-
-
-def _fill(target: CloudTensor, number: Any) -> CloudTensor:
-    return _values_like(target, lambda value: value.fill_(number))
-
-
-def _zero(target: CloudTensor) -> CloudTensor:
-    return _values_like(target, lambda value: value.zero_())
+    return made
 
 
 #: What torch passes for ``t.data``: the property's getter (``Tensor.data`` is a descriptor on the class).
@@ -320,11 +305,11 @@ _LIKE_OPS: dict[Any, Callable[..., Any]] = {
 }
 
 _VALUE_OPS: dict[Any, Callable[..., Any]] = {
-    Tensor.copy_: _copy, Tensor.fill_: _fill, Tensor.zero_: _zero,
-    Tensor.normal_: _drawn(Tensor.normal_), Tensor.uniform_: _drawn(Tensor.uniform_),
+    Tensor.copy_: _new_values(lambda value, source, non_blocking=False: value.copy_(source.detach())),
+    **{op: _new_values(op) for op in (Tensor.fill_, Tensor.zero_, Tensor.normal_, Tensor.uniform_)},
     # the initialisers torch lets a tensor subclass own; the others reach the Tensor methods above
-    **{init: _drawn(init, no_grad=True) for init in (torch.nn.init.normal_, torch.nn.init.uniform_,
-                                                     torch.nn.init.constant_, torch.nn.init.kaiming_uniform_)},
+    **{init: _new_values(init, no_grad=True) for init in (torch.nn.init.normal_, torch.nn.init.uniform_,
+                                                          torch.nn.init.constant_, torch.nn.init.kaiming_uniform_)},
     Tensor.detach: CloudTensor.alias, _DATA_GETTER: CloudTensor.alias, **_LIKE_OPS,
 }
 
