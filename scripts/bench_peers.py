@@ -57,6 +57,8 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 from peer_variants import CNN, ENCODER, REPLY_TIMEOUT, edge_worker, raw_peer, rpc_peer  # noqa: E402
 
+from splitft.app.launch import half_the_cores  # noqa: E402
+
 VARIANTS = ("local", "rpc", "splitft", "raw")
 
 
@@ -73,10 +75,6 @@ def workload(spec: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- the coordinator
-
-
-def _half_the_cores() -> int:
-    return max(1, len(os.sched_getaffinity(0)) // 2)
 
 
 def _free_port() -> int:
@@ -249,9 +247,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per variant first (default: 5)")
     parser.add_argument("--pings", type=int, default=500,
                         help="empty round trips per transport, timed on the first workload (default: 500; 0: none)")
-    parser.add_argument("--threads", type=int, default=_half_the_cores(),
+    parser.add_argument("--threads", type=int, default=half_the_cores(),
                         help="torch threads in every process (default: half the cores this process may use, "
-                             f"{_half_the_cores()} here: the edge and its peer each get their share, as on two "
+                             f"{half_the_cores()} here: the edge and its peer each get their share, as on two "
                              "machines; see the module docstring)")
     parser.add_argument("--rpc-transport", choices=("tcp", "default"), default="tcp",
                         help="tcp: TensorPipe's uv transport and basic channel, so its bytes go over tcp "

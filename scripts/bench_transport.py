@@ -6,7 +6,8 @@ zero-copy and receives with ``copy=False``; "splitft" runs the product's path on
 codec encode + protocol encode (msgpack header, array frames) + ``ZmqConnection.send``, and
 ``ZmqListener.recv`` + protocol decode + codec decode to a torch tensor. Rounds of the two
 alternate against the same receiver process, so machine noise hits both alike; each round's
-throughput ratio to the raw round beside it is taken, and their median and range are printed. A third column, "transport", sends the raw round's ``[tag, array]`` frames
+throughput ratio to the raw round beside it is taken, and their median and range are printed. A
+third column, "transport", sends the raw round's ``[tag, array]`` frames
 through ``ZmqConnection.send`` / ``ZmqListener.recv`` with no codec and no protocol: it shows
 what the transport itself costs, apart from encoding and decoding. The last column is the
 message path's fixed cost: its median time per message minus raw's.
