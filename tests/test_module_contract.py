@@ -151,8 +151,35 @@ def test_state_dict_round_trips_through_the_unsplit_model(inproc_cloud, tmp_path
         fresh = mlp(seed=5).state_dict()
         model.load_state_dict(fresh)  # both halves take it: the cloud's is pushed
         assert_same(model.state_dict(), fresh)
-        with pytest.raises(splitft.ConfigError, match="missing"):
-            model.load_state_dict({k: v for k, v in fresh.items() if not k.startswith("2.")})
+
+
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+def test_load_state_dict_loads_what_it_is_given_and_reports_the_rest_as_torch_does(inproc_cloud, rejoin):
+    """A checkpoint without the head (strict=False, as for fine-tuning), one missing a key or
+    holding one of another shape (strict: torch loads the rest, then raises RuntimeError): the
+    split model ends where the unsplit one does, and says the same."""
+    given = mlp(seed=5).state_dict()
+    cases = [({k: v for k, v in given.items() if not k.startswith("2.")}, False),
+             ({k: v for k, v in given.items() if k != "2.bias"}, True),
+             ({**given, "2.weight": torch.zeros(2, 2), "0.bias": torch.zeros(5)}, True),
+             ({**given, "9.weight": torch.zeros(1)}, False)]
+    for state, strict in cases:
+        local = mlp()
+        try:
+            expected, error = local.load_state_dict(state, strict=strict), None
+        except RuntimeError as exc:
+            expected, error = None, str(exc)
+        model = splitft.split(mlp(), 2, rejoin, factory=MLP, connect=inproc_cloud.connect,
+                              faults=splitft.Faults(heartbeat=0))
+        with model:
+            if error is None:
+                assert model.load_state_dict(state, strict=strict) == expected
+            else:
+                with pytest.raises(RuntimeError) as raised:
+                    model.load_state_dict(state, strict=strict)
+                for key in ("2.bias", "2.weight", "0.bias"):
+                    assert (key in str(raised.value)) == (f'"{key}"' in error or f"for {key}:" in error), key
+            assert_same(model.state_dict(), local.state_dict())
 
 
 def test_unsplit_gives_back_the_whole_trained_model(inproc_cloud):

@@ -282,24 +282,34 @@ class SplitModel(nn.Module):
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        """Load a whole model's state (the unsplit model's key names): the edge's part here, the
-        cloud half's sent to the cloud (every one of its tensors is required)."""
+        """Load a model's state (the unsplit model's key names) as torch loads it: what is given
+        loads, the edge's part here and the cloud half's in the cloud (checked there before any
+        of it loads); missing and unexpected keys are reported, and with ``strict`` raised once
+        the rest is loaded, as is a tensor of another shape, with torch's ``RuntimeError``."""
         cloud_names = self.ghosts.state_names()
-        cloud = {k: v for k, v in state_dict.items() if k in cloud_names}
-        edge = {k: v for k, v in state_dict.items() if k not in cloud_names}
-        if cloud.keys() != cloud_names and (strict or cloud):
-            missing = sorted(cloud_names - cloud.keys())
-            raise ConfigError(f"load_state_dict: the cloud half's tensors {missing[:5]} are missing; give all of "
-                              "them, or none with strict=False")
-        result = self.model.load_state_dict(edge, strict=False, assign=assign)
-        missing = [k for k in result.missing_keys if k not in cloud_names]
-        if strict and (missing or result.unexpected_keys):
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.model).__name__}: missing keys "
-                               f"{missing[:5]}, unexpected keys {result.unexpected_keys[:5]}")
+        shapes = {k: tuple(v.shape) for k, v in self.model.state_dict(keep_vars=True).items() if k in cloud_names}
+        cloud, errors = {}, []
+        for key, value in state_dict.items():
+            if key in cloud_names:
+                array = torch.as_tensor(value).detach().cpu()
+                if tuple(array.shape) == shapes[key]:
+                    cloud[key] = (array.float() if array.dtype == torch.bfloat16 else array).numpy()  # cast back there
+                else:
+                    errors.append(f"size mismatch for {key}: copying a param with shape {tuple(array.shape)} from "
+                                  f"checkpoint, the shape in current model is {shapes[key]}.")
         if cloud:
-            self.session.outbox.queue(LoadWeights(weights={k: torch.as_tensor(v).detach().cpu().numpy()
-                                                           for k, v in cloud.items()}))  # sent at once: no copy
+            self.session.outbox.queue(LoadWeights(weights=cloud, partial=cloud.keys() != cloud_names))
             self.session.sync()  # applied now, so a bad tensor is reported here
+        try:
+            result = self.model.load_state_dict({k: v for k, v in state_dict.items() if k not in cloud_names},
+                                                strict=False, assign=assign)
+        except RuntimeError as exc:  # an edge tensor of another shape: torch loads the rest, then raises
+            raise RuntimeError("\n\t".join([str(exc), *errors])) from None
+        missing = [k for k in result.missing_keys if k not in state_dict]
+        if errors or (strict and (missing or result.unexpected_keys)):
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.model).__name__}: missing keys "
+                               f"{missing[:5]}, unexpected keys {result.unexpected_keys[:5]}"
+                               + "".join(f"\n\t{e}" for e in errors))
         return type(result)(missing, result.unexpected_keys)
 
     def unsplit(self) -> nn.Module:
