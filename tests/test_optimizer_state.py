@@ -212,8 +212,8 @@ def test_a_state_dict_whose_settings_change_what_the_optimizer_keeps_loads_as_to
 
 @pytest.mark.parametrize("changes, message", [
     ([{"amsgrad": 1.0}], r"amsgrad must keep its type"),
-    ([{"params": [0]}], r"cannot set the optimizer's 'params'"),
-    ([{"nesterov": True}], r"cannot set the optimizer's 'nesterov'"),
+    ([{"params": [0]}], r"cannot change the optimizer's 'params'"),
+    ([{"nesterov": True}], r"cannot change the optimizer's 'nesterov'"),
     ([{}, {}], r"one map per parameter group \(1\)"),
 ])
 def test_the_cloud_refuses_loaded_settings_that_are_not_its_optimizers(cloud, changes, message):

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from ..errors import CapacityError, ConfigError, ModelError, PolicyError, ProtocolError
-from ..optimizer_layout import same_kind
 from ..wire import operations as o
 from . import offload, optimizer_state
 from .blame import blame, short
@@ -330,14 +329,7 @@ def _set_hyperparameters(optimizer: torch.optim.Optimizer, op: o.Step) -> None:
             if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr)):
                 raise ProtocolError(f"learning rate {short(lr)} is not a finite number")
             group["lr"] = lr
-        if not isinstance(changes, dict):
-            raise ProtocolError(f"a group's changed settings must be a map, got {short(changes)}")
-        for key, value in changes.items():
-            if key in ("params", "lr") or key not in group:
-                raise ProtocolError(f"a step cannot change the optimizer's {short(key)}")
-            if not same_kind(value, group[key]):
-                raise ProtocolError(f"setting {key} must keep its type, got {short(value)}")
-            group[key] = tuple(value) if isinstance(group[key], tuple) else value
+        group.update(optimizer_state.checked_settings(group, changes, "a step", fixed=("params", "lr")))
 
 
 @handles(o.ApplyEager)

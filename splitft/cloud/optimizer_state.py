@@ -93,17 +93,23 @@ def _loaded_settings(optimizer: torch.optim.Optimizer, changes: Any) -> list[dic
     groups = optimizer.param_groups
     if changes is None:
         return [{} for _ in groups]
-    if not isinstance(changes, list) or len(changes) != len(groups) or not all(isinstance(c, dict) for c in changes):
+    if not isinstance(changes, list) or len(changes) != len(groups):
         raise ProtocolError(f"load_optimizer_state.changes must hold one map per parameter group ({len(groups)})")
-    out = []
-    for group, changed in zip(groups, changes):
-        for key, value in changed.items():
-            if key == "params" or key not in group:
-                raise ProtocolError(f"a loaded state cannot set the optimizer's {short(key)}")
-            if not same_kind(value, group[key]):
-                raise ProtocolError(f"loaded setting {key} must keep its type, got {short(value)}")
-        out.append({key: tuple(value) if isinstance(group[key], tuple) else value for key, value in changed.items()})
-    return out
+    return [checked_settings(group, changed, "a loaded state", fixed=("params",))
+            for group, changed in zip(groups, changes)]
+
+
+def checked_settings(group: dict[str, Any], changes: Any, who: str, fixed: tuple[str, ...]) -> dict[str, Any]:
+    """``changes`` to a parameter group's settings as the group holds them (tuples as tuples),
+    each one the group has, not ``fixed``, and of its kind; refused whole otherwise."""
+    if not isinstance(changes, dict):
+        raise ProtocolError(f"a group's changed settings must be a map, got {short(changes)}")
+    for key, value in changes.items():
+        if key in fixed or key not in group:
+            raise ProtocolError(f"{who} cannot change the optimizer's {short(key)}")
+        if not same_kind(value, group[key]):
+            raise ProtocolError(f"setting {key} must keep its type, got {short(value)}")
+    return {key: tuple(value) if isinstance(group[key], tuple) else value for key, value in changes.items()}
 
 
 def _own_optimizer(session: Session, what: str) -> torch.optim.Optimizer:
@@ -130,4 +136,4 @@ def _host(value: torch.Tensor) -> np.ndarray:
     return (full.float() if full.dtype == torch.bfloat16 else full).detach().cpu().numpy()
 
 
-__all__ = ["load", "read"]
+__all__ = ["checked_settings", "load", "read"]

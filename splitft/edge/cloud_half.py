@@ -130,11 +130,15 @@ class CloudHalf:
     # ------------------------------------------------------------ values
 
     def push_values(self, name: str, value: torch.Tensor) -> None:
-        """New values for a cloud parameter or buffer (``copy_``, ``zero_``, ``fill_`` on its placeholder)."""
-        if value.dtype == torch.bfloat16:  # numpy has no bfloat16; the cloud casts it back exactly
-            value = value.float()
-        array: np.ndarray = value.contiguous().numpy().copy()  # sent later: the script may change value first
-        self._queue(LoadWeights(weights={name: array}, partial=True))
+        """New values for a cloud parameter or buffer (``copy_``, ``zero_``, ``fill_``, a draw on its placeholder)."""
+        self._queue(LoadWeights(weights={name: values_to_send(value).copy()}, partial=True))  # the script may change value first
 
 
-__all__ = ["CloudHalf"]
+def values_to_send(value: Any) -> np.ndarray:
+    """A tensor's values as the cloud receives them: on the host, bfloat16 as float32 (numpy has no
+    bfloat16; the cloud casts it back exactly)."""
+    tensor = torch.as_tensor(value).detach().cpu()
+    return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).contiguous().numpy()
+
+
+__all__ = ["CloudHalf", "values_to_send"]

@@ -22,7 +22,7 @@ from ..errors import ConfigError, SplitFTError
 from ..metrics import Metrics
 from ..wire.operations import LoadWeights
 from . import move, optimizers, resume
-from .cloud_half import CloudHalf
+from .cloud_half import CloudHalf, values_to_send
 from .ghosts import Ghosts, install, uninstall
 from .mirror import ModelMirror
 from .placeholders import CloudTensor
@@ -291,11 +291,11 @@ class SplitModel(nn.Module):
         cloud, errors = {}, []
         for key, value in state_dict.items():
             if key in cloud_names:
-                array = torch.as_tensor(value).detach().cpu()
-                if tuple(array.shape) == shapes[key]:
-                    cloud[key] = (array.float() if array.dtype == torch.bfloat16 else array).numpy()  # cast back there
+                array = values_to_send(value)
+                if array.shape == shapes[key]:
+                    cloud[key] = array
                 else:
-                    errors.append(f"size mismatch for {key}: copying a param with shape {tuple(array.shape)} from "
+                    errors.append(f"size mismatch for {key}: copying a param with shape {array.shape} from "
                                   f"checkpoint, the shape in current model is {shapes[key]}.")
         if cloud:
             self.session.outbox.queue(LoadWeights(weights=cloud, partial=cloud.keys() != cloud_names))

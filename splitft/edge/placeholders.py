@@ -263,7 +263,7 @@ def _new_values(make: Callable[..., Any], *, no_grad: bool = False) -> Callable[
                 raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
             value = torch.empty(target.shape, dtype=target.dtype, device=target._splitft_remote.device)
             make(value, *args, **kwargs)
-        target._splitft_remote.push_values(target._splitft_name, value.to("cpu"))
+        target._splitft_remote.push_values(target._splitft_name, value)
         return target
 
     return made
