@@ -29,6 +29,10 @@ threads in spinning barriers, so the wait shows up as CPU time. With each proces
 CPU 4.5 against 9.5 ms), which made every ratio there a matter of luck: an artifact of putting both
 machines on one, which two machines do not have.
 
+With ``--device cuda`` every variant runs the model's second half on the GPU: the splitft cloud,
+the two peers, and the local model's layers after the cut (its first half stays on the CPU, as the
+edge's does), so all four still do the same arithmetic on the same devices.
+
 Workloads are MODEL:BATCH: `cnn` is the digits CNN (splitft.app.models:digits_cnn) cut at block3;
 `encoder` is a transformer encoder of --encoder-layers layers (token embedding, post-norm layers,
 a linear head over the flattened sequence) cut after its first layer, so the cloud half does most
@@ -36,6 +40,7 @@ of the work.
 
     python scripts/bench_peers.py                                  # cnn:8 cnn:64 cnn:256 encoder:16
     python scripts/bench_peers.py cnn:64 --rounds 15 --json out.json
+    python scripts/bench_peers.py cnn:64 cnn:256 encoder:16 --device cuda   # the second half on a GPU
 """
 
 from __future__ import annotations
@@ -67,11 +72,13 @@ def workload(spec: str, args: argparse.Namespace) -> dict[str, Any]:
     model, _, batch = spec.partition(":")
     if model not in ("cnn", "encoder") or not batch.isdigit() or int(batch) < 1:
         raise ValueError(f"a workload is cnn:BATCH or encoder:BATCH, got {spec!r}")
+    on = "" if args.device == "cpu" else f", second half on {args.device}"
     if model == "cnn":
-        return {"label": f"cnn b{batch}", "factory": CNN, "kwargs": {}, "cut": "block3", "batch": int(batch)}
+        return {"label": f"cnn b{batch}{on}", "factory": CNN, "kwargs": {}, "cut": "block3", "batch": int(batch),
+                "device": args.device}
     kwargs = {"layers": args.encoder_layers, "width": args.encoder_width, "seq": args.seq}
-    return {"label": f"encoder{args.encoder_layers} b{batch}", "factory": ENCODER, "kwargs": kwargs,
-            "cut": "layer1", "batch": int(batch)}
+    return {"label": f"encoder{args.encoder_layers} b{batch}{on}", "factory": ENCODER, "kwargs": kwargs,
+            "cut": "layer1", "batch": int(batch), "device": args.device}
 
 
 # ---------------------------------------------------------------- the coordinator
@@ -137,7 +144,8 @@ def _processes(args: argparse.Namespace):
             if "splitft" in args.variants:
                 from splitft.app.launch import local_cloud
 
-                address = stack.enter_context(local_cloud([CNN, ENCODER], sessions=0, exit_timeout=0, quiet=True))
+                address = stack.enter_context(local_cloud([CNN, ENCODER], sessions=0, exit_timeout=0, quiet=True,
+                                                                device=args.device))
                 peers["splitft"] = {"address": address, "pid": _cloud_pid(address)}
             if "raw" in args.variants:
                 if not mine.poll(REPLY_TIMEOUT):
@@ -261,11 +269,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--malloc-thresholds", action="store_true",
                         help="fix glibc's trim and mmap thresholds in every process (MALLOC_TRIM_THRESHOLD_, "
                              "MALLOC_MMAP_THRESHOLD_), so freed buffers are not returned to the OS and faulted back")
+    parser.add_argument("--device", default="cpu",
+                        help="where every variant runs the model's second half: the splitft cloud, the RPC and "
+                             "raw peers, and the local model's layers after the cut (e.g. cuda; default: cpu). "
+                             "The first half and the data stay on the CPU, as on an edge device")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write every round here")
     args = parser.parse_args(argv)
     for name in ("rounds", "steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")
+    if args.device != "cpu":
+        from splitft.devices import resolve_device
+        from splitft.errors import ConfigError
+
+        try:
+            args.device = str(resolve_device(args.device))
+        except ConfigError as exc:
+            parser.error(str(exc))
     try:
         args.specs = [workload(spec, args) for spec in args.workloads]
     except ValueError as exc:

@@ -66,15 +66,26 @@ def batch_of(w: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
 # ---------------------------------------------------------------- the four variants (edge side)
 
 
+def device_of(w: dict[str, Any]) -> torch.device:
+    """Where the second half runs (``--device``); the first half always runs on the CPU."""
+    return torch.device(w.get("device", "cpu"))
+
+
 class LocalRun:
-    """The unsplit model in this process: what the split variants are measured against."""
+    """The unsplit model in this process: what the split variants are measured against. With the
+    second half on an accelerator, the unsplit model has its second half there too, so every
+    variant does the same arithmetic on the same devices."""
 
     def __init__(self, w: dict[str, Any], peer: dict[str, Any]) -> None:
         self.model, self.crit = build(w), nn.CrossEntropyLoss()
+        self.device = device_of(w)
+        if self.device.type != "cpu":
+            edge, half = halves(w)
+            self.model = nn.Sequential(edge, _ToDevice(self.device), half.to(self.device))
         self.opt = torch.optim.Adam(self.model.parameters(), LR)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.crit(self.model(x), y).backward()
+        self.crit(self.model(x), y.to(self.device)).backward()
         self.opt.step()
         self.opt.zero_grad()
 
@@ -82,10 +93,22 @@ class LocalRun:
         raise RuntimeError("local has no transport")
 
     def state(self) -> dict[str, torch.Tensor]:
-        return self.model.state_dict()
+        if self.device.type == "cpu":
+            return self.model.state_dict()
+        edge, _, half = self.model
+        return {k: v.cpu() for k, v in {**edge.state_dict(), **half.state_dict()}.items()}
 
     def close(self) -> None:
         pass
+
+
+class _ToDevice(nn.Module):
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.device)
 
 
 class SplitftRun(LocalRun):
@@ -94,6 +117,7 @@ class SplitftRun(LocalRun):
     def __init__(self, w: dict[str, Any], peer: dict[str, Any]) -> None:
         import splitft
 
+        self.device = torch.device("cpu")  # the edge's; the cloud runs its half where it was told to
         self.model = splitft.split(build(w), w["cut"], factory=splitft.Factory(w["factory"], w["kwargs"]),
                                    connect=peer["address"])
         self.opt = self.model.attach(torch.optim.Adam(self.model.parameters(), LR))
@@ -113,6 +137,7 @@ class RawRun(LocalRun):
         import zmq
 
         self.edge, _ = halves(w)
+        self.device = torch.device("cpu")
         self.opt = torch.optim.Adam(self.edge.parameters(), LR)
         self.sock = zmq.Context.instance().socket(zmq.REQ)
         for option, value in ((zmq.LINGER, 0), (zmq.RCVTIMEO, int(REPLY_TIMEOUT * 1000))):
@@ -151,7 +176,7 @@ class RpcRun(LocalRun):
         from torch.distributed import rpc
         from torch.distributed.optim import DistributedOptimizer
 
-        self.rpc, self.edge = rpc, halves(w)[0]
+        self.rpc, self.edge, self.device = rpc, halves(w)[0], torch.device("cpu")
         self.cloud = rpc.remote("peer", _rpc_build, args=(w,))
         params = [rpc.RRef(p) for p in self.edge.parameters()] + rpc.rpc_sync("peer", _rpc_params, (self.cloud,))
         self.opt = DistributedOptimizer(torch.optim.Adam, params, lr=LR)
@@ -172,7 +197,7 @@ class RpcRun(LocalRun):
 
 
 def _rpc_build(w: dict[str, Any]) -> nn.Module:
-    return halves(w)[1]
+    return halves(w)[1].to(device_of(w))
 
 
 def _rpc_params(cloud: Any) -> list:
@@ -182,11 +207,14 @@ def _rpc_params(cloud: Any) -> list:
 
 
 def _rpc_forward_loss(cloud: Any, act: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(cloud.local_value()(act), y)
+    half = cloud.local_value()
+    device = next(half.parameters()).device
+    # the loss travels back on the CPU: TensorPipe moves accelerator tensors only with device maps
+    return nn.functional.cross_entropy(half(act.to(device)), y.to(device)).cpu()
 
 
 def _rpc_state(cloud: Any) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in cloud.local_value().state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in cloud.local_value().state_dict().items()}
 
 
 def _noop() -> None:
@@ -226,6 +254,7 @@ def raw_peer(conn: Any, threads: int) -> None:
     sock.bind("tcp://127.0.0.1:0")
     conn.send(sock.getsockopt(zmq.LAST_ENDPOINT).decode())
     half = opt = shape = None
+    device = torch.device("cpu")
     crit = nn.CrossEntropyLoss()
     while True:
         try:
@@ -233,21 +262,24 @@ def raw_peer(conn: Any, threads: int) -> None:
         except zmq.Again:
             return
         if len(frames) == 2:
-            act = torch.frombuffer(frames[0].buffer, dtype=torch.float32).view(shape).requires_grad_()
-            crit(half(act), torch.frombuffer(frames[1].buffer, dtype=torch.int64)).backward()
-            sock.send(act.grad.numpy(), copy=False)
+            act = torch.frombuffer(frames[0].buffer, dtype=torch.float32).view(shape).to(device).requires_grad_()
+            crit(half(act), torch.frombuffer(frames[1].buffer, dtype=torch.int64).to(device)).backward()
+            sock.send(act.grad.cpu().numpy(), copy=False)
             opt.step()
             opt.zero_grad()
         elif not frames[0].bytes:
             sock.send(b"")
         else:
             half, opt, shape = _raw_control(sock, json.loads(frames[0].bytes), half, opt, shape)
+            if half is not None:
+                device = next(half.parameters()).device
 
 
 def _raw_control(sock: Any, msg: dict[str, Any], half: Any, opt: Any, shape: Any) -> tuple:
     if msg["op"] == "setup":
         w = msg["workload"]
         edge, half = halves(w)
+        half.to(device_of(w))
         x, _ = batch_of(w)
         with torch.no_grad():
             shape = tuple(edge(x).shape)
@@ -256,7 +288,7 @@ def _raw_control(sock: Any, msg: dict[str, Any], half: Any, opt: Any, shape: Any
     elif msg["op"] == "state":
         state = half.state_dict()
         header = [(k, str(v.dtype).removeprefix("torch."), list(v.shape)) for k, v in state.items()]
-        sock.send_multipart([json.dumps(header).encode(), *(v.contiguous().numpy() for v in state.values())])
+        sock.send_multipart([json.dumps(header).encode(), *(v.cpu().contiguous().numpy() for v in state.values())])
     else:
         sock.send(b"unknown operation")
     return half, opt, shape
