@@ -2,11 +2,14 @@
 
 For each task (MiniLM on BBC News, the SmolLM2 LoRA task), one short training run against a
 real `splitft cloud` process with ``--device cpu`` and one with ``--device cuda``; the edge runs
-on the CPU in this process, as it would on a device. Printed per run: seconds per step, the
-cloud's compute and the codecs' time per step (from the edge's counters), bytes each way, and
-the CPU/GPU ratio of step times. Then, with the cloud on the GPU, 1, 2, 4, ... edge processes
-train at once until the median step time is twice the single edge's: how many concurrent edges
-one GPU serves before its step time doubles.
+on the CPU in this process, as it would on a device. Each run makes two passes over its samples
+and times the second: the first pays for CUDA's context, cuDNN's first choices and the cloud's
+first session, which would otherwise swamp a short run. Printed per run: seconds per step (the
+second pass), the cloud's compute and the codecs' time per step (the edge's counters, both
+passes), bytes each way (both passes and the evaluations), and the CPU/GPU ratio of step times.
+Then, with the cloud on the GPU, 1, 2, 4, ... edge processes (one torch thread each) connect,
+wait until all have, and train at once, until the median step time is twice the single edge's:
+how many concurrent edges one GPU serves before its step time doubles.
 
 Without a CUDA GPU it says so and exits with status 0. A task whose extras or data are missing
 is skipped with a note.
@@ -22,6 +25,7 @@ import multiprocessing as mp
 import statistics
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,11 +42,26 @@ class Row:
 
 
 def _task_run(task: str, args: argparse.Namespace, limit: int | None = None):
+    """Two passes over the data: the first warms up (CUDA's context, cuDNN's and the allocator's
+    first calls, the cloud's first session), the second is timed (see :func:`_steady_step`)."""
     from splitft.options import Codecs
     from splitft.app.runner import TaskRun
 
-    return TaskRun(task=task, epochs=1, limit=limit or args.limit, batch_size=args.batch_size,
+    return TaskRun(task=task, epochs=2, limit=limit or args.limit, batch_size=args.batch_size,
                    codecs=Codecs(args.codec, seed=0), seed=0)
+
+
+def _train_seconds(result: Any) -> float:
+    return result.history[-1].get("train_seconds", result.seconds) if result.history else result.seconds
+
+
+def _steady_step(result: Any) -> float:
+    """Seconds per step of the last pass. A task whose trainer keeps no per-pass times is timed
+    over the whole run, first steps included."""
+    history = result.history
+    if len(history) >= 2 and "train_seconds" in history[-2]:
+        return (history[-1]["train_seconds"] - history[-2]["train_seconds"]) / (result.steps / len(history))
+    return _train_seconds(result) / max(result.steps, 1)
 
 
 def _one(task: str, device: str, args: argparse.Namespace) -> Row:
@@ -52,20 +71,21 @@ def _one(task: str, device: str, args: argparse.Namespace) -> Row:
 
     with local_cloud([get_task(task).model], device=device, quiet=True) as address:
         result = run(_task_run(task, args), address)
-    train = result.history[-1]["train_seconds"] if result.history else result.seconds
     steps = max(result.steps, 1)
-    parts = result.metrics.breakdown(train)
-    return Row(task, device, train / steps, parts["cloud_compute"] / steps,
+    parts = result.metrics.breakdown(_train_seconds(result))  # the whole run's counters, both passes
+    return Row(task, device, _steady_step(result), parts["cloud_compute"] / steps,
                (parts["edge_codec"] + parts["cloud_codec"]) / steps, result.bytes_up, result.bytes_down)
 
 
-def _edge_process(task: str, args: argparse.Namespace, address: str, out: mp.Queue) -> None:
-    from splitft.app.runner import run
+def _edge_process(task: str, args: argparse.Namespace, address: str, out: mp.Queue, start: Any) -> None:
+    """One edge: load and connect, wait until every edge has, then train; reports its timed
+    pass's seconds per step."""
+    from splitft.app.runner import prepare, train
 
     torch.set_num_threads(1)
-    result = run(_task_run(task, args, limit=args.edge_steps * (args.batch_size or 8)), address)
-    train = result.history[-1]["train_seconds"] if result.history else result.seconds
-    out.put(train / max(result.steps, 1))
+    prepared = prepare(_task_run(task, args, limit=args.edge_steps * (args.batch_size or 8)), address)
+    start.wait(timeout=600)
+    out.put(_steady_step(train(prepared)))
 
 
 def _concurrent(task: str, edges: int, args: argparse.Namespace) -> float:
@@ -75,8 +95,9 @@ def _concurrent(task: str, edges: int, args: argparse.Namespace) -> float:
 
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
+    start = ctx.Barrier(edges)
     with local_cloud([get_task(task).model], device=args.device, sessions=edges, quiet=True) as address:
-        procs = [ctx.Process(target=_edge_process, args=(task, args, address, out)) for _ in range(edges)]
+        procs = [ctx.Process(target=_edge_process, args=(task, args, address, out, start)) for _ in range(edges)]
         for p in procs:
             p.start()
         times = [out.get(timeout=1800) for _ in procs]
