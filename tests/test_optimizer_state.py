@@ -17,7 +17,7 @@ from torch import nn
 
 import splitft
 from splitft.errors import ConfigError, SplitFTError
-from splitft.wire.operations import LoadOptimizerState
+from splitft.wire.operations import AddParamGroup, LoadOptimizerState
 from tests.conftest import start_cloud, stop
 from tests.models import mlp
 from tests.test_faults import _data
@@ -266,3 +266,57 @@ def test_after_unsplit_the_same_optimizer_trains_the_whole_model_on_exactly(clou
     _train(whole, opt, nn.CrossEntropyLoss(), data[2:])
     assert_bitwise(whole.state_dict(), local.state_dict())
     _assert_same_state(opt.state_dict(), local_opt.state_dict())
+
+
+def _unfreezing(model: nn.Module, crit: nn.Module, data: list) -> torch.optim.Optimizer:
+    """The head frozen for a step, then given to the optimizer in a group of its own."""
+    head = model[4] if isinstance(model, nn.Sequential) else model.model[4]
+    head.requires_grad_(False)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    _train(model, opt, crit, data[:1])
+    head.requires_grad_(True)
+    opt.add_param_group({"params": head.parameters(), "lr": 0.005, "amsgrad": True})
+    _train(model, opt, crit, data[1:3])
+    return opt
+
+
+def test_a_group_added_mid_training_holds_the_unsplit_state_and_loads_into_a_new_session(cloud):
+    data = _data(4)
+    local = mlp()
+    local_opt = _unfreezing(local, nn.CrossEntropyLoss(), data)
+    model, crit = _split(cloud, None)
+    with model:
+        opt = _unfreezing(model, crit, data)
+        saved, weights = copy.deepcopy(opt.state_dict()), model.state_dict()
+        _assert_same_state(saved, local_opt.state_dict())
+        assert saved["state"][4]["max_exp_avg_sq"].shape == (3, 16)  # the added group's own layout
+    _train(local, local_opt, nn.CrossEntropyLoss(), data[3:])
+    model, crit = _split(cloud, None)
+    with model:
+        model.load_state_dict(weights)
+        params = [p for name, p in model.named_parameters() if not name.removeprefix("model.").startswith("4.")]
+        opt = torch.optim.Adam(params, lr=0.01)
+        opt.add_param_group({"params": model.model[4].parameters(), "lr": 0.005, "amsgrad": True})
+        opt.load_state_dict(saved)
+        _train(model, opt, crit, data[3:])
+        assert_bitwise(model.state_dict(), local.state_dict())
+        _assert_same_state(opt.state_dict(), local_opt.state_dict())
+
+
+@pytest.mark.parametrize("op, message", [
+    (dict(index=5, names=["4.weight"], settings={}), r"parameter group 5 added where the optimizer has 1"),
+    (dict(index=1, names=["2.weight"], settings={}), r"more than one parameter group"),
+    (dict(index=1, names=["9.weight"], settings={}), r"no parameter '9.weight'"),
+    (dict(index=1, names=[], settings={"lr": "fast"}), r"lr must keep its type"),
+    (dict(index=1, names=[], settings={"params": [1]}), r"cannot change the optimizer's 'params'"),
+    (dict(index=-1, names=[], settings={}), r"index must be an int of at least 0"),
+])
+def test_the_cloud_refuses_a_parameter_group_that_is_not_one_of_its_half(cloud, op, message):
+    model, crit = _split(cloud, None)
+    with model:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        _train(model, opt, crit, _data(1))
+        model.session.outbox.queue(AddParamGroup(**op))
+        with pytest.raises(SplitFTError, match=message):
+            model.session.sync()
+        _train(model, opt, crit, _data(2)[1:])  # one group still, on both sides: training goes on

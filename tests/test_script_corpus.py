@@ -298,7 +298,24 @@ def reinitialises_by_module_walk_and_by_index(model, net, crit, data):
         opt.step()
 
 
-SCRIPTS = [accumulation_zero_grad_and_clip, reinitialises_by_module_walk_and_by_index, accumulates_over_three_with_a_weighted_loss,
+def unfreezes_layers_as_it_goes_with_add_param_group(model, net, crit, data):
+    net[0].requires_grad_(False)
+    net[4].requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for i, (x, y) in enumerate(data):
+        if i == 2:  # the head, at a lower rate (a cloud layer in a plain split, the edge's in a U-shape)
+            net[4].requires_grad_(True)
+            opt.add_param_group({"params": net[4].parameters(), "lr": 5e-3})
+        if i == 4:  # then the first layer (the edge's), without weight decay
+            net[0].requires_grad_(True)
+            opt.add_param_group({"params": list(net[0].parameters()), "lr": 2e-3, "weight_decay": 0.0})
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+    return [(g["lr"], g["weight_decay"], len(g["params"])) for g in opt.param_groups]
+
+
+SCRIPTS = [unfreezes_layers_as_it_goes_with_add_param_group, accumulation_zero_grad_and_clip, reinitialises_by_module_walk_and_by_index, accumulates_over_three_with_a_weighted_loss,
            three_views_in_one_loss_accumulated_over_three_batches, groups_and_warmup, layerwise_lr_decay, one_cycle_with_momentum, freeze_by_name_mid_training,
            trainable_only_optimizer, eval_between_steps, fp16_with_grad_scaler,
            zero_grad_by_hand_and_clip_through_grad_data, clip_in_two_steps_with_foreach, logs_each_layers_gradient_norm,
@@ -468,7 +485,7 @@ def test_a_second_optimizer_over_the_cloud_half_is_refused_before_it_steps(cloud
         second = torch.optim.SGD(net[4].parameters(), lr=0.1)
         with pytest.raises(splitft.ConfigError, match="one optimizer"):
             second.step()
-        first.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
+        first.param_groups[0]["params"].pop()  # a group's parameters edited in place: not a group added
         with pytest.raises(splitft.ConfigError, match="parameter groups changed"):
             first.step()
         edge_only = torch.optim.SGD(net[0].parameters(), lr=0.1)  # the edge's own: local, as unsplit

@@ -74,8 +74,8 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
         CutError, r"setting 'p' of '3'"),
     "a forward hook on a cloud layer's submodule": (
         lambda model, net, opt: net[2].register_forward_hook(lambda *a: None), CutError, r"would never run"),
-    "a parameter group added after the first step": (
-        lambda model, net, opt: (opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)]}), opt.step()),
+    "a parameter group's parameters edited after the first step": (
+        lambda model, net, opt: (opt.param_groups[0]["params"].append(torch.zeros(1, requires_grad=True)), opt.step()),
         ConfigError, r"parameter groups changed"),
     "optimizer state cleared (a reset of every moment)": (
         lambda model, net, opt: (opt.state.clear(), opt.step()), ConfigError, r"state was reset"),

@@ -149,6 +149,8 @@ def test_the_first_edge_cannot_choose_the_optimizer_or_frozen_set_of_later_edges
         assert first.sync({**ATTACH, "settings": {"lr": 0.01}}).TYPE == "ack"  # a lower rate is fine
         reply = first.sync({"op": "step", "id": 1, "lr": 10.0})
         assert reply.code == "policy" and "at most 0.1" in reply.message, reply
+        reply = first.sync({"op": "add_param_group", "index": 1, "names": [], "settings": {"lr": 10.0}})
+        assert reply.code == "policy" and "--shared-optimizer" in reply.message, reply
         # The second edge, while the first is still there, attaches the cloud's optimizer and steps.
         assert second.sync(ATTACH).TYPE == "ack"
         second.gradient(1)

@@ -157,6 +157,48 @@ def attach_optimizer(session: Target, op: o.AttachOptimizer) -> None:
     mirrored.optimizer_id = op_id if op_id is not None else mirrored.optimizer_id + 1
 
 
+@handles(o.AddParamGroup)
+def add_param_group(session: Target, op: o.AddParamGroup) -> None:
+    """``opt.add_param_group`` on the edge: the same group in the cloud's copy, checked whole first."""
+    mirrored, half = session.mirrored, session.half
+    spec = mirrored.optimizer_spec
+    if spec is None:
+        raise ProtocolError("a parameter group added before any optimizer was attached")
+    if half.shared is not None:
+        raise PolicyError("a shared cloud half's optimizer is the cloud's (--shared-optimizer): an edge may not add "
+                          "a parameter group to it")
+    groups = spec.groups if spec.groups is not None else [{"names": _names_in_order(half), "settings": {}}]
+    if not isinstance(op.index, int) or isinstance(op.index, bool) or op.index < 0:
+        raise ProtocolError(f"a parameter group's index must be an int of at least 0, got {short(op.index)}")
+    if op.index < len(groups):
+        return  # a replay: the group is there
+    if op.index > len(groups):
+        raise ProtocolError(f"parameter group {op.index} added where the optimizer has {len(groups)}")
+    settings = optimizer_state.checked_settings(dict(spec.settings), op.settings, "a new parameter group",
+                                                fixed=("params",))
+    grown = o.AttachOptimizer(name=spec.name, settings=spec.settings, id=spec.id,
+                              groups=[*groups, {"names": op.names, "settings": op.settings}])
+    built = _param_groups(half, grown)  # every group checked again: names known, none in two groups
+    cls = getattr(torch.optim, spec.name)
+    optimizer = mirrored.own_optimizer
+    built[-1].update(settings)
+    if optimizer is None:  # no group held a parameter of this half until now
+        mirrored.own_optimizer = _make_optimizer(built, cls, spec.settings)
+    else:
+        try:
+            optimizer.add_param_group({"params": built[-1]["params"], **settings})
+        except Exception as exc:  # torch's own checks (a parameter in two groups): nothing was added
+            raise ConfigError(f"cannot add a parameter group to {spec.name}: {exc}") from exc
+    mirrored.optimizer_spec = grown
+
+
+def _names_in_order(half: Half) -> list[str]:
+    """The half's parameters by name, in the order of the one group an optimizer built without
+    groups holds (its state dict numbers them so)."""
+    name_of = {id(p): name for name, p in half.named_params.items()}
+    return [name_of[id(p)] for p in half.chain.parameters()]
+
+
 def _param_groups(half: Half, op: o.AttachOptimizer) -> list[dict[str, Any]]:
     """The optimizer's groups over the half's parameters, by their unsplit names."""
     if op.groups is None:

@@ -62,7 +62,7 @@ class Priced(Protocol):
 
 
 #: Mirrored operations that touch every parameter once or so.
-_PER_PARAM_OPS = {"zero_grad", "scale_grads", "clamp_grads", "apply", "optimizer", "frozen"}
+_PER_PARAM_OPS = {"zero_grad", "scale_grads", "clamp_grads", "apply", "optimizer", "add_param_group", "frozen"}
 
 
 def state_nbytes(session: Priced) -> int:

@@ -18,7 +18,7 @@ import torch
 
 from ..errors import ConfigError
 from ..optimizer_layout import same_kind
-from ..wire.operations import AttachOptimizer, LoadOptimizerState, Step
+from ..wire.operations import AddParamGroup, AttachOptimizer, LoadOptimizerState, Step
 from . import initial_state, optimizers
 from .cloud_half import CloudHalf
 from .placeholders import RemoteTensor
@@ -128,12 +128,30 @@ class OptimizerMirror:
             out.append(settings)
         return out, raw if immutable else None
 
+    def groups_added(self) -> None:
+        """Groups the script added (``opt.add_param_group``) since the last look go to the cloud's
+        copy, in order; any other change to the groups' parameters is refused before it counts."""
+        members = _members(self.optimizer)
+        if members == self.members:
+            return
+        name, known = type(self.optimizer).__name__, len(self.members)
+        if members[:known] != self.members:
+            raise ConfigError(f"{name}'s parameter groups changed since it was attached (a group's params list edited, "
+                              "or a group removed); a split model mirrors the groups it was attached with and the ones "
+                              "add_param_group adds: build a new optimizer and attach it")
+        if self.model.link.shared:
+            raise ConfigError(f"{name}.add_param_group over a shared cloud half: its optimizer is the cloud's")
+        settings, _ = self._group_settings()  # refused here if a new group's cannot be sent
+        names = self.model.cloud_half.names_by_id
+        for index in range(known, len(members)):
+            group = self.optimizer.param_groups[index]
+            self.model.outbox.queue(AddParamGroup(index=index, settings=settings[index],
+                                                  names=[names[id(p)] for p in group["params"] if id(p) in names]))
+        self.sent, self.members = [*self.sent, *settings[known:]], members
+
     def before_step(self) -> None:
-        """Refuse, before the step runs, what the mirror would not carry: groups added or changed."""
-        if _members(self.optimizer) != self.members:
-            raise ConfigError(f"{type(self.optimizer).__name__}'s parameter groups changed since it was attached "
-                              "(add_param_group, or a group's params list edited); a split model mirrors the groups "
-                              "it was attached with: build a new optimizer and attach it")
+        """Refuse, before the step runs, what the mirror would not carry; send the groups added."""
+        self.groups_added()
         state = self.optimizer.state
         if (state is not self._state or len(state) != self._entries or not self._entries_kept(state)
                 or (self._initial and not initial_state.unchanged(state, self._initial))):
@@ -225,6 +243,7 @@ class OptimizerMirror:
         name = type(self.optimizer).__name__
         if self.model.link.shared:
             raise ConfigError(f"{name}.load_state_dict over a shared cloud half: its optimizer is every edge's")
+        self.groups_added()
         cloud, names, remote = self._cloud_params(), self.model.cloud_half.names_by_id, self.model.cloud_half
         given = saved.get("state", {})
         entries: dict[str, dict[str, Any]] = {}

@@ -47,6 +47,22 @@ class AttachOptimizer(Operation):
 
 
 @dataclass
+class AddParamGroup(Operation):
+    """The edge's optimizer got a parameter group (``opt.add_param_group``: layers unfrozen as a
+    fine-tune goes on): add the same group, over the named parameters of the half, to the cloud's.
+
+    ``index`` is the group's position among the optimizer's groups: one already there is a replay
+    and is skipped. ``names`` may be empty (a group of the edge's parameters only), so that the
+    groups keep their positions on both sides.
+    """
+
+    NAME: ClassVar[str] = "add_param_group"
+    index: int
+    names: list
+    settings: dict = field(default_factory=dict)
+
+
+@dataclass
 class SetLoss(Operation):
     """Plain split: compute this ``torch.nn`` loss (by class name and settings) after the cloud half."""
 
@@ -164,7 +180,7 @@ class FreeCache(Operation):
 
 
 OPERATIONS: dict[str, type[Operation]] = {
-    cls.NAME: cls for cls in (AttachOptimizer, SetLoss, Step, ApplyEager, ZeroGrad, ScaleGrads, ClampGrads,
+    cls.NAME: cls for cls in (AttachOptimizer, AddParamGroup, SetLoss, Step, ApplyEager, ZeroGrad, ScaleGrads, ClampGrads,
                               LoadWeights, LoadOptimizerState, SetFrozen, SetModes, FreeCache)
 }
 
@@ -232,5 +248,5 @@ def from_wire(value: Any) -> Operation:
     return build_checked(cls, {k: v for k, v in value.items() if k != "op"}, f"operation {cls.NAME}")
 
 
-__all__ = ["ApplyEager", "AttachOptimizer", "ClampGrads", "FreeCache", "LoadOptimizerState", "LoadWeights", "OPERATIONS", "Operation", "ScaleGrads",
+__all__ = ["AddParamGroup", "ApplyEager", "AttachOptimizer", "ClampGrads", "FreeCache", "LoadOptimizerState", "LoadWeights", "OPERATIONS", "Operation", "ScaleGrads",
            "SetFrozen", "SetLoss", "SetModes", "Step", "ZeroGrad", "from_wire", "merged", "names_of", "to_wire"]
