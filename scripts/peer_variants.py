@@ -71,6 +71,14 @@ def device_of(w: dict[str, Any]) -> torch.device:
     return torch.device(w.get("device", "cpu"))
 
 
+def adam_settings(w: dict[str, Any]) -> dict[str, Any]:
+    """Adam's settings in every variant. With the second half on an accelerator, ``foreach``: torch
+    picks it by itself for an optimizer over accelerator parameters only (the split variants'
+    peers), but not for the local model's one optimizer over both halves' devices, and the two
+    paths need not round alike there (on the CPU they do)."""
+    return {"lr": LR, "foreach": True} if device_of(w).type != "cpu" else {"lr": LR}
+
+
 class LocalRun:
     """The unsplit model in this process: what the split variants are measured against. With the
     second half on an accelerator, the unsplit model has its second half there too, so every
@@ -82,7 +90,7 @@ class LocalRun:
         if self.device.type != "cpu":
             edge, half = halves(w)
             self.model = nn.Sequential(edge, _ToDevice(self.device), half.to(self.device))
-        self.opt = torch.optim.Adam(self.model.parameters(), LR)
+        self.opt = torch.optim.Adam(self.model.parameters(), **adam_settings(w))
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         self.crit(self.model(x), y.to(self.device)).backward()
@@ -120,7 +128,7 @@ class SplitftRun(LocalRun):
         self.device = torch.device("cpu")  # the edge's; the cloud runs its half where it was told to
         self.model = splitft.split(build(w), w["cut"], factory=splitft.Factory(w["factory"], w["kwargs"]),
                                    connect=peer["address"])
-        self.opt = self.model.attach(torch.optim.Adam(self.model.parameters(), LR))
+        self.opt = self.model.attach(torch.optim.Adam(self.model.parameters(), **adam_settings(w)))
         self.crit = self.model.remote_loss(nn.CrossEntropyLoss())
 
     def ping(self) -> None:
@@ -138,7 +146,7 @@ class RawRun(LocalRun):
 
         self.edge, _ = halves(w)
         self.device = torch.device("cpu")
-        self.opt = torch.optim.Adam(self.edge.parameters(), LR)
+        self.opt = torch.optim.Adam(self.edge.parameters(), **adam_settings(w))
         self.sock = zmq.Context.instance().socket(zmq.REQ)
         for option, value in ((zmq.LINGER, 0), (zmq.RCVTIMEO, int(REPLY_TIMEOUT * 1000))):
             self.sock.setsockopt(option, value)
@@ -179,7 +187,7 @@ class RpcRun(LocalRun):
         self.rpc, self.edge, self.device = rpc, halves(w)[0], torch.device("cpu")
         self.cloud = rpc.remote("peer", _rpc_build, args=(w,))
         params = [rpc.RRef(p) for p in self.edge.parameters()] + rpc.rpc_sync("peer", _rpc_params, (self.cloud,))
-        self.opt = DistributedOptimizer(torch.optim.Adam, params, lr=LR)
+        self.opt = DistributedOptimizer(torch.optim.Adam, params, **adam_settings(w))
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         from torch.distributed import autograd
@@ -283,7 +291,7 @@ def _raw_control(sock: Any, msg: dict[str, Any], half: Any, opt: Any, shape: Any
         x, _ = batch_of(w)
         with torch.no_grad():
             shape = tuple(edge(x).shape)
-        opt = torch.optim.Adam(half.parameters(), LR)
+        opt = torch.optim.Adam(half.parameters(), **adam_settings(w))
         sock.send(b"ok")
     elif msg["op"] == "state":
         state = half.state_dict()
