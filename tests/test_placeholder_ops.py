@@ -59,7 +59,9 @@ REMOTE = _NoCloud()
 
 def _placeholder(like: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "parameter":
-        return CloudTensor(torch.nn.Parameter(like.detach().float(), requires_grad=True), "block.weight", REMOTE)
+        made = CloudTensor(torch.nn.Parameter(like.detach().float(), requires_grad=True), "block.weight", REMOTE)
+        REMOTE.params["block.weight"] = made  # a parameter of the cloud half (not a buffer)
+        return made
     if kind == "gradient":
         return CloudGrad(like.detach().float(), "block.weight", REMOTE, torch.device("cpu"))
     if kind == "optimizer state":  # what Adagrad's constructor makes for a cloud parameter

@@ -213,6 +213,16 @@ def test_a_layer_referenced_before_split_is_the_ghost_and_its_parameters_the_pla
     assert torch.isfinite(layer(torch.ones(1, 16))).all()
 
 
+def test_a_refusal_names_a_cloud_buffer_as_a_buffer_and_a_parameter_as_a_parameter(cloud):
+    net = mlp_batchnorm()
+    model = splitft.split(net, 2, factory="tests.models:mlp_batchnorm", connect=cloud)
+    with model:
+        with pytest.raises(PlaceholderError, match=r"on cloud buffer '3.running_mean'"):
+            net[3].running_mean.sum()
+        with pytest.raises(PlaceholderError, match=r"on cloud parameter '3.weight'"):
+            net[3].weight.data.sum()
+
+
 def test_a_change_made_before_split_that_the_factory_does_not_make_is_refused_at_the_handshake(cloud):
     net = mlp()
     net[3] = nn.GELU()  # a module walk replacing activations, before the cut: the cloud's factory builds ReLU

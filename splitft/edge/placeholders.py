@@ -62,6 +62,7 @@ class Remote(Protocol):
     def refuse_grad(self, name: str, value: Any) -> None: ...
     @property
     def device(self) -> torch.device: ...  # the edge half's: where the unsplit model's values would be drawn
+    params: dict[str, Any]  # the cloud half's parameters by name (the rest of its tensors are buffers)
 
 
 class RemoteTensor(Tensor):
@@ -135,6 +136,10 @@ class CloudTensor(RemoteTensor):
         if isinstance(like, torch.nn.Parameter):
             made._is_param = True
         return made
+
+    def _what(self) -> str:
+        kind = "parameter" if self._splitft_name in self._splitft_remote.params else "buffer"
+        return f"cloud {kind} {self._splitft_name!r}"
 
     def alias(self) -> CloudTensor:
         """``p.data`` / ``p.detach()``: the same cloud tensor, not a parameter, no gradient."""
