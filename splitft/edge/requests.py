@@ -5,9 +5,9 @@ Every request the edge sends gets the next sequence number and goes into a repla
 connection drops, the cloud lost the session), the edge reconnects with a backoff between
 attempts, tells the cloud in its ``hello`` which numbers it can still re-send, learns from the
 ``welcome`` where the cloud's state stands, and re-sends the requests after that point, byte for
-byte. The cloud applies each number once, so a re-sent request that had already been applied is
-answered, not redone. While the user's loop is busy elsewhere, a heartbeat keeps the cloud's
-session alive.
+byte (:mod:`.recovery`). The cloud applies each number once, so a re-sent request that had
+already been applied is answered, not redone. While the user's loop is busy elsewhere, a heartbeat
+keeps the cloud's session alive.
 
 How much the log holds is set by the cloud's checkpoint policy, announced in the handshake: the
 cloud writes a checkpoint right after applying every N-th optimizer step, so once the reply to
@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Protocol, Union
+from typing import Union
 
 import numpy as np
 
@@ -37,7 +37,7 @@ import transports
 
 from ..wire import protocol
 from ..wire.coding import Traffic
-from ..errors import (AuthError, CapacityError, HandshakeError, PeerGone, ProtocolError, SessionLost, SplitFTError,
+from ..errors import (AuthError, HandshakeError, PeerGone, ProtocolError, SessionLost, SplitFTError,
                       TooLarge, TransportError, TransportTimeout, from_code, translated)
 from ..metrics import Metrics
 from ..options import Codecs, Faults
@@ -45,13 +45,13 @@ from ..wire.operations import Step
 from ..wire.protocol import Ack, Bye, Error, Hello, Pong, Redirect, Sync, Welcome
 from .heartbeat import Heartbeat
 from .outbox import Outbox
+from .recovery import NoSteps, Recovery, Reply, Steps
 from .resume import ResumePoint
 from .route import Follow, Route
-from .replay import Backoff, ReplayLog
+from .replay import ReplayLog
 
 log = logging.getLogger(__name__)
 
-Reply = tuple[protocol.Message, int]  # a reply and its size on the wire
 Expect = Union[type[protocol.Message], tuple[type[protocol.Message], ...]]  # the reply types a request awaits
 
 
@@ -68,19 +68,7 @@ def _numbered(msg: protocol.Message) -> bool:
     return msg.NUMBERED
 
 
-class Steps(Protocol):
-    """Whoever counts the optimizer steps the edge took (:class:`~splitft.edge.stage.CloudStage`):
-    a resuming hello tells the cloud where the edge is."""
-
-    @property
-    def step(self) -> int: ...
-
-
-class _NoSteps:
-    step = 0
-
-
-class EdgeSession:
+class EdgeSession(Recovery):
     """One session with a cloud: the handshake, numbered requests and their replies, and recovery.
 
     It holds what the handshake settled for the session's life (its id and resume token, the
@@ -124,7 +112,7 @@ class EdgeSession:
         self._hello: Hello | None = None
         self._reconnect = reconnect
         self.route = Route(follow)
-        self._steps: Steps = _NoSteps()
+        self._steps: Steps = NoSteps()
         self._suspect: BaseException | None = None  # the link failed where no reply was awaited
         self._heartbeat = Heartbeat(self, faults.heartbeat)
 
@@ -305,99 +293,6 @@ class EdgeSession:
             if isinstance(reply, Error) and reply.code == "session":
                 raise SessionLost(reply.message)
             return reply, wire_in
-
-    # ------------------------------------------------------------ recovery
-
-    def _recover(self, seq: int, fault: BaseException) -> Reply:
-        """Reconnect, resume the session and re-send what the cloud lost; return request ``seq``'s reply."""
-        assert self._reconnect is not None
-        address = getattr(self.connection, "address", "?")
-        deadline = time.monotonic() + self.reconnect_timeout
-        backoff = Backoff()
-        attempt = 0
-        while True:
-            attempt += 1
-            log.warning("link to the cloud at %s failed (%s); reconnecting, attempt %d", address, fault, attempt)
-            self.connection.close()
-            try:
-                with translated():
-                    self.connection = self._reconnect()
-                    self.route.back_to_front_door()
-                    welcome = self._resume_handshake(max(0.1, min(self.timeout, deadline - time.monotonic())))
-                    result = self._replay(welcome.seq, seq)
-                self.recoveries += 1
-                log.warning("session %s resumed at request %d (step %d); replayed %d request(s)",
-                            self.session_id, welcome.seq, welcome.steps, seq - min(seq, welcome.seq))
-                return result
-            except (HandshakeError, PeerGone):
-                raise  # the session cannot be resumed: retrying will not change that
-            except (TransportError, SessionLost, CapacityError) as exc:  # a refusal too: the keys opened
-                fault = exc  # the session, so a port is held for a moment by another (restart, reused port)
-            delay = backoff.next()
-            if time.monotonic() + delay > deadline:
-                raise TransportTimeout(
-                    f"lost the cloud at {address} and could not get the session back within "
-                    f"{self.reconnect_timeout:g} s (last error: {fault}); is the cloud running, and was it "
-                    "restarted with the same --checkpoint-dir?"
-                ) from None
-            time.sleep(delay)
-
-    def _resume_hello(self) -> Hello:
-        assert self._hello is not None
-        hello = Hello(**{**vars(self._hello), "weights": None, "value_hash": None})
-        hello.resume = {"session": self.session_id, "token": self.token, "step": self._steps.step, "seq": self._seq,
-                        "log_from": self._log.first or self._seq + 1}
-        return hello
-
-    def _resume_handshake(self, timeout: float) -> Welcome:
-        frames = protocol.encode(self._resume_hello())
-
-        def ask() -> protocol.Message:
-            self.metrics.count("up", "control", wire=self.connection.send(frames))
-            reply, wire_in = self._receive(0, timeout)
-            self.metrics.count("down", "control", wire=wire_in)
-            if isinstance(reply, Error):
-                raise from_code(reply.code, f"cloud: {reply.message}")
-            return reply
-
-        reply = self._placed(ask)
-        if not isinstance(reply, Welcome) or reply.session != self.session_id:
-            raise HandshakeError(f"expected a welcome back to session {self.session_id}, got {reply.TYPE}")
-        self._welcomed(reply)
-        return reply
-
-    def _placed(self, ask: Callable[[], protocol.Message]) -> protocol.Message:
-        """The answer to the hello ``ask`` sends, after following the front door's redirect, if any."""
-        reply = ask()
-        if isinstance(reply, Redirect):
-            self.connection = self.route.go(reply, self.connection)
-            reply = ask()
-            if isinstance(reply, Redirect):
-                self.route.go(reply, self.connection)  # raises: a second hop is never taken
-        return reply
-
-    def _replay(self, cloud_seq: int, seq: int) -> Reply:
-        """Re-send what the cloud lost, and what is still awaited; the reply to ``seq`` is the result.
-
-        Requests after ``cloud_seq`` are applied again in order; awaited ones the cloud already
-        applied (only their replies were lost) are answered from its reply cache. Replies to the
-        other requests in flight are kept for their own awaits.
-        """
-        awaited = sorted(self._outstanding | {seq})
-        top = max(awaited)
-        resend = [(s, f) for s, f in self._log.after(cloud_seq) if s <= top]
-        if cloud_seq < top and (not resend or resend[0][0] != cloud_seq + 1):
-            raise HandshakeError(f"cannot replay: the cloud is at request {cloud_seq} but this edge kept requests "
-                                 f"from {self._log.first} on")
-        cached = [(s, self._log.get(s)) for s in awaited if s <= cloud_seq]
-        for s, frames in cached + resend:
-            if frames is None:
-                raise HandshakeError(f"cannot replay request {s}: this edge no longer keeps it")
-            self.metrics.count("up", "control", wire=self.connection.send(frames))
-        self._early.clear()
-        for s in awaited:
-            self._early[s] = self._receive(s, self.timeout)
-        return self._early.pop(seq)
 
     def _welcomed(self, welcome: Welcome) -> None:
         self.session_id = welcome.session
