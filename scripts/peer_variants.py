@@ -145,7 +145,6 @@ class RawRun(LocalRun):
         import zmq
 
         self.edge, _ = halves(w)
-        self.device = torch.device("cpu")
         self.opt = torch.optim.Adam(self.edge.parameters(), **adam_settings(w))
         self.sock = zmq.Context.instance().socket(zmq.REQ)
         for option, value in ((zmq.LINGER, 0), (zmq.RCVTIMEO, int(REPLY_TIMEOUT * 1000))):
@@ -184,7 +183,7 @@ class RpcRun(LocalRun):
         from torch.distributed import rpc
         from torch.distributed.optim import DistributedOptimizer
 
-        self.rpc, self.edge, self.device = rpc, halves(w)[0], torch.device("cpu")
+        self.rpc, self.edge = rpc, halves(w)[0]
         self.cloud = rpc.remote("peer", _rpc_build, args=(w,))
         params = [rpc.RRef(p) for p in self.edge.parameters()] + rpc.rpc_sync("peer", _rpc_params, (self.cloud,))
         self.opt = DistributedOptimizer(torch.optim.Adam, params, **adam_settings(w))

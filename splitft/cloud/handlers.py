@@ -179,15 +179,13 @@ def add_param_group(session: Target, op: o.AddParamGroup) -> None:
     grown = o.AttachOptimizer(name=spec.name, settings=spec.settings, id=spec.id,
                               groups=[*groups, {"names": op.names, "settings": op.settings}])
     built = _param_groups(half, grown)  # every group checked again: names known, none in two groups
-    cls = getattr(torch.optim, spec.name)
-    optimizer = mirrored.own_optimizer
-    built[-1].update(settings)
-    if optimizer is None:  # no group held a parameter of this half until now
-        mirrored.own_optimizer = _make_optimizer(built, cls, spec.settings)
+    built[-1].update(settings)  # as the optimizer holds them (tuples as tuples)
+    if mirrored.own_optimizer is None:  # no group held a parameter of this half until now
+        mirrored.own_optimizer = _make_optimizer(built, getattr(torch.optim, spec.name), spec.settings)
     else:
         try:
-            optimizer.add_param_group({"params": built[-1]["params"], **settings})
-        except Exception as exc:  # torch's own checks (a parameter in two groups): nothing was added
+            mirrored.own_optimizer.add_param_group(built[-1])
+        except Exception as exc:  # torch's own checks, made before it adds anything
             raise ConfigError(f"cannot add a parameter group to {spec.name}: {exc}") from exc
     mirrored.optimizer_spec = grown
 
