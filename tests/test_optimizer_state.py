@@ -320,3 +320,18 @@ def test_the_cloud_refuses_a_parameter_group_that_is_not_one_of_its_half(cloud, 
         with pytest.raises(SplitFTError, match=message):
             model.session.sync()
         _train(model, opt, crit, _data(2)[1:])  # one group still, on both sides: training goes on
+
+
+def test_groups_added_one_by_one_stop_at_the_most_an_optimizer_may_have(cloud):
+    """Each added group is checked alone (its names against those the groups hold), so a thousand of
+    them cost what one optimizer of a thousand groups costs; the next is refused, and nothing of it kept."""
+    model, crit = _split(cloud, None)
+    with model:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        _train(model, opt, crit, _data(1))
+        for index in range(1, 1024):
+            model.session.outbox.queue(AddParamGroup(index=index, names=[], settings={}))
+        model.session.sync()
+        model.session.outbox.queue(AddParamGroup(index=1024, names=[], settings={}))
+        with pytest.raises(SplitFTError, match=r"more than 1024 parameter groups"):
+            model.session.sync()

@@ -159,7 +159,9 @@ def attach_optimizer(session: Target, op: o.AttachOptimizer) -> None:
 
 @handles(o.AddParamGroup)
 def add_param_group(session: Target, op: o.AddParamGroup) -> None:
-    """``opt.add_param_group`` on the edge: the same group in the cloud's copy, checked whole first."""
+    """``opt.add_param_group`` on the edge: the same group in the cloud's copy, checked first. Only
+    the new group is checked (its names against those the groups hold), so adding groups one by
+    one costs what building them at once would."""
     mirrored, half = session.mirrored, session.half
     spec = mirrored.optimizer_spec
     if spec is None:
@@ -174,19 +176,28 @@ def add_param_group(session: Target, op: o.AddParamGroup) -> None:
         return  # a replay: the group is there
     if op.index > len(groups):
         raise ProtocolError(f"parameter group {op.index} added where the optimizer has {len(groups)}")
+    if len(groups) >= _MAX_GROUPS:
+        raise CapacityError(f"an optimizer with more than {_MAX_GROUPS} parameter groups")
+    if not (isinstance(op.names, list) and all(isinstance(n, str) for n in op.names)):
+        raise ProtocolError(f"a parameter group's names are a list of str, got {short(op.names)}")
     settings = optimizer_state.checked_settings(dict(spec.settings), op.settings, "a new parameter group",
                                                 fixed=("params",))
+    params = half.parameters_named(op.names)
+    optimizer = mirrored.own_optimizer
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]} if optimizer is not None else set()
+    if len(params) != len(op.names) or any(id(p) in held for p in params):
+        raise ProtocolError("a parameter appears in more than one parameter group, or twice in one")
     grown = o.AttachOptimizer(name=spec.name, settings=spec.settings, id=spec.id,
                               groups=[*groups, {"names": op.names, "settings": op.settings}])
-    built = _param_groups(half, grown)  # every group checked again: names known, none in two groups
-    built[-1].update(settings)  # as the optimizer holds them (tuples as tuples)
-    if mirrored.own_optimizer is None:  # no group held a parameter of this half until now
-        mirrored.own_optimizer = _make_optimizer(built, getattr(torch.optim, spec.name), spec.settings)
-    else:
+    if optimizer is not None:
         try:
-            mirrored.own_optimizer.add_param_group(built[-1])
+            optimizer.add_param_group({"params": params, **settings})
         except Exception as exc:  # torch's own checks, made before it adds anything
             raise ConfigError(f"cannot add a parameter group to {spec.name}: {exc}") from exc
+    elif params:  # the first group with a parameter of this half: the optimizer, over every group
+        built = _param_groups(half, grown)
+        built[-1].update(settings)  # as the optimizer holds them (tuples as tuples)
+        mirrored.own_optimizer = _make_optimizer(built, getattr(torch.optim, spec.name), spec.settings)
     mirrored.optimizer_spec = grown
 
 
