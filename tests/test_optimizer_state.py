@@ -17,7 +17,7 @@ from torch import nn
 
 import splitft
 from splitft.errors import ConfigError, SplitFTError
-from splitft.wire.operations import AddParamGroup, LoadOptimizerState
+from splitft.wire.operations import AddParamGroup, AttachOptimizer, LoadOptimizerState
 from tests.conftest import start_cloud, stop
 from tests.models import mlp
 from tests.test_faults import _data
@@ -335,3 +335,23 @@ def test_groups_added_one_by_one_stop_at_the_most_an_optimizer_may_have(cloud):
         model.session.outbox.queue(AddParamGroup(index=1024, names=[], settings={}))
         with pytest.raises(SplitFTError, match=r"more than 1024 parameter groups"):
             model.session.sync()
+
+
+def test_a_message_that_would_build_more_groups_than_an_optimizer_has_is_refused_whole(cloud):
+    """torch builds an optimizer's groups in time quadratic in their number: a message whose
+    attachments would build more than one optimizer's most (60 ms for 1024 here) is refused before
+    any of it is applied."""
+    model, crit = _split(cloud, None)
+    with model:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        _train(model, opt, crit, _data(1))
+        model.session.sync()  # the attachment and the step ride on a message of their own
+        groups = [{"names": ["2.weight", "2.bias", "4.weight", "4.bias"], "settings": {}}]
+        groups += [{"names": [], "settings": {}} for _ in range(599)]
+        for attachment in (10, 11):
+            model.session.outbox.queue(AttachOptimizer(name="SGD", settings={"lr": 0.5}, id=attachment, groups=groups))
+        with pytest.raises(SplitFTError, match=r"builds 1200 parameter groups; an optimizer has at most 1024"):
+            model.session.sync()
+        state = model.session.optimizer_state()  # still the Adam it had, with its moments
+        assert state and all(set(entry) == {"step", "exp_avg", "exp_avg_sq"} for entry in state.values())
+        _train(model, opt, crit, _data(2)[1:])

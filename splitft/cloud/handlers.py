@@ -120,6 +120,9 @@ def apply_ops(session: Target, ops: list) -> int:
     if len(ops) > session.limits.max_ops:
         raise CapacityError(f"a message carries {len(ops)} operations; this cloud applies at most "
                             f"{session.limits.max_ops} per message")
+    groups = sum(_groups_built(value) for value in ops)
+    if groups > _MAX_GROUPS:  # torch builds an optimizer's groups in time quadratic in their number
+        raise CapacityError(f"a message builds {groups} parameter groups; an optimizer has at most {_MAX_GROUPS}")
     stepped = 0
     for value in ops:
         op = o.from_wire(value)
@@ -127,6 +130,18 @@ def apply_ops(session: Target, ops: list) -> int:
             session.passes.flush()  # the edge's backward pass ended before this: its sums reach .grad
         stepped += bool(handler_for(type(op))(session, op))
     return stepped
+
+
+def _groups_built(value: Any) -> int:
+    """The parameter groups a received operation (a map, unchecked) has the cloud build."""
+    if not isinstance(value, dict):
+        return 0
+    if value.get("op") == "add_param_group":
+        return 1
+    if value.get("op") == "optimizer":
+        groups = value.get("groups")
+        return len(groups) if isinstance(groups, list) else 1
+    return 0
 
 
 def _positive_id(value: int | None) -> int | None:
