@@ -134,3 +134,15 @@ def test_no_cloud_room_is_over_500_lines_and_no_function_over_60():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1
                 assert length <= 60, f"{path.name}: {node.name} has {length} lines"
+
+
+def test_a_process_that_builds_a_cloud_server_and_ends_at_once_exits_cleanly():
+    """The server warms torch's dispatch modes up on a thread of its own; a process ending while that
+    import ran on a daemon thread aborted (std::terminate, exit status 134)."""
+    import subprocess
+    import sys
+
+    script = ("import transports\nfrom splitft.cloud import CloudServer\n"
+              "CloudServer(transports.InprocListener(), ['tests.models:mlp'])\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "terminate" not in done.stderr, done.stderr

@@ -193,7 +193,9 @@ class Pricing:
 
 def warm_up() -> None:
     """Count a tiny forward once, so that the first session's first count does not pay for the
-    import behind torch's dispatch modes (about a second, once per process)."""
+    import behind torch's dispatch modes (about a second, once per process). Run it on a thread
+    that is not a daemon: a process that ends while that import runs on a daemon thread aborts
+    (std::terminate), so the process's exit waits for it instead."""
     # On the meta device: it runs on a thread of its own, and building a layer on the host would
     # draw its initial weights from the process's generator, under whatever else runs meanwhile.
     HalfCost(nn.Linear(2, 2, device="meta")).forward("warm-up", lambda twin: twin(meta_like(torch.ones(1, 2))), 0)

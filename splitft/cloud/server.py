@@ -99,7 +99,7 @@ class CloudServer:
                                            orphan_seconds=self.limits.session_timeout) \
             if checkpoint_dir is not None else None
         self.jobs = Jobs(wake=listener.wake if getattr(listener, "supports_wake", False) else None)  # heavy work, off this thread
-        threading.Thread(target=warm_up, name="splitft-warm-up", daemon=True).start()
+        threading.Thread(target=warm_up, name="splitft-warm-up").start()  # not a daemon: see warm_up
         self.checkpoint_every = checkpoint_every
         self.checkpointing = work.Checkpointing(self.checkpoints, checkpoint_every)
         self.policy = policy or Policy()
