@@ -20,10 +20,12 @@ its own requests, turns a price into seconds.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import hashlib
 import logging
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -193,12 +195,27 @@ class Pricing:
 
 def warm_up() -> None:
     """Count a tiny forward once, so that the first session's first count does not pay for the
-    import behind torch's dispatch modes (about a second, once per process). Run it on a thread
-    that is not a daemon: a process that ends while that import runs on a daemon thread aborts
-    (std::terminate), so the process's exit waits for it instead."""
+    import behind torch's dispatch modes (about a second, once per process)."""
     # On the meta device: it runs on a thread of its own, and building a layer on the host would
     # draw its initial weights from the process's generator, under whatever else runs meanwhile.
     HalfCost(nn.Linear(2, 2, device="meta")).forward("warm-up", lambda twin: twin(meta_like(torch.ones(1, 2))), 0)
 
 
-__all__ = ["BACKWARD_FACTOR", "HalfCost", "Pace", "Price", "Pricing", "check", "meta_like", "meta_twin", "warm_up"]
+_WARMING: threading.Thread | None = None
+#: The most the process's exit waits for the warm-up, in seconds.
+WARM_UP_EXIT_WAIT = 30.0
+
+
+def start_warm_up() -> None:
+    """Run :func:`warm_up` on a thread, once per process. A process that ends while that import
+    runs on a daemon thread aborts (std::terminate), so its exit waits for the thread, up to
+    :data:`WARM_UP_EXIT_WAIT` seconds (a daemon still: a warm-up that never ends cannot hold the
+    process forever)."""
+    global _WARMING
+    if _WARMING is None:
+        _WARMING = threading.Thread(target=warm_up, name="splitft-warm-up", daemon=True)
+        _WARMING.start()
+        atexit.register(_WARMING.join, WARM_UP_EXIT_WAIT)
+
+
+__all__ = ["BACKWARD_FACTOR", "HalfCost", "Pace", "Price", "Pricing", "check", "meta_like", "meta_twin", "start_warm_up", "warm_up"]

@@ -38,7 +38,7 @@ from .budget import MemoryBook
 from .build import build_chain, check_codecs
 from .checkpoint_folder import CheckpointStore
 from .codec_policy import Policy
-from .costs import Price, warm_up
+from .costs import Price, start_warm_up
 from .dispatch import answer_table, answers, traffic_kind
 from .half import SharedPart, SharedParts
 from .jobs import LATER, Job, Jobs
@@ -99,7 +99,7 @@ class CloudServer:
                                            orphan_seconds=self.limits.session_timeout) \
             if checkpoint_dir is not None else None
         self.jobs = Jobs(wake=listener.wake if getattr(listener, "supports_wake", False) else None)  # heavy work, off this thread
-        threading.Thread(target=warm_up, name="splitft-warm-up").start()  # not a daemon: see warm_up
+        start_warm_up()
         self.checkpoint_every = checkpoint_every
         self.checkpointing = work.Checkpointing(self.checkpoints, checkpoint_every)
         self.policy = policy or Policy()
