@@ -184,7 +184,8 @@ def add_param_group(session: Target, op: o.AddParamGroup) -> None:
     if half.shared is not None:
         raise PolicyError("a shared cloud half's optimizer is the cloud's (--shared-optimizer): an edge may not add "
                           "a parameter group to it")
-    groups = spec.groups if spec.groups is not None else [{"names": _names_in_order(half), "settings": {}}]
+    groups = spec.groups if spec.groups is not None else \
+        [{"names": [half.name_of(p) for p in half.chain.parameters()], "settings": {}}]  # the one group, in order
     if not isinstance(op.index, int) or isinstance(op.index, bool) or op.index < 0:
         raise ProtocolError(f"a parameter group's index must be an int of at least 0, got {short(op.index)}")
     if op.index < len(groups):
@@ -214,13 +215,6 @@ def add_param_group(session: Target, op: o.AddParamGroup) -> None:
         built[-1].update(settings)  # as the optimizer holds them (tuples as tuples)
         mirrored.own_optimizer = _make_optimizer(built, getattr(torch.optim, spec.name), spec.settings)
     mirrored.optimizer_spec = grown
-
-
-def _names_in_order(half: Half) -> list[str]:
-    """The half's parameters by name, in the order of the one group an optimizer built without
-    groups holds (its state dict numbers them so)."""
-    name_of = {id(p): name for name, p in half.named_params.items()}
-    return [name_of[id(p)] for p in half.chain.parameters()]
 
 
 def _param_groups(half: Half, op: o.AttachOptimizer) -> list[dict[str, Any]]:
