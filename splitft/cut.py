@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import config_reads
 from .errors import CutError
 
 
@@ -216,19 +217,31 @@ def fingerprint(chain: Chain) -> str:
 
 
 def structure(chain: Chain) -> dict[str, str]:
-    """A hash of each cloud module's ``repr``: its layers and their settings (a dropout's ``p``,
-    a norm's ``eps``), which the parameter fingerprint does not see, by the module's name."""
-    return {name: hashlib.sha256(repr(stage).encode()).hexdigest()[:16] for name, stage in zip(chain.names, chain.stages)}
+    """A hash of each cloud module's ``repr`` and the config settings its code reads as it runs:
+    its layers and their settings (a dropout's ``p``, a norm's ``eps``, the attention kernel),
+    which the parameter fingerprint does not see, by the module's name."""
+    return {name: hashlib.sha256(_described(name, stage).encode()).hexdigest()[:16]
+            for name, stage in zip(chain.names, chain.stages)}
+
+
+def _described(name: str, stage: nn.Module) -> str:
+    settings = config_reads.values([(name, stage)])
+    return repr(stage) + (f"\nconfig settings read: {settings}" if settings else "")
 
 
 def check_structure(chain: Chain, theirs: dict) -> None:
     """Refuse a cloud half whose modules differ from the ones the edge cut (``theirs``: its :func:`structure`)."""
     for name, digest in structure(chain).items():
         if theirs.get(name) != digest:
-            shown = repr(chain.stages[chain.names.index(name)])
-            raise CutError(f"the cloud's {name!r} differs from the edge's model (a layer replaced or a setting such "
-                           f"as a dropout's p changed on one side): the cloud builds {shown[:400]}. Make the same "
-                           "change in the cloud's factory, or leave the model as the factory builds it")
+            stage = chain.stages[chain.names.index(name)]
+            shown = repr(stage)[:400]
+            settings = config_reads.values([(name, stage)])
+            raise CutError(f"the cloud's {name!r} differs from the edge's model (a layer replaced, a setting such "
+                           "as a dropout's p changed on one side, or a config setting it reads as it runs, such as "
+                           "the attention implementation): the cloud builds it"
+                           + (f" with the config settings {settings}, and" if settings else "") +
+                           f" as {shown}. Make the same change in the cloud's factory, or leave the model as the "
+                           "factory builds it")
 
 
 def value_hash(chain: Chain) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -76,9 +78,10 @@ def tiny_bert_pretrained(seed: int = 0) -> nn.Module:
         return BertForSequenceClassification(config).eval()
 
 
-def tiny_hf(kind: str = "bert", seed: int = 0, dropout: float = 0.0) -> nn.Module:
+def tiny_hf(kind: str = "bert", seed: int = 0, dropout: float = 0.0, attn_implementation: str | None = None) -> nn.Module:
     """A randomly initialised transformers model, without dropout unless asked for (hidden and
-    attention): ``"bert"`` for sequence classification, ``"llama"`` a causal LM."""
+    attention): ``"bert"`` for sequence classification, ``"llama"`` a causal LM; with
+    ``attn_implementation``, that attention kernel instead of transformers' default."""
     import transformers
 
     if kind == "bert":
@@ -95,7 +98,10 @@ def tiny_hf(kind: str = "bert", seed: int = 0, dropout: float = 0.0) -> nn.Modul
         raise ValueError(f"tiny_hf knows 'bert' and 'llama', not {kind!r}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return cls(config).eval()
+        model = cls(config).eval()
+    if attn_implementation is not None:
+        model.set_attn_implementation(attn_implementation)
+    return model
 
 
 def mlp_dropout(seed: int = 0) -> nn.Sequential:
@@ -175,3 +181,31 @@ def tiny_tied_lora(seed: int = 0) -> nn.Module:
         lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], bias="none",
                           task_type="CAUSAL_LM")
         return get_peft_model(model, lora)
+
+
+class ScaledLinear(nn.Module):
+    """A layer that reads a setting of a shared config object each time it runs, as transformers
+    layers read theirs: ``config.scale`` multiplies its output."""
+
+    def __init__(self, config: types.SimpleNamespace, width: int) -> None:
+        super().__init__()
+        self.config = config
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.config.scale
+
+
+class ConfiguredMLP(nn.Sequential):
+    """An MLP whose layers share one config object (``model.config``), as a transformers model's do."""
+
+    def __init__(self, scale: float) -> None:
+        config = types.SimpleNamespace(scale=scale, note="read by no layer")
+        super().__init__(nn.Linear(12, 16), nn.ReLU(), ScaledLinear(config, 16), nn.ReLU(), nn.Linear(16, 3))
+        self.config = config
+
+
+def configured_mlp(seed: int = 0, scale: float = 1.0) -> ConfiguredMLP:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return ConfiguredMLP(scale)

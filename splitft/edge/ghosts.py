@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config_reads import ConfigGuard
 from ..cut import Chain, CutSpec, _module, extract
 from ..errors import ConfigError, CutError
 from .standins import CutPoint, TrunkEntry, TrunkFollower, Unreachable
@@ -57,6 +58,7 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
     if failure is not None:
         raise CutError(f"cannot turn the cloud half's tensors into placeholders ({failure}); split the model before "
                        "anything keeps a weak reference to its parameters")
+    guard = ConfigGuard(list(zip(stages.names, stages.stages)))
     chain = Chain([(name, _twin(module, memo)) for name, module in zip(stages.names, stages.stages)])
     chain.swapped = swapped
     entry: TrunkEntry | None = None
@@ -72,7 +74,7 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
                 standin = TrunkFollower(name, entry, last=i == len(stages.names) - 1)
         else:
             standin = CutPoint(name) if i == 0 else Unreachable(name)
-        ghost(module, standin, never_run=_never_run(spec.ushape, i))
+        ghost(module, standin, never_run=_never_run(spec.ushape, i), before=guard.check if i == 0 else None)
     return chain
 
 
@@ -189,18 +191,22 @@ def _refuse_ties(model: nn.Module, stages: Chain, tensors: dict[str, torch.Tenso
                            "that both modules are on the same side")
 
 
-def ghost(module: nn.Module, standin: nn.Module, *, never_run: tuple[str, ...] = ()) -> nn.Module:
+def ghost(module: nn.Module, standin: nn.Module, *, never_run: tuple[str, ...] = (),
+          before: Callable[[], None] | None = None) -> nn.Module:
     """Make ``module`` (whose tensors are placeholders now) the edge's ghost of a cloud module.
 
     It keeps its class, submodules and parameter names; its forward is ``standin``'s.
     ``.to(device)`` leaves it alone (where the cloud half runs is the cloud's business); a cast
     to another dtype raises, since the cloud half would not follow. Hooks that would never run
     are refused when registered: any on its submodules (their code runs in the cloud), and the
-    kinds ``never_run`` names on the module itself.
+    kinds ``never_run`` names on the module itself. ``before`` runs at each call, before the standin
+    (the first cloud module's refuses a config setting the cloud's modules read that changed).
     """
     state = module.__dict__  # instance attributes, set past nn.Module.__setattr__ (standin is not a submodule)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if before is not None:
+            before()
         if standin.training != module.training:  # a standin has no children: its own flag is its mode
             standin.train(module.training)
         return standin(*args, **kwargs)
@@ -345,6 +351,11 @@ def _refuse_hooks(stages: Any, tensors: dict[str, torch.Tensor], ushape: bool) -
 
 def _refused_hook(where: str, hook: str) -> Callable[..., Any]:
     def refuse(*args: Any, **kwargs: Any) -> Any:
+        if args and _library_hook(args[0]):
+            raise CutError("the forward asked for hidden states or attentions (output_hidden_states, "
+                           "output_attentions), which transformers records with hooks on every layer, but "
+                           f"{where!r} runs in the cloud, where they would not record: leave them off with a split "
+                           "model, or ask the unsplit one (model.unsplit())")
         raise CutError(f"{hook} on {where!r}: that module runs in the cloud, so the hook would never run; "
                        "register it before split() on a module that stays on the edge, or cut elsewhere")
     return refuse

@@ -1,0 +1,157 @@
+"""The settings a model's modules read from their config object while they run.
+
+A transformers layer keeps a reference to the model's config and reads some of it on every call
+(``self.config._attn_implementation`` picks the attention kernel). The cloud builds its half from
+the factory, with a config of its own, so such a setting must agree on both sides when the model
+is cut, and must not change on the edge afterwards: the edge's layers would follow the change, the
+cloud's would not, and training would silently differ from the unsplit model.
+
+What a module reads is found in its class's code: every ``<...>.config.<key>`` or ``config.<key>``
+in a method other than ``__init__`` (what ``__init__`` reads is copied into the module when it is
+built, where the parameter fingerprint and the module's ``repr`` see it), in the model's own
+classes (a library's shared base classes read settings for saving, loading and generating, not
+for computing). transformers' shared code picks a layer's attention and experts kernels by two
+settings of the layer's config, outside the layer's code: those are read wherever a config is
+held. Settings that only the model's top reads (``use_cache``, ``pad_token_id``) are not in its
+layers' code, so a script may still change them.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import inspect
+import json
+import textwrap
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import ConfigError
+
+#: Classes whose code is not the model's: torch's own modules, this package's stand-ins, and
+#: transformers' shared bases (its models live under ``transformers.models``).
+_NOT_MODEL_CODE = ("torch.", "splitft.", "transformers.")
+_MODEL_CODE = ("transformers.models.",)
+#: What transformers' shared code reads from a layer's config to choose its kernels.
+_DISPATCH_KEYS = frozenset({"_attn_implementation", "_experts_implementation"})
+_MISSING = object()
+
+
+def keys_read(cls: type) -> frozenset[str]:
+    """The config keys the methods of ``cls`` and its bases (``__init__`` aside) read."""
+    found = _KEYS_READ.get(cls)
+    if found is None:
+        found = _KEYS_READ[cls] = _scan(cls)
+    return found
+
+
+_KEYS_READ: dict[type, frozenset[str]] = {}
+
+
+def _scan(cls: type) -> frozenset[str]:
+    keys: set[str] = set()
+    for base in cls.__mro__:
+        if base in (object, nn.Module) or (base.__module__.startswith(_NOT_MODEL_CODE)
+                                           and not base.__module__.startswith(_MODEL_CODE)):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
+        except (OSError, TypeError, SyntaxError):
+            continue  # no source at hand (a class built at run time, a compiled one)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                for method in node.body:
+                    if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) and method.name != "__init__":
+                        keys.update(_config_attributes(method))
+                break
+    return frozenset(keys)
+
+
+def _config_attributes(function: ast.AST) -> set[str]:
+    found = set()
+    for node in ast.walk(function):
+        if isinstance(node, ast.Attribute):
+            owner = node.value
+            if (isinstance(owner, ast.Attribute) and owner.attr == "config") or \
+                    (isinstance(owner, ast.Name) and owner.id == "config"):
+                found.add(node.attr)
+    return found
+
+
+def reads(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, Any, frozenset[str]]]:
+    """``(where, config, keys)`` for each module (any depth of ``modules``) whose code reads its config."""
+    found = []
+    for name, module in modules:
+        for key, sub in module.named_modules():
+            config = sub.__dict__.get("config")
+            if config is None or isinstance(config, (nn.Module, torch.Tensor, str, int, float, bool, dict, list)):
+                continue
+            keys = frozenset(key for key in keys_read(type(sub)) | _dispatch_keys(config)
+                             if not callable(getattr(config, key, None)))  # a config's methods are code, not settings
+            if keys:
+                found.append((f"{name}.{key}" if key else name, config, keys))
+    return found
+
+
+def _dispatch_keys(config: Any) -> frozenset[str]:
+    return _DISPATCH_KEYS if type(config).__module__.startswith("transformers.") else frozenset()
+
+
+def values(modules: list[tuple[str, nn.Module]]) -> dict[str, dict[str, str]]:
+    """Each module's read settings, as text (what :func:`splitft.cut.structure` hashes)."""
+    return {where: {key: _canonical(getattr(config, key, None)) for key in sorted(keys)}
+            for where, config, keys in reads(modules)}
+
+
+def _canonical(value: Any) -> str:
+    """The same text for equal settings however they were built (a dict's keys in any order)."""
+    try:
+        return json.dumps(value, sort_keys=True, default=repr)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+class ConfigGuard:
+    """Refuses a forward once a config setting the cloud's modules read has changed since the cut.
+
+    The settings are taken once; :meth:`check` reads them again (a few attribute reads a call).
+    """
+
+    def __init__(self, modules: list[tuple[str, nn.Module]]) -> None:
+        self._watched: list[tuple[str, Any, str, Any]] = []
+        seen: set[tuple[int, str]] = set()
+        for where, config, keys in reads(modules):
+            for key in sorted(keys):
+                if (id(config), key) not in seen:
+                    seen.add((id(config), key))
+                    self._watched.append((where, config, key, _snapshot(getattr(config, key, _MISSING))))
+
+    def check(self) -> None:
+        for where, config, key, was in self._watched:
+            now = getattr(config, key, _MISSING)
+            if now is not was and now != was:
+                raise ConfigError(
+                    f"config.{key} changed after split() ({_shown(was)} -> {_shown(now)}): {where!r} reads it on "
+                    "every call and runs in the cloud, whose model the factory built with its own config, so the "
+                    "cloud would go on with the old value and training would silently differ from the unsplit "
+                    f"model. Set {key} before split(), in the cloud's factory too (the handshake checks that the "
+                    "two agree), or set it back")
+
+
+def _snapshot(value: Any) -> Any:
+    """A copy of ``value`` that changes made in place to it (a dict of rope settings) do not reach."""
+    if value is _MISSING:
+        return value
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - a value that cannot be copied is compared as it is
+        return value
+
+
+def _shown(value: Any) -> str:
+    return "unset" if value is _MISSING else repr(value)
+
+
+__all__ = ["ConfigGuard", "keys_read", "reads", "values"]

@@ -1,0 +1,151 @@
+"""Config settings the cloud's layers read while they run (a transformers layer's attention
+kernel, a user's layer reading ``self.config.scale``): the cloud builds its half with its own
+config, so such a setting must agree at the handshake and must not change on the edge after
+split(); settings only the edge's code reads may still change. Scripts written as users write
+them, against a real cloud process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import splitft
+from splitft.config_reads import keys_read
+from splitft.errors import ConfigError, HandshakeError
+from tests.conftest import start_cloud, stop
+from tests.models import ScaledLinear, configured_mlp, tiny_hf
+
+pytest.importorskip("transformers")
+
+LLAMA = "tests.models:tiny_hf"
+CUT = "model.layers.1:3"
+MLP = "tests.models:configured_mlp"
+
+
+@pytest.fixture(scope="module")
+def cloud(tmp_path_factory):
+    proc, address, err = start_cloud(tmp_path_factory.mktemp("cloud"), "--sessions", "0", "--model", LLAMA,
+                                     "--model", MLP)
+    yield address
+    stop(proc)
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(3))
+
+
+def _step(model, opt) -> None:
+    ids = _ids()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _llama(cloud, **factory):
+    return splitft.split(tiny_hf("llama", **factory).train(), CUT, connect=cloud,
+                         factory=splitft.Factory(LLAMA, {"kind": "llama", **factory}))
+
+
+def _assert_same(split_state: dict, local_state: dict) -> None:
+    assert set(split_state) == set(local_state)
+    for name, value in local_state.items():
+        assert torch.equal(split_state[name], value), name
+
+
+def test_the_attention_kernel_set_after_split_is_refused_before_the_cloud_runs_and_set_back_trains_exactly(cloud):
+    local = tiny_hf("llama").train()
+    local_opt = torch.optim.AdamW(local.parameters(), lr=1e-2)
+    for _ in range(2):
+        _step(local, local_opt)
+    model = _llama(cloud)
+    with model:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _step(model, opt)
+        model.set_attn_implementation("eager")  # the public method; the cloud's layers would keep sdpa
+        with pytest.raises(ConfigError, match=r"config\._attn_implementation changed after split\(\) \('sdpa' -> "
+                                              r"'eager'\): 'model\.layers\.1\.self_attn' reads it"):
+            _step(model, opt)
+        model.config._attn_implementation = "sdpa"
+        _step(model, opt)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+    _assert_same(state, local.state_dict())
+
+
+def test_settings_only_the_edge_reads_may_change_after_split_and_train_exactly(cloud):
+    def script(model) -> dict:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _step(model, opt)
+        model.config.use_cache = False  # what fine-tuning scripts and Trainer do
+        model.config.pad_token_id = 0
+        model.generation_config.pad_token_id = 0
+        _step(model, opt)
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    local = script(tiny_hf("llama").train())
+    with _llama(cloud) as model:
+        split = script(model)
+    _assert_same(split, local)
+
+
+def test_an_attention_kernel_the_factory_does_not_build_is_refused_at_the_handshake_and_one_it_builds_is_exact(cloud):
+    edited = tiny_hf("llama").train()
+    edited.set_attn_implementation("eager")  # before split(), but the factory builds sdpa
+    with pytest.raises(HandshakeError, match=r"the cloud's 'model\.layers\.1' differs.*config setting it reads.*"
+                                             r"'_attn_implementation': '\"sdpa\"'"):
+        splitft.split(edited, CUT, connect=cloud, factory=splitft.Factory(LLAMA, {"kind": "llama"}))
+
+    local = tiny_hf("llama", attn_implementation="eager").train()
+    local_opt = torch.optim.AdamW(local.parameters(), lr=1e-2)
+    with _llama(cloud, attn_implementation="eager") as model:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(2):
+            _step(local, local_opt)
+            _step(model, opt)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+    _assert_same(state, local.state_dict())
+
+
+def test_a_users_layer_reading_its_config_as_it_runs_is_guarded_too(cloud):
+    x, y = torch.randn(8, 12), torch.randint(0, 3, (8,))
+    net = configured_mlp()
+    model = splitft.split(net, 2, factory=MLP, connect=cloud)
+    with model:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        crit = model.remote_loss(torch.nn.CrossEntropyLoss())
+        crit(model(x), y).backward()
+        opt.step()
+        net.config.note = "changed"  # no layer reads it
+        model(x)
+        net.config.scale = 2.0  # the cloud's ScaledLinear would go on multiplying by 1.0
+        with pytest.raises(ConfigError, match=r"config\.scale changed after split\(\) \(1\.0 -> 2\.0\): '2' reads it"):
+            model(x)
+    with pytest.raises(HandshakeError, match=r"config setting it reads.*'scale': '1\.0'"):
+        splitft.split(configured_mlp(scale=2.0), 2, factory=MLP, connect=cloud)
+
+
+def test_what_a_layer_reads_in_init_is_not_a_setting_it_reads_as_it_runs():
+    class Built(torch.nn.Module):
+        def __init__(self, config) -> None:
+            super().__init__()
+            self.config = config
+            self.width = config.width  # copied once: the module's repr and parameters carry it
+
+        def forward(self, x):
+            return x * self.config.gain
+
+    assert keys_read(Built) == {"gain"}
+    assert keys_read(ScaledLinear) == {"scale"}
+
+
+@pytest.mark.parametrize("how", ["argument", "config"])
+def test_hidden_states_asked_of_a_split_model_are_refused_naming_what_asked(cloud, how):
+    """transformers records hidden states with hooks on every layer, the cloud's too, where they
+    would never run: refused, saying so, rather than as a hook the script never registered."""
+    with _llama(cloud) as model:
+        ids = _ids()
+        kwargs = {"output_hidden_states": True} if how == "argument" else {}
+        if how == "config":
+            model.config.output_hidden_states = True
+        with pytest.raises(splitft.errors.CutError, match=r"asked for hidden states or attentions.*"
+                                                           r"'model\.layers\.1\.self_attn' runs in the cloud"):
+            model(input_ids=ids, **kwargs)
