@@ -18,8 +18,9 @@ and of its peer process (the process CPU clocks, nanosecond resolution), and min
 step of both ("faults": the allocator returning memory to the OS and faulting it back in). Ratios
 to raw and to local are taken per round; their medians and ranges [min-max] are printed. At the
 end each variant's whole model is fetched and compared to the local one (they do the same
-arithmetic, so they should be equal bit for bit; the exit status is 1 if not), and the empty round
-trip of each transport is timed.
+arithmetic, so they should be equal bit for bit; the exit status is 1 if not, except torch RPC's
+on an accelerator, whose TorchScript Adam has no foreach path), and the empty round trip of each
+transport is timed.
 
 Every process gets half the machine's cores as torch threads (``--threads``). An edge and its peer
 run at once where the peer's optimizer step overlaps the edge's backward; with more threads than
@@ -236,7 +237,8 @@ def table(result: dict[str, Any], args: argparse.Namespace) -> str:
     for v, row in result["summary"].items():
         weights = result["weights"][v]
         same = ("bitwise" if weights["equal"] else
-                f"differ: max |d| {weights['max_abs_diff']:.2g} in {len(weights['differ'])} tensor(s)")
+                f"differ: max |d| {weights['max_abs_diff']:.2g} in {len(weights['differ'])} tensor(s)"
+                + (" (expected: no foreach Adam)" if v in rounding_apart(args) else ""))
         cpu = f"{row['cpu_ms']['median']:.2f} ({row['cpu_edge_ms']:.2f}+{row['cpu_peer_ms']:.2f})"
         lines.append(f"{v:8s} {row['wall_ms']['median']:8.2f} {cpu:>19s} {_ratio(row, 'wall/raw'):>17s} "
                      f"{_ratio(row, 'cpu/raw'):>17s} {_ratio(row, 'wall/local'):>17s} {_ratio(row, 'cpu/local'):>17s} "
@@ -313,7 +315,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         settings = {k: v for k, v in vars(args).items() if k not in ("json", "specs")}
         args.json.write_text(json.dumps({"settings": settings, "results": results}, indent=1))
-    return 0 if all(r["weights"][v]["equal"] for r in results for v in r["weights"]) else 1
+    return 0 if all(r["weights"][v]["equal"] for r in results for v in r["weights"] if v not in rounding_apart(args)) else 1
+
+
+def rounding_apart(args: argparse.Namespace) -> set[str]:
+    """Variants whose weights may differ from local's by rounding: on an accelerator, torch RPC's
+    TorchScript Adam cannot take the foreach path the others take (see peer_variants.adam_settings)."""
+    return {"rpc"} if torch.device(args.device).type != "cpu" else set()
 
 
 if __name__ == "__main__":
