@@ -131,13 +131,20 @@ class ConfigGuard:
     def check(self) -> None:
         for where, config, key, was in self._watched:
             now = getattr(config, key, _MISSING)
-            if now is not was and now != was:
+            if now is not was and not _same(now, was):
                 raise ConfigError(
                     f"config.{key} changed after split() ({_shown(was)} -> {_shown(now)}): {where!r} reads it on "
                     "every call and runs in the cloud, whose model the factory built with its own config, so the "
                     "cloud would go on with the old value and training would silently differ from the unsplit "
                     f"model. Set {key} before split(), in the cloud's factory too (the handshake checks that the "
                     "two agree), or set it back")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal settings; a tensor (whose ``!=`` is elementwise) by its values."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
+    return bool(a == b)
 
 
 def _snapshot(value: Any) -> Any:

@@ -149,3 +149,15 @@ def test_hidden_states_asked_of_a_split_model_are_refused_naming_what_asked(clou
         with pytest.raises(splitft.errors.CutError, match=r"asked for hidden states or attentions.*"
                                                            r"'model\.layers\.1\.self_attn' runs in the cloud"):
             model(input_ids=ids, **kwargs)
+
+
+def test_a_tensor_setting_is_compared_by_its_values():
+    from splitft.config_reads import ConfigGuard
+
+    net = configured_mlp()
+    net.config.scale = torch.tensor([1.0, 1.0])
+    guard = ConfigGuard([("2", net[2])])
+    guard.check()  # unchanged: no elementwise truth value asked of it
+    net.config.scale[0] = 2.0  # changed in place
+    with pytest.raises(ConfigError, match=r"config\.scale changed after split\(\)"):
+        guard.check()
