@@ -10,7 +10,8 @@ What a module reads is found in its class's code: every ``<...>.config.<key>`` o
 in a method other than ``__init__`` (what ``__init__`` reads is copied into the module when it is
 built, where the parameter fingerprint and the module's ``repr`` see it), in the model's own
 classes (a library's shared base classes read settings for saving, loading and generating, not
-for computing). transformers' shared code picks a layer's attention and experts kernels by two
+for computing); the same for a config-like object a module holds under another name (a dataclass,
+a namespace or a ``...Config`` in ``self.cfg``, read as ``self.cfg.<key>`` or ``cfg.<key>``). transformers' shared code picks a layer's attention and experts kernels by two
 settings of the layer's config, outside the layer's code: those are read wherever a config is
 held. Settings that only the model's top reads (``use_cache``, ``pad_token_id``) are not in its
 layers' code, so a script may still change them.
@@ -18,11 +19,14 @@ layers' code, so a script may still change them.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import copy
+import dataclasses
 import inspect
 import json
 import textwrap
+import types
 from typing import Any
 
 import torch
@@ -39,18 +43,19 @@ _DISPATCH_KEYS = frozenset({"_attn_implementation", "_experts_implementation"})
 _MISSING = object()
 
 
-def keys_read(cls: type) -> frozenset[str]:
-    """The config keys the methods of ``cls`` and its bases (``__init__`` aside) read."""
-    found = _KEYS_READ.get(cls)
+def keys_read(cls: type, attribute: str = "config") -> frozenset[str]:
+    """The keys of its ``attribute`` (its config) that the methods of ``cls`` and its bases
+    (``__init__`` aside) read."""
+    found = _KEYS_READ.get((cls, attribute))
     if found is None:
-        found = _KEYS_READ[cls] = _scan(cls)
+        found = _KEYS_READ[cls, attribute] = _scan(cls, attribute)
     return found
 
 
-_KEYS_READ: dict[type, frozenset[str]] = {}
+_KEYS_READ: dict[tuple[type, str], frozenset[str]] = {}
 
 
-def _scan(cls: type) -> frozenset[str]:
+def _scan(cls: type, attribute: str) -> frozenset[str]:
     keys: set[str] = set()
     for base in cls.__mro__:
         if base in (object, nn.Module) or (base.__module__.startswith(_NOT_MODEL_CODE)
@@ -64,35 +69,48 @@ def _scan(cls: type) -> frozenset[str]:
             if isinstance(node, ast.ClassDef):
                 for method in node.body:
                     if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) and method.name != "__init__":
-                        keys.update(_config_attributes(method))
+                        keys.update(_config_attributes(method, attribute))
                 break
     return frozenset(keys)
 
 
-def _config_attributes(function: ast.AST) -> set[str]:
+def _config_attributes(function: ast.AST, attribute: str) -> set[str]:
     found = set()
     for node in ast.walk(function):
         if isinstance(node, ast.Attribute):
             owner = node.value
-            if (isinstance(owner, ast.Attribute) and owner.attr == "config") or \
-                    (isinstance(owner, ast.Name) and owner.id == "config"):
+            if (isinstance(owner, ast.Attribute) and owner.attr == attribute) or \
+                    (isinstance(owner, ast.Name) and owner.id == attribute):
                 found.add(node.attr)
     return found
 
 
-def reads(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, Any, frozenset[str]]]:
-    """``(where, config, keys)`` for each module (any depth of ``modules``) whose code reads its config."""
+def reads(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, str, Any, frozenset[str]]]:
+    """``(where, attribute, config, keys)`` for each config a module (any depth of ``modules``)
+    holds in ``attribute`` and whose ``keys`` its code reads."""
     found = []
     for name, module in modules:
         for key, sub in module.named_modules():
-            config = sub.__dict__.get("config")
-            if config is None or isinstance(config, (nn.Module, torch.Tensor, str, int, float, bool, dict, list)):
-                continue
-            keys = frozenset(key for key in keys_read(type(sub)) | _dispatch_keys(config)
-                             if not callable(getattr(config, key, None)))  # a config's methods are code, not settings
-            if keys:
-                found.append((f"{name}.{key}" if key else name, config, keys))
+            for attribute, config in sub.__dict__.items():
+                if not (attribute == "config" and _settings_object(config) or _config_like(config)):
+                    continue
+                keys = frozenset(key for key in keys_read(type(sub), attribute) | _dispatch_keys(config)
+                                 if not callable(getattr(config, key, None)))  # its methods are code, not settings
+                if keys:
+                    found.append((f"{name}.{key}" if key else name, attribute, config, keys))
     return found
+
+
+def _settings_object(value: Any) -> bool:
+    return value is not None and not isinstance(value, (nn.Module, torch.Tensor, str, int, float, bool, dict, list,
+                                                        tuple, type)) and not callable(value)
+
+
+def _config_like(value: Any) -> bool:
+    """An object of settings under another name than ``config``: a dataclass, a namespace, a ``...Config``."""
+    return _settings_object(value) and (
+        dataclasses.is_dataclass(value) or isinstance(value, (types.SimpleNamespace, argparse.Namespace))
+        or "config" in type(value).__name__.lower())
 
 
 def _dispatch_keys(config: Any) -> frozenset[str]:
@@ -101,8 +119,15 @@ def _dispatch_keys(config: Any) -> frozenset[str]:
 
 def values(modules: list[tuple[str, nn.Module]]) -> dict[str, dict[str, str]]:
     """Each module's read settings, as text (what :func:`splitft.cut.structure` hashes)."""
-    return {where: {key: _canonical(getattr(config, key, None)) for key in sorted(keys)}
-            for where, config, keys in reads(modules)}
+    found: dict[str, dict[str, str]] = {}
+    for where, attribute, config, keys in reads(modules):
+        found.setdefault(where, {}).update({_named(attribute, key): _canonical(getattr(config, key, None))
+                                            for key in sorted(keys)})
+    return found
+
+
+def _named(attribute: str, key: str) -> str:
+    return key if attribute == "config" else f"{attribute}.{key}"
 
 
 def _canonical(value: Any) -> str:
@@ -120,20 +145,20 @@ class ConfigGuard:
     """
 
     def __init__(self, modules: list[tuple[str, nn.Module]]) -> None:
-        self._watched: list[tuple[str, Any, str, Any]] = []
+        self._watched: list[tuple[str, str, Any, str, Any]] = []
         seen: set[tuple[int, str]] = set()
-        for where, config, keys in reads(modules):
+        for where, attribute, config, keys in reads(modules):
             for key in sorted(keys):
                 if (id(config), key) not in seen:
                     seen.add((id(config), key))
-                    self._watched.append((where, config, key, _snapshot(getattr(config, key, _MISSING))))
+                    self._watched.append((where, attribute, config, key, _snapshot(getattr(config, key, _MISSING))))
 
     def check(self) -> None:
-        for where, config, key, was in self._watched:
+        for where, attribute, config, key, was in self._watched:
             now = getattr(config, key, _MISSING)
             if now is not was and not _same(now, was):
                 raise ConfigError(
-                    f"config.{key} changed after split() ({_shown(was)} -> {_shown(now)}): {where!r} reads it on "
+                    f"{attribute}.{key} changed after split() ({_shown(was)} -> {_shown(now)}): {where!r} reads it on "
                     "every call and runs in the cloud, whose model the factory built with its own config, so the "
                     "cloud would go on with the old value and training would silently differ from the unsplit "
                     f"model. Set {key} before split(), in the cloud's factory too (the handshake checks that the "

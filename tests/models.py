@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import torch
@@ -209,3 +210,38 @@ def configured_mlp(seed: int = 0, scale: float = 1.0) -> ConfiguredMLP:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return ConfiguredMLP(scale)
+
+
+@dataclasses.dataclass
+class GainSettings:
+    """A script's own settings object, kept under another name than ``config``."""
+
+    gain: float = 1.0
+    note: str = "read by no layer"
+
+
+class Gain(nn.Module):
+    """A layer reading ``self.cfg.gain`` each time it runs."""
+
+    def __init__(self, cfg: GainSettings, width: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.cfg.gain
+
+
+class GainMLP(nn.Sequential):
+    """An MLP whose layers share one settings object as ``cfg``."""
+
+    def __init__(self, gain: float) -> None:
+        cfg = GainSettings(gain)
+        super().__init__(nn.Linear(12, 16), nn.ReLU(), Gain(cfg, 16), nn.ReLU(), nn.Linear(16, 3))
+        self.cfg = cfg
+
+
+def gain_mlp(seed: int = 0, gain: float = 1.0) -> GainMLP:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return GainMLP(gain)

@@ -13,19 +13,20 @@ import splitft
 from splitft.config_reads import keys_read
 from splitft.errors import ConfigError, HandshakeError
 from tests.conftest import start_cloud, stop
-from tests.models import ScaledLinear, configured_mlp, tiny_hf
+from tests.models import Gain, ScaledLinear, configured_mlp, gain_mlp, tiny_hf
 
 pytest.importorskip("transformers")
 
 LLAMA = "tests.models:tiny_hf"
 CUT = "model.layers.1:3"
 MLP = "tests.models:configured_mlp"
+GAIN_MLP = "tests.models:gain_mlp"
 
 
 @pytest.fixture(scope="module")
 def cloud(tmp_path_factory):
     proc, address, err = start_cloud(tmp_path_factory.mktemp("cloud"), "--sessions", "0", "--model", LLAMA,
-                                     "--model", MLP)
+                                     "--model", MLP, "--model", GAIN_MLP)
     yield address
     stop(proc)
 
@@ -121,6 +122,25 @@ def test_a_users_layer_reading_its_config_as_it_runs_is_guarded_too(cloud):
             model(x)
     with pytest.raises(HandshakeError, match=r"config setting it reads.*'scale': '1\.0'"):
         splitft.split(configured_mlp(scale=2.0), 2, factory=MLP, connect=cloud)
+
+
+def test_a_settings_object_under_another_name_is_guarded_too(cloud):
+    """A script's own dataclass kept as ``self.cfg`` and read as ``self.cfg.gain``."""
+    x, y = torch.randn(8, 12), torch.randint(0, 3, (8,))
+    net = gain_mlp()
+    model = splitft.split(net, 2, factory=GAIN_MLP, connect=cloud)
+    with model:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model.remote_loss(torch.nn.CrossEntropyLoss())(model(x), y).backward()
+        opt.step()
+        net.cfg.note = "changed"  # no layer reads it
+        model(x)
+        net.cfg.gain = 2.0
+        with pytest.raises(ConfigError, match=r"cfg\.gain changed after split\(\) \(1\.0 -> 2\.0\): '2' reads it"):
+            model(x)
+    with pytest.raises(HandshakeError, match=r"config setting it reads.*'cfg\.gain': '1\.0'"):
+        splitft.split(gain_mlp(gain=2.0), 2, factory=GAIN_MLP, connect=cloud)
+    assert keys_read(Gain, "cfg") == {"gain"} and not keys_read(Gain)
 
 
 def test_what_a_layer_reads_in_init_is_not_a_setting_it_reads_as_it_runs():
