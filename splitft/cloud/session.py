@@ -31,6 +31,7 @@ from torch import nn
 from ..devices import Placement, autocast_region
 from ..errors import ConfigError, ModelError, ProtocolError
 from ..metrics import Metrics
+from ..numerics import check_hello as check_numerics
 from ..wire.coding import Coded, SlotCodecs, Traffic, expansions, flatten, stream_index, to_wire, unflatten
 from ..wire.protocol import Backward, Forward, Hello, InputGrads, Output
 from . import prices
@@ -89,6 +90,7 @@ class CloudSession:
         self.nonce = hello.nonce
         check_codecs(hello.codecs)
         self.policy.check(hello.codecs)
+        check_numerics(hello.numerics, (placement or Placement()).device)
         chain, ushape = (shared.chain, shared.ushape) if shared is not None else \
             build_chain(hello, factories, self.limits, admit)
         if not restoring and not (shared is not None and shared.initialized):

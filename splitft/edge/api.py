@@ -12,6 +12,7 @@ from torch import nn
 
 import transports
 
+from .. import numerics
 from ..wire import protocol
 from ..cut import CutSpec, cut_text, extract, fingerprint, parse_cut, structure, value_hash
 from ..devices import resolve_device
@@ -145,7 +146,7 @@ def hello_for(model: nn.Module, spec: CutSpec, factory: Factory, codecs: Codecs,
         seed=codecs.seed, value_hash=value_hash(chain) if push and factory.weights == "factory" else None,
         weights={k: v.detach().cpu().numpy() for k, v in chain.qualified_state_dict().items()}
         if push and factory.weights == "push" else None,
-        client="splitft", nonce=secrets.token_hex(8), structure=structure(chain),
+        client="splitft", nonce=secrets.token_hex(8), structure=structure(chain), numerics=numerics.settings(),
     )
 
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..config_reads import ConfigGuard
+from ..numerics import NumericsGuard
 from ..cut import Chain, CutSpec, _module, extract
 from ..errors import ConfigError, CutError
 from .standins import CutPoint, TrunkEntry, TrunkFollower, Unreachable
@@ -58,7 +59,12 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
     if failure is not None:
         raise CutError(f"cannot turn the cloud half's tensors into placeholders ({failure}); split the model before "
                        "anything keeps a weak reference to its parameters")
-    guard = ConfigGuard(list(zip(stages.names, stages.stages)))
+    config, numerics = ConfigGuard(list(zip(stages.names, stages.stages))), NumericsGuard()
+
+    def unchanged() -> None:
+        config.check()
+        numerics.check()
+
     chain = Chain([(name, _twin(module, memo)) for name, module in zip(stages.names, stages.stages)])
     chain.swapped = swapped
     entry: TrunkEntry | None = None
@@ -74,7 +80,7 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
                 standin = TrunkFollower(name, entry, last=i == len(stages.names) - 1)
         else:
             standin = CutPoint(name) if i == 0 else Unreachable(name)
-        ghost(module, standin, never_run=_never_run(spec.ushape, i), before=guard.check if i == 0 else None)
+        ghost(module, standin, never_run=_never_run(spec.ushape, i), before=unchanged if i == 0 else None)
     return chain
 
 

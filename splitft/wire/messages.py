@@ -42,6 +42,8 @@ class Hello(Message):
     nonce: str = ""
     #: A hash of each cloud module's layers and settings, by name (see splitft.cut.structure).
     structure: dict = field(default_factory=dict)
+    #: The edge's process-wide numeric settings (see splitft.numerics.settings).
+    numerics: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -1,0 +1,177 @@
+"""Process-wide numeric settings: what a script sets on torch that changes what every layer computes.
+
+``torch.set_float32_matmul_precision("high")``, ``torch.use_deterministic_algorithms(True)``,
+``torch.backends.cuda.matmul.allow_tf32 = True``, ``torch.set_default_dtype(...)``: a script sets
+them on its own process, and in a split model they reach only the edge's layers. The cloud's
+layers compute in another process, with that process's settings. So the handshake carries the
+edge's settings and the cloud refuses a session whose settings differ from its own (those of an
+accelerator only when the half computes on one), and after ``split()`` the first cloud module
+refuses a forward once one of them changed. Either way the refusal names the setting: a split
+that computed with other kernels than the unsplit model would differ from it silently.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from .errors import ConfigError, HandshakeError
+
+#: Settings that change what a layer computes on any device, by the expression that reads them.
+HOST = (
+    "torch.get_float32_matmul_precision()",
+    "torch.get_default_dtype()",
+    "torch.are_deterministic_algorithms_enabled()",
+    "torch.backends.mkldnn.enabled",
+    "torch.backends.mkldnn.deterministic",
+    "torch.backends.mkldnn.matmul.fp32_precision",
+    "torch.backends.mkldnn.conv.fp32_precision",
+    "torch.backends.mkldnn.rnn.fp32_precision",
+    "torch.backends.opt_einsum.enabled",
+    "torch.backends.opt_einsum.strategy",
+)
+#: Settings that change what a layer computes on a CUDA device only.
+CUDA = (
+    "torch.backends.cuda.matmul.allow_tf32",
+    "torch.backends.cuda.matmul.fp32_precision",
+    "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction",
+    "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
+    "torch.backends.cuda.matmul.allow_fp16_accumulation",
+    "torch.backends.cuda.preferred_blas_library()",
+    "torch.backends.cuda.flash_sdp_enabled()",
+    "torch.backends.cuda.mem_efficient_sdp_enabled()",
+    "torch.backends.cuda.math_sdp_enabled()",
+    "torch.backends.cuda.cudnn_sdp_enabled()",
+    "torch.backends.cudnn.enabled",
+    "torch.backends.cudnn.deterministic",
+    "torch.backends.cudnn.allow_tf32",
+    "torch.backends.cudnn.conv.fp32_precision",
+    "torch.backends.cudnn.rnn.fp32_precision",
+)
+#: Whether the calling thread flushes denormal numbers to zero (``torch.set_flush_denormal``),
+#: which has no reader: seen by multiplying one.
+FLUSH_DENORMAL = "torch.set_flush_denormal"
+_DENORMAL_PROBE = torch.tensor(1e-39)
+#: Where an operator's float32 precision of "none" defers to (see :func:`_precision`).
+_PARENTS = ("torch.backends.fp32_precision", "torch.backends.mkldnn.fp32_precision",
+            "torch.backends.cudnn.fp32_precision")
+
+
+@functools.cache
+def _reader(expression: str) -> Callable[[], object] | None:
+    """How to read ``expression`` in this torch (None where this version has no such setting)."""
+    call = expression.endswith("()")
+    path = expression.removesuffix("()").split(".")[1:]
+    owner: object = torch
+    try:
+        for part in path[:-1]:
+            owner = getattr(owner, part)
+        getattr(owner, path[-1])
+    except (AttributeError, RuntimeError):
+        return None
+    last = path[-1]
+    if call:
+        return lambda: getattr(owner, last)()
+    return lambda: getattr(owner, last)
+
+
+def _read(expression: str) -> str | None:
+    read = _reader(expression)
+    if read is None:
+        return None
+    try:
+        return str(read())
+    except RuntimeError:  # a setting this build cannot report (no such backend)
+        return None
+
+
+def _precision(expression: str) -> str | None:
+    """An operator's float32 precision as it takes effect: its own unless "none", which defers to
+    its backend's, then to torch's ("ieee" where all are "none"), so that equal effects read equal."""
+    parts = expression.split(".")
+    own = _read(expression)
+    if own is None:
+        return None
+    for candidate in (own, _read(".".join(parts[:-2] + ["fp32_precision"])), _read("torch.backends.fp32_precision")):
+        if candidate not in (None, "none"):
+            return candidate
+    return "ieee"
+
+
+def _flushes_denormals() -> bool:
+    return _DENORMAL_PROBE.mul(1.0).item() == 0.0
+
+
+def settings() -> dict[str, str]:
+    """This process's settings, as text, by the expression that reads them (those its torch has)."""
+    seen = {FLUSH_DENORMAL: str(_flushes_denormals())}
+    for expression in HOST + CUDA:
+        value = _precision(expression) if expression.endswith(".fp32_precision") else _read(expression)
+        if value is not None:
+            seen[expression] = value
+    return seen
+
+
+def relevant(expression: str, device: torch.device) -> bool:
+    """Whether ``expression`` changes what a half computing on ``device`` computes."""
+    return expression not in CUDA or device.type == "cuda"
+
+
+def check_hello(theirs: object, device: torch.device) -> None:
+    """Refuse an edge whose settings (``theirs``: its :func:`settings`) differ from this process's
+    in one that matters to a half on ``device``. A setting the edge's torch lacks is not compared."""
+    if not theirs:
+        return
+    if not isinstance(theirs, dict):
+        raise HandshakeError("the hello's numeric settings must be a map of setting to value")
+    for expression, mine in settings().items():
+        edge = theirs.get(expression)
+        if edge is not None and edge != mine and relevant(expression, device):
+            raise HandshakeError(
+                f"the edge computes with {expression} = {str(edge)[:40]} and this cloud with {mine}: the cloud's "
+                "layers would compute differently from the unsplit model. Set it the same in the cloud's process "
+                "(in the module that defines the factory, which the cloud imports) or leave it as it was")
+
+
+class NumericsGuard:
+    """Refuses a forward once a process-wide numeric setting changed since ``split()``: the
+    cloud's layers would go on with the settings the handshake agreed.
+
+    A call reads the settings as they are (a few microseconds); only when one reads otherwise are
+    they compared as they take effect (a precision set and set back may read "ieee" where it read
+    "none").
+    """
+
+    def __init__(self) -> None:
+        self._readers = [read for expression in HOST + CUDA + _PARENTS if (read := _reader(expression)) is not None]
+        self._was = settings()
+        self._raw = self._read_raw()
+
+    def _read_raw(self) -> tuple:
+        values: list[object] = [_DENORMAL_PROBE.mul(1.0).item()]
+        for read in self._readers:
+            try:
+                values.append(read())
+            except RuntimeError:
+                values.append(None)
+        return tuple(values)
+
+    def check(self) -> None:
+        raw = self._read_raw()
+        if raw == self._raw:
+            return
+        now = settings()
+        if now == self._was:
+            self._raw = raw
+            return
+        changed = next(key for key in {**self._was, **now} if now.get(key) != self._was.get(key))
+        raise ConfigError(
+            f"{changed} changed after split() ({self._was.get(changed)} -> {now.get(changed)}): it reaches the edge's "
+            "layers only, and the cloud's would go on computing as before, so training would silently differ "
+            "from the unsplit model. Set it before split(), and the same in the cloud's process (the handshake "
+            "checks that the two agree), or set it back")
+
+
+__all__ = ["CUDA", "FLUSH_DENORMAL", "HOST", "NumericsGuard", "check_hello", "relevant", "settings"]
