@@ -250,6 +250,13 @@ def test_what_others_write_in_the_jobs_store_steers_nothing(tmp_path):
                            TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0"))
         address = job.wait_ready(tmp_path / "ready")
         stranger = dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False)
+        # Forging starts once the front door has seen rank 1 beat: a rank whose every beat is
+        # overwritten before the door first reads one is never seen serving, which no signature
+        # prevents (what the warning about the store's port is for).
+        deadline = time.monotonic() + 30
+        while not stranger.check(["splitft/attempt0/beat/1"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # two of the front door's looks
 
         def forge() -> None:
             n = time.monotonic_ns()
