@@ -5,7 +5,7 @@
 them on its own process, and in a split model they reach only the edge's layers. The cloud's
 layers compute in another process, with that process's settings. So the handshake carries the
 edge's settings and the cloud refuses a session whose settings differ from its own (those of an
-accelerator only when the half computes on one), and after ``split()`` the first cloud module
+accelerator only when both can compute on one), and after ``split()`` the first cloud module
 refuses a forward once one of them changed. Either way the refusal names the setting: a split
 that computed with other kernels than the unsplit model would differ from it silently.
 """
@@ -104,10 +104,15 @@ def _flushes_denormals() -> bool:
     return _DENORMAL_PROBE.mul(1.0).item() == 0.0
 
 
-def settings() -> dict[str, str]:
-    """This process's settings, as text, by the expression that reads them (those its torch has)."""
+def settings(cuda: bool | None = None) -> dict[str, str]:
+    """This process's settings, as text, by the expression that reads them (those its torch has).
+
+    The CUDA ones only with ``cuda`` (by default: when this process can compute on a CUDA device;
+    an edge without one computes nothing they steer, so the cloud's choice stands).
+    """
     seen = {FLUSH_DENORMAL: str(_flushes_denormals())}
-    for expression in HOST + CUDA:
+    with_cuda = torch.cuda.is_available() if cuda is None else cuda
+    for expression in HOST + (CUDA if with_cuda else ()):
         value = _precision(expression) if expression.endswith(".fp32_precision") else _read(expression)
         if value is not None:
             seen[expression] = value
@@ -126,7 +131,7 @@ def check_hello(theirs: object, device: torch.device) -> None:
         return
     if not isinstance(theirs, dict):
         raise HandshakeError("the hello's numeric settings must be a map of setting to value")
-    for expression, mine in settings().items():
+    for expression, mine in settings(cuda=device.type == "cuda").items():
         edge = theirs.get(expression)
         if edge is not None and edge != mine and relevant(expression, device):
             raise HandshakeError(

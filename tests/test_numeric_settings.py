@@ -157,7 +157,9 @@ def test_a_cloud_whose_factory_module_sets_the_same_setting_accepts_the_edge_and
 
 
 def test_accelerator_settings_are_compared_only_for_a_half_on_that_accelerator():
-    mine = numerics.settings()
+    """Compared for a cloud half on CUDA only, and only when the edge can compute on CUDA too:
+    without, it sends none, and the cloud's choice stands."""
+    mine = numerics.settings(cuda=True)
     tf32 = "torch.backends.cuda.matmul.allow_tf32"
     if tf32 not in mine:
         pytest.skip("this torch has no such setting")
@@ -165,6 +167,9 @@ def test_accelerator_settings_are_compared_only_for_a_half_on_that_accelerator()
     numerics.check_hello(theirs, torch.device("cpu"))
     with pytest.raises(HandshakeError, match=r"allow_tf32"):
         numerics.check_hello(theirs, torch.device("cuda"))
+    without_cuda = numerics.settings(cuda=False)
+    assert tf32 not in without_cuda
+    numerics.check_hello(without_cuda, torch.device("cuda"))
 
 
 def test_hostile_settings_get_a_typed_refusal_and_unknown_ones_are_ignored():
