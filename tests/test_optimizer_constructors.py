@@ -47,6 +47,7 @@ OPTIMIZERS: list[tuple[str, dict[str, Any]]] = [
     ("Adamax", {"weight_decay": 0.1}),
     ("Adadelta", {"rho": 0.8, "lr": 0.5}),
     ("Adafactor", {"beta2_decay": -0.5, "weight_decay": 0.1}),
+    ("Adafactor", {"eps": (None, 1.0)}),  # a setting holding None: it was left out, the cloud stepping with its own
 ]
 
 
@@ -100,6 +101,19 @@ def test_an_optimizer_built_after_split_trains_bitwise_as_unsplit(cloud, case):
         _train(model, _build(name, options, model), crit, data)
         state = model.state_dict()
     assert_bitwise(state, expected)
+
+
+@pytest.mark.parametrize("options", [{"lr": torch.tensor(0.05)}, {"betas": (torch.tensor(0.8), torch.tensor(0.99))}],
+                         ids=["lr", "betas"])
+def test_a_tensor_setting_given_to_the_constructor_is_refused_before_the_cloud_steps(cloud, options):
+    """It used to be left out of what the cloud's copy was built with: that copy stepped with its
+    own default learning rate, silently."""
+    data = _data(2)
+    model, net, crit = _split(cloud)
+    with model:
+        with pytest.raises(ConfigError, match=r"Adam's (lr is a tensor: torch steps with it in the tensor's own "
+                                              r"precision|betas is \(tensor)"):
+            _train(model, _build("Adam", options, model), crit, data)
 
 
 @pytest.mark.parametrize("case", OPTIMIZERS, ids=_id)

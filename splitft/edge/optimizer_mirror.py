@@ -116,14 +116,9 @@ class OptimizerMirror:
         for group in self.optimizer.param_groups:
             settings = {}
             for key in self.settings:
-                if isinstance(group.get(key), torch.Tensor):
-                    raise ConfigError(f"{type(self.optimizer).__name__}'s {key} is a tensor: torch steps with it in "
-                                      "the tensor's own precision, which the cloud's copy would not repeat bit for "
-                                      f"bit; set it as a Python number (group[{key!r}] = float(value))")
                 value = plain_setting(group.get(key))
                 if value is NOT_PLAIN:
-                    raise ConfigError(f"{type(self.optimizer).__name__}'s {key} is {group.get(key)!r}; a split model "
-                                      "mirrors plain numbers and flags, not this")
+                    raise ConfigError(_not_mirrored(type(self.optimizer).__name__, key, group.get(key)))
                 settings[key] = value
             out.append(settings)
         return out, raw if immutable else None
@@ -392,8 +387,20 @@ def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     # __init__ does not accept, so mirroring every default would fail in the cloud.
     accepted = inspect.signature(cls).parameters
     takes_any = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
-    return {k: plain_setting(v) for k, v in optimizer.defaults.items()
-            if (takes_any or k in accepted) and plain_setting(v) is not NOT_PLAIN}
+    settings = {}
+    for key, value in optimizer.defaults.items():
+        if takes_any or key in accepted:
+            settings[key] = plain_setting(value)
+            if settings[key] is NOT_PLAIN:  # left out, the cloud's copy would step with its own default
+                raise ConfigError(_not_mirrored(cls.__name__, key, value))
+    return settings
+
+
+def _not_mirrored(optimizer: str, key: str, value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return (f"{optimizer}'s {key} is a tensor: torch steps with it in the tensor's own precision, which the "
+                f"cloud's copy would not repeat bit for bit; set it as a Python number ({key}=float(...))")
+    return f"{optimizer}'s {key} is {value!r}; a split model mirrors plain numbers and flags, not this"
 
 
 NOT_PLAIN = object()
@@ -403,8 +410,8 @@ def plain_setting(value: Any) -> Any:
     """``value`` if msgpack can carry it as a setting, else a marker."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    if isinstance(value, (tuple, list)) and all(isinstance(v, (bool, int, float)) for v in value):
-        return list(value)
+    if isinstance(value, (tuple, list)) and all(v is None or isinstance(v, (bool, int, float)) for v in value):
+        return list(value)  # Adafactor's eps is (None, 1e-3)
     return NOT_PLAIN
 
 
