@@ -192,6 +192,21 @@ def averages_accumulated_gradients_by_hand(model, net, crit, data):
         opt.step()
 
 
+def averages_with_in_place_operators(model, net, crit, data):
+    """``p.grad /= accumulation`` and ``p.grad *= ...``: Python's in-place operators assign the
+    gradient back to ``p.grad`` (the same tensor); that assignment used to be refused."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    for x, y in data:
+        opt.zero_grad()
+        for part in torch.chunk(torch.arange(len(y)), 3):
+            crit(model(x[part]), y[part]).backward()
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad /= 3
+                p.grad *= 1.5
+        opt.step()
+
+
 def learning_rate_set_by_hand_and_frozen_by_attribute(model, net, crit, data):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
     for i, (x, y) in enumerate(data):
@@ -319,7 +334,8 @@ SCRIPTS = [unfreezes_layers_as_it_goes_with_add_param_group, accumulation_zero_g
            three_views_in_one_loss_accumulated_over_three_batches, groups_and_warmup, layerwise_lr_decay, one_cycle_with_momentum, freeze_by_name_mid_training,
            trainable_only_optimizer, eval_between_steps, fp16_with_grad_scaler,
            zero_grad_by_hand_and_clip_through_grad_data, clip_in_two_steps_with_foreach, logs_each_layers_gradient_norm,
-           averages_accumulated_gradients_by_hand, learning_rate_set_by_hand_and_frozen_by_attribute,
+           averages_accumulated_gradients_by_hand, averages_with_in_place_operators,
+           learning_rate_set_by_hand_and_frozen_by_attribute,
            one_optimizer_over_two_models, loads_a_cloud_layer_by_hand_mid_training,
            edge_gradients_alone_by_autograd_grad_and_restricted_backward]
 

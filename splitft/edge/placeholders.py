@@ -154,7 +154,7 @@ class CloudTensor(RemoteTensor):
     def grad(self, value: Any) -> None:
         if value is None:
             self._splitft_remote.clear_grad(self._splitft_name)
-        else:
+        elif value is not self.grad:  # the same handle back: an in-place operator (p.grad /= n), mirrored
             self._splitft_remote.refuse_grad(self._splitft_name, value)
 
 
