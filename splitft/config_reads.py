@@ -11,9 +11,11 @@ in a method other than ``__init__`` (what ``__init__`` reads is copied into the 
 built, where the parameter fingerprint and the module's ``repr`` see it), in the model's own
 classes (a library's shared base classes read settings for saving, loading and generating, not
 for computing); the same for a config-like object a module holds under another name (a dataclass,
-a namespace or a ``...Config`` in ``self.cfg``, read as ``self.cfg.<key>`` or ``cfg.<key>``). transformers' shared code picks a layer's attention and experts kernels by two
-settings of the layer's config, outside the layer's code: those are read wherever a config is
-held. Settings that only the model's top reads (``use_cache``, ``pad_token_id``) are not in its
+a namespace or a ``...Config`` in ``self.cfg``, read as ``self.cfg.<key>`` or ``cfg.<key>``), and
+for a plain value at the top of the class's module that its methods read (``USE_GATE``, which a
+script may set as ``mymodels.USE_GATE = False``). transformers' shared code picks a layer's
+attention and experts kernels by two settings of the layer's config, outside the layer's code:
+those are read wherever a config is held. Settings that only the model's top reads (``use_cache``, ``pad_token_id``) are not in its
 layers' code, so a script may still change them.
 """
 
@@ -25,6 +27,7 @@ import copy
 import dataclasses
 import inspect
 import json
+import sys
 import textwrap
 import types
 from typing import Any
@@ -74,6 +77,62 @@ def _scan(cls: type, attribute: str) -> frozenset[str]:
     return frozenset(keys)
 
 
+def globals_read(cls: type) -> tuple[tuple[types.ModuleType, frozenset[str]], ...]:
+    """The module-level names holding plain values (a flag, a number, a string) that the methods of
+    ``cls`` and its bases (``__init__`` aside) read, by module: a script may set them
+    (``mymodels.USE_GATE = False``), and the cloud's process keeps the value its import gave."""
+    found = _GLOBALS_READ.get(cls)
+    if found is None:
+        found = _GLOBALS_READ[cls] = _scan_globals(cls)
+    return found
+
+
+_GLOBALS_READ: dict[type, tuple[tuple[types.ModuleType, frozenset[str]], ...]] = {}
+
+
+def _scan_globals(cls: type) -> tuple[tuple[types.ModuleType, frozenset[str]], ...]:
+    by_module: dict[str, set[str]] = {}
+    for base in cls.__mro__:
+        module = sys.modules.get(base.__module__)
+        if module is None or base in (object, nn.Module) or (base.__module__.startswith(_NOT_MODEL_CODE)
+                                                              and not base.__module__.startswith(_MODEL_CODE)):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                for method in node.body:
+                    if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) and method.name != "__init__":
+                        names = {name for name in _free_names(method) if _plain(vars(module).get(name, object()))}
+                        by_module.setdefault(base.__module__, set()).update(names)
+                break
+    return tuple((sys.modules[name], frozenset(names)) for name, names in by_module.items() if names)
+
+
+def _free_names(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    """Names ``function`` reads that it does not bind itself (so: globals, builtins, closures)."""
+    loaded: set[str] = set()
+    bound: set[str] = set()
+    for node in ast.walk(function):
+        if isinstance(node, ast.Name):
+            (loaded if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node is not function:
+            bound.add(node.name)
+        elif isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).partition(".")[0])
+    return loaded - bound
+
+
+def _plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    return isinstance(value, tuple) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value)
+
+
 def _config_attributes(function: ast.AST, attribute: str) -> set[str]:
     found = set()
     for node in ast.walk(function):
@@ -98,6 +157,8 @@ def reads(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, str, Any, fro
                                  if not callable(getattr(config, key, None)))  # its methods are code, not settings
                 if keys:
                     found.append((f"{name}.{key}" if key else name, attribute, config, keys))
+            for owner, names in globals_read(type(sub)):
+                found.append((f"{name}.{key}" if key else name, owner.__name__, owner, names))
     return found
 
 
@@ -114,7 +175,9 @@ def _config_like(value: Any) -> bool:
 
 
 def _dispatch_keys(config: Any) -> frozenset[str]:
-    return _DISPATCH_KEYS if type(config).__module__.startswith("transformers.") else frozenset()
+    if not type(config).__module__.startswith("transformers."):
+        return frozenset()
+    return frozenset(key for key in _DISPATCH_KEYS if hasattr(config, key))  # not a GenerationConfig's
 
 
 def values(modules: list[tuple[str, nn.Module]]) -> dict[str, dict[str, str]]:
@@ -157,6 +220,12 @@ class ConfigGuard:
         for where, attribute, config, key, was in self._watched:
             now = getattr(config, key, _MISSING)
             if now is not was and not _same(now, was):
+                if isinstance(config, types.ModuleType):
+                    raise ConfigError(
+                        f"{attribute}.{key} changed after split() ({_shown(was)} -> {_shown(now)}): {where!r} reads "
+                        "it on every call and runs in the cloud's process, where it keeps the value its module "
+                        "sets, so training would silently differ from the unsplit model. Change it in the module "
+                        "itself (the cloud imports it too), or set it back")
                 raise ConfigError(
                     f"{attribute}.{key} changed after split() ({_shown(was)} -> {_shown(now)}): {where!r} reads it on "
                     "every call and runs in the cloud, whose model the factory built with its own config, so the "
@@ -186,4 +255,4 @@ def _shown(value: Any) -> str:
     return "unset" if value is _MISSING else repr(value)
 
 
-__all__ = ["ConfigGuard", "keys_read", "reads", "values"]
+__all__ = ["ConfigGuard", "globals_read", "keys_read", "reads", "values"]

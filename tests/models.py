@@ -245,3 +245,24 @@ def gain_mlp(seed: int = 0, gain: float = 1.0) -> GainMLP:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return GainMLP(gain)
+
+
+#: A module-level setting a layer reads each time it runs (a script may set ``tests.models.GATE_GAIN``).
+GATE_GAIN = 1.0
+
+
+class GlobalGain(nn.Module):
+    """A layer multiplying its output by the module-level :data:`GATE_GAIN`."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * GATE_GAIN
+
+
+def global_gain_mlp(seed: int = 0) -> nn.Sequential:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), GlobalGain(16), nn.ReLU(), nn.Linear(16, 3))

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 import splitft
-from splitft.config_reads import keys_read
+from splitft.config_reads import globals_read, keys_read
 from splitft.errors import ConfigError, HandshakeError
 from tests.conftest import start_cloud, stop
-from tests.models import Gain, ScaledLinear, configured_mlp, gain_mlp, tiny_hf
+import tests.models
+from tests.models import Gain, GlobalGain, ScaledLinear, configured_mlp, gain_mlp, global_gain_mlp, tiny_hf
 
 pytest.importorskip("transformers")
 
@@ -21,12 +22,14 @@ LLAMA = "tests.models:tiny_hf"
 CUT = "model.layers.1:3"
 MLP = "tests.models:configured_mlp"
 GAIN_MLP = "tests.models:gain_mlp"
+GLOBAL_MLP = "tests.models:global_gain_mlp"
 
 
 @pytest.fixture(scope="module")
 def cloud(tmp_path_factory):
     proc, address, err = start_cloud(tmp_path_factory.mktemp("cloud"), "--sessions", "0", "--model", LLAMA,
-                                     "--model", MLP, "--model", GAIN_MLP)
+                                     "--model", MLP, "--model", GAIN_MLP,
+                                     "--model", GLOBAL_MLP)
     yield address
     stop(proc)
 
@@ -141,6 +144,27 @@ def test_a_settings_object_under_another_name_is_guarded_too(cloud):
     with pytest.raises(HandshakeError, match=r"config setting it reads.*'cfg\.gain': '1\.0'"):
         splitft.split(gain_mlp(gain=2.0), 2, factory=GAIN_MLP, connect=cloud)
     assert keys_read(Gain, "cfg") == {"gain"} and not keys_read(Gain)
+
+
+def test_a_module_level_setting_a_cloud_layer_reads_is_guarded_too(cloud, monkeypatch):
+    """``mymodels.GATE_GAIN = 2.0`` in a script: the cloud's process keeps the value its import gave."""
+    x, y = torch.randn(8, 12), torch.randint(0, 3, (8,))
+    model = splitft.split(global_gain_mlp(), 2, factory=GLOBAL_MLP, connect=cloud)
+    with model:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model.remote_loss(torch.nn.CrossEntropyLoss())(model(x), y).backward()
+        opt.step()
+        monkeypatch.setattr(tests.models, "GATE_GAIN", 2.0)
+        with pytest.raises(ConfigError, match=r"tests\.models\.GATE_GAIN changed after split\(\) \(1\.0 -> 2\.0\): "
+                                              r"'2' reads it .* Change it in the module itself"):
+            model(x)
+        monkeypatch.setattr(tests.models, "GATE_GAIN", 1.0)
+        model(x)
+    monkeypatch.setattr(tests.models, "GATE_GAIN", 2.0)
+    with pytest.raises(HandshakeError, match=r"'tests\.models\.GATE_GAIN': '1\.0'"):
+        splitft.split(global_gain_mlp(), 2, factory=GLOBAL_MLP, connect=cloud)
+    assert [(m.__name__, set(names)) for m, names in globals_read(GlobalGain)] == [("tests.models", {"GATE_GAIN"})]
+    assert globals_read(Gain) == ()  # it reads torch and its own settings object: nothing plain of its module
 
 
 def test_what_a_layer_reads_in_init_is_not_a_setting_it_reads_as_it_runs():
