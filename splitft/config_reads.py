@@ -25,6 +25,7 @@ import argparse
 import ast
 import copy
 import dataclasses
+import functools
 import inspect
 import json
 import sys
@@ -59,7 +60,14 @@ _KEYS_READ: dict[tuple[type, str], frozenset[str]] = {}
 
 
 def _scan(cls: type, attribute: str) -> frozenset[str]:
-    keys: set[str] = set()
+    return frozenset(key for _, method in _methods(cls) for key in _config_attributes(method, attribute))
+
+
+@functools.cache
+def _methods(cls: type) -> tuple[tuple[type, ast.FunctionDef | ast.AsyncFunctionDef], ...]:
+    """The methods (``__init__`` aside) of ``cls`` and its bases that are the model's code, as
+    syntax trees, with the class each is defined in."""
+    found: list[tuple[type, ast.FunctionDef | ast.AsyncFunctionDef]] = []
     for base in cls.__mro__:
         if base in (object, nn.Module) or (base.__module__.startswith(_NOT_MODEL_CODE)
                                            and not base.__module__.startswith(_MODEL_CODE)):
@@ -70,11 +78,10 @@ def _scan(cls: type, attribute: str) -> frozenset[str]:
             continue  # no source at hand (a class built at run time, a compiled one)
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
-                for method in node.body:
-                    if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) and method.name != "__init__":
-                        keys.update(_config_attributes(method, attribute))
+                found += [(base, method) for method in node.body
+                          if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) and method.name != "__init__"]
                 break
-    return frozenset(keys)
+    return tuple(found)
 
 
 def globals_read(cls: type) -> tuple[tuple[types.ModuleType, frozenset[str]], ...]:
@@ -92,22 +99,11 @@ _GLOBALS_READ: dict[type, tuple[tuple[types.ModuleType, frozenset[str]], ...]] =
 
 def _scan_globals(cls: type) -> tuple[tuple[types.ModuleType, frozenset[str]], ...]:
     by_module: dict[str, set[str]] = {}
-    for base in cls.__mro__:
+    for base, method in _methods(cls):
         module = sys.modules.get(base.__module__)
-        if module is None or base in (object, nn.Module) or (base.__module__.startswith(_NOT_MODEL_CODE)
-                                                              and not base.__module__.startswith(_MODEL_CODE)):
-            continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
-        except (OSError, TypeError, SyntaxError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ClassDef):
-                for method in node.body:
-                    if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) and method.name != "__init__":
-                        names = {name for name in _free_names(method) if _plain(vars(module).get(name, object()))}
-                        by_module.setdefault(base.__module__, set()).update(names)
-                break
+        if module is not None:
+            by_module.setdefault(base.__module__, set()).update(
+                name for name in _free_names(method) if _plain(vars(module).get(name, object())))
     return tuple((sys.modules[name], frozenset(names)) for name, names in by_module.items() if names)
 
 
