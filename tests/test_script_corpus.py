@@ -207,6 +207,18 @@ def averages_with_in_place_operators(model, net, crit, data):
         opt.step()
 
 
+def a_new_optimizer_for_each_stage(model, net, crit, data):
+    """Stage one trains everything with Adam; stage two builds a new optimizer, SGD with momentum
+    over the last layers only (the first one is dropped, its moments with it)."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for i, (x, y) in enumerate(data):
+        if i == 3:
+            opt = torch.optim.SGD([*net[2].parameters(), *net[4].parameters()], lr=0.05, momentum=0.9)
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+
+
 def learning_rate_set_by_hand_and_frozen_by_attribute(model, net, crit, data):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
     for i, (x, y) in enumerate(data):
@@ -334,7 +346,7 @@ SCRIPTS = [unfreezes_layers_as_it_goes_with_add_param_group, accumulation_zero_g
            three_views_in_one_loss_accumulated_over_three_batches, groups_and_warmup, layerwise_lr_decay, one_cycle_with_momentum, freeze_by_name_mid_training,
            trainable_only_optimizer, eval_between_steps, fp16_with_grad_scaler,
            zero_grad_by_hand_and_clip_through_grad_data, clip_in_two_steps_with_foreach, logs_each_layers_gradient_norm,
-           averages_accumulated_gradients_by_hand, averages_with_in_place_operators,
+           averages_accumulated_gradients_by_hand, averages_with_in_place_operators, a_new_optimizer_for_each_stage,
            learning_rate_set_by_hand_and_frozen_by_attribute,
            one_optimizer_over_two_models, loads_a_cloud_layer_by_hand_mid_training,
            edge_gradients_alone_by_autograd_grad_and_restricted_backward]
@@ -490,7 +502,10 @@ def test_a_cloud_layer_put_in_eval_mode_by_name_runs_in_eval_mode_in_the_cloud(c
     assert int(state["block2.1.num_batches_tracked"]) == 0  # the BatchNorm really ran in eval mode
 
 
-def test_a_second_optimizer_over_the_cloud_half_is_refused_before_it_steps(cloud):
+def test_an_optimizer_replaced_by_a_newer_one_is_refused_when_it_steps_again(cloud):
+    """A second optimizer over the cloud half replaces the first, in the cloud too (the unsplit
+    loop steps only the new one); the first stepping again would step a copy the cloud no longer
+    keeps, and is refused before it runs."""
     net = mlp()
     model = splitft.split(net, 2, factory=MLP, connect=cloud)
     with model:
@@ -499,12 +514,14 @@ def test_a_second_optimizer_over_the_cloud_half_is_refused_before_it_steps(cloud
         model.remote_loss(nn.CrossEntropyLoss())(model(x), y).backward()
         first.step()
         second = torch.optim.SGD(net[4].parameters(), lr=0.1)
-        with pytest.raises(splitft.ConfigError, match="one optimizer"):
-            second.step()
-        first.param_groups[0]["params"].pop()  # a group's parameters edited in place: not a group added
+        second.step()
+        for refused in (first.step, first.state_dict, lambda: first.load_state_dict(first.state_dict())):
+            with pytest.raises(splitft.ConfigError, match="this SGD was replaced by the SGD stepped after it"):
+                refused()
+        second.param_groups[0]["params"].pop()  # a group's parameters edited in place: not a group added
         with pytest.raises(splitft.ConfigError, match="parameter groups changed"):
-            first.step()
+            second.step()
         edge_only = torch.optim.SGD(net[0].parameters(), lr=0.1)  # the edge's own: local, as unsplit
         edge_only.step()
         with pytest.raises(splitft.ConfigError, match="parameter groups changed"):
-            first.step()  # still: a load does not make the added group the cloud's
+            second.step()  # still

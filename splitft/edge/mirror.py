@@ -83,12 +83,12 @@ class ModelMirror:
         """Mirror ``optimizer`` in the cloud (see :meth:`SplitModel.attach`)."""
         if self.optimizer is optimizer:
             return optimizer
-        if self.optimizer is not None:
-            raise ConfigError(f"this split model already mirrors a {type(self.optimizer).__name__}; the cloud half "
-                              "steps with one optimizer: put every group in it (or give the others edge "
-                              "parameters only, which stay local)")
         optimizer_mirror = OptimizerMirror(self, optimizer)  # refuses what it cannot mirror, before any change
         optimizer_mirror.check_initial_state()
+        if self.optimizer_mirror is not None:
+            # A new optimizer (one per stage, say) replaces the one before, in the cloud too, as
+            # the unsplit loop would step only the new one; the old one stepping again is refused.
+            self.optimizer_mirror.replaced(optimizer)
         if self.resume_state is not None:
             optimizers.load_optimizer_state(optimizer, self.resume_state)
             op_id = self.optimizer_id  # the cloud restored its optimizer: this attach is a no-op there

@@ -69,6 +69,20 @@ class OptimizerMirror:
         self._kept: tuple[list[torch.Tensor], list[dict[str, Any]]] = ([], [])
         self._stated: set[str] = set()  # the cloud parameters with an entry, by name (or none to make)
         self._edge_only = False
+        self._replaced_by: str | None = None  # the class of the optimizer attached after this one
+
+    def replaced(self, newer: torch.optim.Optimizer) -> None:
+        """A newer optimizer was attached to the split model: the cloud's copy is its now (as a new
+        optimizer starts afresh unsplit), and this one may no longer step or save the cloud half."""
+        self._replaced_by = type(newer).__name__
+
+    def _still_attached(self) -> None:
+        if self._replaced_by is not None:
+            name = type(self.optimizer).__name__
+            raise ConfigError(f"this {name} was replaced by the {self._replaced_by} stepped after it: the cloud half "
+                              "steps with one optimizer at a time, the newest, so this one no longer reaches it. "
+                              "Step the newer one, or put every group in one optimizer (one over edge parameters "
+                              "only stays local)")
 
     def check_initial_state(self) -> None:
         """Refuse state for a cloud parameter that the cloud's copy, built with the same settings,
@@ -146,6 +160,7 @@ class OptimizerMirror:
 
     def before_step(self) -> None:
         """Refuse, before the step runs, what the mirror would not carry; send the groups added."""
+        self._still_attached()
         self.groups_added()
         state = self.optimizer.state
         if (state is not self._state or len(state) != self._entries or not self._entries_kept(state)
@@ -217,6 +232,7 @@ class OptimizerMirror:
         cloud = self._cloud_params()
         if not cloud:
             return saved
+        self._still_attached()
         state = {i: entry for i, entry in saved["state"].items() if i not in cloud}
         if not (self._edge_only or self.model.link.shared):
             fetched, names = self.model.link.optimizer_state(), self.model.cloud_half.names_by_id
@@ -235,6 +251,7 @@ class OptimizerMirror:
         own), the cloud half's go to the cloud's copy, which from then on holds exactly them, as
         torch's load leaves the optimizer holding exactly what it loaded. Checked here first
         against the layout the optimizer keeps, so a refused load changes nothing."""
+        self._still_attached()
         name = type(self.optimizer).__name__
         if self.model.link.shared:
             raise ConfigError(f"{name}.load_state_dict over a shared cloud half: its optimizer is every edge's")
