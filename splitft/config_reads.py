@@ -15,8 +15,8 @@ a namespace or a ``...Config`` in ``self.cfg``, read as ``self.cfg.<key>`` or ``
 for a plain value at the top of the class's module that its methods read (``USE_GATE``, which a
 script may set as ``mymodels.USE_GATE = False``). transformers' shared code picks a layer's
 attention and experts kernels by two settings of the layer's config, outside the layer's code:
-those are read wherever a config is held. Settings that only the model's top reads (``use_cache``, ``pad_token_id``) are not in its
-layers' code, so a script may still change them.
+those are read wherever a config is held. Settings that only the model's top reads
+(``use_cache``, ``pad_token_id``) are not in its layers' code, so a script may still change them.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ CUDA = (
 #: Whether the calling thread flushes denormal numbers to zero (``torch.set_flush_denormal``),
 #: which has no reader: seen by multiplying one.
 FLUSH_DENORMAL = "torch.set_flush_denormal"
-_DENORMAL_PROBE = torch.tensor(1e-39)
+_DENORMAL_PROBE = torch.tensor(1e-39, dtype=torch.float32, device="cpu")  # denormal in float32
 #: Where an operator's float32 precision of "none" defers to (see :func:`_precision`).
 _PARENTS = ("torch.backends.fp32_precision", "torch.backends.mkldnn.fp32_precision",
             "torch.backends.cudnn.fp32_precision")

@@ -516,7 +516,7 @@ def test_an_optimizer_replaced_by_a_newer_one_is_refused_when_it_steps_again(clo
         second = torch.optim.SGD(net[4].parameters(), lr=0.1)
         second.step()
         for refused in (first.step, first.state_dict, lambda: first.load_state_dict(first.state_dict())):
-            with pytest.raises(splitft.ConfigError, match="this SGD was replaced by the SGD stepped after it"):
+            with pytest.raises(splitft.ConfigError, match="this SGD was replaced by the SGD attached after it"):
                 refused()
         second.param_groups[0]["params"].pop()  # a group's parameters edited in place: not a group added
         with pytest.raises(splitft.ConfigError, match="parameter groups changed"):

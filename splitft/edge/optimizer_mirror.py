@@ -79,8 +79,9 @@ class OptimizerMirror:
     def _still_attached(self) -> None:
         if self._replaced_by is not None:
             name = type(self.optimizer).__name__
-            raise ConfigError(f"this {name} was replaced by the {self._replaced_by} stepped after it: the cloud half "
-                              "steps with one optimizer at a time, the newest, so this one no longer reaches it. "
+            raise ConfigError(f"this {name} was replaced by the {self._replaced_by} attached after it (at its first "
+                              "step): the cloud half steps with one optimizer at a time, the newest, so this one no "
+                              "longer reaches it. "
                               "Step the newer one, or put every group in one optimizer (one over edge parameters "
                               "only stays local)")
 
