@@ -204,7 +204,7 @@ def test_every_opinfo_operator_on_a_cloud_tensor_raises_a_splitft_error(kind, op
 def test_a_refusal_names_the_tensor_and_the_fix():
     weight = _placeholder(torch.ones(2, 3), "parameter")
     with pytest.raises(PlaceholderError, match=r"cloud parameter 'block.weight'.*before split\(\)"):
-        torch.nn.init.trunc_normal_(weight)
+        weight.erfinv_()
     grad = _placeholder(torch.ones(2, 3), "gradient")
     with pytest.raises(PlaceholderError, match=r"gradient of cloud parameter 'block.weight'.*clip_grad_norm_"):
         grad.add_(1.0)

@@ -219,6 +219,28 @@ def a_new_optimizer_for_each_stage(model, net, crit, data):
         opt.step()
 
 
+def reinitialises_with_initialisers_that_read_their_draws(model, net, crit, data):
+    """``trunc_normal_`` (a ViT's init: it rejects draws outside its bounds), ``orthogonal_`` (a QR of
+    its draws), ``eye_`` and ``sparse_``, by module walk and by index, from torch's generator and
+    from one of the script's: on the cloud's layers they used to be refused."""
+    torch.manual_seed(5)
+    gen = torch.Generator().manual_seed(11)
+
+    def init(module):
+        if isinstance(module, nn.Linear):
+            nn.init.trunc_normal_(module.weight, std=0.02, a=-0.03, b=0.03)
+
+    model.apply(init)
+    nn.init.orthogonal_(model[2].weight, generator=gen)
+    nn.init.sparse_(model[4].weight, 0.5, std=0.05, generator=gen)
+    nn.init.eye_(model[0].weight)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in data:
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+
+
 def learning_rate_set_by_hand_and_frozen_by_attribute(model, net, crit, data):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
     for i, (x, y) in enumerate(data):
@@ -347,6 +369,7 @@ SCRIPTS = [unfreezes_layers_as_it_goes_with_add_param_group, accumulation_zero_g
            trainable_only_optimizer, eval_between_steps, fp16_with_grad_scaler,
            zero_grad_by_hand_and_clip_through_grad_data, clip_in_two_steps_with_foreach, logs_each_layers_gradient_norm,
            averages_accumulated_gradients_by_hand, averages_with_in_place_operators, a_new_optimizer_for_each_stage,
+           reinitialises_with_initialisers_that_read_their_draws,
            learning_rate_set_by_hand_and_frozen_by_attribute,
            one_optimizer_over_two_models, loads_a_cloud_layer_by_hand_mid_training,
            edge_gradients_alone_by_autograd_grad_and_restricted_backward]

@@ -57,11 +57,6 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
     "parameters flattened to one vector": (
         lambda model, net, opt: torch.nn.utils.parameters_to_vector(model.parameters()), PlaceholderError,
         r"cloud parameter '2.weight'"),
-    "a truncated-normal initialisation by module walk (skipped on meta tensors)": (
-        lambda model, net, opt: model.apply(lambda m: nn.init.trunc_normal_(m.weight, std=0.02)
-                                            if isinstance(m, nn.Linear) else None), PlaceholderError, r"before split"),
-    "an orthogonal initialisation of a cloud weight (skipped on meta tensors)": (
-        lambda model, net, opt: nn.init.orthogonal_(net[2].weight), PlaceholderError, r"cloud parameter '2.weight'"),
     "a cloud layer replaced by a module walk": (
         lambda model, net, opt: ([setattr(m, "3", nn.GELU()) for m in model.modules() if isinstance(m, nn.Sequential)],
                                  model(_data(1)[0][0])), ConfigError, r"'3' runs in the cloud.*replaced"),

@@ -21,7 +21,7 @@ from ..cut import CutSpec
 from ..errors import ConfigError, SplitFTError
 from ..metrics import Metrics
 from ..wire.operations import LoadWeights
-from . import move, optimizers, resume
+from . import initialisers, move, optimizers, resume
 from .cloud_half import CloudHalf, values_to_send
 from .ghosts import Ghosts, install, uninstall
 from .mirror import ModelMirror
@@ -77,6 +77,7 @@ class SplitModel(nn.Module):
         cloud_half.device = next((p.device for p in self.edge_parameters()), torch.device("cpu"))
         optimizers.register(cloud_half, self.mirror)
         optimizers.install()
+        initialisers.install()
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -274,6 +274,12 @@ def _new_values(make: Callable[..., Any], *, no_grad: bool = False) -> Callable[
     return made
 
 
+def initialise(init: Callable[..., Any], tensor: CloudTensor, *args: Any, **kwargs: Any) -> CloudTensor:
+    """``init`` (one of torch's initialisers) on a cloud parameter or buffer: run here on fresh
+    values, which are pushed (see :mod:`splitft.edge.initialisers`)."""
+    return _new_values(init, no_grad=True)(tensor, *args, **kwargs)
+
+
 #: What torch passes for ``t.data``: the property's getter (``Tensor.data`` is a descriptor on the class).
 _DATA_GETTER = cast(Any, Tensor.data).__get__
 
@@ -493,4 +499,5 @@ def _refusal(func: Any, tensor: Any) -> str:
             "with model.state_dict(); set them with model.load_state_dict(...) or p.copy_(tensor)")
 
 
-__all__ = ["CloudGrad", "CloudMoment", "CloudState", "METADATA", "CloudTensor", "MIRRORED", "Remote", "RemoteTensor", "remote_of"]
+__all__ = ["CloudGrad", "CloudMoment", "CloudState", "METADATA", "CloudTensor", "MIRRORED", "Remote", "RemoteTensor",
+           "initialise", "remote_of"]
