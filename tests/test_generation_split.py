@@ -85,3 +85,49 @@ def test_training_after_generation_is_unchanged(cloud):
         state = run(model)
     for name, value in expected.items():
         torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("options", [{"num_beams": 2}, {"num_beams": 3, "num_return_sequences": 2}],
+                         ids=["two beams", "three beams, two returned"])
+def test_beam_search_equals_the_unsplit_model(cloud, options):
+    """Beam search reorders the key/value cache at every token: the cloud layers' part, kept in the
+    cloud, is reordered there too (it used to keep its order, and the beams' tokens differed)."""
+    ids, mask = _prompts()
+    expected = tiny_hf("llama").generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                         pad_token_id=0, **options)
+    with splitft.split(tiny_hf("llama"), "model.layers.1:3", factory=FACTORY, connect=cloud.connect) as model:
+        tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                pad_token_id=0, **options)
+    assert torch.equal(tokens, expected)
+
+
+def test_a_cache_change_is_checked_against_the_cache_and_the_memory_before_it_is_made():
+    from transformers import DynamicCache
+
+    from splitft.cloud.caches import SessionCaches
+    from splitft.errors import CapacityError, ProtocolError
+
+    caches = SessionCaches()
+    cache = caches._get(1)
+    assert isinstance(cache, DynamicCache)
+    keys = torch.arange(2 * 2 * 3 * 4, dtype=torch.float32).reshape(2, 2, 3, 4)  # batch 2, 3 tokens
+    cache.update(keys, keys + 100, 0)
+    held = caches.nbytes()
+
+    def fits(extra: int, what: str) -> None:
+        if extra > held:
+            raise CapacityError(f"{what} does not fit")
+
+    for kind, indices, count in (("reorder", [0, 2], None), ("reorder", [True, 0], None), ("reorder", "01", None),
+                                 ("select", [], None), ("repeat", None, 0), ("repeat", None, 10**6),
+                                 ("crop", None, 1), ("shuffle", [0, 1], None)):
+        with pytest.raises(ProtocolError):
+            caches.change(1, kind, indices, count, fits)
+    with pytest.raises(CapacityError, match="repeated does not fit"):
+        caches.change(1, "repeat", None, 3, fits)  # three times the cache: over what fits
+    assert caches.nbytes() == held and torch.equal(cache.layers[0].keys, keys)  # nothing changed by a refusal
+    caches.change(1, "reorder", [1, 0], None, fits)
+    assert torch.equal(cache.layers[0].keys, keys.flip(0))
+    caches.change(1, "crop", None, -1, fits)
+    assert cache.layers[0].keys.shape[2] == 2
+    caches.change(2, "reorder", [5], None, fits)  # a cache the cloud's layers never wrote: nothing to change

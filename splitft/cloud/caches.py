@@ -10,16 +10,23 @@ when its own cache object goes away; a session's caches go when the session ends
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..wire import tree as trees
 from ..wire.coding import CacheRef
-from ..errors import CapacityError, ConfigError
+from ..errors import CapacityError, ConfigError, ProtocolError
+from .blame import short
 
 #: Caches one session may hold at once (one per generate() in flight; a finished one is freed).
 MAX_CACHES = 4
+#: The most sequences a cache change may leave in a cache (beams times prompts).
+MAX_BATCH = 4096
+#: The changes a generation makes to a cache, by the name of transformers' method for each.
+_CHANGES = {"reorder": "reorder_cache", "select": "batch_select_indices", "repeat": "batch_repeat_interleave",
+            "crop": "crop"}
 
 
 class SessionCaches:
@@ -50,6 +57,44 @@ class SessionCaches:
     def free(self, number: int) -> None:
         self._caches.pop(number, None)
 
+    def change(self, number: int, kind: str, indices: Any, count: Any, fits: Callable[[int, str], None]) -> None:
+        """What the edge's generation did to its cache ``number`` (beam search reordering it), done
+        to this one: checked against its batch and priced against the session's memory first."""
+        cache = self._caches.get(number)
+        tensors = [t for layer in getattr(cache, "layers", []) for t in (getattr(layer, "keys", None),)
+                   if isinstance(t, torch.Tensor) and t.dim() > 0]
+        if kind not in _CHANGES:
+            raise ProtocolError(f"no cache change {short(kind)}; known: {sorted(_CHANGES)}")
+        if cache is None or not tensors:
+            return  # nothing the cloud's layers hold yet
+        batch, held = tensors[0].shape[0], self.nbytes_of(cache)
+        if kind in ("reorder", "select"):
+            if not (isinstance(indices, list) and 0 < len(indices) <= MAX_BATCH and all(
+                    isinstance(i, int) and not isinstance(i, bool) and 0 <= i < batch for i in indices)):
+                raise ProtocolError(f"a cache {kind} takes 1 to {MAX_BATCH} batch indices below {batch}, got "
+                                    f"{short(indices)}")
+            fits(held * len(indices) // batch, f"the key/value cache {kind}ed")
+            getattr(cache, _CHANGES[kind])(torch.tensor(indices, dtype=torch.long, device=tensors[0].device))
+        elif kind == "repeat":
+            if not (isinstance(count, int) and not isinstance(count, bool) and 1 <= count and batch * count <= MAX_BATCH):
+                raise ProtocolError(f"a cache repeat takes a count from 1 to {MAX_BATCH // batch}, got {short(count)}")
+            fits(held * (count - 1), "the key/value cache repeated")
+            cache.batch_repeat_interleave(count)
+        else:
+            if not (isinstance(count, int) and not isinstance(count, bool) and count <= 0):
+                raise ProtocolError(f"a cache crop takes the tokens to drop as a count of 0 or less, got {short(count)}")
+            cache.crop(count)
+
+    @staticmethod
+    def nbytes_of(cache: Any) -> int:
+        total = 0
+        for layer in getattr(cache, "layers", []):
+            for name in ("keys", "values"):
+                tensor = getattr(layer, name, None)
+                if isinstance(tensor, torch.Tensor):
+                    total += tensor.numel() * tensor.element_size()
+        return total
+
     @staticmethod
     def named(tree: Any) -> list[int]:
         """The cache numbers ``tree`` names."""
@@ -64,14 +109,7 @@ class SessionCaches:
         self._caches.clear()
 
     def nbytes(self) -> int:
-        total = 0
-        for cache in self._caches.values():
-            for layer in getattr(cache, "layers", []):
-                for name in ("keys", "values"):
-                    tensor = getattr(layer, name, None)
-                    if isinstance(tensor, torch.Tensor):
-                        total += tensor.numel() * tensor.element_size()
-        return total
+        return sum(self.nbytes_of(cache) for cache in self._caches.values())
 
 
-__all__ = ["MAX_CACHES", "SessionCaches"]
+__all__ = ["MAX_BATCH", "MAX_CACHES", "SessionCaches"]

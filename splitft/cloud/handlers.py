@@ -88,6 +88,8 @@ class Target(Protocol):
     @property
     def replies(self) -> Replies: ...
 
+    def fits(self, extra: int, what: str) -> None: ...
+
 
 Handler = Callable[[Any, Any], Any]
 H = TypeVar("H", bound=Handler)
@@ -257,6 +259,11 @@ def _make_optimizer(groups: list[dict[str, Any]], cls: type, settings: dict) -> 
 @handles(o.FreeCache)
 def free_cache(session: Target, op: o.FreeCache) -> None:
     session.caches.free(op.id)
+
+
+@handles(o.ChangeCache)
+def change_cache(session: Target, op: o.ChangeCache) -> None:
+    session.caches.change(op.id, op.kind, op.indices, op.count, session.fits)
 
 
 @handles(o.SetModes)

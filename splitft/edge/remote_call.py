@@ -20,7 +20,7 @@ from ..devices import autocast_dtype
 from ..errors import ConfigError
 from ..wire import tree as trees
 from ..wire.coding import CacheRef, flatten, is_cache, sample_ids_array, unflatten
-from ..wire.operations import FreeCache, Operation
+from ..wire.operations import ChangeCache, FreeCache, Operation
 from .cloud_half import CloudHalf
 from .schedule import Call, Scheduler
 from .streaming import stash_weights
@@ -75,12 +75,14 @@ class CacheRefs:
         self._next = 0
 
     def ref(self, cache: Any, path: Any) -> CacheRef:
-        """The number of a key/value cache the cloud keeps for it; freed there when ``cache`` goes."""
+        """The number of a key/value cache the cloud keeps for it; freed there when ``cache`` goes,
+        and changed there as the generation changes it (see :func:`_mirror_changes`)."""
         number = self._numbers.get(cache)
         if number is None:
             self._next += 1
             number = self._numbers[cache] = self._next
             weakref.finalize(cache, _free, weakref.ref(self), number)
+            _mirror_changes(cache, number, self.queue)
         return CacheRef(number)
 
 
@@ -88,6 +90,37 @@ class CacheRefs:
         """Cache ``number`` is gone on the edge: free the cloud's."""
         if not self.closed():
             self.queue(FreeCache(id=number))
+
+
+#: transformers' cache methods that change a cache in place, and the change each is sent as.
+_CHANGES = {"reorder_cache": "reorder", "batch_select_indices": "select", "batch_repeat_interleave": "repeat",
+            "crop": "crop"}
+
+
+def _mirror_changes(cache: Any, number: int, queue: Callable[[Operation], None]) -> None:
+    """Beam search reorders the cache at every token (``reorder_cache``), and other generation
+    modes select, repeat or crop it: the cloud layers' part of it is in the cloud, so each change
+    made here is also sent (with the next message, before the next forward reads the cache)."""
+    owner = weakref.ref(cache)  # the methods set on it must not keep it alive
+    for method, kind in _CHANGES.items():
+        if callable(getattr(cache, method, None)):
+            setattr(cache, method, _changing(owner, method, kind, number, queue))
+
+
+def _changing(owner: weakref.ref, method: str, kind: str, number: int,
+              queue: Callable[[Operation], None]) -> Callable[[Any], None]:
+    def change(arg: Any) -> None:
+        cache = owner()
+        getattr(type(cache), method)(cache, arg)
+        if kind in ("reorder", "select"):
+            indices = torch.as_tensor(arg)
+            if indices.dtype == torch.bool:
+                indices = indices.nonzero()
+            queue(ChangeCache(id=number, kind=kind, indices=[int(i) for i in indices.reshape(-1).tolist()]))
+        else:
+            queue(ChangeCache(id=number, kind=kind, count=int(arg)))
+
+    return change
 
 
 def _free(refs: weakref.ref[CacheRefs], number: int) -> None:

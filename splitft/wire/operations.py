@@ -179,9 +179,24 @@ class FreeCache(Operation):
     id: int
 
 
+@dataclass
+class ChangeCache(Operation):
+    """The edge's generation changed key/value cache ``id`` (beam search reorders it at every
+    token): the same change to the cloud's part of it. ``kind``: ``reorder`` and ``select`` take
+    ``indices`` along the batch, ``repeat`` repeats each entry ``count`` times, ``crop`` drops the
+    last ``-count`` tokens (transformers' ``reorder_cache``, ``batch_select_indices``,
+    ``batch_repeat_interleave``, ``crop``)."""
+
+    NAME: ClassVar[str] = "change_cache"
+    id: int
+    kind: str
+    indices: list | None = None
+    count: int | None = None
+
+
 OPERATIONS: dict[str, type[Operation]] = {
     cls.NAME: cls for cls in (AttachOptimizer, AddParamGroup, SetLoss, Step, ApplyEager, ZeroGrad, ScaleGrads, ClampGrads,
-                              LoadWeights, LoadOptimizerState, SetFrozen, SetModes, FreeCache)
+                              LoadWeights, LoadOptimizerState, SetFrozen, SetModes, FreeCache, ChangeCache)
 }
 
 #: Operations that act alike on a list of named parameters: two in a row over different
