@@ -95,23 +95,49 @@ class CacheRefs:
 #: transformers' cache methods that change a cache in place, and the change each is sent as.
 _CHANGES = {"reorder_cache": "reorder", "batch_select_indices": "select", "batch_repeat_interleave": "repeat",
             "crop": "crop"}
+#: Each cache the cloud keeps a part of: its number there, and where its changes are queued.
+_SENDERS: weakref.WeakKeyDictionary[Any, tuple[int, Callable[[Operation], None]]] = weakref.WeakKeyDictionary()
 
 
 def _mirror_changes(cache: Any, number: int, queue: Callable[[Operation], None]) -> None:
     """Beam search reorders the cache at every token (``reorder_cache``), and other generation
     modes select, repeat or crop it: the cloud layers' part of it is in the cloud, so each change
-    made here is also sent (with the next message, before the next forward reads the cache)."""
-    owner = weakref.ref(cache)  # the methods set on it must not keep it alive
-    for method, kind in _CHANGES.items():
-        if callable(getattr(cache, method, None)):
-            setattr(cache, method, _changing(owner, method, kind, number, queue))
+    made here is also sent (with the next message, before the next forward reads the cache). The
+    cache becomes an instance of a subclass of its class that does so (a copy of it, never sent,
+    changes here only)."""
+    _SENDERS[cache] = (number, queue)
+    cls = type(cache)
+    if getattr(cls, "__splitft_sends_changes__", False) or not any(hasattr(cls, m) for m in _CHANGES):
+        return
+    try:
+        cache.__class__ = _sending_changes(cls)
+    except TypeError:
+        raise ConfigError(f"a {cls.__name__} key/value cache cannot be followed by the cloud when the generation "
+                          "reorders it; use transformers' DynamicCache") from None
 
 
-def _changing(owner: weakref.ref, method: str, kind: str, number: int,
-              queue: Callable[[Operation], None]) -> Callable[[Any], None]:
-    def change(arg: Any) -> None:
-        cache = owner()
-        getattr(type(cache), method)(cache, arg)
+def _sending_changes(cls: type) -> type:
+    """``cls`` whose in-place changes are also queued for the cloud (same name: a repr reads as before)."""
+    made = _SENDING_CLASSES.get(cls)
+    if made is None:
+        methods = {method: _sending(getattr(cls, method), method, kind) for method, kind in _CHANGES.items()
+                   if callable(getattr(cls, method, None))}
+        made = _SENDING_CLASSES[cls] = type(cls.__name__, (cls,), {
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__splitft_sends_changes__": True,
+            **methods})
+    return made
+
+
+_SENDING_CLASSES: dict[type, type] = {}
+
+
+def _sending(original: Callable[..., Any], method: str, kind: str) -> Callable[[Any, Any], None]:
+    def change(self: Any, arg: Any) -> None:
+        original(self, arg)
+        sender = _SENDERS.get(self)
+        if sender is None:
+            return
+        number, queue = sender
         if kind in ("reorder", "select"):
             indices = torch.as_tensor(arg)
             if indices.dtype == torch.bool:
@@ -120,6 +146,7 @@ def _changing(owner: weakref.ref, method: str, kind: str, number: int,
         else:
             queue(ChangeCache(id=number, kind=kind, count=int(arg)))
 
+    change.__name__ = change.__qualname__ = method
     return change
 
 
