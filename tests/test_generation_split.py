@@ -131,3 +131,28 @@ def test_a_cache_change_is_checked_against_the_cache_and_the_memory_before_it_is
     caches.change(1, "crop", None, -1, fits)
     assert cache.layers[0].keys.shape[2] == 2
     caches.change(2, "reorder", [5], None, fits)  # a cache the cloud's layers never wrote: nothing to change
+
+
+def test_a_followed_cache_sends_its_changes_and_a_copy_of_it_changes_only_itself():
+    import copy
+
+    from transformers import DynamicCache
+
+    from splitft.edge.remote_call import CacheRefs
+
+    sent: list = []
+    refs = CacheRefs(sent.append, lambda: False)
+    cache = DynamicCache()
+    keys = torch.arange(16.0).reshape(2, 1, 2, 4)
+    cache.update(keys, keys, 0)
+    refs.ref(cache, ())
+    assert isinstance(cache, DynamicCache) and type(cache).__name__ == "DynamicCache"
+    twin = copy.deepcopy(cache)  # a prompt cache copied for another continuation
+    twin.reorder_cache(torch.tensor([1, 0]))
+    assert not sent and torch.equal(cache.layers[0].keys, keys)
+    cache.reorder_cache(torch.tensor([1, 0]))
+    cache.batch_select_indices(torch.tensor([True, False]))
+    cache.crop(-1)
+    assert [(op.kind, op.indices, op.count) for op in sent] == [("reorder", [1, 0], None), ("select", [0], None),
+                                                                ("crop", None, -1)]
+    assert torch.equal(cache.layers[0].keys, keys[1:, :, :1])
