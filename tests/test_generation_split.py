@@ -156,3 +156,15 @@ def test_a_followed_cache_sends_its_changes_and_a_copy_of_it_changes_only_itself
     assert [(op.kind, op.indices, op.count) for op in sent] == [("reorder", [1, 0], None), ("select", [0], None),
                                                                 ("crop", None, -1)]
     assert torch.equal(cache.layers[0].keys, keys[1:, :, :1])
+
+
+def test_a_static_cache_is_refused_by_name_before_the_cloud_runs(cloud):
+    ids, mask = _prompts()
+    with splitft.split(tiny_hf("llama"), "model.layers.1:3", factory=FACTORY, connect=cloud.connect) as model:
+        with pytest.raises(splitft.ConfigError, match=r"in a DynamicCache, not a StaticCache"):
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                           cache_implementation="static")
+        tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    expected = tiny_hf("llama").generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                                         pad_token_id=0)
+    assert torch.equal(tokens, expected)  # the session goes on

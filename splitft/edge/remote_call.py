@@ -105,6 +105,7 @@ def _mirror_changes(cache: Any, number: int, queue: Callable[[Operation], None])
     made here is also sent (with the next message, before the next forward reads the cache). The
     cache becomes an instance of a subclass of its class that does so (a copy of it, never sent,
     changes here only)."""
+    _refuse_other_kinds(cache)
     _SENDERS[cache] = (number, queue)
     cls = type(cache)
     if getattr(cls, "__splitft_sends_changes__", False) or not any(hasattr(cls, m) for m in _CHANGES):
@@ -114,6 +115,20 @@ def _mirror_changes(cache: Any, number: int, queue: Callable[[Operation], None])
     except TypeError:
         raise ConfigError(f"a {cls.__name__} key/value cache cannot be followed by the cloud when the generation "
                           "reorders it; use transformers' DynamicCache") from None
+
+
+def _refuse_other_kinds(cache: Any) -> None:
+    """The cloud keeps its layers' keys and values in a ``DynamicCache``; a cache of another kind
+    (a ``StaticCache``, ``cache_implementation="static"``) sizes its masks for what it keeps, which
+    the cloud's would not match."""
+    try:
+        from transformers import DynamicCache
+    except ImportError:  # a cache of the script's own: the cloud refuses what it cannot hold
+        return
+    if not isinstance(cache, DynamicCache):
+        raise ConfigError(f"generation through the split keeps the cloud layers' keys and values in a DynamicCache, "
+                          f"not a {type(cache).__name__}; generate with the default cache (no cache_implementation) "
+                          "or with the unsplit model (model.unsplit())")
 
 
 def _sending_changes(cls: type) -> type:
