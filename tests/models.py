@@ -81,7 +81,8 @@ def tiny_bert_pretrained(seed: int = 0) -> nn.Module:
 
 def tiny_hf(kind: str = "bert", seed: int = 0, dropout: float = 0.0, attn_implementation: str | None = None) -> nn.Module:
     """A randomly initialised transformers model, without dropout unless asked for (hidden and
-    attention): ``"bert"`` for sequence classification, ``"llama"`` a causal LM; with
+    attention): ``"bert"`` for sequence classification, ``"llama"`` a causal LM, ``"mistral"`` one
+    with a sliding window; with
     ``attn_implementation``, that attention kernel instead of transformers' default."""
     import transformers
 
@@ -95,8 +96,13 @@ def tiny_hf(kind: str = "bert", seed: int = 0, dropout: float = 0.0, attn_implem
                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                           tie_word_embeddings=False, attention_dropout=dropout)
         cls = transformers.LlamaForCausalLM
+    elif kind == "mistral":  # a causal LM whose layers attend to the last 4 tokens only (a sliding window)
+        config = transformers.MistralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                            tie_word_embeddings=False, attention_dropout=dropout, sliding_window=4)
+        cls = transformers.MistralForCausalLM
     else:
-        raise ValueError(f"tiny_hf knows 'bert' and 'llama', not {kind!r}")
+        raise ValueError(f"tiny_hf knows 'bert', 'llama' and 'mistral', not {kind!r}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(config).eval()

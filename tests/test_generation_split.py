@@ -168,3 +168,20 @@ def test_a_static_cache_is_refused_by_name_before_the_cloud_runs(cloud):
     expected = tiny_hf("llama").generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
                                          pad_token_id=0)
     assert torch.equal(tokens, expected)  # the session goes on
+
+
+def test_a_sliding_window_model_generates_past_its_window_as_the_unsplit_model():
+    """The cloud's cache takes the model's kind of layer from its config: a sliding window's keep
+    only the window, as the edge's do (its layers kept every token, and the masks did not fit)."""
+    server = InprocCloud(["tests.models:tiny_hf"])
+    try:
+        ids, mask = _prompts()
+        expected = tiny_hf("mistral").generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                                               pad_token_id=0)
+        factory = splitft.Factory("tests.models:tiny_hf", {"kind": "mistral"})
+        with splitft.split(tiny_hf("mistral"), "model.layers.1:3", factory=factory, connect=server.connect) as model:
+            tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                                    pad_token_id=0)
+        assert torch.equal(tokens, expected) and tokens.shape[1] > 4 + ids.shape[1]  # well past the window of 4
+    finally:
+        server.close()

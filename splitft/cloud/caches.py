@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..wire import tree as trees
 from ..wire.coding import CacheRef
@@ -30,10 +31,17 @@ _CHANGES = {"reorder": "reorder_cache", "select": "batch_select_indices", "repea
 
 
 class SessionCaches:
-    """Cache number -> the cache the cloud half's layers update."""
+    """Cache number -> the cache the cloud half's layers update.
 
-    def __init__(self) -> None:
+    Args:
+        config: the transformers config the half's layers hold (:func:`model_config`), from which a
+            cache makes each layer's kind of storage as the edge's generation does (a sliding
+            window's layers keep only the window); None: every layer keeps all it is given.
+    """
+
+    def __init__(self, config: Any = None) -> None:
         self._caches: OrderedDict[int, Any] = OrderedDict()
+        self.config = config
 
     def bind(self, tree: Any) -> Any:
         """``tree`` with each cache number replaced by this session's cache of that number."""
@@ -51,7 +59,7 @@ class SessionCaches:
             except ImportError:
                 raise ConfigError("the edge generates with a key/value cache, which needs transformers in the "
                                   "cloud: pip install transformers") from None
-            cache = self._caches[number] = DynamicCache()
+            cache = self._caches[number] = DynamicCache() if self.config is None else DynamicCache(config=self.config)
         return cache
 
     def free(self, number: int) -> None:
@@ -112,4 +120,13 @@ class SessionCaches:
         return sum(self.nbytes_of(cache) for cache in self._caches.values())
 
 
-__all__ = ["MAX_BATCH", "MAX_CACHES", "SessionCaches"]
+def model_config(half: nn.Module) -> Any:
+    """The transformers config the layers of ``half`` hold (None where they hold none)."""
+    for module in half.modules():
+        config = getattr(module, "config", None)
+        if type(config).__module__.startswith("transformers.") and callable(getattr(config, "to_dict", None)):
+            return config
+    return None
+
+
+__all__ = ["MAX_BATCH", "MAX_CACHES", "SessionCaches", "model_config"]

@@ -39,7 +39,7 @@ from .admission import Seat
 from .blame import Stopwatch, blame
 from .budget import GraphMeter, tensors_nbytes
 from .build import build_chain, check_codecs, check_version, hello_identity
-from .caches import SessionCaches
+from .caches import SessionCaches, model_config
 from .calls import Group, Inputs, decode_backward, decode_forward, edge_dtype, encode_input_grads
 from .codec_policy import Policy
 from .costs import Pricing
@@ -103,7 +103,7 @@ class CloudSession:
         self.codecs = SlotCodecs(hello.codecs, hello.seed, bounds=self.policy.bounds)
         self.seat = Seat(trained=restoring)
         self.mirrored = Mirrored(shared)
-        self.caches = SessionCaches()  # key/value caches for generation
+        self.caches = SessionCaches(model_config(chain))  # key/value caches for generation
         self.graphs = Graphs(self.limits.max_pending_calls)
         self.passes = PassGrads()
         self.replies = Replies(self.id)
