@@ -87,12 +87,20 @@ def test_training_after_generation_is_unchanged(cloud):
         torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("options", [{"num_beams": 2}, {"num_beams": 3, "num_return_sequences": 2}],
-                         ids=["two beams", "three beams, two returned"])
-def test_beam_search_equals_the_unsplit_model(cloud, options):
-    """Beam search reorders the key/value cache at every token: the cloud layers' part, kept in the
-    cloud, is reordered there too (it used to keep its order, and the beams' tokens differed)."""
+@pytest.mark.parametrize("options", [{"num_beams": 2}, {"num_beams": 3, "num_return_sequences": 2},
+                                     {"prompt_lookup_num_tokens": 3}, {"assistant_model": "tiny llama"}],
+                         ids=["two beams", "three beams, two returned", "prompt lookup", "assisted"])
+def test_beam_search_and_speculative_decoding_equal_the_unsplit_model(cloud, options):
+    """Beam search reorders the key/value cache at every token, and speculative decoding (prompt
+    lookup, an assistant model) crops the draft tokens it rejects: the cloud layers' part of the
+    cache, kept in the cloud, changes there too (it kept its order and its rejected tokens: other
+    tokens than the unsplit model's, or a failure in the cloud)."""
     ids, mask = _prompts()
+    if "assistant_model" in options:
+        options = {"assistant_model": tiny_hf("llama", seed=1)}
+    if "num_beams" not in options:  # speculative decoding takes one prompt at a time
+        ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]])  # repeats: prompt lookup finds drafts in it
+        mask = torch.ones_like(ids)
     expected = tiny_hf("llama").generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
                                          pad_token_id=0, **options)
     with splitft.split(tiny_hf("llama"), "model.layers.1:3", factory=FACTORY, connect=cloud.connect) as model:
