@@ -107,6 +107,24 @@ def _scan_globals(cls: type) -> tuple[tuple[types.ModuleType, frozenset[str]], .
     return tuple((sys.modules[name], frozenset(names)) for name, names in by_module.items() if names)
 
 
+def own_attributes_read(cls: type) -> frozenset[str]:
+    """The attributes of its own (``self.<name>``) that the methods of ``cls`` and its bases
+    (``__init__`` aside) read: flags its code runs by, such as PEFT's ``_disable_adapters``."""
+    found = _OWN_READ.get(cls)
+    if found is None:
+        found = _OWN_READ[cls] = frozenset(
+            node.attr for _, method in _methods(cls) for node in ast.walk(method)
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)
+            and isinstance(node.value, ast.Name) and node.value.id == "self")
+    return found
+
+
+_OWN_READ: dict[type, frozenset[str]] = {}
+#: Private attributes a module's code reads that may change on the edge alone: how a layer is
+#: checkpointed (``gradient_checkpointing_enable()``), which leaves the values it computes alone.
+_RUNTIME_FLAGS = frozenset({"_gradient_checkpointing_func"})
+
+
 def _free_names(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
     """Names ``function`` reads that it does not bind itself (so: globals, builtins, closures)."""
     loaded: set[str] = set()
@@ -211,8 +229,21 @@ class ConfigGuard:
                 if (id(config), key) not in seen:
                     seen.add((id(config), key))
                     self._watched.append((where, attribute, config, key, _snapshot(getattr(config, key, _MISSING))))
+        #: Each module's private flags its own code reads (``self._disable_adapters``), as they were.
+        self._flags = [(f"{name}.{key}" if key else name, sub.__dict__, flag, _snapshot(sub.__dict__[flag]))
+                       for name, module in modules for key, sub in module.named_modules()
+                       for flag in sorted(own_attributes_read(type(sub)))
+                       if flag.startswith("_") and flag not in _RUNTIME_FLAGS and flag in sub.__dict__]
 
     def check(self) -> None:
+        for where, state, flag, was in self._flags:
+            now = state.get(flag, _MISSING)
+            if now is not was and not _same(now, was):
+                raise ConfigError(
+                    f"{flag} of {where!r} changed after split() ({_shown(was)} -> {_shown(now)}): that module's code "
+                    "reads it as it runs, in the cloud, where it keeps its value (PEFT's disable_adapter() and "
+                    "set_adapter() set such flags on every adapter layer), so the split model would silently "
+                    "differ from the unsplit one. Do it on the unsplit model (model.unsplit()), or set it back")
         for where, attribute, config, key, was in self._watched:
             now = getattr(config, key, _MISSING)
             if now is not was and not _same(now, was):
@@ -251,4 +282,4 @@ def _shown(value: Any) -> str:
     return "unset" if value is _MISSING else repr(value)
 
 
-__all__ = ["ConfigGuard", "globals_read", "keys_read", "reads", "values"]
+__all__ = ["ConfigGuard", "globals_read", "keys_read", "own_attributes_read", "reads", "values"]

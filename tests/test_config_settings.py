@@ -23,13 +23,14 @@ CUT = "model.layers.1:3"
 MLP = "tests.models:configured_mlp"
 GAIN_MLP = "tests.models:gain_mlp"
 GLOBAL_MLP = "tests.models:global_gain_mlp"
+LORA = "tests.models:tiny_tied_lora"
 
 
 @pytest.fixture(scope="module")
 def cloud(tmp_path_factory):
     proc, address, err = start_cloud(tmp_path_factory.mktemp("cloud"), "--sessions", "0", "--model", LLAMA,
                                      "--model", MLP, "--model", GAIN_MLP,
-                                     "--model", GLOBAL_MLP)
+                                     "--model", GLOBAL_MLP, "--model", LORA)
     yield address
     stop(proc)
 
@@ -165,6 +166,33 @@ def test_a_module_level_setting_a_cloud_layer_reads_is_guarded_too(cloud, monkey
         splitft.split(global_gain_mlp(), 2, factory=GLOBAL_MLP, connect=cloud)
     assert [(m.__name__, set(names)) for m, names in globals_read(GlobalGain)] == [("tests.models", {"GATE_GAIN"})]
     assert globals_read(Gain) == ()  # it reads torch and its own settings object: nothing plain of its module
+
+
+def test_peft_disable_adapter_on_a_split_model_is_refused_inside_and_training_goes_on_after(cloud):
+    """``with model.disable_adapter():`` (a DPO reference pass) sets a flag on every LoRA layer,
+    which each layer's code reads: the cloud's would have kept their adapters on, silently."""
+    pytest.importorskip("peft")
+    from tests.models import tiny_tied_lora
+
+    def step(model, opt) -> None:
+        ids = _ids()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    local = tiny_tied_lora()
+    local_opt = torch.optim.AdamW([p for p in local.parameters() if p.requires_grad], lr=1e-2)
+    step(local, local_opt)
+    model = splitft.split(tiny_tied_lora(), "base_model.model.model.layers.1:3", factory=LORA, connect=cloud)
+    with model:
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        with model.disable_adapter(), torch.no_grad():
+            with pytest.raises(ConfigError, match=r"_disable_adapters of 'base_model\.model\.model\.layers\.1\.self_attn"
+                                                  r"\.q_proj' changed after split\(\) \(False -> True\)"):
+                model(input_ids=_ids())
+        step(model, opt)  # the context left, the flags are back: training goes on exactly
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+    _assert_same(state, local.state_dict())
 
 
 def test_what_a_layer_reads_in_init_is_not_a_setting_it_reads_as_it_runs():
