@@ -125,6 +125,13 @@ _OWN_READ: dict[type, frozenset[str]] = {}
 _RUNTIME_FLAGS = frozenset({"_gradient_checkpointing_func"})
 
 
+def _flag(value: Any) -> bool:
+    """A plain value a script may set to steer a module (a switch, a name, a list of names)."""
+    if isinstance(value, (bool, int, float, str)):
+        return True
+    return isinstance(value, (list, tuple, set, frozenset)) and all(isinstance(v, (bool, int, float, str)) for v in value)
+
+
 def _free_names(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
     """Names ``function`` reads that it does not bind itself (so: globals, builtins, closures)."""
     loaded: set[str] = set()
@@ -233,7 +240,7 @@ class ConfigGuard:
         self._flags = [(f"{name}.{key}" if key else name, sub.__dict__, flag, _snapshot(sub.__dict__[flag]))
                        for name, module in modules for key, sub in module.named_modules()
                        for flag in sorted(own_attributes_read(type(sub)))
-                       if flag.startswith("_") and flag not in _RUNTIME_FLAGS and flag in sub.__dict__]
+                       if flag.startswith("_") and flag not in _RUNTIME_FLAGS and _flag(sub.__dict__.get(flag))]
 
     def check(self) -> None:
         for where, state, flag, was in self._flags:

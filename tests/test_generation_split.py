@@ -128,9 +128,11 @@ def test_a_cache_change_is_checked_against_the_cache_and_the_memory_before_it_is
 
     for kind, indices, count in (("reorder", [0, 2], None), ("reorder", [True, 0], None), ("reorder", "01", None),
                                  ("select", [], None), ("repeat", None, 0), ("repeat", None, 10**6),
-                                 ("crop", None, 1), ("shuffle", [0, 1], None)):
+                                 ("crop", None, 1), ("shuffle", [0, 1], None), (["reorder"], [1, 0], None)):
         with pytest.raises(ProtocolError):
             caches.change(1, kind, indices, count, fits)
+    with pytest.raises(ProtocolError):
+        caches.change([1], "reorder", [1, 0], None, fits)  # a cache number that is no number
     with pytest.raises(CapacityError, match="repeated does not fit"):
         caches.change(1, "repeat", None, 3, fits)  # three times the cache: over what fits
     assert caches.nbytes() == held and torch.equal(cache.layers[0].keys, keys)  # nothing changed by a refusal

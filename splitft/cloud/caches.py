@@ -68,11 +68,11 @@ class SessionCaches:
     def change(self, number: int, kind: str, indices: Any, count: Any, fits: Callable[[int, str], None]) -> None:
         """What the edge's generation did to its cache ``number`` (beam search reordering it), done
         to this one: checked against its batch and priced against the session's memory first."""
+        if not isinstance(kind, str) or kind not in _CHANGES or not isinstance(number, int):
+            raise ProtocolError(f"no cache change {short(kind)} of cache {short(number)}; known: {sorted(_CHANGES)}")
         cache = self._caches.get(number)
         tensors = [t for layer in getattr(cache, "layers", []) for t in (getattr(layer, "keys", None),)
                    if isinstance(t, torch.Tensor) and t.dim() > 0]
-        if kind not in _CHANGES:
-            raise ProtocolError(f"no cache change {short(kind)}; known: {sorted(_CHANGES)}")
         if cache is None or not tensors:
             return  # nothing the cloud's layers hold yet
         batch, held = tensors[0].shape[0], self.nbytes_of(cache)
