@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import ConfigError
+from .errors import ConfigError, ProtocolError
 
 #: Classes whose code is not the model's: torch's own modules, this package's stand-ins, and
 #: transformers' shared bases (its models live under ``transformers.models``).
@@ -236,21 +236,7 @@ class ConfigGuard:
                 if (id(config), key) not in seen:
                     seen.add((id(config), key))
                     self._watched.append((where, attribute, config, key, _snapshot(getattr(config, key, _MISSING))))
-        #: Each module's private flags its own code reads (``self._disable_adapters``), as they were.
-        self._flags = [(f"{name}.{key}" if key else name, sub.__dict__, flag, _snapshot(sub.__dict__[flag]))
-                       for name, module in modules for key, sub in module.named_modules()
-                       for flag in sorted(own_attributes_read(type(sub)))
-                       if flag.startswith("_") and flag not in _RUNTIME_FLAGS and _flag(sub.__dict__.get(flag))]
-
     def check(self) -> None:
-        for where, state, flag, was in self._flags:
-            now = state.get(flag, _MISSING)
-            if now is not was and not _same(now, was):
-                raise ConfigError(
-                    f"{flag} of {where!r} changed after split() ({_shown(was)} -> {_shown(now)}): that module's code "
-                    "reads it as it runs, in the cloud, where it keeps its value (PEFT's disable_adapter() and "
-                    "set_adapter() set such flags on every adapter layer), so the split model would silently "
-                    "differ from the unsplit one. Do it on the unsplit model (model.unsplit()), or set it back")
         for where, attribute, config, key, was in self._watched:
             now = getattr(config, key, _MISSING)
             if now is not was and not _same(now, was):
@@ -266,6 +252,66 @@ class ConfigGuard:
                     "cloud would go on with the old value and training would silently differ from the unsplit "
                     f"model. Set {key} before split(), in the cloud's factory too (the handshake checks that the "
                     "two agree), or set it back")
+
+
+class PrivateFlags:
+    """The private flags each cloud module's own code reads as it runs (``self._disable_adapters``,
+    which PEFT's ``disable_adapter()`` sets on every adapter layer; ``self._active_adapter``):
+    :meth:`changed` says which the script changed since they were last sent, for the cloud to set
+    on its modules (:func:`apply_flags`) before the next forward. A flag deleted, or set to another
+    kind of value than a plain one, is refused."""
+
+    def __init__(self, modules: list[tuple[str, nn.Module]]) -> None:
+        self._flags = [(f"{name}.{key}" if key else name, sub.__dict__, flag)
+                       for name, module in modules for key, sub in module.named_modules()
+                       for flag in sorted(flags_read(sub))]
+        self._sent = [_snapshot(state[flag]) for _, state, flag in self._flags]
+
+    def changed(self) -> dict[str, dict[str, Any]]:
+        """``{module: {flag: value}}`` changed since the last call (or the cut); {} for none."""
+        changed: dict[str, dict[str, Any]] = {}
+        for i, (where, state, flag) in enumerate(self._flags):
+            now, was = state.get(flag, _MISSING), self._sent[i]
+            if now is was or _same(now, was):
+                continue
+            if not _flag(now):
+                raise ConfigError(f"{flag} of {where!r} changed after split() ({_shown(was)} -> {_shown(now)}): that "
+                                  "module's code reads it as it runs, in the cloud, which takes a flag, a number, a "
+                                  "name or a list of them; set it back")
+            changed.setdefault(where, {})[flag] = list(now) if isinstance(now, (tuple, list)) else now
+            self._sent[i] = _snapshot(now)
+        return changed
+
+
+def flags_read(module: nn.Module) -> list[str]:
+    """``module``'s private attributes its own code reads that hold a plain value now."""
+    return [flag for flag in own_attributes_read(type(module))
+            if flag.startswith("_") and flag not in _RUNTIME_FLAGS and _flag(module.__dict__.get(flag))]
+
+
+def apply_flags(modules: dict[str, nn.Module], flags: Any) -> None:
+    """Set what :meth:`PrivateFlags.changed` sent on the cloud's ``modules`` (by qualified name),
+    each checked first (a private flag the module's code reads, holding a plain value, to a plain
+    value), so a refused message sets none."""
+    if not isinstance(flags, dict) or sum(len(f) if isinstance(f, dict) else 1 for f in flags.values()) > _MAX_FLAGS:
+        raise ProtocolError(f"flags must be a map of module to a map of at most {_MAX_FLAGS} flags in all")
+    checked = []
+    for where, values in flags.items():
+        module = modules.get(where) if isinstance(where, str) else None
+        if module is None or not isinstance(values, dict):
+            raise ProtocolError(f"the cloud half has no module {_shown(where)[:80]} to set flags on")
+        allowed = flags_read(module)
+        for flag, value in values.items():
+            if flag not in allowed or not _flag(value):
+                raise ProtocolError(f"{_shown(flag)[:80]} of {where!r} is no flag its code reads, or "
+                                    f"{_shown(value)[:80]} no plain value")
+            checked.append((module, flag, tuple(value) if isinstance(module.__dict__[flag], tuple) else value))
+    for module, flag, value in checked:
+        setattr(module, flag, value)
+
+
+#: The most flags one message may set.
+_MAX_FLAGS = 100_000
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -289,4 +335,5 @@ def _shown(value: Any) -> str:
     return "unset" if value is _MISSING else repr(value)
 
 
-__all__ = ["ConfigGuard", "globals_read", "keys_read", "own_attributes_read", "reads", "values"]
+__all__ = ["ConfigGuard", "PrivateFlags", "apply_flags", "flags_read", "globals_read", "keys_read",
+           "own_attributes_read", "reads", "values"]

@@ -168,9 +168,10 @@ def test_a_module_level_setting_a_cloud_layer_reads_is_guarded_too(cloud, monkey
     assert globals_read(Gain) == ()  # it reads torch and its own settings object: nothing plain of its module
 
 
-def test_peft_disable_adapter_on_a_split_model_is_refused_inside_and_training_goes_on_after(cloud):
+def test_peft_disable_adapter_on_a_split_model_computes_as_the_unsplit_model_and_training_goes_on(cloud):
     """``with model.disable_adapter():`` (a DPO reference pass) sets a flag on every LoRA layer,
-    which each layer's code reads: the cloud's would have kept their adapters on, silently."""
+    which each layer's code reads: the cloud's layers get it too (they used to keep their adapters
+    on, silently), and get it back when the context ends."""
     pytest.importorskip("peft")
     from tests.models import tiny_tied_lora
 
@@ -180,19 +181,50 @@ def test_peft_disable_adapter_on_a_split_model_is_refused_inside_and_training_go
         opt.step()
         opt.zero_grad()
 
+    def script(model) -> tuple[torch.Tensor, torch.Tensor]:
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        step(model, opt)  # the adapters move away from zero: disabling them now changes the logits
+        with torch.no_grad():
+            with model.disable_adapter():
+                reference = model(input_ids=_ids()).logits
+            policy = model(input_ids=_ids()).logits
+        step(model, opt)
+        return reference, policy
+
     local = tiny_tied_lora()
-    local_opt = torch.optim.AdamW([p for p in local.parameters() if p.requires_grad], lr=1e-2)
-    step(local, local_opt)
+    expected = script(local)
     model = splitft.split(tiny_tied_lora(), "base_model.model.model.layers.1:3", factory=LORA, connect=cloud)
     with model:
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        with model.disable_adapter(), torch.no_grad():
-            with pytest.raises(ConfigError, match=r"_disable_adapters of 'base_model\.model\.model\.layers\.1\.self_attn"
-                                                  r"\.q_proj' changed after split\(\) \(False -> True\)"):
-                model(input_ids=_ids())
-        step(model, opt)  # the context left, the flags are back: training goes on exactly
+        got = script(model)
         state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert not torch.equal(expected[0], expected[1])  # the adapters matter
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     _assert_same(state, local.state_dict())
+
+
+def test_a_private_flag_set_to_something_the_cloud_cannot_take_is_refused_and_a_hostile_one_too(cloud):
+    pytest.importorskip("peft")
+    from splitft.config_reads import apply_flags
+    from splitft.errors import ProtocolError
+    from tests.models import tiny_tied_lora
+
+    model = splitft.split(tiny_tied_lora(), "base_model.model.model.layers.1:3", factory=LORA, connect=cloud)
+    layer = model.get_submodule("base_model.model.model.layers.1.self_attn.q_proj")
+    with model:
+        layer._disable_adapters = object()  # no plain value: nothing the cloud could be sent
+        with pytest.raises(ConfigError, match=r"_disable_adapters of 'base_model\.model\.model\.layers\.1\.self_attn"
+                                              r"\.q_proj' changed after split\(\)"):
+            model(input_ids=_ids())
+        layer._disable_adapters = False
+        model(input_ids=_ids())
+    cloud_side = {"q": tiny_tied_lora().get_submodule("base_model.model.model.layers.1.self_attn.q_proj")}
+    for flags in ({"q": {"_forward_hooks": {}}}, {"q": {"_disable_adapters": [object]}}, {"nowhere": {}}, ["q"],
+                  {"q": {"_disable_adapters": True, "training": False}}):
+        with pytest.raises(ProtocolError):
+            apply_flags(cloud_side, flags)
+    assert cloud_side["q"]._disable_adapters is False  # a refused message set none of its flags
+    apply_flags(cloud_side, {"q": {"_disable_adapters": True}})
+    assert cloud_side["q"]._disable_adapters is True
 
 
 def test_what_a_layer_reads_in_init_is_not_a_setting_it_reads_as_it_runs():

@@ -20,6 +20,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import nn
 
+from ..config_reads import apply_flags
 from ..errors import CapacityError, ConfigError, ModelError, PolicyError, ProtocolError
 from ..wire import operations as o
 from . import offload, optimizer_state
@@ -259,6 +260,13 @@ def _make_optimizer(groups: list[dict[str, Any]], cls: type, settings: dict) -> 
 @handles(o.FreeCache)
 def free_cache(session: Target, op: o.FreeCache) -> None:
     session.caches.free(op.id)
+
+
+@handles(o.SetFlags)
+def set_flags(session: Target, op: o.SetFlags) -> None:
+    if session.half.shared is not None:
+        raise PolicyError("a shared cloud half's modules are every edge's: an edge may not set their flags")
+    apply_flags(session.half.chain.qualified_modules(), op.flags)
 
 
 @handles(o.ChangeCache)

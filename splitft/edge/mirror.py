@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..wire.operations import Operation, SetFrozen, SetLoss, SetModes
+from ..wire.operations import Operation, SetFlags, SetFrozen, SetLoss, SetModes
 from . import optimizers
 from .cloud_half import CloudHalf
 from .optimizer_mirror import NOT_PLAIN, OptimizerMirror, optimizer_settings, plain_setting
@@ -109,10 +109,13 @@ class ModelMirror:
         with self.optimizer_mirror.edge_only():
             return self.optimizer.state_dict()
 
-    def module_state(self, flipped: list[str]) -> None:
+    def module_state(self, flipped: list[str], flags: dict[str, dict[str, Any]] | None = None) -> None:
         """Tell the cloud what the script changed on its modules by name, when that changed: the
-        parameters it froze (``requires_grad_(False)``) and the modules in the other mode than the
-        split model's (``flipped``, by name)."""
+        parameters it froze (``requires_grad_(False)``), the modules in the other mode than the
+        split model's (``flipped``, by name) and the private flags their code reads (``flags``:
+        those changed, see :class:`~splitft.config_reads.PrivateFlags`)."""
+        if flags:
+            self.outbox.queue(SetFlags(flags=flags))
         params = self.cloud_half.params
         with torch._C.DisableTorchFunctionSubclass():  # a flag read on each placeholder, not a dispatch each
             frozen = frozenset(name for name, param in params.items() if not param.requires_grad)

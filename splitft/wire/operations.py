@@ -172,6 +172,16 @@ class SetModes(Operation):
 
 
 @dataclass
+class SetFlags(Operation):
+    """Private flags the script changed on cloud modules, which their code reads as it runs
+    (PEFT's ``disable_adapter()`` sets ``_disable_adapters`` on every adapter layer): ``flags`` is
+    ``{module: {flag: value}}``, set on the cloud's modules before the next forward."""
+
+    NAME: ClassVar[str] = "flags"
+    flags: dict
+
+
+@dataclass
 class FreeCache(Operation):
     """The edge's key/value cache ``id`` is gone (its generation ended): free the cloud's."""
 
@@ -196,7 +206,7 @@ class ChangeCache(Operation):
 
 OPERATIONS: dict[str, type[Operation]] = {
     cls.NAME: cls for cls in (AttachOptimizer, AddParamGroup, SetLoss, Step, ApplyEager, ZeroGrad, ScaleGrads, ClampGrads,
-                              LoadWeights, LoadOptimizerState, SetFrozen, SetModes, FreeCache, ChangeCache)
+                              LoadWeights, LoadOptimizerState, SetFrozen, SetModes, SetFlags, FreeCache, ChangeCache)
 }
 
 #: Operations that act alike on a list of named parameters: two in a row over different
