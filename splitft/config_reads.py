@@ -202,11 +202,18 @@ def _dispatch_keys(config: Any) -> frozenset[str]:
 
 
 def values(modules: list[tuple[str, nn.Module]]) -> dict[str, dict[str, str]]:
-    """Each module's read settings, as text (what :func:`splitft.cut.structure` hashes)."""
+    """Each module's read settings, as text (what :func:`splitft.cut.structure` hashes), with the
+    private flags its code reads (a LoRA layer's active adapter: both sides must start alike, as
+    only a change made after the cut is sent)."""
     found: dict[str, dict[str, str]] = {}
     for where, attribute, config, keys in reads(modules):
         found.setdefault(where, {}).update({_named(attribute, key): _canonical(getattr(config, key, None))
                                             for key in sorted(keys)})
+    for name, module in modules:
+        for key, sub in module.named_modules():
+            flags = {flag: _canonical(sub.__dict__[flag]) for flag in sorted(flags_read(sub))}
+            if flags:
+                found.setdefault(f"{name}.{key}" if key else name, {}).update(flags)
     return found
 
 

@@ -217,6 +217,12 @@ def test_a_private_flag_set_to_something_the_cloud_cannot_take_is_refused_and_a_
             model(input_ids=_ids())
         layer._disable_adapters = False
         model(input_ids=_ids())
+    disabled = tiny_tied_lora()
+    disabled.get_submodule("base_model.model.model.layers.1.self_attn.q_proj")._disable_adapters = True
+    # before the cut, both sides must start alike: refused at the handshake, the cloud's flags shown
+    with pytest.raises(HandshakeError, match=r"q_proj': {'_active_adapter': '\[\"default\"\]', "
+                                             r"'_disable_adapters': 'false'"):
+        splitft.split(disabled, "base_model.model.model.layers.1:3", factory=LORA, connect=cloud)
     cloud_side = {"q": tiny_tied_lora().get_submodule("base_model.model.model.layers.1.self_attn.q_proj")}
     for flags in ({"q": {"_forward_hooks": {}}}, {"q": {"_disable_adapters": [object]}}, {"nowhere": {}}, ["q"],
                   {"q": {"_disable_adapters": True, "training": False}}):
