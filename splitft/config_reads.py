@@ -312,7 +312,8 @@ def apply_flags(modules: dict[str, nn.Module], flags: Any) -> None:
             if flag not in allowed or not _flag(value):
                 raise ProtocolError(f"{_shown(flag)[:80]} of {where!r} is no flag its code reads, or "
                                     f"{_shown(value)[:80]} no plain value")
-            checked.append((module, flag, tuple(value) if isinstance(module.__dict__[flag], tuple) else value))
+            as_tuple = isinstance(value, list) and isinstance(module.__dict__[flag], tuple)  # msgpack sends lists
+            checked.append((module, flag, tuple(value) if as_tuple else value))
     for module, flag, value in checked:
         setattr(module, flag, value)
 
