@@ -177,8 +177,10 @@ def test_forwards_that_fail_do_not_make_a_session_outlast_its_attacker(tmp_path)
     """Every place taken by a session whose only forward failed in the model, pinged: they trained
     nothing, so once the attacker is silent they go after --handshake-timeout, not after
     --session-timeout (300 s), even for an edge from the attacker's own address."""
+    # 5 s, well under the session timeout: a loaded machine may take 2 s between a forward and the
+    # ping after it, which must not already count as the attacker's silence
     proc, address, err = start_cloud(tmp_path, "--sessions", "0", "--model", MLP, "--max-open-sessions", "4",
-                                     "--handshake-timeout", "2")
+                                     "--handshake-timeout", "5")
     conns = []
     try:
         wrong = payload_to_wire(_IDENTITY.encode(torch.randn(1, 7), compressors.CodecContext()), False)
