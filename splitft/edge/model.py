@@ -74,7 +74,7 @@ class SplitModel(nn.Module):
         chain = install(model, spec, remote=self._trunk if spec.ushape else None, check=check_cut,
                         placeholder=lambda tensor, name: CloudTensor(tensor, name, cloud_half))
         self.ghosts = Ghosts(model, chain)
-        self.flags = PrivateFlags([(name, model.get_submodule(name)) for name in chain.names])
+        self._flags = PrivateFlags([(name, model.get_submodule(name)) for name in chain.names])
         cloud_half.bind(model, chain)
         cloud_half.device = next((p.device for p in self.edge_parameters()), torch.device("cpu"))
         optimizers.register(cloud_half, self.mirror)
@@ -228,7 +228,7 @@ class SplitModel(nn.Module):
         """Tell the cloud what the script changed on its modules by name (frozen parameters, modes);
         returns the modules whose mode is not the model's."""
         flipped = self.ghosts.flipped(self.training)
-        self.mirror.module_state(flipped, self.flags.changed())
+        self.mirror.module_state(flipped, self._flags.changed())
         return tuple(flipped)
 
     def _fetch_norms(self, norm_type: float) -> list[float | None]:
