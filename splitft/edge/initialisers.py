@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .placeholders import CloudTensor, initialise
+from .placeholders import CloudTensor, new_values
 
 #: The initialisers wrapped, by name in ``torch.nn.init``.
 READING = ("trunc_normal_", "orthogonal_", "eye_", "dirac_", "sparse_")
@@ -30,10 +30,12 @@ _INSTALLING = threading.Lock()
 
 
 def _on_placeholders(original: Callable[..., Any]) -> Callable[..., Any]:
+    on_placeholder = new_values(original, no_grad=True)  # as placeholders run torch's own initialisers
+
     @functools.wraps(original)
     def init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if isinstance(tensor, CloudTensor):
-            return initialise(original, tensor, *args, **kwargs)
+            return on_placeholder(tensor, *args, **kwargs)
         return original(tensor, *args, **kwargs)
 
     init.__splitft_original__ = original  # type: ignore[attr-defined]

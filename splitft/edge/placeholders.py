@@ -254,7 +254,7 @@ METADATA = frozenset(_METADATA)
 # ---------------------------------------------------------------- a parameter's or buffer's values
 
 
-def _new_values(make: Callable[..., Any], *, no_grad: bool = False) -> Callable[..., CloudTensor]:
+def new_values(make: Callable[..., Any], *, no_grad: bool = False) -> Callable[..., CloudTensor]:
     """An in-place operation that gives a cloud parameter or buffer new values without reading the
     old ones (``copy_``, ``fill_``, ``zero_``, ``normal_``, ``uniform_``, torch's initialisers): run
     here on a fresh tensor on the edge half's device, so a draw comes from the generator the unsplit
@@ -272,12 +272,6 @@ def _new_values(make: Callable[..., Any], *, no_grad: bool = False) -> Callable[
         return target
 
     return made
-
-
-def initialise(init: Callable[..., Any], tensor: CloudTensor, *args: Any, **kwargs: Any) -> CloudTensor:
-    """``init`` (one of torch's initialisers) on a cloud parameter or buffer: run here on fresh
-    values, which are pushed (see :mod:`splitft.edge.initialisers`)."""
-    return _new_values(init, no_grad=True)(tensor, *args, **kwargs)
 
 
 #: What torch passes for ``t.data``: the property's getter (``Tensor.data`` is a descriptor on the class).
@@ -316,10 +310,10 @@ _LIKE_OPS: dict[Any, Callable[..., Any]] = {
 }
 
 _VALUE_OPS: dict[Any, Callable[..., Any]] = {
-    Tensor.copy_: _new_values(lambda value, source, non_blocking=False: value.copy_(source.detach())),
-    **{op: _new_values(op) for op in (Tensor.fill_, Tensor.zero_, Tensor.normal_, Tensor.uniform_)},
+    Tensor.copy_: new_values(lambda value, source, non_blocking=False: value.copy_(source.detach())),
+    **{op: new_values(op) for op in (Tensor.fill_, Tensor.zero_, Tensor.normal_, Tensor.uniform_)},
     # the initialisers torch lets a tensor subclass own; the others reach the Tensor methods above
-    **{init: _new_values(init, no_grad=True) for init in (torch.nn.init.normal_, torch.nn.init.uniform_,
+    **{init: new_values(init, no_grad=True) for init in (torch.nn.init.normal_, torch.nn.init.uniform_,
                                                           torch.nn.init.constant_, torch.nn.init.kaiming_uniform_)},
     Tensor.detach: CloudTensor.alias, _DATA_GETTER: CloudTensor.alias, **_LIKE_OPS,
 }
@@ -500,4 +494,4 @@ def _refusal(func: Any, tensor: Any) -> str:
 
 
 __all__ = ["CloudGrad", "CloudMoment", "CloudState", "METADATA", "CloudTensor", "MIRRORED", "Remote", "RemoteTensor",
-           "initialise", "remote_of"]
+           "new_values", "remote_of"]
