@@ -150,12 +150,14 @@ class NumericsGuard:
     """
 
     def __init__(self) -> None:
-        self._readers = [read for expression in HOST + CUDA + _PARENTS if (read := _reader(expression)) is not None]
+        # what settings() reads here: a CUDA switch steers nothing an edge without CUDA computes
+        watched = HOST + (CUDA if torch.cuda.is_available() else ()) + _PARENTS
+        self._readers = [read for expression in watched if (read := _reader(expression)) is not None]
         self._was = settings()
         self._raw = self._read_raw()
 
     def _read_raw(self) -> tuple:
-        values: list[object] = [_DENORMAL_PROBE.mul(1.0).item()]
+        values: list[object] = [_flushes_denormals()]
         for read in self._readers:
             try:
                 values.append(read())
