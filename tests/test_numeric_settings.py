@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from typing import Any
 
 import pytest
 import torch
@@ -30,13 +31,18 @@ def cloud(tmp_path_factory):
 
 
 @contextmanager
-def matmul_precision(value: str) -> Iterator[None]:
-    was = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(value)
+def torch_setting(read: Callable[[], Any], write: Callable[[Any], None], value: Any) -> Iterator[None]:
+    """A process-wide setting set for the block, as a script sets it, and set back after."""
+    was = read()
+    write(value)
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(was)
+        write(was)
+
+
+def matmul_precision(value: str) -> AbstractContextManager:
+    return torch_setting(torch.get_float32_matmul_precision, torch.set_float32_matmul_precision, value)
 
 
 def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,30 +76,12 @@ def _assert_same(split_state: dict, local_state: dict) -> None:
         assert torch.equal(split_state[name], value), name
 
 
-@contextmanager
-def deterministic() -> Iterator[None]:
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(False)
-
-
-@contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    was = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(was)
-
-
 @pytest.mark.parametrize("changed, named", [
     (lambda: matmul_precision("high"),
      r"torch\.get_float32_matmul_precision\(\) changed after split\(\) \(highest -> high\)"),
-    (deterministic, r"torch\.are_deterministic_algorithms_enabled\(\) changed after split\(\) \(False -> True\)"),
-    (lambda: default_dtype(torch.float64),
+    (lambda: torch_setting(torch.are_deterministic_algorithms_enabled, torch.use_deterministic_algorithms, True),
+     r"torch\.are_deterministic_algorithms_enabled\(\) changed after split\(\) \(False -> True\)"),
+    (lambda: torch_setting(torch.get_default_dtype, torch.set_default_dtype, torch.float64),
      r"torch\.get_default_dtype\(\) changed after split\(\) \(torch\.float32 -> torch\.float64\)"),
     (lambda: torch.backends.mkldnn.flags(enabled=False),
      r"torch\.backends\.mkldnn\.enabled changed after split\(\) \(True -> False\)"),
