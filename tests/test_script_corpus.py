@@ -364,7 +364,45 @@ def unfreezes_layers_as_it_goes_with_add_param_group(model, net, crit, data):
     return [(g["lr"], g["weight_decay"], len(g["params"])) for g in opt.param_groups]
 
 
-SCRIPTS = [unfreezes_layers_as_it_goes_with_add_param_group, accumulation_zero_grad_and_clip, reinitialises_by_module_walk_and_by_index, accumulates_over_three_with_a_weighted_loss,
+def scales_and_clips_gradients_in_an_optimizer_pre_hook(model, net, crit, data):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def halve_then_clip(optimizer, args, kwargs):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(0.5)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+
+    opt.register_step_pre_hook(halve_then_clip)
+    for x, y in data:
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+
+
+def warms_up_in_a_pre_hook_and_logs_gradient_norms_in_a_post_hook(model, net, crit, data):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    norms, taken = [], [0]
+
+    def warm_up(optimizer, args, kwargs):
+        taken[0] += 1
+        for group in optimizer.param_groups:
+            group["lr"] = 0.05 * min(1.0, taken[0] / 3)
+
+    opt.register_step_pre_hook(warm_up)
+    opt.register_step_post_hook(lambda optimizer, args, kwargs: norms.append(
+        [p.grad.norm().item() for group in optimizer.param_groups for p in group["params"]]))
+    for x, y in data:
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+    return norms
+
+
+SCRIPTS = [scales_and_clips_gradients_in_an_optimizer_pre_hook,
+           warms_up_in_a_pre_hook_and_logs_gradient_norms_in_a_post_hook,
+           unfreezes_layers_as_it_goes_with_add_param_group, accumulation_zero_grad_and_clip, reinitialises_by_module_walk_and_by_index, accumulates_over_three_with_a_weighted_loss,
            three_views_in_one_loss_accumulated_over_three_batches, groups_and_warmup, layerwise_lr_decay, one_cycle_with_momentum, freeze_by_name_mid_training,
            trainable_only_optimizer, eval_between_steps, fp16_with_grad_scaler,
            zero_grad_by_hand_and_clip_through_grad_data, clip_in_two_steps_with_foreach, logs_each_layers_gradient_norm,

@@ -7,6 +7,8 @@ optimizer that holds one is over the cloud half: built after the cut, before it,
 to its split model (``model.attach(opt)`` does the same, earlier), through a global optimizer
 step hook; from then on each step is forwarded to the cloud, and while it runs the cloud's
 gradients are hidden from it, so the edge's step leaves the cloud's parameters to the cloud's.
+The hiding and the forwarding are step hooks of the optimizer's own, kept last among its
+pre-hooks and first among its post-hooks, so a script's hooks see the gradients as unsplit.
 One that only holds edge parameters is local, as it would be on the unsplit model.
 
 Optimizer state. ``opt.state_dict()`` of a mirrored optimizer holds both halves' entries (the
@@ -49,6 +51,9 @@ _INSTALLING = threading.Lock()
 _MIRRORS: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
 #: Optimizers found to hold no cloud placeholder, with how many parameters they had then.
 _LOCAL: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+#: Each mirrored optimizer's own step hooks (their handle ids): the pre-hook that hides the cloud's
+#: gradients and sends the step's settings, the post-hook that sends the step.
+_STEP_HOOKS: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]] = weakref.WeakKeyDictionary()
 #: Each cloud half's handle (splitft.edge.cloud_half.CloudHalf), with who attaches optimizers over it.
 _OWNERS: weakref.WeakKeyDictionary[Any, weakref.ref[Attaches]] = weakref.WeakKeyDictionary()
 
@@ -102,8 +107,34 @@ def _mirror_of(optimizer: torch.optim.Optimizer) -> Any:
     return _MIRRORS[optimizer]
 
 
-def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[tuple, dict] | None:
-    mirror = _mirror_of(optimizer)
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Torch's global pre-hook: attaches an optimizer the first time it steps holding cloud
+    placeholders, then puts the optimizer's own hooks that mirror the step in place around the
+    script's. Torch runs global pre-hooks before an optimizer's own and global post-hooks after
+    them, so a script's ``opt.register_step_pre_hook`` (scaling gradients, setting a learning
+    rate) would run after the cloud's gradients were hidden and its settings read, and change
+    nothing in the cloud; ours run last before the step and first after it."""
+    if _mirror_of(optimizer) is None:
+        return
+    pre, post = _STEP_HOOKS.get(optimizer) or _add_step_hooks(optimizer)
+    before, after = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
+    if next(reversed(before)) != pre:
+        before[pre] = before.pop(pre)
+    if next(iter(after)) != post:  # in place: the handles of the script's hooks hold this dict
+        others = [(key, hook) for key, hook in after.items() if key != post]
+        ours = after[post]
+        after.clear()
+        after.update([(post, ours), *others])
+
+
+def _add_step_hooks(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    ids = (optimizer.register_step_pre_hook(_prepare_step).id, optimizer.register_step_post_hook(_after_step).id)
+    _STEP_HOOKS[optimizer] = ids
+    return ids
+
+
+def _prepare_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[tuple, dict] | None:
+    mirror = _MIRRORS.get(optimizer)
     if mirror is None:
         return None
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
@@ -149,10 +180,9 @@ def install() -> None:
     with _INSTALLING:
         if _INSTALLED:
             return
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         register_optimizer_step_pre_hook(_before_step)
-        register_optimizer_step_post_hook(_after_step)
         optimizer = torch.optim.Optimizer
         optimizer.load_state_dict = _load_mirrored(optimizer.load_state_dict)  # type: ignore[method-assign]
         _INSTALLED = True
