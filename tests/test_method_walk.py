@@ -85,8 +85,11 @@ def test_a_refused_module_method_raises_naming_the_fix_and_changes_nothing(split
 def test_views_report_the_unsplit_model_with_the_cloud_half_as_placeholders(split_mlp):
     model, net = split_mlp
     local = mlp()
-    named = {n.removeprefix("model."): p for n, p in model.named_parameters()}
+    named = dict(model.named_parameters())  # under the unsplit names, no wrapper prefix
     assert {n: p.shape for n, p in named.items()} == {n: p.shape for n, p in local.named_parameters()}
+    assert [n for n, _ in model.named_modules()] == [n for n, _ in local.named_modules()]
+    assert [n for n, _ in model.named_children()] == [n for n, _ in local.named_children()]
+    assert dict(model.named_modules())[""] is net  # the root is the user's own module, as unsplit
     assert {n for n, p in named.items() if p.device.type == "meta"} == {n for n, _ in model.named_cloud_parameters()}
     assert {id(p) for p in model.edge_parameters()} == {id(p) for p in net[0].parameters()}
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in local.parameters())
@@ -136,7 +139,7 @@ def test_a_mirrored_method_does_the_same_to_the_cloud_half(inproc_cloud, name):
 
     def script(model, net, crit):
         params = model.parameters() if name != "optimizer.add_param_group" else \
-            [p for n, p in model.named_parameters() if not n.removeprefix("model.").startswith("2.")]
+            [p for n, p in model.named_parameters() if not n.startswith("2.")]
         opt = torch.optim.SGD(params, lr=0.1)
         MIRRORED_SCRIPTS[name](model, net, crit, opt, x, y)
         opt.step()  # a second step: the mirrored state carries on

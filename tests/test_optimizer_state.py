@@ -294,7 +294,7 @@ def test_a_group_added_mid_training_holds_the_unsplit_state_and_loads_into_a_new
     model, crit = _split(cloud, None)
     with model:
         model.load_state_dict(weights)
-        params = [p for name, p in model.named_parameters() if not name.removeprefix("model.").startswith("4.")]
+        params = [p for name, p in model.named_parameters() if not name.startswith("4.")]
         opt = torch.optim.Adam(params, lr=0.01)
         opt.add_param_group({"params": model.model[4].parameters(), "lr": 0.005, "amsgrad": True})
         opt.load_state_dict(saved)

@@ -30,8 +30,8 @@ def assert_bitwise(split: dict, local: dict) -> None:
 
 
 def _layer(name: str) -> int:
-    """The Sequential index of a parameter name, with or without the split model's ``model.`` prefix."""
-    return int(name.split(".")[-2])
+    """The Sequential index of a parameter name."""
+    return int(name.split(".")[0])
 
 
 def groups_and_warmup(model, net, crit, data):
@@ -174,7 +174,7 @@ def logs_each_layers_gradient_norm(model, net, crit, data):
     for x, y in data:
         opt.zero_grad(set_to_none=False)
         crit(model(x), y).backward()
-        logged.append({n.removeprefix("model."): p.grad.norm().item() for n, p in model.named_parameters()})
+        logged.append({n: p.grad.norm().item() for n, p in model.named_parameters()})
         opt.step()
     return logged
 
@@ -400,7 +400,23 @@ def warms_up_in_a_pre_hook_and_logs_gradient_norms_in_a_post_hook(model, net, cr
     return norms
 
 
-SCRIPTS = [scales_and_clips_gradients_in_an_optimizer_pre_hook,
+def a_head_at_its_own_rate_and_the_first_layer_frozen_picked_by_name(model, net, crit, data):
+    for name, param in model.named_parameters():
+        if name.split(".")[0] == "0":
+            param.requires_grad = False
+    head = [p for n, p in model.named_parameters() if n.startswith("4.")]
+    body = [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith("4.")]
+    opt = torch.optim.SGD([{"params": body}, {"params": head, "lr": 0.3}], lr=0.05, momentum=0.9)
+    for x, y in data:
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+    return ([n for n, _ in model.named_parameters()], [n for n, _ in model.named_modules()],
+            [len(group["params"]) for group in opt.param_groups])
+
+
+SCRIPTS = [a_head_at_its_own_rate_and_the_first_layer_frozen_picked_by_name,
+           scales_and_clips_gradients_in_an_optimizer_pre_hook,
            warms_up_in_a_pre_hook_and_logs_gradient_norms_in_a_post_hook,
            unfreezes_layers_as_it_goes_with_add_param_group, accumulation_zero_grad_and_clip, reinitialises_by_module_walk_and_by_index, accumulates_over_three_with_a_weighted_loss,
            three_views_in_one_loss_accumulated_over_three_batches, groups_and_warmup, layerwise_lr_decay, one_cycle_with_momentum, freeze_by_name_mid_training,

@@ -26,17 +26,18 @@ from . import initialisers, move, optimizers, resume
 from .cloud_half import CloudHalf, values_to_send
 from .ghosts import Ghosts, install, uninstall
 from .mirror import ModelMirror
+from .module_tree import UnsplitTree
 from .placeholders import CloudTensor
 from .remote_call import CacheRefs, RemoteCaller
 from .remote_loss import CutActivation, CutTensor, RemoteLoss, call_parts
 from .requests import EdgeSession
 from .schedule import Scheduler
 from .stage import CloudStage
-from .standins import CutReached
+from .standins import FORWARDING, CutReached
 from .step_log import StepLog
 
 
-class SplitModel(nn.Module):
+class SplitModel(UnsplitTree):
     """The user's model with its cloud part cut out. Train it like the original.
 
     It holds the original model (``.model``), whose cloud modules are *ghosts*: the same
@@ -174,6 +175,7 @@ class SplitModel(nn.Module):
                 return self.model(*args, **kwargs)
             finally:
                 self.caller.forward_with(None)  # the wrapped model called directly (generate) has none
+        forwarding = FORWARDING.set(True)
         try:
             if self.scheduler.options.delayed_gradients and self.training and torch.is_grad_enabled():
                 copies = self.caller.stash(self.model, self.cloud_half.params.values())
@@ -185,6 +187,8 @@ class SplitModel(nn.Module):
                 value = cut.call_args[0]
                 return CutTensor(value) if isinstance(value, torch.Tensor) else value
             return CutActivation(cut.call_args, cut.call_kwargs)
+        finally:
+            FORWARDING.reset(forwarding)
         raise SplitFTError("the model's forward returned without reaching the cut; check the cut name")
 
     @torch.compiler.disable  # torch.compile(model) compiles the edge's code around it; the call itself runs as is
