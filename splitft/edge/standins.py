@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from contextvars import ContextVar
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,11 @@ from ..wire.coding import flatten, is_cache
 from ..cut import Chain, stream
 from ..errors import CutError
 from .intermediate import hand_over
+
+
+#: Set while a split model's forward runs: the cut is where that forward stops; reached outside of
+#: one, a cloud module was called directly.
+FORWARDING: ContextVar[bool] = ContextVar("splitft_forwarding", default=False)
 
 
 class CutReached(Exception):
@@ -43,6 +49,10 @@ class CutPoint(nn.Module):
         self.cloud_name = name
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not FORWARDING.get():
+            raise CutError(f"{self.cloud_name!r} runs in the cloud and was called outside the split model's forward "
+                           "(on its own, or through the wrapped model): call the split model, model(x) for the "
+                           "activation at the cut or model.predict(x) for the whole model's output")
         raise CutReached(args, kwargs)
 
     def extra_repr(self) -> str:
