@@ -271,3 +271,29 @@ def test_a_tensor_setting_is_compared_by_its_values():
     net.config.scale[0] = 2.0  # changed in place
     with pytest.raises(ConfigError, match=r"config\.scale changed after split\(\)"):
         guard.check()
+
+
+def test_model_model_of_a_split_causal_lm_is_its_decoder_and_freezing_it_trains_the_head_alone_as_unsplit(cloud):
+    """``model.model`` of a transformers causal LM is its decoder; a script that freezes it to
+    train the head alone (a linear probe) must freeze the same parameters split, not the head too."""
+
+    def probe(model) -> list[float]:
+        for p in model.model.parameters():
+            p.requires_grad = False
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+        losses = []
+        for _ in range(3):
+            ids = _ids()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    local = tiny_hf("llama").train()
+    expected = probe(local)
+    with _llama(cloud) as model:
+        assert type(model.model).__name__ == "LlamaModel" and model.wrapped.model is model.model
+        assert probe(model) == expected
+        _assert_same(model.state_dict(), local.state_dict())

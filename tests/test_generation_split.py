@@ -44,7 +44,7 @@ def test_greedy_generation_equals_the_unsplit_model_with_the_cache_in_the_cloud(
         session = next(iter(cloud.server.sessions.values()))
         seen.append((len(session.caches._caches), session.caches.nbytes(), session.held_bytes()))
 
-    handle = model.model.model.layers[3].register_forward_pre_hook(look)
+    handle = model.model.layers[3].register_forward_pre_hook(look)  # the decoder, as unsplit
     with model:
         tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
         handle.remove()

@@ -68,14 +68,14 @@ def _defines(model_class: type, name: str) -> bool:
 
 def _to_wrapped(name: str) -> Any:
     def method(self: SplitModel, *args: Any) -> Any:
-        return getattr(self.model, name)(*args)
+        return getattr(self.wrapped, name)(*args)
 
     method.__name__ = name
     return method
 
 
 def _refuse_replacing(self: SplitModel, *args: Any, **kwargs: Any) -> Any:
-    raise ConfigError(f"{type(self.model).__name__}'s modules cannot be added, replaced or removed once it is split: "
+    raise ConfigError(f"{type(self.wrapped).__name__}'s modules cannot be added, replaced or removed once it is split: "
                       "the cloud half is built from the model as it was cut; change the model, then split it")
 
 

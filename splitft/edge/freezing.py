@@ -99,7 +99,7 @@ class ProgressiveFreezing:
             raise ConfigError("progressive freezing switches a plain split to streaming; a U-shape edge "
                               "needs its trunk's output back every step")
         cloud = {id(p) for p in model.cloud_parameters()}
-        named = [(n, p) for n, p in model.model.named_parameters() if id(p) not in cloud and p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if id(p) not in cloud and p.requires_grad]
         self.layers = [Layer(name, params) for name, params in edge_layers(named)]
         if not self.layers:
             raise ConfigError("the edge has no trainable parameters: nothing to freeze (use freeze_edge=True)")

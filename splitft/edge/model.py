@@ -40,7 +40,7 @@ from .step_log import StepLog
 class SplitModel(UnsplitTree):
     """The user's model with its cloud part cut out. Train it like the original.
 
-    It holds the original model (``.model``), whose cloud modules are *ghosts*: the same
+    It holds the original model (``.wrapped``), whose cloud modules are *ghosts*: the same
     classes, names and parameter shapes, with placeholder parameters on the ``meta`` device (the
     values live in the cloud). ``parameters()`` therefore lists every parameter of the unsplit
     model, and whatever a script does to them reaches the cloud or raises
@@ -83,13 +83,19 @@ class SplitModel(UnsplitTree):
         initialisers.install()
 
     def __getattr__(self, name: str) -> Any:
+        wrapped = self.__dict__.get("_modules", {}).get("model")
+        if name == "model" and wrapped is not None:
+            # ``model.model`` is the wrapped model's own ``model`` where it has one (a transformers
+            # causal LM's decoder, as unsplit: freezing ``model.model.parameters()`` freezes the
+            # same ones); else the wrapped model itself.
+            own = getattr(wrapped, "model", None)
+            return own if isinstance(own, nn.Module) else wrapped
         try:
             return super().__getattr__(name)
         except AttributeError:
-            model = self.__dict__.get("_modules", {}).get("model")
-            if model is None or name.startswith("_"):
+            if wrapped is None or name.startswith("_"):
                 raise
-            return getattr(model, name)  # config, main_input_name, num_parameters, ...
+            return getattr(wrapped, name)  # config, main_input_name, num_parameters, ...
 
     # ------------------------------------------------------------ what cannot reach the cloud half
 
@@ -117,7 +123,7 @@ class SplitModel(UnsplitTree):
         if not fn(torch.empty(1, 2, 3, 4)).is_contiguous() and any(p.dim() == 4 for p in cloud):
             raise ConfigError("model.to(memory_format=...) would change the layout of the edge's tensors only: the "
                               "cloud half's convolutions would compute in another layout than the unsplit model's, "
-                              "a few bits apart. Convert edge submodules you choose (model.model.<name>.to(...)) or "
+                              "a few bits apart. Convert edge submodules you choose (model.wrapped.<name>.to(...)) or "
                               "leave the layout as it is")
         result = super()._apply(fn, recurse)
         # The cloud gradients' handles report where the edge's tensors are, as the unsplit model's would.
@@ -154,7 +160,7 @@ class SplitModel(UnsplitTree):
     def edge_state_dict(self) -> dict[str, Any]:
         """The edge half's state (unsplit names, the cloud half's left out)."""
         cloud = self.ghosts.state_names()
-        return {k: v for k, v in self.model.state_dict().items() if k not in cloud}
+        return {k: v for k, v in self.wrapped.state_dict().items() if k not in cloud}
 
     @property
     def metrics(self) -> Metrics:
@@ -172,16 +178,16 @@ class SplitModel(UnsplitTree):
         self.ghosts.check()
         if self.spec.ushape:
             try:
-                return self.model(*args, **kwargs)
+                return self.wrapped(*args, **kwargs)
             finally:
                 self.caller.forward_with(None)  # the wrapped model called directly (generate) has none
         forwarding = FORWARDING.set(True)
         try:
             if self.scheduler.options.delayed_gradients and self.training and torch.is_grad_enabled():
-                copies = self.caller.stash(self.model, self.cloud_half.params.values())
-                torch.func.functional_call(self.model, copies, args, kwargs, strict=False)
+                copies = self.caller.stash(self.wrapped, self.cloud_half.params.values())
+                torch.func.functional_call(self.wrapped, copies, args, kwargs, strict=False)
             else:
-                self.model(*args, **kwargs)
+                self.wrapped(*args, **kwargs)
         except CutReached as cut:
             if len(cut.call_args) == 1 and not cut.call_kwargs:
                 value = cut.call_args[0]
@@ -283,7 +289,7 @@ class SplitModel(UnsplitTree):
         cloud half's (fetched), so ``torch.save(model.state_dict())`` loads into the unsplit model."""
         if args:
             raise ConfigError("state_dict() of a split model takes keyword arguments only")
-        out = self.model.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        out = self.wrapped.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         for key, value in self.cloud_state_dict().items():  # in place of the placeholders
             out[prefix + key] = value
         return out
@@ -294,7 +300,7 @@ class SplitModel(UnsplitTree):
         of it loads); missing and unexpected keys are reported, and with ``strict`` raised once
         the rest is loaded, as is a tensor of another shape, with torch's ``RuntimeError``."""
         cloud_names = self.ghosts.state_names()
-        shapes = {k: tuple(v.shape) for k, v in self.model.state_dict(keep_vars=True).items() if k in cloud_names}
+        shapes = {k: tuple(v.shape) for k, v in self.wrapped.state_dict(keep_vars=True).items() if k in cloud_names}
         cloud, errors = {}, []
         for key, value in state_dict.items():
             if key in cloud_names:
@@ -308,13 +314,13 @@ class SplitModel(UnsplitTree):
             self.session.outbox.queue(LoadWeights(weights=cloud, partial=cloud.keys() != cloud_names))
             self.session.sync()  # applied now, so a bad tensor is reported here
         try:
-            result = self.model.load_state_dict({k: v for k, v in state_dict.items() if k not in cloud_names},
+            result = self.wrapped.load_state_dict({k: v for k, v in state_dict.items() if k not in cloud_names},
                                                 strict=False, assign=assign)
         except RuntimeError as exc:  # an edge tensor of another shape: torch loads the rest, then raises
             raise RuntimeError("\n\t".join([str(exc), *errors])) from None
         missing = [k for k in result.missing_keys if k not in state_dict]
         if errors or (strict and (missing or result.unexpected_keys)):
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.model).__name__}: missing keys "
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.wrapped).__name__}: missing keys "
                                f"{missing[:5]}, unexpected keys {result.unexpected_keys[:5]}"
                                + "".join(f"\n\t{e}" for e in errors))
         return type(result)(missing, result.unexpected_keys)
@@ -329,7 +335,7 @@ class SplitModel(UnsplitTree):
         moments = self.session.optimizer_state() if optimizer is not None and not self.session.shared else None
         self.close()
         self.cloud_half.has_grad.clear()
-        whole = uninstall(self.model, modules)
+        whole = uninstall(self.wrapped, modules)
         if optimizer is not None:
             optimizer.unsplit(moments)  # the optimizer steps the whole model on the edge from now on
         return whole
@@ -339,9 +345,9 @@ class SplitModel(UnsplitTree):
         """``transformers`` and ``peft`` models: save the whole model (both halves; ``state_dict``
         when given, else fetched) with the wrapped model's ``save_pretrained``, so the files are
         those the unsplit model writes (a PEFT model's adapter files, say)."""
-        save = getattr(self.model, "save_pretrained", None)
+        save = getattr(self.wrapped, "save_pretrained", None)
         if save is None:
-            raise ConfigError(f"{type(self.model).__name__} has no save_pretrained; use torch.save(model.state_dict())")
+            raise ConfigError(f"{type(self.wrapped).__name__} has no save_pretrained; use torch.save(model.state_dict())")
         return save(path, state_dict=self.state_dict() if state_dict is None else state_dict, **kwargs)
 
     def cloud_state_dict(self) -> dict[str, torch.Tensor]:

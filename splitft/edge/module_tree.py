@@ -1,6 +1,6 @@
 """A split model's modules, parameters and buffers, under the unsplit model's names.
 
-A split model wraps the user's model (its ``.model``). Were it an ordinary wrapper, torch would
+A split model wraps the user's model (its ``.wrapped``). Were it an ordinary wrapper, torch would
 name everything inside it ``model.<name>``, so a script that picks parameters by name —
 ``n.startswith("classifier.")`` for a head's own learning rate, ``name == "fc.weight"``, a layer
 decay that matches ``^blocks\\.(\\d+)``, freezing by ``name.split(".")[0]`` — would pick nothing
@@ -23,40 +23,43 @@ from torch import nn
 
 
 class UnsplitTree(nn.Module):
-    """The module tree of ``self.model`` under its own names (see the module)."""
+    """The module tree of ``self.wrapped`` under its own names (see the module)."""
 
-    model: nn.Module
+    @property
+    def wrapped(self) -> nn.Module:
+        """The model that was split (the object the user built; its cloud modules are ghosts)."""
+        return self._modules["model"]  # type: ignore[return-value]
 
     def named_children(self) -> Iterator[tuple[str, nn.Module]]:
-        return self.model.named_children()
+        return self.wrapped.named_children()
 
     def named_modules(self, memo: set[nn.Module] | None = None, prefix: str = "",
                       remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
         # The root is the wrapped model, the user's own object, as it is the unsplit model's root:
         # a walk that checks its class (``isinstance(m, nn.Sequential)``) finds it.
-        return self.model.named_modules(memo, prefix, remove_duplicate)
+        return self.wrapped.named_modules(memo, prefix, remove_duplicate)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        return self.model.named_parameters(prefix, recurse, remove_duplicate)
+        return self.wrapped.named_parameters(prefix, recurse, remove_duplicate)
 
     def named_buffers(self, prefix: str = "", recurse: bool = True,
                       remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.model.named_buffers(prefix, recurse, remove_duplicate)
+        return self.wrapped.named_buffers(prefix, recurse, remove_duplicate)
 
     def train(self, mode: bool = True) -> Any:
         if not isinstance(mode, bool):
             raise ValueError("training mode is expected to be boolean")
         self.training = mode
-        self.model.train(mode)
+        self.wrapped.train(mode)
         return self
 
     def apply(self, fn: Callable[[nn.Module], None]) -> Any:
-        self.model.apply(fn)  # every module once, the wrapped root last, as on the unsplit model
+        self.wrapped.apply(fn)  # every module once, the wrapped root last, as on the unsplit model
         return self
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
-        self.model._apply(fn, recurse)
+        self.wrapped._apply(fn, recurse)
         return super()._apply(fn, recurse=False)
 
 

@@ -423,7 +423,7 @@ class Protection:
 
 def _standin(split_model: SplitModel) -> nn.Module:
     """The module that stands for the first cloud module in the user's model (installed by split())."""
-    spec, model = split_model.spec, split_model.model
+    spec, model = split_model.spec, split_model.wrapped
     parent = model.get_submodule(spec.parent) if spec.parent else model
     children = list(parent.children())
     standin = children[spec.start] if spec.start < len(children) else None
@@ -481,7 +481,7 @@ def protect(split_model: SplitModel, defences: Defences) -> Protection:
     if defences.adversarial:
         protection.adversary = AdversarialDecoder(float(defences.adversarial), seed=seed % 2**31)
     if defences.leak_loss or defences.adversarial:
-        protection._handles.append(split_model.model.register_forward_pre_hook(protection._capture_input,
+        protection._handles.append(split_model.wrapped.register_forward_pre_hook(protection._capture_input,
                                                                                 with_kwargs=True))
     protection._handles.append(standin.register_forward_pre_hook(protection._before_cut, with_kwargs=True))
     if ushape:  # protects label gradients, or only shows them to watchers
