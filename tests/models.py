@@ -133,6 +133,26 @@ def mlp_batchnorm(seed: int = 0) -> nn.Sequential:
         return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Linear(16, 3))
 
 
+
+class Bypass(nn.Module):
+    """A layer whose own code skips it on a private flag, as PEFT's layers skip their adapters."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self._bypass = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self._bypass else self.linear(x)
+
+
+def bypass_batchnorm_mlp(seed: int = 0) -> nn.Sequential:
+    """Cut at 2, the cloud half holds a layer a script may bypass (a flag) and a batch norm it may
+    put in eval mode while the rest trains (a mode)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), Bypass(16), nn.BatchNorm1d(16), nn.Linear(16, 3))
+
 class DeepSupervised(nn.Module):
     """An auxiliary head reads the output of ``l2``, the first of the two layers ``l2``, ``l3``."""
 

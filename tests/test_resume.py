@@ -17,21 +17,23 @@ from splitft.app.data import batches, load_digits
 from splitft.app.models import digits_cnn
 from tests.conftest import DIGITS, start_cloud, stop
 from tests.test_faults import MLP, _data, assert_same, local_weights, split_weights
-from tests.models import mlp
+from tests.models import bypass_batchnorm_mlp, mlp
 from transports import InprocListener
+
+BYPASS = "tests.models:bypass_batchnorm_mlp"
 
 
 class RestartableCloud:
     """An in-process cloud that can 'crash' (vanish without a goodbye) and start again on the
     same checkpoint folder; edges reach whichever instance is current."""
 
-    def __init__(self, folder) -> None:
-        self.folder = folder
+    def __init__(self, folder, models: tuple[str, ...] = (MLP,)) -> None:
+        self.folder, self.models = folder, list(models)
         self.start()
 
     def start(self) -> None:
         self.listener = InprocListener()
-        self.server = CloudServer(self.listener, [MLP], checkpoint_dir=str(self.folder), fsync=False)
+        self.server = CloudServer(self.listener, self.models, checkpoint_dir=str(self.folder), fsync=False)
         self.thread = serve_in_thread(self.server)
 
     def crash(self) -> None:
@@ -73,6 +75,48 @@ def test_cloud_crash_mid_step_resumes_from_its_checkpoint(tmp_path, buffers):
         cloud.crash()
     assert_same(weights, local_weights(data, accumulate=2))
 
+
+
+def test_a_layer_bypassed_and_a_batch_norm_in_eval_mode_stay_so_in_a_cloud_restarted_from_its_checkpoint(tmp_path):
+    """What the script set on cloud modules once, and the edge sends once (a private flag its code
+    reads, a module in the other mode than the model's), is part of the cloud's checkpoint: a
+    restarted cloud computes on as the script left them, not as the factory built them."""
+    data = _data(6)
+
+    def train(model, crit, on_step=lambda i: None) -> None:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        for i, (x, y) in enumerate(data):
+            if i == 2:
+                net_of(model)[2]._bypass = True
+                net_of(model)[3].eval()  # frozen batch statistics while the rest trains
+            on_step(i)
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+
+    def net_of(model):
+        return model.wrapped if isinstance(model, splitft.SplitModel) else model
+
+    local = bypass_batchnorm_mlp().train()
+    train(local, nn.CrossEntropyLoss())
+    cloud = RestartableCloud(tmp_path / "ck", models=(BYPASS,))
+    model = splitft.split(bypass_batchnorm_mlp().train(), 2, factory=BYPASS, connect=cloud.connect,
+                          faults=Faults(timeout=0.5, heartbeat=0))
+
+    def crash_after_the_change(i: int) -> None:
+        if i == 4:
+            cloud.crash()
+            cloud.start()
+
+    try:
+        train(model, model.remote_loss(nn.CrossEntropyLoss()), crash_after_the_change)
+        state = model.state_dict()
+        assert model.session.recoveries >= 1
+    finally:
+        model.close()
+        cloud.crash()
+    assert set(state) == set(local.state_dict())
+    assert all(torch.equal(state[k], v) for k, v in local.state_dict().items())
 
 def test_a_goodbye_to_a_cloud_that_restarted_ends_the_session_there(tmp_path):
     """The cloud restarts between the last step and the goodbye: the edge gets the session back

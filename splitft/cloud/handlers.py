@@ -50,6 +50,7 @@ class Mirrored:
     loss_meta: nn.Module | None = None  # the loss's twin on the meta device, for pricing a call
     loss_spec: o.SetLoss | None = None
     flipped: list[nn.Module] = field(default_factory=list)  # modules the edge runs in the other mode
+    flags: dict[str, dict[str, Any]] = field(default_factory=dict)  # private flags set, by module name
     steps: int = 0
 
     @property
@@ -267,6 +268,8 @@ def set_flags(session: Target, op: o.SetFlags) -> None:
     if session.half.shared is not None:
         raise PolicyError("a shared cloud half's modules are every edge's: an edge may not set their flags")
     apply_flags(session.half.chain.qualified_modules(), op.flags)
+    for where, values in op.flags.items():
+        session.mirrored.flags.setdefault(where, {}).update(values)
 
 
 @handles(o.ChangeCache)

@@ -38,7 +38,7 @@ from .build import hello_identity
 from .checkpoint_folder import CheckpointStore
 from .codec_policy import Policy
 from .costs import Pace, Price
-from .handlers import attach_optimizer, set_frozen, set_loss
+from .handlers import attach_optimizer, set_flags, set_frozen, set_loss, set_modes
 from .jobs import Job, Jobs
 from .limits import Limits
 from .session import CloudSession
@@ -109,6 +109,8 @@ def snapshot(session: CloudSession) -> tuple[dict[str, Any], dict[str, Any]]:
         "optimizer": ({"name": spec.name, "settings": spec.settings, "groups": spec.groups}
                       if spec is not None else None),
         "frozen": [n for n, p in half.chain.qualified_parameters().items() if not p.requires_grad],
+        "flipped": [n for n, m in half.chain.qualified_modules().items() if any(m is f for f in mirrored.flipped)],
+        "flags": mirrored.flags,
         "loss": o.to_wire(mirrored.loss_spec) if mirrored.loss_spec is not None else None,
         "hello": session.identity,
     }
@@ -138,6 +140,9 @@ def restore(hello: Hello, tree: dict[str, Any], meta: dict[str, Any], factories:
                 raise CheckpointError(f"checkpoint of session {session.id} names a loss that is not one")
             set_loss(session, loss)
         set_frozen(session, o.SetFrozen(names=list(meta.get("frozen", []))))
+        set_modes(session, o.SetModes(names=list(meta.get("flipped", []))))
+        if meta.get("flags"):
+            set_flags(session, o.SetFlags(flags=meta["flags"]))
         if meta.get("optimizer"):
             spec = meta["optimizer"]
             attach_optimizer(session, o.AttachOptimizer(name=spec["name"], settings=spec["settings"],
