@@ -150,6 +150,11 @@ def from_code(code: str, message: str) -> SplitFTError:
     return cls(message)
 
 
+class HiddenAttributeWarning(UserWarning):
+    """The model that was split has an attribute the split model has too (``predict``, ``metrics``):
+    on the split model the name means the split model's; the model's own is ``model.wrapped.<name>``."""
+
+
 class _Translated:
     """The context :func:`translated` returns: a class rather than a generator, since every codec
     call of a message enters one (a generator-based context costs several times as much)."""

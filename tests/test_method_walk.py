@@ -146,3 +146,25 @@ def test_a_mirrored_method_does_the_same_to_the_cloud_half(inproc_cloud, name):
 
     split, local = _pair(inproc_cloud, script)
     assert_same(split, local)
+
+
+class _Classifier(nn.Sequential):
+    """A user's model with a method of its own named like the split model's."""
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x).argmax(-1)
+
+
+def test_a_method_of_the_users_model_named_like_the_split_models_is_named_in_a_warning_at_split(inproc_cloud):
+    """``model.predict`` on the split model is the split model's (the whole model's output), not a
+    method of the same name on the user's class: split() says so, pointing at ``model.wrapped``."""
+    with pytest.warns(splitft.errors.HiddenAttributeWarning, match=r"_Classifier has 'predict'.*model\.wrapped\.predict") as caught:
+        model = splitft.split(_Classifier(*mlp()), 2, factory=MLP, connect=inproc_cloud.connect)
+    assert caught[0].filename == __file__  # where the script called split()
+    with model:
+        assert model.wrapped.predict.__func__ is _Classifier.predict
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a model without such a name splits without a word
+        splitft.split(mlp(), 2, factory=MLP, connect=inproc_cloud.connect).close()

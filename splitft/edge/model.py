@@ -10,6 +10,8 @@ cloud must repeat (:mod:`.mirror`), the calls through the cut (:mod:`.remote_cal
 from __future__ import annotations
 
 import os
+import sys
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -19,14 +21,14 @@ from torch import nn
 
 from ..config_reads import PrivateFlags
 from ..cut import CutSpec
-from ..errors import ConfigError, SplitFTError
+from ..errors import ConfigError, HiddenAttributeWarning, SplitFTError
 from ..metrics import Metrics
 from ..wire.operations import LoadWeights
 from . import initialisers, move, optimizers, resume
 from .cloud_half import CloudHalf, values_to_send
 from .ghosts import Ghosts, install, uninstall
 from .mirror import ModelMirror
-from .module_tree import UnsplitTree
+from .module_tree import UnsplitTree, hidden_attributes
 from .placeholders import CloudTensor
 from .remote_call import CacheRefs, RemoteCaller
 from .remote_loss import CutActivation, CutTensor, RemoteLoss, call_parts
@@ -35,6 +37,16 @@ from .schedule import Scheduler
 from .stage import CloudStage
 from .standins import FORWARDING, CutReached
 from .step_log import StepLog
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside splitft: where the script called it."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame: Any = sys._getframe(1)
+    level = 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class SplitModel(UnsplitTree):
@@ -81,6 +93,11 @@ class SplitModel(UnsplitTree):
         optimizers.register(cloud_half, self.mirror)
         optimizers.install()
         initialisers.install()
+        hidden = hidden_attributes(self, SplitModel, model, handled=("save_pretrained",))
+        if hidden:
+            warnings.warn(f"{type(model).__name__} has {', '.join(map(repr, hidden))}, which the split model has too: "
+                          f"on the split model, {hidden[0]!r} is the split model's; your model's is "
+                          f"model.wrapped.{hidden[0]}", HiddenAttributeWarning, stacklevel=_caller_level())
 
     def __getattr__(self, name: str) -> Any:
         wrapped = self.__dict__.get("_modules", {}).get("model")

@@ -11,6 +11,10 @@ does (the root module is the wrapped model, the object the user built), as ``sta
 
 torch's ``train``, ``apply`` and ``_apply`` walk ``children()``; they are passed to the wrapped
 model whole, so its root module's own mode, parameters and buffers are reached as unsplit.
+
+Other attributes the split model lacks are the wrapped model's (``model.config``); one both have
+(a model with its own ``predict``) means the split model's, and :func:`hidden_attributes` names
+them so that ``split()`` can say so.
 """
 
 from __future__ import annotations
@@ -63,4 +67,14 @@ class UnsplitTree(nn.Module):
         return super()._apply(fn, recurse=False)
 
 
-__all__ = ["UnsplitTree"]
+def hidden_attributes(split: nn.Module, split_class: type, model: nn.Module, handled: tuple[str, ...] = ()) -> list[str]:
+    """The public names ``model`` (the model that was split) answers that ``split`` (an instance of
+    ``split_class`` or of a subclass that mirrors the model's own methods) answers too, beyond
+    those every module has and those in ``handled`` (overridden to act as the model's)."""
+    module_api = set(dir(nn.Module)) | set(vars(nn.Module()))
+    ours = {n for n in (*dir(split_class), *vars(split)) if not n.startswith("_")} - module_api
+    theirs = {*dir(type(model)), *vars(model), *model._modules, *model._parameters, *model._buffers} - module_api
+    return sorted(ours & theirs - set(handled))
+
+
+__all__ = ["UnsplitTree", "hidden_attributes"]
