@@ -126,10 +126,18 @@ _RUNTIME_FLAGS = frozenset({"_gradient_checkpointing_func"})
 
 
 def _flag(value: Any) -> bool:
-    """A plain value a script may set to steer a module (a switch, a name, a list of names)."""
+    """A plain value a script may set to steer a module (a switch, a name, a list of names, a map
+    of names to numbers such as a LoRA layer's ``scaling``)."""
     if isinstance(value, (bool, int, float, str)):
         return True
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and isinstance(v, (bool, int, float, str)) for k, v in value.items())
     return isinstance(value, (list, tuple, set, frozenset)) and all(isinstance(v, (bool, int, float, str)) for v in value)
+
+
+def _container(value: Any) -> bool:
+    """A value a script changes in place, without setting the attribute (``layer.scaling[name] *= 2``)."""
+    return isinstance(value, (dict, list, set))
 
 
 def _free_names(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
@@ -262,8 +270,9 @@ class ConfigGuard:
 
 
 class PrivateFlags:
-    """The private flags each cloud module's own code reads as it runs (``self._disable_adapters``,
-    which PEFT's ``disable_adapter()`` sets on every adapter layer; ``self._active_adapter``):
+    """The flags each cloud module's own code reads as it runs (``self._disable_adapters``, which
+    PEFT's ``disable_adapter()`` sets on every adapter layer; ``self._active_adapter``; a LoRA
+    layer's ``scaling``, which ``scale_layer`` changes in place; see :func:`flags_read`):
     :meth:`changed` says which the script changed since they were last sent, for the cloud to set
     on its modules (:func:`apply_flags`) before the next forward. A flag deleted, or set to another
     kind of value than a plain one, is refused."""
@@ -284,16 +293,23 @@ class PrivateFlags:
             if not _flag(now):
                 raise ConfigError(f"{flag} of {where!r} changed after split() ({_shown(was)} -> {_shown(now)}): that "
                                   "module's code reads it as it runs, in the cloud, which takes a flag, a number, a "
-                                  "name or a list of them; set it back")
-            changed.setdefault(where, {})[flag] = list(now) if isinstance(now, (tuple, list)) else now
+                                  "name, or a list or a map of them; set it back")
+            changed.setdefault(where, {})[flag] = (list(now) if isinstance(now, (tuple, list, set, frozenset))
+                                                   else dict(now) if isinstance(now, dict) else now)
             self._sent[i] = _snapshot(now)
         return changed
 
 
 def flags_read(module: nn.Module) -> list[str]:
-    """``module``'s private attributes its own code reads that hold a plain value now."""
-    return [flag for flag in own_attributes_read(type(module))
-            if flag.startswith("_") and flag not in _RUNTIME_FLAGS and _flag(module.__dict__.get(flag))]
+    """``module``'s attributes its own code reads that hold a plain value now and that a script may
+    change without setting them on the module (which a ghost refuses): its private ones, and those
+    that hold a dict, list or set (changed in place, as PEFT's ``scale_layer`` changes ``scaling``)."""
+    found = []
+    for flag in own_attributes_read(type(module)):
+        value = module.__dict__.get(flag)
+        if (flag.startswith("_") or _container(value)) and flag not in _RUNTIME_FLAGS and _flag(value):
+            found.append(flag)
+    return found
 
 
 def apply_flags(modules: dict[str, nn.Module], flags: Any) -> None:
@@ -312,8 +328,9 @@ def apply_flags(modules: dict[str, nn.Module], flags: Any) -> None:
             if flag not in allowed or not _flag(value):
                 raise ProtocolError(f"{_shown(flag)[:80]} of {where!r} is no flag its code reads, or "
                                     f"{_shown(value)[:80]} no plain value")
-            as_tuple = isinstance(value, list) and isinstance(module.__dict__[flag], tuple)  # msgpack sends lists
-            checked.append((module, flag, tuple(value) if as_tuple else value))
+            kind = type(module.__dict__[flag])  # msgpack sends a tuple or a set as a list
+            as_kind = isinstance(value, list) and kind in (tuple, set, frozenset)
+            checked.append((module, flag, kind(value) if as_kind else value))
     for module, flag, value in checked:
         setattr(module, flag, value)
 

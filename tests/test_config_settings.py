@@ -202,6 +202,41 @@ def test_peft_disable_adapter_on_a_split_model_computes_as_the_unsplit_model_and
     _assert_same(state, local.state_dict())
 
 
+
+def test_peft_scale_layer_changes_each_lora_layers_scaling_in_place_and_the_cloud_layers_follow(cloud):
+    """``layer.scale_layer(0.5)`` (how PEFT turns an adapter's strength down) changes the dict a
+    LoRA layer's code reads, ``scaling``, in place, with no attribute set: the cloud's layers get the
+    new scaling (they kept the old one, silently), and ``unscale_layer()`` puts it back."""
+    pytest.importorskip("peft")
+    from tests.models import tiny_tied_lora
+
+    def script(model) -> list[float]:
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        layers = [m for m in model.modules() if hasattr(m, "scale_layer") and hasattr(m, "scaling")]
+        assert len(layers) == 8  # q and v of each of the four decoder layers, cloud ones included
+        losses = []
+        for i in range(5):
+            if i == 1:
+                for layer in layers:
+                    layer.scale_layer(0.5)
+            if i == 3:
+                for layer in layers:
+                    layer.unscale_layer()
+            ids = _ids()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    local = tiny_tied_lora()
+    expected = script(local)
+    model = splitft.split(tiny_tied_lora(), "base_model.model.model.layers.1:3", factory=LORA, connect=cloud)
+    with model:
+        assert script(model) == expected
+        _assert_same(model.state_dict(), local.state_dict())
+
 def test_a_private_flag_set_to_something_the_cloud_cannot_take_is_refused_and_a_hostile_one_too(cloud):
     pytest.importorskip("peft")
     from splitft.config_reads import apply_flags
@@ -220,8 +255,8 @@ def test_a_private_flag_set_to_something_the_cloud_cannot_take_is_refused_and_a_
     disabled = tiny_tied_lora()
     disabled.get_submodule("base_model.model.model.layers.1.self_attn.q_proj")._disable_adapters = True
     # before the cut, both sides must start alike: refused at the handshake, the cloud's flags shown
-    with pytest.raises(HandshakeError, match=r"q_proj': {'_active_adapter': '\[\"default\"\]', "
-                                             r"'_disable_adapters': 'false'"):
+    with pytest.raises(HandshakeError, match=r"q_proj': {'_active_adapter': '\[\"default\"\]', .*"
+                                             r"'_disable_adapters': 'false'.*'scaling': '{\"default\": 2.0}'"):
         splitft.split(disabled, "base_model.model.model.layers.1:3", factory=LORA, connect=cloud)
     cloud_side = {"q": tiny_tied_lora().get_submodule("base_model.model.model.layers.1.self_attn.q_proj")}
     for flags in ({"q": {"_forward_hooks": {}}}, {"q": {"_disable_adapters": [object]}}, {"nowhere": {}}, ["q"],
