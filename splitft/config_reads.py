@@ -237,6 +237,28 @@ def _canonical(value: Any) -> str:
         return repr(value)
 
 
+
+def _tensor_attributes(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, str, torch.Tensor, int, torch.Tensor]]:
+    """The plain tensor attributes (``self.mask = torch.ones(n)``: no parameter, no buffer) each
+    module's own code reads, with their version counters now (torch bumps it at each change in
+    place) and a copy of their values."""
+    found = []
+    for name, module in modules:
+        for key, sub in module.named_modules():
+            for attribute in sorted(own_attributes_read(type(sub))):
+                value = sub.__dict__.get(attribute)
+                if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                    found.append((f"{name}.{key}" if key else name, attribute, value, _version(value),
+                                  value.detach().clone()))
+    return found
+
+
+def _version(tensor: torch.Tensor) -> int:
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference-mode tensor keeps no count: it cannot be changed in place either
+        return 0
+
 class ConfigGuard:
     """Refuses a forward once a config setting the cloud's modules read has changed since the cut.
 
@@ -251,7 +273,21 @@ class ConfigGuard:
                 if (id(config), key) not in seen:
                     seen.add((id(config), key))
                     self._watched.append((where, attribute, config, key, _snapshot(getattr(config, key, _MISSING))))
+        self._tensors = _tensor_attributes(modules)
+
     def check(self) -> None:
+        for i, (where, key, tensor, version, was) in enumerate(self._tensors):
+            if _version(tensor) == version:
+                continue
+            if torch.equal(tensor, was):  # changed and set back
+                self._tensors[i] = (where, key, tensor, _version(tensor), was)
+            else:
+                raise ConfigError(
+                    f"{key} of {where!r}, a tensor its code reads that is neither a parameter nor a buffer, was "
+                    "changed in place after split(): the cloud's module keeps the one its factory built, so "
+                    "training would silently differ from the unsplit model. Register it as a buffer "
+                    f"(module.register_buffer({key!r}, tensor)) in the model and its factory, whose values "
+                    "model.load_state_dict(...) then sets in the cloud too, or set it back")
         for where, attribute, config, key, was in self._watched:
             now = getattr(config, key, _MISSING)
             if now is not was and not _same(now, was):

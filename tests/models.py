@@ -153,6 +153,26 @@ def bypass_batchnorm_mlp(seed: int = 0) -> nn.Sequential:
         torch.manual_seed(seed)
         return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), Bypass(16), nn.BatchNorm1d(16), nn.Linear(16, 3))
 
+
+class Masked(nn.Module):
+    """A layer that keeps a mask and a temperature as plain tensors (no buffers) and reads them."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.mask = torch.ones(width)
+        self.temperature = torch.tensor(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.mask / self.temperature
+
+
+def masked_mlp(seed: int = 0) -> nn.Sequential:
+    """Cut at 2, the cloud half's first layer reads tensors that are neither parameters nor buffers."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), Masked(16), nn.ReLU(), nn.Linear(16, 3))
+
 class DeepSupervised(nn.Module):
     """An auxiliary head reads the output of ``l2``, the first of the two layers ``l2``, ``l3``."""
 

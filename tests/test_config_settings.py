@@ -24,13 +24,14 @@ MLP = "tests.models:configured_mlp"
 GAIN_MLP = "tests.models:gain_mlp"
 GLOBAL_MLP = "tests.models:global_gain_mlp"
 LORA = "tests.models:tiny_tied_lora"
+MASKED = "tests.models:masked_mlp"
 
 
 @pytest.fixture(scope="module")
 def cloud(tmp_path_factory):
     proc, address, err = start_cloud(tmp_path_factory.mktemp("cloud"), "--sessions", "0", "--model", LLAMA,
                                      "--model", MLP, "--model", GAIN_MLP,
-                                     "--model", GLOBAL_MLP, "--model", LORA)
+                                     "--model", GLOBAL_MLP, "--model", LORA, "--model", MASKED)
     yield address
     stop(proc)
 
@@ -331,4 +332,40 @@ def test_model_model_of_a_split_causal_lm_is_its_decoder_and_freezing_it_trains_
     with _llama(cloud) as model:
         assert type(model.model).__name__ == "LlamaModel" and model.wrapped.model is model.model
         assert probe(model) == expected
+        _assert_same(model.state_dict(), local.state_dict())
+
+
+@pytest.mark.parametrize("change", ["mask", "temperature"])
+def test_a_plain_tensor_a_cloud_layer_reads_changed_in_place_is_refused_before_the_cloud_runs_and_set_back_trains_on(
+        cloud, change):
+    """``layer.mask[:8] = 0`` on a tensor the layer keeps without registering it (no parameter, no
+    buffer): nothing carries it to the cloud's layer, so the next forward is refused, naming it;
+    set back, training goes on exactly."""
+    from tests.models import masked_mlp
+    from tests.test_faults import _data
+
+    data = _data(4)
+
+    def step(model, opt, crit, x, y) -> None:
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+
+    local = masked_mlp()
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.1)
+    for x, y in data:
+        step(local, local_opt, torch.nn.CrossEntropyLoss(), x, y)
+    net = masked_mlp()
+    with splitft.split(net, 2, factory=MASKED, connect=cloud) as model:
+        opt, crit = torch.optim.SGD(model.parameters(), lr=0.1), model.remote_loss(torch.nn.CrossEntropyLoss())
+        step(model, opt, crit, *data[0])
+        tensor = getattr(net[2], change)
+        before = tensor.clone()
+        tensor.mul_(0.5) if change == "temperature" else tensor[:8].zero_()
+        with pytest.raises(ConfigError, match=rf"{change} of '2', a tensor its code reads that is neither a parameter "
+                                              r"nor a buffer, was changed in place after split\(\).*register_buffer"):
+            step(model, opt, crit, *data[1])
+        tensor.copy_(before)
+        for x, y in data[1:]:
+            step(model, opt, crit, x, y)
         _assert_same(model.state_dict(), local.state_dict())
