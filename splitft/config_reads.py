@@ -26,6 +26,7 @@ import ast
 import copy
 import dataclasses
 import functools
+import hashlib
 import inspect
 import json
 import sys
@@ -222,7 +223,15 @@ def values(modules: list[tuple[str, nn.Module]]) -> dict[str, dict[str, str]]:
             flags = {flag: _canonical(sub.__dict__[flag]) for flag in sorted(flags_read(sub))}
             if flags:
                 found.setdefault(f"{name}.{key}" if key else name, {}).update(flags)
+    for where, attribute, tensor, _, _ in _tensor_attributes(modules):
+        found.setdefault(where, {})[attribute] = _tensor_text(tensor)
     return found
+
+
+def _tensor_text(tensor: torch.Tensor) -> str:
+    """A plain tensor attribute as the handshake compares it: its dtype, shape and values' hash."""
+    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return f"tensor {str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)} {hashlib.sha256(data).hexdigest()[:16]}"
 
 
 def _named(attribute: str, key: str) -> str:

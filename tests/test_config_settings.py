@@ -369,3 +369,15 @@ def test_a_plain_tensor_a_cloud_layer_reads_changed_in_place_is_refused_before_t
         for x, y in data[1:]:
             step(model, opt, crit, x, y)
         _assert_same(model.state_dict(), local.state_dict())
+
+
+def test_a_plain_tensor_changed_before_split_and_not_in_the_factory_is_refused_at_the_handshake(cloud):
+    """The cloud builds its layer with the factory's mask: a mask changed on the edge's model
+    before the cut (and not in the factory) is refused at the handshake, shown with the cloud's."""
+    from tests.models import masked_mlp
+
+    net = masked_mlp()
+    net[2].mask[:4] = 0
+    with pytest.raises(HandshakeError, match=r"'2': {'mask': 'tensor float32 \[16\] [0-9a-f]{16}'"):
+        splitft.split(net, 2, factory=MASKED, connect=cloud)
+    splitft.split(masked_mlp(), 2, factory=MASKED, connect=cloud).close()  # as the factory builds it: accepted
