@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import code_reads
 from .errors import ConfigError, ProtocolError
 
 #: Classes whose code is not the model's: torch's own modules, this package's stand-ins, and
@@ -225,6 +226,8 @@ def values(modules: list[tuple[str, nn.Module]]) -> dict[str, dict[str, str]]:
                 found.setdefault(f"{name}.{key}" if key else name, {}).update(flags)
     for where, attribute, tensor, _, _ in _tensor_attributes(modules):
         found.setdefault(where, {})[attribute] = _tensor_text(tensor)
+    for where, digest in code_reads.identities(modules).items():
+        found.setdefault(where, {})["code"] = digest
     return found
 
 

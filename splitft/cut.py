@@ -237,8 +237,9 @@ def check_structure(chain: Chain, theirs: dict) -> None:
             shown = repr(stage)[:400]
             settings = config_reads.values([(name, stage)])
             raise CutError(f"the cloud's {name!r} differs from the edge's model (a layer replaced, a setting such "
-                           "as a dropout's p changed on one side, or a config setting it reads as it runs, such as "
-                           "the attention implementation): the cloud builds it"
+                           "as a dropout's p changed on one side, a config setting it reads as it runs, such as "
+                           "the attention implementation, or the code its layers run patched in the edge's process, "
+                           "such as a class's forward replaced): the cloud builds it"
                            + (f" with the config settings {settings}, and" if settings else "") +
                            f" as {shown}. Make the same change in the cloud's factory, or leave the model as the "
                            "factory builds it")

@@ -23,6 +23,7 @@ and convolving real activations with meta weights returns uninitialised memory, 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -99,10 +100,30 @@ class HijackingTrunk(nn.Sequential):
         return super().forward(z)
 
 
+def _skip_its_own_check() -> None:
+    """A malicious cloud does not refuse an edge whose model differs from the one it built; the
+    server code here is the honest one, which compares each cloud module's structure and the code
+    its class runs with the edge's, so this fixture's cloud skips that comparison for the chains
+    that hold its trunk (a real attacker runs a server of its own). Other chains are checked."""
+    from splitft.cloud import build
+
+    honest = build.check_structure
+    if getattr(honest, "skips_hijacking_trunks", False):
+        return
+
+    def check_structure(chain: Any, theirs: dict) -> None:
+        if not any(isinstance(stage, HijackingTrunk) for stage in chain.stages):
+            honest(chain, theirs)
+
+    check_structure.skips_hijacking_trunks = True  # type: ignore[attr-defined]
+    build.check_structure = check_structure
+
+
 def fsha_digits(seed: int | None = 0) -> nn.Sequential:
     """The digits CNN with a hijacking ``block3``; public data: the privacy grid's auxiliary images."""
     from splitft.app.models import digits_cnn
 
+    _skip_its_own_check()
     honest = digits_cnn(seed)
     trunk = HijackingTrunk(*honest.block3)
     if torch.empty(0).device.type != "meta":  # the meta build only counts parameters (see above)

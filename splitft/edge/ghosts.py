@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..code_reads import CodeGuard
 from ..config_reads import ConfigGuard
 from ..numerics import NumericsGuard
 from ..cut import Chain, CutSpec, _module, extract
@@ -59,10 +60,12 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
     if failure is not None:
         raise CutError(f"cannot turn the cloud half's tensors into placeholders ({failure}); split the model before "
                        "anything keeps a weak reference to its parameters")
-    config, numerics = ConfigGuard(list(zip(stages.names, stages.stages))), NumericsGuard()
+    modules = list(zip(stages.names, stages.stages))
+    config, code, numerics = ConfigGuard(modules), CodeGuard(modules), NumericsGuard()
 
     def unchanged() -> None:
         config.check()
+        code.check()
         numerics.check()
 
     chain = Chain([(name, _twin(module, memo)) for name, module in zip(stages.names, stages.stages)])

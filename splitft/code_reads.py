@@ -1,0 +1,150 @@
+"""The code a cloud half runs, as this process has it: the methods of its modules' classes and the
+module functions those methods call (``F.relu``), each known by where it was defined.
+
+The cloud imports the same classes in its own process. A script that replaced one in this process
+(``nn.ReLU.forward = ...``, ``LlamaAttention.forward = flash_forward``, ``F.gelu = my_gelu``)
+would have the unsplit model compute one way and the cloud's layers another, silently. The
+handshake compares :func:`identities` (part of the structure hash); after the cut, :class:`CodeGuard`
+refuses a forward once one of them was replaced in this process.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+import inspect
+import sys
+import textwrap
+import types
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from .errors import ConfigError
+
+#: Class attributes that are code: what a replacement of a method puts in a class's dict.
+_CODE = (types.FunctionType, types.BuiltinFunctionType, staticmethod, classmethod, property, type)
+
+
+def _bases(cls: type) -> tuple[type, ...]:
+    """``cls`` and its bases whose methods are the model's code (``nn.Module`` and ``object`` aside)."""
+    return tuple(base for base in cls.__mro__ if base not in (object, nn.Module))
+
+
+def _name(value: Any, home: str | None = None) -> str:
+    """Where ``value`` was defined: ``module.qualified.name``, or the qualified name alone when
+    it was defined in ``home`` (a method in its class's module, which a script run as ``__main__``
+    knows under another name than the cloud's import)."""
+    value = getattr(value, "__func__", None) or getattr(value, "fget", None) or value
+    module = getattr(value, "__module__", None)
+    qualname = getattr(value, "__qualname__", type(value).__qualname__)
+    return qualname if module == home else f"{module}.{qualname}"
+
+
+def _methods(cls: type) -> dict[str, str]:
+    """Where each code attribute ``cls`` resolves was defined, by name (the first of its bases
+    that has each)."""
+    found: dict[str, str] = {}
+    for base in _bases(cls):
+        for name, value in vars(base).items():
+            if isinstance(value, _CODE) and name not in found and not name.startswith("__"):
+                found[name] = _name(value, base.__module__)
+    return found
+
+
+@functools.cache
+def _module_attributes(base: type) -> tuple[tuple[str, str, str], ...]:
+    """``(module, name, attribute)`` of each ``name.attribute`` the methods of ``base`` read, where
+    ``name`` is a module its code imported (``F.relu``: ``torch.nn.functional``, ``F``, ``relu``),
+    and of each function or class of its own module they call by name (``name`` empty)."""
+    module = sys.modules.get(base.__module__)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
+    except (OSError, TypeError, SyntaxError):
+        return ()  # no source at hand (a class built at run time, a compiled one)
+    if module is None:
+        return ()
+    found = set()
+    names = vars(module)
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and isinstance(node.ctx, ast.Load)
+                and isinstance(names.get(node.value.id), types.ModuleType)):
+            found.add((names[node.value.id].__name__, node.value.id, node.attr))
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and isinstance(names.get(node.id), _CODE):
+            found.add((module.__name__, "", node.id))  # a function of its own module (apply_rotary_pos_emb)
+    return tuple(sorted(found))
+
+
+def _called(cls: type) -> list[tuple[types.ModuleType, str, str, Any]]:
+    """The module functions (and classes) the methods of ``cls`` and its bases call, as they are
+    now: ``(module, name.attribute as the code writes it, attribute, value)``."""
+    found = []
+    for base in _bases(cls):
+        for module_name, alias, attribute in _module_attributes(base):
+            module = sys.modules.get(module_name)
+            try:  # read as the code reads it: a lazy module (transformers') imports what it names now
+                value = getattr(module, attribute) if module is not None else None
+            except Exception:  # noqa: BLE001 - a name the module does not have (yet): nothing to compare
+                continue
+            if module is not None and isinstance(value, _CODE) and vars(module).get(attribute) is value:
+                found.append((module, f"{alias}.{attribute}" if alias else attribute, attribute, value))
+    return found
+
+
+def _classes(modules: list[tuple[str, nn.Module]]) -> dict[str, type]:
+    return {f"{name}.{key}" if key else name: type(sub) for name, module in modules for key, sub in module.named_modules()}
+
+
+def identities(modules: list[tuple[str, nn.Module]]) -> dict[str, str]:
+    """A digest, by module, of where the code its class runs was defined: its methods and the
+    module functions they call (what the structure hash compares)."""
+    found = {}
+    for where, cls in _classes(modules).items():
+        parts = sorted(f"{name}={defined}" for name, defined in _methods(cls).items())
+        parts += sorted(f"{written}={_name(value, module.__name__)}" for module, written, _, value in _called(cls))
+        found[where] = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+    return found
+
+
+class CodeGuard:
+    """Refuses a forward once a method of a cloud module's class, or a module function those
+    methods call, was replaced in this process after the cut (a few dict lookups a call)."""
+
+    def __init__(self, modules: list[tuple[str, nn.Module]]) -> None:
+        self._watched: list[tuple[Mapping[str, Any], str, Any, str]] = []
+        seen: set[tuple[int, str]] = set()
+        for where, cls in _classes(modules).items():
+            for base in _bases(cls):
+                for name, value in vars(base).items():
+                    if isinstance(value, _CODE) and not name.startswith("__") and (id(base), name) not in seen:
+                        seen.add((id(base), name))
+                        self._watched.append((base.__dict__, name, value, f"{base.__qualname__}.{name}"))
+            for module, _, attribute, value in _called(cls):
+                if (id(module), attribute) not in seen:
+                    seen.add((id(module), attribute))
+                    self._watched.append((module.__dict__, attribute, value, f"{module.__name__}.{attribute}"))
+        self._sizes: list[tuple[Mapping[str, Any], int, str]] = [(base.__dict__, len(base.__dict__), base.__qualname__)
+                       for base in {b for cls in _classes(modules).values() for b in _bases(cls)}]
+
+    def check(self) -> None:
+        for namespace, name, value, shown in self._watched:
+            if namespace.get(name) is not value:
+                raise ConfigError(f"{shown} was replaced after split() (a patch of the code a cloud module runs): "
+                                  "the cloud's process runs the code it imported, so training would silently differ "
+                                  "from the unsplit model. Patch it where the cloud imports it too (in the factory's "
+                                  "module, before the model is built), before split(), or put it back")
+        for i, (namespace, size, shown) in enumerate(self._sizes):
+            if len(namespace) != size:  # a method added to a class, over one of its bases'
+                added = [name for name, value in namespace.items() if isinstance(value, _CODE)
+                         and not any(n is namespace and k == name for n, k, _, _ in self._watched)]
+                if added:
+                    raise ConfigError(f"{shown}.{added[0]} was added after split(), over the code a cloud module "
+                                      "runs: the cloud's process runs the code it imported, so training would "
+                                      "silently differ from the unsplit model. Patch it where the cloud imports it too "
+                                      "(in the factory's module), before split(), or remove it")
+                self._sizes[i] = (namespace, len(namespace), shown)  # something else was set on the class
+
+
+__all__ = ["CodeGuard", "identities"]
