@@ -24,6 +24,9 @@ from torch import nn
 
 from .errors import ConfigError
 
+#: Attributes a module's own machinery sets as it runs, which leave the values it computes alone:
+#: how a layer is checkpointed (``gradient_checkpointing_enable()``).
+RUNTIME_ATTRIBUTES = frozenset({"_gradient_checkpointing_func"})
 #: Class attributes that are code: what a replacement of a method puts in a class's dict.
 _CODE = (types.FunctionType, types.BuiltinFunctionType, staticmethod, classmethod, property, type)
 
@@ -93,17 +96,32 @@ def _called(cls: type) -> list[tuple[types.ModuleType, str, str, Any]]:
     return found
 
 
+def _submodules(modules: list[tuple[str, nn.Module]]) -> dict[str, nn.Module]:
+    return {f"{name}.{key}" if key else name: sub for name, module in modules for key, sub in module.named_modules()}
+
+
 def _classes(modules: list[tuple[str, nn.Module]]) -> dict[str, type]:
-    return {f"{name}.{key}" if key else name: type(sub) for name, module in modules for key, sub in module.named_modules()}
+    return {where: type(sub) for where, sub in _submodules(modules).items()}
+
+
+def _instance_code(module: nn.Module) -> list[str]:
+    """Code set on the module itself (``layer.forward = f``), which its class does not show."""
+    found = []
+    for name, value in vars(module).items():
+        if name not in RUNTIME_ATTRIBUTES and isinstance(value, (types.FunctionType, types.MethodType, functools.partial)):
+            found.append(f"self.{name}={_name(getattr(value, 'func', value))}")
+    return sorted(found)
 
 
 def identities(modules: list[tuple[str, nn.Module]]) -> dict[str, str]:
-    """A digest, by module, of where the code its class runs was defined: its methods and the
-    module functions they call (what the structure hash compares)."""
+    """A digest, by module, of where the code it runs was defined: its class's methods, the module
+    functions they call and code set on the module itself (what the structure hash compares)."""
     found = {}
-    for where, cls in _classes(modules).items():
+    for where, sub in _submodules(modules).items():
+        cls = type(sub)
         parts = sorted(f"{name}={defined}" for name, defined in _methods(cls).items())
         parts += sorted(f"{written}={_name(value, module.__name__)}" for module, written, _, value in _called(cls))
+        parts += _instance_code(sub)
         found[where] = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
     return found
 
@@ -147,4 +165,4 @@ class CodeGuard:
                 self._sizes[i] = (namespace, len(namespace), shown)  # something else was set on the class
 
 
-__all__ = ["CodeGuard", "identities"]
+__all__ = ["RUNTIME_ATTRIBUTES", "CodeGuard", "identities"]

@@ -122,9 +122,8 @@ def own_attributes_read(cls: type) -> frozenset[str]:
 
 
 _OWN_READ: dict[type, frozenset[str]] = {}
-#: Private attributes a module's code reads that may change on the edge alone: how a layer is
-#: checkpointed (``gradient_checkpointing_enable()``), which leaves the values it computes alone.
-_RUNTIME_FLAGS = frozenset({"_gradient_checkpointing_func"})
+#: Private attributes a module's code reads that may change on the edge alone.
+_RUNTIME_FLAGS = code_reads.RUNTIME_ATTRIBUTES
 
 
 def _flag(value: Any) -> bool:

@@ -6,6 +6,7 @@ written as users write them, against a real cloud process."""
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -79,6 +80,14 @@ def test_a_layer_class_patched_before_split_is_refused_at_the_handshake(cloud):
         with pytest.raises(HandshakeError, match=r"the code its layers run patched in the edge's process"):
             splitft.split(mlp(), 2, factory=MLP, connect=cloud)
     splitft.split(mlp(), 2, factory=MLP, connect=cloud).close()  # unpatched: accepted
+
+
+def test_a_forward_set_on_one_cloud_layer_before_split_is_refused_at_the_handshake(cloud):
+    """``net[3].forward = ...`` on the layer itself, not its class: the cloud's layer has none."""
+    net = mlp()
+    net[3].forward = types.MethodType(_leaky, net[3])
+    with pytest.raises(HandshakeError, match=r"the cloud's '3' differs from the edge's model"):
+        splitft.split(net, 2, factory=MLP, connect=cloud)
 
 
 def test_a_method_added_to_a_layer_class_over_its_bases_after_split_is_refused():
