@@ -40,11 +40,14 @@ def _ids() -> torch.Tensor:
     return torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(3))
 
 
-def _step(model, opt) -> None:
+def _step(model, opt) -> float:
+    """One training step of a causal LM on the same batch; its loss."""
     ids = _ids()
-    model(input_ids=ids, labels=ids).loss.backward()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
     opt.step()
     opt.zero_grad()
+    return loss.item()
 
 
 def _llama(cloud, **factory):
@@ -223,12 +226,7 @@ def test_peft_scale_layer_changes_each_lora_layers_scaling_in_place_and_the_clou
             if i == 3:
                 for layer in layers:
                     layer.unscale_layer()
-            ids = _ids()
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+            losses.append(_step(model, opt))
         return losses
 
     local = tiny_tied_lora()
@@ -317,15 +315,7 @@ def test_model_model_of_a_split_causal_lm_is_its_decoder_and_freezing_it_trains_
         for p in model.model.parameters():
             p.requires_grad = False
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
-        losses = []
-        for _ in range(3):
-            ids = _ids()
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses
+        return [_step(model, opt) for _ in range(3)]
 
     local = tiny_hf("llama").train()
     expected = probe(local)
