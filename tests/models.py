@@ -312,3 +312,27 @@ def global_gain_mlp(seed: int = 0) -> nn.Sequential:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), GlobalGain(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+class TemperatureClassifier(nn.Module):
+    """A learned temperature on the root module itself (as CLIP's ``logit_scale``), not in any
+    child; called with keyword arguments and returning its loss, as a ``transformers.Trainer``
+    model does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+        self.logit_scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        logits = self.body(x) * self.logit_scale.exp()
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(logits, labels)
+        return out
+
+
+def temperature_classifier(seed: int = 0) -> TemperatureClassifier:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return TemperatureClassifier()

@@ -13,12 +13,13 @@ import torch
 
 import splitft
 from tests.conftest import start_cloud, stop
-from tests.models import tiny_hf
+from tests.models import temperature_classifier, tiny_hf
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 FACTORY = "tests.models:tiny_hf"
+TEMPERATURE = "tests.models:temperature_classifier"
 CUTS = {"bert": "bert.encoder.layer.1:3", "llama": "model.layers.1:3"}
 
 
@@ -55,7 +56,8 @@ def _train(model, kind: str, out: Path) -> tuple[dict, dict]:
 
 @pytest.fixture(scope="module")
 def hf_cloud(tmp_path_factory):
-    proc, address, err = start_cloud(tmp_path_factory.mktemp("cloud"), "--sessions", "0", "--model", FACTORY)
+    proc, address, err = start_cloud(tmp_path_factory.mktemp("cloud"), "--sessions", "0", "--model", FACTORY,
+                                     "--model", TEMPERATURE)
     yield address
     stop(proc)
 
@@ -128,6 +130,34 @@ def test_an_accelerate_loop_trains_the_split_model_exactly_like_the_unsplit_one(
         state = run(model)
     for name, value in local.items():  # bitwise, with the loss divided by 3 for accumulation
         assert torch.equal(state[name], value), name
+
+
+def test_trainer_decays_a_parameter_of_the_model_root_itself_as_unsplit(hf_cloud, tmp_path):
+    """A learned temperature set on the root module (CLIP's ``logit_scale``): Trainer finds the
+    parameters to decay in ``named_children()`` and the root's ``_parameters``; split, the root's
+    must be found there too, or it trains without weight decay."""
+    gen = torch.Generator().manual_seed(1)
+    rows = [{"x": torch.randn(12, generator=gen), "labels": torch.tensor(i % 3)} for i in range(24)]
+
+    def run(model, out: Path) -> dict:
+        args = transformers.TrainingArguments(
+            output_dir=str(out), per_device_train_batch_size=4, num_train_epochs=2, learning_rate=5e-2,
+            weight_decay=0.5, seed=0, use_cpu=True, report_to="none", save_strategy="no", logging_strategy="no",
+            disable_tqdm=True)
+        transformers.Trainer(model=model, args=args, train_dataset=rows).train()
+        return model.state_dict()
+
+    local = run(temperature_classifier(), tmp_path / "local")
+    model = splitft.split(temperature_classifier(), "body.1:3", factory=TEMPERATURE, connect=hf_cloud)
+    with model:
+        state = run(model, tmp_path / "split")
+        assert set(state) == set(local)
+        for name, value in local.items():
+            assert torch.equal(state[name], value), name
+        assert float(state["logit_scale"]) != float(temperature_classifier().logit_scale)  # it trained
+        assert model._parameters is model.wrapped._parameters
+        model.to("cpu")  # the root's parameters are cast once, with the wrapped model
+        assert model.logit_scale is model.wrapped.logit_scale
 
 
 def _lm_examples(n: int = 16, length: int = 12) -> list[dict]:

@@ -12,6 +12,12 @@ does (the root module is the wrapped model, the object the user built), as ``sta
 torch's ``train``, ``apply`` and ``_apply`` walk ``children()``; they are passed to the wrapped
 model whole, so its root module's own mode, parameters and buffers are reached as unsplit.
 
+The parameters set on the wrapped model's root itself (CLIP's ``logit_scale``) are the split
+model's own ``_parameters`` too, the same table: code that reads a model's root parameters there
+(``transformers.Trainer`` builds its weight-decay groups from ``named_children()`` and
+``model._parameters``) finds them as on the unsplit model, and ``torch.func.functional_call`` or a
+parameter registered on the split model reaches the model that computes with it.
+
 Other attributes the split model lacks are the wrapped model's (``model.config``); one both have
 (a model with its own ``predict``) means the split model's, and :func:`hidden_attributes` names
 them so that ``split()`` can say so.
@@ -62,9 +68,18 @@ class UnsplitTree(nn.Module):
         self.wrapped.apply(fn)  # every module once, the wrapped root last, as on the unsplit model
         return self
 
+    def share_root_parameters(self) -> None:
+        """Make the wrapped model's root parameters this module's own table (see the module); once
+        the split model's own attributes are set, which then cannot be taken for parameters."""
+        self.__dict__["_parameters"] = self.wrapped._parameters
+
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
-        self.wrapped._apply(fn, recurse)
-        return super()._apply(fn, recurse=False)
+        self.wrapped._apply(fn, recurse)  # the root parameters with it: they are the wrapped model's
+        own_parameters, self.__dict__["_parameters"] = self._parameters, {}
+        try:
+            return super()._apply(fn, recurse=False)  # this module's own buffers, if any
+        finally:
+            self.__dict__["_parameters"] = own_parameters
 
 
 def hidden_attributes(split: nn.Module, split_class: type, model: nn.Module, handled: tuple[str, ...] = ()) -> list[str]:
