@@ -429,6 +429,49 @@ SCRIPTS = [a_head_at_its_own_rate_and_the_first_layer_frozen_picked_by_name,
            edge_gradients_alone_by_autograd_grad_and_restricted_backward]
 
 
+def adds_a_head_by_attribute_and_counts_steps_in_a_buffer(model, net, crit, data):
+    torch.manual_seed(5)
+    model.aux = nn.Linear(3, 3)  # a head added to the model the script has, after it was built
+    model.register_buffer("steps_seen", torch.zeros((), dtype=torch.long))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in data:
+        opt.zero_grad()
+        crit(model.aux(model(x)), y).backward()
+        opt.step()
+        model.steps_seen += 1
+    return [n for n, _ in model.named_parameters()], int(model.steps_seen)
+
+
+def adds_a_head_with_add_module_and_trains_it_alone_at_the_end(model, net, crit, data):
+    torch.manual_seed(6)
+    model.add_module("probe", nn.Linear(3, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for x, y in data[:4]:
+        opt.zero_grad()
+        crit(model.probe(model(x)), y).backward()
+        opt.step()
+    del model.probe  # dropped again, as unsplit
+    return sorted(model.state_dict())
+
+
+@pytest.mark.parametrize("script", [adds_a_head_by_attribute_and_counts_steps_in_a_buffer,
+                                    adds_a_head_with_add_module_and_trains_it_alone_at_the_end],
+                         ids=lambda f: f.__name__)
+def test_what_a_script_adds_to_the_split_model_is_in_the_model_it_split(cloud, script):
+    """A head, a buffer set on the split model (U-shape: its output is the model's): in its
+    parameters(), its state_dict() and its forward, as on the unsplit model."""
+    data = _data(6)
+    local = mlp()
+    expected = script(local, local, nn.CrossEntropyLoss(), data)
+    net = mlp()
+    model = splitft.split(net, 2, 4, factory=MLP, connect=cloud)
+    with model:
+        got = script(model, net, nn.CrossEntropyLoss(), data)
+        state = model.state_dict()
+    assert_bitwise(state, local.state_dict())
+    assert got == expected
+
+
 @pytest.fixture(scope="module")
 def cloud(tmp_path_factory):
     proc, address, err = start_cloud(tmp_path_factory.mktemp("cloud"), "--sessions", "0", "--model", MLP,

@@ -379,6 +379,32 @@ def test_a_checkpointed_or_compiled_edge_block_trains_exactly(cloud, compile_ste
     assert_bitwise(state, local.state_dict())
 
 
+@pytest.mark.parametrize("how", ["model.body = ...", "net.body = ...", "net.body = torch.compile(net.body)"])
+def test_a_module_holding_cloud_layers_replaced_after_split_is_refused_at_the_next_forward(cloud, how):
+    """``body`` holds the layers that run in the cloud: a new ``body`` takes them out of the
+    forward (and a compiled one out of reach of the cut), while the cloud half would go on
+    standing for them in ``state_dict()``."""
+    data = _data(3)
+    local = checkpointed_mlp()
+    _steps(local, torch.optim.SGD(local.parameters(), lr=0.1), nn.CrossEntropyLoss(), data[:2])
+    net = checkpointed_mlp()
+    model = splitft.split(net, "body.2:4", factory="tests.models:checkpointed_mlp", connect=cloud)
+    with model:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        _steps(model, opt, nn.CrossEntropyLoss(), data[:2])
+        fresh = mlp(seed=1)
+        if how == "model.body = ...":
+            model.body = fresh
+        elif how == "net.body = ...":
+            net.body = fresh
+        else:
+            net.body = torch.compile(net.body, backend="aot_eager")
+        with pytest.raises(ConfigError, match=r"'body' holds modules that run in the cloud, but it was replaced"):
+            _steps(model, opt, nn.CrossEntropyLoss(), data[2:])
+        assert_bitwise(model.cloud_state_dict(), {n: v for n, v in local.state_dict().items()
+                                                  if n in model.cloud_state_dict()})
+
+
 @pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
 @pytest.mark.parametrize("how", ["torch.compile(model)", "model.compile()"])
 def test_a_compiled_split_model_trains_exactly(cloud, rejoin, how):

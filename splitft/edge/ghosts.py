@@ -87,6 +87,12 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
     return chain
 
 
+def _ancestors(name: str) -> list[str]:
+    """The dotted names of the modules above ``name`` (``"a.b.c"``: ``"a"``, ``"a.b"``)."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
 class Ghosts:
     """The cloud half's modules in the user's model, once :func:`install` made them ghosts: where
     they are, what a script may not do to them, and their real twins (:attr:`chain`, which holds
@@ -97,6 +103,11 @@ class Ghosts:
         self._model = model
         self._places = [(model.get_submodule(parent) if parent else model, child, model.get_submodule(name))
                         for name in chain.names for parent, _, child in [name.rpartition(".")]]
+        # The modules that hold them, each by its name in its parent, from the root down: one
+        # replaced (``model.body = nn.Sequential(...)``) takes the cloud half out of the forward.
+        holders = {prefix for name in chain.names for prefix in _ancestors(name)}
+        self._holders = [(prefix, model.get_submodule(parent) if parent else model, child, model.get_submodule(prefix))
+                         for prefix in sorted(holders, key=len) for parent, _, child in [prefix.rpartition(".")]]
         # Every module of the cloud half by its unsplit name, found once: a ghost refuses new
         # children, so the walk a forward would make to read their modes finds the same ones.
         self._cloud_modules = [(f"{name}.{key}" if key else name, module) for name in chain.names
@@ -115,6 +126,13 @@ class Ghosts:
     def check(self) -> None:
         """Refuse a forward after a script replaced a module that runs in the cloud (a module walk
         swapping layers): the cloud would still run the one it has."""
+        for name, parent, child, holder in self._holders:
+            if parent._modules.get(child) is not holder:
+                raise ConfigError(f"{name!r} holds modules that run in the cloud, but it was replaced after split(): "
+                                  "the model's forward would no longer reach them, and the cloud half's weights would "
+                                  "go on standing for modules the model no longer has. Replace modules before split(), "
+                                  "in the cloud's factory too (to compile, compile the split model: "
+                                  "torch.compile(model) or model.compile())")
         for parent, child, ghost in self._places:
             if parent._modules.get(child) is not ghost:
                 raise ConfigError(f"{standin_name(ghost)!r} runs in the cloud, but the model's forward would call "

@@ -93,7 +93,7 @@ class SplitModel(UnsplitTree):
         optimizers.register(cloud_half, self.mirror)
         optimizers.install()
         initialisers.install()
-        self.share_root_parameters()
+        self.seal()
         hidden = hidden_attributes(self, SplitModel, model, handled=("save_pretrained",))
         if hidden:
             warnings.warn(f"{type(model).__name__} has {', '.join(map(repr, hidden))}, which the split model has too: "

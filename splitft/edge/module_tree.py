@@ -15,8 +15,11 @@ model whole, so its root module's own mode, parameters and buffers are reached a
 The parameters set on the wrapped model's root itself (CLIP's ``logit_scale``) are the split
 model's own ``_parameters`` too, the same table: code that reads a model's root parameters there
 (``transformers.Trainer`` builds its weight-decay groups from ``named_children()`` and
-``model._parameters``) finds them as on the unsplit model, and ``torch.func.functional_call`` or a
-parameter registered on the split model reaches the model that computes with it.
+``model._parameters``) finds them as on the unsplit model. What a script sets on the split model
+that it does not have itself — an auxiliary head (``model.aux = nn.Linear(...)``,
+``add_module``), a buffer (``register_buffer``), a parameter, a setting the model's forward
+reads — is set on the wrapped model, where the unsplit model would have it: in ``parameters()``
+for the optimizer, in ``state_dict()``, read by the forward. (Private names stay the split model's.)
 
 Other attributes the split model lacks are the wrapped model's (``model.config``); one both have
 (a model with its own ``predict``) means the split model's, and :func:`hidden_attributes` names
@@ -68,10 +71,44 @@ class UnsplitTree(nn.Module):
         self.wrapped.apply(fn)  # every module once, the wrapped root last, as on the unsplit model
         return self
 
-    def share_root_parameters(self) -> None:
-        """Make the wrapped model's root parameters this module's own table (see the module); once
-        the split model's own attributes are set, which then cannot be taken for parameters."""
+    def seal(self) -> None:
+        """Called once the split model's own attributes are set: from now on the wrapped model's
+        root parameters are this module's own table, and what a script sets on the split model
+        that it does not have itself is set on the wrapped model (see the module)."""
         self.__dict__["_parameters"] = self.wrapped._parameters
+        self.__dict__["_sealed"] = True
+
+    def _is_own(self, name: str) -> bool:
+        """Whether ``name`` is the split model's own (private, its attribute, or its class's),
+        or, before :meth:`seal`, anything."""
+        return (not self.__dict__.get("_sealed") or name.startswith("_") or name in self.__dict__
+                or hasattr(type(self), name))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._is_own(name):
+            super().__setattr__(name, value)
+        else:  # an aux head, a buffer, a setting the model's forward reads: set on the model, as unsplit
+            setattr(self.wrapped, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self._is_own(name) and name not in self.wrapped._parameters:
+            super().__delattr__(name)
+        else:
+            delattr(self.wrapped, name)
+
+    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+        if self.__dict__.get("_sealed"):
+            self.wrapped.register_buffer(name, tensor, persistent)
+        else:
+            super().register_buffer(name, tensor, persistent)
+
+    def register_module(self, name: str, module: nn.Module | None) -> None:
+        if self.__dict__.get("_sealed"):
+            self.wrapped.register_module(name, module)
+        else:
+            super().register_module(name, module)
+
+    add_module = register_module
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         self.wrapped._apply(fn, recurse)  # the root parameters with it: they are the wrapped model's
