@@ -91,7 +91,7 @@ class UnsplitTree(nn.Module):
             setattr(self.wrapped, name, value)
 
     def __delattr__(self, name: str) -> None:
-        if self._is_own(name) and name not in self.wrapped._parameters:
+        if self._is_own(name):  # a root parameter, whatever its name, leaves the shared table
             super().__delattr__(name)
         else:
             delattr(self.wrapped, name)
