@@ -31,6 +31,10 @@ HOST = (
     "torch.backends.mkldnn.rnn.fp32_precision",
     "torch.backends.opt_einsum.enabled",
     "torch.backends.opt_einsum.strategy",
+    # scaled_dot_product_attention's kernels on the CPU too (flash or math): what
+    # torch.nn.attention.sdpa_kernel(...) switches, despite the module's name
+    "torch.backends.cuda.flash_sdp_enabled()",
+    "torch.backends.cuda.math_sdp_enabled()",
 )
 #: Settings that change what a layer computes on a CUDA device only.
 CUDA = (
@@ -40,9 +44,7 @@ CUDA = (
     "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
     "torch.backends.cuda.matmul.allow_fp16_accumulation",
     "torch.backends.cuda.preferred_blas_library()",
-    "torch.backends.cuda.flash_sdp_enabled()",
     "torch.backends.cuda.mem_efficient_sdp_enabled()",
-    "torch.backends.cuda.math_sdp_enabled()",
     "torch.backends.cuda.cudnn_sdp_enabled()",
     "torch.backends.cudnn.enabled",
     "torch.backends.cudnn.deterministic",
@@ -174,9 +176,11 @@ class NumericsGuard:
             self._raw = raw
             return
         changed = next(key for key in {**self._was, **now} if now.get(key) != self._was.get(key))
+        how = (" (torch.nn.attention.sdpa_kernel(...) sets it around what it wraps: it picks the attention kernel on "
+               "the CPU too)" if changed.endswith("sdp_enabled()") else "")
         raise ConfigError(
-            f"{changed} changed after split() ({self._was.get(changed)} -> {now.get(changed)}): it reaches the edge's "
-            "layers only, and the cloud's would go on computing as before, so training would silently differ "
+            f"{changed} changed after split() ({self._was.get(changed)} -> {now.get(changed)}){how}: it reaches the "
+            "edge's layers only, and the cloud's would go on computing as before, so training would silently differ "
             "from the unsplit model. Set it before split(), and the same in the cloud's process (the handshake "
             "checks that the two agree), or set it back")
 

@@ -7,11 +7,12 @@ real cloud process."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import splitft
 from splitft import numerics
@@ -85,6 +86,9 @@ def _assert_same(split_state: dict, local_state: dict) -> None:
      r"torch\.get_default_dtype\(\) changed after split\(\) \(torch\.float32 -> torch\.float64\)"),
     (lambda: torch.backends.mkldnn.flags(enabled=False),
      r"torch\.backends\.mkldnn\.enabled changed after split\(\) \(True -> False\)"),
+    (lambda: sdpa_kernel(SDPBackend.MATH),
+     r"torch\.backends\.cuda\.flash_sdp_enabled\(\) changed after split\(\) \(True -> False\) "
+     r"\(torch\.nn\.attention\.sdpa_kernel"),
 ])
 def test_a_setting_changed_after_split_is_refused_by_name_before_the_cloud_runs_and_set_back_trains_exactly(
         cloud, changed: Callable[[], AbstractContextManager], named: str):
@@ -99,6 +103,47 @@ def test_a_setting_changed_after_split_is_refused_by_name_before_the_cloud_runs_
         _step(model, opt, 2)
         state = {k: v.clone() for k, v in model.state_dict().items()}
     _assert_same(state, local)
+
+
+def test_an_attention_kernel_picked_around_the_forward_is_refused_and_the_default_trains_exactly(tmp_path):
+    """On the CPU, ``sdpa_kernel(SDPBackend.MATH)`` makes a causal LM's attention run another
+    kernel than the default one, a few bits apart: around the forward of the split model, it
+    would reach the edge's layers only."""
+    pytest.importorskip("transformers")
+    from tests.models import tiny_hf
+
+    def step(model, opt, i: int) -> None:
+        ids = torch.randint(1, 128, (2, 10), generator=torch.Generator().manual_seed(i))
+        with (sdpa_kernel(SDPBackend.MATH) if math_kernel else nullcontext()):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    states = {}
+    for math_kernel in (True, False):
+        local = tiny_hf("llama")
+        opt = torch.optim.AdamW(local.parameters(), lr=1e-2)
+        for i in range(3):
+            step(local, opt, i)
+        states[math_kernel] = local.state_dict()
+    assert any(not torch.equal(states[True][k], v) for k, v in states[False].items())  # the kernels differ
+    proc, address, _ = start_cloud(tmp_path, "--sessions", "0", "--model", "tests.models:tiny_hf")
+    try:
+        model = splitft.split(tiny_hf("llama"), "model.layers.1:3", connect=address,
+                              factory=splitft.Factory("tests.models:tiny_hf", {"kind": "llama"}))
+        with model:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            math_kernel = True
+            with pytest.raises(ConfigError, match=r"flash_sdp_enabled\(\) changed after split\(\).*sdpa_kernel"):
+                step(model, opt, 0)
+            math_kernel = False
+            for i in range(3):
+                step(model, opt, i)
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+    finally:
+        stop(proc)
+    _assert_same(state, states[False])
 
 
 def test_flushing_denormals_after_split_is_refused(cloud):
