@@ -108,6 +108,11 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
         lambda model, net, opt: net[4](torch.ones(1, 16)), CutError, r"'4', which runs in the cloud"),
     "the wrapped model called past the split model": (
         lambda model, net, opt: net(torch.ones(1, 12)), CutError, r"called outside the split model's forward"),
+    "a loss of one's own as the remote loss (distillation against a teacher's logits)": (
+        lambda model, net, opt: model.remote_loss(
+            lambda out, teacher: torch.nn.functional.kl_div(out.log_softmax(-1), teacher.softmax(-1),
+                                                            reduction="batchmean")),
+        ConfigError, r"torch\.nn losses by name; function is not one\. For a loss of your own.*U-shape"),
     "a gradient penalty (create_graph=True)": (
         lambda model, net, opt: torch.autograd.grad(model.remote_loss(nn.CrossEntropyLoss())(
             model(_data(1)[0][0]), _data(1)[0][1]), list(net[0].parameters()), create_graph=True),

@@ -149,7 +149,9 @@ def loss_settings(criterion: nn.Module) -> dict[str, Any]:
     """What the cloud needs to build the same torch.nn loss; refuses what it cannot rebuild by name."""
     cls = type(criterion)
     if getattr(nn, cls.__name__, None) is not cls or not issubclass(cls, nn.modules.loss._Loss):
-        raise ConfigError(f"the cloud computes torch.nn losses by name; {cls.__qualname__} is not one")
+        raise ConfigError(f"the cloud computes torch.nn losses by name; {cls.__qualname__} is not one. For a loss of "
+                          "your own (a distillation loss, a function), cut a U-shape (split(..., rejoin=...)): the "
+                          "model's output comes back to the edge, where your loss runs as it is")
     settings: dict[str, Any] = {}
     for name in _setting_names(cls):
         value = getattr(criterion, name, None)
