@@ -81,6 +81,9 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
         lambda model, net, opt: (opt.param_groups[0].update(lr=torch.tensor(0.05)), opt.step()), ConfigError,
         r"lr is a tensor"),
     "a copy of the model for an EMA": (lambda model, net, opt: copy.deepcopy(model), ConfigError, r"EMA"),
+    "the trained model quantized (a copy, by default)": (
+        lambda model, net, opt: torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8),
+        ConfigError, r"cannot be copied.*quantize.*model\.unsplit\(\)"),
     "torch.optim.swa_utils.AveragedModel": (
         lambda model, net, opt: torch.optim.swa_utils.AveragedModel(model), ConfigError, r"EMA"),
     "an EMA kept from before the cut, updated from model.parameters()": (

@@ -121,11 +121,13 @@ class SplitModel(UnsplitTree):
         raise ConfigError("a split model cannot be copied: its cloud half's values live in the cloud, and its session "
                           "is one connection. For an EMA of the weights (AveragedModel, deepcopy + update), keep it "
                           "on the unsplit model before split(), or average the weights you fetch with "
-                          "model.state_dict()")
+                          "model.state_dict(). To quantize, export or keep the trained model, take it whole with "
+                          "model.unsplit() (which ends the session)")
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise ConfigError("a split model cannot be pickled (torch.save(model)): save model.state_dict(), which fetches "
-                          "the cloud half, or use model.save_checkpoint(path)")
+                          "the cloud half, or use model.save_checkpoint(path); model.unsplit() gives the whole "
+                          "trained model, to save as it is")
 
     def set_submodule(self, target: str, module: nn.Module, strict: bool = False) -> None:
         self.ghosts.refuse_replacing(target)
