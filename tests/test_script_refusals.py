@@ -10,6 +10,7 @@ unsplit model's at that point, so the refusal lost nothing and let nothing diver
 from __future__ import annotations
 
 import copy
+import io
 import subprocess
 import sys
 import textwrap
@@ -81,9 +82,11 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
         lambda model, net, opt: (opt.param_groups[0].update(lr=torch.tensor(0.05)), opt.step()), ConfigError,
         r"lr is a tensor"),
     "a copy of the model for an EMA": (lambda model, net, opt: copy.deepcopy(model), ConfigError, r"EMA"),
-    "the trained model quantized (a copy, by default)": (
-        lambda model, net, opt: torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8),
-        ConfigError, r"cannot be copied.*quantize.*model\.unsplit\(\)"),
+    "the model saved whole (torch.save(model))": (
+        lambda model, net, opt: torch.save(model, io.BytesIO()), ConfigError,
+        r"cannot be pickled.*model\.unsplit\(\) gives the whole trained model"),
+    "a copy of the trained model kept": (
+        lambda model, net, opt: copy.deepcopy(model), ConfigError, r"cannot be copied.*model\.unsplit\(\)"),
     "torch.optim.swa_utils.AveragedModel": (
         lambda model, net, opt: torch.optim.swa_utils.AveragedModel(model), ConfigError, r"EMA"),
     "an EMA kept from before the cut, updated from model.parameters()": (
