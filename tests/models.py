@@ -336,3 +336,21 @@ def temperature_classifier(seed: int = 0) -> TemperatureClassifier:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return TemperatureClassifier()
+
+
+class NoisyLinear(nn.Module):
+    """A linear layer that adds noise drawn from a generator of its own, seeded where it is built."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.noise = torch.Generator().manual_seed(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + 0.1 * torch.randn(x.shape, generator=self.noise)
+
+
+def noisy_mlp(seed: int = 0) -> nn.Sequential:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), NoisyLinear(16), nn.ReLU(), nn.Linear(16, 3))

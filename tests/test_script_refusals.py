@@ -23,7 +23,7 @@ from torch import nn
 import splitft
 from splitft.errors import ConfigError, CutError, HandshakeError, PlaceholderError
 from tests.conftest import ROOT, start_cloud, stop
-from tests.models import checkpointed_mlp, deep_supervised, mlp, mlp_batchnorm, mlp_dropout
+from tests.models import checkpointed_mlp, deep_supervised, mlp, mlp_batchnorm, mlp_dropout, noisy_mlp
 from tests.test_faults import _data
 from tests.test_script_corpus import assert_bitwise
 
@@ -36,7 +36,7 @@ def cloud(tmp_path_factory):
     proc, address, err = start_cloud(tmp_path_factory.mktemp("cloud"), "--sessions", "0", "--model", MLP,
                                      "--model", DIGITS, "--model", "tests.models:deep_supervised",
                                      "--model", "tests.models:mlp_dropout", "--model", "tests.models:checkpointed_mlp",
-                                     "--model", "tests.models:mlp_batchnorm")
+                                     "--model", "tests.models:mlp_batchnorm", "--model", "tests.models:noisy_mlp")
     yield address
     stop(proc)
 
@@ -414,6 +414,28 @@ def test_a_module_holding_cloud_layers_replaced_after_split_is_refused_at_the_ne
             _steps(model, opt, nn.CrossEntropyLoss(), data[2:])
         assert_bitwise(model.cloud_state_dict(), {n: v for n, v in local.state_dict().items()
                                                   if n in model.cloud_state_dict()})
+
+
+@pytest.mark.parametrize("touch", [lambda gen: gen.manual_seed(123), lambda gen: gen.get_state()],
+                         ids=["reseeded", "its state read (to restore it later)"])
+def test_a_generator_a_cloud_layer_draws_from_trains_exactly_and_is_refused_when_touched(cloud, touch):
+    """``NoisyLinear`` draws its noise from a generator of its own: built the same by the factory,
+    the cloud's draws exactly as the unsplit layer does; seeded or read on the edge, the edge's copy
+    would be touched, not the cloud's (which has drawn since)."""
+    data = _data(4)
+    local = noisy_mlp()
+    _steps(local, torch.optim.SGD(local.parameters(), lr=0.1), nn.CrossEntropyLoss(), data)
+    net = noisy_mlp()
+    model = splitft.split(net, 2, factory="tests.models:noisy_mlp", connect=cloud)
+    with model:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        crit = model.remote_loss(nn.CrossEntropyLoss())
+        _steps(model, opt, crit, data[:2])
+        with pytest.raises(CutError, match=r"'noise' of '2' is the torch.Generator that module draws from in the cloud"):
+            touch(net[2].noise)
+        _steps(model, opt, crit, data[2:])
+        state = model.state_dict()
+    assert_bitwise(state, local.state_dict())
 
 
 @pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])

@@ -252,8 +252,27 @@ def ghost(module: nn.Module, standin: nn.Module, *, never_run: tuple[str, ...] =
         sub.__dict__["_splitft_where"] = where
         for table in _TABLES:  # add_module, register_buffer, Sequential.append write these directly
             sub.__dict__[table] = _FixedTable(sub.__dict__[table], where, table)
+        for name, value in list(sub.__dict__.items()):
+            if isinstance(value, torch.Generator):  # the twin keeps the generator itself
+                sub.__dict__[name] = _CloudGenerator(where, name)
         sub.__class__ = ghost_class(type(sub))
     return module
+
+
+class _CloudGenerator:
+    """Stands on a ghost for a generator its module draws from (``self.gen = torch.Generator()``):
+    the cloud's module draws from its own, so the edge's could only be read stale or seeded in vain."""
+
+    def __init__(self, where: str, name: str) -> None:
+        self._where, self._name = where, name
+
+    def __getattr__(self, attribute: str) -> Any:
+        raise CutError(f"{self._name!r} of {self._where!r} is the torch.Generator that module draws from in the cloud: "
+                       f"{attribute} here would act on the edge's copy, not on the cloud's, which has drawn since (split "
+                       "training would silently differ). Seed it where the model is built, which the cloud's factory runs too")
+
+    def __repr__(self) -> str:
+        return f"<the generator {self._name!r} of {self._where!r}, in the cloud>"
 
 
 def ghost_class(cls: type[nn.Module]) -> type[nn.Module]:
