@@ -101,13 +101,12 @@ class Ghosts:
     def __init__(self, model: nn.Module, chain: Chain) -> None:
         self.chain = chain
         self._model = model
-        self._places = [(model.get_submodule(parent) if parent else model, child, model.get_submodule(name))
-                        for name in chain.names for parent, _, child in [name.rpartition(".")]]
-        # The modules that hold them, each by its name in its parent, from the root down: one
-        # replaced (``model.body = nn.Sequential(...)``) takes the cloud half out of the forward.
-        holders = {prefix for name in chain.names for prefix in _ancestors(name)}
-        self._holders = [(prefix, model.get_submodule(parent) if parent else model, child, model.get_submodule(prefix))
-                         for prefix in sorted(holders, key=len) for parent, _, child in [prefix.rpartition(".")]]
+        # Each cloud module and each module that holds one, by its name in its parent, from the root
+        # down: a holder replaced (``model.body = nn.Sequential(...)``) takes the cloud half out of the
+        # forward; a cloud module replaced puts another module where the cloud runs its own.
+        linked = sorted({prefix for name in chain.names for prefix in (*_ancestors(name), name)}, key=len)
+        self._links = [(name, name in chain.names, model.get_submodule(parent) if parent else model, child,
+                        model.get_submodule(name)) for name in linked for parent, _, child in [name.rpartition(".")]]
         # Every module of the cloud half by its unsplit name, found once: a ghost refuses new
         # children, so the walk a forward would make to read their modes finds the same ones.
         self._cloud_modules = [(f"{name}.{key}" if key else name, module) for name in chain.names
@@ -126,18 +125,18 @@ class Ghosts:
     def check(self) -> None:
         """Refuse a forward after a script replaced a module that runs in the cloud (a module walk
         swapping layers): the cloud would still run the one it has."""
-        for name, parent, child, holder in self._holders:
-            if parent._modules.get(child) is not holder:
+        for name, in_cloud, parent, child, module in self._links:
+            if parent._modules.get(child) is module:
+                continue
+            if not in_cloud:
                 raise ConfigError(f"{name!r} holds modules that run in the cloud, but it was replaced after split(): "
                                   "the model's forward would no longer reach them, and the cloud half's weights would "
                                   "go on standing for modules the model no longer has. Replace modules before split(), "
                                   "in the cloud's factory too (to compile, compile the split model: "
                                   "torch.compile(model) or model.compile())")
-        for parent, child, ghost in self._places:
-            if parent._modules.get(child) is not ghost:
-                raise ConfigError(f"{standin_name(ghost)!r} runs in the cloud, but the model's forward would call "
-                                  f"another module there: it was replaced after split(). Replace layers before "
-                                  "split(), in the cloud's factory too")
+            raise ConfigError(f"{standin_name(module)!r} runs in the cloud, but the model's forward would call "
+                              f"another module there: it was replaced after split(). Replace layers before "
+                              "split(), in the cloud's factory too")
         if any(_GLOBAL_HOOKS):
             raise ConfigError("a global module hook is registered (torch.nn.modules.module.register_module_forward_hook "
                               "and its kin, or a tool that uses them): it runs on every module's call, but the cloud "
