@@ -66,13 +66,15 @@ def _scan(cls: type, attribute: str) -> frozenset[str]:
 
 
 @functools.cache
-def _methods(cls: type) -> tuple[tuple[type, ast.FunctionDef | ast.AsyncFunctionDef], ...]:
+def _methods(cls: type, torch_layers: bool = False) -> tuple[tuple[type, ast.FunctionDef | ast.AsyncFunctionDef], ...]:
     """The methods (``__init__`` aside) of ``cls`` and its bases that are the model's code, as
-    syntax trees, with the class each is defined in."""
+    syntax trees, with the class each is defined in; with ``torch_layers``, torch's layers' too
+    (dropout reads its ``p`` as it runs)."""
     found: list[tuple[type, ast.FunctionDef | ast.AsyncFunctionDef]] = []
     for base in cls.__mro__:
-        if base in (object, nn.Module) or (base.__module__.startswith(_NOT_MODEL_CODE)
-                                           and not base.__module__.startswith(_MODEL_CODE)):
+        home = base.__module__
+        if base in (object, nn.Module) or (home.startswith(_NOT_MODEL_CODE) and not home.startswith(_MODEL_CODE)
+                                           and not (torch_layers and home.startswith("torch.nn."))):
             continue
         try:
             tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
@@ -111,25 +113,30 @@ def _scan_globals(cls: type) -> tuple[tuple[types.ModuleType, frozenset[str]], .
 
 def own_attributes_read(cls: type) -> frozenset[str]:
     """The attributes of its own (``self.<name>``) that the methods of ``cls`` and its bases
-    (``__init__`` aside) read: flags its code runs by, such as PEFT's ``_disable_adapters``."""
+    (``__init__`` aside, torch's layers included) read: flags its code runs by, such as dropout's
+    ``p`` or PEFT's ``_disable_adapters``."""
     found = _OWN_READ.get(cls)
     if found is None:
         found = _OWN_READ[cls] = frozenset(
-            node.attr for _, method in _methods(cls) for node in ast.walk(method)
+            node.attr for _, method in _methods(cls, torch_layers=True) for node in ast.walk(method)
             if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)
             and isinstance(node.value, ast.Name) and node.value.id == "self")
     return found
 
 
 _OWN_READ: dict[type, frozenset[str]] = {}
-#: Private attributes a module's code reads that may change on the edge alone.
-_RUNTIME_FLAGS = code_reads.RUNTIME_ATTRIBUTES
+#: What a script may set on a cloud module that is not sent as one of its settings: its mode
+#: (mirrored with each forward) and the switch with which ``gradient_checkpointing_enable()``
+#: marks every layer (the cloud's computes the same values without it).
+MODE_ATTRIBUTES = frozenset({"training", "gradient_checkpointing"})
+#: Attributes a module's code reads that may change on the edge alone.
+_RUNTIME_FLAGS = code_reads.RUNTIME_ATTRIBUTES | MODE_ATTRIBUTES
 
 
-def _flag(value: Any) -> bool:
-    """A plain value a script may set to steer a module (a switch, a name, a list of names, a map
-    of names to numbers such as a LoRA layer's ``scaling``)."""
-    if isinstance(value, (bool, int, float, str)):
+def is_flag(value: Any) -> bool:
+    """A plain value a script may set to steer a module (a switch, a number, a name or none, a list
+    of them, a map of names to numbers such as a LoRA layer's ``scaling``)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
         return True
     if isinstance(value, dict):
         return all(isinstance(k, str) and isinstance(v, (bool, int, float, str)) for k, v in value.items())
@@ -316,10 +323,10 @@ class ConfigGuard:
                     "two agree), or set it back")
 
 
-class PrivateFlags:
-    """The flags each cloud module's own code reads as it runs (``self._disable_adapters``, which
-    PEFT's ``disable_adapter()`` sets on every adapter layer; ``self._active_adapter``; a LoRA
-    layer's ``scaling``, which ``scale_layer`` changes in place; see :func:`flags_read`):
+class ModuleFlags:
+    """The flags each cloud module's own code reads as it runs (dropout's ``p``;
+    ``self._disable_adapters``, which PEFT's ``disable_adapter()`` sets on every adapter layer; a
+    LoRA layer's ``scaling``, which ``scale_layer`` changes in place; see :func:`flags_read`):
     :meth:`changed` says which the script changed since they were last sent, for the cloud to set
     on its modules (:func:`apply_flags`) before the next forward. A flag deleted, or set to another
     kind of value than a plain one, is refused."""
@@ -337,7 +344,7 @@ class PrivateFlags:
             now, was = state.get(flag, _MISSING), self._sent[i]
             if now is was or _same(now, was):
                 continue
-            if not _flag(now):
+            if not is_flag(now):
                 raise ConfigError(f"{flag} of {where!r} changed after split() ({_shown(was)} -> {_shown(now)}): that "
                                   "module's code reads it as it runs, in the cloud, which takes a flag, a number, a "
                                   "name, or a list or a map of them; set it back")
@@ -348,21 +355,23 @@ class PrivateFlags:
 
 
 def flags_read(module: nn.Module) -> list[str]:
-    """``module``'s attributes its own code reads that hold a plain value now and that a script may
-    change without setting them on the module (which a ghost refuses): its private ones, and those
-    that hold a dict, list or set (changed in place, as PEFT's ``scale_layer`` changes ``scaling``)."""
+    """``module``'s attributes its own code reads that hold a plain value now: its settings
+    (dropout's ``p``, batch norm's ``momentum`` and ``eps``, which ``swa_utils.update_bn`` sets),
+    its private flags (PEFT's ``_disable_adapters``) and what it holds in a dict, list or set
+    (changed in place, as PEFT's ``scale_layer`` changes ``scaling``). The mode and the
+    checkpointing switch are not among them: they are mirrored otherwise, or not at all."""
     found = []
     for flag in own_attributes_read(type(module)):
-        value = module.__dict__.get(flag)
-        if (flag.startswith("_") or _container(value)) and flag not in _RUNTIME_FLAGS and _flag(value):
+        value = module.__dict__.get(flag, _MISSING)
+        if value is not _MISSING and flag not in _RUNTIME_FLAGS and is_flag(value):
             found.append(flag)
     return found
 
 
 def apply_flags(modules: dict[str, nn.Module], flags: Any) -> None:
-    """Set what :meth:`PrivateFlags.changed` sent on the cloud's ``modules`` (by qualified name),
-    each checked first (a private flag the module's code reads, holding a plain value, to a plain
-    value), so a refused message sets none."""
+    """Set what :meth:`ModuleFlags.changed` sent on the cloud's ``modules`` (by qualified name),
+    each checked first (a flag the module's code reads, holding a plain value, to a plain value),
+    so a refused message sets none."""
     if not isinstance(flags, dict) or sum(len(f) if isinstance(f, dict) else 1 for f in flags.values()) > _MAX_FLAGS:
         raise ProtocolError(f"flags must be a map of module to a map of at most {_MAX_FLAGS} flags in all")
     checked = []
@@ -372,7 +381,7 @@ def apply_flags(modules: dict[str, nn.Module], flags: Any) -> None:
             raise ProtocolError(f"the cloud half has no module {_shown(where)[:80]} to set flags on")
         allowed = flags_read(module)
         for flag, value in values.items():
-            if flag not in allowed or not _flag(value):
+            if flag not in allowed or not is_flag(value):
                 raise ProtocolError(f"{_shown(flag)[:80]} of {where!r} is no flag its code reads, or "
                                     f"{_shown(value)[:80]} no plain value")
             kind = type(module.__dict__[flag])  # msgpack sends a tuple or a set as a list
@@ -407,5 +416,5 @@ def _shown(value: Any) -> str:
     return "unset" if value is _MISSING else repr(value)
 
 
-__all__ = ["ConfigGuard", "PrivateFlags", "apply_flags", "flags_read", "globals_read", "keys_read",
+__all__ = ["MODE_ATTRIBUTES", "ConfigGuard", "ModuleFlags", "apply_flags", "flags_read", "globals_read", "is_flag", "keys_read",
            "own_attributes_read", "reads", "values"]

@@ -19,6 +19,7 @@ from tests.test_faults import _data, assert_same
 
 MLP = "tests.models:mlp"
 DIGITS = "splitft.app.models:digits_cnn"
+MLP_DROPOUT = "tests.models:mlp_dropout"
 
 
 def assert_bitwise(split: dict, local: dict) -> None:
@@ -475,7 +476,7 @@ def test_what_a_script_adds_to_the_split_model_is_in_the_model_it_split(cloud, s
 @pytest.fixture(scope="module")
 def cloud(tmp_path_factory):
     proc, address, err = start_cloud(tmp_path_factory.mktemp("cloud"), "--sessions", "0", "--model", MLP,
-                                     "--model", DIGITS)
+                                     "--model", DIGITS, "--model", MLP_DROPOUT)
     yield address
     stop(proc)
 
@@ -645,3 +646,102 @@ def test_an_optimizer_replaced_by_a_newer_one_is_refused_when_it_steps_again(clo
         edge_only.step()
         with pytest.raises(splitft.ConfigError, match="parameter groups changed"):
             second.step()  # still
+
+
+def _images(batches: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(16, 1, 8, 8, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(batches)]
+
+
+def batch_norm_settings_changed_mid_run(model, net, crit, data):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i, (x, y) in enumerate(data):
+        if i == 2:
+            for module in model.modules():
+                if isinstance(module, nn.BatchNorm2d):
+                    module.momentum, module.eps = 0.01, 1e-2
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+
+
+def swa_with_update_bn(model, net, crit, data):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in data[:3]:
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+    torch.optim.swa_utils.update_bn([x for x, _ in data], model)  # momentum None, statistics reset, forwards
+    for x, y in data[3:]:
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+
+
+def statistics_recomputed_with_predict(model, net, crit, data):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in data[:3]:
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+    predict = getattr(model, "predict", model)  # a plain split's whole forward; unsplit, model(x)
+    with torch.no_grad():
+        for x, _ in data:
+            predict(x)
+    for x, y in data[3:]:
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("script, rejoin", [(batch_norm_settings_changed_mid_run, None),
+                                            (batch_norm_settings_changed_mid_run, "head"),
+                                            (swa_with_update_bn, "head"),
+                                            (statistics_recomputed_with_predict, None)],
+                         ids=["bn-settings-plain", "bn-settings-ushape", "update_bn-ushape", "predict-plain"])
+def test_settings_a_script_gives_cloud_layers_are_theirs_in_the_cloud_too(cloud, script, rejoin):
+    """Batch norm's momentum and eps set mid-run, swa_utils.update_bn (momentum None, statistics
+    reset, forwards alone), statistics recomputed with model.predict: the cloud's batch norm does
+    what the unsplit one does (digits_cnn cut at block2: its BatchNorm runs in the cloud)."""
+    from splitft.app.models import digits_cnn
+
+    data = _images()
+    local = digits_cnn()
+    script(local, local, nn.CrossEntropyLoss(), data)
+    net = digits_cnn()
+    model = splitft.split(net, "block2", rejoin, factory=DIGITS, connect=cloud)
+    with model:
+        crit = nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss())
+        script(model, net, crit, data)
+        state = model.state_dict()
+    assert_bitwise(state, local.state_dict())
+    assert not torch.equal(state["block2.1.running_mean"], digits_cnn().state_dict()["block2.1.running_mean"])
+
+
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+def test_dropout_turned_off_by_a_module_walk_is_off_in_the_cloud(cloud, rejoin):
+    """What RLHF trainers do to a policy (``disable_dropout_in_model``): p = 0 on every Dropout,
+    here after two steps with it, the cloud's among them."""
+    from tests.models import mlp_dropout
+
+    def script(model, crit, data):
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for i, (x, y) in enumerate(data):
+            if i == 2:
+                for module in model.modules():
+                    if isinstance(module, nn.Dropout):
+                        module.p = 0.0
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+
+    data = _data(6)
+    torch.manual_seed(3)
+    local = mlp_dropout()
+    script(local, nn.CrossEntropyLoss(), data)
+    torch.manual_seed(3)
+    model = splitft.split(mlp_dropout(), 2, rejoin, factory=MLP_DROPOUT, connect=cloud)
+    with model:
+        script(model, nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss()), data)
+        state = model.state_dict()
+    assert_bitwise(state, local.state_dict())

@@ -65,9 +65,13 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
         lambda model, net, opt: model.__setitem__(2, nn.Linear(16, 16)), ConfigError, r"cannot be added, replaced"),
     "a layer appended to the split nn.Sequential": (
         lambda model, net, opt: model.append(nn.Softmax(-1)), ConfigError, r"cannot be added, replaced"),
-    "a dropout's p changed on a cloud layer": (
-        lambda model, net, opt: [setattr(m, "p", 0.0) for m in model.modules() if isinstance(m, nn.Dropout)],
-        CutError, r"setting 'p' of '3'"),
+    "a dropout's p deleted on a cloud layer": (
+        lambda model, net, opt: delattr(net[3], "p"), CutError, r"deleting 'p' of '3'"),
+    "a module set as a cloud layer's attribute": (
+        lambda model, net, opt: setattr(net[3], "p", nn.Identity()), CutError, r"setting 'p' of '3'"),
+    "a training forward whose activation is dropped (statistics recomputed by model(x) alone)": (
+        lambda model, net, opt: (model.train(), [model(x) for x, _ in _data(2)]), ConfigError,
+        r"a model\(x\) in training mode never reached the cloud half.*model\.predict\(x\)"),
     "a forward hook on a cloud layer's submodule": (
         lambda model, net, opt: net[2].register_forward_hook(lambda *a: None), CutError, r"would never run"),
     "a parameter group's parameters edited after the first step": (

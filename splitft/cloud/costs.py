@@ -179,6 +179,11 @@ class HalfCost:
             return None
         return counter.flops, extra
 
+    def forget(self) -> None:
+        """Count anew from the next forward: the half's settings changed (its modules' flags)."""
+        self._twin = None
+        self._seen.clear()
+
     def fallback(self, numel: int, last_dim: int) -> int:
         """A forward that could not be counted: every parameter once per row of its last dim."""
         return 2 * max(self.params, 1) * math.ceil(numel / max(last_dim, 1))

@@ -26,6 +26,7 @@ from ..wire import operations as o
 from . import offload, optimizer_state
 from .blame import blame, short
 from .caches import SessionCaches
+from .costs import Pricing
 from .passes import PassGrads
 from .graphs import Graphs
 from .half import Half, SharedPart, cast_weights
@@ -50,7 +51,7 @@ class Mirrored:
     loss_meta: nn.Module | None = None  # the loss's twin on the meta device, for pricing a call
     loss_spec: o.SetLoss | None = None
     flipped: list[nn.Module] = field(default_factory=list)  # modules the edge runs in the other mode
-    flags: dict[str, dict[str, Any]] = field(default_factory=dict)  # private flags set, by module name
+    flags: dict[str, dict[str, Any]] = field(default_factory=dict)  # flags set, by module name
     steps: int = 0
 
     @property
@@ -86,6 +87,9 @@ class Target(Protocol):
 
     @property
     def caches(self) -> SessionCaches: ...
+
+    @property
+    def pricing(self) -> Pricing: ...
 
     @property
     def replies(self) -> Replies: ...
@@ -268,6 +272,7 @@ def set_flags(session: Target, op: o.SetFlags) -> None:
     if session.half.shared is not None:
         raise PolicyError("a shared cloud half's modules are every edge's: an edge may not set their flags")
     apply_flags(session.half.chain.qualified_modules(), op.flags)
+    session.pricing.cost.forget()  # a setting may change what a forward costs (a pooling's output size)
     for where, values in op.flags.items():
         session.mirrored.flags.setdefault(where, {}).update(values)
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..code_reads import CodeGuard
-from ..config_reads import ConfigGuard
+from ..config_reads import MODE_ATTRIBUTES, ConfigGuard, flags_read, is_flag
 from ..numerics import NumericsGuard
 from ..cut import Chain, CutSpec, _module, extract
 from ..errors import ConfigError, CutError
@@ -117,6 +117,10 @@ class Ghosts:
     def flipped(self, training: bool) -> list[str]:
         """The cloud half's modules whose mode is not ``training`` (a layer put in ``eval()`` by name)."""
         return [name for name, module in self._cloud_modules if module.training != training]
+
+    def cloud_modules(self) -> list[nn.Module]:
+        """The cloud's modules as ghosts, with their submodules."""
+        return [module for _, module in self._cloud_modules]
 
     def state_names(self) -> set[str]:
         """The cloud half's state keys, named as in the unsplit model."""
@@ -275,9 +279,11 @@ class _CloudGenerator:
 
 
 def ghost_class(cls: type[nn.Module]) -> type[nn.Module]:
-    """``cls`` for a ghost: the same name and behaviour, but changing its attributes or children
-    (``m.p = 0.0``, a layer replaced by a module walk, PEFT injecting adapters) raises, since the
-    cloud's module would not change with it; and it is called plainly (a layer that checkpoints
+    """``cls`` for a ghost: the same name and behaviour, but changing its children (a layer
+    replaced by a module walk, PEFT injecting adapters) or an attribute its code does not read as
+    a plain value raises, since the cloud's module would not change with it; a setting its code
+    reads (``m.p = 0.0``, ``bn.momentum = None``) is kept here and sent with the next forward
+    (:class:`~splitft.config_reads.ModuleFlags`). It is called plainly (a layer that checkpoints
     itself leaves that to the cloud, which computes the same values either way)."""
     if issubclass(cls, _Ghost):
         return cls
@@ -294,7 +300,8 @@ class _Ghost(nn.Module):
     __call__ = nn.Module.__call__
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in _SETTABLE or (name.startswith("_") and name not in ("_parameters", "_buffers", "_modules")):
+        if (name in MODE_ATTRIBUTES or (name.startswith("_") and name not in _TABLES)
+                or (is_flag(value) and name in flags_read(self))):
             super().__setattr__(name, value)
             return
         raise CutError(f"setting {name!r} of {self.__dict__.get('_splitft_where', '?')!r}: that module runs in the "
@@ -305,12 +312,10 @@ class _Ghost(nn.Module):
         if name.startswith("_"):
             super().__delattr__(name)
             return
-        self.__setattr__(name, None)  # refused like a change
+        raise CutError(f"deleting {name!r} of {self.__dict__.get('_splitft_where', '?')!r}: that module runs in the "
+                       "cloud, built by the factory, and would keep it (split training would silently differ)")
 
 
-#: What a script may set on a ghost: its mode (mirrored with each forward) and the flags with which
-#: ``gradient_checkpointing_enable()`` marks every layer (the cloud's computes the same values).
-_SETTABLE = {"training", "gradient_checkpointing"}
 _GHOST_CLASSES: dict[type, type] = {}
 
 

@@ -112,8 +112,8 @@ class ModelMirror:
     def module_state(self, flipped: list[str], flags: dict[str, dict[str, Any]] | None = None) -> None:
         """Tell the cloud what the script changed on its modules by name, when that changed: the
         parameters it froze (``requires_grad_(False)``), the modules in the other mode than the
-        split model's (``flipped``, by name) and the private flags their code reads (``flags``:
-        those changed, see :class:`~splitft.config_reads.PrivateFlags`)."""
+        split model's (``flipped``, by name) and the flags their code reads (``flags``:
+        those changed, see :class:`~splitft.config_reads.ModuleFlags`)."""
         if flags:
             self.outbox.queue(SetFlags(flags=flags))
         params = self.cloud_half.params

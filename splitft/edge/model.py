@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..config_reads import PrivateFlags
+from ..config_reads import ModuleFlags
 from ..cut import CutSpec
 from ..errors import ConfigError, HiddenAttributeWarning, SplitFTError
 from ..metrics import Metrics
@@ -35,6 +35,7 @@ from .remote_loss import CutActivation, CutTensor, RemoteLoss, call_parts
 from .requests import EdgeSession
 from .schedule import Scheduler
 from .stage import CloudStage
+from .stray import StrayForwards, crossed
 from .standins import FORWARDING, CutReached
 from .step_log import StepLog
 
@@ -87,7 +88,9 @@ class SplitModel(UnsplitTree):
         chain = install(model, spec, remote=self._trunk if spec.ushape else None, check=check_cut,
                         placeholder=lambda tensor, name: CloudTensor(tensor, name, cloud_half))
         self.ghosts = Ghosts(model, chain)
-        self._flags = PrivateFlags([(name, model.get_submodule(name)) for name in chain.names])
+        self._flags = ModuleFlags([(name, model.get_submodule(name)) for name in chain.names])
+        self.strays = StrayForwards(self.ghosts.cloud_modules, stage.draws_in_training)
+        session.before_request = self.strays.check
         cloud_half.bind(model, chain)
         cloud_half.device = next((p.device for p in self.edge_parameters()), torch.device("cpu"))
         optimizers.register(cloud_half, self.mirror)
@@ -196,6 +199,7 @@ class SplitModel(UnsplitTree):
         """
         self.caller.forward_with(sample_ids)
         self.ghosts.check()
+        self.strays.check()
         if self.spec.ushape:
             try:
                 return self.wrapped(*args, **kwargs)
@@ -211,8 +215,11 @@ class SplitModel(UnsplitTree):
         except CutReached as cut:
             if len(cut.call_args) == 1 and not cut.call_kwargs:
                 value = cut.call_args[0]
-                return CutTensor(value) if isinstance(value, torch.Tensor) else value
-            return CutActivation(cut.call_args, cut.call_kwargs)
+                out = CutTensor(value) if isinstance(value, torch.Tensor) else value
+            else:
+                out = CutActivation(cut.call_args, cut.call_kwargs)
+            self.strays.made(out, self.training)
+            return out
         finally:
             FORWARDING.reset(forwarding)
         raise SplitFTError("the model's forward returned without reaching the cut; check the cut name")
@@ -235,6 +242,7 @@ class SplitModel(UnsplitTree):
         if self.spec.ushape:
             return self(*args, sample_ids=sample_ids, **kwargs)
         cut = self(*args, sample_ids=sample_ids, **kwargs)
+        crossed(cut)
         return self._remote(*call_parts(cut))
 
     # ------------------------------------------------------------ training

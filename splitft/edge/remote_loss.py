@@ -17,6 +17,7 @@ import torch
 
 from ..errors import ConfigError
 from .placeholders import METADATA
+from .stray import crossed
 
 
 @dataclass
@@ -47,6 +48,7 @@ class CutTensor(torch.Tensor):
     @property
     def activation(self) -> torch.Tensor:
         """The activation itself, to compute on as such (what crosses the cut: a privacy analysis)."""
+        crossed(self)
         return self._splitft_value
 
     @classmethod
@@ -96,6 +98,7 @@ class RemoteLoss:
         if self.before is not None:
             self.before()
         args, kwargs = call_parts(out)
+        crossed(out)
         loss = self.call(args, kwargs, target, again=_again(out))
         if isinstance(out, CutTensor) and isinstance(loss, torch.Tensor) and loss.requires_grad:
             _one_pass_each(out, loss)

@@ -115,6 +115,8 @@ class EdgeSession(Recovery):
         self._steps: Steps = NoSteps()
         self._suspect: BaseException | None = None  # the link failed where no reply was awaited
         self._heartbeat = Heartbeat(self, faults.heartbeat)
+        #: Called before each request but a goodbye: a refusal there leaves the request unsent.
+        self.before_request: Callable[[], None] | None = None
 
     @property
     def lock(self) -> threading.RLock:
@@ -141,6 +143,8 @@ class EdgeSession(Recovery):
         """
         if self.closed:
             raise PeerGone("this split session is closed; create a new one to keep training")
+        if self.before_request is not None and not isinstance(msg, Bye):
+            self.before_request()
         numbered = _numbered(msg)
         if numbered:
             self._seq += 1

@@ -123,6 +123,11 @@ class CloudStage:
         self._rng_synced = state
         return state.numpy()
 
+    def draws_in_training(self) -> bool | None:
+        """Whether the cloud half drew random numbers in its training-mode forwards (None: none yet)."""
+        seen = [drew for (train, _), drew in self._cloud_draws.items() if train]
+        return any(seen) if seen else None
+
     def _follow_cloud_rng(self, call: Call, part: Part, reply: Output) -> None:
         """Learn whether the half draws in these modes; when it drew, the edge's generator goes on
         from the state it left, as the unsplit model's next draw would (not for a streamed step,

@@ -1,0 +1,88 @@
+"""A plain split's ``model(x)`` whose activation never reaches the cloud half.
+
+Unsplit, ``model(x)`` runs the whole model: in training mode the cloud half's batch norm updates
+its running statistics and its dropout draws from the generator. Split, the cloud half runs when
+the activation reaches it (a remote loss, ``model.predict``), so an activation left on the edge (a
+forward whose output is dropped; batch-norm statistics recomputed with forwards alone, as
+``torch.optim.swa_utils.update_bn`` does) would leave the cloud half as it was, and training would
+go on silently apart. Such a forward is refused at the next forward or request, naming the fix,
+when it could have changed the cloud half: in training mode, with a cloud layer that keeps running
+statistics or one that draws random numbers.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from ..errors import ConfigError
+
+#: Where a plain split's ``model(x)`` notes that its activation reached the cloud half.
+_CROSSED = "_splitft_crossed"
+
+
+def crossed(out: Any) -> None:
+    """``out`` (a plain split's ``model(x)``) reached the cloud half, or the script took the
+    activation itself (``out.activation``)."""
+    if hasattr(out, "__dict__"):
+        out.__dict__[_CROSSED] = True
+
+
+def _may_draw(module: nn.Module) -> bool:
+    """Whether a training-mode forward of ``module`` may draw random numbers, before its first
+    forward said: dropout with a rate, or a layer whose code is not torch's."""
+    if isinstance(module, nn.modules.dropout._DropoutNd):
+        return module.p > 0
+    return not type(module).__module__.startswith("torch.nn.")
+
+
+def _keeps_statistics(module: nn.Module) -> bool:
+    """Whether a training-mode forward of ``module`` may change what it holds: a norm's running
+    statistics, or any persistent buffer of a layer whose code is not torch's."""
+    if isinstance(module, nn.modules.batchnorm._NormBase):
+        return module.track_running_stats and module.running_mean is not None
+    if type(module).__module__.startswith("torch.nn."):
+        return False
+    return any(name not in module._non_persistent_buffers_set for name in module._buffers)
+
+
+class StrayForwards:
+    """The last plain-split ``model(x)`` made in training mode, until its activation crosses."""
+
+    def __init__(self, cloud_modules: Callable[[], list[nn.Module]], draws: Callable[[], bool | None]) -> None:
+        self._cloud_modules = cloud_modules
+        self._draws = draws  # whether the cloud half drew in its training-mode forwards (None: none yet)
+        self._last: weakref.ReferenceType | None = None
+
+    def made(self, out: Any, training: bool) -> None:
+        """``model(x)`` returned ``out`` (after :meth:`check`)."""
+        self._last = weakref.ref(out) if training and self._could_change() else None
+
+    def check(self) -> None:
+        """Refuse if the last training-mode ``model(x)`` never reached the cloud half."""
+        last, self._last = self._last, None
+        if last is None:
+            return
+        out = last()
+        if out is not None and out.__dict__.get(_CROSSED):
+            return
+        raise ConfigError(
+            "a model(x) in training mode never reached the cloud half (no remote loss, no model.predict): unsplit, "
+            "that forward ran the whole model, updating its batch-norm running statistics or drawing its dropout "
+            "masks, so training would silently differ from the unsplit model. For the whole model's forward use "
+            "model.predict(x) (it runs the cloud half in the model's mode, as model(x) does unsplit, e.g. to "
+            "recompute batch-norm statistics); or call model.eval() first; or cut a U-shape (rejoin=), whose "
+            "model(x) is the whole model's")
+
+    def _could_change(self) -> bool:
+        draws = self._draws()
+        if draws:
+            return True
+        return any(m.training and (_keeps_statistics(m) or (draws is None and _may_draw(m)))
+                   for m in self._cloud_modules())
+
+
+__all__ = ["StrayForwards", "crossed"]
