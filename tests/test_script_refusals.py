@@ -521,3 +521,48 @@ def test_a_second_backward_through_one_forward_is_refused_in_a_u_shape_and_mirro
         loss.backward(retain_graph=True)
         with pytest.raises(ConfigError, match="second backward through the same forward"):
             loss.backward()
+
+
+def test_a_draw_between_model_x_and_its_remote_loss_is_refused_where_the_cloud_half_draws_too(cloud):
+    """Unsplit, the cloud half's dropout draws at model(x), before what the script draws next; split,
+    it runs at the loss. Where it draws, a draw in between is refused: before anything is sent once
+    the edge knows it draws, at the first such loss otherwise; where it draws nothing (eval mode),
+    the loss is computed as unsplit."""
+    data = _data(3)
+
+    def drawing_step(model, crit, opt, x, y):
+        opt.zero_grad()
+        out = model(x)
+        weight = 1 + torch.rand(1)  # a random loss weight, drawn after the forward
+        (crit(out, y) * weight).backward()
+        opt.step()
+
+    net = mlp_dropout()
+    model = splitft.split(net, 2, factory="tests.models:mlp_dropout", connect=cloud)
+    with model:
+        opt, crit = torch.optim.SGD(model.parameters(), lr=0.1), model.remote_loss(nn.CrossEntropyLoss())
+        with pytest.raises(ConfigError, match=r"drew random numbers between model\(x\) and its remote loss"):
+            drawing_step(model, crit, opt, *data[0])  # the first forward: refused once the cloud said it drew
+
+    torch.manual_seed(0)
+    local = mlp_dropout()
+    opt = torch.optim.SGD(local.parameters(), lr=0.1)
+    _steps(local, opt, nn.CrossEntropyLoss(), data[:1])
+    local.eval()
+    for x, y in data[1:]:
+        drawing_step(local, nn.CrossEntropyLoss(), opt, x, y)
+    torch.manual_seed(0)
+    net = mlp_dropout()
+    model = splitft.split(net, 2, factory="tests.models:mlp_dropout", connect=cloud)
+    with model:
+        opt, crit = torch.optim.SGD(model.parameters(), lr=0.1), model.remote_loss(nn.CrossEntropyLoss())
+        _steps(model, opt, crit, data[:1])  # the edge learns that the cloud half draws in training
+        before, generator = model.cloud_state_dict(), torch.get_rng_state()
+        with pytest.raises(ConfigError, match=r"drew random numbers between model\(x\) and its remote loss"):
+            drawing_step(model, crit, opt, *data[1])
+        assert_bitwise(model.cloud_state_dict(), before)  # refused before anything reached the cloud
+        torch.set_rng_state(generator)  # the refused step's own draw, undone
+        model.eval()  # no dropout: a draw in between changes nothing of the cloud half's
+        for x, y in data[1:]:
+            drawing_step(model, crit, opt, x, y)
+        assert_bitwise(model.state_dict(), local.state_dict())

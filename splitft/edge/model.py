@@ -31,10 +31,10 @@ from .mirror import ModelMirror
 from .module_tree import UnsplitTree, hidden_attributes
 from .placeholders import CloudTensor
 from .remote_call import CacheRefs, RemoteCaller
-from .remote_loss import CutActivation, CutTensor, RemoteLoss, call_parts
+from .remote_loss import CUT_RNG, CutActivation, CutTensor, RemoteLoss, call_parts
 from .requests import EdgeSession
 from .schedule import Scheduler
-from .stage import CloudStage
+from .stage import DRAWN_BETWEEN, CloudStage
 from .stray import StrayForwards, crossed
 from .standins import FORWARDING, CutReached
 from .step_log import StepLog
@@ -219,19 +219,27 @@ class SplitModel(UnsplitTree):
             else:
                 out = CutActivation(cut.call_args, cut.call_kwargs)
             self.strays.made(out, self.training)
+            if isinstance(out, (CutTensor, CutActivation)):
+                out.__dict__[CUT_RNG] = torch.get_rng_state()
             return out
         finally:
             FORWARDING.reset(forwarding)
         raise SplitFTError("the model's forward returned without reaching the cut; check the cut name")
 
     @torch.compiler.disable  # torch.compile(model) compiles the edge's code around it; the call itself runs as is
-    def _remote(self, args: tuple, kwargs: dict, target: Any = None, again: torch.Tensor | None = None) -> Any:
+    def _remote(self, args: tuple, kwargs: dict, target: Any = None, again: torch.Tensor | None = None,
+                cut_rng: torch.Tensor | None = None) -> Any:
         """A call of the cloud half, once the cloud knows what the script changed on its modules
-        (``again``: see :class:`~splitft.edge.remote_loss.CloudCall`)."""
+        (``again``, ``cut_rng``: see :class:`~splitft.edge.remote_loss.CloudCall`)."""
         self.ghosts.refuse_batch_statistics(self.scheduler.options.micro_batches)
         modes = self._mirror_module_state()
+        drawn_since = None
+        if again is None and cut_rng is not None and not torch.equal(torch.get_rng_state(), cut_rng):
+            if self.stage.draws(self.training, modes):
+                raise ConfigError(DRAWN_BETWEEN)
+            drawn_since = cut_rng  # the half's first forward in these modes: it says whether it drew
         return self.caller(args, kwargs, target, train=self.training, trainable=self.mirror.trainable, modes=modes,
-                           again=again)
+                           again=again, drawn_since=drawn_since)
 
     def _trunk(self, *args: Any, **kwargs: Any) -> Any:
         """U-shape: run the cloud's trunk on what the model passes to its first module."""

@@ -201,7 +201,8 @@ class RemoteCaller:
         return copies
 
     def __call__(self, args: tuple, kwargs: dict, target: Any = None, *, train: bool,
-                 trainable: frozenset[str], modes: tuple[str, ...] = (), again: torch.Tensor | None = None) -> Any:
+                 trainable: frozenset[str], modes: tuple[str, ...] = (), again: torch.Tensor | None = None,
+                 drawn_since: torch.Tensor | None = None) -> Any:
         """The cloud half's output for ``args``/``kwargs`` (plain split: the loss, with ``target``)."""
         self.cloud_half.hidden = False  # an optimizer step that raised left them hidden
         args, kwargs = trees.rebuild((args, kwargs), self.caches.ref, is_leaf=is_cache, other=lambda node, path: node)
@@ -216,7 +217,8 @@ class RemoteCaller:
         call = Call(skeleton, len(leaves), train=train, grad=grad, sample_ids=self._sample_ids,
                     stash=stash if grad else None, leaves=attached if stash is not None else [],
                     autocast=autocast_dtype(next((t.device.type for t in leaves if t.is_floating_point()), "cpu")),
-                    cloud_half=self.cloud_half, trainable=trainable, modes=modes, again=again)
+                    cloud_half=self.cloud_half, trainable=trainable, modes=modes, again=again,
+                    drawn_since=drawn_since)
         inputs = [*leaves, self._anchor] if grad else leaves
         outputs = _RemoteCall.apply(self.scheduler, call, *inputs)
         return unflatten(call.out_skeleton, list(outputs))

@@ -79,12 +79,19 @@ def call_parts(cut: Any) -> tuple[tuple, dict]:
     return (cut,), {}
 
 
+#: Where a plain split's ``model(x)`` keeps the generator state it reached the cut at.
+CUT_RNG = "_splitft_cut_rng"
+
+
 class CloudCall(Protocol):
     """The split model's call through the cut: the cloud half on ``(args, kwargs)``, with the loss
     for ``target``; ``again``: these arguments already crossed for an earlier loss, whose forward
-    started from this generator state (the cloud repeats that forward, leaving no trace)."""
+    started from this generator state (the cloud repeats that forward, leaving no trace);
+    ``cut_rng``: the generator state at the ``model(x)`` that made them (unsplit, the cloud half
+    drew from there, before whatever the script drew since)."""
 
-    def __call__(self, args: tuple, kwargs: dict, target: Any = None, again: torch.Tensor | None = None) -> Any: ...
+    def __call__(self, args: tuple, kwargs: dict, target: Any = None, again: torch.Tensor | None = None,
+                 cut_rng: torch.Tensor | None = None) -> Any: ...
 
 
 class RemoteLoss:
@@ -99,7 +106,8 @@ class RemoteLoss:
             self.before()
         args, kwargs = call_parts(out)
         crossed(out)
-        loss = self.call(args, kwargs, target, again=_again(out))
+        cut_rng = out.__dict__.get(CUT_RNG) if isinstance(out, (CutTensor, CutActivation)) else None
+        loss = self.call(args, kwargs, target, again=_again(out), cut_rng=cut_rng)
         if isinstance(out, CutTensor) and isinstance(loss, torch.Tensor) and loss.requires_grad:
             _one_pass_each(out, loss)
         return loss

@@ -78,6 +78,9 @@ class Call:
     #: A second loss of one activation: the generator state the first call started from (the
     #: cloud repeats that forward without side effects); None for any other call.
     again: torch.Tensor | None = None
+    #: A plain split's loss after the script drew random numbers since its ``model(x)``: the
+    #: generator state at that ``model(x)``, where the unsplit cloud half's draws started.
+    drawn_since: torch.Tensor | None = None
     #: Those of them the cloud said its graph did not reach (across the parts' replies); None: no word yet.
     unreached: set[str] | None = None
 

@@ -117,11 +117,18 @@ class CloudStage:
             return None
         if call.again is not None:  # the first loss's start, whatever the stream is at now (it stays there)
             return call.again.numpy()
+        if call.drawn_since is not None:  # unsplit, the half drew from there (see _follow_cloud_rng)
+            self._rng_synced = None
+            return call.drawn_since.numpy()
         state = torch.get_rng_state()
         if self._rng_synced is not None and torch.equal(state, self._rng_synced):
             return None
         self._rng_synced = state
         return state.numpy()
+
+    def draws(self, train: bool, modes: tuple[str, ...]) -> bool | None:
+        """Whether the cloud half's forward draws random numbers in these modes (None: not known yet)."""
+        return self._cloud_draws.get((train, modes))
 
     def draws_in_training(self) -> bool | None:
         """Whether the cloud half drew random numbers in its training-mode forwards (None: none yet)."""
@@ -142,6 +149,8 @@ class CloudStage:
             log.warning("the cloud half drew random numbers in a forward like those where it drew none before "
                         "(its draws depend on the data?): this one's came from its own stream, not from the "
                         "edge's generator as unsplit; from now on the edge's state goes with every such forward")
+        if reply.rng is not None and call.drawn_since is not None:
+            raise ConfigError(DRAWN_BETWEEN)
         if reply.rng is None or call.streamed:
             return
         state = checked_host_state(reply.rng, "output.rng")
@@ -258,4 +267,14 @@ def _is_one(scale: torch.Tensor) -> bool:
     return scale.device.type == "cpu" and scale.numel() == 1 and scale.item() == 1
 
 
-__all__ = ["CloudStage"]
+#: A plain split's loss whose model(x) was followed by draws of the script, before the cloud half drew.
+DRAWN_BETWEEN = (
+    "the script drew random numbers between model(x) and its remote loss, and the cloud half draws too (dropout): "
+    "unsplit, the cloud half drew its masks at model(x), before the script's draws, which then came from further on "
+    "in the generator; split, the cloud half runs at the loss, so the two would draw different numbers and training "
+    "would silently differ from the unsplit model. Draw before model(x) (or after the loss), or cut a U-shape "
+    "(rejoin=), whose model(x) runs the whole model")
+
+
+__all__ = ["CloudStage", "DRAWN_BETWEEN"]
+

@@ -12,7 +12,6 @@ statistics or one that draws random numbers.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -20,15 +19,23 @@ from torch import nn
 
 from ..errors import ConfigError
 
-#: Where a plain split's ``model(x)`` notes that its activation reached the cloud half.
-_CROSSED = "_splitft_crossed"
+#: Where a plain split's ``model(x)`` keeps its :class:`_Crossing`.
+_CROSSING = "_splitft_crossing"
+
+
+class _Crossing:
+    """Whether one ``model(x)``'s activation reached the cloud half (kept apart from the activation,
+    which the script may drop once it did)."""
+
+    crossed = False
 
 
 def crossed(out: Any) -> None:
     """``out`` (a plain split's ``model(x)``) reached the cloud half, or the script took the
     activation itself (``out.activation``)."""
-    if hasattr(out, "__dict__"):
-        out.__dict__[_CROSSED] = True
+    crossing = getattr(out, "__dict__", {}).get(_CROSSING)
+    if crossing is not None:
+        crossing.crossed = True
 
 
 def _may_draw(module: nn.Module) -> bool:
@@ -55,19 +62,18 @@ class StrayForwards:
     def __init__(self, cloud_modules: Callable[[], list[nn.Module]], draws: Callable[[], bool | None]) -> None:
         self._cloud_modules = cloud_modules
         self._draws = draws  # whether the cloud half drew in its training-mode forwards (None: none yet)
-        self._last: weakref.ReferenceType | None = None
+        self._last: _Crossing | None = None
 
     def made(self, out: Any, training: bool) -> None:
         """``model(x)`` returned ``out`` (after :meth:`check`)."""
-        self._last = weakref.ref(out) if training and self._could_change() else None
+        self._last = None
+        if training and hasattr(out, "__dict__") and self._could_change():
+            self._last = out.__dict__[_CROSSING] = _Crossing()
 
     def check(self) -> None:
         """Refuse if the last training-mode ``model(x)`` never reached the cloud half."""
         last, self._last = self._last, None
-        if last is None:
-            return
-        out = last()
-        if out is not None and out.__dict__.get(_CROSSED):
+        if last is None or last.crossed:
             return
         raise ConfigError(
             "a model(x) in training mode never reached the cloud half (no remote loss, no model.predict): unsplit, "
