@@ -359,13 +359,24 @@ def flags_read(module: nn.Module) -> list[str]:
     (dropout's ``p``, batch norm's ``momentum`` and ``eps``, which ``swa_utils.update_bn`` sets),
     its private flags (PEFT's ``_disable_adapters``) and what it holds in a dict, list or set
     (changed in place, as PEFT's ``scale_layer`` changes ``scaling``). The mode and the
-    checkpointing switch are not among them: they are mirrored otherwise, or not at all."""
+    checkpointing switch are not among them: they are mirrored otherwise, or not at all; nor are the
+    settings of torch's layers that scale what they return (pooling sizes, padding, upsampling)."""
+    if type(module).__module__.startswith("torch.nn.") and not isinstance(module, _SHAPE_KEEPING):
+        return []  # a pooling's size, a convolution's padding: what they hold and return scales with them
     found = []
     for flag in own_attributes_read(type(module)):
         value = module.__dict__.get(flag, _MISSING)
         if value is not _MISSING and flag not in _RUNTIME_FLAGS and is_flag(value):
             found.append(flag)
     return found
+
+
+#: torch's layers whose settings a script may change on a cloud layer: what they return has their
+#: input's shape whatever the settings, so no setting an edge sends makes a forward hold more.
+_SHAPE_KEEPING = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm,
+                  nn.RMSNorm, nn.ReLU, nn.LeakyReLU, nn.ELU, nn.CELU, nn.SELU, nn.GELU, nn.SiLU, nn.Mish,
+                  nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus, nn.Softsign, nn.Tanhshrink, nn.Threshold,
+                  nn.Softmax, nn.LogSoftmax, nn.PReLU, nn.RReLU, nn.Sigmoid, nn.Tanh, nn.Hardshrink, nn.Softshrink)
 
 
 def apply_flags(modules: dict[str, nn.Module], flags: Any) -> None:

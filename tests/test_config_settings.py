@@ -371,3 +371,22 @@ def test_a_plain_tensor_changed_before_split_and_not_in_the_factory_is_refused_a
     with pytest.raises(HandshakeError, match=r"'2': {'mask': 'tensor float32 \[16\] [0-9a-f]{16}'"):
         splitft.split(net, 2, factory=MASKED, connect=cloud)
     splitft.split(masked_mlp(), 2, factory=MASKED, connect=cloud).close()  # as the factory builds it: accepted
+
+
+def test_a_cloud_takes_settings_only_of_layers_whose_output_they_cannot_grow():
+    """A dropout's rate, a batch norm's momentum: set as sent. An upsampling's factor or a pooling's
+    size an edge sends would make the cloud's forward hold more than the request was priced for:
+    refused, and refused on the edge when the script sets them (as any change the cloud cannot take)."""
+    from torch import nn
+
+    from splitft.config_reads import apply_flags
+    from splitft.errors import ProtocolError
+
+    cloud_side = {"drop": nn.Dropout(0.5), "norm": nn.BatchNorm1d(4), "up": nn.Upsample(scale_factor=2),
+                  "pool": nn.MaxPool2d(2)}
+    apply_flags(cloud_side, {"drop": {"p": 0.0}, "norm": {"momentum": None, "eps": 1e-3}})
+    assert (cloud_side["drop"].p, cloud_side["norm"].momentum, cloud_side["norm"].eps) == (0.0, None, 1e-3)
+    for flags in ({"up": {"scale_factor": 1e6}}, {"pool": {"kernel_size": 1}}, {"drop": {"p": 0.1}, "up": {"size": 9}}):
+        with pytest.raises(ProtocolError, match="no flag its code reads"):
+            apply_flags(cloud_side, flags)
+    assert cloud_side["drop"].p == 0.0 and cloud_side["up"].scale_factor == 2.0  # a refused message set none
