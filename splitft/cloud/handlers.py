@@ -1,11 +1,10 @@
 """Applying the operations an edge mirrors (:mod:`splitft.wire.operations`) to one session.
 
-Each operation has one handler, registered for its record type with :func:`handles` (a new
-operation is a record, a handler here, and the edge call that queues it). What the handlers set
-is :class:`Mirrored`, the one owner of a session's optimizer, loss, module modes and step count;
-what else they touch (the half, its graphs, its caches) they reach through :class:`Target`.
-Operations that change state carry ids of their own (step n, attachment n), so applying a
-replayed request again is harmless.
+Each operation has one handler, registered for its record type with :func:`handles` (a new operation is a
+record, a handler here, and the edge call that queues it). What the handlers set is :class:`Mirrored`, the one
+owner of a session's optimizer, loss, module modes and step count; what else they touch (the half, its graphs,
+its caches) they reach through :class:`Target`. Operations that change state carry ids of their own (step n,
+attachment n), so applying a replayed request again is harmless.
 """
 
 from __future__ import annotations
@@ -272,7 +271,7 @@ def set_flags(session: Target, op: o.SetFlags) -> None:
     if session.half.shared is not None:
         raise PolicyError("a shared cloud half's modules are every edge's: an edge may not set their flags")
     apply_flags(session.half.chain.qualified_modules(), op.flags)
-    session.pricing.cost.forget()  # a setting may change what a forward costs (a pooling's output size)
+    session.pricing.cost.forget()  # a setting may change what a forward costs (a rate, a head count)
     for where, values in op.flags.items():
         session.mirrored.flags.setdefault(where, {}).update(values)
 
