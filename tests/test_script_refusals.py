@@ -71,7 +71,7 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
         lambda model, net, opt: setattr(net[3], "p", nn.Identity()), CutError, r"setting 'p' of '3'"),
     "a training forward whose activation is dropped (statistics recomputed by model(x) alone)": (
         lambda model, net, opt: (model.train(), [model(x) for x, _ in _data(2)]), ConfigError,
-        r"a model\(x\) in training mode never reached the cloud half.*model\.predict\(x\)"),
+        r"a model\(x\) in training mode had not reached the cloud half.*model\.predict\(x\)"),
     "a forward hook on a cloud layer's submodule": (
         lambda model, net, opt: net[2].register_forward_hook(lambda *a: None), CutError, r"would never run"),
     "a parameter group's parameters edited after the first step": (

@@ -5,8 +5,9 @@ its running statistics and its dropout draws from the generator. Split, the clou
 the activation reaches it (a remote loss, ``model.predict``), so an activation left on the edge (a
 forward whose output is dropped; batch-norm statistics recomputed with forwards alone, as
 ``torch.optim.swa_utils.update_bn`` does) would leave the cloud half as it was, and training would
-go on silently apart. Such a forward is refused at the next forward or request, naming the fix,
-when it could have changed the cloud half: in training mode, with a cloud layer that keeps running
+go on silently apart; one whose loss comes after another forward or request would run the cloud
+half out of order. Such a forward is refused at the next forward or request, naming the fix, when
+it could have changed the cloud half: in training mode, with a cloud layer that keeps running
 statistics or one that draws random numbers.
 """
 
@@ -71,17 +72,18 @@ class StrayForwards:
             self._last = out.__dict__[_CROSSING] = _Crossing()
 
     def check(self) -> None:
-        """Refuse if the last training-mode ``model(x)`` never reached the cloud half."""
+        """Refuse if the last training-mode ``model(x)`` has not reached the cloud half."""
         last, self._last = self._last, None
         if last is None or last.crossed:
             return
         raise ConfigError(
-            "a model(x) in training mode never reached the cloud half (no remote loss, no model.predict): unsplit, "
-            "that forward ran the whole model, updating its batch-norm running statistics or drawing its dropout "
-            "masks, so training would silently differ from the unsplit model. For the whole model's forward use "
-            "model.predict(x) (it runs the cloud half in the model's mode, as model(x) does unsplit, e.g. to "
-            "recompute batch-norm statistics); or call model.eval() first; or cut a U-shape (rejoin=), whose "
-            "model(x) is the whole model's")
+            "a model(x) in training mode had not reached the cloud half (by a remote loss or model.predict) before "
+            "the next forward or request: unsplit, that forward ran the whole model at once, updating its "
+            "batch-norm running statistics or drawing its dropout masks; split, the cloud half would run it later, "
+            "out of order, or never, so training would silently differ from the unsplit model. Compute each loss "
+            "right after its model(x); for the whole model's forward use model.predict(x) (it runs the cloud half "
+            "in the model's mode, as model(x) does unsplit, e.g. to recompute batch-norm statistics); or call "
+            "model.eval() first; or cut a U-shape (rejoin=), whose model(x) is the whole model's")
 
     def _could_change(self) -> bool:
         draws = self._draws()
