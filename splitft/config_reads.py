@@ -427,5 +427,5 @@ def _shown(value: Any) -> str:
     return "unset" if value is _MISSING else repr(value)
 
 
-__all__ = ["MODE_ATTRIBUTES", "ConfigGuard", "ModuleFlags", "apply_flags", "flags_read", "globals_read", "is_flag", "keys_read",
-           "own_attributes_read", "reads", "values"]
+__all__ = ["MODE_ATTRIBUTES", "ConfigGuard", "ModuleFlags", "apply_flags", "flags_read", "globals_read", "is_flag",
+           "keys_read", "own_attributes_read", "reads", "values"]

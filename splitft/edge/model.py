@@ -235,9 +235,11 @@ class SplitModel(UnsplitTree):
         modes = self._mirror_module_state()
         drawn_since = None
         if again is None and cut_rng is not None and not torch.equal(torch.get_rng_state(), cut_rng):
-            if self.stage.draws(self.training, modes):
+            draws = self.stage.draws(self.training, modes)
+            if draws:
                 raise ConfigError(DRAWN_BETWEEN)
-            drawn_since = cut_rng  # the half's first forward in these modes: it says whether it drew
+            if draws is None:  # its first forward in these modes: it starts where unsplit, and says if it drew
+                drawn_since = cut_rng
         return self.caller(args, kwargs, target, train=self.training, trainable=self.mirror.trainable, modes=modes,
                            again=again, drawn_since=drawn_since)
 
