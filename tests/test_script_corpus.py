@@ -653,45 +653,40 @@ def _images(batches: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(16, 1, 8, 8, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(batches)]
 
 
-def batch_norm_settings_changed_mid_run(model, net, crit, data):
+def _steps_around(model, crit, data, between) -> None:
+    """SGD steps on ``data``, with ``between()`` after the third: a change made mid-run."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for i, (x, y) in enumerate(data):
-        if i == 2:
-            for module in model.modules():
-                if isinstance(module, nn.BatchNorm2d):
-                    module.momentum, module.eps = 0.01, 1e-2
+        if i == 3:
+            between()
         opt.zero_grad()
         crit(model(x), y).backward()
         opt.step()
+
+
+def batch_norm_settings_changed_mid_run(model, net, crit, data):
+    def change():
+        for module in model.modules():
+            if isinstance(module, nn.BatchNorm2d):
+                module.momentum, module.eps = 0.01, 1e-2
+
+    _steps_around(model, crit, data, change)
 
 
 def swa_with_update_bn(model, net, crit, data):
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for x, y in data[:3]:
-        opt.zero_grad()
-        crit(model(x), y).backward()
-        opt.step()
-    torch.optim.swa_utils.update_bn([x for x, _ in data], model)  # momentum None, statistics reset, forwards
-    for x, y in data[3:]:
-        opt.zero_grad()
-        crit(model(x), y).backward()
-        opt.step()
+    # momentum None, statistics reset, then forwards alone
+    _steps_around(model, crit, data, lambda: torch.optim.swa_utils.update_bn([x for x, _ in data], model))
 
 
 def statistics_recomputed_with_predict(model, net, crit, data):
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for x, y in data[:3]:
-        opt.zero_grad()
-        crit(model(x), y).backward()
-        opt.step()
     predict = getattr(model, "predict", model)  # a plain split's whole forward; unsplit, model(x)
-    with torch.no_grad():
-        for x, _ in data:
-            predict(x)
-    for x, y in data[3:]:
-        opt.zero_grad()
-        crit(model(x), y).backward()
-        opt.step()
+
+    def recompute():
+        with torch.no_grad():
+            for x, _ in data:
+                predict(x)
+
+    _steps_around(model, crit, data, recompute)
 
 
 @pytest.mark.parametrize("script, rejoin", [(batch_norm_settings_changed_mid_run, None),
