@@ -48,6 +48,20 @@ def _steps(model, opt, crit, data) -> None:
         opt.step()
 
 
+def _loss_outside_autocast(model):
+    x, y = _data(1)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    return model.remote_loss(nn.CrossEntropyLoss())(out, y)  # unsplit, the loss of a bfloat16 output
+
+
+def _loss_in_another_mode(model):
+    x, y = _data(1)[0]
+    out = model(x)  # in eval mode, as the test puts it
+    model.train()
+    return model.remote_loss(nn.CrossEntropyLoss())(out, y)
+
+
 #: Each: (what the script does after two ordinary steps, the error, what its message says).
 REFUSED: dict[str, tuple[Callable, type, str]] = {
     "weight decay by hand on p.data": (
@@ -65,6 +79,12 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
         lambda model, net, opt: model.__setitem__(2, nn.Linear(16, 16)), ConfigError, r"cannot be added, replaced"),
     "a layer appended to the split nn.Sequential": (
         lambda model, net, opt: model.append(nn.Softmax(-1)), ConfigError, r"cannot be added, replaced"),
+    "a remote loss outside the autocast region of its model(x)": (
+        lambda model, net, opt: _loss_outside_autocast(model), ConfigError,
+        r"the autocast changed between model\(x\) and its remote loss"),
+    "a remote loss in another mode than its model(x)": (
+        lambda model, net, opt: _loss_in_another_mode(model), ConfigError,
+        r"the mode \(model\.train\(\) / model\.eval\(\)\) changed between model\(x\) and its remote loss"),
     "a dropout's p deleted on a cloud layer": (
         lambda model, net, opt: delattr(net[3], "p"), CutError, r"deleting 'p' of '3'"),
     "a module set as a cloud layer's attribute": (

@@ -31,7 +31,7 @@ from .mirror import ModelMirror
 from .module_tree import UnsplitTree, hidden_attributes
 from .placeholders import CloudTensor
 from .remote_call import CacheRefs, RemoteCaller
-from .remote_loss import CUT_RNG, CutActivation, CutTensor, RemoteLoss, call_parts
+from .remote_loss import CUT_CONTEXT, CutActivation, CutContext, CutTensor, RemoteLoss, call_parts
 from .requests import EdgeSession
 from .schedule import Scheduler
 from .stage import DRAWN_BETWEEN, CloudStage
@@ -213,33 +213,40 @@ class SplitModel(UnsplitTree):
             else:
                 self.wrapped(*args, **kwargs)
         except CutReached as cut:
-            if len(cut.call_args) == 1 and not cut.call_kwargs:
-                value = cut.call_args[0]
-                out = CutTensor(value) if isinstance(value, torch.Tensor) else value
-            else:
-                out = CutActivation(cut.call_args, cut.call_kwargs)
-            self.strays.made(out, self.training)
-            if isinstance(out, (CutTensor, CutActivation)):
-                out.__dict__[CUT_RNG] = torch.get_rng_state()
-            return out
+            return self._at_cut(cut)
         finally:
             FORWARDING.reset(forwarding)
         raise SplitFTError("the model's forward returned without reaching the cut; check the cut name")
 
+    @torch.compiler.disable  # as _remote: what reached the cut is handed over as it is
+    def _at_cut(self, cut: CutReached) -> Any:
+        """A plain split's ``model(x)``: what reached the cut, with what it ran under."""
+        if len(cut.call_args) == 1 and not cut.call_kwargs:
+            value = cut.call_args[0]
+            out = CutTensor(value) if isinstance(value, torch.Tensor) else value
+        else:
+            out = CutActivation(cut.call_args, cut.call_kwargs)
+        self.strays.made(out, self.training)
+        if isinstance(out, (CutTensor, CutActivation)):
+            out.__dict__[CUT_CONTEXT] = CutContext.now(self.training)
+        return out
+
     @torch.compiler.disable  # torch.compile(model) compiles the edge's code around it; the call itself runs as is
     def _remote(self, args: tuple, kwargs: dict, target: Any = None, again: torch.Tensor | None = None,
-                cut_rng: torch.Tensor | None = None) -> Any:
+                cut: CutContext | None = None) -> Any:
         """A call of the cloud half, once the cloud knows what the script changed on its modules
-        (``again``, ``cut_rng``: see :class:`~splitft.edge.remote_loss.CloudCall`)."""
+        (``again``, ``cut``: see :class:`~splitft.edge.remote_loss.CloudCall`)."""
         self.ghosts.refuse_batch_statistics(self.scheduler.options.micro_batches)
+        if cut is not None:
+            cut.refuse_changes(self.training)
         modes = self._mirror_module_state()
         drawn_since = None
-        if again is None and cut_rng is not None and not torch.equal(torch.get_rng_state(), cut_rng):
+        if again is None and cut is not None and not torch.equal(torch.get_rng_state(), cut.rng):
             draws = self.stage.draws(self.training, modes)
             if draws:
                 raise ConfigError(DRAWN_BETWEEN)
             if draws is None:  # its first forward in these modes: it starts where unsplit, and says if it drew
-                drawn_since = cut_rng
+                drawn_since = cut.rng
         return self.caller(args, kwargs, target, train=self.training, trainable=self.mirror.trainable, modes=modes,
                            again=again, drawn_since=drawn_since)
 

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..devices import autocast_dtype
 from ..errors import ConfigError
 from .placeholders import METADATA
 from .stray import crossed
@@ -79,19 +80,46 @@ def call_parts(cut: Any) -> tuple[tuple, dict]:
     return (cut,), {}
 
 
-#: Where a plain split's ``model(x)`` keeps the generator state it reached the cut at.
-CUT_RNG = "_splitft_cut_rng"
+@dataclass(frozen=True)
+class CutContext:
+    """What a plain split's ``model(x)`` ran under, where the unsplit model ran its cloud half too:
+    the generator state at the cut (the half's dropout drew from there, before whatever the script
+    drew since), the mode and the autocast dtype per device type."""
+
+    rng: torch.Tensor
+    training: bool
+    autocast: tuple[str | None, str | None]  # on the CPU, on CUDA
+
+    @staticmethod
+    def now(training: bool) -> CutContext:
+        return CutContext(torch.get_rng_state(), training, (autocast_dtype("cpu"), autocast_dtype("cuda")))
+
+    def refuse_changes(self, training: bool) -> None:
+        """Refuse a loss computed in another mode or autocast than its ``model(x)``: the cloud half
+        would run in those of the loss, where unsplit it ran in those of the forward."""
+        now = CutContext.now(training)
+        changed = ("mode (model.train() / model.eval())" if now.training != self.training else
+                   "autocast" if now.autocast != self.autocast else None)
+        if changed:
+            raise ConfigError(
+                f"the {changed} changed between model(x) and its remote loss: unsplit, the cloud half ran in those "
+                "of model(x); split, it runs at the loss, so it would run in the new ones and training would "
+                "silently differ. Compute the loss right after model(x), in the same mode and autocast region (or "
+                "use model.predict(x) for an output to compute on)")
+
+
+#: Where a plain split's ``model(x)`` keeps its :class:`CutContext`.
+CUT_CONTEXT = "_splitft_cut_context"
 
 
 class CloudCall(Protocol):
     """The split model's call through the cut: the cloud half on ``(args, kwargs)``, with the loss
     for ``target``; ``again``: these arguments already crossed for an earlier loss, whose forward
-    started from this generator state (the cloud repeats that forward, leaving no trace);
-    ``cut_rng``: the generator state at the ``model(x)`` that made them (unsplit, the cloud half
-    drew from there, before whatever the script drew since)."""
+    started from this generator state (the cloud repeats that forward, leaving no trace); ``cut``:
+    what the ``model(x)`` that made them ran under."""
 
     def __call__(self, args: tuple, kwargs: dict, target: Any = None, again: torch.Tensor | None = None,
-                 cut_rng: torch.Tensor | None = None) -> Any: ...
+                 cut: CutContext | None = None) -> Any: ...
 
 
 class RemoteLoss:
@@ -106,8 +134,8 @@ class RemoteLoss:
             self.before()
         args, kwargs = call_parts(out)
         crossed(out)
-        cut_rng = out.__dict__.get(CUT_RNG) if isinstance(out, (CutTensor, CutActivation)) else None
-        loss = self.call(args, kwargs, target, again=_again(out), cut_rng=cut_rng)
+        cut = out.__dict__.get(CUT_CONTEXT) if isinstance(out, (CutTensor, CutActivation)) else None
+        loss = self.call(args, kwargs, target, again=_again(out), cut=cut)
         if isinstance(out, CutTensor) and isinstance(loss, torch.Tensor) and loss.requires_grad:
             _one_pass_each(out, loss)
         return loss
