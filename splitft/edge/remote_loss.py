@@ -97,9 +97,9 @@ class CutContext:
     def refuse_changes(self, training: bool) -> None:
         """Refuse a loss computed in another mode or autocast than its ``model(x)``: the cloud half
         would run in those of the loss, where unsplit it ran in those of the forward."""
-        now = CutContext.now(training)
-        changed = ("mode (model.train() / model.eval())" if now.training != self.training else
-                   "autocast" if now.autocast != self.autocast else None)
+        autocast = (autocast_dtype("cpu"), autocast_dtype("cuda"))
+        changed = ("mode (model.train() / model.eval())" if training != self.training else
+                   "autocast" if autocast != self.autocast else None)
         if changed:
             raise ConfigError(
                 f"the {changed} changed between model(x) and its remote loss: unsplit, the cloud half ran in those "

@@ -68,13 +68,14 @@ class StrayForwards:
     def made(self, out: Any, training: bool) -> None:
         """``model(x)`` returned ``out`` (after :meth:`check`)."""
         self._last = None
-        if training and hasattr(out, "__dict__") and self._could_change():
+        if training and hasattr(out, "__dict__"):
             self._last = out.__dict__[_CROSSING] = _Crossing()
 
     def check(self) -> None:
-        """Refuse if the last training-mode ``model(x)`` has not reached the cloud half."""
+        """Refuse if the last training-mode ``model(x)`` has not reached the cloud half, where that
+        forward could have changed it (asked only then: a step whose loss crossed pays nothing)."""
         last, self._last = self._last, None
-        if last is None or last.crossed:
+        if last is None or last.crossed or not self._could_change():
             return
         raise ConfigError(
             "a model(x) in training mode had not reached the cloud half (by a remote loss or model.predict) before "
@@ -86,11 +87,12 @@ class StrayForwards:
             "model.eval() first; or cut a U-shape (rejoin=), whose model(x) is the whole model's")
 
     def _could_change(self) -> bool:
+        """Whether a training-mode forward of the cloud half may change it (its layers as in
+        training: the script may have called ``model.eval()`` since, before the next forward)."""
         draws = self._draws()
         if draws:
             return True
-        return any(m.training and (_keeps_statistics(m) or (draws is None and _may_draw(m)))
-                   for m in self._cloud_modules())
+        return any(_keeps_statistics(m) or (draws is None and _may_draw(m)) for m in self._cloud_modules())
 
 
 __all__ = ["StrayForwards", "crossed"]
