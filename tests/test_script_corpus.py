@@ -142,11 +142,15 @@ def fp16_with_grad_scaler(model, net, crit, data):
 
 
 def zero_grad_by_hand_and_clip_through_grad_data(model, net, crit, data):
-    """The old idioms: ``p.grad = None`` per parameter, ``p.grad.data.clamp_`` (DQN-style clipping)."""
+    """The old idioms: ``p.grad = None`` or ``del p.grad`` per parameter, ``p.grad.data.clamp_``
+    (DQN-style clipping)."""
     opt = torch.optim.RMSprop(model.parameters(), lr=1e-2)
     for x, y in data:
-        for p in model.parameters():
-            p.grad = None
+        for i, p in enumerate(model.parameters()):
+            if i % 2:
+                p.grad = None
+            else:
+                del p.grad
         crit(model(x), y).backward()
         for p in model.parameters():
             p.grad.data.clamp_(-0.02, 0.02)

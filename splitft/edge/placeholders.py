@@ -157,6 +157,10 @@ class CloudTensor(RemoteTensor):
         elif value is not self.grad:  # the same handle back: an in-place operator (p.grad /= n), mirrored
             self._splitft_remote.refuse_grad(self._splitft_name, value)
 
+    @grad.deleter
+    def grad(self) -> None:  # ``del p.grad``: torch's own spelling of ``p.grad = None``
+        self._splitft_remote.clear_grad(self._splitft_name)
+
 
 def remote_of(tensor: Any) -> Remote | None:
     """The handle on the cloud half behind a placeholder or its gradient (None for any other tensor,
