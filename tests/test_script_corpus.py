@@ -477,6 +477,73 @@ def test_what_a_script_adds_to_the_split_model_is_in_the_model_it_split(cloud, s
     assert got == expected
 
 
+# ---------------------------------------------------------------- what a script computes from cloud tensors
+
+
+def skips_a_step_whose_gradients_are_not_finite(model, net, crit, data):
+    """A NaN guard: the step of a batch whose loss overflowed is skipped, the batch counted."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    skipped = 0
+    for i, (x, y) in enumerate(data):
+        (crit(model(x), y) * (float("inf") if i == 2 else 1.0)).backward()
+        if any(not torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None):
+            opt.zero_grad()
+            skipped += 1
+            continue
+        opt.step()
+        opt.zero_grad()
+    assert skipped == 1
+    return skipped
+
+
+def sign_sgd_with_weight_decay_added_to_the_gradient(model, net, crit, data):
+    """signSGD, and L2 weight decay the old way: ``p.grad.add_(p.data, alpha=wd)`` before the step."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for i, (x, y) in enumerate(data):
+        crit(model(x), y).backward()
+        for p in model.parameters():
+            if i % 2:
+                p.grad.sign_()
+            else:
+                p.grad.add_(p.data, alpha=1e-2)
+        opt.step()
+        opt.zero_grad()
+
+
+def logs_the_largest_gradient_and_the_weight_norm(model, net, crit, data):
+    """What a training log prints each step, read from every parameter."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    logged = []
+    for x, y in data:
+        crit(model(x), y).backward()
+        logged.append(max(p.grad.abs().max().item() for p in model.parameters()))
+        opt.step()
+        opt.zero_grad()
+        logged.append(float(torch.sqrt(sum((p.detach() ** 2).sum() for p in model.parameters()))))
+    return logged
+
+
+def renormalises_rows_and_perturbs_weights_after_each_step(model, net, crit, data):
+    """Max-norm regularisation of a layer's rows, and weight noise from the global generator."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    torch.manual_seed(3)
+    for x, y in data:
+        crit(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            w = net[2].weight
+            w.div_(w.norm(dim=1, keepdim=True).clamp_min(1.0))
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 1e-3)
+            for p in model.parameters():
+                p.data.mul_(0.999)  # weight decay by hand on .data
+
+
+COMPUTED = [skips_a_step_whose_gradients_are_not_finite, sign_sgd_with_weight_decay_added_to_the_gradient,
+            logs_the_largest_gradient_and_the_weight_norm, renormalises_rows_and_perturbs_weights_after_each_step]
+
+
 @pytest.fixture(scope="module")
 def cloud(tmp_path_factory):
     proc, address, err = start_cloud(tmp_path_factory.mktemp("cloud"), "--sessions", "0", "--model", MLP,
@@ -488,6 +555,18 @@ def cloud(tmp_path_factory):
 @pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda f: f.__name__)
 def test_a_script_trains_split_exactly_as_locally(cloud, script, rejoin):
+    _trains_exactly_as_locally(cloud, script, rejoin)
+
+
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+@pytest.mark.parametrize("script", COMPUTED, ids=lambda f: f.__name__)
+def test_what_a_script_computes_from_cloud_tensors_is_computed_in_the_cloud(cloud, script, rejoin):
+    """Torch calls on cloud gradients and weights (a NaN guard, sign SGD, values logged, rows
+    rescaled) are computed in the cloud with the same functions: the unsplit run's values, bitwise."""
+    _trains_exactly_as_locally(cloud, script, rejoin)
+
+
+def _trains_exactly_as_locally(cloud, script, rejoin):
     data = _data(6)
     local = mlp()
     expected = script(local, local, nn.CrossEntropyLoss(), data)

@@ -154,7 +154,21 @@ OPS = st.one_of(
     st.builds(lambda i: {"op": "free_cache", "id": i}, st.integers(-5, 2**40)),
     st.builds(lambda names: {"op": "scale_grads", "factor": 0.5, "names": names},
               st.sampled_from([None, ["2.bias"], ["missing"]])),
+    st.builds(lambda target, fn, args: {"op": "compute", "target": target, "fn": fn, "args": args, "kwargs": {}},
+              st.sampled_from([{"grad": "2.weight"}, {"value": "2.bias"}, {"value": "nope"}, {"grad": 3}, {}]),
+              st.sampled_from(["add_", "exp_", "__import__", "mul", 7]),
+              st.sampled_from([[1.0], [{"value": "2.weight"}], [{"array": np.ones((512, 512), np.float32), "dtype": "float32"}],
+                               [list(range(20))], ["x" * 40], [{"fn": "abs", "args": [{"grad": "4.bias"}], "kwargs": {}}]])),
 )
+
+#: What a sync may ask the cloud to compute: good, malformed and oversized expressions.
+EXPRESSIONS = st.sampled_from([
+    None, [], [{"fn": "amax", "args": [{"value": "2.weight"}], "kwargs": {}}],
+    [{"fn": "abs", "args": [{"grad": "2.weight"}], "kwargs": {}}] * 65,
+    [{"fn": "mul", "args": [{"array": np.ones((3000, 1), np.float32), "dtype": "float32"},
+                            {"array": np.ones((1, 3000), np.float32), "dtype": "float32"}], "kwargs": {}}],
+    [{"fn": "sum", "args": [{"value": "2.bias"}], "kwargs": {"dtype": {"dtype": "complex64"}}}], ["x"], [7],
+])
 
 
 @st.composite
@@ -176,7 +190,7 @@ def requests(draw) -> list[protocol.Message]:
         elif kind == "backward":
             out.append(Backward(call=draw(st.integers(1, 3)), grads=[_tensor(draw)], ops=ops, seq=seq))
         else:
-            out.append(Sync(ops=ops, seq=seq))
+            out.append(Sync(ops=ops, evaluate=draw(EXPRESSIONS), seq=seq))
     return out
 
 
@@ -200,6 +214,12 @@ def _ask(conn, msg) -> protocol.Message:
 # Within the codecs' own limits but beyond this cloud's policy: drawn too, but rarely as the registry grows.
 @example(hello=base_hello(codecs={"fwd": "lowrank:iters=400000", "bwd": "identity", "ret": "identity",
                                   "ret_bwd": "identity"}), batch=[])
+# A forward whose mask would expand to 2^28 values: refused for its size, whatever else the draws reach.
+@example(hello=base_hello(), batch=[Forward(
+    call=1, train=True, grad=False, seq=1,
+    args=[payload_to_wire(compressors.Payload("identity", 1, {"x": np.ones((3, 16), np.float32)}), False)],
+    kwargs={"mask": {"$expand": [payload_to_wire(compressors.Payload("identity", 1, {"x": np.ones((1, 1))}), False),
+                                 [1 << 14, 1 << 14]]}})])
 def test_well_formed_requests_are_served_or_refused_typed(cloud, hello, batch):
     conn = transports.connect(cloud.address)
     try:

@@ -182,6 +182,11 @@ class Half:
         self._named, self._names = None, None  # sharding made new parameter objects
         self._sharded = True  # whose shards are the process group's to place: never cached
 
+    @property
+    def is_sharded(self) -> bool:
+        """Whether the half was cut into shards across ranks."""
+        return self._sharded
+
     # ------------------------------------------------------------ parameters by name
 
     @property

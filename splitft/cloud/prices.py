@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from compressors import CodecContext
 
+from ..wire import expressions
 from ..wire import tree as trees
 from ..wire.coding import CacheRef, Coded, SlotCodecs, expansions, flatten, from_wire, stream_index, unflatten
 from ..wire.protocol import Backward, Forward, Message, Sync
@@ -90,7 +91,8 @@ def guess(session: Priced, msg: Message, checkpoint: bool) -> Price:
             price.flops += backward(session, msg, session.graphs.pending[msg.call], check_it=False)
         elif isinstance(msg, Sync):
             price.flops += session.pricing.cost.params * (bool(msg.want_state) * 4 + (msg.grad_norm is not None)
-                                                          + bool(msg.want_optimizer_state) * 12)
+                                                          + bool(msg.want_optimizer_state) * 12
+                                                          + expressions.nodes(msg.evaluate))
     except Exception as exc:  # noqa: BLE001 — the request fails in its own work, at its own point
         log.debug("session %s: request not priced ahead (%s); it fails where it always did", session.id, exc)
     return price
@@ -106,6 +108,10 @@ def _ops(session: Priced, ops: Any) -> int:
             flops += STEP_FLOPS_PER_PARAM * params
         elif name in _PER_PARAM_OPS:
             flops += params
+        elif name == "compute":
+            args, kwargs = value.get("args"), value.get("kwargs")
+            operands = (args if isinstance(args, list) else []) + list(kwargs.values() if isinstance(kwargs, dict) else [])
+            flops += params * (1 + expressions.nodes(operands))
         elif name == "load_weights" and isinstance(value.get("weights"), dict):
             flops += sum(int(a.nbytes) for a in value["weights"].values() if isinstance(a, np.ndarray))
         elif name == "load_optimizer_state" and isinstance(value.get("entries"), dict):

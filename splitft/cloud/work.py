@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..wire.protocol import Ack, Backward, Bye, Forward, Message, Sync
-from . import optimizer_state, prices, selection, snapshots
+from . import compute, optimizer_state, prices, selection, snapshots
 from .checkpoint_folder import CheckpointStore
 from .cut_average import HeldGrads, averages_cut, held_backward
 from .jobs import Job
@@ -78,7 +78,8 @@ def run(checkpointing: Checkpointing, session: CloudSession, msg: Request, seq: 
     if isinstance(msg, Sync):
         return Ack(state=session.state() if msg.want_state else None,
                    grad_norms=session.grad_norms(msg.grad_norm, msg.grad_names) if msg.grad_norm is not None else None,
-                   optimizer_state=optimizer_state.read(session) if msg.want_optimizer_state else None)
+                   optimizer_state=optimizer_state.read(session) if msg.want_optimizer_state else None,
+                   values=compute.evaluate(session, msg.evaluate) if msg.evaluate is not None else None)
     return Ack()
 
 

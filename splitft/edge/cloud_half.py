@@ -26,7 +26,9 @@ from torch import nn
 
 from ..cut import Chain
 from ..errors import PlaceholderError
-from ..wire.operations import ClampGrads, LoadWeights, Operation, ScaleGrads, ZeroGrad
+from ..wire.expressions import dtype_of
+from ..wire.operations import ClampGrads, Compute, LoadWeights, Operation, ScaleGrads, ZeroGrad
+from . import cloud_values
 from .placeholders import CloudGrad, CloudTensor, remote_of
 
 log = logging.getLogger(__name__)
@@ -39,12 +41,20 @@ class CloudHalf:
         queue: puts an operation on the next message (:meth:`.outbox.Outbox.queue`).
         fetch_norms: asks the cloud for the ``norm_type`` norm of each of its parameters'
             gradients, in :attr:`order`; None where it has none (one round trip).
+        fetch_values: asks the cloud for the values of expressions over its tensors
+            (:mod:`.cloud_values`), as ``[array, dtype name]`` each (one round trip).
+        version: a count that moves whenever the cloud half's tensors may have changed (an
+            operation queued, a forward sent).
     """
 
     def __init__(self, queue: Callable[[Operation], None],
-                 fetch_norms: Callable[[float], list[float | None]]) -> None:
+                 fetch_norms: Callable[[float], list[float | None]],
+                 fetch_values: Callable[[list], list] | None = None,
+                 version: Callable[[], int] = lambda: 0) -> None:
         self._queue = queue
         self._fetch_norms = fetch_norms
+        self._fetch_values = fetch_values
+        self.version = version
         self.order: list[str] = []  # the cloud half's parameter names, in the order the cloud answers norms
         self.params: dict[str, CloudTensor] = {}  # name in the unsplit model -> placeholder
         self.names_by_id: dict[int, str] = {}  # id of a placeholder -> its name
@@ -124,6 +134,25 @@ class CloudHalf:
             low, high = value
             self._queue(ClampGrads(low=low, high=high, names=list(names)))
 
+    def computed(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A torch call on this half's placeholders that the cloud can compute (:mod:`.cloud_values`);
+        NotImplemented where it cannot, and the placeholder refuses it."""
+        return cloud_values.handle(func, args, kwargs)
+
+    def compute(self, op: Compute) -> None:
+        """An in-place call on a cloud gradient or weight (:mod:`.cloud_values`), in the cloud."""
+        self._changed()
+        self._queue(op)
+
+    def evaluate(self, nodes: list[dict]) -> list[torch.Tensor]:
+        """The values of expressions over the cloud half's tensors, as the cloud computed them."""
+        if self._fetch_values is None:
+            raise PlaceholderError("this split model computes nothing from its cloud half's tensors")
+        fetched = self._fetch_values(nodes)
+        if len(fetched) != len(nodes):
+            raise PlaceholderError(f"the cloud answered {len(fetched)} values for {len(nodes)} expressions")
+        return [_value(array, dtype) for array, dtype in fetched]
+
     def _changed(self) -> None:
         self._norms.clear()
 
@@ -132,6 +161,13 @@ class CloudHalf:
     def push_values(self, name: str, value: torch.Tensor) -> None:
         """New values for a cloud parameter or buffer (``copy_``, ``zero_``, ``fill_``, a draw on its placeholder)."""
         self._queue(LoadWeights(weights={name: values_to_send(value).copy()}, partial=True))  # the script may change value first
+
+
+def _value(array: Any, dtype: Any) -> torch.Tensor:
+    """A value the cloud computed, in its dtype (bfloat16 travels as float32: exact)."""
+    tensor = torch.from_numpy(np.array(array))  # a copy: received frames are read-only
+    wanted = dtype_of(dtype)
+    return tensor if tensor.dtype == wanted else tensor.to(wanted)
 
 
 def values_to_send(value: Any) -> np.ndarray:

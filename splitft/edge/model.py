@@ -77,7 +77,8 @@ class SplitModel(UnsplitTree):
         self.session = session
         self.stage = stage
         self.scheduler = scheduler
-        self.cloud_half = CloudHalf(session.outbox.queue, self._fetch_norms)
+        self.cloud_half = CloudHalf(session.outbox.queue, self._fetch_norms, self._fetch_values,
+                                    lambda: session.outbox.version)
         self.mirror = ModelMirror(session, session.outbox, stage, self.cloud_half, on_step=self._stepped)
         self.caller = RemoteCaller(scheduler, self.cloud_half, CacheRefs(session.outbox.queue, lambda: session.closed),
                                    freeze_edge=freeze_edge)
@@ -290,6 +291,11 @@ class SplitModel(UnsplitTree):
         """The cloud's norm of each of its gradients (after what changed on its modules)."""
         self._mirror_module_state()
         return self.session.sync_reply(grad_norm=norm_type).grad_norms or []
+
+    def _fetch_values(self, nodes: list) -> list:
+        """The values of expressions over the cloud half's tensors (after what changed on its modules)."""
+        self._mirror_module_state()
+        return self.session.sync_reply(evaluate=nodes).values or []
 
     def _stepped(self) -> None:
         self.metrics.steps += 1

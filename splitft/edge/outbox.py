@@ -27,12 +27,16 @@ class Outbox:
         self._flush = flush
         #: The most operations the cloud applies per message (its ``max_ops``); None: no bound.
         self.most: int | None = None
+        #: Moves with every operation queued and every forward sent: what was computed from the
+        #: cloud half's tensors at one version stands for them only while it holds.
+        self.version = 0
 
     def __len__(self) -> int:
         return len(self._ops)
 
     def queue(self, op: Operation) -> None:
         """``op`` rides on the next message, after every operation queued before it."""
+        self.version += 1
         ops = self._ops
         if ops and merged(ops[-1], op, self._names):
             return

@@ -25,7 +25,10 @@ What is mirrored:
   clears the cloud's; its norm (``torch.linalg.vector_norm``, ``Tensor.norm``, ``_foreach_norm``)
   is fetched from the cloud; ``mul_``, ``div_``, ``clamp_``, ``zero_`` and torch's foreach and
   loss-scaling kernels over it are applied there. Torch's own ``clip_grad_norm_``,
-  ``clip_grad_value_`` and ``GradScaler`` therefore act on both halves, however they were imported.
+  ``clip_grad_value_`` and ``GradScaler`` therefore act on both halves, however they were imported;
+* any other call of torch's elementwise functions, comparisons and reductions on them (and their
+  in-place forms) is computed in the cloud (:mod:`.cloud_values`); ``torch.randn_like(p)`` and kin
+  are drawn here, from the shape alone.
 
 What is made from a placeholder's shape alone (``torch.zeros_like(p)``, ``full_like``, ``ones_like``,
 ``empty_like``) is a :class:`CloudState`: the state an optimizer's constructor makes for a cloud
@@ -47,6 +50,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..errors import PlaceholderError
+from ..wire import expressions
 
 Tensor = torch.Tensor
 
@@ -58,6 +62,10 @@ class Remote(Protocol):
     def clear_grad(self, name: str) -> None: ...
     def grad_norms(self, names: list[str], norm_type: float) -> list[Tensor]: ...
     def change_grads(self, names: list[str], kind: str, value: Any) -> None: ...
+    def computed(self, func: Any, args: tuple, kwargs: dict) -> Any: ...  # in the cloud, or NotImplemented
+    def compute(self, op: Any) -> None: ...  # an in-place call on a cloud tensor (a Compute operation)
+    def evaluate(self, nodes: list[dict]) -> list[Tensor]: ...  # expressions' values, computed in the cloud
+    def version(self) -> int: ...  # moves whenever the cloud half's tensors may have changed
     def push_values(self, name: str, value: Tensor) -> None: ...
     def refuse_grad(self, name: str, value: Any) -> None: ...
     @property
@@ -108,11 +116,18 @@ class RemoteTensor(Tensor):
         if isinstance(self, CloudGrad) or (isinstance(self, list) and any(isinstance(t, CloudGrad) for t in self)):
             handler = _GRAD_OPS.get(func)
             if handler is not None and all(isinstance(t, CloudGrad) for t in remote):
-                return handler(*args, **kwargs)
+                try:
+                    return handler(*args, **kwargs)
+                except PlaceholderError:
+                    if func not in expressions.NAMES:
+                        raise  # else: computed in the cloud as an expression (p.grad.mul_(p.grad))
         elif isinstance(self, (CloudTensor, CloudState)) and len(remote) == 1:
             handler = (_VALUE_OPS if isinstance(self, CloudTensor) else _LIKE_OPS).get(func)
             if handler is not None:
                 return handler(*args, **kwargs)
+        computed = remote[0]._splitft_remote.computed(func, args, kwargs) if remote else NotImplemented
+        if computed is not NotImplemented:
+            return computed
         raise PlaceholderError(_refusal(func, remote[0] if remote else self))
 
     @classmethod
@@ -313,7 +328,22 @@ _LIKE_OPS: dict[Any, Callable[..., Any]] = {
     torch.empty_like: _like(lambda: None),
 }
 
+
+def _drawn_like(draw: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """``torch.randn_like(p)`` and kin: drawn here, on the edge half's device, from the generator
+    the unsplit model's draw would use; they read no values of ``p``, only its shape."""
+
+    def drawn(source: RemoteTensor, *args: Any, dtype: Any = None, device: Any = None, **kwargs: Any) -> Tensor:
+        like = torch.empty(source.shape, dtype=dtype or source.dtype,
+                           device=device if device is not None else source._splitft_remote.device)
+        return draw(like, *args, **kwargs)
+
+    return drawn
+
+
 _VALUE_OPS: dict[Any, Callable[..., Any]] = {
+    torch.randn_like: _drawn_like(torch.randn_like), torch.rand_like: _drawn_like(torch.rand_like),
+    torch.randint_like: _drawn_like(torch.randint_like),
     Tensor.copy_: new_values(lambda value, source, non_blocking=False: value.copy_(source.detach())),
     **{op: new_values(op) for op in (Tensor.fill_, Tensor.zero_, Tensor.normal_, Tensor.uniform_)},
     # the initialisers torch lets a tensor subclass own; the others reach the Tensor methods above
@@ -474,11 +504,13 @@ _GRAD_OPS: dict[Any, Callable[..., Any]] = {
     Tensor.zero_: _ZERO, torch._foreach_zero_: _FOREACH_ZERO,
     torch._amp_foreach_non_finite_check_and_unscale_: _unscale,
     Tensor.detach: _same, Tensor.detach_: _same, _DATA_GETTER: _same,
+    torch.randn_like: _drawn_like(torch.randn_like), torch.rand_like: _drawn_like(torch.rand_like),
 }
 
 #: Every torch function that reaches the cloud rather than raising, by the kind of tensor it takes.
 MIRRORED: dict[str, frozenset[Any]] = {"values": frozenset(_VALUE_OPS), "gradients": frozenset(_GRAD_OPS),
-                                       "made like": frozenset(_LIKE_OPS)}
+                                       "made like": frozenset(_LIKE_OPS),
+                                       "computed": frozenset(expressions.FUNCTIONS.values())}
 
 
 def _refusal(func: Any, tensor: Any) -> str:
@@ -487,14 +519,16 @@ def _refusal(func: Any, tensor: Any) -> str:
         name = f"{getattr(func, '__self__', func)!s}"
     what = tensor._what() if isinstance(tensor, RemoteTensor) else "a cloud tensor"
     if isinstance(tensor, CloudGrad):
-        return (f"{name} on {what}: the gradient lives in the cloud, and only these reach it there: its norm "
-                "(torch.linalg.vector_norm, .norm(), clip_grad_norm_), mul_, div_, clamp_, zero_, and "
-                "setting p.grad = None (zero_grad). Clip with torch.nn.utils.clip_grad_norm_ / clip_grad_value_")
+        return (f"{name} on {what}: the gradient lives in the cloud, and only these reach it there: torch's "
+                "elementwise functions, comparisons and reductions (splitft.wire.expressions lists them; their "
+                "in-place forms too), norms, clip_grad_norm_ / clip_grad_value_, and setting p.grad = None")
     if isinstance(tensor, CloudMoment):
         return f"{name} on {what}: {tensor._hint()}"
     return (f"{name} on {what}: its values live in the cloud, so this would compute on nothing (split "
-            "training would silently differ from the unsplit model). Do it before split(); read the weights "
-            "with model.state_dict(); set them with model.load_state_dict(...) or p.copy_(tensor)")
+            "training would silently differ from the unsplit model), and the cloud computes only torch's "
+            "elementwise functions, comparisons and reductions of them (splitft.wire.expressions lists them). "
+            "Do it before split(); read the weights with model.state_dict(); set them with "
+            "model.load_state_dict(...) or p.copy_(tensor)")
 
 
 __all__ = ["CloudGrad", "CloudMoment", "CloudState", "METADATA", "CloudTensor", "MIRRORED", "Remote", "RemoteTensor",

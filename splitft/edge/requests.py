@@ -145,6 +145,8 @@ class EdgeSession(Recovery):
             raise PeerGone("this split session is closed; create a new one to keep training")
         if self.before_request is not None and not isinstance(msg, Bye):
             self.before_request()
+        if not isinstance(msg, Sync):
+            self.outbox.version += 1  # a forward or a backward changes the cloud half's tensors
         numbered = _numbered(msg)
         if numbered:
             self._seq += 1
@@ -353,17 +355,19 @@ class EdgeSession(Recovery):
 
     def sync_reply(self, want_state: bool = False, checkpoint: bool = False, pin: bool = False,
                    grad_norm: float | None = None, grad_names: list[str] | None = None,
-                   want_optimizer_state: bool = False) -> Ack:
+                   want_optimizer_state: bool = False, evaluate: list | None = None) -> Ack:
         """Apply pending operations in the cloud now; its reply carries the cloud part's weights
         (``want_state``), the ``grad_norm``-type norm of each of its gradients (of the
-        ``grad_names``d parameters' only, when given) and its optimizer's state (``want_optimizer_state``).
+        ``grad_names``d parameters' only, when given), its optimizer's state (``want_optimizer_state``)
+        and the values of expressions over its tensors (``evaluate``).
 
         ``checkpoint`` makes the cloud write a checkpoint right after these operations (``pin``:
         one it keeps until the next pinned one, to match an edge checkpoint).
         """
         with self._lock:
             msg = Sync(ops=self.outbox.take(), want_state=want_state, checkpoint=checkpoint or pin, pin=pin,
-                       grad_norm=grad_norm, grad_names=grad_names, want_optimizer_state=want_optimizer_state)
+                       grad_norm=grad_norm, grad_names=grad_names, want_optimizer_state=want_optimizer_state,
+                       evaluate=evaluate)
             reply, wire_in = self.exchange(msg, "control", Ack)
             self.metrics.count("down", "control", wire=wire_in)
             assert isinstance(reply, Ack)

@@ -167,6 +167,7 @@ class Sync(Message):
     grad_norm: float | None = None  # answer with the norm (of this type) of each cloud gradient
     grad_names: list | None = None  # ... of these parameters only (unsplit names); None: all
     want_optimizer_state: bool = False  # answer with the optimizer's state of each cloud parameter
+    evaluate: list | None = None  # answer with the values of these expressions (splitft.wire.expressions)
     seq: int = 0
 
 
@@ -178,6 +179,8 @@ class Ack(Message):
     grad_norms: list | None = None
     #: The optimizer's state, parameter name → {state key → array} (bfloat16 as float32).
     optimizer_state: dict | None = None
+    #: The values of the sync's ``evaluate`` expressions, in order (bfloat16 as float32, its name beside).
+    values: list | None = None
     seq: int = 0
 
 

@@ -130,6 +130,20 @@ class ClampGrads(Operation):
 
 
 @dataclass
+class Compute(Operation):
+    """An in-place torch method on a cloud gradient or weight, its operands computed in the cloud
+    (:mod:`splitft.wire.expressions`): ``p.grad.sign_()``, ``p.grad.add_(p.data, alpha=wd)``,
+    ``w.div_(w.norm(dim=1, keepdim=True))``. ``target`` is ``{"grad": name}`` or ``{"value": name}``,
+    ``fn`` one of :data:`~splitft.wire.expressions.IN_PLACE`."""
+
+    NAME: ClassVar[str] = "compute"
+    target: dict
+    fn: str
+    args: list = field(default_factory=list)
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
 class LoadWeights(Operation):
     """Replace the cloud half's weights (``model.load_state_dict``): name → array, every name of the
     half; with ``partial``, only the named tensors (``p.copy_(tensor)`` on a placeholder)."""
@@ -206,7 +220,7 @@ class ChangeCache(Operation):
 
 OPERATIONS: dict[str, type[Operation]] = {
     cls.NAME: cls for cls in (AttachOptimizer, AddParamGroup, SetLoss, Step, ApplyEager, ZeroGrad, ScaleGrads, ClampGrads,
-                              LoadWeights, LoadOptimizerState, SetFrozen, SetModes, SetFlags, FreeCache, ChangeCache)
+                              Compute, LoadWeights, LoadOptimizerState, SetFrozen, SetModes, SetFlags, FreeCache, ChangeCache)
 }
 
 #: Operations that act alike on a list of named parameters: two in a row over different
@@ -273,5 +287,5 @@ def from_wire(value: Any) -> Operation:
     return build_checked(cls, {k: v for k, v in value.items() if k != "op"}, f"operation {cls.NAME}")
 
 
-__all__ = ["AddParamGroup", "ApplyEager", "AttachOptimizer", "ClampGrads", "FreeCache", "LoadOptimizerState", "LoadWeights", "OPERATIONS", "Operation", "ScaleGrads",
+__all__ = ["AddParamGroup", "ApplyEager", "AttachOptimizer", "ClampGrads", "Compute", "FreeCache", "LoadOptimizerState", "LoadWeights", "OPERATIONS", "Operation", "ScaleGrads",
            "SetFrozen", "SetLoss", "SetModes", "Step", "ZeroGrad", "from_wire", "merged", "names_of", "to_wire"]

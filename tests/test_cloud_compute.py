@@ -1,0 +1,102 @@
+"""Torch calls on the cloud half's tensors computed in the cloud: large results stay there until
+reduced, a result used after the cloud half changed is refused, and the cloud checks every
+expression an edge sends before it computes anything (a real cloud process, real ZeroMQ)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import splitft
+from splitft.edge.cloud_values import MOST_READ, CloudValue
+from splitft.errors import PlaceholderError, ProtocolError
+from splitft.wire.expressions import MOST_NODES
+from tests.conftest import start_cloud, stop
+from tests.models import mlp
+from tests.test_faults import _data
+
+MLP = "tests.models:mlp"
+WIDE = 300  # a 300 x 300 layer: more values than an edge reads back at once
+
+
+@pytest.fixture(scope="module")
+def cloud(tmp_path_factory):
+    proc, address, err = start_cloud(tmp_path_factory.mktemp("cloud"), "--sessions", "0", "--model", MLP)
+    yield address
+    stop(proc)
+
+
+def _wide_split(address: str) -> tuple[nn.Module, nn.Module]:
+    net = mlp(width=WIDE)
+    return splitft.split(net, 2, factory=splitft.Factory(MLP, {"width": WIDE}), connect=address), net
+
+
+def test_a_large_result_stays_in_the_cloud_until_reduced_and_equals_the_local_one(cloud):
+    local = mlp(width=WIDE)
+    model, net = _wide_split(cloud)
+    (x, y), = _data(1)
+    with model:
+        crit = model.remote_loss(nn.CrossEntropyLoss())
+        for m, c in ((local, nn.CrossEntropyLoss()), (model, crit)):
+            c(m(x), y).backward()
+        grad, expected = net[2].weight.grad, local[2].weight.grad
+        assert grad.numel() > MOST_READ
+        magnitude = grad.abs()
+        assert isinstance(magnitude, CloudValue) and magnitude.shape == expected.shape
+        scaled = magnitude * 2.0 + 1.0  # still in the cloud: three calls, one expression
+        assert isinstance(scaled, CloudValue)
+        largest = scaled.amax(dim=1)  # a row of 300: computed and read back now
+        assert not isinstance(largest, CloudValue)
+        assert torch.equal(largest, (expected.abs() * 2.0 + 1.0).amax(dim=1))
+        assert torch.equal(torch.isfinite(grad).all(), torch.isfinite(expected).all())
+        with pytest.raises(PlaceholderError, match=r"reading 90000 values computed in the cloud"):
+            magnitude.tolist()
+
+
+def test_a_large_result_used_after_the_cloud_half_changed_is_refused(cloud):
+    model, net = _wide_split(cloud)
+    (x, y), = _data(1)
+    with model:
+        crit = model.remote_loss(nn.CrossEntropyLoss())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        crit(model(x), y).backward()
+        before = net[2].weight.grad.abs()
+        opt.step()  # torch would have computed `before` from the gradient before the step
+        with pytest.raises(PlaceholderError, match=r"used after they changed"):
+            before.max()
+        with pytest.raises(PlaceholderError, match=r"used after they changed"):
+            net[2].weight.data.sub_(before)
+
+
+def test_a_call_with_gradients_on_a_trainable_cloud_weight_is_refused(cloud):
+    """The cloud computes values, not graphs: a penalty on a weight must not drop its gradient silently."""
+    model, net = _wide_split(cloud)
+    with model, pytest.raises(PlaceholderError, match=r"no gradient would flow back"):
+        (net[2].weight ** 2).sum()
+
+
+@pytest.mark.parametrize("expression, refusal", [
+    ({"fn": "__import__", "args": ["os"], "kwargs": {}}, r"not a function an expression may call"),
+    ({"fn": "abs", "args": [{"value": "0.weight"}], "kwargs": {}}, r"no tensor of this half"),
+    ({"fn": "abs", "args": [{"grad": "2.weight"}], "kwargs": {}}, r"has none here"),
+    ({"fn": "mul", "args": [{"array": np.ones((2000, 1), np.float32), "dtype": "float32"},
+                            {"array": np.ones((1, 2000), np.float32), "dtype": "float32"}], "kwargs": {}},
+     r"larger than any it names"),
+    ({"fn": "abs", "args": [{"value": "2.weight"}], "kwargs": {}}, r"read as at most 65536 elements"),
+    ({"fn": "add", "args": [{"value": "2.weight"}, {"value": "4.weight"}], "kwargs": {}}, r"cannot be computed"),
+    ({"fn": "neg", "args": [{"fn": "neg", "args": [{"value": "2.bias"}], "kwargs": {}}] * 2, "kwargs": {}},
+     r"cannot be computed"),
+    (eval("{'fn': 'neg', 'args': [" * 20 + "{'value': '2.bias'}" + "], 'kwargs': {}}" * 20), r"16 deep"),
+    ({"fn": "add", "args": [{"value": "2.bias"}] * (MOST_NODES + 1), "kwargs": {}}, r"at most 64 nodes"),
+])
+def test_the_cloud_checks_an_expression_before_it_computes_and_keeps_serving(cloud, expression, refusal):
+    model, net = _wide_split(cloud)
+    (x, y), = _data(1)
+    with model:
+        with pytest.raises(ProtocolError, match=refusal):
+            model.session.sync_reply(evaluate=[expression])
+        crit = model.remote_loss(nn.CrossEntropyLoss())
+        crit(model(x), y).backward()  # the session goes on
+        assert float(net[2].bias.grad.abs().max()) >= 0
