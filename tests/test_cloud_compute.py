@@ -100,3 +100,62 @@ def test_the_cloud_checks_an_expression_before_it_computes_and_keeps_serving(clo
         crit = model.remote_loss(nn.CrossEntropyLoss())
         crit(model(x), y).backward()  # the session goes on
         assert float(net[2].bias.grad.abs().max()) >= 0
+
+
+def _changed_in_place(model, net, crit, when: str) -> None:
+    """Two steps; the third changes a cloud weight in place at ``when``, as a buggy script might."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i, (x, y) in enumerate(_data(4)):
+        out = model(x)
+        if i == 2 and when == "before the loss":
+            with torch.no_grad():
+                net[2].weight.mul_(0.5)
+        loss = crit(out, y)
+        if i == 2 and when == "before the backward":
+            with torch.no_grad():
+                net[2].weight.mul_(0.5)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("rejoin, when, error, message", [
+    (None, "before the loss", splitft.errors.ConfigError, r"cloud half's weights .* changed between model\(x\)"),
+    (None, "before the backward", splitft.errors.ModelError, r"modified by an inplace operation"),
+    (4, "before the loss", splitft.errors.ModelError, r"modified by an inplace operation"),
+], ids=["plain, before its loss", "plain, before its backward", "ushape, before its backward"])
+def test_a_cloud_weight_changed_between_its_forward_and_backward_is_refused_as_torch_refuses(cloud, rejoin, when,
+                                                                                             error, message):
+    """Torch refuses a backward through a weight changed in place since the forward saved it; the
+    split must not train on silently (a plain split would run its forward with the new weight)."""
+    local = mlp()
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation"):
+        _changed_in_place(local, local, nn.CrossEntropyLoss(), when)
+    net = mlp()
+    model = splitft.split(net, 2, rejoin, factory=MLP, connect=cloud)
+    with model, pytest.raises(error, match=message):
+        _changed_in_place(model, net, nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss()),
+                          when)
+
+
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+def test_a_bias_changed_between_forward_and_backward_trains_as_unsplit(cloud, rejoin):
+    """A layer's bias is not saved for its backward: torch lets the change through, and so does the split."""
+    def script(model, net, crit):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in _data(3):
+            loss = crit(model(x), y)
+            with torch.no_grad():
+                net[2].bias.add_(0.01)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    local = mlp()
+    script(local, local, nn.CrossEntropyLoss())
+    net = mlp()
+    model = splitft.split(net, 2, rejoin, factory=MLP, connect=cloud)
+    with model:
+        script(model, net, nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss()))
+        state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in local.state_dict().items())

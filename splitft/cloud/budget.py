@@ -81,12 +81,19 @@ class GraphMeter:
         self._held = parameter_storages(module) if held is None else held
         self._seen: set[int] = set()
         self.nbytes = 0
+        #: What the graph saved, each with its version then: changed in place before the graph is
+        #: done with (a script's ``w.mul_()``, a load), it makes the graph's gradients wrong.
+        self.saved: list[tuple[torch.Tensor, int]] = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+        # With hooks, torch no longer checks that a saved tensor was not changed in place before
+        # its backward; the version saved beside it lets the unpack check it as torch would.
         cls = tensor.__class__  # a plain tensor (most of what is saved) skips Parameter's Python instance check
         if cls is nn.Parameter or (cls is not torch.Tensor and isinstance(tensor, nn.Parameter)):
-            return tensor
+            packed = tensor, tensor._version
+            self.saved.append(packed)
+            return packed
         try:
             storage = tensor.untyped_storage()
             ptr = storage.data_ptr()
@@ -98,8 +105,10 @@ class GraphMeter:
         # Not the tensor itself: a node's saved output would hold its own node (output -> grad_fn
         # -> saved output), a cycle through C++ that no collector sees, so a graph never
         # backpropagated (or kept with retain_graph) would never be freed. The values are all the
-        # backward reads.
-        return tensor.detach()
+        # backward reads (and the version counter, which a detached tensor shares).
+        packed = tensor.detach(), tensor._version
+        self.saved.append(packed)
+        return packed
 
     def __enter__(self) -> "GraphMeter":
         self._hooks.__enter__()
@@ -107,6 +116,7 @@ class GraphMeter:
 
     def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)
+        del self._hooks  # it holds this meter's bound method: a cycle that would keep what was saved
 
 
 def parameter_storages(module: nn.Module) -> frozenset[int]:
@@ -115,8 +125,19 @@ def parameter_storages(module: nn.Module) -> frozenset[int]:
     return frozenset(_local(p).untyped_storage().data_ptr() for p in module.parameters())
 
 
-def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+    tensor, version = packed
+    if tensor._version != version:
+        raise RuntimeError(modified_message(tensor, version))
     return tensor
+
+
+def modified_message(tensor: torch.Tensor, version: int) -> str:
+    """Torch's own complaint about a saved tensor changed in place before its backward."""
+    return (f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"[{tensor.dtype} {list(tensor.shape)}] is at version {tensor._version}; expected version {version} "
+            "instead (a cloud weight changed between its forward and its backward, as torch refuses too)")
+
 
 
 def expanded_nbytes(shape: tuple[int, ...], itemsize: int) -> int:
@@ -174,5 +195,5 @@ class MemoryBook:
         self.held.pop(session, None)
 
 
-__all__ = ["GraphMeter", "Holdings", "MemoryBook", "holdings", "model_nbytes", "parameter_storages",
-           "tensors_nbytes"]
+__all__ = ["GraphMeter", "Holdings", "MemoryBook", "holdings", "model_nbytes", "modified_message",
+           "parameter_storages", "tensors_nbytes"]

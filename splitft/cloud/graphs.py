@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ..wire.coding import Coded
-from .budget import tensors_nbytes
+from ..errors import ModelError, ProtocolError
+from .budget import modified_message, tensors_nbytes
 
 #: An eager call's parameter gradients: (parameter, its gradient for an incoming gradient of 1).
 Deferred = list[tuple[torch.Tensor, torch.Tensor | None]]
@@ -38,6 +39,7 @@ class Pending:
     nbytes: int = 0  # what the graph holds: its inputs, outputs and the tensors saved for backward
     flops: int = 0  # its forward's arithmetic (its backward costs twice that) and its decode's
     decode_flops: int = 0
+    saved: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # for backward, with their versions
 
     def rebuild(self) -> None:
         """Build the graph again from the same inputs, on the half's current weights (a shared
@@ -80,6 +82,19 @@ class Graphs:
         if pending is not None:
             self._nbytes -= pending.nbytes
         return pending
+
+    def applicable(self, call: int) -> Deferred:
+        """Eager call ``call``'s gradients, to be applied: refused when there are none (freed by a
+        step, never sent), or when a tensor its graph saved changed in place since its forward (a
+        script's ``w.mul_()`` or a load in between), which torch's backward refuses too."""
+        grads = self.deferred.get(call)
+        if grads is None:
+            raise ProtocolError(f"no eager call {call} to apply (freed by an optimizer step, or never sent)")
+        pending = self.pending.get(call)
+        for tensor, version in pending.saved if pending is not None else ():
+            if tensor._version != version:
+                raise ModelError(f"the cloud part's backward failed: {modified_message(tensor, version)}")
+        return grads
 
     def defer(self, call: int, grads: Deferred) -> None:
         """Keep an eager call's parameter gradients until the edge says how to scale them."""

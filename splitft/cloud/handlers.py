@@ -419,9 +419,7 @@ def apply_eager(session: Target, op: o.ApplyEager) -> None:
     """The edge backpropagated through an eager call: add its parameter gradients, scaled."""
     if not math.isfinite(op.scale):
         raise ProtocolError(f"apply needs a finite scale, got {op.scale}")
-    deferred = session.graphs.deferred.get(op.call)
-    if deferred is None:
-        raise ProtocolError(f"no eager call {op.call} to apply (freed by an optimizer step, or never sent)")
+    deferred = session.graphs.applicable(op.call)
     with torch.no_grad(), session.half.own_grads():
         session.passes.add(op.pass_id if session.half.shared is None else None, deferred, op.scale)
     session.graphs.take(op.call)  # the graph kept in case the scale was not exact is not needed

@@ -37,7 +37,7 @@ from ..wire.coding import SLOTS, flatten, unflatten
 from ..wire.tree import Leaf
 from .batch_link import DTYPES, BatchLink, shard_sizes, spec
 from .blame import blame
-from .budget import holdings
+from .budget import GraphMeter, holdings
 from .calls import Inputs
 from .graphs import Pending
 from .session import CloudSession
@@ -204,7 +204,7 @@ class BatchSplitSession(CloudSession):
         return super().forward(dataclasses.replace(msg, eager=False))
 
     def run(self, inputs: Inputs, train: bool, grad: bool,
-            autocast: str | None = None) -> tuple[list[torch.Tensor], Any, int]:
+            autocast: str | None = None) -> tuple[list[torch.Tensor], Any, GraphMeter]:
         args_skel, kw_skel, target_skel = inputs.skeletons
         n_in = sum(inputs.counts)
         if self.caches.named((args_skel, kw_skel)):

@@ -148,9 +148,9 @@ class CloudSession:
     # ------------------------------------------------------------ forward
 
     def run(self, inputs: Inputs, train: bool, grad: bool,
-            autocast: str | None = None) -> tuple[list[torch.Tensor], Any, int]:
+            autocast: str | None = None) -> tuple[list[torch.Tensor], Any, GraphMeter]:
         """Run the cloud part (and the loss) on decoded inputs (a batch split across ranks
-        overrides it). Returns (input leaves, value, bytes autograd saved for the backward)."""
+        overrides it). Returns (input leaves, value, what autograd saved for the backward)."""
         half, mirrored = self.half, self.mirrored
         args_skel, kw_skel, target_skel = inputs.skeletons
         n_args, n_kw = inputs.counts
@@ -180,7 +180,7 @@ class CloudSession:
         except BaseException:
             self.caches.drop(caching)  # a failed step leaves no half-filled cache behind
             raise
-        return leaves, value, meter.nbytes
+        return leaves, value, meter
 
     def forward(self, msg: Forward) -> Output:
         watch = Stopwatch()
@@ -255,17 +255,17 @@ class CloudSession:
                                       self.context("gradient", True, self.mirrored.steps, msg.sample_ids))
 
     def keep_graph(self, msg: Forward, leaves: list[torch.Tensor], inputs: Inputs, outs: list[torch.Tensor],
-                   out_coded: list[Coded], saved: int, flops: int = 0) -> None:
+                   out_coded: list[Coded], saved: GraphMeter, flops: int = 0) -> None:
         """Keep a forward call's graph for its backward, if it fits the session's memory."""
         def rerun() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
             again, value, _ = self.run(inputs, msg.train, True, msg.autocast)
             return again, flatten(value)[0]
-        nbytes = saved + tensors_nbytes(leaves) + tensors_nbytes(outs)
+        nbytes = saved.nbytes + tensors_nbytes(leaves) + tensors_nbytes(outs)
         self.fits(nbytes, "keeping this forward call's graph for its backward")
         shared = self.half.shared
         pending = Pending(leaves, inputs.coded, inputs.grads, outs, out_coded, msg.sample_ids,
                           rerun if shared is not None else None, shared.updates if shared is not None else 0,
-                          nbytes, flops, inputs.decode_flops)
+                          nbytes, flops, inputs.decode_flops, saved.saved)
         for dropped in self.graphs.keep(msg.call, pending):
             log.warning("session %s: dropping the graph of call %s, never backpropagated", self.id, dropped)
 

@@ -229,7 +229,7 @@ class SplitModel(UnsplitTree):
             out = CutActivation(cut.call_args, cut.call_kwargs)
         self.strays.made(out, self.training)
         if isinstance(out, (CutTensor, CutActivation)):
-            out.__dict__[CUT_CONTEXT] = CutContext.now(self.training)
+            out.__dict__[CUT_CONTEXT] = CutContext.now(self.training, self.session.outbox.weights_version)
         return out
 
     @torch.compiler.disable  # torch.compile(model) compiles the edge's code around it; the call itself runs as is
@@ -239,7 +239,7 @@ class SplitModel(UnsplitTree):
         (``again``, ``cut``: see :class:`~splitft.edge.remote_loss.CloudCall`)."""
         self.ghosts.refuse_batch_statistics(self.scheduler.options.micro_batches)
         if cut is not None:
-            cut.refuse_changes(self.training)
+            cut.refuse_changes(self.training, self.session.outbox.weights_version)
         modes = self._mirror_module_state()
         drawn_since = None
         if again is None and cut is not None and not torch.equal(torch.get_rng_state(), cut.rng):

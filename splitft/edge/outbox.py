@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..wire.operations import Operation, merged, names_of
+from ..wire.operations import Compute, LoadWeights, Operation, Step, merged, names_of
 
 
 class Outbox:
@@ -30,6 +30,9 @@ class Outbox:
         #: Moves with every operation queued and every forward sent: what was computed from the
         #: cloud half's tensors at one version stands for them only while it holds.
         self.version = 0
+        #: Moves with every operation that changes the cloud half's weights (a step, a load, an
+        #: in-place call on a weight): a plain split's ``model(x)`` ran with those of its moment.
+        self.weights_version = 0
 
     def __len__(self) -> int:
         return len(self._ops)
@@ -37,6 +40,8 @@ class Outbox:
     def queue(self, op: Operation) -> None:
         """``op`` rides on the next message, after every operation queued before it."""
         self.version += 1
+        if isinstance(op, (Step, LoadWeights)) or (isinstance(op, Compute) and "value" in op.target):
+            self.weights_version += 1
         ops = self._ops
         if ops and merged(ops[-1], op, self._names):
             return

@@ -89,17 +89,20 @@ class CutContext:
     rng: torch.Tensor
     training: bool
     autocast: tuple[str | None, str | None]  # on the CPU, on CUDA
+    weights: int  # the cloud half's weights' version (:attr:`.outbox.Outbox.weights_version`)
 
     @staticmethod
-    def now(training: bool) -> CutContext:
-        return CutContext(torch.get_rng_state(), training, (autocast_dtype("cpu"), autocast_dtype("cuda")))
+    def now(training: bool, weights: int) -> CutContext:
+        return CutContext(torch.get_rng_state(), training, (autocast_dtype("cpu"), autocast_dtype("cuda")), weights)
 
-    def refuse_changes(self, training: bool) -> None:
-        """Refuse a loss computed in another mode or autocast than its ``model(x)``: the cloud half
-        would run in those of the loss, where unsplit it ran in those of the forward."""
+    def refuse_changes(self, training: bool, weights: int) -> None:
+        """Refuse a loss computed in another mode or autocast than its ``model(x)``, or after the
+        cloud half's weights changed (a step, a load, ``w.mul_()``): the cloud half would run in
+        those of the loss, where unsplit it ran in those of the forward."""
         autocast = (autocast_dtype("cpu"), autocast_dtype("cuda"))
         changed = ("mode (model.train() / model.eval())" if training != self.training else
-                   "autocast" if autocast != self.autocast else None)
+                   "autocast" if autocast != self.autocast else
+                   "cloud half's weights (a step, a load, an in-place change)" if weights != self.weights else None)
         if changed:
             raise ConfigError(
                 f"the {changed} changed between model(x) and its remote loss: unsplit, the cloud half ran in those "
