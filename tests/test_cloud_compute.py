@@ -70,6 +70,14 @@ def test_a_large_result_used_after_the_cloud_half_changed_is_refused(cloud):
             net[2].weight.data.sub_(before)
 
 
+def test_a_call_inside_an_autocast_region_is_refused(cloud):
+    """Autocast changes the dtype some functions compute in; the cloud computes outside the region."""
+    model, net = _wide_split(cloud)
+    with model, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), \
+            pytest.raises(PlaceholderError, match=r"inside an autocast region"):
+        net[2].weight.prod()
+
+
 def test_a_call_with_gradients_on_a_trainable_cloud_weight_is_refused(cloud):
     """The cloud computes values, not graphs: a penalty on a weight must not drop its gradient silently."""
     model, net = _wide_split(cloud)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..devices import autocast_dtype
 from ..errors import PlaceholderError, ProtocolError
 from ..wire import expressions as ex
 from ..wire.operations import Compute
@@ -70,6 +71,10 @@ def handle(func: Any, args: tuple, kwargs: dict) -> Any:
         return NotImplemented
     remote = remotes[0]._splitft_remote
     name = ex.NAMES.get(func)
+    if name is not None and (autocast_dtype("cpu") or autocast_dtype("cuda")):
+        raise PlaceholderError(f"{name} on {remotes[0]._what()} inside an autocast region: the cloud computes it "
+                               "outside one, where its dtype could differ from what torch makes here; compute it "
+                               "after the region ends")
     try:
         if name in ex.IN_PLACE:
             if args and isinstance(args[0], (CloudGrad, CloudTensor)) and not isinstance(args[0], CloudValue):
