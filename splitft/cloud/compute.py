@@ -135,7 +135,7 @@ def _host(value: torch.Tensor) -> list:
     host = value.detach().cpu()
     dtype = ex.dtype_name(host.dtype)
     wire = host.float() if host.dtype == torch.bfloat16 else host
-    return [wire.contiguous().numpy(), dtype]  # a 0-d value stays 0-d
+    return [wire.contiguous().numpy().copy(), dtype]  # its own memory (not a weight's, kept in a reply); 0-d stays 0-d
 
 
 __all__ = ["MOST_EVALUATED", "MOST_VALUE_ELEMENTS", "compute", "evaluate"]

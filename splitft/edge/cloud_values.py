@@ -50,7 +50,7 @@ class CloudValue(RemoteTensor):
 
     @staticmethod
     def __new__(cls, meta: Tensor, node: dict, remote: Any) -> CloudValue:
-        made = RemoteTensor._make(cls, meta, "", remote, remote.device, False)
+        made = RemoteTensor._make(cls, meta, f"{node['fn']}(...)", remote, remote.device, False)
         made._splitft_node = node
         made._splitft_version = remote.version()
         return made
