@@ -51,6 +51,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..errors import PlaceholderError
 from ..wire import expressions
+from .metadata import IS_META, METADATA
 
 Tensor = torch.Tensor
 
@@ -106,10 +107,10 @@ class RemoteTensor(Tensor):
     @classmethod
     def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in _METADATA:
+        if func in METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        if func == _IS_META:
+        if func == IS_META:
             return False
         remote = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, RemoteTensor)]
         self = args[0] if args else kwargs.get("tensor")  # torch.nn.init's initialisers pass tensor=
@@ -230,44 +231,6 @@ class CloudMoment(CloudState):
     def _hint(self) -> str:
         return ("it lives in the cloud's copy of the optimizer, which the edge can neither read nor change (split "
                 "training would silently differ from the unsplit model). model.save_checkpoint(path) saves it")
-
-
-# ---------------------------------------------------------------- what reads no values
-
-_PROPERTIES = ("shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "ndim", "layout", "names",
-               "is_cuda", "is_cpu", "is_sparse", "is_sparse_csr", "is_quantized", "is_mkldnn", "is_nested",
-               "is_xpu", "is_mps", "is_mtia", "is_xla", "is_ipu", "is_vulkan", "is_maia", "itemsize", "nbytes",
-               "output_nr", "_version", "_is_view", "is_complex", "is_floating_point", "is_signed", "dim", "ndimension",
-               "size", "numel", "nelement", "element_size", "get_device", "is_contiguous", "stride", "storage_offset",
-               "__len__", "__hash__", "__format__", "__dir__", "requires_grad_", "is_inference", "has_names",
-               "_is_zerotensor", "is_conj", "is_neg", "_grad_fn")
-
-
-#: The same questions asked as ``torch.is_complex(p)`` (Adagrad's constructor asks this one).
-_TORCH_FUNCTIONS = ("is_complex", "is_floating_point", "is_signed", "is_conj", "is_neg", "is_inference", "numel")
-
-
-def _metadata() -> set[Any]:
-    found: set[Any] = {getattr(torch, name) for name in _TORCH_FUNCTIONS if hasattr(torch, name)}
-    for name in _PROPERTIES:
-        attribute = torch.Tensor.__dict__.get(name) or getattr(torch._C.TensorBase, name, None)
-        if attribute is None:
-            continue
-        found.add(attribute.__get__ if hasattr(attribute, "__set__") else attribute)
-        if name == "requires_grad":
-            found.add(attribute.__set__)
-    return found
-
-
-#: ``t.is_meta``'s getter: a placeholder has values (in the cloud), so code that skips tensors
-#: without any (``torch.nn.init.trunc_normal_``, ``orthogonal_``, ``sparse_``, ``dirac_``) must not skip it.
-_IS_META = cast(Any, Tensor.is_meta).__get__
-
-#: Operations that read no values: answered here, from the placeholder's own shape and dtype.
-#: ``requires_grad_`` is among them: the edge sends the cloud half's frozen set with each forward.
-_METADATA = _metadata()
-#: The operations that read no values (shape, dtype, ``requires_grad``...), for other stand-ins too.
-METADATA = frozenset(_METADATA)
 
 
 # ---------------------------------------------------------------- a parameter's or buffer's values

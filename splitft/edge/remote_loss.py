@@ -17,7 +17,7 @@ import torch
 
 from ..devices import autocast_dtype
 from ..errors import ConfigError
-from .placeholders import METADATA
+from .metadata import METADATA
 from .stray import crossed
 
 

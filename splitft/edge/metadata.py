@@ -1,0 +1,50 @@
+"""The torch calls that read no values of a tensor: its shape, dtype, device, ``requires_grad``.
+
+A tensor without values here (a cloud placeholder, what a plain split's ``model(x)`` returns)
+answers these from its own metadata, since they tell nothing the cloud would compute differently;
+every other call on it reaches the cloud or raises.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+
+Tensor = torch.Tensor
+
+_PROPERTIES = ("shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "ndim", "layout", "names",
+               "is_cuda", "is_cpu", "is_sparse", "is_sparse_csr", "is_quantized", "is_mkldnn", "is_nested",
+               "is_xpu", "is_mps", "is_mtia", "is_xla", "is_ipu", "is_vulkan", "is_maia", "itemsize", "nbytes",
+               "output_nr", "_version", "_is_view", "is_complex", "is_floating_point", "is_signed", "dim", "ndimension",
+               "size", "numel", "nelement", "element_size", "get_device", "is_contiguous", "stride", "storage_offset",
+               "__len__", "__hash__", "__format__", "__dir__", "requires_grad_", "is_inference", "has_names",
+               "_is_zerotensor", "is_conj", "is_neg", "_grad_fn")
+
+
+#: The same questions asked as ``torch.is_complex(p)`` (Adagrad's constructor asks this one).
+_TORCH_FUNCTIONS = ("is_complex", "is_floating_point", "is_signed", "is_conj", "is_neg", "is_inference", "numel")
+
+
+def _metadata() -> set[Any]:
+    found: set[Any] = {getattr(torch, name) for name in _TORCH_FUNCTIONS if hasattr(torch, name)}
+    for name in _PROPERTIES:
+        attribute = torch.Tensor.__dict__.get(name) or getattr(torch._C.TensorBase, name, None)
+        if attribute is None:
+            continue
+        found.add(attribute.__get__ if hasattr(attribute, "__set__") else attribute)
+        if name == "requires_grad":
+            found.add(attribute.__set__)
+    return found
+
+
+#: ``t.is_meta``'s getter: a placeholder has values (in the cloud), so code that skips tensors
+#: without any (``torch.nn.init.trunc_normal_``, ``orthogonal_``, ``sparse_``, ``dirac_``) must not skip it.
+IS_META = cast(Any, Tensor.is_meta).__get__
+
+#: Operations that read no values, answered from the tensor's own shape and dtype. ``requires_grad_``
+#: is among them: the edge sends the cloud half's frozen set with each forward.
+METADATA = frozenset(_metadata())
+
+
+__all__ = ["IS_META", "METADATA"]
