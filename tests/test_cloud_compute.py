@@ -85,6 +85,13 @@ def test_a_call_with_gradients_on_a_trainable_cloud_weight_is_refused(cloud):
         (net[2].weight ** 2).sum()
 
 
+def _nested(depth: int) -> dict:
+    node: dict = {"value": "2.bias"}
+    for _ in range(depth):
+        node = {"fn": "neg", "args": [node], "kwargs": {}}
+    return node
+
+
 @pytest.mark.parametrize("expression, refusal", [
     ({"fn": "__import__", "args": ["os"], "kwargs": {}}, r"not a function an expression may call"),
     ({"fn": "abs", "args": [{"value": "0.weight"}], "kwargs": {}}, r"no tensor of this half"),
@@ -96,7 +103,7 @@ def test_a_call_with_gradients_on_a_trainable_cloud_weight_is_refused(cloud):
     ({"fn": "add", "args": [{"value": "2.weight"}, {"value": "4.weight"}], "kwargs": {}}, r"cannot be computed"),
     ({"fn": "neg", "args": [{"fn": "neg", "args": [{"value": "2.bias"}], "kwargs": {}}] * 2, "kwargs": {}},
      r"cannot be computed"),
-    (eval("{'fn': 'neg', 'args': [" * 20 + "{'value': '2.bias'}" + "], 'kwargs': {}}" * 20), r"16 deep"),
+    (_nested(20), r"16 deep"),
     ({"fn": "add", "args": [{"value": "2.bias"}] * (MOST_NODES + 1), "kwargs": {}}, r"at most 64 nodes"),
 ])
 def test_the_cloud_checks_an_expression_before_it_computes_and_keeps_serving(cloud, expression, refusal):
