@@ -62,6 +62,13 @@ def _loss_in_another_mode(model):
     return model.remote_loss(nn.CrossEntropyLoss())(out, y)
 
 
+def _loss_after_a_cloud_layer_changed(model, net):
+    x, y = _data(1)[0]
+    out = model(x)
+    net[3].p = 0.25  # the dropout's rate, after model(x) ran the cloud half (unsplit) with the old one
+    return model.remote_loss(nn.CrossEntropyLoss())(out, y)
+
+
 #: Each: (what the script does after two ordinary steps, the error, what its message says).
 REFUSED: dict[str, tuple[Callable, type, str]] = {
     "a running sum of a weight": (
@@ -85,6 +92,9 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
     "a remote loss in another mode than its model(x)": (
         lambda model, net, opt: _loss_in_another_mode(model), ConfigError,
         r"the mode \(model\.train\(\) / model\.eval\(\)\) changed between model\(x\) and its remote loss"),
+    "a remote loss after a cloud layer's setting changed since its model(x)": (
+        lambda model, net, opt: _loss_after_a_cloud_layer_changed(model, net), ConfigError,
+        r"a setting of a cloud layer .* changed between model\(x\) and its remote loss"),
     "a dropout's p deleted on a cloud layer": (
         lambda model, net, opt: delattr(net[3], "p"), CutError, r"deleting 'p' of '3'"),
     "a module set as a cloud layer's attribute": (

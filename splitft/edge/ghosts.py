@@ -302,6 +302,8 @@ class _Ghost(nn.Module):
     def __setattr__(self, name: str, value: Any) -> None:
         if (name in MODE_ATTRIBUTES or (name.startswith("_") and name not in _TABLES)
                 or (is_flag(value) and name in flags_read(self))):
+            if (name in MODE_ATTRIBUTES or name in flags_read(self)) and not _same(self.__dict__.get(name), value):
+                settings_changed()
             super().__setattr__(name, value)
             return
         raise CutError(f"setting {name!r} of {self.__dict__.get('_splitft_where', '?')!r}: that module runs in the "
@@ -317,6 +319,26 @@ class _Ghost(nn.Module):
 
 
 _GHOST_CLASSES: dict[type, type] = {}
+
+#: Changes of a cloud module's mode or of a setting its code reads, counted in every split model:
+#: a plain split's ``model(x)`` ran its cloud half with the settings of its moment.
+_SETTINGS_VERSION = [0]
+
+
+def settings_changed() -> None:
+    _SETTINGS_VERSION[0] += 1
+
+
+def settings_version() -> int:
+    """Moves whenever a script changes a cloud module's mode or a setting its code reads."""
+    return _SETTINGS_VERSION[0]
+
+
+def _same(old: Any, new: Any) -> bool:
+    try:
+        return old is new or (type(old) is type(new) and bool(old == new))
+    except Exception:  # noqa: BLE001 — a value that cannot be compared counts as changed
+        return False
 
 
 #: A module's tables of children, parameters and buffers: a ghost's are fixed.

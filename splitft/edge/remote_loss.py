@@ -17,6 +17,7 @@ import torch
 
 from ..devices import autocast_dtype
 from ..errors import ConfigError
+from .ghosts import settings_version
 from .metadata import METADATA
 from .stray import crossed
 
@@ -90,19 +91,24 @@ class CutContext:
     training: bool
     autocast: tuple[str | None, str | None]  # on the CPU, on CUDA
     weights: int  # the cloud half's weights' version (:attr:`.outbox.Outbox.weights_version`)
+    settings: int  # the cloud modules' modes and settings' version (:func:`.ghosts.settings_version`)
 
     @staticmethod
     def now(training: bool, weights: int) -> CutContext:
-        return CutContext(torch.get_rng_state(), training, (autocast_dtype("cpu"), autocast_dtype("cuda")), weights)
+        return CutContext(torch.get_rng_state(), training, (autocast_dtype("cpu"), autocast_dtype("cuda")), weights,
+                          settings_version())
 
     def refuse_changes(self, training: bool, weights: int) -> None:
         """Refuse a loss computed in another mode or autocast than its ``model(x)``, or after the
-        cloud half's weights changed (a step, a load, ``w.mul_()``): the cloud half would run in
-        those of the loss, where unsplit it ran in those of the forward."""
+        cloud half's weights changed (a step, a load, ``w.mul_()``) or a cloud layer's mode or
+        setting did: the cloud half would run in those of the loss, where unsplit it ran in those
+        of the forward."""
         autocast = (autocast_dtype("cpu"), autocast_dtype("cuda"))
         changed = ("mode (model.train() / model.eval())" if training != self.training else
                    "autocast" if autocast != self.autocast else
-                   "cloud half's weights (a step, a load, an in-place change)" if weights != self.weights else None)
+                   "cloud half's weights (a step, a load, an in-place change)" if weights != self.weights else
+                   "mode or a setting of a cloud layer (net[3].eval(), m.p = 0.0)"
+                   if settings_version() != self.settings else None)
         if changed:
             raise ConfigError(
                 f"the {changed} changed between model(x) and its remote loss: unsplit, the cloud half ran in those "
