@@ -14,7 +14,7 @@ from torch import nn
 
 import splitft
 from tests.conftest import start_cloud, stop
-from tests.models import mlp
+from tests.models import mlp, mlp_dropout
 from tests.test_faults import _data, assert_same
 
 MLP = "tests.models:mlp"
@@ -823,3 +823,32 @@ def test_dropout_turned_off_by_a_module_walk_is_off_in_the_cloud(cloud, rejoin):
         script(model, nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss()), data)
         state = model.state_dict()
     assert_bitwise(state, local.state_dict())
+
+
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+def test_a_setting_one_session_changes_leaves_other_sessions_drawing_as_before(cloud, rejoin):
+    """Sessions of one model share what the cloud learnt of whether its half draws; a session that
+    turns its dropout off draws nothing, which must not teach the others that theirs does not."""
+    data = _data(4)
+
+    def train(model, crit, dropout_off=None):
+        torch.manual_seed(5)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if dropout_off is not None:
+            dropout_off.p = 0.0
+        for x, y in data:
+            crit(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    net = mlp_dropout()
+    with splitft.split(net, 2, rejoin, factory=MLP_DROPOUT, connect=cloud) as first:
+        train(first, nn.CrossEntropyLoss() if rejoin else first.remote_loss(nn.CrossEntropyLoss()), net[3])
+    local = mlp_dropout()
+    train(local, nn.CrossEntropyLoss())
+    net = mlp_dropout()
+    with splitft.split(net, 2, rejoin, factory=MLP_DROPOUT, connect=cloud) as second:
+        train(second, nn.CrossEntropyLoss() if rejoin else second.remote_loss(nn.CrossEntropyLoss()))
+        state = second.state_dict()
+    assert_bitwise(state, local.state_dict())
+
