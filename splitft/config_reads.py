@@ -308,7 +308,7 @@ class ConfigGuard:
                     "model.load_state_dict(...) then sets in the cloud too, or set it back")
         for where, attribute, config, key, was in self._watched:
             now = getattr(config, key, _MISSING)
-            if now is not was and not _same(now, was):
+            if now is not was and not same_setting(now, was):
                 if isinstance(config, types.ModuleType):
                     raise ConfigError(
                         f"{attribute}.{key} changed after split() ({_shown(was)} -> {_shown(now)}): {where!r} reads "
@@ -342,7 +342,7 @@ class ModuleFlags:
         changed: dict[str, dict[str, Any]] = {}
         for i, (where, state, flag) in enumerate(self._flags):
             now, was = state.get(flag, _MISSING), self._sent[i]
-            if now is was or _same(now, was):
+            if now is was or same_setting(now, was):
                 continue
             if not is_flag(now):
                 raise ConfigError(f"{flag} of {where!r} changed after split() ({_shown(was)} -> {_shown(now)}): that "
@@ -406,7 +406,7 @@ def apply_flags(modules: dict[str, nn.Module], flags: Any) -> None:
 _MAX_FLAGS = 100_000
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_setting(a: Any, b: Any) -> bool:
     """Equal settings; a tensor (whose ``!=`` is elementwise) by its values."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
@@ -428,4 +428,4 @@ def _shown(value: Any) -> str:
 
 
 __all__ = ["MODE_ATTRIBUTES", "ConfigGuard", "ModuleFlags", "apply_flags", "flags_read", "globals_read", "is_flag",
-           "keys_read", "own_attributes_read", "reads", "values"]
+           "keys_read", "own_attributes_read", "reads", "same_setting", "values"]

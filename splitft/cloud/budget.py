@@ -139,7 +139,6 @@ def modified_message(tensor: torch.Tensor, version: int) -> str:
             "instead (a cloud weight changed between its forward and its backward, as torch refuses too)")
 
 
-
 def expanded_nbytes(shape: tuple[int, ...], itemsize: int) -> int:
     return math.prod(shape) * itemsize
 

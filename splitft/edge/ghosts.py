@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..code_reads import CodeGuard
-from ..config_reads import MODE_ATTRIBUTES, ConfigGuard, flags_read, is_flag
+from ..config_reads import MODE_ATTRIBUTES, ConfigGuard, flags_read, is_flag, same_setting
 from ..numerics import NumericsGuard
 from ..cut import Chain, CutSpec, _module, extract
 from ..errors import ConfigError, CutError
@@ -300,9 +300,9 @@ class _Ghost(nn.Module):
     __call__ = nn.Module.__call__
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if (name in MODE_ATTRIBUTES or (name.startswith("_") and name not in _TABLES)
-                or (is_flag(value) and name in flags_read(self))):
-            if (name in MODE_ATTRIBUTES or name in flags_read(self)) and not _same(self.__dict__.get(name), value):
+        setting = name in MODE_ATTRIBUTES or (is_flag(value) and name in flags_read(self))
+        if setting or (name.startswith("_") and name not in _TABLES):
+            if setting and not same_setting(self.__dict__.get(name), value):
                 settings_changed()
             super().__setattr__(name, value)
             return
@@ -332,13 +332,6 @@ def settings_changed() -> None:
 def settings_version() -> int:
     """Moves whenever a script changes a cloud module's mode or a setting its code reads."""
     return _SETTINGS_VERSION[0]
-
-
-def _same(old: Any, new: Any) -> bool:
-    try:
-        return old is new or (type(old) is type(new) and bool(old == new))
-    except Exception:  # noqa: BLE001 — a value that cannot be compared counts as changed
-        return False
 
 
 #: A module's tables of children, parameters and buffers: a ghost's are fixed.
