@@ -153,6 +153,10 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
             lambda out, teacher: torch.nn.functional.kl_div(out.log_softmax(-1), teacher.softmax(-1),
                                                             reduction="batchmean")),
         ConfigError, r"torch\.nn losses by name; function is not one\. For a loss of your own.*U-shape"),
+    "an L2 penalty on every weight added to the loss": (
+        lambda model, net, opt: 1e-3 * sum(p.pow(2).sum() for p in model.parameters()), PlaceholderError,
+        r"cloud parameter '2\.weight' with gradients on.*optimizer's weight_decay, or its gradient added after "
+        r"backward"),
     "a gradient penalty (create_graph=True)": (
         lambda model, net, opt: torch.autograd.grad(model.remote_loss(nn.CrossEntropyLoss())(
             model(_data(1)[0][0]), _data(1)[0][1]), list(net[0].parameters()), create_graph=True),

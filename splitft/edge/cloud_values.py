@@ -126,8 +126,11 @@ def _operand(value: Any, remote: Any) -> Any:
         return {"grad": value._splitft_name}
     if isinstance(value, CloudTensor):
         if torch.is_grad_enabled() and value.requires_grad:
-            raise PlaceholderError(f"computing from {value._what()} with gradients on: the cloud computes it, but "
-                                   "no gradient would flow back from it; use p.detach() or torch.no_grad()")
+            raise PlaceholderError(
+                f"computing from {value._what()} with gradients on: the cloud computes values, not graphs, so no "
+                "gradient would flow back from it. A penalty on weights in the loss (L2, L1) is the optimizer's "
+                "weight_decay, or its gradient added after backward under torch.no_grad() (for c * p.pow(2).sum(): "
+                "p.grad.add_(p, alpha=2 * c)); a value only logged or checked is computed under torch.no_grad()")
         return {"value": value._splitft_name}
     if isinstance(value, Tensor):
         if isinstance(value, RemoteTensor) or (value.requires_grad and torch.is_grad_enabled()):
