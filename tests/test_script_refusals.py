@@ -600,3 +600,75 @@ def test_a_draw_between_model_x_and_its_remote_loss_is_refused_where_the_cloud_h
         for x, y in data[1:]:
             drawing_step(model, crit, opt, x, y)
         assert_bitwise(model.state_dict(), local.state_dict())
+
+
+def _checkpointed_steps(model, crit, data, reentrant: bool, early_stop: bool = True) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in data:
+        opt.zero_grad()
+        with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+            out = torch.utils.checkpoint.checkpoint(model, x.requires_grad_(reentrant), use_reentrant=reentrant)
+            crit(out, y).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("build, reentrant, early_stop, plain_refusal", [
+    (mlp_dropout, False, True, None),
+    (mlp_dropout, False, False, None),  # the recomputation reaches the cut: it is no forward of its own
+    (mlp_batchnorm, False, True, r"recomputed during backward .* keeps running statistics \(BatchNorm1d\)"),
+    (mlp_dropout, True, True, r"ran with gradients off and whose output was made to require them after it"),
+], ids=["dropout", "dropout, no early stop", "batch norm", "reentrant"])
+def test_a_checkpoint_around_the_whole_split_model_trains_exactly_or_is_refused(cloud, build, reentrant, early_stop,
+                                                                                plain_refusal):
+    """``checkpoint(model, x)``: unsplit, the backward runs the whole model's forward again. A
+    U-shape's recomputation runs the cloud half again too, exactly. A plain split's reaches the
+    edge's layers alone, which is exact where running the cloud half again changes nothing (the
+    checkpoint draws the same dropout masks and puts the generator back); where it would update
+    batch-norm statistics a second time, or where the reentrant checkpoint's gradient could not
+    reach the edge (model(x) ran with gradients off), it is refused in the first step's backward."""
+    factory, data = f"tests.models:{build.__name__}", _data(3)
+    torch.manual_seed(0)
+    local = build()
+    _checkpointed_steps(local, nn.CrossEntropyLoss(), data, reentrant, early_stop)
+    for rejoin in (4, None):
+        torch.manual_seed(0)
+        net = build()
+        with splitft.split(net, 2, rejoin, factory=factory, connect=cloud) as model:
+            crit = nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss())
+            if rejoin or plain_refusal is None:
+                _checkpointed_steps(model, crit, data, reentrant, early_stop)
+                assert_bitwise(model.state_dict(), local.state_dict())
+                continue
+            weights = dict(model.named_parameters())
+            before = {n: v for n, v in model.state_dict().items() if n in weights}
+            with pytest.raises(ConfigError, match=plain_refusal):
+                _checkpointed_steps(model, crit, data[:1], reentrant, early_stop)
+            # no step was taken (a recomputation is refused in the first backward, once the
+            # cloud half ran its one forward at the loss)
+            assert_bitwise({n: v for n, v in model.state_dict().items() if n in weights}, before)
+
+
+def test_a_loss_computed_with_gradients_on_from_a_model_x_made_without_them_builds_no_graph(cloud):
+    """``with torch.no_grad(): out = model(x)`` and the loss outside it (an evaluation loss):
+    unsplit, the cloud half ran in the no-grad region, so the loss carries no graph; split, the
+    cloud runs at the loss, under the forward's setting, and gives the same value and no graph."""
+    data = _data(3)
+
+    def script(model, crit):
+        opt, losses = torch.optim.SGD(model.parameters(), lr=0.1), []
+        for x, y in data:
+            with torch.no_grad():
+                out = model(x)
+            loss = crit(out, y)
+            losses.append((loss.item(), loss.requires_grad))
+            _steps(model, opt, crit, [(x, y)])
+        return losses
+
+    torch.manual_seed(0)
+    local = mlp_batchnorm()
+    expected = script(local, nn.CrossEntropyLoss())
+    torch.manual_seed(0)
+    with splitft.split(mlp_batchnorm(), 2, factory="tests.models:mlp_batchnorm", connect=cloud) as model:
+        assert script(model, model.remote_loss(nn.CrossEntropyLoss())) == expected
+        assert_bitwise(model.state_dict(), local.state_dict())
+    assert not any(requires for _, requires in expected)

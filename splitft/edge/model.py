@@ -206,6 +206,7 @@ class SplitModel(UnsplitTree):
                 return self.wrapped(*args, **kwargs)
             finally:
                 self.caller.forward_with(None)  # the wrapped model called directly (generate) has none
+        self.strays.refuse_recomputation(self.training)
         forwarding = FORWARDING.set(True)
         try:
             if self.scheduler.options.delayed_gradients and self.training and torch.is_grad_enabled():

@@ -85,18 +85,19 @@ def call_parts(cut: Any) -> tuple[tuple, dict]:
 class CutContext:
     """What a plain split's ``model(x)`` ran under, where the unsplit model ran its cloud half too:
     the generator state at the cut (the half's dropout drew from there, before whatever the script
-    drew since), the mode and the autocast dtype per device type."""
+    drew since), the mode, whether gradients were on and the autocast dtype per device type."""
 
     rng: torch.Tensor
     training: bool
+    grad: bool
     autocast: tuple[str | None, str | None]  # on the CPU, on CUDA
     weights: int  # the cloud half's weights' version (:attr:`.outbox.Outbox.weights_version`)
     settings: int  # the cloud modules' modes and settings' version (:func:`.ghosts.settings_version`)
 
     @staticmethod
     def now(training: bool, weights: int) -> CutContext:
-        return CutContext(torch.get_rng_state(), training, (autocast_dtype("cpu"), autocast_dtype("cuda")), weights,
-                          settings_version())
+        return CutContext(torch.get_rng_state(), training, torch.is_grad_enabled(),
+                          (autocast_dtype("cpu"), autocast_dtype("cuda")), weights, settings_version())
 
     def refuse_changes(self, training: bool, weights: int) -> None:
         """Refuse a loss computed in another mode or autocast than its ``model(x)``, or after the
@@ -144,10 +145,24 @@ class RemoteLoss:
         args, kwargs = call_parts(out)
         crossed(out)
         cut = out.__dict__.get(CUT_CONTEXT) if isinstance(out, (CutTensor, CutActivation)) else None
+        if cut is not None and not cut.grad and torch.is_grad_enabled():
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                raise ConfigError(_GRADIENTS_ADDED)
+            with torch.no_grad():  # unsplit, the cloud half ran at model(x), building no graph
+                return self.call(args, kwargs, target, again=_again(out), cut=cut)
         loss = self.call(args, kwargs, target, again=_again(out), cut=cut)
         if isinstance(out, CutTensor) and isinstance(loss, torch.Tensor) and loss.requires_grad:
             _one_pass_each(out, loss)
         return loss
+
+
+_GRADIENTS_ADDED = (
+    "a remote loss of a model(x) that ran with gradients off and whose output was made to require them after it "
+    "(torch.utils.checkpoint(model, x, use_reentrant=True), an autograd.Function around model(x), "
+    "out.requires_grad_()): unsplit, the loss's gradient flows through what was wrapped around model(x); split, "
+    "the cloud half runs at the loss on the activation itself, and that gradient would never reach the edge's "
+    "layers, so training would silently differ. Checkpoint with use_reentrant=False, or the edge's layers "
+    "inside the model")
 
 
 def _again(out: Any) -> torch.Tensor | None:

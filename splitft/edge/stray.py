@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..errors import ConfigError
@@ -66,7 +67,10 @@ class StrayForwards:
         self._last: _Crossing | None = None
 
     def made(self, out: Any, training: bool) -> None:
-        """``model(x)`` returned ``out`` (after :meth:`check`)."""
+        """``model(x)`` returned ``out`` (after :meth:`check`). One recomputed inside a backward
+        pass (a checkpoint's, past :meth:`refuse_recomputation`) is no forward of its own."""
+        if torch._C._current_graph_task_id() != -1:
+            return
         self._last = None
         if training and hasattr(out, "__dict__"):
             self._last = out.__dict__[_CROSSING] = _Crossing()
@@ -85,6 +89,23 @@ class StrayForwards:
             "right after its model(x); for the whole model's forward use model.predict(x) (it runs the cloud half "
             "in the model's mode, as model(x) does unsplit, e.g. to recompute batch-norm statistics); or call "
             "model.eval() first; or cut a U-shape (rejoin=), whose model(x) is the whole model's")
+
+    def refuse_recomputation(self, training: bool) -> None:
+        """Refuse a training-mode ``model(x)`` made inside a backward pass (a checkpoint around the
+        split model recomputing it) where the cloud half keeps running statistics: unsplit, the
+        recomputation runs the cloud half's forward a second time, updating them again; split, it
+        reaches the edge's layers alone. Dropout needs nothing: the checkpoint draws the same masks
+        and puts the generator back."""
+        if not training or torch._C._current_graph_task_id() == -1:
+            return
+        kept = [m for m in self._cloud_modules() if m.training and _keeps_statistics(m)]
+        if kept:
+            raise ConfigError(
+                "a plain split's model(x) recomputed during backward (torch.utils.checkpoint around the split "
+                f"model) while a cloud layer keeps running statistics ({type(kept[0]).__name__}): unsplit, the "
+                "recomputation runs the whole model again and updates them a second time; split, the cloud half "
+                "is not run again, so training would silently differ. Checkpoint the edge's layers inside the "
+                "model, or cut a U-shape (rejoin=), whose recomputation runs the cloud half too")
 
     def _could_change(self) -> bool:
         """Whether a training-mode forward of the cloud half may change it (its layers as in
