@@ -13,9 +13,11 @@ import splitft
 from splitft.edge.cloud_values import MOST_READ, CloudValue
 from splitft.errors import PlaceholderError, ProtocolError
 from splitft.wire.expressions import MOST_NODES
+from splitft.wire.operations import Compute
 from tests.conftest import start_cloud, stop
 from tests.models import mlp
 from tests.test_faults import _data
+from tests.test_script_corpus import assert_bitwise
 
 MLP = "tests.models:mlp"
 WIDE = 300  # a 300 x 300 layer: more values than an edge reads back at once
@@ -103,6 +105,7 @@ def _nested(depth: int) -> dict:
     ({"fn": "add", "args": [{"value": "2.weight"}, {"value": "4.weight"}], "kwargs": {}}, r"cannot be computed"),
     ({"fn": "neg", "args": [{"fn": "neg", "args": [{"value": "2.bias"}], "kwargs": {}}] * 2, "kwargs": {}},
      r"cannot be computed"),
+    ({"fn": ["abs"], "args": [{"value": "2.bias"}], "kwargs": {}}, r"not a function an expression may call"),
     (_nested(20), r"16 deep"),
     ({"fn": "add", "args": [{"value": "2.bias"}] * (MOST_NODES + 1), "kwargs": {}}, r"at most 64 nodes"),
 ])
@@ -115,6 +118,22 @@ def test_the_cloud_checks_an_expression_before_it_computes_and_keeps_serving(clo
         crit = model.remote_loss(nn.CrossEntropyLoss())
         crit(model(x), y).backward()  # the session goes on
         assert float(net[2].bias.grad.abs().max()) >= 0
+
+
+def test_an_in_place_call_is_only_a_compute_operations_own(cloud):
+    """An evaluation changes nothing, and a compute operation its own target only: an in-place call
+    anywhere else in an expression (a weight zeroed inside a sum) is refused before any of it runs."""
+    model, net = _wide_split(cloud)
+    with model:
+        before = model.cloud_state_dict()
+        zeroing = {"fn": "mul_", "args": [{"value": "2.weight"}], "kwargs": {"other": 0.0}}
+        for expression in (zeroing, {"fn": "sum", "args": [zeroing], "kwargs": {}}):
+            with pytest.raises(ProtocolError, match=r"'mul_' changes its operand in place"):
+                model.session.sync_reply(evaluate=[expression])
+        model.cloud_half.compute(Compute(target={"value": "2.bias"}, fn="add_", args=[zeroing], kwargs={}))
+        with pytest.raises(ProtocolError, match=r"'mul_' changes its operand in place"):
+            model.sync()
+        assert_bitwise(model.cloud_state_dict(), before)
 
 
 def _changed_in_place(model, net, crit, when: str) -> None:

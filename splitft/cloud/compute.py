@@ -105,7 +105,7 @@ def compute(session: Target, op: o.Compute) -> None:
         raise ProtocolError(f"compute: {str(op.fn)[:40]!r} on {str(op.target)[:80]} is no in-place call on a cloud "
                             "gradient or weight")
     call = {"fn": op.fn, "args": [op.target, *op.args], "kwargs": op.kwargs}
-    ex.check(call, "compute")
+    ex.check(call, "compute", in_place=True)
     with torch.no_grad(), session.half.own_grads():
         target = _Leaves(session).tensor(op.target, meta=False)
         _checked(session, call, "compute", target)

@@ -112,7 +112,7 @@ def _call(name: str, args: tuple, kwargs: dict, remote: Any) -> dict:
     node = {"fn": name, "args": [_operand(a, remote) for a in args],
             "kwargs": {k: _operand(v, remote) for k, v in kwargs.items()}}
     try:
-        ex.check(node, name)
+        ex.check(node, name, in_place=name in ex.IN_PLACE)
     except ProtocolError as exc:
         raise PlaceholderError(f"{exc}: read a part of it first (float(...), .item())") from None
     return node

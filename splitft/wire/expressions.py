@@ -103,9 +103,11 @@ def array_leaf(tensor: torch.Tensor) -> dict:
     return {"array": wire.contiguous().numpy(), "dtype": dtype_name(host.dtype)}  # a 0-d tensor stays 0-d
 
 
-def check(node: Any, what: str) -> int:
+def check(node: Any, what: str, in_place: bool = False) -> int:
     """Refuse an expression of the wrong shape, too large or too deep, before any of it runs;
-    returns its node count."""
+    returns its node count. An in-place call may only be the root of a ``compute`` operation
+    (``in_place``): anywhere else it would change a cloud tensor out of the operations' order, or
+    in an evaluation that is to change nothing (on a half every edge shares, too)."""
     count = 0
 
     def walk(value: Any, depth: int) -> None:
@@ -128,8 +130,11 @@ def check(node: Any, what: str) -> int:
                                 f"{type(value).__name__}")
         keys = set(value)
         if keys == {"fn", "args", "kwargs"}:
-            if value["fn"] not in FUNCTIONS:
+            if not isinstance(value["fn"], str) or value["fn"] not in FUNCTIONS:
                 raise ProtocolError(f"{what}: {str(value['fn'])[:40]!r} is not a function an expression may call")
+            if value["fn"] in IN_PLACE and not (in_place and depth == 0):
+                raise ProtocolError(f"{what}: {value['fn']!r} changes its operand in place, which only a compute "
+                                    "operation's own call may")
             if not isinstance(value["args"], list) or not isinstance(value["kwargs"], dict) or \
                     not all(isinstance(k, str) for k in value["kwargs"]):
                 raise ProtocolError(f"{what}: a call's args must be a list and its kwargs a map by name")
