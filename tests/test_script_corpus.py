@@ -540,8 +540,24 @@ def renormalises_rows_and_perturbs_weights_after_each_step(model, net, crit, dat
                 p.data.mul_(0.999)  # weight decay by hand on .data
 
 
+def steps_by_hand_as_old_tutorials_do(model, net, crit, data):
+    """No optimizer: ``p.data -= lr * p.grad.data`` (Python sets ``p.data`` to what the in-place
+    operator returned), ``p -= lr * p.grad`` under ``no_grad``, gradients zeroed through ``.data``."""
+    for i, (x, y) in enumerate(data):
+        crit(model(x), y).backward()
+        for p in model.parameters():
+            if i % 2:
+                p.data -= 0.1 * p.grad.data
+                p.grad.data.zero_()
+            else:
+                with torch.no_grad():
+                    p -= 0.1 * p.grad
+                p.grad.data *= 0.0
+
+
 COMPUTED = [skips_a_step_whose_gradients_are_not_finite, sign_sgd_with_weight_decay_added_to_the_gradient,
-            logs_the_largest_gradient_and_the_weight_norm, renormalises_rows_and_perturbs_weights_after_each_step]
+            logs_the_largest_gradient_and_the_weight_norm, renormalises_rows_and_perturbs_weights_after_each_step,
+            steps_by_hand_as_old_tutorials_do]
 
 
 @pytest.fixture(scope="module")

@@ -122,7 +122,7 @@ class RemoteTensor(Tensor):
                 except PlaceholderError:
                     if func not in expressions.NAMES:
                         raise  # else: computed in the cloud as an expression (p.grad.mul_(p.grad))
-        elif isinstance(self, (CloudTensor, CloudState)) and len(remote) == 1:
+        elif isinstance(self, (CloudTensor, CloudState)) and (len(remote) == 1 or func == _DATA_SETTER):
             handler = (_VALUE_OPS if isinstance(self, CloudTensor) else _LIKE_OPS).get(func)
             if handler is not None:
                 return handler(*args, **kwargs)
@@ -258,6 +258,16 @@ def new_values(make: Callable[..., Any], *, no_grad: bool = False) -> Callable[.
 
 #: What torch passes for ``t.data``: the property's getter (``Tensor.data`` is a descriptor on the class).
 _DATA_GETTER = cast(Any, Tensor.data).__get__
+_DATA_SETTER = cast(Any, Tensor.data).__set__
+
+
+def _data_set_to_itself(tensor: RemoteTensor, value: Any) -> None:
+    """``p.data -= lr * p.grad``: Python sets ``p.data`` to what the in-place operator returned,
+    the same cloud tensor (already changed in the cloud). Any other tensor would make ``p`` hold
+    that tensor's memory, which a placeholder cannot: refused."""
+    if not (isinstance(value, RemoteTensor) and type(value) is type(tensor)
+            and value._splitft_name == tensor._splitft_name and value._splitft_remote is tensor._splitft_remote):
+        raise PlaceholderError(_refusal(_DATA_SETTER, tensor))
 
 
 def _like(fill_of: Callable[..., Any]) -> Callable[..., Any]:
@@ -312,7 +322,8 @@ _VALUE_OPS: dict[Any, Callable[..., Any]] = {
     # the initialisers torch lets a tensor subclass own; the others reach the Tensor methods above
     **{init: new_values(init, no_grad=True) for init in (torch.nn.init.normal_, torch.nn.init.uniform_,
                                                           torch.nn.init.constant_, torch.nn.init.kaiming_uniform_)},
-    Tensor.detach: CloudTensor.alias, _DATA_GETTER: CloudTensor.alias, **_LIKE_OPS,
+    Tensor.detach: CloudTensor.alias, _DATA_GETTER: CloudTensor.alias, _DATA_SETTER: _data_set_to_itself,
+    **_LIKE_OPS,
 }
 
 
@@ -466,7 +477,7 @@ _GRAD_OPS: dict[Any, Callable[..., Any]] = {
     torch._foreach_clamp_min_: _FOREACH_CLAMP_MIN, torch._foreach_clamp_max_: _FOREACH_CLAMP_MAX,
     Tensor.zero_: _ZERO, torch._foreach_zero_: _FOREACH_ZERO,
     torch._amp_foreach_non_finite_check_and_unscale_: _unscale,
-    Tensor.detach: _same, Tensor.detach_: _same, _DATA_GETTER: _same,
+    Tensor.detach: _same, Tensor.detach_: _same, _DATA_GETTER: _same, _DATA_SETTER: _data_set_to_itself,
     torch.randn_like: _drawn_like(torch.randn_like), torch.rand_like: _drawn_like(torch.rand_like),
 }
 
@@ -478,8 +489,9 @@ MIRRORED: dict[str, frozenset[Any]] = {"values": frozenset(_VALUE_OPS), "gradien
 
 def _refusal(func: Any, tensor: Any) -> str:
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or str(func)
-    if name.endswith("__get__") or name.endswith("__set__"):
-        name = f"{getattr(func, '__self__', func)!s}"
+    if name.endswith("__get__") or name.endswith("__set__"):  # a property's: p.data = t
+        attribute = getattr(getattr(func, "__self__", None), "__name__", "an attribute")
+        name = f"{'setting' if name.endswith('__set__') else 'reading'} .{attribute}"
     what = tensor._what() if isinstance(tensor, RemoteTensor) else "a cloud tensor"
     if isinstance(tensor, CloudGrad):
         return (f"{name} on {what}: the gradient lives in the cloud, and only these reach it there: torch's "
