@@ -672,3 +672,64 @@ def test_a_loss_computed_with_gradients_on_from_a_model_x_made_without_them_buil
         assert script(model, model.remote_loss(nn.CrossEntropyLoss())) == expected
         assert_bitwise(model.state_dict(), local.state_dict())
     assert not any(requires for _, requires in expected)
+
+
+def _forked_forward(model, crit, opt, x, y, i):
+    with torch.random.fork_rng(devices=[]):  # e.g. to keep a data pipeline's draws apart from the model's
+        out = model(x)
+    crit(out, y).backward()
+
+
+def _reseeded_before_the_loss(model, crit, opt, x, y, i):
+    out = model(x)
+    torch.manual_seed(100 + i)
+    (crit(out, y) * (1 + torch.rand(1))).backward()  # a random loss weight, from the new seed
+
+
+def _drawn_in_the_fork(model, crit, opt, x, y, i):
+    with torch.random.fork_rng(devices=[]):
+        out = model(x)
+        weight = 1 + torch.rand(1)  # unsplit, after the cloud half's masks
+    (crit(out, y) * weight).backward()
+
+
+def _drawn_then_reseeded(model, crit, opt, x, y, i):
+    out = model(x)
+    torch.rand(3)
+    torch.manual_seed(100 + i)
+    crit(out, y).backward()
+
+
+@pytest.mark.parametrize("step, refused", [(_forked_forward, False), (_reseeded_before_the_loss, False),
+                                           (_drawn_in_the_fork, True), (_drawn_then_reseeded, True)],
+                         ids=["fork_rng around model(x)", "reseeded before the loss", "drawn inside the fork",
+                              "drawn, then reseeded"])
+def test_a_generator_set_between_model_x_and_its_loss_stays_as_the_script_set_it(cloud, step, refused):
+    """Unsplit, the cloud half's dropout draws at model(x); split, at the loss, from the state
+    model(x) saw. Set in between (fork_rng's exit puts it back, manual_seed), the generator then
+    holds what the script set, not what follows the half's draws; a draw before the set would have
+    come after the half's masks, and is refused as any draw in between is."""
+    data = _data(3)
+
+    def script(model, crit):
+        opt, after = torch.optim.SGD(model.parameters(), lr=0.1), []
+        for i, (x, y) in enumerate(data):
+            opt.zero_grad()
+            step(model, crit, opt, x, y, i)
+            opt.step()
+            after.append(torch.rand(2))  # where the generator went on from
+        return after
+
+    torch.manual_seed(0)
+    local = mlp_dropout()
+    expected = script(local, nn.CrossEntropyLoss())
+    torch.manual_seed(0)
+    with splitft.split(mlp_dropout(), 2, factory="tests.models:mlp_dropout", connect=cloud) as model:
+        crit = model.remote_loss(nn.CrossEntropyLoss())
+        if refused:
+            with pytest.raises(ConfigError, match=r"drew random numbers between model\(x\) and its remote loss"):
+                script(model, crit)
+            return
+        got = script(model, crit)
+        assert_bitwise(model.state_dict(), local.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))

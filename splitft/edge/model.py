@@ -24,7 +24,7 @@ from ..cut import CutSpec
 from ..errors import ConfigError, HiddenAttributeWarning, SplitFTError
 from ..metrics import Metrics
 from ..wire.operations import LoadWeights
-from . import initialisers, move, optimizers, resume
+from . import generator_sets, initialisers, move, optimizers, resume
 from .cloud_half import CloudHalf, values_to_send
 from .ghosts import Ghosts, install, uninstall
 from .mirror import ModelMirror
@@ -97,6 +97,7 @@ class SplitModel(UnsplitTree):
         optimizers.register(cloud_half, self.mirror)
         optimizers.install()
         initialisers.install()
+        generator_sets.install()
         self.seal()
         hidden = hidden_attributes(self, SplitModel, model, handled=("save_pretrained",))
         if hidden:
@@ -242,15 +243,18 @@ class SplitModel(UnsplitTree):
         if cut is not None:
             cut.refuse_changes(self.training, self.session.outbox.weights_version)
         modes = self._mirror_module_state()
-        drawn_since = None
-        if again is None and cut is not None and not torch.equal(torch.get_rng_state(), cut.rng):
+        drawn_since = generator_kept = None
+        since = cut.generator_since() if again is None and cut is not None else "untouched"
+        if cut is not None and since == "set":  # the half draws from the forward's state; the script's set stays
+            generator_kept = cut.rng
+        elif cut is not None and since == "drew":
             draws = self.stage.draws(self.training, modes)
             if draws:
                 raise ConfigError(DRAWN_BETWEEN)
             if draws is None:  # its first forward in these modes: it starts where unsplit, and says if it drew
                 drawn_since = cut.rng
         return self.caller(args, kwargs, target, train=self.training, trainable=self.mirror.trainable, modes=modes,
-                           again=again, drawn_since=drawn_since)
+                           again=again, drawn_since=drawn_since, generator_kept=generator_kept)
 
     def _trunk(self, *args: Any, **kwargs: Any) -> Any:
         """U-shape: run the cloud's trunk on what the model passes to its first module."""

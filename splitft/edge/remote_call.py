@@ -202,7 +202,7 @@ class RemoteCaller:
 
     def __call__(self, args: tuple, kwargs: dict, target: Any = None, *, train: bool,
                  trainable: frozenset[str], modes: tuple[str, ...] = (), again: torch.Tensor | None = None,
-                 drawn_since: torch.Tensor | None = None) -> Any:
+                 drawn_since: torch.Tensor | None = None, generator_kept: torch.Tensor | None = None) -> Any:
         """The cloud half's output for ``args``/``kwargs`` (plain split: the loss, with ``target``)."""
         self.cloud_half.hidden = False  # an optimizer step that raised left them hidden
         args, kwargs = trees.rebuild((args, kwargs), self.caches.ref, is_leaf=is_cache, other=lambda node, path: node)
@@ -218,7 +218,7 @@ class RemoteCaller:
                     stash=stash if grad else None, leaves=attached if stash is not None else [],
                     autocast=autocast_dtype(next((t.device.type for t in leaves if t.is_floating_point()), "cpu")),
                     cloud_half=self.cloud_half, trainable=trainable, modes=modes, again=again,
-                    drawn_since=drawn_since)
+                    drawn_since=drawn_since, generator_kept=generator_kept)
         inputs = [*leaves, self._anchor] if grad else leaves
         outputs = _RemoteCall.apply(self.scheduler, call, *inputs)
         return unflatten(call.out_skeleton, list(outputs))

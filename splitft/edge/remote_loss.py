@@ -17,6 +17,7 @@ import torch
 
 from ..devices import autocast_dtype
 from ..errors import ConfigError
+from . import generator_sets
 from .ghosts import settings_version
 from .metadata import METADATA
 from .stray import crossed
@@ -93,11 +94,20 @@ class CutContext:
     autocast: tuple[str | None, str | None]  # on the CPU, on CUDA
     weights: int  # the cloud half's weights' version (:attr:`.outbox.Outbox.weights_version`)
     settings: int  # the cloud modules' modes and settings' version (:func:`.ghosts.settings_version`)
+    generator_sets: int  # :func:`.generator_sets.count`
 
     @staticmethod
     def now(training: bool, weights: int) -> CutContext:
         return CutContext(torch.get_rng_state(), training, torch.is_grad_enabled(),
-                          (autocast_dtype("cpu"), autocast_dtype("cuda")), weights, settings_version())
+                          (autocast_dtype("cpu"), autocast_dtype("cuda")), weights, settings_version(),
+                          generator_sets.count())
+
+    def generator_since(self) -> str:
+        """What the script did to the generator since ``model(x)``: ``"untouched"``, ``"drew"``, or
+        ``"set"`` it before drawing (``torch.random.fork_rng`` around ``model(x)`` puts it back;
+        unsplit, the cloud half's draws came first and what the generator holds after is the
+        script's: :func:`.generator_sets.since`)."""
+        return generator_sets.since(self.generator_sets, self.rng)
 
     def refuse_changes(self, training: bool, weights: int) -> None:
         """Refuse a loss computed in another mode or autocast than its ``model(x)``, or after the

@@ -81,6 +81,10 @@ class Call:
     #: A plain split's loss after the script drew random numbers since its ``model(x)``: the
     #: generator state at that ``model(x)``, where the unsplit cloud half's draws started.
     drawn_since: torch.Tensor | None = None
+    #: A plain split's loss after the script set the generator since its ``model(x)`` (``fork_rng``
+    #: around it puts it back): the state at that ``model(x)``, where the cloud half draws from;
+    #: the edge's generator stays as the script set it rather than going on from the half's draws.
+    generator_kept: torch.Tensor | None = None
     #: Those of them the cloud said its graph did not reach (across the parts' replies); None: no word yet.
     unreached: set[str] | None = None
 

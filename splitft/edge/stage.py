@@ -117,9 +117,10 @@ class CloudStage:
             return None
         if call.again is not None:  # the first loss's start, whatever the stream is at now (it stays there)
             return call.again.numpy()
-        if call.drawn_since is not None:  # unsplit, the half drew from there (see _follow_cloud_rng)
+        start = call.drawn_since if call.drawn_since is not None else call.generator_kept
+        if start is not None:  # unsplit, the half drew from there (see _follow_cloud_rng)
             self._rng_synced = None
-            return call.drawn_since.numpy()
+            return start.numpy()
         state = torch.get_rng_state()
         if self._rng_synced is not None and torch.equal(state, self._rng_synced):
             return None
@@ -154,8 +155,9 @@ class CloudStage:
         if reply.rng is None or call.streamed:
             return
         state = checked_host_state(reply.rng, "output.rng")
-        torch.set_rng_state(state)
-        self._rng_synced = state
+        if call.generator_kept is None:
+            torch.default_generator.set_state(state)  # not torch.set_rng_state: the script's own sets are counted
+        self._rng_synced = state  # the half's stream; the edge's state is sent again when it differs
 
     def send_forward(self, call: Call, part: Part, leaves: list[torch.Tensor], ops: list[Operation]) -> None:
         msg, traffic = self._forward_message(call, part, leaves, ops, self._context(call, part))

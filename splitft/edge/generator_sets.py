@@ -1,0 +1,74 @@
+"""How many times the script set torch's host generator: ``torch.set_rng_state``,
+``torch.manual_seed``, and the exit of ``torch.random.fork_rng``, which calls the first.
+
+A plain split's cloud half runs at the remote loss, not at ``model(x)``; its dropout draws from
+the generator state ``model(x)`` saw, and the edge's generator then goes on from where the half
+left it, as the unsplit model's would. A generator found at that same state at the loss is either
+untouched since ``model(x)`` or put back there (``with torch.random.fork_rng(): out = model(x)``),
+and the two differ: put back, the unsplit model's generator stays where it was put. The state
+alone cannot tell them apart; this count can, with the state each set found (the script drew
+before it or not).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_count = 0
+#: The state each of the last sets found, by the count it made (the script's draws before a set
+#: show only there once the set replaced it).
+_found: dict[int, torch.Tensor] = {}
+_REMEMBERED = 16
+_INSTALLING = threading.Lock()
+#: The functions counted, where scripts and ``fork_rng`` look them up. Not ``torch.random``'s
+#: own names: torch.compile puts the generator back through those around its tracing.
+_SETTERS = ("set_rng_state", "manual_seed")
+
+
+def count() -> int:
+    """How many times the host generator was set so far in this process (through torch's functions)."""
+    return _count
+
+
+def since(mark: int, start: torch.Tensor) -> str:
+    """What became of the host generator since :func:`count` was ``mark`` and its state ``start``:
+    ``"untouched"``; ``"set"``, nothing drawn before the first set (what follows it is the
+    script's); or ``"drew"``: drawn from before any set, or set so often that this is not known."""
+    if _count == mark:
+        return "untouched" if torch.equal(torch.get_rng_state(), start) else "drew"
+    found = _found.get(mark + 1)
+    return "set" if found is not None and torch.equal(found, start) else "drew"
+
+
+def _counted(original: Callable[..., Any]) -> Callable[..., Any]:
+    @torch.compiler.disable  # run as it is inside compiled code, as torch's own setter is
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        global _count
+        _count += 1
+        _found[_count] = torch.get_rng_state()
+        _found.pop(_count - _REMEMBERED, None)
+        return original(*args, **kwargs)
+
+    @functools.wraps(original)
+    def setter(*args: Any, **kwargs: Any) -> Any:
+        return counting(*args, **kwargs)
+
+    setter.__splitft_original__ = original  # type: ignore[attr-defined]
+    return setter
+
+
+def install() -> None:
+    """Count the setters of :data:`_SETTERS` in the ``torch`` namespace, once per process."""
+    with _INSTALLING:
+        for name in _SETTERS:
+            current = getattr(torch, name)
+            if not hasattr(current, "__splitft_original__"):
+                setattr(torch, name, _counted(current))
+
+
+__all__ = ["count", "install"]
