@@ -600,6 +600,28 @@ def _trains_exactly_as_locally(cloud, script, rejoin):
         assert got == expected  # what the script read along the way (norms it logged), to the last bit
 
 
+@pytest.mark.parametrize("loss", [nn.functional.cross_entropy, nn.functional.multi_margin_loss],
+                         ids=lambda f: f.__name__)
+def test_a_functional_loss_as_the_remote_loss_computes_what_it_computes_unsplit(cloud, loss):
+    """``model.remote_loss(F.cross_entropy)``: the cloud computes the torch.nn loss that calls it with
+    its defaults, so training is bitwise the unsplit script's ``F.cross_entropy(model(x), y)``."""
+    def train(model, crit):
+        opt, losses = torch.optim.SGD(model.parameters(), lr=0.1), []
+        for x, y in _data(3):
+            opt.zero_grad()
+            value = crit(model(x), y)
+            value.backward()
+            opt.step()
+            losses.append(value.item())
+        return losses
+
+    local = mlp()
+    expected = train(local, loss)
+    with splitft.split(mlp(), 2, factory=MLP, connect=cloud) as model:
+        assert train(model, model.remote_loss(loss)) == expected
+        assert_bitwise(model.state_dict(), local.state_dict())
+
+
 @pytest.mark.parametrize("make", [
     lambda: nn.CrossEntropyLoss(weight=torch.tensor([0.2, 0.3, 0.5]), label_smoothing=0.1),
     lambda: nn.BCEWithLogitsLoss(pos_weight=torch.tensor([3.0, 1.0, 0.25])),

@@ -145,11 +145,32 @@ class ModelMirror:
         return self.loss(criterion)
 
 
+F = nn.functional
+#: torch.nn.functional's losses of ``(input, target)``, each as the torch.nn loss whose forward
+#: calls it with the same defaults: ``model.remote_loss(F.cross_entropy)`` computes what
+#: ``F.cross_entropy(out, y)`` does.
+_FUNCTIONAL_LOSSES: dict[Callable[..., Any], type[nn.Module]] = {
+    F.cross_entropy: nn.CrossEntropyLoss, F.nll_loss: nn.NLLLoss, F.mse_loss: nn.MSELoss, F.l1_loss: nn.L1Loss,
+    F.smooth_l1_loss: nn.SmoothL1Loss, F.huber_loss: nn.HuberLoss, F.binary_cross_entropy: nn.BCELoss,
+    F.binary_cross_entropy_with_logits: nn.BCEWithLogitsLoss, F.kl_div: nn.KLDivLoss,
+    F.poisson_nll_loss: nn.PoissonNLLLoss, F.soft_margin_loss: nn.SoftMarginLoss,
+    F.multilabel_soft_margin_loss: nn.MultiLabelSoftMarginLoss, F.multi_margin_loss: nn.MultiMarginLoss,
+    F.multilabel_margin_loss: nn.MultiLabelMarginLoss, F.hinge_embedding_loss: nn.HingeEmbeddingLoss,
+}
+
+
+def loss_module(criterion: Any) -> nn.Module:
+    """``criterion`` as a torch.nn loss: itself, or the one a torch.nn.functional loss stands for."""
+    module = _FUNCTIONAL_LOSSES.get(criterion) if callable(criterion) and not isinstance(criterion, nn.Module) else None
+    return module() if module is not None else criterion
+
+
 def loss_settings(criterion: nn.Module) -> dict[str, Any]:
     """What the cloud needs to build the same torch.nn loss; refuses what it cannot rebuild by name."""
     cls = type(criterion)
     if getattr(nn, cls.__name__, None) is not cls or not issubclass(cls, nn.modules.loss._Loss):
-        raise ConfigError(f"the cloud computes torch.nn losses by name; {cls.__qualname__} is not one. For a loss of "
+        raise ConfigError(f"the cloud computes torch.nn losses by name (and torch.nn.functional's of (input, target)); "
+                          f"{getattr(criterion, '__name__', cls.__qualname__)} is not one. For a loss of "
                           "your own (a distillation loss, a function), cut a U-shape (split(..., rejoin=...)): the "
                           "model's output comes back to the edge, where your loss runs as it is")
     settings: dict[str, Any] = {}
@@ -188,4 +209,5 @@ def loss_tensor(cls: type, name: str, value: torch.Tensor) -> dict[str, Any]:
     return {"tensor": flat.tolist(), "dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape)}
 
 
-__all__ = ["Link", "ModelMirror", "OptimizerMirror", "Queue", "Steps", "loss_settings", "optimizer_settings"]
+__all__ = ["Link", "ModelMirror", "OptimizerMirror", "Queue", "Steps", "loss_module", "loss_settings",
+           "optimizer_settings"]

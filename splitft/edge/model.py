@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -27,7 +27,7 @@ from ..wire.operations import LoadWeights
 from . import generator_sets, initialisers, move, optimizers, resume
 from .cloud_half import CloudHalf, values_to_send
 from .ghosts import Ghosts, install, uninstall
-from .mirror import ModelMirror
+from .mirror import ModelMirror, loss_module
 from .module_tree import UnsplitTree, hidden_attributes
 from .placeholders import CloudTensor
 from .remote_call import CacheRefs, RemoteCaller
@@ -307,10 +307,12 @@ class SplitModel(UnsplitTree):
         if self.step_log is not None:
             self.step_log.write(self.stage.step, self.metrics, self.privacy)
 
-    def remote_loss(self, criterion: nn.Module) -> RemoteLoss:
-        """Plain split: compute ``criterion`` in the cloud. Returns a callable ``crit(out, target)``."""
+    def remote_loss(self, criterion: nn.Module | Callable[..., torch.Tensor]) -> RemoteLoss:
+        """Plain split: compute ``criterion`` (a torch.nn loss, or torch.nn.functional's of
+        ``(input, target)``) in the cloud. Returns a callable ``crit(out, target)``."""
         if self.spec.ushape:
             raise ConfigError("in a U-shape split the loss stays on the edge: call your criterion directly")
+        criterion = loss_module(criterion)
         self.scheduler.loss_reduction = self.mirror.loss(criterion)
         return RemoteLoss(self._remote, before=lambda: self._loss_for_call(criterion))
 
