@@ -256,17 +256,15 @@ def new_values(make: Callable[..., Any], *, no_grad: bool = False) -> Callable[.
     return made
 
 
-#: What torch passes for ``t.data``: the property's getter (``Tensor.data`` is a descriptor on the class).
-_DATA_GETTER = cast(Any, Tensor.data).__get__
-_DATA_SETTER = cast(Any, Tensor.data).__set__
+#: What torch passes for ``t.data`` and ``t.data = v`` (``Tensor.data`` is a descriptor on the class).
+_DATA_GETTER, _DATA_SETTER = cast(Any, Tensor.data).__get__, cast(Any, Tensor.data).__set__
 
 
 def _data_set_to_itself(tensor: RemoteTensor, value: Any) -> None:
-    """``p.data -= lr * p.grad``: Python sets ``p.data`` to what the in-place operator returned,
-    the same cloud tensor (already changed in the cloud). Any other tensor would make ``p`` hold
-    that tensor's memory, which a placeholder cannot: refused."""
-    if not (isinstance(value, RemoteTensor) and type(value) is type(tensor)
-            and value._splitft_name == tensor._splitft_name and value._splitft_remote is tensor._splitft_remote):
+    """``p.data -= lr * p.grad`` sets ``p.data`` to what the in-place operator returned: the same
+    cloud tensor. Any other would make ``p`` hold that tensor's memory, which a placeholder cannot."""
+    if not (type(value) is type(tensor) and value._splitft_name == tensor._splitft_name
+            and value._splitft_remote is tensor._splitft_remote):
         raise PlaceholderError(_refusal(_DATA_SETTER, tensor))
 
 
