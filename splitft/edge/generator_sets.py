@@ -46,20 +46,17 @@ def since(mark: int, start: torch.Tensor) -> str:
 
 
 def _counted(original: Callable[..., Any]) -> Callable[..., Any]:
-    @torch.compiler.disable  # run as it is inside compiled code, as torch's own setter is
-    def counting(*args: Any, **kwargs: Any) -> Any:
+    @functools.wraps(original)
+    def setter(*args: Any, **kwargs: Any) -> Any:
         global _count
         _count += 1
         _found[_count] = torch.get_rng_state()
         _found.pop(_count - _REMEMBERED, None)
         return original(*args, **kwargs)
 
-    @functools.wraps(original)
-    def setter(*args: Any, **kwargs: Any) -> Any:
-        return counting(*args, **kwargs)
-
-    setter.__splitft_original__ = original  # type: ignore[attr-defined]
-    return setter
+    counted: Any = torch.compiler.disable(setter)  # run as it is inside compiled code, as torch's own is
+    counted.__splitft_original__ = original
+    return counted
 
 
 def install() -> None:

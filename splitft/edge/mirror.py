@@ -161,7 +161,7 @@ _FUNCTIONAL_LOSSES: dict[Callable[..., Any], type[nn.Module]] = {
 
 def loss_module(criterion: Any) -> nn.Module:
     """``criterion`` as a torch.nn loss: itself, or the one a torch.nn.functional loss stands for."""
-    module = _FUNCTIONAL_LOSSES.get(criterion) if callable(criterion) and not isinstance(criterion, nn.Module) else None
+    module = next((loss for function, loss in _FUNCTIONAL_LOSSES.items() if function is criterion), None)
     return module() if module is not None else criterion
 
 
