@@ -733,3 +733,44 @@ def test_a_generator_set_between_model_x_and_its_loss_stays_as_the_script_set_it
         got = script(model, crit)
         assert_bitwise(model.state_dict(), local.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def _frozen_at_the_third_step(model, net, crit, data, before_the_loss: bool):
+    """Freezes a cloud weight in the third step, after ``model(x)``, before its loss or its backward."""
+    opt, no_grad = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), []
+    for i, (x, y) in enumerate(data):
+        out = model(x)
+        if i == 2 and before_the_loss:
+            net[2].weight.requires_grad_(False)
+        loss = crit(out, y)
+        if i == 2:
+            net[2].weight.requires_grad_(False)
+        loss.backward()
+        no_grad.append(net[2].weight.grad is None)
+        opt.step()
+        opt.zero_grad()
+        net[2].weight.requires_grad_(True)
+    return no_grad
+
+
+@pytest.mark.parametrize("rejoin, before_the_loss", [(None, False), (4, False), (4, True), (None, True)],
+                         ids=["plain, before the backward", "ushape, before the backward",
+                              "ushape, before the loss", "plain, before the loss"])
+def test_a_cloud_weight_frozen_after_its_forward_gets_no_gradient_as_unsplit(cloud, rejoin, before_the_loss):
+    """Torch asks ``requires_grad`` at the backward: a weight frozen after the forward that used it
+    gets no gradient. The edge tells the cloud its frozen set before each backward, so the cloud's
+    gradient (computed with the loss, or in its backward) is left out as unsplit. A plain split's
+    cloud half runs at the loss, so a flag flipped between model(x) and its loss is refused there."""
+    data = _data(4)
+    local = mlp()
+    expected = _frozen_at_the_third_step(local, local, nn.CrossEntropyLoss(), data, before_the_loss)
+    assert expected == [False, False, True, False]
+    net = mlp()
+    with splitft.split(net, 2, rejoin, factory=MLP, connect=cloud) as model:
+        crit = nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss())
+        if rejoin is None and before_the_loss:
+            with pytest.raises(ConfigError, match=r"requires_grad of a cloud parameter .* changed between model\(x\)"):
+                _frozen_at_the_third_step(model, net, crit, data, before_the_loss)
+            return
+        assert _frozen_at_the_third_step(model, net, crit, data, before_the_loss) == expected
+        assert_bitwise(model.state_dict(), local.state_dict())

@@ -419,7 +419,8 @@ def apply_eager(session: Target, op: o.ApplyEager) -> None:
     """The edge backpropagated through an eager call: add its parameter gradients, scaled."""
     if not math.isfinite(op.scale):
         raise ProtocolError(f"apply needs a finite scale, got {op.scale}")
-    deferred = session.graphs.applicable(op.call)
+    # torch's AccumulateGrad asks at the backward: a parameter frozen since the forward gets none
+    deferred = [(p, g) for p, g in session.graphs.applicable(op.call) if p.requires_grad]
     with torch.no_grad(), session.half.own_grads():
         session.passes.add(op.pass_id if session.half.shared is None else None, deferred, op.scale)
     session.graphs.take(op.call)  # the graph kept in case the scale was not exact is not needed

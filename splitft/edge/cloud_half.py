@@ -102,10 +102,12 @@ class CloudHalf:
 
     def backward_reached(self, trainable: Iterable[str], unreached: Iterable[str] | None) -> None:
         """A backward reached the cut: the cloud's parameters that required a gradient at the
-        forward have one now, but those the cloud said its graph did not reach."""
+        forward and still do (torch asks at the backward) have one now, but those the cloud said
+        its graph did not reach."""
         if unreached is not None:
             self.unreached = frozenset(unreached)
-        self.has_grad.update(n for n in trainable if n not in self.unreached)
+        with torch._C.DisableTorchFunctionSubclass():  # a flag read on each placeholder
+            self.has_grad.update(n for n in trainable if n not in self.unreached and self.params[n].requires_grad)
         self._changed()
 
     def grad_norms(self, names: list[str], norm_type: float) -> list[torch.Tensor]:

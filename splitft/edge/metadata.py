@@ -46,5 +46,26 @@ IS_META = cast(Any, Tensor.is_meta).__get__
 #: is among them: the edge sends the cloud half's frozen set with each forward.
 METADATA = frozenset(_metadata())
 
+#: The calls among them that set ``requires_grad``.
+REQUIRES_GRAD_SETTERS = frozenset((cast(Any, Tensor.requires_grad).__set__, Tensor.requires_grad_))
+_requires_grad_changes = 0
 
-__all__ = ["IS_META", "METADATA"]
+
+def set_requires_grad(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``p.requires_grad_(flag)`` / ``p.requires_grad = flag`` on a placeholder, counted when it
+    changes the flag (see :func:`requires_grad_changes`)."""
+    global _requires_grad_changes
+    with torch._C.DisableTorchFunctionSubclass():
+        before = args[0].requires_grad
+        result = func(*args, **kwargs)
+        _requires_grad_changes += args[0].requires_grad != before
+    return result
+
+
+def requires_grad_changes() -> int:
+    """How many times a script flipped ``requires_grad`` of a cloud tensor: a plain split's loss
+    refuses a change since its ``model(x)``, whose graph unsplit was built with the flags then."""
+    return _requires_grad_changes
+
+
+__all__ = ["IS_META", "METADATA", "REQUIRES_GRAD_SETTERS", "requires_grad_changes", "set_requires_grad"]

@@ -116,6 +116,15 @@ class ModelMirror:
         those changed, see :class:`~splitft.config_reads.ModuleFlags`)."""
         if flags:
             self.outbox.queue(SetFlags(flags=flags))
+        self.frozen_state()
+        if flipped != self._flipped_sent:
+            self.outbox.queue(SetModes(names=flipped))
+            self._flipped_sent = flipped
+
+    def frozen_state(self) -> None:
+        """Tell the cloud which of its parameters the script froze, when that changed: with each
+        forward, and before each backward (unsplit, a parameter frozen since its forward gets no
+        gradient in the backward: torch asks at the backward)."""
         params = self.cloud_half.params
         with torch._C.DisableTorchFunctionSubclass():  # a flag read on each placeholder, not a dispatch each
             frozen = frozenset(name for name, param in params.items() if not param.requires_grad)
@@ -123,9 +132,6 @@ class ModelMirror:
             self.outbox.queue(SetFrozen(names=sorted(frozen)))
             self._frozen_sent = frozen
             self.trainable = frozenset(params) - frozen
-        if flipped != self._flipped_sent:
-            self.outbox.queue(SetModes(names=flipped))
-            self._flipped_sent = flipped
 
     def loss(self, criterion: nn.Module) -> str:
         """Plain split: the cloud computes ``criterion``; returns its reduction (how the losses of

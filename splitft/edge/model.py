@@ -80,6 +80,7 @@ class SplitModel(UnsplitTree):
         self.cloud_half = CloudHalf(session.outbox.queue, self._fetch_norms, self._fetch_values,
                                     lambda: session.outbox.version)
         self.mirror = ModelMirror(session, session.outbox, stage, self.cloud_half, on_step=self._stepped)
+        scheduler.before_backward = self.mirror.frozen_state
         self.caller = RemoteCaller(scheduler, self.cloud_half, CacheRefs(session.outbox.queue, lambda: session.closed),
                                    freeze_edge=freeze_edge)
         self.step_log = StepLog(metrics_path) if metrics_path else None

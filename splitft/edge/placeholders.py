@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..errors import PlaceholderError
 from ..wire import expressions
-from .metadata import IS_META, METADATA
+from .metadata import IS_META, METADATA, REQUIRES_GRAD_SETTERS, set_requires_grad
 
 Tensor = torch.Tensor
 
@@ -108,6 +108,8 @@ class RemoteTensor(Tensor):
     def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func in METADATA:
+            if func in REQUIRES_GRAD_SETTERS:
+                return set_requires_grad(func, args, kwargs)
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if func == IS_META:

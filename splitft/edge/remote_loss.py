@@ -19,7 +19,7 @@ from ..devices import autocast_dtype
 from ..errors import ConfigError
 from . import generator_sets
 from .ghosts import settings_version
-from .metadata import METADATA
+from .metadata import METADATA, requires_grad_changes
 from .stray import crossed
 
 
@@ -95,12 +95,13 @@ class CutContext:
     weights: int  # the cloud half's weights' version (:attr:`.outbox.Outbox.weights_version`)
     settings: int  # the cloud modules' modes and settings' version (:func:`.ghosts.settings_version`)
     generator_sets: int  # :func:`.generator_sets.count`
+    requires_grad: int  # :func:`.metadata.requires_grad_changes`
 
     @staticmethod
     def now(training: bool, weights: int) -> CutContext:
         return CutContext(torch.get_rng_state(), training, torch.is_grad_enabled(),
                           (autocast_dtype("cpu"), autocast_dtype("cuda")), weights, settings_version(),
-                          generator_sets.count())
+                          generator_sets.count(), requires_grad_changes())
 
     def generator_since(self) -> str:
         """What the script did to the generator since ``model(x)``: ``"untouched"``, ``"drew"``, or
@@ -119,7 +120,9 @@ class CutContext:
                    "autocast" if autocast != self.autocast else
                    "cloud half's weights (a step, a load, an in-place change)" if weights != self.weights else
                    "mode or a setting of a cloud layer (net[3].eval(), m.p = 0.0)"
-                   if settings_version() != self.settings else None)
+                   if settings_version() != self.settings else
+                   "requires_grad of a cloud parameter (a layer frozen or unfrozen)"
+                   if requires_grad_changes() != self.requires_grad else None)
         if changed:
             raise ConfigError(
                 f"the {changed} changed between model(x) and its remote loss: unsplit, the cloud half ran in those "

@@ -17,6 +17,7 @@ import itertools
 import logging
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, cast
@@ -135,6 +136,8 @@ class Scheduler:
         self._template: _Template | None = None  # the last synchronous call a streamed one may copy
         self._delayed: tuple[Call, torch.Tensor] | None = None  # a streamed call whose cut gradient is due
         self._said_why_synchronous = False
+        #: Called before a backward takes the queued operations (the frozen parameters, told anew).
+        self.before_backward: Callable[[], None] = lambda: None
 
     def forward(self, call: Call, leaves: list[torch.Tensor], needs_grad: list[bool]) -> list[torch.Tensor]:
         """Run the cloud part on ``leaves``; the outputs of the whole batch."""
@@ -262,6 +265,7 @@ class Scheduler:
             if not exact:  # the cloud backpropagates the graph it kept, for the gradient the loss got
                 for part in call.parts:
                     part.eager_grads = None
+            self.before_backward()
             ops = self.ops.take()
             sent_ops = False
             with self.stage.borrowing():  # every reply is read before the script runs again
