@@ -774,3 +774,29 @@ def test_a_cloud_weight_frozen_after_its_forward_gets_no_gradient_as_unsplit(clo
             return
         assert _frozen_at_the_third_step(model, net, crit, data, before_the_loss) == expected
         assert_bitwise(model.state_dict(), local.state_dict())
+
+
+@pytest.mark.parametrize("register", [
+    lambda net, seen: net.register_forward_hook(lambda m, args, out: seen.append(out.norm())),
+    lambda net, seen: net.register_full_backward_hook(lambda m, grad_in, grad_out: seen.append(grad_out[0].norm())),
+    lambda net, seen: net.register_full_backward_pre_hook(lambda m, grad_out: seen.append(grad_out[0].norm())),
+], ids=["forward hook", "full backward hook", "full backward pre-hook"])
+def test_a_hook_on_the_model_above_a_plain_cut_is_refused_and_a_u_shapes_sees_the_output(cloud, register):
+    """Unsplit, a hook on the model sees its output (the logits) or their gradient. A plain split's
+    edge runs the model's forward only up to the cut, so the hook never ran (it logged nothing,
+    silently): refused at the forward. A U-shape's forward completes on the edge: its hook sees what
+    it sees unsplit."""
+    data = _data(3)
+    local, expected = mlp(), []
+    register(local, expected)
+    _steps(local, torch.optim.SGD(local.parameters(), lr=0.1), nn.CrossEntropyLoss(), data)
+    net, seen = mlp(), []
+    with splitft.split(net, 2, 4, factory=MLP, connect=cloud) as ushape:
+        register(net, seen)
+        _steps(ushape, torch.optim.SGD(ushape.parameters(), lr=0.1), nn.CrossEntropyLoss(), data)
+    assert len(seen) == len(expected) == 3 and all(torch.equal(a, b) for a, b in zip(seen, expected))
+    net = mlp()
+    with splitft.split(net, 2, factory=MLP, connect=cloud) as plain:
+        register(net, [])
+        with pytest.raises(CutError, match=r"hook on 'the model': a plain split runs its forward on the edge only up"):
+            plain(data[0][0])

@@ -146,6 +146,20 @@ class Ghosts:
                               "and its kin, or a tool that uses them): it runs on every module's call, but the cloud "
                               "half's modules run in the cloud, where it would not; register hooks on edge modules")
 
+    def refuse_hooks_above_the_cut(self) -> None:
+        """A plain split: the model and the containers that hold the cut run their forwards on the
+        edge only up to the cut, so a forward or backward hook on them would never see their output
+        (the cloud computes it with the loss): refused at the forward, however it was registered."""
+        holders = [("the model", self._model)] + [(name, module) for name, in_cloud, _, _, module in self._links
+                                                  if not in_cloud]
+        for where, module in holders:
+            for table in ("_forward_hooks", "_backward_hooks", "_backward_pre_hooks"):
+                if any(not _library_hook(h) for h in getattr(module, table).values()):
+                    raise CutError(f"a {table.strip('_').replace('_', ' ')[:-1]} on {where!r}: a plain split runs its "
+                                   "forward on the edge only up to the cut (the cloud computes the rest with the loss), "
+                                   "so the hook would never see its output; register it on an edge module, use "
+                                   "model.predict(x) for the output, or cut a U-shape (rejoin=)")
+
     def refuse_replacing(self, target: str) -> None:
         """``set_submodule(target)`` would replace (part of) a module that runs in the cloud."""
         name = target.removeprefix("model.")

@@ -209,6 +209,7 @@ class SplitModel(UnsplitTree):
             finally:
                 self.caller.forward_with(None)  # the wrapped model called directly (generate) has none
         self.strays.refuse_recomputation(self.training)
+        self.ghosts.refuse_hooks_above_the_cut()
         forwarding = FORWARDING.set(True)
         try:
             if self.scheduler.options.delayed_gradients and self.training and torch.is_grad_enabled():
