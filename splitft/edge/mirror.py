@@ -21,6 +21,7 @@ from ..errors import ConfigError
 from ..wire.operations import Operation, SetFlags, SetFrozen, SetLoss, SetModes
 from . import optimizers
 from .cloud_half import CloudHalf
+from .metadata import requires_grad_changes
 from .optimizer_mirror import NOT_PLAIN, OptimizerMirror, optimizer_settings, plain_setting
 from .placeholders import RemoteTensor
 
@@ -72,6 +73,7 @@ class ModelMirror:
         #: The cloud parameters that require a gradient, as last sent.
         self.trainable: frozenset[str] = frozenset()
         self._frozen_sent: frozenset[str] | None = None
+        self._flags_read_at = -1  # :func:`.metadata.requires_grad_changes` when the flags were last read
         self._flipped_sent: list[str] = []
 
     def resume(self, optimizer_state: dict | None, optimizer_id: int) -> None:
@@ -124,7 +126,12 @@ class ModelMirror:
     def frozen_state(self) -> None:
         """Tell the cloud which of its parameters the script froze, when that changed: with each
         forward, and before each backward (unsplit, a parameter frozen since its forward gets no
-        gradient in the backward: torch asks at the backward)."""
+        gradient in the backward: torch asks at the backward). The flags are read again only after
+        a script flipped one (every flip of a placeholder's is counted)."""
+        changes = requires_grad_changes()
+        if changes == self._flags_read_at:
+            return
+        self._flags_read_at = changes
         params = self.cloud_half.params
         with torch._C.DisableTorchFunctionSubclass():  # a flag read on each placeholder, not a dispatch each
             frozen = frozenset(name for name, param in params.items() if not param.requires_grad)

@@ -9,6 +9,7 @@ gets an error naming the fix instead of a silently different number.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -158,12 +159,12 @@ class RemoteLoss:
         args, kwargs = call_parts(out)
         crossed(out)
         cut = out.__dict__.get(CUT_CONTEXT) if isinstance(out, (CutTensor, CutActivation)) else None
-        if cut is not None and not cut.grad and torch.is_grad_enabled():
-            if isinstance(out, torch.Tensor) and out.requires_grad:
-                raise ConfigError(_GRADIENTS_ADDED)
-            with torch.no_grad():  # unsplit, the cloud half ran at model(x), building no graph
-                return self.call(args, kwargs, target, again=_again(out), cut=cut)
-        loss = self.call(args, kwargs, target, again=_again(out), cut=cut)
+        gradless = cut is not None and not cut.grad and torch.is_grad_enabled()
+        if gradless and isinstance(out, torch.Tensor) and out.requires_grad:
+            raise ConfigError(_GRADIENTS_ADDED)
+        # a model(x) under no_grad: unsplit, the cloud half ran there, building no graph
+        with torch.no_grad() if gradless else contextlib.nullcontext():
+            loss = self.call(args, kwargs, target, again=_again(out), cut=cut)
         if isinstance(out, CutTensor) and isinstance(loss, torch.Tensor) and loss.requires_grad:
             _one_pass_each(out, loss)
         return loss
