@@ -12,6 +12,11 @@ through ``ZmqConnection.send`` / ``ZmqListener.recv`` with no codec and no proto
 what the transport itself costs, apart from encoding and decoding. The last column is the
 message path's fixed cost: its median time per message minus raw's.
 
+Both processes set glibc's allocator thresholds as the ``splitft`` commands do
+(``splitft.app.allocator.tune()``; ``--glibc-defaults`` leaves them): the product's receiver
+copies a frame into aligned memory, and where that memory comes from is the allocator's choice.
+The raw receiver shares the process, so every variant runs under the same settings.
+
     python scripts/bench_transport.py            # 64 KiB, 1 MiB, 16 MiB; median of 11 rounds each
 """
 
@@ -32,8 +37,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _receiver(raw_address: str, splitft_address: str, transport_address: str) -> None:
+def _receiver(raw_address: str, splitft_address: str, transport_address: str, tune: bool) -> None:
     """Echo an acknowledgement for every message marked last, on all sockets, until told to stop."""
+    if tune:
+        from splitft.app import allocator
+
+        allocator.tune()
     import numpy as np
     import zmq
 
@@ -90,7 +99,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=11, help="timed rounds per cell; medians are compared (default: 11)")
     parser.add_argument("--megabytes", type=int, default=128, help="data streamed per round (default 128)")
+    parser.add_argument("--glibc-defaults", action="store_true",
+                        help="leave glibc's allocator thresholds as they are, rather than as the splitft commands set them")
     args = parser.parse_args(argv)
+    if not args.glibc_defaults:
+        from splitft.app import allocator
+
+        allocator.tune()
 
     import torch
     import zmq
@@ -100,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     from transports import ZmqConnection
 
     raw_address, splitft_address, transport_address = (f"tcp://127.0.0.1:{_free_port()}" for _ in range(3))
-    proc = mp.get_context("spawn").Process(target=_receiver, args=(raw_address, splitft_address, transport_address),
+    proc = mp.get_context("spawn").Process(target=_receiver, args=(raw_address, splitft_address, transport_address,
+                                                 not args.glibc_defaults),
                                            daemon=True)
     proc.start()
     sock = zmq.Context.instance().socket(zmq.DEALER)

@@ -82,3 +82,13 @@ def test_the_offload_benchmark_prints_the_step_ratio():
 def test_the_error_bound_benchmark_keeps_every_bound():
     rows = [line.split(" | ") for line in _run("bench_errbound.py").splitlines() if "errbound" in line]
     assert len(rows) == 9 and all(float(error) <= float(bound.rstrip(" |")) for *_, error, bound in rows), rows
+
+
+def test_the_allocator_benchmark_times_a_step_under_each_setting():
+    text = _run("bench_allocator.py", "cnn:256", "--rounds", "1", "--steps", "5")
+    row = re.compile(rf"^ +cnn:256 +(defaults|mmap4|splitft) +{NUMBER} +{NUMBER} +(\d+) +{NUMBER}x \[{NUMBER}-{NUMBER}\]$",
+                     re.MULTILINE)
+    faults = {m.group(1): int(m.group(2)) for m in row.finditer(text)}
+    assert set(faults) == {"defaults", "mmap4", "splitft"}, text
+    # glibc's defaults return the heap's free top each step and fault it back in; the commands keep it
+    assert faults["splitft"] < faults["defaults"] / 4, text

@@ -565,11 +565,11 @@ def assert_decode_peak_priced(spec: str, dtype: torch.dtype, portable: bool = Fa
     codec's ``decode_cost`` (``portable``: through the device kernels)."""
     if _rss_peak_reset() is None or not _release_free_memory():
         pytest.skip("needs Linux /proc/self/clear_refs and glibc malloc_trim to measure a peak")
-    # Measured as the cloud allocates (`splitft cloud` tunes glibc): each large buffer mapped on its
-    # own. Under glibc's default the mmap threshold rises with what this process freed before, the
-    # decode's buffers share one heap, and its holes (up to a third over the live tensors) depend
-    # on the tests that ran first and on the address layout.
-    allocator.tune()
+    # Each buffer of 1 MiB or more mapped on its own: what the decode allocates. In a heap the
+    # decode's buffers would land in holes (up to a third over the live tensors) that depend on the
+    # tests that ran first and on the address layout, as glibc's default threshold rises with
+    # what this process freed before.
+    allocator.tune(mmap_threshold=1 << 20)
     with portable_kernels(portable):
         x = make_input(spec, (64, 64, 1024), dtype, strided=False)  # 4 Mi values
         enc, dec, warm = make_codec(spec), make_codec(spec), make_codec(spec)

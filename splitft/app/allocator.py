@@ -1,21 +1,24 @@
 """How this process's allocator keeps and returns memory (glibc only; elsewhere nothing changes).
 
 glibc's defaults are tuned for programs that allocate small objects. A training step allocates
-and frees the same few large buffers every step (activations, gradients, received frames), and
-with the defaults the heap's free top is given back to the system once it exceeds 128 KiB and
-faulted back in at the next step: thousands of minor page faults a step at batch 256 of the
-digits CNN, in the unsplit loop as in the split one. The other default, a threshold for using
-``mmap`` that rises to the largest buffer freed so far (up to 32 MiB), makes a long-running cloud
-keep the memory of its past large requests resident, one heap per worker thread.
+and frees the same buffers every step (activations, gradients, received frames), and with the
+defaults the heap's free top is given back to the system once it exceeds 128 KiB and faulted back
+in at the next step: thousands of minor page faults a step at batch 256 of the digits CNN, in the
+unsplit loop as in the split one. The other default, a threshold for using ``mmap`` that rises
+to the largest buffer freed so far, moves with what the process happened to free first.
 
-The ``splitft`` commands (a process of ours) set both: buffers from :data:`MMAP_THRESHOLD` up are
-mapped and unmapped (a cloud's memory falls back after a large request), and up to
-:data:`TRIM_THRESHOLD` free at a heap's top is kept for the next step. :func:`splitft.split`
-leaves the allocator of a user's process alone: it is the process's, not the library's; a script
-that wants the same sets ``MALLOC_TRIM_THRESHOLD_`` and ``MALLOC_MMAP_THRESHOLD_`` in its
-environment, or calls :func:`tune`. A threshold set in the environment wins over ours: whoever
-started the process chose it (a cloud whose large requests should stay mapped, a benchmark that
-gives every process the same).
+The ``splitft`` commands (a process of ours) set both: buffers under :data:`MMAP_THRESHOLD` come
+from the heap and are reused from step to step, and up to :data:`TRIM_THRESHOLD` free at a heap's
+top is kept for the next step, the rest returned (a cloud's memory falls back after a large
+request). The mmap threshold is glibc's highest, not lower: a mapped buffer is zeroed and
+faulted in page by page at every use, and with a 4 MiB threshold a transformer step whose
+tensors were ~9 MiB took 479,000 minor faults and 28% more time than glibc's defaults
+(``python scripts/bench_allocator.py``). :func:`splitft.split` leaves the allocator of a user's
+process alone: it is the process's, not the library's; a script that wants the same sets
+``MALLOC_TRIM_THRESHOLD_`` and ``MALLOC_MMAP_THRESHOLD_`` in its environment, or calls
+:func:`tune`. A threshold set in the environment wins over ours: whoever started the process
+chose it (a cloud whose large requests should stay mapped, a benchmark that gives every process
+the same).
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from __future__ import annotations
 import ctypes
 import os
 
-#: Buffers of this size or more are mapped on their own and returned when freed.
-MMAP_THRESHOLD = 4 << 20
+#: Buffers of this size or more are mapped on their own and returned when freed: glibc's highest
+#: (half its 64 MiB heap size on 64-bit systems), the ceiling its default threshold rises to.
+MMAP_THRESHOLD = 32 << 20
 #: Free memory at a heap's top kept for reuse rather than returned to the system.
 TRIM_THRESHOLD = 64 << 20
 
