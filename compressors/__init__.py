@@ -25,6 +25,7 @@ needs it; ``policy`` holds :class:`Bounds` and the option classification every c
 
 from . import binary, circconv, delta, errbound, identity, lowrank, quant, scaled  # noqa: F401  (registration side effects)
 from . import delta_stage, outliers, rotation  # noqa: F401  (chain stages, registered too)
+from ._device import host_tensor
 from ._wire import all_finite
 from .base import Codec, CodecContext, Payload, WIRE_DTYPES
 from .errors import CompressionError, DesyncError, PolicyError, UnknownCodecError
@@ -44,5 +45,5 @@ from .registry import (
 __all__ = [
     "Bounds", "Codec", "CodecContext", "CompressionError", "DesyncError", "Payload", "PolicyError",
     "UnknownCodecError", "WIRE_DTYPES", "all_finite", "canonical_spec", "check_spec", "codec_class",
-    "default_grad_spec", "make_codec", "names", "parse_chain", "parse_spec", "register",
+    "default_grad_spec", "host_tensor", "make_codec", "names", "parse_chain", "parse_spec", "register",
 ]

@@ -4,13 +4,18 @@ expression an edge sends before it computes anything (a real cloud process, real
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 import splitft
 from splitft.edge.cloud_values import MOST_READ, CloudValue
+from splitft.edge.placeholders import RemoteTensor
 from splitft.errors import PlaceholderError, ProtocolError
 from splitft.wire.expressions import MOST_NODES
 from splitft.wire.operations import Compute
@@ -85,6 +90,132 @@ def test_a_call_with_gradients_on_a_trainable_cloud_weight_is_refused(cloud):
     model, net = _wide_split(cloud)
     with model, pytest.raises(PlaceholderError, match=r"no gradient would flow back"):
         (net[2].weight ** 2).sum()
+
+
+def test_an_edge_tensor_computed_from_cloud_weights_reads_them_unless_the_result_is_one_of_them(cloud):
+    """A call that changes or makes only the edge's tensors runs here on the weights' values (an
+    average kept by hand); one that would hand back the weight itself (``p.cpu()`` is ``p``, a view
+    of it) or write it (``out=``, dropout in place) is refused, its draws undone."""
+    local = mlp()
+    model = splitft.split(net := mlp(), 2, factory=MLP, connect=cloud)
+    with model, torch.no_grad():
+        weight, expected = net[2].weight.detach(), local[2].weight.detach()
+        average = torch.ones(16, 16)
+        assert average.mul_(0.9).add_(weight, alpha=0.1) is average
+        assert torch.equal(average, torch.ones(16, 16).mul_(0.9).add_(expected, alpha=0.1))
+        assert torch.equal(nn.functional.linear(torch.ones(2, 16), weight), nn.functional.linear(torch.ones(2, 16), expected))
+        assert weight.tolist() == expected.tolist()
+        for refused in (lambda: weight.cpu(), lambda: weight.numpy(), lambda: weight[0],
+                        lambda: torch.broadcast_tensors(torch.ones(16, 16), weight),
+                        lambda: torch.add(torch.ones(16, 16), 1, out=weight)):
+            with pytest.raises(PlaceholderError, match=r"its values live in the cloud"):
+                refused()
+        state = torch.get_rng_state()
+        with pytest.raises(PlaceholderError, match=r"its values live in the cloud"):
+            nn.functional.dropout(weight, 0.5, inplace=True)
+        assert torch.equal(torch.get_rng_state(), state)
+    model, net = _wide_split(cloud)
+    with model, torch.no_grad(), pytest.raises(PlaceholderError, match=r"would read 90000 values"):
+        torch.zeros(300, 300).add_(net[2].weight)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes (NaN equals NaN of the same bits), or the tensor where it has none to view."""
+    try:
+        t = t.detach() if t.layout == torch.strided else t.detach().to_dense()
+        return t.contiguous().flatten().view(torch.uint8)
+    except (RuntimeError, NotImplementedError):
+        return t
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal to the last bit, NaN where NaN, in the same structure."""
+    flat_a, spec_a = tree_flatten(a)
+    flat_b, spec_b = tree_flatten(b)
+    if spec_a != spec_b:
+        return False
+    for x, y in zip(flat_a, flat_b):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor):
+            if x.shape != y.shape or x.dtype != y.dtype or x.layout != y.layout or not torch.equal(_bits(x), _bits(y)):
+                return False
+        elif isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+            if not (isinstance(x, np.ndarray) and isinstance(y, np.ndarray) and x.tobytes() == y.tobytes()):
+                return False
+        elif not (x == y or (x != x and y != y)):  # NaN == NaN
+            return False
+    return True
+
+
+def test_no_torch_function_on_a_cloud_weight_returns_what_it_would_not_return_unsplit(cloud):
+    """Every function tensor subclasses can override, called on a cloud weight (under no_grad, with
+    arguments of the types its schema names) and on the same weight unsplit: where the split call
+    returns rather than raise a splitft error, it returns what the unsplit call returns, bitwise,
+    and the weight in the cloud then holds what the unsplit weight holds."""
+    pytest.importorskip("expecttest")
+    from tests.test_placeholder_ops import METADATA, REFUSALS, _arguments, _name
+
+    like = mlp()[2].weight.detach()
+    model = splitft.split(net := mlp(), 2, factory=MLP, connect=cloud)
+    diverged, returned = [], 0
+    with model, torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        weight = net[2].weight.detach()
+        for func in torch.overrides.get_testing_overrides():
+            local = like.clone()
+            built, mine = _arguments(func, local, like), _arguments(func, weight, like)
+            described = _name(func).removesuffix(".__get__").removesuffix(".__set__").split(".")[-1]
+            if built is None or mine is None or func in _NOT_COMPARED or described in METADATA | {"_cdata"}:
+                continue  # shapes and flags: answered here, tested in test_placeholder_ops
+            expected, again = (_call_seeded(func, *built) for _ in range(2))
+            if expected is not _REFUSED_LOCALLY and not _same(expected, again):
+                continue  # not deterministic on its own (torch.linalg.lstsq of a singular matrix)
+            local = like.clone()  # the calls above may have changed it
+            built = _arguments(func, local, like)
+            expected = _call_seeded(func, *built)
+            torch.manual_seed(0)
+            try:
+                got = func(*mine[0], **mine[1])
+            except REFUSALS:
+                got = _REFUSED_HERE
+            except Exception:  # noqa: BLE001 — torch refused them too, before the placeholder saw the call
+                got = _REFUSED_LOCALLY
+            if got is _REFUSED_HERE:  # refused before anything changed
+                same, after = True, like
+            elif got is _REFUSED_LOCALLY:
+                same, after = expected is _REFUSED_LOCALLY, local
+            elif isinstance(got, RemoteTensor) and got is not weight:  # a placeholder: it refuses what reads it
+                same, after = True, local
+            else:
+                returned += 1
+                same = expected is not _REFUSED_LOCALLY and (
+                    got is weight if expected is local else _same(got, expected))
+                after = local
+            if not same or not _same(torch.tensor(weight.tolist()), after):
+                diverged.append(getattr(func, "__qualname__", None) or repr(func))
+            weight.copy_(like)
+    assert not diverged, f"split and unsplit differ after: {sorted(diverged)}"
+    assert returned > 100, returned  # the test really computed: what the cloud computes, or reads
+
+
+_REFUSED_LOCALLY, _REFUSED_HERE = object(), object()
+
+
+def _call_seeded(func: Any, args: list, kwargs: dict) -> Any:
+    torch.manual_seed(0)
+    try:
+        return func(*args, **kwargs)
+    except Exception:  # noqa: BLE001 — torch refused these arguments
+        return _REFUSED_LOCALLY
+
+
+#: Native functions that these generic arguments (no running statistics, no weights) crash the
+#: process with, on any tensor, split or not; what reads memory by the strides given (out of bounds
+#: here) or packs a pointer; and the least squares of a singular system, which differs from one call
+#: to the next on the same tensor.
+_NOT_COMPARED = {torch.native_batch_norm, torch._native_batch_norm_legit, torch.quantized_lstm_cell,
+                torch._reshape_alias_copy, torch.fbgemm_pack_gemm_matrix_fp16, torch.linalg.lstsq}
 
 
 def _nested(depth: int) -> dict:

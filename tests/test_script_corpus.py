@@ -555,9 +555,56 @@ def steps_by_hand_as_old_tutorials_do(model, net, crit, data):
                 p.grad.data *= 0.0
 
 
+def keeps_an_average_of_the_weights_and_evaluates_with_it(model, net, crit, data):
+    """An exponential moving average of every weight, kept in a dict of clones and updated with
+    ``mul_().add_(p, alpha=...)``; the model evaluated with it loaded, then trained on."""
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    average = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for x, y in data[:-1]:
+        crit(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                average[name].mul_(0.9).add_(p.detach(), alpha=0.1)
+    kept = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(average[name])
+    model.eval()
+    with torch.no_grad():
+        evaluated = round(float(crit(model(data[-1][0]), data[-1][1])), 6)
+    model.train()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(kept[name])
+    crit(model(data[-1][0]), data[-1][1]).backward()
+    opt.step()
+    return [evaluated, *(round(float(v.sum()), 6) for v in average.values())]
+
+
+def averages_weights_in_an_optimizer_post_hook(model, net, crit, data):
+    """The same average, updated by ``torch._foreach_lerp_`` in a step post-hook (as EMA helpers do)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    params = list(model.parameters())
+    shadow = [p.detach().clone() for p in params]
+
+    def update(optimizer, args, kwargs):
+        with torch.no_grad():
+            torch._foreach_lerp_(shadow, [p.detach() for p in params], 0.2)
+
+    opt.register_step_post_hook(update)
+    for x, y in data:
+        crit(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return shadow
+
+
 COMPUTED = [skips_a_step_whose_gradients_are_not_finite, sign_sgd_with_weight_decay_added_to_the_gradient,
             logs_the_largest_gradient_and_the_weight_norm, renormalises_rows_and_perturbs_weights_after_each_step,
-            steps_by_hand_as_old_tutorials_do]
+            steps_by_hand_as_old_tutorials_do, keeps_an_average_of_the_weights_and_evaluates_with_it,
+            averages_weights_in_an_optimizer_post_hook]
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from compressors import host_tensor
+
 from ..cut import Chain
 from ..errors import PlaceholderError
 from ..wire.expressions import dtype_of
@@ -166,8 +168,9 @@ class CloudHalf:
 
 
 def _value(array: Any, dtype: Any) -> torch.Tensor:
-    """A value the cloud computed, in its dtype (bfloat16 travels as float32: exact)."""
-    tensor = torch.from_numpy(np.array(array))  # a copy: received frames are read-only
+    """A value the cloud computed, in its dtype (bfloat16 travels as float32: exact), in memory
+    torch aligned: math kernels pick their order of summation by alignment."""
+    tensor = host_tensor(np.asarray(array))
     wanted = dtype_of(dtype)
     return tensor if tensor.dtype == wanted else tensor.to(wanted)
 

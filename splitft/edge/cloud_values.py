@@ -15,11 +15,16 @@ computes with the very same callable, so the values are the unsplit script's, bi
   was made: used after the cloud half changed (an operation, a forward, a step), it raises, since
   torch would have computed it before the change;
 * an in-place call on a cloud gradient or weight rides as an operation (``compute``) on the next
-  message, in the order the script made it.
+  message, in the order the script made it;
+* a call that returns its input or a view of it (``w.float()`` is ``w``) stays an expression
+  whatever its size: unsplit it has no values of its own, so it must not be written either.
 
-What reads no values (shapes) is answered here; a call outside the table still raises, and a
-draw (``torch.randn_like(p)``) is no expression: the cloud could not draw what the edge's
-generator would.
+What reads no values (shapes) is answered here. A call outside the table that makes or changes
+only the edge's tensors (an average of the weights kept by hand, ``avg.add_(p, alpha=0.1)``;
+``F.linear(x, w)`` under no_grad) runs here on the values it reads, fetched in one round trip;
+one that would write a cloud tensor or hand back the fetched memory still raises. A draw
+(``torch.randn_like(p)``) is no expression: the cloud could not draw what the edge's generator
+would.
 """
 
 from __future__ import annotations
@@ -86,14 +91,16 @@ def handle(func: Any, args: tuple, kwargs: dict) -> Any:
     values = [t for t in remotes if isinstance(t, CloudValue)]
     if len(values) == len(remotes):  # anything else reads the values computed in the cloud
         return _with_values(func, args, kwargs, values, remote)
-    return NotImplemented
+    return _computed_here(func, args, kwargs, remotes, remote)
 
 
 def _computed(name: str, func: Any, args: tuple, kwargs: dict, remote: Any) -> Tensor:
     node = _call(name, args, kwargs, remote)
-    meta = _on_meta(func, args, kwargs)
-    if meta.numel() <= MOST_READ:
+    meta, aliased = _on_meta(func, args, kwargs)
+    if meta.numel() <= MOST_READ and not aliased:
         return _read(remote, [node])[0]
+    # Unsplit, a call that returns its input or a view of it (w.float() is w) makes no values of its
+    # own: it stays an expression, which reads as the tensor does and refuses to be written.
     return CloudValue(meta, node, remote)
 
 
@@ -145,16 +152,22 @@ def _operand(value: Any, remote: Any) -> Any:
     raise _NotExpressible
 
 
-def _on_meta(func: Any, args: tuple, kwargs: dict) -> Tensor:
-    """What ``func`` makes, computed on meta tensors of the same shapes and dtypes."""
+def _on_meta(func: Any, args: tuple, kwargs: dict) -> tuple[Tensor, bool]:
+    """What ``func`` makes, computed on meta tensors of the same shapes and dtypes, and whether it
+    is one of its inputs or a view of one."""
     def meta(value: Any) -> Any:
         return torch.empty(value.shape, dtype=value.dtype, device="meta") if isinstance(value, Tensor) else value
 
-    with torch._C.DisableTorchFunctionSubclass():
-        result = func(*tree_map(meta, args), **tree_map(meta, kwargs))
+    metas = tree_map(meta, (args, kwargs))
+    inputs = {id(t) for t in tree_flatten(metas)[0] if isinstance(t, Tensor)}
+    try:
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*metas[0], **metas[1])
+    except NotImplementedError:  # no meta kernel (torch.where(condition)): no shape to expect
+        raise _NotExpressible from None
     if not isinstance(result, Tensor):
         raise _NotExpressible  # max(dim=...) and kin: values and indices
-    return result
+    return result, id(result) in inputs or (result._is_view() and id(result._base) in inputs)
 
 
 def _fresh(value: CloudValue, remote: Any) -> None:
@@ -168,6 +181,73 @@ def _read(remote: Any, nodes: list[dict]) -> list[Tensor]:
     return [value.to(remote.device) for value in remote.evaluate(nodes)]
 
 
+def _computed_here(func: Any, args: tuple, kwargs: dict, remotes: list[RemoteTensor], remote: Any) -> Any:
+    """``func`` run here, on the values of the cloud tensors it reads (fetched in one round trip),
+    where it changes or makes only the edge's tensors: ``ema.add_(p.detach(), alpha=0.1)``,
+    ``torch._foreach_lerp_(shadow, [p.detach() ...], 0.1)``, ``F.linear(x, w)`` under no_grad.
+
+    NotImplemented (the placeholder refuses it) where it would write a cloud tensor, in place or
+    through ``out=``, or hand back one of the fetched copies or a view of one: unsplit, that is the
+    cloud's tensor itself (``p.cpu()`` is ``p``), and a write to it would change the weight.
+    """
+    written = tree_flatten(kwargs.get("out"))[0]
+    if _writes_first(func) and args:
+        written += tree_flatten(args[0])[0]
+    if any(isinstance(t, RemoteTensor) for t in written):
+        return NotImplemented
+    try:
+        nodes = [_operand(t, remote) for t in remotes]
+    except _NotExpressible:
+        return NotImplemented
+    count = sum(t.numel() for t in {id(t): t for t in remotes}.values())
+    if count > MOST_READ:
+        raise PlaceholderError(
+            f"{getattr(func, '__name__', func)} on {remotes[0]._what()} would read {count} values of the cloud half's "
+            f"tensors back to the edge (at most {MOST_READ} are): compute from the cloud's tensors with torch's "
+            "elementwise functions and reductions (the cloud computes those), or read a reduction (.sum(), .norm())")
+    read = dict(zip(map(id, remotes), _read(remote, nodes)))
+    versions = {id(v): v._version for v in read.values()}
+    generator = torch.default_generator.get_state()  # put back if refused: a draw (dropout) leaves no trace
+    result = func(*tree_map(lambda v: read.get(id(v), v), args), **tree_map(lambda v: read.get(id(v), v), kwargs))
+    if any(v._version != versions[id(v)] for v in read.values()) or _holds_any(result, list(read.values())):
+        torch.default_generator.set_state(generator)
+        return NotImplemented
+    return result
+
+
+def _writes_first(func: Any) -> bool:
+    """Whether ``func`` changes its first argument in place, by torch's naming (``add_``,
+    ``_foreach_mul_``, ``__iadd__``)."""
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+
+
+#: What a call computed here may hand back besides tensors: plain values (a storage, a capsule or
+#: an array would be the fetched copy's memory, where unsplit it is the cloud tensor's own).
+_PLAIN = (bool, int, float, complex, str, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _holds_any(result: Any, copies: list[Tensor]) -> bool:
+    """Whether ``result`` holds anything but tensors and plain values, or anything of the memory of
+    one of ``copies`` (a view of one; an address, as ``data_ptr()`` gives)."""
+    spans = [(c.untyped_storage().data_ptr(), c.untyped_storage().data_ptr() + c.untyped_storage().nbytes())
+             for c in copies]
+    for item in tree_flatten(result)[0]:
+        if isinstance(item, Tensor):
+            if item.layout != torch.strided:
+                return True  # its memory cannot be told apart from the copies' (a sparse or opaque tensor)
+            at = item.untyped_storage().data_ptr() if item.device.type == "cpu" else None
+        elif isinstance(item, int) and not isinstance(item, bool):
+            at = item
+        elif isinstance(item, _PLAIN):
+            continue
+        else:
+            return True
+        if at is not None and any(start <= at < end for start, end in spans):
+            return True
+    return False
+
+
 def _with_values(func: Any, args: tuple, kwargs: dict, values: list[CloudValue], remote: Any) -> Any:
     for value in values:
         _fresh(value, remote)
@@ -179,7 +259,8 @@ def _with_values(func: Any, args: tuple, kwargs: dict, values: list[CloudValue],
     def swap(value: Any) -> Any:
         return read.get(id(value), value) if isinstance(value, CloudValue) else value
 
-    return func(*tree_map(swap, args), **tree_map(swap, kwargs))
+    result = func(*tree_map(swap, args), **tree_map(swap, kwargs))
+    return NotImplemented if _holds_any(result, list(read.values())) else result
 
 
 __all__ = ["MOST_READ", "CloudValue", "handle"]
