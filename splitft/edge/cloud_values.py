@@ -88,10 +88,7 @@ def handle(func: Any, args: tuple, kwargs: dict) -> Any:
             return _computed(name, func, args, kwargs, remote)
     except _NotExpressible:
         return NotImplemented
-    values = [t for t in remotes if isinstance(t, CloudValue)]
-    if len(values) == len(remotes):  # anything else reads the values computed in the cloud
-        return _with_values(func, args, kwargs, values, remote)
-    return _computed_here(func, args, kwargs, remotes, remote)
+    return _computed_here(func, args, kwargs, remotes, remote)  # anything else reads the values
 
 
 def _computed(name: str, func: Any, args: tuple, kwargs: dict, remote: Any) -> Tensor:
@@ -182,8 +179,8 @@ def _read(remote: Any, nodes: list[dict]) -> list[Tensor]:
 
 
 def _computed_here(func: Any, args: tuple, kwargs: dict, remotes: list[RemoteTensor], remote: Any) -> Any:
-    """``func`` run here, on the values of the cloud tensors it reads (fetched in one round trip),
-    where it changes or makes only the edge's tensors: ``ema.add_(p.detach(), alpha=0.1)``,
+    """``func`` run here, on the values of the cloud tensors and expressions it reads (fetched in
+    one round trip), where it changes or makes only the edge's tensors: ``ema.add_(p.detach(), alpha=0.1)``,
     ``torch._foreach_lerp_(shadow, [p.detach() ...], 0.1)``, ``F.linear(x, w)`` under no_grad.
 
     NotImplemented (the placeholder refuses it) where it would write a cloud tensor, in place or
@@ -202,9 +199,9 @@ def _computed_here(func: Any, args: tuple, kwargs: dict, remotes: list[RemoteTen
     count = sum(t.numel() for t in {id(t): t for t in remotes}.values())
     if count > MOST_READ:
         raise PlaceholderError(
-            f"{getattr(func, '__name__', func)} on {remotes[0]._what()} would read {count} values of the cloud half's "
-            f"tensors back to the edge (at most {MOST_READ} are): compute from the cloud's tensors with torch's "
-            "elementwise functions and reductions (the cloud computes those), or read a reduction (.sum(), .norm())")
+            f"reading {count} values computed in the cloud for {getattr(func, '__name__', func)} on "
+            f"{remotes[0]._what()} (at most {MOST_READ} are read back): reduce them first (.sum(), .max(), .norm()), "
+            "or compute with torch's elementwise functions and reductions, which the cloud computes")
     read = dict(zip(map(id, remotes), _read(remote, nodes)))
     versions = {id(v): v._version for v in read.values()}
     generator = torch.default_generator.get_state()  # put back if refused: a draw (dropout) leaves no trace
@@ -246,21 +243,6 @@ def _holds_any(result: Any, copies: list[Tensor]) -> bool:
         if at is not None and any(start <= at < end for start, end in spans):
             return True
     return False
-
-
-def _with_values(func: Any, args: tuple, kwargs: dict, values: list[CloudValue], remote: Any) -> Any:
-    for value in values:
-        _fresh(value, remote)
-        if value.numel() > MOST_READ:
-            raise PlaceholderError(f"reading {value.numel()} values computed in the cloud (at most {MOST_READ} are "
-                                   "read back): reduce them first (.sum(), .max(), .norm())")
-    read = dict(zip(map(id, values), _read(remote, [v._splitft_node for v in values])))
-
-    def swap(value: Any) -> Any:
-        return read.get(id(value), value) if isinstance(value, CloudValue) else value
-
-    result = func(*tree_map(swap, args), **tree_map(swap, kwargs))
-    return NotImplemented if _holds_any(result, list(read.values())) else result
 
 
 __all__ = ["MOST_READ", "CloudValue", "handle"]
