@@ -70,6 +70,13 @@ def _loss_after_a_cloud_layer_changed(model, net):
 
 
 #: Each: (what the script does after two ordinary steps, the error, what its message says).
+class _Doubled(nn.Linear):
+    """A layer class a script swaps in by assigning ``__class__`` (as some conversion helpers do)."""
+
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
 REFUSED: dict[str, tuple[Callable, type, str]] = {
     "a running sum of a weight": (
         lambda model, net, opt: [p.data.cumsum_(0) for p in model.parameters()], PlaceholderError, r"before split"),
@@ -97,6 +104,12 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
         r"a setting of a cloud layer .* changed between model\(x\) and its remote loss"),
     "a dropout's p deleted on a cloud layer": (
         lambda model, net, opt: delattr(net[3], "p"), CutError, r"deleting 'p' of '3'"),
+    "a cloud layer's class swapped for a subclass that changes its forward": (
+        lambda model, net, opt: setattr(net[2], "__class__", _Doubled), CutError,
+        r"changing the class of '2' to _Doubled: .*would keep its class and code"),
+    "a cloud dropout's class swapped for nn.Identity (dropout turned off by hand)": (
+        lambda model, net, opt: setattr(net[3], "__class__", nn.Identity), CutError,
+        r"changing the class of '3' to Identity"),
     "a module set as a cloud layer's attribute": (
         lambda model, net, opt: setattr(net[3], "p", nn.Identity()), CutError, r"setting 'p' of '3'"),
     "a training forward whose activation is dropped (statistics recomputed by model(x) alone)": (

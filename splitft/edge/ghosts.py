@@ -314,6 +314,11 @@ class _Ghost(nn.Module):
     __call__ = nn.Module.__call__
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name == "__class__" and value is not type(self):
+            raise CutError(f"changing the class of {self.__dict__.get('_splitft_where', '?')!r} to "
+                           f"{getattr(value, '__name__', value)!s:.60}: that module runs in the cloud, built by the "
+                           "factory, and would keep its class and code (split training would silently differ). "
+                           "Change the model before split(), and the cloud's factory the same way")
         setting = name in MODE_ATTRIBUTES or (is_flag(value) and name in flags_read(self))
         if setting or (name.startswith("_") and name not in _TABLES):
             if setting and not same_setting(self.__dict__.get(name), value):
@@ -470,7 +475,7 @@ def uninstall(model: nn.Module, chain: Chain) -> nn.Module:
             for table in _TABLES:
                 sub.__dict__[table] = dict(sub.__dict__[table])
             if isinstance(sub, _Ghost):
-                sub.__class__ = sub.__class__.__mro__[2]  # the model's own class, behind _Ghost
+                object.__setattr__(sub, "__class__", type(sub).__mro__[2])  # the model's own class, behind _Ghost
     return model
 
 
