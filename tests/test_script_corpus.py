@@ -352,6 +352,29 @@ def reinitialises_by_module_walk_and_by_index(model, net, crit, data):
         opt.step()
 
 
+def initialises_and_groups_layers_by_their_class(model, net, crit, data):
+    """The forum's ``init_weights``: ``if type(m) == nn.Linear`` over ``model.apply``, biases zeroed
+    where ``m.__class__ in (nn.Linear, nn.Conv2d)``, and weight decay per layer picked from a dict
+    keyed by the layer's class, as a training config maps classes to settings."""
+    def init_weights(m):
+        if type(m) == nn.Linear:
+            nn.init.constant_(m.weight, 0.05)
+        if m.__class__ in (nn.Linear, nn.Conv2d):
+            nn.init.zeros_(m.bias)
+
+    model.apply(init_weights)
+    decay_of = {nn.Linear: 0.1, nn.Conv2d: 0.05}
+    groups: dict[float, list] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            groups.setdefault(decay_of.get(type(m), 0.0), []).append(p)
+    opt = torch.optim.AdamW([{"params": ps, "weight_decay": wd} for wd, ps in groups.items()], lr=0.01)
+    for x, y in data:
+        crit(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def unfreezes_layers_as_it_goes_with_add_param_group(model, net, crit, data):
     net[0].requires_grad_(False)
     net[4].requires_grad_(False)
@@ -423,6 +446,7 @@ def a_head_at_its_own_rate_and_the_first_layer_frozen_picked_by_name(model, net,
 SCRIPTS = [a_head_at_its_own_rate_and_the_first_layer_frozen_picked_by_name,
            scales_and_clips_gradients_in_an_optimizer_pre_hook,
            warms_up_in_a_pre_hook_and_logs_gradient_norms_in_a_post_hook,
+           initialises_and_groups_layers_by_their_class,
            unfreezes_layers_as_it_goes_with_add_param_group, accumulation_zero_grad_and_clip, reinitialises_by_module_walk_and_by_index, accumulates_over_three_with_a_weighted_loss,
            three_views_in_one_loss_accumulated_over_three_batches, groups_and_warmup, layerwise_lr_decay, one_cycle_with_momentum, freeze_by_name_mid_training,
            trainable_only_optimizer, eval_between_steps, fp16_with_grad_scaler,

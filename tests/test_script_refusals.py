@@ -193,6 +193,25 @@ def test_an_idiom_that_cannot_be_mirrored_raises_before_anything_diverges(cloud,
                        {n: v for n, v in local.state_dict().items() if n in cloud_names})
 
 
+def test_a_patch_of_the_class_a_cloud_layer_reports_is_the_models_class_patch_and_is_refused(cloud):
+    """``type(layer)`` of a cloud layer is its ghost class. A script that patches it means the
+    layer's own class: the patch goes there (unsplit it reaches the edge's layers of that class
+    too), and the cloud's process, which runs the class it imported, has the next forward refused."""
+    net = mlp()
+    model = splitft.split(net, 2, factory=MLP, connect=cloud)
+    original = nn.Linear.forward
+    with model:
+        try:
+            type(net[2]).forward = lambda self, x: original(self, x) * 2
+            assert nn.Linear.forward is not original and type(net[0]).forward is nn.Linear.forward
+            with pytest.raises(ConfigError, match=r"Linear\.forward was replaced after split\(\)"):
+                model(_data(1)[0][0])
+        finally:
+            type(net[2]).forward = original
+        assert nn.Linear.forward is original
+        model(_data(1)[0][0])  # put back: the forward runs again
+
+
 def test_an_optimizer_built_before_split_trains_the_cloud_half(cloud):
     """It holds the very parameter objects that split() turned into placeholders."""
     data = _data(5)

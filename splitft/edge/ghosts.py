@@ -19,10 +19,11 @@ import torch
 from torch import nn
 
 from ..code_reads import CodeGuard
-from ..config_reads import MODE_ATTRIBUTES, ConfigGuard, flags_read, is_flag, same_setting
+from ..config_reads import ConfigGuard
 from ..numerics import NumericsGuard
 from ..cut import Chain, CutSpec, _module, extract
 from ..errors import ConfigError, CutError
+from .ghost_classes import TABLES, Ghost, ghost_class
 from .standins import CutPoint, TrunkEntry, TrunkFollower, Unreachable
 
 
@@ -267,7 +268,7 @@ def ghost(module: nn.Module, standin: nn.Module, *, never_run: tuple[str, ...] =
         where = f"{standin_name(module)}.{key}" if key else standin_name(module)
         sub.__dict__.update({hook: _refused_hook(where, hook) for hook in (_HOOKS if key else never_run)})
         sub.__dict__["_splitft_where"] = where
-        for table in _TABLES:  # add_module, register_buffer, Sequential.append write these directly
+        for table in TABLES:  # add_module, register_buffer, Sequential.append write these directly
             sub.__dict__[table] = _FixedTable(sub.__dict__[table], where, table)
         for name, value in list(sub.__dict__.items()):
             if isinstance(value, torch.Generator):  # the twin keeps the generator itself
@@ -290,71 +291,6 @@ class _CloudGenerator:
 
     def __repr__(self) -> str:
         return f"<the generator {self._name!r} of {self._where!r}, in the cloud>"
-
-
-def ghost_class(cls: type[nn.Module]) -> type[nn.Module]:
-    """``cls`` for a ghost: the same name and behaviour, but changing its children (a layer
-    replaced by a module walk, PEFT injecting adapters) or an attribute its code does not read as
-    a plain value raises, since the cloud's module would not change with it; a setting its code
-    reads (``m.p = 0.0``, ``bn.momentum = None``) is kept here and sent with the next forward
-    (:class:`~splitft.config_reads.ModuleFlags`). It is called plainly (a layer that checkpoints
-    itself leaves that to the cloud, which computes the same values either way)."""
-    if issubclass(cls, _Ghost):
-        return cls
-    made = _GHOST_CLASSES.get(cls)
-    if made is None:
-        made = _GHOST_CLASSES[cls] = type(cls.__name__, (_Ghost, cls), {"__module__": cls.__module__,
-                                                                       "__qualname__": cls.__qualname__})
-    return made
-
-
-class _Ghost(nn.Module):
-    """The mixin of :func:`ghost_class`."""
-
-    __call__ = nn.Module.__call__
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "__class__" and value is not type(self):
-            raise CutError(f"changing the class of {self.__dict__.get('_splitft_where', '?')!r} to "
-                           f"{getattr(value, '__name__', value)!s:.60}: that module runs in the cloud, built by the "
-                           "factory, and would keep its class and code (split training would silently differ). "
-                           "Change the model before split(), and the cloud's factory the same way")
-        setting = name in MODE_ATTRIBUTES or (is_flag(value) and name in flags_read(self))
-        if setting or (name.startswith("_") and name not in _TABLES):
-            if setting and not same_setting(self.__dict__.get(name), value):
-                settings_changed()
-            super().__setattr__(name, value)
-            return
-        raise CutError(f"setting {name!r} of {self.__dict__.get('_splitft_where', '?')!r}: that module runs in the "
-                       "cloud, built by the factory, and would not change with it (split training would silently "
-                       "differ). Change the model before split(), and the cloud's factory the same way")
-
-    def __delattr__(self, name: str) -> None:
-        if name.startswith("_"):
-            super().__delattr__(name)
-            return
-        raise CutError(f"deleting {name!r} of {self.__dict__.get('_splitft_where', '?')!r}: that module runs in the "
-                       "cloud, built by the factory, and would keep it (split training would silently differ)")
-
-
-_GHOST_CLASSES: dict[type, type] = {}
-
-#: Changes of a cloud module's mode or of a setting its code reads, counted in every split model:
-#: a plain split's ``model(x)`` ran its cloud half with the settings of its moment.
-_SETTINGS_VERSION = [0]
-
-
-def settings_changed() -> None:
-    _SETTINGS_VERSION[0] += 1
-
-
-def settings_version() -> int:
-    """Moves whenever a script changes a cloud module's mode or a setting its code reads."""
-    return _SETTINGS_VERSION[0]
-
-
-#: A module's tables of children, parameters and buffers: a ghost's are fixed.
-_TABLES = ("_modules", "_parameters", "_buffers")
 
 
 class _FixedTable(dict):
@@ -472,10 +408,10 @@ def uninstall(model: nn.Module, chain: Chain) -> nn.Module:
         for sub in _module(model, name).modules():
             for attribute in _GHOST_ATTRIBUTES:
                 sub.__dict__.pop(attribute, None)
-            for table in _TABLES:
+            for table in TABLES:
                 sub.__dict__[table] = dict(sub.__dict__[table])
-            if isinstance(sub, _Ghost):
-                object.__setattr__(sub, "__class__", type(sub).__mro__[2])  # the model's own class, behind _Ghost
+            if isinstance(sub, Ghost):
+                object.__setattr__(sub, "__class__", type(sub).__mro__[2])  # the model's own class, behind Ghost
     return model
 
 
@@ -500,4 +436,4 @@ def _signature(module: nn.Module) -> inspect.Signature | None:
         return None
 
 
-__all__ = ["Ghosts", "ghost", "ghost_class", "install", "standin_name", "standin_of", "uninstall"]
+__all__ = ["Ghosts", "ghost", "install", "standin_name", "standin_of", "uninstall"]

@@ -19,7 +19,7 @@ import torch
 from ..devices import autocast_dtype
 from ..errors import ConfigError
 from . import generator_sets
-from .ghosts import settings_version
+from .ghost_classes import settings_version
 from .metadata import METADATA, requires_grad_changes
 from .stray import crossed
 
@@ -94,7 +94,7 @@ class CutContext:
     grad: bool
     autocast: tuple[str | None, str | None]  # on the CPU, on CUDA
     weights: int  # the cloud half's weights' version (:attr:`.outbox.Outbox.weights_version`)
-    settings: int  # the cloud modules' modes and settings' version (:func:`.ghosts.settings_version`)
+    settings: int  # the cloud modules' modes and settings' version (:func:`.ghost_classes.settings_version`)
     generator_sets: int  # :func:`.generator_sets.count`
     requires_grad: int  # :func:`.metadata.requires_grad_changes`
 

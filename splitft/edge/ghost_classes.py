@@ -1,0 +1,121 @@
+"""The classes of ghosts: a cloud module's class for the edge, which refuses what the cloud would not follow.
+
+A ghost (:mod:`.ghosts`) keeps its class's name and behaviour through a subclass made for it here,
+whose ``__setattr__`` refuses a change of its children, of an attribute its code does not read as a
+plain value, or of its class, and keeps a setting its code reads (sent with the next forward). That
+subclass stands for the model's own class to a script: it compares, hashes and is patched as it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..config_reads import MODE_ATTRIBUTES, flags_read, is_flag, same_setting
+from ..errors import CutError
+
+
+def ghost_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """``cls`` for a ghost: the same name and behaviour, but changing its children (a layer
+    replaced by a module walk, PEFT injecting adapters) or an attribute its code does not read as
+    a plain value raises, since the cloud's module would not change with it; a setting its code
+    reads (``m.p = 0.0``, ``bn.momentum = None``) is kept here and sent with the next forward
+    (:class:`~splitft.config_reads.ModuleFlags`). It is called plainly (a layer that checkpoints
+    itself leaves that to the cloud, which computes the same values either way)."""
+    if issubclass(cls, Ghost):
+        return cls
+    made = _CLASSES.get(cls)
+    if made is None:
+        meta = _METACLASSES.get(type(cls))
+        if meta is None:
+            meta = _METACLASSES[type(cls)] = type(type(cls).__name__, (_StandsForTheModelsClass, type(cls)), {})
+        made = _CLASSES[cls] = meta(cls.__name__, (Ghost, cls), {"__module__": cls.__module__,
+                                                                 "__qualname__": cls.__qualname__})
+        type.__setattr__(made, "_splitft_built", True)
+    return made
+
+
+class _StandsForTheModelsClass(type):
+    """Ghost classes' metaclass. ``type(layer)`` of a cloud layer is its ghost class, which a script
+    means as the model's own class: it compares and hashes as that class (``type(m) == nn.Linear``
+    in an init function, ``type(m) in (nn.Linear, nn.Conv2d)``, a dict by class), and a patch of it
+    (``type(layer).forward = f``) goes there, where it reaches the edge's layers of that class as
+    unsplit and where the code guard sees it. Only ``type(m) is nn.Linear`` tells them apart."""
+
+    def __eq__(cls, other: object) -> bool:
+        return other is cls or other is cls.__mro__[2]
+
+    def __hash__(cls) -> int:
+        return hash(cls.__mro__[2])
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        if _a_scripts_write(cls, name):
+            setattr(cls.__mro__[2], name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def __delattr__(cls, name: str) -> None:
+        if _a_scripts_write(cls, name):
+            delattr(cls.__mro__[2], name)
+        else:
+            super().__delattr__(name)
+
+
+def _a_scripts_write(cls: type, name: str) -> bool:
+    """Whether a write of ``name`` on a ghost class is a script's: not a dunder, nor one made as the
+    class was built (by a base's ``__init_subclass__``: transformers' checkpointing layers wrap ``forward``)."""
+    return bool(cls.__dict__.get("_splitft_built")) and not name.startswith("__")
+
+
+class Ghost(nn.Module):
+    """The mixin of :func:`ghost_class`."""
+
+    __call__ = nn.Module.__call__
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "__class__" and value is not type(self):
+            raise CutError(f"changing the class of {self.__dict__.get('_splitft_where', '?')!r} to "
+                           f"{getattr(value, '__name__', value)!s:.60}: that module runs in the cloud, built by the "
+                           "factory, and would keep its class and code (split training would silently differ). "
+                           "Change the model before split(), and the cloud's factory the same way")
+        setting = name in MODE_ATTRIBUTES or (is_flag(value) and name in flags_read(self))
+        if setting or (name.startswith("_") and name not in TABLES):
+            if setting and not same_setting(self.__dict__.get(name), value):
+                settings_changed()
+            super().__setattr__(name, value)
+            return
+        raise CutError(f"setting {name!r} of {self.__dict__.get('_splitft_where', '?')!r}: that module runs in the "
+                       "cloud, built by the factory, and would not change with it (split training would silently "
+                       "differ). Change the model before split(), and the cloud's factory the same way")
+
+    def __delattr__(self, name: str) -> None:
+        if name.startswith("_"):
+            super().__delattr__(name)
+            return
+        raise CutError(f"deleting {name!r} of {self.__dict__.get('_splitft_where', '?')!r}: that module runs in the "
+                       "cloud, built by the factory, and would keep it (split training would silently differ)")
+
+
+_CLASSES: dict[type, type] = {}
+_METACLASSES: dict[type, type] = {}
+
+#: Changes of a cloud module's mode or of a setting its code reads, counted in every split model:
+#: a plain split's ``model(x)`` ran its cloud half with the settings of its moment.
+_SETTINGS_VERSION = [0]
+
+
+def settings_changed() -> None:
+    _SETTINGS_VERSION[0] += 1
+
+
+def settings_version() -> int:
+    """Moves whenever a script changes a cloud module's mode or a setting its code reads."""
+    return _SETTINGS_VERSION[0]
+
+
+#: A module's tables of children, parameters and buffers: a ghost's are fixed.
+TABLES = ("_modules", "_parameters", "_buffers")
+
+
+__all__ = ["TABLES", "Ghost", "ghost_class", "settings_changed", "settings_version"]
