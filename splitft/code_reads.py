@@ -58,13 +58,14 @@ def _methods(cls: type) -> dict[str, str]:
 
 
 @functools.cache
-def _module_attributes(base: type) -> tuple[tuple[str, str, str], ...]:
-    """``(module, name, attribute)`` of each ``name.attribute`` the methods of ``base`` read, where
-    ``name`` is a module its code imported (``F.relu``: ``torch.nn.functional``, ``F``, ``relu``),
-    and of each function or class of its own module they call by name (``name`` empty)."""
-    module = sys.modules.get(base.__module__)
+def _module_attributes(code: Any) -> tuple[tuple[str, str, str], ...]:
+    """``(module, name, attribute)`` of each ``name.attribute`` the source of ``code`` (a class's
+    methods, or a function) reads, where ``name`` is a module its code imported (``F.relu``:
+    ``torch.nn.functional``, ``F``, ``relu``), and of each function or class of its own module it
+    calls by name (``name`` empty)."""
+    module = sys.modules.get(getattr(code, "__module__", None) or "")
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
+        tree = ast.parse(textwrap.dedent(inspect.getsource(code)))
     except (OSError, TypeError, SyntaxError):
         return ()  # no source at hand (a class built at run time, a compiled one)
     if module is None:
@@ -80,19 +81,33 @@ def _module_attributes(base: type) -> tuple[tuple[str, str, str], ...]:
     return tuple(sorted(found))
 
 
+#: How far calls are followed from a class's methods: the module functions they call (``F.relu``),
+#: and those that these call (``torch.relu``, which ``F.relu`` runs: a patch of it changes the layer too).
+_DEPTH = 2
+
+
 def _called(cls: type) -> list[tuple[types.ModuleType, str, str, Any]]:
-    """The module functions (and classes) the methods of ``cls`` and its bases call, as they are
-    now: ``(module, name.attribute as the code writes it, attribute, value)``."""
-    found = []
-    for base in _bases(cls):
-        for module_name, alias, attribute in _module_attributes(base):
+    """The module functions (and classes) the methods of ``cls`` and its bases call, and those the
+    functions among them call in turn, as they are now: ``(module, name.attribute as the code writes
+    it, attribute, value)``."""
+    found: list[tuple[types.ModuleType, str, str, Any]] = []
+    seen: set[tuple[int, str]] = set()
+    readers: list[tuple[Any, int]] = [(base, 1) for base in _bases(cls)]
+    while readers:
+        code, depth = readers.pop(0)
+        for module_name, alias, attribute in _module_attributes(code):
             module = sys.modules.get(module_name)
             try:  # read as the code reads it: a lazy module (transformers') imports what it names now
                 value = getattr(module, attribute) if module is not None else None
             except Exception:  # noqa: BLE001 - a name the module does not have (yet): nothing to compare
                 continue
-            if module is not None and isinstance(value, _CODE) and vars(module).get(attribute) is value:
-                found.append((module, f"{alias}.{attribute}" if alias else attribute, attribute, value))
+            if module is None or not isinstance(value, _CODE) or vars(module).get(attribute) is not value \
+                    or (id(module), attribute) in seen:
+                continue
+            seen.add((id(module), attribute))
+            found.append((module, f"{alias}.{attribute}" if alias else attribute, attribute, value))
+            if depth < _DEPTH and isinstance(value, types.FunctionType):
+                readers.append((value, depth + 1))
     return found
 
 

@@ -56,7 +56,8 @@ def _step(model, opt, crit, x, y) -> None:
     (nn.ReLU, "forward", _leaky, r"ReLU\.forward was replaced after split\(\)"),
     (nn.functional, "relu", lambda x, inplace=False: nn.functional.leaky_relu(x, 0.1),
      r"torch\.nn\.functional\.relu was replaced after split\(\)"),
-], ids=["a layer class's forward", "a torch function a layer calls"])
+    (torch, "relu", lambda x: nn.functional.leaky_relu(x, 0.1), r"torch\.relu was replaced after split\(\)"),
+], ids=["a layer class's forward", "a torch function a layer calls", "a torch function that one calls"])
 def test_code_a_cloud_layer_runs_patched_after_split_is_refused_at_the_next_forward_and_put_back_trains_on(
         cloud, patch):
     owner, name, value, message = patch
