@@ -94,8 +94,9 @@ def test_a_call_with_gradients_on_a_trainable_cloud_weight_is_refused(cloud):
 
 def test_an_edge_tensor_computed_from_cloud_weights_reads_them_unless_the_result_is_one_of_them(cloud):
     """A call that changes or makes only the edge's tensors runs here on the weights' values (an
-    average kept by hand); one that would hand back the weight itself (``p.cpu()`` is ``p``, a view
-    of it) or write it (``out=``, dropout in place) is refused, its draws undone."""
+    average kept by hand); one that would hand back the weight's memory (``p.numpy()``, a view of it)
+    or write it (``out=``, dropout in place) is refused, its draws undone. ``p.cpu()`` and
+    ``p.to(p.device)`` are ``p`` itself, as unsplit; a copy elsewhere or in another dtype is refused."""
     local = mlp()
     model = splitft.split(net := mlp(), 2, factory=MLP, connect=cloud)
     with model, torch.no_grad():
@@ -105,7 +106,8 @@ def test_an_edge_tensor_computed_from_cloud_weights_reads_them_unless_the_result
         assert torch.equal(average, torch.ones(16, 16).mul_(0.9).add_(expected, alpha=0.1))
         assert torch.equal(nn.functional.linear(torch.ones(2, 16), weight), nn.functional.linear(torch.ones(2, 16), expected))
         assert weight.tolist() == expected.tolist()
-        for refused in (lambda: weight.cpu(), lambda: weight.numpy(), lambda: weight[0],
+        assert weight.cpu() is weight and weight.to(weight.device) is weight and weight.to(torch.float32) is weight
+        for refused in (lambda: weight.to(torch.float64), lambda: weight.numpy(), lambda: weight[0],
                         lambda: torch.broadcast_tensors(torch.ones(16, 16), weight),
                         lambda: torch.add(torch.ones(16, 16), 1, out=weight)):
             with pytest.raises(PlaceholderError, match=r"its values live in the cloud"):

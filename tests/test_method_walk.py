@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import splitft
+from splitft.edge.placeholders import CloudTensor
 from splitft.errors import SplitFTError
 from tests.models import mlp
 from tests.test_faults import MLP, _data, assert_same
@@ -79,7 +80,7 @@ def test_a_refused_module_method_raises_naming_the_fix_and_changes_nothing(split
         MODULE_REFUSED[name](model)
     assert len(str(caught.value)) > 40  # says what to do instead
     assert {n: (p.dtype, p.device) for n, p in model.named_parameters()} == before
-    assert isinstance(model.model[2], nn.Linear) and model.model[2].weight.device.type == "meta"
+    assert isinstance(model.model[2], nn.Linear) and isinstance(model.model[2].weight, CloudTensor)
 
 
 def test_views_report_the_unsplit_model_with_the_cloud_half_as_placeholders(split_mlp):
@@ -90,12 +91,14 @@ def test_views_report_the_unsplit_model_with_the_cloud_half_as_placeholders(spli
     assert [n for n, _ in model.named_modules()] == [n for n, _ in local.named_modules()]
     assert [n for n, _ in model.named_children()] == [n for n, _ in local.named_children()]
     assert dict(model.named_modules())[""] is net  # the root is the user's own module, as unsplit
-    assert {n for n, p in named.items() if p.device.type == "meta"} == {n for n, _ in model.named_cloud_parameters()}
+    assert {n for n, p in named.items() if isinstance(p, CloudTensor)} == {n for n, _ in model.named_cloud_parameters()}
     assert {id(p) for p in model.edge_parameters()} == {id(p) for p in net[0].parameters()}
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in local.parameters())
-    assert model.get_parameter("model.4.weight").device.type == "meta" and model.get_submodule("model.4") is net[4]
+    assert isinstance(model.get_parameter("model.4.weight"), CloudTensor) and model.get_submodule("model.4") is net[4]
     model.to("cpu").float()  # device moves and same-dtype casts: the edge's, placeholders untouched
-    assert net[4].weight.device.type == "meta" and net[0].weight.device.type == "cpu"
+    assert isinstance(net[4].weight, CloudTensor) and not isinstance(net[0].weight, CloudTensor)
+    # a placeholder answers the edge half's device, where the unsplit model's values were
+    assert net[4].weight.device == net[0].weight.device == torch.device("cpu")
     calls = []
     handle = model.register_forward_hook(lambda mod, args, out: calls.append(out.shape))
     x, _ = _data(1)[0]

@@ -45,6 +45,10 @@ METADATA = {"shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "
 #: unsplit model would): it reads no values either.
 DRAWN_LIKE = {"randn_like", "rand_like", "randint_like"}
 
+#: What makes a tensor of a cloud parameter's dtype, here on the edge half's device (as unsplit,
+#: where the parameter was): it reads no values either.
+MADE_HERE = {"new_zeros", "new_ones", "new_empty", "new_full"}
+
 
 class ReachedTheCloud(BaseException):
     """An operation of the walk reached the cloud half: none may (mirrored ones are left out)."""
@@ -140,7 +144,7 @@ def _arguments(func: Any, target: torch.Tensor, like: torch.Tensor) -> tuple[lis
     return [target] + [torch.ones_like(like) for _ in params[1:]], {}
 
 
-def _outcome(call: Callable[[], Any]) -> str:
+def _outcome(call: Callable[[], Any], target: Any = None) -> str:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -150,8 +154,12 @@ def _outcome(call: Callable[[], Any]) -> str:
     except Exception:  # noqa: BLE001 — torch refused the arguments before the placeholder saw the call
         return "not called"
     # A new expression of the cloud's (w.float() is w unsplit), which refuses what it cannot mirror:
-    # tested with a real cloud in test_cloud_compute. A placeholder handed back is no such thing.
-    return "expression" if isinstance(result, CloudValue) else "returned"
+    # tested with a real cloud in test_cloud_compute. The placeholder itself handed back is what the
+    # unsplit call hands back, its input (p.to(p.device), a reduction over no dimension). Anything
+    # else is no such thing.
+    if isinstance(result, CloudValue):
+        return "expression"
+    return "itself" if target is not None and result is target else "returned"
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -198,11 +206,13 @@ def test_every_opinfo_operator_on_a_cloud_tensor_raises_a_splitft_error(kind, op
     returned, refused = [], 0
     for op, sample in op_samples:
         for variant, call in _op_calls(op):
-            if _allowed(call, kind) or op.name in DRAWN_LIKE:
+            if _allowed(call, kind) or op.name in DRAWN_LIKE or (op.name in MADE_HERE and kind == "parameter"):
                 continue  # mirrored, or reads no values
             target = _placeholder(sample.input, kind)
-            outcome = _outcome(lambda: call(target, *sample.args, **sample.kwargs))
+            outcome = _outcome(lambda: call(target, *sample.args, **sample.kwargs), target)
             refused += outcome == "refused"
+            if outcome == "itself" and call(sample.input, *sample.args, **sample.kwargs) is not sample.input:
+                outcome = "returned"  # the placeholder back where the unsplit call makes a new tensor
             if outcome == "returned":
                 returned.append(f"{op.name} ({variant})")
     assert not returned, f"these succeeded silently on a cloud {kind}: {sorted(returned)}"
@@ -235,12 +245,16 @@ def test_a_tensor_made_like_a_placeholder_keeps_its_recipe_and_asks_nothing_of_t
         state.add_(1.0)
 
 
-def test_a_placeholder_is_a_parameter_of_the_right_shape_on_the_meta_device():
+def test_a_placeholder_is_a_parameter_of_the_right_shape_that_answers_the_edges_device():
     weight = _placeholder(torch.ones(2, 3), "parameter")
     assert isinstance(weight, torch.nn.Parameter) and isinstance(weight, RemoteTensor)
     assert weight.shape == (2, 3) and weight.dtype == torch.float32 and weight.requires_grad
-    # On the meta device, yet not "meta": its values exist, in the cloud (code skipping meta tensors must not skip it)
-    assert weight.device.type == "meta" and not weight.is_meta
+    # Kept on the meta device, yet not "meta": its values exist, in the cloud (code skipping meta tensors
+    # must not skip it), and were on the edge half's device unsplit, which it answers (a buffer made
+    # device=p.device is a real one there)
+    assert not weight.is_meta and weight.device == REMOTE.device == torch.device("cpu") and not weight.is_cuda
+    assert torch.empty(weight.shape, device=weight.device).device.type == "cpu"
+    assert weight.new_zeros(4).device.type == "cpu" and weight.new_zeros(4).dtype == weight.dtype
     assert math.prod(weight.shape) == weight.numel() == 6
     assert "values in the cloud" in repr(weight)
 

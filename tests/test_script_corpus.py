@@ -375,6 +375,25 @@ def initialises_and_groups_layers_by_their_class(model, net, crit, data):
         opt.zero_grad()
 
 
+def keeps_buffers_of_its_own_where_each_weight_is(model, net, crit, data):
+    """Buffers made where each weight is (``torch.zeros(p.shape, device=p.device)``, a gradient
+    mask drawn ``device=p.device``), every weight moved to its own device first (``p.data =
+    p.data.to(p.device)``, which changes nothing), and an Adagrad written by hand over them."""
+    for p in model.parameters():
+        p.data = p.data.to(p.device)
+    draws = torch.Generator().manual_seed(0)
+    masks = {n: (torch.rand(p.shape, generator=draws, device=p.device) > 0.2).float() for n, p in model.named_parameters()}
+    sums = {n: torch.zeros(p.shape, device=p.device) for n, p in model.named_parameters()}
+    for x, y in data:
+        crit(model(x), y).backward()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.grad.mul_(masks[n])
+                sums[n].add_(p.grad ** 2)
+                p.sub_(0.1 * p.grad / (sums[n].sqrt() + 1e-8))
+                p.grad = None
+
+
 def unfreezes_layers_as_it_goes_with_add_param_group(model, net, crit, data):
     net[0].requires_grad_(False)
     net[4].requires_grad_(False)
@@ -446,7 +465,7 @@ def a_head_at_its_own_rate_and_the_first_layer_frozen_picked_by_name(model, net,
 SCRIPTS = [a_head_at_its_own_rate_and_the_first_layer_frozen_picked_by_name,
            scales_and_clips_gradients_in_an_optimizer_pre_hook,
            warms_up_in_a_pre_hook_and_logs_gradient_norms_in_a_post_hook,
-           initialises_and_groups_layers_by_their_class,
+           initialises_and_groups_layers_by_their_class, keeps_buffers_of_its_own_where_each_weight_is,
            unfreezes_layers_as_it_goes_with_add_param_group, accumulation_zero_grad_and_clip, reinitialises_by_module_walk_and_by_index, accumulates_over_three_with_a_weighted_loss,
            three_views_in_one_loss_accumulated_over_three_batches, groups_and_warmup, layerwise_lr_decay, one_cycle_with_momentum, freeze_by_name_mid_training,
            trainable_only_optimizer, eval_between_steps, fp16_with_grad_scaler,

@@ -46,6 +46,27 @@ IS_META = cast(Any, Tensor.is_meta).__get__
 #: is among them: the edge sends the cloud half's frozen set with each forward.
 METADATA = frozenset(_metadata())
 
+#: The calls among them that ask where a tensor is. A placeholder has no memory here (its C++
+#: device is ``meta``), but its values are the unsplit model's, which were on the edge half's
+#: device: a script that makes a buffer ``device=p.device`` or moves data ``.to(p.device)``
+#: means that device, and ``meta`` would give it a tensor on which every operation does nothing.
+DEVICE_QUERIES = frozenset(
+    query for name in ("device", "is_cpu", "is_cuda", "is_xpu", "is_mps", "is_mtia", "is_xla", "is_ipu", "is_vulkan",
+                       "is_maia", "get_device")
+    if (attribute := torch.Tensor.__dict__.get(name) or getattr(torch._C.TensorBase, name, None)) is not None
+    for query in [attribute.__get__ if hasattr(attribute, "__set__") else attribute])
+
+
+def where(query: Any, device: torch.device) -> Any:
+    """``query`` (one of :data:`DEVICE_QUERIES`) answered for a tensor on ``device``."""
+    on = _EMPTY.get(device)
+    if on is None:
+        on = _EMPTY[device] = torch.empty(0, device=device)
+    return query(on)
+
+
+_EMPTY: dict[torch.device, torch.Tensor] = {}
+
 #: The calls among them that set ``requires_grad``.
 REQUIRES_GRAD_SETTERS = frozenset((cast(Any, Tensor.requires_grad).__set__, Tensor.requires_grad_))
 _requires_grad_changes = 0
@@ -68,4 +89,4 @@ def requires_grad_changes() -> int:
     return _requires_grad_changes
 
 
-__all__ = ["IS_META", "METADATA", "REQUIRES_GRAD_SETTERS", "requires_grad_changes", "set_requires_grad"]
+__all__ = ["DEVICE_QUERIES", "IS_META", "METADATA", "REQUIRES_GRAD_SETTERS", "requires_grad_changes", "set_requires_grad", "where"]

@@ -2,10 +2,11 @@
 
 After :func:`splitft.split` the cloud half's parameters and buffers are :class:`CloudTensor`
 placeholders: tensors with the shape, dtype and ``requires_grad`` of the originals but no values
-(those live in the cloud), reported on the ``meta`` device (yet ``is_meta`` is False: torch's
-initialisers return early on a meta tensor, "sampling is a no-op", which on a cloud parameter
-would be a silent divergence; answered False, they reach an operation that is mirrored or
-refused). Their gradients are
+(those live in the cloud), kept on the ``meta`` device, yet answering ``p.device`` with the edge
+half's, where the unsplit model's values were (a buffer made ``device=p.device`` is a real one),
+and ``is_meta`` with False (torch's initialisers return early on a meta tensor, "sampling is a
+no-op", which on a cloud parameter would be a silent divergence; answered False, they reach an
+operation that is mirrored or refused). Their gradients are
 :class:`CloudGrad` handles, reported on the edge's device so torch groups them with the edge's
 gradients in parameter order. Both are tensor subclasses that own every torch operation on them,
 as ``DTensor`` and ``FakeTensor`` own theirs: what the cloud can mirror is routed to it
@@ -30,8 +31,8 @@ What is mirrored:
   in-place forms) is computed in the cloud (:mod:`.cloud_values`); ``torch.randn_like(p)`` and kin
   are drawn here, from the shape alone.
 
-What is made from a placeholder's shape alone (``torch.zeros_like(p)``, ``full_like``, ``ones_like``,
-``empty_like``) is a :class:`CloudState`: the state an optimizer's constructor makes for a cloud
+``p.new_zeros(n)`` and its kin make a tensor here, as unsplit. What is made from a placeholder's
+shape alone (``torch.zeros_like(p)``, ``full_like``, ``ones_like``, ``empty_like``) is a :class:`CloudState`: the state an optimizer's constructor makes for a cloud
 parameter (Adagrad's accumulators), which the cloud's copy of the optimizer, built with the same
 settings, makes too. It remembers how it was made, so the edge can check that it is still that
 initial state (:mod:`.initial_state`), and refuses every operation on its values like a placeholder.
@@ -51,7 +52,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..errors import PlaceholderError
 from ..wire import expressions
-from .metadata import IS_META, METADATA, REQUIRES_GRAD_SETTERS, set_requires_grad
+from .metadata import DEVICE_QUERIES, IS_META, METADATA, REQUIRES_GRAD_SETTERS, set_requires_grad, where
 
 Tensor = torch.Tensor
 
@@ -110,6 +111,8 @@ class RemoteTensor(Tensor):
         if func in METADATA:
             if func in REQUIRES_GRAD_SETTERS:
                 return set_requires_grad(func, args, kwargs)
+            if func in DEVICE_QUERIES and not kwargs and len(args) == 1:
+                return where(func, args[0]._splitft_remote.device)
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if func == IS_META:
@@ -314,7 +317,34 @@ def _drawn_like(draw: Callable[..., Tensor]) -> Callable[..., Tensor]:
     return drawn
 
 
+def _new_like(factory: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """``p.new_zeros(size)`` and kin: a tensor made here, of ``p``'s dtype on the edge half's device
+    unless the call names others, as unsplit (they read no values of ``p``)."""
+
+    def new(source: RemoteTensor, *args: Any, **kwargs: Any) -> Tensor:
+        return factory(torch.empty(0, dtype=source.dtype, device=source._splitft_remote.device), *args, **kwargs)
+
+    return new
+
+
+def _itself_where_unmoved(convert: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """``p.to(p.device)``, ``p.cpu()`` with the edge half on the CPU: unsplit, ``p`` itself (torch
+    returns a tensor that already is where and what it is asked to be), so the placeholder itself;
+    moved or cast, a copy of values that are in the cloud, refused."""
+
+    def converted(source: RemoteTensor, *args: Any, **kwargs: Any) -> Tensor:
+        probe = torch.empty(0, dtype=source.dtype, device=source._splitft_remote.device)
+        if convert(probe, *args, **kwargs) is probe:
+            return source
+        raise PlaceholderError(_refusal(convert, source))
+
+    return converted
+
+
 _VALUE_OPS: dict[Any, Callable[..., Any]] = {
+    Tensor.to: _itself_where_unmoved(Tensor.to), Tensor.cpu: _itself_where_unmoved(Tensor.cpu),
+    **{new: _new_like(new) for new in (Tensor.new_zeros, Tensor.new_ones, Tensor.new_empty, Tensor.new_full,
+                                       Tensor.new_tensor)},
     torch.randn_like: _drawn_like(torch.randn_like), torch.rand_like: _drawn_like(torch.rand_like),
     torch.randint_like: _drawn_like(torch.randint_like),
     Tensor.copy_: new_values(lambda value, source, non_blocking=False: value.copy_(source.detach())),
