@@ -644,7 +644,24 @@ def averages_weights_in_an_optimizer_post_hook(model, net, crit, data):
     return shadow
 
 
-COMPUTED = [skips_a_step_whose_gradients_are_not_finite, sign_sgd_with_weight_decay_added_to_the_gradient,
+def logs_weight_and_gradient_statistics_moved_to_the_cpu(model, net, crit, data):
+    """A logger's habit: every statistic read after ``.detach().cpu()`` or ``.to(p.device)`` (on the
+    CPU, each is the tensor itself), the gradients' norms and largest entries, the weights' mean size."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    logged = []
+    for x, y in data:
+        crit(model(x), y).backward()
+        with torch.no_grad():
+            logged.append([p.grad.detach().cpu().norm().item() for p in model.parameters()])
+            logged.append([p.grad.to(p.device).abs().max().item() for p in model.parameters()])
+            logged.append([p.detach().cpu().abs().mean().item() for p in model.parameters()])
+        opt.step()
+        opt.zero_grad()
+    return logged
+
+
+COMPUTED = [logs_weight_and_gradient_statistics_moved_to_the_cpu,
+            skips_a_step_whose_gradients_are_not_finite, sign_sgd_with_weight_decay_added_to_the_gradient,
             logs_the_largest_gradient_and_the_weight_norm, renormalises_rows_and_perturbs_weights_after_each_step,
             steps_by_hand_as_old_tutorials_do, keeps_an_average_of_the_weights_and_evaluates_with_it,
             averages_weights_in_an_optimizer_post_hook]

@@ -508,6 +508,7 @@ _GRAD_OPS: dict[Any, Callable[..., Any]] = {
     Tensor.zero_: _ZERO, torch._foreach_zero_: _FOREACH_ZERO,
     torch._amp_foreach_non_finite_check_and_unscale_: _unscale,
     Tensor.detach: _same, Tensor.detach_: _same, _DATA_GETTER: _same, _DATA_SETTER: _data_set_to_itself,
+    Tensor.to: _itself_where_unmoved(Tensor.to), Tensor.cpu: _itself_where_unmoved(Tensor.cpu),
     torch.randn_like: _drawn_like(torch.randn_like), torch.rand_like: _drawn_like(torch.rand_like),
 }
 
