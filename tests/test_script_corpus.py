@@ -394,6 +394,22 @@ def keeps_buffers_of_its_own_where_each_weight_is(model, net, crit, data):
                 p.grad = None
 
 
+def moves_batches_and_class_weights_to_a_layers_device(model, net, crit, data):
+    """``device = net[2].weight.device`` (a layer in the cloud half): the batches and the loss's class
+    weights moved there, as a script that runs wherever its model was put does."""
+    device = net[2].weight.device
+    weighted = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 0.5]).to(device))
+    if isinstance(crit, nn.CrossEntropyLoss):  # U-shape: the script's own loss
+        crit = weighted
+    else:  # plain split: the loss runs in the cloud, with the same weights
+        crit = model.remote_loss(weighted)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in data:
+        crit(model(x.to(device)), y.to(device)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def unfreezes_layers_as_it_goes_with_add_param_group(model, net, crit, data):
     net[0].requires_grad_(False)
     net[4].requires_grad_(False)
@@ -466,6 +482,7 @@ SCRIPTS = [a_head_at_its_own_rate_and_the_first_layer_frozen_picked_by_name,
            scales_and_clips_gradients_in_an_optimizer_pre_hook,
            warms_up_in_a_pre_hook_and_logs_gradient_norms_in_a_post_hook,
            initialises_and_groups_layers_by_their_class, keeps_buffers_of_its_own_where_each_weight_is,
+           moves_batches_and_class_weights_to_a_layers_device,
            unfreezes_layers_as_it_goes_with_add_param_group, accumulation_zero_grad_and_clip, reinitialises_by_module_walk_and_by_index, accumulates_over_three_with_a_weighted_loss,
            three_views_in_one_loss_accumulated_over_three_batches, groups_and_warmup, layerwise_lr_decay, one_cycle_with_momentum, freeze_by_name_mid_training,
            trainable_only_optimizer, eval_between_steps, fp16_with_grad_scaler,
