@@ -125,6 +125,23 @@ def own_attributes_read(cls: type) -> frozenset[str]:
 
 
 _OWN_READ: dict[type, frozenset[str]] = {}
+
+
+def own_attributes_kept_by_forward(cls: type) -> frozenset[str]:
+    """The public attributes of its own that the ``forward`` of ``cls`` and its bases assign
+    (``self.calls += 1``, ``self.last = x.detach()``): what a layer's code keeps as it runs, which
+    for a cloud layer changes in the cloud alone. The mode and the runtime flags aside."""
+    found = _KEPT.get(cls)
+    if found is None:
+        found = _KEPT[cls] = frozenset(
+            node.attr for _, method in _methods(cls, torch_layers=True) if method.name == "forward"
+            for node in ast.walk(method)
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name)
+            and node.value.id == "self" and not node.attr.startswith("_")) - _RUNTIME_FLAGS
+    return found
+
+
+_KEPT: dict[type, frozenset[str]] = {}
 #: What a script may set on a cloud module that is not sent as one of its settings: its mode
 #: (mirrored with each forward) and the switch with which ``gradient_checkpointing_enable()``
 #: marks every layer (the cloud's computes the same values without it).

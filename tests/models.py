@@ -111,6 +111,26 @@ def tiny_hf(kind: str = "bert", seed: int = 0, dropout: float = 0.0, attn_implem
     return model
 
 
+class CountingLinear(nn.Linear):
+    """A layer that counts its calls in a plain attribute and halves its output after the third
+    (a warm-up the layer keeps itself, as it runs)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return super().forward(x) * (0.5 if self.calls > 3 else 1.0)
+
+
+def counting_mlp(seed: int = 0) -> nn.Sequential:
+    """An MLP whose layer 2 (the cloud's, cut at 2) counts its calls as it runs."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), CountingLinear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
 def mlp_dropout(seed: int = 0) -> nn.Sequential:
     """An MLP with dropout in its cloud half (cut at 2): its masks come from the cloud's generator."""
     with torch.random.fork_rng(devices=[]):

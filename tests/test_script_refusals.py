@@ -23,7 +23,7 @@ from torch import nn
 import splitft
 from splitft.errors import ConfigError, CutError, HandshakeError, PlaceholderError
 from tests.conftest import ROOT, start_cloud, stop
-from tests.models import checkpointed_mlp, deep_supervised, mlp, mlp_batchnorm, mlp_dropout, noisy_mlp
+from tests.models import checkpointed_mlp, counting_mlp, deep_supervised, mlp, mlp_batchnorm, mlp_dropout, noisy_mlp
 from tests.test_faults import _data
 from tests.test_script_corpus import assert_bitwise
 
@@ -36,7 +36,8 @@ def cloud(tmp_path_factory):
     proc, address, err = start_cloud(tmp_path_factory.mktemp("cloud"), "--sessions", "0", "--model", MLP,
                                      "--model", DIGITS, "--model", "tests.models:deep_supervised",
                                      "--model", "tests.models:mlp_dropout", "--model", "tests.models:checkpointed_mlp",
-                                     "--model", "tests.models:mlp_batchnorm", "--model", "tests.models:noisy_mlp")
+                                     "--model", "tests.models:mlp_batchnorm", "--model", "tests.models:noisy_mlp",
+                                     "--model", "tests.models:counting_mlp")
     yield address
     stop(proc)
 
@@ -210,6 +211,27 @@ def test_a_patch_of_the_class_a_cloud_layer_reports_is_the_models_class_patch_an
             type(net[2]).forward = original
         assert nn.Linear.forward is original
         model(_data(1)[0][0])  # put back: the forward runs again
+
+
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+def test_what_a_cloud_layers_forward_keeps_as_it_runs_trains_exactly_and_is_refused_when_read_or_set(cloud, rejoin):
+    """``self.calls += 1`` in a cloud layer's forward changes the cloud's layer alone: the count the
+    layer keeps trains as unsplit (its warm-up ends at the same step), and the edge, which has no
+    current value, refuses a read (it would be stale) and a write (it would not reach the cloud)."""
+    data = _data(5)
+    local = counting_mlp()
+    _steps(local, torch.optim.SGD(local.parameters(), lr=0.1), nn.CrossEntropyLoss(), data)
+    net = counting_mlp()
+    model = splitft.split(net, 2, rejoin, factory="tests.models:counting_mlp", connect=cloud)
+    with model:
+        crit = nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss())
+        _steps(model, torch.optim.SGD(model.parameters(), lr=0.1), crit, data)
+        with pytest.raises(CutError, match=r"'calls' of '2' is kept by that module's forward"):
+            print(net[2].calls)
+        with pytest.raises(CutError, match=r"setting 'calls' of '2': that module's forward keeps it"):
+            net[2].calls = 0
+        assert_bitwise(model.state_dict(), local.state_dict())
+        assert local[2].calls == 5 and "calls" in vars(model.unsplit()[2])  # whole again, as it was at the cut
 
 
 def test_an_optimizer_built_before_split_trains_the_cloud_half(cloud):

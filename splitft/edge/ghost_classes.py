@@ -73,7 +73,19 @@ class Ghost(nn.Module):
 
     __call__ = nn.Module.__call__
 
+    def __getattr__(self, name: str) -> Any:
+        if name in self.__dict__.get("_splitft_kept", ()):
+            raise CutError(f"{name!r} of {self.__dict__.get('_splitft_where', '?')!r} is kept by that module's forward, "
+                           "which runs in the cloud and changes it there as it runs: the edge has no current value "
+                           "(split training would silently read a stale one). Keep it as a buffer (register_buffer: "
+                           "the cloud half's state, which the edge reads) or outside the layer")
+        return super().__getattr__(name)
+
     def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.__dict__.get("_splitft_kept", ()):
+            raise CutError(f"setting {name!r} of {self.__dict__.get('_splitft_where', '?')!r}: that module's forward "
+                           "keeps it as it runs, in the cloud, which this value would not reach (split training would "
+                           "silently differ). Set it before split(), where the cloud's factory builds the model too")
         if name == "__class__" and value is not type(self):
             raise CutError(f"changing the class of {self.__dict__.get('_splitft_where', '?')!r} to "
                            f"{getattr(value, '__name__', value)!s:.60}: that module runs in the cloud, built by the "

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..code_reads import CodeGuard
-from ..config_reads import ConfigGuard
+from ..config_reads import ConfigGuard, own_attributes_kept_by_forward
 from ..numerics import NumericsGuard
 from ..cut import Chain, CutSpec, _module, extract
 from ..errors import ConfigError, CutError
@@ -273,6 +273,11 @@ def ghost(module: nn.Module, standin: nn.Module, *, never_run: tuple[str, ...] =
         for name, value in list(sub.__dict__.items()):
             if isinstance(value, torch.Generator):  # the twin keeps the generator itself
                 sub.__dict__[name] = _CloudGenerator(where, name)
+        # what its forward keeps as it runs (self.calls += 1) changes in the cloud alone: no stale copy here
+        kept = {name: sub.__dict__.pop(name) for name in own_attributes_kept_by_forward(type(sub))
+                if name in sub.__dict__ and not isinstance(sub.__dict__[name], _CloudGenerator)}
+        if kept:
+            sub.__dict__["_splitft_kept"] = kept
         sub.__class__ = ghost_class(type(sub))
     return module
 
@@ -406,6 +411,7 @@ def uninstall(model: nn.Module, chain: Chain) -> nn.Module:
     chain.swapped = []
     for name in chain.names:
         for sub in _module(model, name).modules():
+            sub.__dict__.update(sub.__dict__.pop("_splitft_kept", {}))  # as they were at the cut
             for attribute in _GHOST_ATTRIBUTES:
                 sub.__dict__.pop(attribute, None)
             for table in TABLES:
