@@ -142,6 +142,7 @@ def own_attributes_kept_by_forward(cls: type) -> frozenset[str]:
 
 
 _KEPT: dict[type, frozenset[str]] = {}
+
 #: What a script may set on a cloud module that is not sent as one of its settings: its mode
 #: (mirrored with each forward) and the switch with which ``gradient_checkpointing_enable()``
 #: marks every layer (the cloud's computes the same values without it).

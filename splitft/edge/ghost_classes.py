@@ -75,8 +75,8 @@ class Ghost(nn.Module):
 
     def __getattr__(self, name: str) -> Any:
         if name in self.__dict__.get("_splitft_kept", ()):
-            raise CutError(f"{name!r} of {self.__dict__.get('_splitft_where', '?')!r} is kept by that module's forward, "
-                           "which runs in the cloud and changes it there as it runs: the edge has no current value "
+            raise CutError(f"{name!r} of {self.__dict__.get('_splitft_where', '?')!r} is kept by that module's "
+                           "forward, which runs in the cloud and changes it there as it runs: the edge has no current value "
                            "(split training would silently read a stale one). Keep it as a buffer (register_buffer: "
                            "the cloud half's state, which the edge reads) or outside the layer")
         return super().__getattr__(name)

@@ -89,4 +89,5 @@ def requires_grad_changes() -> int:
     return _requires_grad_changes
 
 
-__all__ = ["DEVICE_QUERIES", "IS_META", "METADATA", "REQUIRES_GRAD_SETTERS", "requires_grad_changes", "set_requires_grad", "where"]
+__all__ = ["DEVICE_QUERIES", "IS_META", "METADATA", "REQUIRES_GRAD_SETTERS", "requires_grad_changes",
+           "set_requires_grad", "where"]

@@ -32,10 +32,11 @@ What is mirrored:
   are drawn here, from the shape alone.
 
 ``p.new_zeros(n)`` and its kin make a tensor here, as unsplit. What is made from a placeholder's
-shape alone (``torch.zeros_like(p)``, ``full_like``, ``ones_like``, ``empty_like``) is a :class:`CloudState`: the state an optimizer's constructor makes for a cloud
-parameter (Adagrad's accumulators), which the cloud's copy of the optimizer, built with the same
-settings, makes too. It remembers how it was made, so the edge can check that it is still that
-initial state (:mod:`.initial_state`), and refuses every operation on its values like a placeholder.
+shape alone (``torch.zeros_like(p)``, ``full_like``, ``ones_like``, ``empty_like``) is a
+:class:`CloudState`: the state an optimizer's constructor makes for a cloud parameter (Adagrad's
+accumulators), which the cloud's copy of the optimizer, built with the same settings, makes too.
+It remembers how it was made, so the edge can check that it is still that initial state
+(:mod:`.initial_state`), and refuses every operation on its values like a placeholder.
 The state an optimizer's steps make for a cloud parameter stands in ``opt.state`` as
 :class:`CloudMoment` placeholders, which refuse the same way.
 """
