@@ -677,7 +677,26 @@ def logs_weight_and_gradient_statistics_moved_to_the_cpu(model, net, crit, data)
     return logged
 
 
-COMPUTED = [logs_weight_and_gradient_statistics_moved_to_the_cpu,
+def prunes_small_weights_by_hand(model, net, crit, data):
+    """Magnitude pruning as tutorials write it: ``p.data[p.data.abs() < t] = 0`` after a few steps,
+    then the pruned entries' gradients zeroed the same way, ``p.grad[mask] = 0``, at every step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    masks: list = []
+    for i, (x, y) in enumerate(data):
+        crit(model(x), y).backward()
+        for p, mask in zip(model.parameters(), masks):
+            p.grad[mask] = 0
+        opt.step()
+        opt.zero_grad()
+        if i == 2:
+            with torch.no_grad():
+                masks = [p.data.abs() < 0.05 for p in model.parameters()]
+                for p, mask in zip(model.parameters(), masks):
+                    p.data[mask] = 0
+    return [int(mask.sum()) for mask in masks]
+
+
+COMPUTED = [prunes_small_weights_by_hand, logs_weight_and_gradient_statistics_moved_to_the_cpu,
             skips_a_step_whose_gradients_are_not_finite, sign_sgd_with_weight_decay_added_to_the_gradient,
             logs_the_largest_gradient_and_the_weight_norm, renormalises_rows_and_perturbs_weights_after_each_step,
             steps_by_hand_as_old_tutorials_do, keeps_an_average_of_the_weights_and_evaluates_with_it,

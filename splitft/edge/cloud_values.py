@@ -75,6 +75,8 @@ def handle(func: Any, args: tuple, kwargs: dict) -> Any:
             len({id(t._splitft_remote) for t in remotes}) > 1:
         return NotImplemented
     remote = remotes[0]._splitft_remote
+    if func is Tensor.__setitem__ and _a_masked_fill(args, kwargs):
+        func = Tensor.masked_fill_  # w[w.abs() < t] = 0: the same elements set, to the same value
     name = ex.NAMES.get(func)
     if name is not None and (autocast_dtype("cpu") or autocast_dtype("cuda")):
         raise PlaceholderError(f"{name} on {remotes[0]._what()} inside an autocast region: the cloud computes it "
@@ -89,6 +91,17 @@ def handle(func: Any, args: tuple, kwargs: dict) -> Any:
     except _NotExpressible:
         return NotImplemented
     return _computed_here(func, args, kwargs, remotes, remote)  # anything else reads the values
+
+
+def _a_masked_fill(args: tuple, kwargs: dict) -> bool:
+    """Whether ``target[mask] = value`` is ``target.masked_fill_(mask, value)``: a cloud tensor, a
+    boolean mask of its very shape (a smaller one selects rows, which a fill would broadcast
+    otherwise), a number."""
+    if kwargs or len(args) != 3:
+        return False
+    target, mask, value = args
+    return (isinstance(target, (CloudTensor, CloudGrad)) and isinstance(mask, Tensor) and mask.dtype == torch.bool
+            and mask.shape == target.shape and isinstance(value, (bool, int, float)))
 
 
 def _computed(name: str, func: Any, args: tuple, kwargs: dict, remote: Any) -> Tensor:
