@@ -53,6 +53,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..errors import PlaceholderError
 from ..wire import expressions
+from .made_here import drawn_like, itself_where_unmoved, new_like
 from .metadata import DEVICE_QUERIES, IS_META, METADATA, REQUIRES_GRAD_SETTERS, set_requires_grad, where
 
 Tensor = torch.Tensor
@@ -306,48 +307,12 @@ _LIKE_OPS: dict[Any, Callable[..., Any]] = {
 }
 
 
-def _drawn_like(draw: Callable[..., Tensor]) -> Callable[..., Tensor]:
-    """``torch.randn_like(p)`` and kin: drawn here, on the edge half's device, from the generator
-    the unsplit model's draw would use; they read no values of ``p``, only its shape."""
-
-    def drawn(source: RemoteTensor, *args: Any, dtype: Any = None, device: Any = None, **kwargs: Any) -> Tensor:
-        like = torch.empty(source.shape, dtype=dtype or source.dtype,
-                           device=device if device is not None else source._splitft_remote.device)
-        return draw(like, *args, **kwargs)
-
-    return drawn
-
-
-def _new_like(factory: Callable[..., Tensor]) -> Callable[..., Tensor]:
-    """``p.new_zeros(size)`` and kin: a tensor made here, of ``p``'s dtype on the edge half's device
-    unless the call names others, as unsplit (they read no values of ``p``)."""
-
-    def new(source: RemoteTensor, *args: Any, **kwargs: Any) -> Tensor:
-        return factory(torch.empty(0, dtype=source.dtype, device=source._splitft_remote.device), *args, **kwargs)
-
-    return new
-
-
-def _itself_where_unmoved(convert: Callable[..., Tensor]) -> Callable[..., Tensor]:
-    """``p.to(p.device)``, ``p.cpu()`` with the edge half on the CPU: unsplit, ``p`` itself (torch
-    returns a tensor that already is where and what it is asked to be), so the placeholder itself;
-    moved or cast, a copy of values that are in the cloud, refused."""
-
-    def converted(source: RemoteTensor, *args: Any, **kwargs: Any) -> Tensor:
-        probe = torch.empty(0, dtype=source.dtype, device=source._splitft_remote.device)
-        if convert(probe, *args, **kwargs) is probe:
-            return source
-        raise PlaceholderError(_refusal(convert, source))
-
-    return converted
-
-
 _VALUE_OPS: dict[Any, Callable[..., Any]] = {
-    Tensor.to: _itself_where_unmoved(Tensor.to), Tensor.cpu: _itself_where_unmoved(Tensor.cpu),
-    **{new: _new_like(new) for new in (Tensor.new_zeros, Tensor.new_ones, Tensor.new_empty, Tensor.new_full,
+    Tensor.to: itself_where_unmoved(Tensor.to), Tensor.cpu: itself_where_unmoved(Tensor.cpu),
+    **{new: new_like(new) for new in (Tensor.new_zeros, Tensor.new_ones, Tensor.new_empty, Tensor.new_full,
                                        Tensor.new_tensor)},
-    torch.randn_like: _drawn_like(torch.randn_like), torch.rand_like: _drawn_like(torch.rand_like),
-    torch.randint_like: _drawn_like(torch.randint_like),
+    torch.randn_like: drawn_like(torch.randn_like), torch.rand_like: drawn_like(torch.rand_like),
+    torch.randint_like: drawn_like(torch.randint_like),
     Tensor.copy_: new_values(lambda value, source, non_blocking=False: value.copy_(source.detach())),
     **{op: new_values(op) for op in (Tensor.fill_, Tensor.zero_, Tensor.normal_, Tensor.uniform_)},
     # the initialisers torch lets a tensor subclass own; the others reach the Tensor methods above
@@ -509,8 +474,8 @@ _GRAD_OPS: dict[Any, Callable[..., Any]] = {
     Tensor.zero_: _ZERO, torch._foreach_zero_: _FOREACH_ZERO,
     torch._amp_foreach_non_finite_check_and_unscale_: _unscale,
     Tensor.detach: _same, Tensor.detach_: _same, _DATA_GETTER: _same, _DATA_SETTER: _data_set_to_itself,
-    Tensor.to: _itself_where_unmoved(Tensor.to), Tensor.cpu: _itself_where_unmoved(Tensor.cpu),
-    torch.randn_like: _drawn_like(torch.randn_like), torch.rand_like: _drawn_like(torch.rand_like),
+    Tensor.to: itself_where_unmoved(Tensor.to), Tensor.cpu: itself_where_unmoved(Tensor.cpu),
+    torch.randn_like: drawn_like(torch.randn_like), torch.rand_like: drawn_like(torch.rand_like),
 }
 
 #: Every torch function that reaches the cloud rather than raising, by the kind of tensor it takes.

@@ -1,0 +1,58 @@
+"""Tensors a script makes on the edge from a cloud tensor without reading its values.
+
+``torch.randn_like(p)`` draws, ``p.new_zeros(n)`` makes a tensor of ``p``'s dtype, and ``p.to(p.device)``
+or ``p.cpu()`` is ``p`` itself: unsplit none of them reads a value of ``p``, so each is made here,
+where the unsplit model's values were (the edge half's device), from ``p``'s shape and dtype alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import PlaceholderError
+
+Tensor = torch.Tensor
+
+
+def drawn_like(draw: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """``torch.randn_like(p)`` and kin: drawn here, on the edge half's device, from the generator
+    the unsplit model's draw would use; they read no values of ``p``, only its shape."""
+
+    def drawn(source: Any, *args: Any, dtype: Any = None, device: Any = None, **kwargs: Any) -> Tensor:
+        like = torch.empty(source.shape, dtype=dtype or source.dtype,
+                           device=device if device is not None else source._splitft_remote.device)
+        return draw(like, *args, **kwargs)
+
+    return drawn
+
+
+def new_like(factory: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """``p.new_zeros(size)`` and kin: a tensor made here, of ``p``'s dtype on the edge half's device
+    unless the call names others, as unsplit (they read no values of ``p``)."""
+
+    def new(source: Any, *args: Any, **kwargs: Any) -> Tensor:
+        return factory(torch.empty(0, dtype=source.dtype, device=source._splitft_remote.device), *args, **kwargs)
+
+    return new
+
+
+def itself_where_unmoved(convert: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """``p.to(p.device)``, ``p.cpu()`` with the edge half on the CPU: unsplit, ``p`` itself (torch
+    returns a tensor that already is where and what it is asked to be), so the cloud tensor itself;
+    moved or cast, a copy of values that are in the cloud, refused."""
+
+    def converted(source: Any, *args: Any, **kwargs: Any) -> Any:
+        probe = torch.empty(0, dtype=source.dtype, device=source._splitft_remote.device)
+        if convert(probe, *args, **kwargs) is probe:
+            return source
+        raise PlaceholderError(f"{convert.__name__} to another device or dtype on {source._what()}: its values live in "
+                               "the cloud, and this copy of them would be the unsplit model's own tensor only where "
+                               "it does not move; read the weights with model.state_dict()")
+
+    return converted
+
+
+__all__ = ["drawn_like", "itself_where_unmoved", "new_like"]
