@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from .errors import ConfigError, HandshakeError
@@ -53,9 +54,11 @@ CUDA = (
     "torch.backends.cudnn.rnn.fp32_precision",
 )
 #: Whether the calling thread flushes denormal numbers to zero (``torch.set_flush_denormal``),
-#: which has no reader: seen by multiplying one.
+#: which has no reader: seen by multiplying one. The flag is the CPU's (per thread), so numpy's
+#: scalar arithmetic sees it as torch's kernels do, for a fraction of a torch call.
 FLUSH_DENORMAL = "torch.set_flush_denormal"
-_DENORMAL_PROBE = torch.tensor(1e-39, dtype=torch.float32, device="cpu")  # denormal in float32
+_DENORMAL = np.float32(1e-39)
+_ONE = np.float32(1.0)
 #: Where an operator's float32 precision of "none" defers to (see :func:`_precision`).
 _PARENTS = ("torch.backends.fp32_precision", "torch.backends.mkldnn.fp32_precision",
             "torch.backends.cudnn.fp32_precision")
@@ -103,7 +106,7 @@ def _precision(expression: str) -> str | None:
 
 
 def _flushes_denormals() -> bool:
-    return _DENORMAL_PROBE.mul(1.0).item() == 0.0
+    return bool(_DENORMAL * _ONE == 0)
 
 
 def settings(cuda: bool | None = None) -> dict[str, str]:
@@ -153,19 +156,25 @@ class NumericsGuard:
 
     def __init__(self) -> None:
         # what settings() reads here: a CUDA switch steers nothing an edge without CUDA computes
-        watched = HOST + (CUDA if torch.cuda.is_available() else ()) + _PARENTS
-        self._readers = [read for expression in watched if (read := _reader(expression)) is not None]
+        watched = [expression for expression in HOST + (CUDA if torch.cuda.is_available() else ()) + _PARENTS
+                   if _reader(expression) is not None]
+        self._readers = [_reader(expression) for expression in watched]
+        # every reader in one expression: the check runs before each forward of the cloud half
+        self._read_all = eval(f"lambda: ({', '.join(watched)},)", {"torch": torch})  # noqa: S307 — our constants
         self._was = settings()
         self._raw = self._read_raw()
 
     def _read_raw(self) -> tuple:
-        values: list[object] = [_flushes_denormals()]
-        for read in self._readers:
-            try:
-                values.append(read())
-            except RuntimeError:
-                values.append(None)
-        return tuple(values)
+        try:
+            return _flushes_denormals(), *self._read_all()
+        except RuntimeError:  # one this build cannot report: each read apart, that one as None
+            values: list[object] = [_flushes_denormals()]
+            for read in self._readers:
+                try:
+                    values.append(read())  # type: ignore[misc]
+                except RuntimeError:
+                    values.append(None)
+            return tuple(values)
 
     def check(self) -> None:
         raw = self._read_raw()

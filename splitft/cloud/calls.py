@@ -43,14 +43,25 @@ class Inputs:
     decode_flops: int = 0  # what decoding them took, priced before it was done
 
 
+def forward_trees(msg: Forward) -> tuple[tuple[list, Any], tuple[list, Any], tuple[list, Any]]:
+    """(entries, skeleton) of a forward request's args, kwargs and target, parsed once per
+    request: its price (before it is queued) and its decode read the same trees."""
+    found = vars(msg).get(_TREES)
+    if found is None:
+        found = (from_wire(msg.args), from_wire(msg.kwargs), from_wire(msg.target))
+        vars(msg)[_TREES] = found
+    return found
+
+
+_TREES = "_parsed_trees"
+
+
 def decode_forward(msg: Forward, codecs: SlotCodecs, ctx: CodecContext, ushape: bool,
                    check: DecodeCheck) -> Inputs:
     """A forward request's tensors, priced by ``check``, then decoded and checked."""
     if msg.sample_ids is not None and (msg.sample_ids.ndim != 1 or msg.sample_ids.dtype != np.int64):
         raise ProtocolError("sample_ids must be a 1-D int64 array")
-    args_entries, args_skel = from_wire(msg.args)
-    kw_entries, kw_skel = from_wire(msg.kwargs)
-    target_entries, target_skel = from_wire(msg.target)
+    (args_entries, args_skel), (kw_entries, kw_skel), (target_entries, target_skel) = forward_trees(msg)
     if not isinstance(args_skel, list) or not isinstance(kw_skel, dict):
         raise ProtocolError("forward args must be a list and kwargs a map")
     if msg.target is not None and ushape:
@@ -135,4 +146,4 @@ def decode_backward(msg: Backward, pending: Pending, codecs: SlotCodecs, ctx: Co
 
 
 __all__ = ["DecodeCheck", "Group", "Inputs", "decode_backward", "decode_forward", "edge_dtype",
-           "encode_input_grads"]
+           "encode_input_grads", "forward_trees"]

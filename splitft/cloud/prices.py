@@ -23,7 +23,7 @@ from ..wire import expressions
 from ..wire import tree as trees
 from ..wire.coding import CacheRef, Coded, SlotCodecs, expansions, flatten, from_wire, stream_index, unflatten
 from ..wire.protocol import Backward, Forward, Message, Sync
-from .calls import Group, Inputs
+from .calls import Group, Inputs, forward_trees
 from .costs import BACKWARD_FACTOR, STEP_FLOPS_PER_PARAM, Price, Pricing, check
 from .graphs import Graphs, Pending
 from .half import Half
@@ -125,8 +125,7 @@ def _forward_groups(session: Priced, msg: Forward) -> list[tuple]:
     """(entries, stream, slot, context, expansions) per tree of a forward request."""
     ctx = session.context("activation", msg.train, msg.step, msg.sample_ids)
     groups = []
-    for wire, streams in ((msg.args, True), (msg.kwargs, False), (msg.target, False)):
-        entries, skeleton = from_wire(wire)
+    for (entries, skeleton), streams in zip(forward_trees(msg), (True, False, False)):
         groups.append((entries, stream_index(skeleton) if streams else None, "fwd", ctx, expansions(skeleton)))
     return groups
 
