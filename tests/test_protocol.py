@@ -14,15 +14,15 @@ from splitft.errors import ProtocolError
 
 
 def test_ack_is_exactly_these_bytes():
-    # array[14, "ack", state: nil, grad_norms: nil, optimizer_state: nil, values: nil, seq: 7]
-    assert protocol.encode(protocol.Ack(seq=7)) == [b"\x97\x0e\xa3ack\xc0\xc0\xc0\xc0\x07"]
+    # array[15, "ack", state: nil, grad_norms: nil, optimizer_state: nil, values: nil, seq: 7]
+    assert protocol.encode(protocol.Ack(seq=7)) == [b"\x97\x0f\xa3ack\xc0\xc0\xc0\xc0\x07"]
 
 
 def test_array_travels_as_extension_reference_plus_raw_frame():
     arr = np.arange(6, dtype=np.float32).reshape(2, 3)
     frames = protocol.encode(protocol.Output(call=7, value=protocol.payload_to_wire(Payload("identity", 1, {"x": arr}), True)))
     assert frames[0] == (
-        b"\x99\x0e\xa6output\x07\x81\xa2$t\x95\xa8identity\x01\x80"  # [14, "output", call 7, value: {"$t": [...
+        b"\x99\x0f\xa6output\x07\x81\xa2$t\x95\xa8identity\x01\x80"  # [15, "output", call 7, value: {"$t": [...
         b"\x81\xa1x"
         b"\xc7\x0d\x01" b"\x93\x00\xa7float32\x92\x02\x03"  # ext8, 13 bytes, type 1: [frame 0, dtype, shape]
         b"\xc3\x80\xc0\xc0\xc0\x00"  # ...grad]}, timings {}, grads nil, unreached nil, rng nil, seq 0]
@@ -242,7 +242,7 @@ def test_operation_records_travel_as_the_maps_the_cloud_checks():
     maps = [{"op": "step", "id": 3, "lr": 0.5, "lrs": None, "changes": None},
             {"op": "zero_grad", "set_to_none": True, "model": False, "names": ["a.weight"]},
             {"op": "load_weights", "weights": weights, "partial": True},
-            {"op": "apply", "call": 7, "scale": 2.0, "pass_id": None}]
+            {"op": "apply", "call": 7, "scale": 2.0, "pass_id": None, "last": False}]
     sent = protocol.encode(protocol.Sync(ops=records, seq=4))
     assert [bytes(memoryview(f)) for f in sent] == [bytes(memoryview(f))
                                                     for f in protocol.encode(protocol.Sync(ops=maps, seq=4))]

@@ -606,6 +606,33 @@ def test_a_second_backward_through_one_forward_is_refused_in_a_u_shape_and_mirro
             loss.backward()
 
 
+def test_a_second_backward_after_one_without_retain_graph_is_refused_before_anything_is_sent(cloud):
+    """Unsplit, torch refuses a second backward through a graph the first freed; split, the cloud
+    gave the first's gradients away uncopied (``apply.last``): refused on the edge before anything
+    is sent, and the session trains on as the unsplit model does."""
+    data = _data(2)
+    local = mlp()
+    out = local(data[0][0])
+    loss = nn.functional.cross_entropy(out, data[0][1])
+    loss.backward()
+    with pytest.raises(RuntimeError, match="second time"):
+        loss.backward()
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.1)
+    local_opt.step()
+    local_opt.zero_grad()
+    _steps(local, local_opt, nn.CrossEntropyLoss(), data[1:])
+    with splitft.split(mlp(), 2, factory=MLP, connect=cloud) as model:
+        opt, crit = torch.optim.SGD(model.parameters(), lr=0.1), model.remote_loss(nn.CrossEntropyLoss())
+        loss = crit(model(data[0][0]), data[0][1])
+        loss.backward()
+        with pytest.raises(ConfigError, match="the first without retain_graph=True"):
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        _steps(model, opt, crit, data[1:])
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), local.state_dict().values()))
+
+
 def test_a_draw_between_model_x_and_its_remote_loss_is_refused_where_the_cloud_half_draws_too(cloud):
     """Unsplit, the cloud half's dropout draws at model(x), before what the script draws next; split,
     it runs at the loss. Where it draws, a draw in between is refused: before anything is sent once

@@ -9,7 +9,7 @@ the step changed.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,6 +60,7 @@ class Graphs:
         self.pending: OrderedDict[int, Pending] = OrderedDict()
         self.deferred: OrderedDict[int, Deferred] = OrderedDict()
         self._deferred_bytes: dict[int, int] = {}
+        self.exclusive: set[int] = set()  # deferred calls whose gradients share no memory (see defer)
         self._nbytes = 0
 
     def keep(self, call: int, pending: Pending) -> list[int]:
@@ -96,11 +97,17 @@ class Graphs:
                 raise ModelError(f"the cloud part's backward failed: {modified_message(tensor, version)}")
         return grads
 
-    def defer(self, call: int, grads: Deferred) -> None:
-        """Keep an eager call's parameter gradients until the edge says how to scale them."""
+    def defer(self, call: int, grads: Deferred, exclusive: bool = False) -> None:
+        """Keep an eager call's parameter gradients until the edge says how to scale them;
+        ``exclusive``: each is a tensor of its own (see :func:`sole_owners`), which may become its
+        parameter's ``grad`` as it is."""
         nbytes = tensors_nbytes(g for _, g in grads)
         self._nbytes += nbytes - self._deferred_bytes.get(call, 0)  # a second for the same call replaces the first
         self.deferred[call] = grads
+        if exclusive:
+            self.exclusive.add(call)
+        else:
+            self.exclusive.discard(call)
         self._deferred_bytes[call] = nbytes
         while len(self.deferred) > self.most:
             self.applied(next(iter(self.deferred)))
@@ -108,6 +115,7 @@ class Graphs:
     def applied(self, call: int) -> Deferred | None:
         """An eager call's gradients, no longer kept (None: there are none)."""
         grads = self.deferred.pop(call, None)
+        self.exclusive.discard(call)
         if grads is not None:
             self._nbytes -= self._deferred_bytes.pop(call)
         return grads
@@ -118,6 +126,7 @@ class Graphs:
         if not shared:
             self.pending.clear()
         self.deferred.clear()
+        self.exclusive.clear()
         self._deferred_bytes.clear()
         self._nbytes = sum(p.nbytes for p in self.pending.values())
 
@@ -125,4 +134,22 @@ class Graphs:
         return self._nbytes
 
 
-__all__ = ["Deferred", "Graphs", "Pending"]
+def sole_owners(inputs: Sequence[torch.Tensor | None], grads: Deferred) -> bool:
+    """Whether the gradients one ``torch.autograd.grad`` returned (``inputs``'s and the parameters'
+    in ``grads``) each hold memory of their own, all of it, laid out as their parameter: none
+    shares it with another (``a + b`` passes one gradient to both, ``torch.cat`` slices one), none
+    is a view of more (``w.sum()``'s is ones expanded). Such a gradient may become its parameter's
+    ``grad`` as it is, as torch's engine hands a fresh gradient over."""
+    seen = set()
+    for param, grad in [(None, g) for g in inputs] + list(grads):
+        if grad is None:
+            continue
+        storage = grad.untyped_storage()
+        if (grad.layout != torch.strided or storage.nbytes() != grad.numel() * grad.element_size()
+                or storage.data_ptr() in seen or (param is not None and grad.stride() != param.stride())):
+            return False
+        seen.add(storage.data_ptr())
+    return True
+
+
+__all__ = ["Deferred", "Graphs", "Pending", "sole_owners"]

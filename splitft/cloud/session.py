@@ -44,7 +44,7 @@ from .calls import Group, Inputs, decode_backward, decode_forward, edge_dtype, e
 from .codec_policy import Policy
 from .costs import Pricing
 from .passes import PassGrads
-from .graphs import Graphs, Pending
+from .graphs import Deferred, Graphs, Pending, sole_owners
 from .half import Half, SharedPart, host_state, load_initial
 from .handlers import Mirrored, apply_ops
 from .limits import Limits
@@ -247,7 +247,8 @@ class CloudSession:
             with blame(ModelError, "the cloud part's backward failed"):
                 found = torch.autograd.grad(loss, needed + params, allow_unused=True, retain_graph=True)
         self.fits(tensors_nbytes(found[len(needed):]), "keeping this call's parameter gradients")
-        self.graphs.defer(msg.call, list(zip(params, found[len(needed):])))
+        deferred: Deferred = list(zip(params, found[len(needed):]))
+        self.graphs.defer(msg.call, deferred, exclusive=sole_owners(found[:len(needed)], deferred))
         by_leaf = iter(found[:len(needed)])
         leaf_grads = [next(by_leaf) if g else None for g in inputs.grads]
         with watch("codec"):

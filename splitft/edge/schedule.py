@@ -73,6 +73,7 @@ class Call:
     leaves: list[torch.Tensor] = field(default_factory=list)
     inflight: Inflight | None = None
     backpropagated: bool = False  # its backward went to the cloud, which then freed the call's graph
+    released: bool = False  # an eager backward without retain_graph: the cloud gave the gradients it kept away
     cloud_half: Any = None  # the edge's record of the cloud's gradients (splitft.edge.cloud_half), told of the backward
     trainable: frozenset[str] = frozenset()  # the cloud parameters that required a gradient at the forward
     modes: tuple[str, ...] = ()  # the cloud modules whose mode differed from the call's (by name)
@@ -256,6 +257,11 @@ class Scheduler:
         parameters accumulate theirs too)."""
         with self.lock:
             exact = _scales_exactly(call, grads)
+            if call.released:
+                raise ConfigError("a second backward through the same forward, the first without retain_graph=True: "
+                                  "torch frees a graph at its backward unless told to keep it, and so did the cloud; "
+                                  "pass retain_graph=True to the first backward, or add the losses and call backward "
+                                  "once")
             if call.backpropagated and not call.streamed and (
                     not exact or any(part.eager_grads is None for part in call.parts)):
                 raise ConfigError("a second backward through the same forward (backward(retain_graph=True), then "
@@ -301,7 +307,9 @@ class Scheduler:
             (scale,) = (grads[0],) if call.streamed else part_output_grads(call, part, grads)
             assert scale is not None  # the loss needs a gradient: autograd gives it one
             if params:  # the parameters' part of an eager backward, held in the cloud until now
-                self.ops.queue(ApplyEager(call=part.id, scale=float(scale), pass_id=backward_pass()))
+                last = not call.streamed and not keeps_graph()
+                call.released = call.released or last
+                self.ops.queue(ApplyEager(call=part.id, scale=float(scale), pass_id=backward_pass(), last=last))
             if call.streamed and any(call.in_grad):  # delayed gradients: the previous call's is due now
                 self._apply_delayed()
                 self._delayed = (call, scale)
@@ -368,6 +376,13 @@ def join_outputs(call: Call, outputs: list[list[torch.Tensor]], loss_reduction: 
                 "joined; use micro_batches=1"
             )
     return joined
+
+
+def keeps_graph() -> bool:
+    """Whether the backward running now keeps its graph (``retain_graph=True``): another backward
+    may run through the same calls (True where this torch cannot say)."""
+    read = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if read is None else bool(read())
 
 
 def backward_pass() -> int | None:

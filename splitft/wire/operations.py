@@ -95,6 +95,9 @@ class ApplyEager(Operation):
     call: int
     scale: float
     pass_id: int | None = None  # the edge's backward pass: one pass's contributions are summed first (cloud/passes.py)
+    #: The edge's graph through the call is freed with this backward (no ``retain_graph``): no
+    #: second apply of it can come, so the cloud may give the gradients it kept away uncopied.
+    last: bool = False
 
 
 @dataclass
