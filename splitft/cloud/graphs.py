@@ -97,11 +97,11 @@ class Graphs:
                 raise ModelError(f"the cloud part's backward failed: {modified_message(tensor, version)}")
         return grads
 
-    def defer(self, call: int, grads: Deferred, exclusive: bool = False) -> None:
-        """Keep an eager call's parameter gradients until the edge says how to scale them;
-        ``exclusive``: each is a tensor of its own (see :func:`sole_owners`), which may become its
-        parameter's ``grad`` as it is."""
-        nbytes = tensors_nbytes(g for _, g in grads)
+    def defer(self, call: int, grads: Deferred, nbytes: int | None = None, exclusive: bool = False) -> None:
+        """Keep an eager call's parameter gradients (``nbytes`` of them, where the caller counted)
+        until the edge says how to scale them; ``exclusive``: each is a tensor of its own (see
+        :func:`sole_owners`), which may become its parameter's ``grad`` as it is."""
+        nbytes = tensors_nbytes(g for _, g in grads) if nbytes is None else nbytes
         self._nbytes += nbytes - self._deferred_bytes.get(call, 0)  # a second for the same call replaces the first
         self.deferred[call] = grads
         if exclusive:

@@ -134,9 +134,10 @@ class CloudSession:
         """
         nbytes = 0
         with blame(ProtocolError, f"a tensor in the {what} cannot be decoded"):
-            for entries, skeleton, stream in groups:
-                nbytes += self.codecs.decode_cost(entries, stream, slot, ctx, expansions(skeleton))
-            flops = prices.check_decode(self, groups, slot, ctx, what)
+            expanded = [expansions(skeleton) for _, skeleton, _ in groups]
+            for (entries, _, stream), expand_to in zip(groups, expanded):
+                nbytes += self.codecs.decode_cost(entries, stream, slot, ctx, expand_to)
+            flops = prices.check_decode(self, groups, slot, ctx, what, expanded)
         self.limits.check_decoded(nbytes, f"this {what}")
         self.fits(nbytes, f"decoding this {what}")
         return flops
@@ -246,9 +247,10 @@ class CloudSession:
             params: list[torch.Tensor] = [p for p in self.half.named_params.values() if p.requires_grad]
             with blame(ModelError, "the cloud part's backward failed"):
                 found = torch.autograd.grad(loss, needed + params, allow_unused=True, retain_graph=True)
-        self.fits(tensors_nbytes(found[len(needed):]), "keeping this call's parameter gradients")
+        nbytes = tensors_nbytes(found[len(needed):])
+        self.fits(nbytes, "keeping this call's parameter gradients")
         deferred: Deferred = list(zip(params, found[len(needed):]))
-        self.graphs.defer(msg.call, deferred, exclusive=sole_owners(found[:len(needed)], deferred))
+        self.graphs.defer(msg.call, deferred, nbytes, exclusive=sole_owners(found[:len(needed)], deferred))
         by_leaf = iter(found[:len(needed)])
         leaf_grads = [next(by_leaf) if g else None for g in inputs.grads]
         with watch("codec"):

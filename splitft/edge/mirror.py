@@ -210,8 +210,16 @@ def _setting_names(cls: type) -> tuple[str, ...]:
 def loss_fingerprint(criterion: nn.Module) -> tuple:
     """What changes when a criterion's settings change: each setting, a tensor by identity and
     version (an in-place change bumps it), cheaply enough to look before every call."""
-    values = ((name, getattr(criterion, name, None)) for name in _setting_names(type(criterion)))
-    return tuple((name, (id(v), v._version) if isinstance(v, torch.Tensor) else repr(v)) for name, v in values)
+    return tuple(_fingerprint(getattr(criterion, name, None)) for name in _setting_names(type(criterion)))
+
+
+_ATOMS = (type(None), bool, int, float, str)
+
+
+def _fingerprint(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return id(value), value._version
+    return value if type(value) in _ATOMS else repr(value)  # a container changed in place reads otherwise
 
 
 def loss_tensor(cls: type, name: str, value: torch.Tensor) -> dict[str, Any]:

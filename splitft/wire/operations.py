@@ -16,6 +16,8 @@ the edge call that queues it.
 from __future__ import annotations
 
 import dataclasses
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -246,11 +248,26 @@ def merged(previous: Operation, op: Operation, seen: set[str]) -> bool:
     names, earlier = op.names, previous.names
     if names is None or earlier is None or not seen.isdisjoint(names):
         return False
-    if any(getattr(previous, name) != getattr(op, name) for name in _field_names(op) if name != "names"):
+    settings = _settings_of(op.__class__)
+    if settings(previous) != settings(op):
         return False
     earlier.extend(names)
     seen.update(names)
     return True
+
+
+_SETTINGS: dict[type, Callable[[Operation], tuple]] = {}
+
+
+def _settings_of(cls: type) -> Callable[[Operation], tuple]:
+    """Reads a by-names operation's fields other than ``names``, as a tuple (zero_grad clears
+    parameters one at a time, so this runs once per parameter)."""
+    read = _SETTINGS.get(cls)
+    if read is None:
+        others = tuple(f.name for f in dataclasses.fields(cls) if f.name != "names")
+        getter = operator.attrgetter(*others)
+        read = _SETTINGS[cls] = (lambda op: (getter(op),)) if len(others) == 1 else getter
+    return read
 
 
 def names_of(op: Operation) -> list[str]:
