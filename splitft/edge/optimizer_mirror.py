@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import operator
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -124,7 +125,8 @@ class OptimizerMirror:
         """Each group's settings as sent, and their raw values when all are immutable (then, read
         every step, unchanged ones need no conversion again)."""
         raw = [tuple(map(group.get, self.settings)) for group in self.optimizer.param_groups]
-        immutable = all(_immutable(v) for values in raw for v in values)
+        kinds = set(map(type, itertools.chain.from_iterable(raw)))  # read every step: the common case in one go
+        immutable = kinds <= _PLAIN_KINDS or all(_immutable(v) for values in raw for v in values)
         if immutable and raw == self._raw:
             return self.sent, self._raw
         out = []
@@ -389,6 +391,7 @@ def _immutable(value: Any) -> bool:
 
 
 _IMMUTABLE = {bool, int, float, str}
+_PLAIN_KINDS = {type(None), *_IMMUTABLE}
 
 
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -205,7 +205,9 @@ class RemoteCaller:
                  drawn_since: torch.Tensor | None = None, generator_kept: torch.Tensor | None = None) -> Any:
         """The cloud half's output for ``args``/``kwargs`` (plain split: the loss, with ``target``)."""
         self.cloud_half.hidden = False  # an optimizer step that raised left them hidden
-        args, kwargs = trees.rebuild((args, kwargs), self.caches.ref, is_leaf=is_cache, other=lambda node, path: node)
+        if kwargs or not all(isinstance(a, torch.Tensor) for a in args):  # tensors alone hold no cache to name
+            args, kwargs = trees.rebuild((args, kwargs), self.caches.ref, is_leaf=is_cache,
+                                         other=lambda node, path: node)
         grad = torch.is_grad_enabled()
         leaves, skeleton = flatten((list(args), kwargs, target))
         if self.freeze_edge:  # no input needs a gradient, so none crosses back
