@@ -125,8 +125,11 @@ class OptimizerMirror:
         """Each group's settings as sent, and their raw values when all are immutable (then, read
         every step, unchanged ones need no conversion again)."""
         raw = [tuple(map(group.get, self.settings)) for group in self.optimizer.param_groups]
-        kinds = set(map(type, itertools.chain.from_iterable(raw)))  # read every step: the common case in one go
-        immutable = kinds <= _PLAIN_KINDS or all(_immutable(v) for values in raw for v in values)
+        # read every step: plain values and tuples of them (Adam's betas) are told apart by type, in one go
+        values = list(itertools.chain.from_iterable(raw))
+        kinds = set(map(type, values))
+        immutable = kinds <= _PLAIN_KINDS or (kinds <= _PLAIN_OR_TUPLE and set(map(type, itertools.chain.from_iterable(
+            v for v in values if type(v) is tuple))) <= _IMMUTABLE)
         if immutable and raw == self._raw:
             return self.sent, self._raw
         out = []
@@ -384,14 +387,10 @@ def _members(optimizer: torch.optim.Optimizer) -> list[tuple[int, ...]]:
     return [tuple(map(id, group["params"])) for group in optimizer.param_groups]
 
 
-def _immutable(value: Any) -> bool:
-    """A setting that cannot change without being replaced (a list or a tensor can, in place)."""
-    return value is None or value.__class__ in _IMMUTABLE or (
-        value.__class__ is tuple and all(v.__class__ in _IMMUTABLE for v in value))
-
-
+#: Settings that cannot change without being replaced (a list or a tensor can, in place), and tuples of them.
 _IMMUTABLE = {bool, int, float, str}
 _PLAIN_KINDS = {type(None), *_IMMUTABLE}
+_PLAIN_OR_TUPLE = {tuple, *_PLAIN_KINDS}
 
 
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
