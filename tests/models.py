@@ -374,3 +374,22 @@ def noisy_mlp(seed: int = 0) -> nn.Sequential:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), NoisyLinear(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+class TwinBias(nn.Module):
+    """Two biases of a whole batch's shape added to it: backward hands one gradient tensor to the
+    input and to both (what a cloud must not give two parameters as their ``grad``)."""
+
+    def __init__(self, rows: int, width: int) -> None:
+        super().__init__()
+        self.first = nn.Parameter(torch.randn(rows, width) * 0.1)
+        self.second = nn.Parameter(torch.randn(rows, width) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.first + self.second
+
+
+def twin_bias_mlp(seed: int = 0) -> nn.Sequential:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(12, 8), nn.ReLU(), TwinBias(4, 8), nn.Linear(8, 3))
