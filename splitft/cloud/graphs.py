@@ -84,10 +84,12 @@ class Graphs:
             self._nbytes -= pending.nbytes
         return pending
 
-    def applicable(self, call: int) -> Deferred:
+    def applicable(self, call: int, last: bool = False) -> tuple[Deferred, bool]:
         """Eager call ``call``'s gradients, to be applied: refused when there are none (freed by a
         step, never sent), or when a tensor its graph saved changed in place since its forward (a
-        script's ``w.mul_()`` or a load in between), which torch's backward refuses too."""
+        script's ``w.mul_()`` or a load in between), which torch's backward refuses too. ``last``:
+        no second apply of the call can come (the edge's graph is gone), so they are no longer
+        kept, and given away as they are where each holds memory of its own (the bool)."""
         grads = self.deferred.get(call)
         if grads is None:
             raise ProtocolError(f"no eager call {call} to apply (freed by an optimizer step, or never sent)")
@@ -95,7 +97,10 @@ class Graphs:
         for tensor, version in pending.saved if pending is not None else ():
             if tensor._version != version:
                 raise ModelError(f"the cloud part's backward failed: {modified_message(tensor, version)}")
-        return grads
+        owned = last and call in self.exclusive
+        if last:
+            self.applied(call)
+        return grads, owned
 
     def defer(self, call: int, grads: Deferred, nbytes: int | None = None, exclusive: bool = False) -> None:
         """Keep an eager call's parameter gradients (``nbytes`` of them, where the caller counted)

@@ -419,16 +419,12 @@ def apply_eager(session: Target, op: o.ApplyEager) -> None:
     """The edge backpropagated through an eager call: add its parameter gradients, scaled."""
     if not math.isfinite(op.scale):
         raise ProtocolError(f"apply needs a finite scale, got {op.scale}")
-    graphs = session.graphs
+    grads, owned = session.graphs.applicable(op.call, last=op.last)
     # torch's AccumulateGrad asks at the backward: a parameter frozen since the forward gets none
-    deferred = [(p, g) for p, g in graphs.applicable(op.call) if p.requires_grad]
-    # the edge's own graph is gone: no second apply can come, and gradients of their own are handed over
-    owned = op.last and op.call in graphs.exclusive
-    if op.last:
-        graphs.applied(op.call)
+    deferred = [(p, g) for p, g in grads if p.requires_grad]
     with torch.no_grad(), session.half.own_grads():
         session.passes.add(op.pass_id if session.half.shared is None else None, deferred, op.scale, owned=owned)
-    graphs.take(op.call)  # the graph kept in case the scale was not exact is not needed
+    session.graphs.take(op.call)  # the graph kept in case the scale was not exact is not needed
 
 
 @handles(o.ZeroGrad)
