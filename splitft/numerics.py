@@ -158,9 +158,9 @@ class NumericsGuard:
         # what settings() reads here: a CUDA switch steers nothing an edge without CUDA computes
         watched = [expression for expression in HOST + (CUDA if torch.cuda.is_available() else ()) + _PARENTS
                    if _reader(expression) is not None]
-        self._readers = [_reader(expression) for expression in watched]
-        # every reader in one expression: the check runs before each forward of the cloud half
-        self._read_all = eval(f"lambda: ({', '.join(watched)},)", {"torch": torch})  # noqa: S307 — our constants
+        self._readers = [read for expression in watched if (read := _reader(expression)) is not None]
+        # every reader in one expression (of the constants above): the check runs before each forward of the cloud half
+        self._read_all = eval(f"lambda: ({', '.join(watched)},)", {"torch": torch})
         self._was = settings()
         self._raw = self._read_raw()
 
@@ -171,7 +171,7 @@ class NumericsGuard:
             values: list[object] = [_flushes_denormals()]
             for read in self._readers:
                 try:
-                    values.append(read())  # type: ignore[misc]
+                    values.append(read())
                 except RuntimeError:
                     values.append(None)
             return tuple(values)
