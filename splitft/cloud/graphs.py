@@ -17,7 +17,7 @@ import torch
 
 from ..wire.coding import Coded
 from ..errors import ModelError, ProtocolError
-from .budget import modified_message, tensors_nbytes
+from .budget import modified_message
 
 #: An eager call's parameter gradients: (parameter, its gradient for an incoming gradient of 1).
 Deferred = list[tuple[torch.Tensor, torch.Tensor | None]]
@@ -102,11 +102,10 @@ class Graphs:
             self.applied(call)
         return grads, owned
 
-    def defer(self, call: int, grads: Deferred, nbytes: int | None = None, exclusive: bool = False) -> None:
-        """Keep an eager call's parameter gradients (``nbytes`` of them, where the caller counted)
-        until the edge says how to scale them; ``exclusive``: each is a tensor of its own (see
-        :func:`sole_owners`), which may become its parameter's ``grad`` as it is."""
-        nbytes = tensors_nbytes(g for _, g in grads) if nbytes is None else nbytes
+    def defer(self, call: int, grads: Deferred, nbytes: int, exclusive: bool = False) -> None:
+        """Keep an eager call's parameter gradients (``nbytes`` of them) until the edge says how to
+        scale them; ``exclusive``: each is a tensor of its own (see :func:`sole_owners`), which may
+        become its parameter's ``grad`` as it is."""
         self._nbytes += nbytes - self._deferred_bytes.get(call, 0)  # a second for the same call replaces the first
         self.deferred[call] = grads
         if exclusive:

@@ -131,11 +131,9 @@ def _forward_groups(session: Priced, msg: Forward) -> list[tuple]:
 
 
 def check_decode(session: Priced, groups: list[Group], slot: str, ctx: Any, what: str,
-                 expanded: list[dict[int, tuple[int, ...]]] | None = None) -> int:
-    """The arithmetic of decoding a request's tensors, refused over the bound; returns it.
-    ``expanded``: each group's :func:`expansions`, where the caller has them."""
-    if expanded is None:
-        expanded = [expansions(skeleton) for _, skeleton, _ in groups]
+                 expanded: list[dict[int, tuple[int, ...]]]) -> int:
+    """The arithmetic of decoding a request's tensors (``expanded``: each group's
+    :func:`expansions`), refused over the bound; returns it."""
     flops = sum(session.codecs.decode_flops(entries, stream, slot, ctx, expand_to)
                 for (entries, _, stream), expand_to in zip(groups, expanded))
     check(flops, session.limits, f"decoding this {what}")
