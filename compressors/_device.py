@@ -58,7 +58,7 @@ def upload(a: np.ndarray, device: torch.device | str | None) -> torch.Tensor:
         return host if dev.type == "cpu" else host.to(dev)
     # one copy into page-locked memory, from which the transfer runs asynchronously (torch's
     # host allocator keeps the buffer until the copy is done)
-    pinned = torch.empty(a.shape, dtype=torch.from_numpy(np.empty(0, a.dtype)).dtype, pin_memory=True)
+    pinned = torch.empty(a.shape, dtype=torch_dtype(a.dtype), pin_memory=True)
     pinned.numpy()[...] = a
     return pinned.to(dev, non_blocking=True)
 
@@ -72,12 +72,33 @@ ALIGNMENT = 64
 def host_tensor(a: np.ndarray) -> torch.Tensor:
     """A received array as a host tensor, safe to write to and aligned as torch aligns its own
     tensors, so what is computed from it is bitwise what the sender would compute. Zero-copy when
-    the array already is both; else one copy (a read-only frame needed one anyway)."""
+    the array already is both; else one copy (a read-only frame needed one anyway).
+
+    Integers and booleans (their sums are exact in any order) and single values (no order of sums
+    at all) compute alike wherever they lie, aligned by their element: those skip torch's
+    allocator, whose tensor operations would run cold for a few bytes of labels or a loss.
+    """
+    if a.dtype.kind in "biu" or a.size <= 1:
+        if not (a.flags.writeable and a.flags.c_contiguous and a.ctypes.data % a.itemsize == 0):
+            a = a.copy()  # numpy aligns its own arrays by their element
+        return torch.from_numpy(a)
     if a.flags.writeable and a.flags.c_contiguous and a.ctypes.data % ALIGNMENT == 0:
         return torch.from_numpy(a)
-    out = torch.empty(a.shape, dtype=torch.from_numpy(np.empty(0, a.dtype)).dtype)
+    out = torch.empty(a.shape, dtype=torch_dtype(a.dtype))
     out.numpy()[...] = a
     return out
+
+
+_TORCH_DTYPES: dict[np.dtype, torch.dtype] = {}
+
+
+def torch_dtype(dtype: np.dtype) -> torch.dtype:
+    """torch's dtype for a numpy one. Looked up once per dtype: asking torch builds a tensor, a
+    path of its own that a received message would take cold each time."""
+    found = _TORCH_DTYPES.get(dtype)
+    if found is None:
+        found = _TORCH_DTYPES[dtype] = torch.from_numpy(np.empty(0, dtype)).dtype
+    return found
 
 
 def download(x: torch.Tensor) -> np.ndarray:
@@ -88,4 +109,4 @@ def download(x: torch.Tensor) -> np.ndarray:
     return x.contiguous().numpy()
 
 
-__all__ = ["ALIGNMENT", "download", "host_tensor", "portable_kernels", "target", "upload", "use_torch"]
+__all__ = ["ALIGNMENT", "download", "host_tensor", "portable_kernels", "target", "torch_dtype", "upload", "use_torch"]

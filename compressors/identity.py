@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from . import _wire
+from ._device import ALIGNMENT
 from .base import Codec, CodecContext, Payload, to_numpy
 from .errors import CompressionError
 from .registry import register
@@ -30,7 +31,9 @@ class Identity(Codec):
             if payload.meta != {"dtype": "bfloat16"}:
                 raise CompressionError(f"identity payload metadata must be empty or {{'dtype': 'bfloat16'}}, "
                                        f"got {str(payload.meta)[:80]}")
-            return _wire.tensor(_wire.array(payload, "x", dtype=np.uint16), ctx.device).view(torch.bfloat16)
+            bits = _wire.tensor(_wire.array(payload, "x", dtype=np.uint16), ctx.device)
+            # integers may stay where they were received; floats are computed from aligned memory
+            return (bits if bits.data_ptr() % ALIGNMENT == 0 else bits.clone()).view(torch.bfloat16)
         return _wire.tensor(_wire.array(payload, "x"), ctx.device)
 
     def decode_cost(self, payload: Payload, ctx: CodecContext) -> int:

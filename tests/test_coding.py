@@ -44,6 +44,13 @@ def test_compaction_is_bitwise_for_floats():
     assert torch.equal(got.view(torch.int32), x.view(torch.int32))
 
 
+def test_a_vector_crosses_as_it_is():
+    labels = torch.full((64,), 3)  # one value throughout, but a vector: compacting it would save its few bytes
+    assert compact(labels) is not None
+    (_, got), traffic = _cross((torch.randn(2, 4), labels))
+    assert torch.equal(got, labels) and traffic.payload == traffic.raw
+
+
 def test_gradients_and_the_stream_are_never_compacted():
     ones = torch.ones(4, 4)
     assert compact(ones) is not None

@@ -40,9 +40,15 @@ def since(mark: int, start: torch.Tensor) -> str:
     ``"untouched"``; ``"set"``, nothing drawn before the first set (what follows it is the
     script's); or ``"drew"``: drawn from before any set, or set so often that this is not known."""
     if _count == mark:
-        return "untouched" if torch.equal(torch.get_rng_state(), start) else "drew"
+        return "untouched" if _same_state(torch.get_rng_state(), start) else "drew"
     found = _found.get(mark + 1)
-    return "set" if found is not None and torch.equal(found, start) else "drew"
+    return "set" if found is not None and _same_state(found, start) else "drew"
+
+
+def _same_state(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Two generator states (byte tensors) compared as bytes: ``torch.equal`` is a tensor operation
+    of its own kind, which this check, once a step, would run cold."""
+    return a.numpy().tobytes() == b.numpy().tobytes()
 
 
 def _counted(original: Callable[..., Any]) -> Callable[..., Any]:

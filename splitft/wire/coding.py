@@ -367,8 +367,12 @@ class SlotCodecs:
         with translated():
             for i, tensor in enumerate(leaves):
                 is_stream = i == stream
-                small = None if is_stream or grads[i] or ctx.role != "activation" else compact(tensor.detach())
-                payload = self._codec(slot, is_stream).encode(tensor.detach() if small is None else small, ctx)
+                # a vector (labels) repeats only as one value throughout: its few bytes are not worth
+                # a check of three tensor operations, run cold each step
+                small = None if is_stream or grads[i] or ctx.role != "activation" or tensor.dim() < 2 \
+                    else compact(tensor.detach())
+                whole = tensor.detach() if tensor.requires_grad else tensor
+                payload = self._codec(slot, is_stream).encode(whole if small is None else small, ctx)
                 traffic.add(tensor, payload)
                 if raw is not None:
                     traffic.raw += raw[i] - tensor.numel() * tensor.element_size()
