@@ -422,7 +422,7 @@ def apply_eager(session: Target, op: o.ApplyEager) -> None:
     grads, owned = session.graphs.applicable(op.call, last=op.last)
     # torch's AccumulateGrad asks at the backward: a parameter frozen since the forward gets none
     deferred = [(p, g) for p, g in grads if p.requires_grad]
-    with torch.no_grad(), session.half.own_grads():
+    with session.half.own_grads():  # gradients of a backward without create_graph: no graph to keep out of
         session.passes.add(op.pass_id if session.half.shared is None else None, deferred, op.scale, owned=owned)
     session.graphs.take(op.call)  # the graph kept in case the scale was not exact is not needed
 

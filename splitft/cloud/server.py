@@ -251,12 +251,12 @@ class CloudServer:
         except SplitFTError as exc:  # the cloud part returned something that cannot cross the wire
             reply = self._error(exc, seq, 0)
             out = protocol.encode(reply)
+        self.send(peer, out, reply.TYPE)  # first: the edge waits for it, not for the bookkeeping
         if session is not None:
             held = session.held_bytes()  # read once: the reply cache's share changes as it keeps this reply
             held += session.replies.keep(seq, reply.TYPE, out, self.limits, held) if numbered else 0
             if session.id in self.by_id:
                 self.book.set(session.id, held)
-        self.send(peer, out, reply.TYPE)
 
     def send(self, peer: bytes, frames: list, kind: str) -> None:
         """Send ``frames`` to ``peer``, counted in its session's metrics; a peer gone is logged."""

@@ -404,7 +404,11 @@ class SlotCodecs:
         """Sender side: gradient w.r.t. what was sent → gradient w.r.t. the tensor encoded."""
         with translated():
             grad = self._codec(slot, coded.stream).encode_adjoint(grad, coded.payload, ctx)
-        return grad.reshape(coded.shape).to(device=coded.device, dtype=coded.dtype)
+        if grad.shape != coded.shape:  # a reshape is a tensor operation, run cold each step: only where needed
+            grad = grad.reshape(coded.shape)
+        if grad.dtype != coded.dtype or grad.device != coded.device:
+            grad = grad.to(device=coded.device, dtype=coded.dtype)
+        return grad
 
     def state_dict(self) -> dict[str, Any]:
         return {slot: codec.state_dict() for slot, codec in self.slots.items()}
