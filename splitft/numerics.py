@@ -82,6 +82,27 @@ def _reader(expression: str) -> Callable[[], object] | None:
     return lambda: getattr(owner, last)
 
 
+def _direct(expression: str) -> Callable[[], object] | None:
+    """The function reading ``expression`` ends up in, found once (None: none simpler than the
+    expression). torch's backend flags are properties of module stand-ins and precision objects,
+    each read a chain of Python lookups, which a guard run before every forward takes cold."""
+    if _reader(expression) is None:
+        return None
+    path = expression.removesuffix("()").split(".")[1:]
+    owner: object = torch
+    for part in path[:-1]:
+        owner = getattr(owner, part)
+    if expression.endswith("()"):
+        return getattr(owner, path[-1])  # a function of torch's: itself
+    prop = type(owner).__dict__.get(path[-1])
+    if callable(getter := getattr(prop, "getter", None)):  # a flag of a backend module (torch.backends.ContextProp)
+        return getter
+    if path[-1] == "fp32_precision" and isinstance(backend := getattr(owner, "backend", None), str) \
+            and isinstance(op := getattr(owner, "op", None), str):  # a backend operator's precision
+        return functools.partial(torch._C._get_fp32_precision_getter, backend, op)
+    return None
+
+
 def _read(expression: str) -> str | None:
     read = _reader(expression)
     if read is None:
@@ -103,6 +124,14 @@ def _precision(expression: str) -> str | None:
         if candidate not in (None, "none"):
             return candidate
     return "ieee"
+
+
+def _same_or_none(direct: Callable[[], object] | None, read: Callable[[], object]) -> Callable[[], object] | None:
+    """``direct`` where it reads what ``read`` does (a torch whose flags are built otherwise: None)."""
+    try:
+        return direct if direct is not None and direct() == read() else None
+    except RuntimeError:
+        return None
 
 
 def _flushes_denormals() -> bool:
@@ -159,8 +188,12 @@ class NumericsGuard:
         watched = [expression for expression in HOST + (CUDA if torch.cuda.is_available() else ()) + _PARENTS
                    if _reader(expression) is not None]
         self._readers = [read for expression in watched if (read := _reader(expression)) is not None]
-        # every reader in one expression (of the constants above): the check runs before each forward of the cloud half
-        self._read_all = eval(f"lambda: ({', '.join(watched)},)", {"torch": torch})
+        # every setting read in one expression, each by the function it ends up in where that reads
+        # the same now: the check runs before each forward of the cloud half
+        direct = {f"_{i}": _same_or_none(_direct(expression), read) for i, (expression, read)
+                  in enumerate(zip(watched, self._readers))}
+        reads = [f"_{i}()" if direct[f"_{i}"] is not None else expression for i, expression in enumerate(watched)]
+        self._read_all = eval(f"lambda: ({', '.join(reads)},)", {"torch": torch, **direct})
         self._was = settings()
         self._raw = self._read_raw()
 

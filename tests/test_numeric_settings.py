@@ -42,6 +42,11 @@ def torch_setting(read: Callable[[], Any], write: Callable[[Any], None], value: 
         write(was)
 
 
+def attribute(owner: Any, name: str, value: Any) -> AbstractContextManager:
+    """A backend flag set as scripts set it (``torch.backends.mkldnn.matmul.fp32_precision = ...``)."""
+    return torch_setting(lambda: getattr(owner, name), lambda v: setattr(owner, name, v), value)
+
+
 def matmul_precision(value: str) -> AbstractContextManager:
     return torch_setting(torch.get_float32_matmul_precision, torch.set_float32_matmul_precision, value)
 
@@ -86,6 +91,10 @@ def _assert_same(split_state: dict, local_state: dict) -> None:
      r"torch\.get_default_dtype\(\) changed after split\(\) \(torch\.float32 -> torch\.float64\)"),
     (lambda: torch.backends.mkldnn.flags(enabled=False),
      r"torch\.backends\.mkldnn\.enabled changed after split\(\) \(True -> False\)"),
+    (lambda: attribute(torch.backends.mkldnn.conv, "fp32_precision", "tf32"),
+     r"torch\.backends\.mkldnn\.conv\.fp32_precision changed after split\(\) \(ieee -> tf32\)"),
+    (lambda: attribute(torch.backends.opt_einsum, "strategy", "greedy"),
+     r"torch\.backends\.opt_einsum\.strategy changed after split\(\) \(auto -> greedy\)"),
     (lambda: sdpa_kernel(SDPBackend.MATH),
      r"torch\.backends\.cuda\.flash_sdp_enabled\(\) changed after split\(\) \(True -> False\) "
      r"\(torch\.nn\.attention\.sdpa_kernel"),
