@@ -92,3 +92,11 @@ def test_the_allocator_benchmark_times_a_step_under_each_setting():
     assert set(faults) == {"defaults", "mmap4", "splitft"}, text
     # glibc's defaults return the heap's free top each step and fault it back in; the commands keep it
     assert faults["splitft"] < faults["defaults"] / 4, text
+
+
+def test_the_cold_probe_benchmark_times_each_probe_in_both_edges():
+    text = _run("bench_cold.py", "--batch", "8", "--steps", "20")
+    rows = {m.group(1): [float(v) for v in m.groups()[1:]] for m in re.finditer(
+        rf"^(empty|equal|equal 2nd|python) +({NUMBER}) +({NUMBER}) +({NUMBER}) +({NUMBER}) +({NUMBER})$", text, re.M)}
+    assert set(rows) == {"empty", "equal", "equal 2nd", "python"}, text
+    assert all(value > 0 for values in rows.values() for value in values), text
