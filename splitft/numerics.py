@@ -97,9 +97,10 @@ def _direct(expression: str) -> Callable[[], object] | None:
     prop = type(owner).__dict__.get(path[-1])
     if callable(getter := getattr(prop, "getter", None)):  # a flag of a backend module (torch.backends.ContextProp)
         return getter
-    if path[-1] == "fp32_precision" and isinstance(backend := getattr(owner, "backend", None), str) \
-            and isinstance(op := getattr(owner, "op", None), str):  # a backend operator's precision
-        return functools.partial(torch._C._get_fp32_precision_getter, backend, op)
+    read_precision = getattr(torch._C, "_get_fp32_precision_getter", None)
+    if path[-1] == "fp32_precision" and read_precision is not None and isinstance(
+            backend := getattr(owner, "backend", None), str) and isinstance(op := getattr(owner, "op", None), str):
+        return functools.partial(read_precision, backend, op)  # a backend operator's precision
     return None
 
 
@@ -130,7 +131,7 @@ def _same_or_none(direct: Callable[[], object] | None, read: Callable[[], object
     """``direct`` where it reads what ``read`` does (a torch whose flags are built otherwise: None)."""
     try:
         return direct if direct is not None and direct() == read() else None
-    except RuntimeError:
+    except Exception:  # noqa: BLE001 — any failure: the expression itself is read
         return None
 
 
