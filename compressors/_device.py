@@ -80,16 +80,16 @@ def host_tensor(a: np.ndarray) -> torch.Tensor:
 
     Integers and booleans (their sums are exact in any order) and single values (no order of sums
     at all) compute alike wherever they lie, aligned by their element: those skip torch's
-    allocator, whose tensor operations would run cold for a few bytes of labels or a loss. A
-    small array is always copied: its frame may lie in a receive buffer ZeroMQ shares between
-    messages, which a tensor kept (a loss in a list) would keep whole.
+    allocator, whose tensor operations would run cold for a few bytes of labels or a loss. Under
+    :data:`SHARED_BELOW` those are copied even so: their frame may lie in a receive buffer ZeroMQ
+    shares between messages, which a tensor kept (a loss in a list) would keep whole.
     """
-    small = a.nbytes < SHARED_BELOW
     if a.dtype.kind in "biu" or a.size <= 1:
-        if small or not (a.flags.writeable and a.flags.c_contiguous and a.ctypes.data % a.itemsize == 0):
+        if a.nbytes < SHARED_BELOW or not (a.flags.writeable and a.flags.c_contiguous
+                                           and a.ctypes.data % a.itemsize == 0):
             a = a.copy()  # numpy aligns its own arrays by their element
         return torch.from_numpy(a)
-    if not small and a.flags.writeable and a.flags.c_contiguous and a.ctypes.data % ALIGNMENT == 0:
+    if a.flags.writeable and a.flags.c_contiguous and a.ctypes.data % ALIGNMENT == 0:
         return torch.from_numpy(a)
     out = torch.empty(a.shape, dtype=torch_dtype(a.dtype))
     out.numpy()[...] = a
