@@ -65,9 +65,9 @@ _PARENTS = ("torch.backends.fp32_precision", "torch.backends.mkldnn.fp32_precisi
 
 
 @functools.cache
-def _reader(expression: str) -> Callable[[], object] | None:
-    """How to read ``expression`` in this torch (None where this version has no such setting)."""
-    call = expression.endswith("()")
+def _owner(expression: str) -> tuple[object, str] | None:
+    """The object ``expression`` reads its last name from, and that name (None where this torch
+    has no such setting)."""
     path = expression.removesuffix("()").split(".")[1:]
     owner: object = torch
     try:
@@ -76,8 +76,16 @@ def _reader(expression: str) -> Callable[[], object] | None:
         getattr(owner, path[-1])
     except (AttributeError, RuntimeError):
         return None
-    last = path[-1]
-    if call:
+    return owner, path[-1]
+
+
+def _reader(expression: str) -> Callable[[], object] | None:
+    """How to read ``expression`` in this torch (None where this version has no such setting)."""
+    found = _owner(expression)
+    if found is None:
+        return None
+    owner, last = found
+    if expression.endswith("()"):
         return lambda: getattr(owner, last)()
     return lambda: getattr(owner, last)
 
@@ -86,19 +94,17 @@ def _direct(expression: str) -> Callable[[], object] | None:
     """The function reading ``expression`` ends up in, found once (None: none simpler than the
     expression). torch's backend flags are properties of module stand-ins and precision objects,
     each read a chain of Python lookups, which a guard run before every forward takes cold."""
-    if _reader(expression) is None:
+    found = _owner(expression)
+    if found is None:
         return None
-    path = expression.removesuffix("()").split(".")[1:]
-    owner: object = torch
-    for part in path[:-1]:
-        owner = getattr(owner, part)
+    owner, last = found
     if expression.endswith("()"):
-        return getattr(owner, path[-1])  # a function of torch's: itself
-    prop = type(owner).__dict__.get(path[-1])
+        return getattr(owner, last)  # a function of torch's: itself
+    prop = type(owner).__dict__.get(last)
     if callable(getter := getattr(prop, "getter", None)):  # a flag of a backend module (torch.backends.ContextProp)
         return getter
     read_precision = getattr(torch._C, "_get_fp32_precision_getter", None)
-    if path[-1] == "fp32_precision" and read_precision is not None and isinstance(
+    if last == "fp32_precision" and read_precision is not None and isinstance(
             backend := getattr(owner, "backend", None), str) and isinstance(op := getattr(owner, "op", None), str):
         return functools.partial(read_precision, backend, op)  # a backend operator's precision
     return None
