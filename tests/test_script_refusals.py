@@ -14,6 +14,7 @@ import io
 import subprocess
 import sys
 import textwrap
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -544,6 +545,23 @@ def test_a_compiled_split_model_trains_exactly(cloud, rejoin, how):
         _steps(compiled, torch.optim.Adam(model.parameters(), lr=1e-2), crit, data)
         state = model.state_dict()
     assert_bitwise(state, local.state_dict())
+
+
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+def test_compiling_a_split_model_traces_none_of_splitft_s_checks(cloud, rejoin):
+    """torch.compile(model) compiles the edge's layers and steps over splitft's own checks (the
+    settings guard, the stand-ins at the cut): traced, they break the graph at every torch flag
+    they read, and Dynamo warns about each as if the script had a bug."""
+    warn_once = getattr(torch._dynamo.utils, "warn_once_cache", set())
+    warn_once.clear()  # Dynamo warns once a process: an earlier compile must not hide this one's
+    model = splitft.split(mlp(), 2, rejoin, factory=MLP, connect=cloud)
+    with model, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        crit = nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss())
+        _steps(torch.compile(model, backend="aot_eager"), torch.optim.Adam(model.parameters(), lr=1e-2), crit,
+               _data(2))
+    dynamo = [str(w.message).splitlines()[0] for w in caught if "_dynamo" in w.filename]
+    assert not dynamo, dynamo
 
 
 USER_SCRIPT = """

@@ -200,16 +200,12 @@ class SplitModel(UnsplitTree):
         ``sample_ids`` (one int per sample, stable across epochs) is for codecs that keep
         per-sample state, such as ``acsgd``.
         """
-        self.caller.forward_with(sample_ids)
-        self.ghosts.check()
-        self.strays.check()
+        self._before_forward(sample_ids)
         if self.spec.ushape:
             try:
                 return self.wrapped(*args, **kwargs)
             finally:
                 self.caller.forward_with(None)  # the wrapped model called directly (generate) has none
-        self.strays.refuse_recomputation(self.training)
-        self.ghosts.refuse_hooks_above_the_cut()
         forwarding = FORWARDING.set(True)
         try:
             if self.scheduler.options.delayed_gradients and self.training and torch.is_grad_enabled():
@@ -222,6 +218,17 @@ class SplitModel(UnsplitTree):
         finally:
             FORWARDING.reset(forwarding)
         raise SplitFTError("the model's forward returned without reaching the cut; check the cut name")
+
+    @torch.compiler.disable  # torch.compile(model) compiles the model's own code, not these checks of it
+    def _before_forward(self, sample_ids: Any) -> None:
+        """What ``model(x)`` checks before the model's forward runs (nothing changed that the cloud
+        would not follow), and the ``sample_ids`` its call carries."""
+        self.caller.forward_with(sample_ids)
+        self.ghosts.check()
+        self.strays.check()
+        if not self.spec.ushape:
+            self.strays.refuse_recomputation(self.training)
+            self.ghosts.refuse_hooks_above_the_cut()
 
     @torch.compiler.disable  # as _remote: what reached the cut is handed over as it is
     def _at_cut(self, cut: CutReached) -> Any:
