@@ -109,6 +109,27 @@ def test_beam_search_and_speculative_decoding_equal_the_unsplit_model(cloud, opt
     assert torch.equal(tokens, expected)
 
 
+def test_speculative_decoding_equals_the_unsplit_model_where_transformers_crops_every_layer(cloud, monkeypatch):
+    """The transformers of Python 3.10 (5.20) crop every layer of a cache, one that holds nothing
+    too (later versions pass it by): on each half, the other half's layers hold nothing, and a
+    crop of the rejected drafts must pass them by on both (it failed on the first)."""
+    from transformers.cache_utils import DynamicLayer
+
+    def crop_every_layer(self, tokens_to_remove: int) -> None:  # transformers 5.20's DynamicLayer.crop
+        if tokens_to_remove == 0:
+            return
+        self.keys = self.keys[..., : -abs(tokens_to_remove), :]
+        self.values = self.values[..., : -abs(tokens_to_remove), :]
+
+    monkeypatch.setattr(DynamicLayer, "crop", crop_every_layer)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]])
+    options = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "max_new_tokens": 8, "do_sample": False,
+               "pad_token_id": 0, "prompt_lookup_num_tokens": 3}
+    expected = tiny_hf("llama").generate(**options)
+    with splitft.split(tiny_hf("llama"), "model.layers.1:3", factory=FACTORY, connect=cloud.connect) as model:
+        assert torch.equal(model.generate(**options), expected)
+
+
 def test_a_cache_change_is_checked_against_the_cache_and_the_memory_before_it_is_made():
     from transformers import DynamicCache
 

@@ -19,6 +19,7 @@ from torch import nn
 from ..wire import tree as trees
 from ..wire.coding import CacheRef
 from ..errors import CapacityError, ConfigError, ProtocolError
+from ..kv_caches import crop_held
 from .blame import short
 
 #: Caches one session may hold at once (one per generate() in flight; a finished one is freed).
@@ -91,7 +92,7 @@ class SessionCaches:
         else:
             if not (isinstance(count, int) and not isinstance(count, bool) and count <= 0):
                 raise ProtocolError(f"a cache crop takes the tokens to drop as a count of 0 or less, got {short(count)}")
-            cache.crop(count)
+            crop_held(cache, count, type(cache).crop)
 
     @staticmethod
     def nbytes_of(cache: Any) -> int:

@@ -18,6 +18,7 @@ import torch
 
 from ..devices import autocast_dtype
 from ..errors import ConfigError
+from ..kv_caches import crop_held
 from ..wire import tree as trees
 from ..wire.coding import CacheRef, flatten, is_cache, sample_ids_array, unflatten
 from ..wire.operations import ChangeCache, FreeCache, Operation
@@ -148,7 +149,10 @@ _SENDING_CLASSES: dict[type, type] = {}
 
 def _sending(original: Callable[..., Any], method: str, kind: str) -> Callable[[Any, Any], None]:
     def change(self: Any, arg: Any) -> None:
-        original(self, arg)
+        if kind == "crop":
+            crop_held(self, arg, original)
+        else:
+            original(self, arg)
         sender = _SENDERS.get(self)
         if sender is None:
             return
