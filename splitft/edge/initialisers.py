@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from .placeholders import CloudTensor, new_values
+from .made_here import new_values
+from .placeholders import CloudTensor
 
 #: The initialisers wrapped, by name in ``torch.nn.init``.
 READING = ("trunc_normal_", "orthogonal_", "eye_", "dirac_", "sparse_")

@@ -3,10 +3,13 @@
 ``torch.randn_like(p)`` draws, ``p.new_zeros(n)`` makes a tensor of ``p``'s dtype, and ``p.to(p.device)``
 or ``p.cpu()`` is ``p`` itself: unsplit none of them reads a value of ``p``, so each is made here,
 where the unsplit model's values were (the edge half's device), from ``p``'s shape and dtype alone.
+New values for a cloud tensor that read none of its old ones (``p.normal_()``, ``nn.init``'s
+initialisers) are made here too, then pushed to the cloud (:func:`new_values`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -55,4 +58,24 @@ def itself_where_unmoved(convert: Callable[..., Tensor]) -> Callable[..., Tensor
     return converted
 
 
-__all__ = ["drawn_like", "itself_where_unmoved", "new_like"]
+def new_values(make: Callable[..., Any], *, no_grad: bool = False) -> Callable[..., Any]:
+    """An in-place operation that gives a cloud parameter or buffer new values without reading the
+    old ones (``copy_``, ``fill_``, ``zero_``, ``normal_``, ``uniform_``, torch's initialisers): run
+    here on a fresh tensor on the edge half's device, so a draw comes from the generator the unsplit
+    model's would use (the call's, else torch's), and its result pushed to the cloud. ``no_grad``:
+    an initialiser, which torch runs without grad."""
+
+    def made(*args: Any, **kwargs: Any) -> Any:
+        target, args = (args[0], args[1:]) if args else (kwargs.pop("tensor"), ())  # torch.nn.init passes tensor=
+        with torch.no_grad() if no_grad else contextlib.nullcontext():
+            if torch.is_grad_enabled() and target.requires_grad:
+                raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+            value = torch.empty(target.shape, dtype=target.dtype, device=target._splitft_remote.device)
+            make(value, *args, **kwargs)
+        target._splitft_remote.push_values(target._splitft_name, value)
+        return target
+
+    return made
+
+
+__all__ = ["drawn_like", "itself_where_unmoved", "new_like", "new_values"]

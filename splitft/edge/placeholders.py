@@ -43,7 +43,6 @@ The state an optimizer's steps make for a cloud parameter stands in ``opt.state`
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable
 from typing import Any, Protocol, cast
@@ -53,7 +52,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..errors import PlaceholderError
 from ..wire import expressions
-from .made_here import drawn_like, itself_where_unmoved, new_like
+from .made_here import drawn_like, itself_where_unmoved, new_like, new_values
 from .metadata import DEVICE_QUERIES, IS_META, METADATA, REQUIRES_GRAD_SETTERS, set_requires_grad, where
 
 Tensor = torch.Tensor
@@ -241,26 +240,6 @@ class CloudMoment(CloudState):
 
 
 # ---------------------------------------------------------------- a parameter's or buffer's values
-
-
-def new_values(make: Callable[..., Any], *, no_grad: bool = False) -> Callable[..., CloudTensor]:
-    """An in-place operation that gives a cloud parameter or buffer new values without reading the
-    old ones (``copy_``, ``fill_``, ``zero_``, ``normal_``, ``uniform_``, torch's initialisers): run
-    here on a fresh tensor on the edge half's device, so a draw comes from the generator the unsplit
-    model's would use (the call's, else torch's), and its result pushed to the cloud. ``no_grad``:
-    an initialiser, which torch runs without grad."""
-
-    def made(*args: Any, **kwargs: Any) -> CloudTensor:
-        target, args = (args[0], args[1:]) if args else (kwargs.pop("tensor"), ())  # torch.nn.init passes tensor=
-        with torch.no_grad() if no_grad else contextlib.nullcontext():
-            if torch.is_grad_enabled() and target.requires_grad:
-                raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
-            value = torch.empty(target.shape, dtype=target.dtype, device=target._splitft_remote.device)
-            make(value, *args, **kwargs)
-        target._splitft_remote.push_values(target._splitft_name, value)
-        return target
-
-    return made
 
 
 #: What torch passes for ``t.data`` and ``t.data = v`` (``Tensor.data`` is a descriptor on the class).
@@ -504,4 +483,4 @@ def _refusal(func: Any, tensor: Any) -> str:
 
 
 __all__ = ["CloudGrad", "CloudMoment", "CloudState", "METADATA", "CloudTensor", "MIRRORED", "Remote", "RemoteTensor",
-           "new_values", "remote_of"]
+           "remote_of"]
