@@ -260,9 +260,12 @@ WRITTEN: dict[str, tuple[Callable[[torch.optim.Optimizer, nn.Module], Any], type
         lambda opt, net: opt.state[net[2].weight].update(sum=torch.full_like(net[2].weight, 1.0)),
         ConfigError, r"written for a cloud parameter"),
     "an entry replaced by an empty one": (
-        lambda opt, net: opt.state.__setitem__(net[2].weight, {}), ConfigError, r"written for a cloud parameter"),
-    "an entry deleted": (lambda opt, net: opt.state.pop(net[2].weight), ConfigError, r"state was reset"),
-    "every entry cleared": (lambda opt, net: opt.state.clear(), ConfigError, r"state was reset"),
+        lambda opt, net: opt.state.__setitem__(net[2].weight, {}), ConfigError,
+        r"state was reset for some of the cloud half's parameters only"),
+    "an entry deleted": (lambda opt, net: opt.state.pop(net[2].weight), ConfigError,
+                         r"state was reset for some of the cloud half's parameters only"),
+    "every entry cleared": (lambda opt, net: opt.state.clear(), ConfigError,
+                            r"state was reset.*constructor made the state its step reads"),
     "an accumulator changed in place": (
         lambda opt, net: opt.state[net[2].weight]["sum"].add_(1.0), PlaceholderError,
         r"made like cloud parameter '2.weight'"),

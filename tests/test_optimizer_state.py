@@ -6,6 +6,7 @@ against a real cloud process."""
 
 from __future__ import annotations
 
+import collections
 import copy
 from collections.abc import Callable
 from typing import Any
@@ -266,6 +267,84 @@ def test_after_unsplit_the_same_optimizer_trains_the_whole_model_on_exactly(clou
     _train(whole, opt, nn.CrossEntropyLoss(), data[2:])
     assert_bitwise(whole.state_dict(), local.state_dict())
     _assert_same_state(opt.state_dict(), local_opt.state_dict())
+
+
+#: How scripts reset an optimizer's moments between two phases of training.
+RESETS: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
+    "cleared": lambda opt: opt.state.clear(),
+    "a fresh dict": lambda opt: setattr(opt, "state", collections.defaultdict(dict)),
+    "every entry popped": lambda opt: [opt.state.pop(p, None) for g in opt.param_groups for p in g["params"]],
+}
+
+
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+@pytest.mark.parametrize("reset", sorted(RESETS))
+@pytest.mark.parametrize("name", ["Adam", "SGD-momentum", "ASGD"])
+def test_a_state_the_script_resets_is_reset_in_the_cloud_too(cloud, name, rejoin, reset):
+    """Unsplit, a reset optimizer starts every moment afresh at its next step: the cloud's copy
+    drops the cloud half's too, so the state dict read right after the reset holds no entry, and
+    training goes on bitwise (ASGD: a state whose layout is not known ahead resets as well)."""
+    build = {**BUILDS, "ASGD": lambda params: torch.optim.ASGD(params, lr=0.05)}[name]
+    data = _data(4)
+    local = mlp()
+    local_opt = build(local.parameters())
+    _train(local, local_opt, nn.CrossEntropyLoss(), data[:2])
+    RESETS[reset](local_opt)
+    expected = copy.deepcopy(local_opt.state_dict())
+    _train(local, local_opt, nn.CrossEntropyLoss(), data[2:])
+    model, crit = _split(cloud, rejoin)
+    with model:
+        opt = build(model.parameters())
+        _train(model, opt, crit, data[:2])
+        RESETS[reset](opt)
+        _assert_same_state(opt.state_dict(), expected)
+        _train(model, opt, crit, data[2:])
+        assert_bitwise(model.state_dict(), local.state_dict())
+        _assert_same_state(opt.state_dict(), local_opt.state_dict())
+
+
+def test_a_state_reset_just_before_unsplit_comes_back_reset(cloud):
+    """``unsplit()`` right after ``opt.state.clear()``: the optimizer holds no moment for the
+    parameters that come back, as unsplit, rather than the cloud's from before the reset."""
+    data = _data(4)
+    local = mlp()
+    local_opt = BUILDS["Adam"](local.parameters())
+    _train(local, local_opt, nn.CrossEntropyLoss(), data[:2])
+    local_opt.state.clear()
+    _train(local, local_opt, nn.CrossEntropyLoss(), data[2:])
+    model, crit = _split(cloud, None)
+    opt = BUILDS["Adam"](model.parameters())
+    _train(model, opt, crit, data[:2])
+    opt.state.clear()
+    whole = model.unsplit()
+    assert not opt.state
+    _train(whole, opt, nn.CrossEntropyLoss(), data[2:])
+    assert_bitwise(whole.state_dict(), local.state_dict())
+    _assert_same_state(opt.state_dict(), local_opt.state_dict())
+
+
+def test_a_reset_of_only_the_edge_halfs_moments_stays_on_the_edge(cloud):
+    """A layer of the edge half re-initialised with its moments dropped (``opt.state.pop``): the
+    cloud half's moments are untouched, as unsplit."""
+    def run(model: nn.Module, net: nn.Module, crit: nn.Module) -> torch.optim.Optimizer:
+        opt = BUILDS["Adam"](model.parameters())
+        _train(model, opt, crit, data[:2])
+        torch.manual_seed(5)
+        net[0].reset_parameters()
+        opt.state.pop(net[0].weight)
+        opt.state.pop(net[0].bias)
+        _train(model, opt, crit, data[2:])
+        return opt
+
+    data = _data(4)
+    local = mlp()
+    local_opt = run(local, local, nn.CrossEntropyLoss())
+    net = mlp()
+    model = splitft.split(net, 2, factory=MLP, connect=cloud)
+    with model:
+        opt = run(model, net, model.remote_loss(nn.CrossEntropyLoss()))
+        assert_bitwise(model.state_dict(), local.state_dict())
+        _assert_same_state(opt.state_dict(), local_opt.state_dict())
 
 
 def _unfreezing(model: nn.Module, crit: nn.Module, data: list) -> torch.optim.Optimizer:

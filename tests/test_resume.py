@@ -213,6 +213,43 @@ def test_an_edge_resumed_before_its_next_zero_grad_clears_the_gradients_the_clou
     assert all(torch.equal(weights[k], v) for k, v in local.state_dict().items())
 
 
+def test_a_checkpoint_saved_right_after_a_reset_of_the_optimizer_resumes_reset(tmp_path):
+    """``opt.state.clear()`` then ``save_checkpoint``: the cloud's checkpoint, written at that
+    boundary, holds no moment either, so the resumed run starts them afresh, as the unsplit one."""
+    data = _data(6)
+
+    def train(model, opt, crit, part):
+        for x, y in part:
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+
+    local = mlp()
+    local_opt = torch.optim.Adam(local.parameters(), lr=0.01)
+    train(local, local_opt, nn.CrossEntropyLoss(), data[:3])
+    local_opt.state.clear()
+    train(local, local_opt, nn.CrossEntropyLoss(), data[3:])
+    listener = InprocListener()
+    server = CloudServer(listener, [MLP], checkpoint_dir=str(tmp_path / "ck"), fsync=False)
+    thread = serve_in_thread(server)
+    try:
+        first = splitft.split(mlp(), 2, factory=MLP, connect=listener.connect)
+        opt = torch.optim.Adam(first.parameters(), lr=0.01)
+        train(first, opt, first.remote_loss(nn.CrossEntropyLoss()), data[:3])
+        opt.state.clear()
+        first.save_checkpoint(tmp_path / "edge")
+        first.session.drop()
+        second = splitft.split(mlp(seed=5), 2, factory=MLP, connect=listener.connect, resume_from=tmp_path / "edge")
+        with second:
+            train(second, torch.optim.Adam(second.parameters(), lr=0.01), second.remote_loss(nn.CrossEntropyLoss()),
+                  data[3:])
+            weights = second.state_dict()
+    finally:
+        server.stop()
+        thread.join(timeout=10)
+    assert all(torch.equal(weights[k], v) for k, v in local.state_dict().items())
+
+
 def test_resume_with_a_wrong_token_is_refused(tmp_path):
     listener = InprocListener()
     server = CloudServer(listener, [MLP], checkpoint_dir=str(tmp_path / "ck"), fsync=False)

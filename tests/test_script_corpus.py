@@ -478,6 +478,19 @@ def a_head_at_its_own_rate_and_the_first_layer_frozen_picked_by_name(model, net,
             [len(group["params"]) for group in opt.param_groups])
 
 
+def restarts_adam_at_each_warm_restart(model, net, crit, data):
+    """Warm restarts of the learning rate, and the optimizer's moments dropped at each one."""
+    opt = torch.optim.Adam(model.parameters(), lr=0.02)
+    sched = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=2)
+    for i, (x, y) in enumerate(data):
+        if i and i % 2 == 0:
+            opt.state.clear()
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+        sched.step()
+
+
 SCRIPTS = [a_head_at_its_own_rate_and_the_first_layer_frozen_picked_by_name,
            scales_and_clips_gradients_in_an_optimizer_pre_hook,
            warms_up_in_a_pre_hook_and_logs_gradient_norms_in_a_post_hook,
@@ -491,7 +504,7 @@ SCRIPTS = [a_head_at_its_own_rate_and_the_first_layer_frozen_picked_by_name,
            reinitialises_with_initialisers_that_read_their_draws,
            learning_rate_set_by_hand_and_frozen_by_attribute,
            one_optimizer_over_two_models, loads_a_cloud_layer_by_hand_mid_training,
-           edge_gradients_alone_by_autograd_grad_and_restricted_backward]
+           edge_gradients_alone_by_autograd_grad_and_restricted_backward, restarts_adam_at_each_warm_restart]
 
 
 def adds_a_head_by_attribute_and_counts_steps_in_a_buffer(model, net, crit, data):

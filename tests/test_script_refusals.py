@@ -122,8 +122,9 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
     "a parameter group's parameters edited after the first step": (
         lambda model, net, opt: (opt.param_groups[0]["params"].append(torch.zeros(1, requires_grad=True)), opt.step()),
         ConfigError, r"parameter groups changed"),
-    "optimizer state cleared (a reset of every moment)": (
-        lambda model, net, opt: (opt.state.clear(), opt.step()), ConfigError, r"state was reset"),
+    "optimizer state of one cloud parameter dropped (a reset of some moments only)": (
+        lambda model, net, opt: (opt.state.pop(net[2].weight), opt.step()), ConfigError,
+        r"state was reset for some of the cloud half's parameters only"),
     "optimizer state written for a cloud parameter": (
         lambda model, net, opt: (opt.state[net[2].weight].update(momentum_buffer=torch.zeros(net[2].weight.shape)),
                                  opt.step()), ConfigError, r"written for a cloud parameter"),

@@ -58,7 +58,7 @@ def load(session: Session, entries: Any, changes: Any = None) -> None:
     if unknown:
         raise ProtocolError(f"load_optimizer_state names {short(unknown[0])}, not a parameter of this session's "
                             "optimizer")
-    expected = _layout(optimizer, settings)
+    expected = _layout(optimizer, settings) if entries else []  # an empty state (a reset) needs no layout
     if expected is None:
         raise ConfigError(f"the state a {type(optimizer).__name__} keeps is not known to the cloud ahead of its "
                           "steps, so a loaded one cannot be checked; checkpoint with model.save_checkpoint(path)")

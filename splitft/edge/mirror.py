@@ -103,6 +103,12 @@ class ModelMirror:
         self.optimizer, self.optimizer_mirror = optimizer, optimizer_mirror
         return optimizer
 
+    def follow_optimizer_state(self) -> None:
+        """What the script did to the attached optimizer's state (a reset) reaches the cloud's copy,
+        or is refused, before the cloud's is read or checkpointed."""
+        if self.optimizer_mirror is not None:
+            self.optimizer_mirror.follow_state()
+
     def edge_optimizer_state(self) -> dict | None:
         """The attached optimizer's ``state_dict()`` without the cloud parameters' entries (the
         cloud checkpoints its own; the edge's are placeholders), for an edge checkpoint."""

@@ -168,31 +168,54 @@ class OptimizerMirror:
         """Refuse, before the step runs, what the mirror would not carry; send the groups added."""
         self._still_attached()
         self.groups_added()
+        self.follow_state()
+        self._stepping = self._group_settings()  # refused now, if it cannot be sent, not after the step
+        self.model.cloud_half.hidden = True
+
+    def follow_state(self) -> None:
+        """Before a step, and before anything reads the cloud's copy of the state (``state_dict``, a
+        checkpoint, ``unsplit``): what the script did to ``optimizer.state`` since the last look
+        reaches the cloud's copy, or is refused."""
         state = self.optimizer.state
         if (state is not self._state or len(state) != self._entries or not self._entries_kept(state)
                 or (self._initial and not initial_state.unchanged(state, self._initial))):
             self._check_state()
-        self._stepping = self._group_settings()  # refused now, if it cannot be sent, not after the step
-        self.model.cloud_half.hidden = True
 
     def _check_state(self) -> None:
-        """The script changed the optimizer's state since the last step: fine for the edge's own
-        parameters' entries, but state written for a cloud parameter (beyond the entries its
-        constructor made, kept as they were), or entries cleared (a reset, which unsplit would
-        reset the cloud half's moments too), cannot be repeated in the cloud."""
+        """The script changed the optimizer's state: fine for the edge's own parameters' entries;
+        every cloud parameter's entry gone (``opt.state.clear()``, a fresh ``opt.state``: a reset)
+        resets the cloud's copy too, as it would the unsplit optimizer's moments; but some of them
+        gone, or state written for a cloud parameter, cannot be repeated in the cloud."""
         state, owns = self.optimizer.state, self.model.cloud_half.owns
         name = type(self.optimizer).__name__
-        if state is not self._state or len(state) < self._entries:
-            raise ConfigError(f"{name}'s state was reset since its last step (opt.state cleared or replaced, or "
-                              "load_state_dict); the cloud's copy keeps the cloud half's moments, so the halves would "
-                              "step differently. A split model cannot reset them: train on, or restart from a "
-                              "checkpoint (model.save_checkpoint / resume_from=)")
         kept = {id(param): entry for param, entry in zip(*self._kept)}
-        if not initial_state.unchanged(state, self._initial) or any(
-                entry and kept.get(id(param)) is not entry for param, entry in state.items() if owns(param)):
+        written = any(entry and kept.get(id(param)) is not entry for param, entry in state.items() if owns(param))
+        if not written and not self._entries_kept(state):
+            if any(entry for param, entry in state.items() if owns(param)):
+                raise ConfigError(f"{name}'s state was reset for some of the cloud half's parameters only (an entry "
+                                  "popped or emptied, or the state replaced without them); the cloud's copy resets the "
+                                  "cloud half's moments all together: clear the whole state (opt.state.clear()), or "
+                                  "train on")
+            self._reset_cloud_state(name)
+        elif written or not initial_state.unchanged(state, self._initial):
             raise ConfigError(f"{name}'s state was written for a cloud parameter; the cloud's copy of the optimizer "
                               "keeps the cloud half's state, which the edge cannot set")
-        self._entries = len(state)
+        self._state, self._entries = state, len(state)
+
+    def _reset_cloud_state(self, name: str) -> None:
+        """Every cloud parameter's entry was cleared: the cloud's copy drops its state too (as
+        torch's load of an empty state does), so the next step starts the cloud half's moments
+        afresh, as unsplit."""
+        if self.model.link.shared:
+            raise ConfigError(f"{name}'s state was reset over a shared cloud half: its optimizer is every edge's, "
+                              "whose moments one edge cannot reset")
+        if self._initial:
+            raise ConfigError(f"{name}'s state was reset since its last step, but {name}'s constructor made the "
+                              "state its step reads (Adagrad's sums), so the unsplit optimizer's next step would fail "
+                              "on it; train on, or restart from a checkpoint (model.save_checkpoint / resume_from=)")
+        if self._stated:
+            self.model.outbox.queue(LoadOptimizerState(entries={}))
+        self._kept, self._stated = ([], []), set()
 
     def _entries_kept(self, state: dict) -> bool:
         """Whether each cloud parameter's entry is still the one the mirror put there (one look, by identity)."""
@@ -239,6 +262,7 @@ class OptimizerMirror:
         if not cloud:
             return saved
         self._still_attached()
+        self.follow_state()
         state = {i: entry for i, entry in saved["state"].items() if i not in cloud}
         if not (self._edge_only or self.model.link.shared):
             fetched, names = self.model.link.optimizer_state(), self.model.cloud_half.names_by_id

@@ -76,6 +76,7 @@ class Attached(Protocol):
     optimizer: torch.optim.Optimizer | None
     optimizer_id: int
 
+    def follow_optimizer_state(self) -> None: ...
     def edge_optimizer_state(self) -> dict | None: ...
 
 
@@ -95,6 +96,7 @@ def save(path: str | os.PathLike, session: Session, coding: Coding, attached: At
         if session.checkpoint_every <= 0:
             raise CheckpointError("the cloud keeps no checkpoints, so this one could not be resumed; "
                                   "start the cloud with --checkpoint-dir")
+        attached.follow_optimizer_state()  # a reset of its state rides on the sync, into the checkpoint
         session.sync(pin=True)
         # The cloud's checkpoint holds the state after that sync's operations, numbered one below
         # it; a resumed edge continues from that number, re-using the sync's.
