@@ -177,6 +177,14 @@ def test_edge_restarted_from_its_checkpoint_continues_exactly(tmp_path):
     assert_same(weights, local_weights(data))
 
 
+def _train(model, opt, crit, part):
+    """A loop that clears the gradients first: zero_grad, forward, backward, step."""
+    for x, y in part:
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+
+
 def test_an_edge_resumed_before_its_next_zero_grad_clears_the_gradients_the_cloud_kept(tmp_path):
     """A loop that clears gradients first (zero_grad, forward, backward, step) is checkpointed with
     the step's gradients still in place; the cloud's checkpoint keeps them, so the resumed edge
@@ -184,27 +192,21 @@ def test_an_edge_resumed_before_its_next_zero_grad_clears_the_gradients_the_clou
     find none."""
     data = _data(6)
 
-    def train(model, opt, crit, part):
-        for x, y in part:
-            opt.zero_grad()
-            crit(model(x), y).backward()
-            opt.step()
-
     local = mlp()
-    train(local, torch.optim.Adam(local.parameters(), lr=0.01), nn.CrossEntropyLoss(), data)
+    _train(local, torch.optim.Adam(local.parameters(), lr=0.01), nn.CrossEntropyLoss(), data)
     listener = InprocListener()
     server = CloudServer(listener, [MLP], checkpoint_dir=str(tmp_path / "ck"), fsync=False)
     thread = serve_in_thread(server)
     try:
         first = splitft.split(mlp(), 2, factory=MLP, connect=listener.connect)
-        train(first, torch.optim.Adam(first.parameters(), lr=0.01), first.remote_loss(nn.CrossEntropyLoss()),
+        _train(first, torch.optim.Adam(first.parameters(), lr=0.01), first.remote_loss(nn.CrossEntropyLoss()),
               data[:3])
         first.save_checkpoint(tmp_path / "edge")
         first.session.drop()
         second = splitft.split(mlp(seed=5), 2, factory=MLP, connect=listener.connect, resume_from=tmp_path / "edge")
         with second:
             assert second.model[2].weight.grad is not None  # the cloud still holds step 3's gradient
-            train(second, torch.optim.Adam(second.parameters(), lr=0.01), second.remote_loss(nn.CrossEntropyLoss()),
+            _train(second, torch.optim.Adam(second.parameters(), lr=0.01), second.remote_loss(nn.CrossEntropyLoss()),
                   data[3:])
             weights = second.state_dict()
     finally:
@@ -218,30 +220,24 @@ def test_a_checkpoint_saved_right_after_a_reset_of_the_optimizer_resumes_reset(t
     boundary, holds no moment either, so the resumed run starts them afresh, as the unsplit one."""
     data = _data(6)
 
-    def train(model, opt, crit, part):
-        for x, y in part:
-            opt.zero_grad()
-            crit(model(x), y).backward()
-            opt.step()
-
     local = mlp()
     local_opt = torch.optim.Adam(local.parameters(), lr=0.01)
-    train(local, local_opt, nn.CrossEntropyLoss(), data[:3])
+    _train(local, local_opt, nn.CrossEntropyLoss(), data[:3])
     local_opt.state.clear()
-    train(local, local_opt, nn.CrossEntropyLoss(), data[3:])
+    _train(local, local_opt, nn.CrossEntropyLoss(), data[3:])
     listener = InprocListener()
     server = CloudServer(listener, [MLP], checkpoint_dir=str(tmp_path / "ck"), fsync=False)
     thread = serve_in_thread(server)
     try:
         first = splitft.split(mlp(), 2, factory=MLP, connect=listener.connect)
         opt = torch.optim.Adam(first.parameters(), lr=0.01)
-        train(first, opt, first.remote_loss(nn.CrossEntropyLoss()), data[:3])
+        _train(first, opt, first.remote_loss(nn.CrossEntropyLoss()), data[:3])
         opt.state.clear()
         first.save_checkpoint(tmp_path / "edge")
         first.session.drop()
         second = splitft.split(mlp(seed=5), 2, factory=MLP, connect=listener.connect, resume_from=tmp_path / "edge")
         with second:
-            train(second, torch.optim.Adam(second.parameters(), lr=0.01), second.remote_loss(nn.CrossEntropyLoss()),
+            _train(second, torch.optim.Adam(second.parameters(), lr=0.01), second.remote_loss(nn.CrossEntropyLoss()),
                   data[3:])
             weights = second.state_dict()
     finally:
