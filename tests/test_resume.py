@@ -185,46 +185,9 @@ def _train(model, opt, crit, part):
         opt.step()
 
 
-def test_an_edge_resumed_before_its_next_zero_grad_clears_the_gradients_the_cloud_kept(tmp_path):
-    """A loop that clears gradients first (zero_grad, forward, backward, step) is checkpointed with
-    the step's gradients still in place; the cloud's checkpoint keeps them, so the resumed edge
-    must know of them for its first zero_grad to clear them, as a fresh unsplit process would
-    find none."""
-    data = _data(6)
-
-    local = mlp()
-    _train(local, torch.optim.Adam(local.parameters(), lr=0.01), nn.CrossEntropyLoss(), data)
-    listener = InprocListener()
-    server = CloudServer(listener, [MLP], checkpoint_dir=str(tmp_path / "ck"), fsync=False)
-    thread = serve_in_thread(server)
-    try:
-        first = splitft.split(mlp(), 2, factory=MLP, connect=listener.connect)
-        _train(first, torch.optim.Adam(first.parameters(), lr=0.01), first.remote_loss(nn.CrossEntropyLoss()),
-              data[:3])
-        first.save_checkpoint(tmp_path / "edge")
-        first.session.drop()
-        second = splitft.split(mlp(seed=5), 2, factory=MLP, connect=listener.connect, resume_from=tmp_path / "edge")
-        with second:
-            assert second.model[2].weight.grad is not None  # the cloud still holds step 3's gradient
-            _train(second, torch.optim.Adam(second.parameters(), lr=0.01), second.remote_loss(nn.CrossEntropyLoss()),
-                  data[3:])
-            weights = second.state_dict()
-    finally:
-        server.stop()
-        thread.join(timeout=10)
-    assert all(torch.equal(weights[k], v) for k, v in local.state_dict().items())
-
-
-def test_a_checkpoint_saved_right_after_a_reset_of_the_optimizer_resumes_reset(tmp_path):
-    """``opt.state.clear()`` then ``save_checkpoint``: the cloud's checkpoint, written at that
-    boundary, holds no moment either, so the resumed run starts them afresh, as the unsplit one."""
-    data = _data(6)
-
-    local = mlp()
-    local_opt = torch.optim.Adam(local.parameters(), lr=0.01)
-    _train(local, local_opt, nn.CrossEntropyLoss(), data[:3])
-    local_opt.state.clear()
-    _train(local, local_opt, nn.CrossEntropyLoss(), data[3:])
+def _resumed_run(tmp_path, data, after_three=lambda opt: None, on_resume=lambda model: None) -> dict:
+    """Three steps of ``data``, ``after_three(opt)``, an edge checkpoint, then a new split model
+    resumed from it (``on_resume(model)``) trains on the rest: its weights."""
     listener = InprocListener()
     server = CloudServer(listener, [MLP], checkpoint_dir=str(tmp_path / "ck"), fsync=False)
     thread = serve_in_thread(server)
@@ -232,17 +195,46 @@ def test_a_checkpoint_saved_right_after_a_reset_of_the_optimizer_resumes_reset(t
         first = splitft.split(mlp(), 2, factory=MLP, connect=listener.connect)
         opt = torch.optim.Adam(first.parameters(), lr=0.01)
         _train(first, opt, first.remote_loss(nn.CrossEntropyLoss()), data[:3])
-        opt.state.clear()
+        after_three(opt)
         first.save_checkpoint(tmp_path / "edge")
         first.session.drop()
         second = splitft.split(mlp(seed=5), 2, factory=MLP, connect=listener.connect, resume_from=tmp_path / "edge")
         with second:
+            on_resume(second)
             _train(second, torch.optim.Adam(second.parameters(), lr=0.01), second.remote_loss(nn.CrossEntropyLoss()),
-                  data[3:])
-            weights = second.state_dict()
+                   data[3:])
+            return second.state_dict()
     finally:
         server.stop()
         thread.join(timeout=10)
+
+
+def test_an_edge_resumed_before_its_next_zero_grad_clears_the_gradients_the_cloud_kept(tmp_path):
+    """A loop that clears gradients first (zero_grad, forward, backward, step) is checkpointed with
+    the step's gradients still in place; the cloud's checkpoint keeps them, so the resumed edge
+    must know of them for its first zero_grad to clear them, as a fresh unsplit process would
+    find none."""
+    data = _data(6)
+    local = mlp()
+    _train(local, torch.optim.Adam(local.parameters(), lr=0.01), nn.CrossEntropyLoss(), data)
+
+    def cloud_kept_the_gradient(model):
+        assert model.model[2].weight.grad is not None  # the cloud still holds step 3's gradient
+
+    weights = _resumed_run(tmp_path, data, on_resume=cloud_kept_the_gradient)
+    assert all(torch.equal(weights[k], v) for k, v in local.state_dict().items())
+
+
+def test_a_checkpoint_saved_right_after_a_reset_of_the_optimizer_resumes_reset(tmp_path):
+    """``opt.state.clear()`` then ``save_checkpoint``: the cloud's checkpoint, written at that
+    boundary, holds no moment either, so the resumed run starts them afresh, as the unsplit one."""
+    data = _data(6)
+    local = mlp()
+    local_opt = torch.optim.Adam(local.parameters(), lr=0.01)
+    _train(local, local_opt, nn.CrossEntropyLoss(), data[:3])
+    local_opt.state.clear()
+    _train(local, local_opt, nn.CrossEntropyLoss(), data[3:])
+    weights = _resumed_run(tmp_path, data, after_three=lambda opt: opt.state.clear())
     assert all(torch.equal(weights[k], v) for k, v in local.state_dict().items())
 
 
