@@ -399,8 +399,10 @@ class SplitModel(UnsplitTree):
         modules = self.ghosts.chain
         modules.load_qualified_state_dict(self.cloud_state_dict())
         optimizer = self.mirror.optimizer_mirror
-        self.mirror.follow_optimizer_state()  # a reset of its state reaches the cloud's before it is fetched
-        moments = self.session.optimizer_state() if optimizer is not None and not self.session.shared else None
+        moments = None  # a shared half's optimizer is every edge's: its moments start afresh here
+        if optimizer is not None and not self.session.shared:
+            optimizer.follow_state()  # a reset of the state reaches the cloud's copy before it is fetched
+            moments = self.session.optimizer_state()
         self.close()
         self.cloud_half.has_grad.clear()
         whole = uninstall(self.wrapped, modules)
