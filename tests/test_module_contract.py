@@ -182,6 +182,42 @@ def test_load_state_dict_loads_what_it_is_given_and_reports_the_rest_as_torch_do
             assert_same(model.state_dict(), local.state_dict())
 
 
+class _Versioned(nn.Linear):
+    """A layer whose checkpoints before version 2 kept its weight halved: its loader migrates them,
+    as torch's BatchNorm does its own, by the version the checkpoint's metadata gives."""
+
+    _version = 2
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args) -> None:
+        if local_metadata.get("version") is None or local_metadata["version"] < 2:
+            state_dict[prefix + "weight"] = state_dict[prefix + "weight"] * 2
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+
+
+def _versioned_mlp(seed: int = 0) -> nn.Sequential:
+    model = mlp(seed)
+    first = _Versioned(12, 16)
+    with torch.no_grad():
+        first.weight.copy_(model[0].weight)
+        first.bias.copy_(model[0].bias)
+    model[0] = first
+    return model
+
+
+def test_a_checkpoint_loads_with_each_modules_version_as_torch_reads_it(inproc_cloud):
+    """A current checkpoint is not migrated as an old one: the versions in its metadata reach
+    the edge's modules' loaders."""
+    given = _versioned_mlp(seed=5).state_dict()
+    local = _versioned_mlp()
+    local.load_state_dict(given)
+    assert torch.equal(local[0].weight, given["0.weight"])
+    model = splitft.split(_versioned_mlp(), 2, factory=MLP, connect=inproc_cloud.connect,
+                          faults=splitft.Faults(heartbeat=0))
+    with model:
+        model.load_state_dict(given)
+        assert_same(model.state_dict(), local.state_dict())
+
+
 def test_unsplit_gives_back_the_whole_trained_model(inproc_cloud):
     data = _data(3)
     model = splitft.split(mlp(), 2, factory=MLP, connect=inproc_cloud.connect, faults=splitft.Faults(heartbeat=0))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -90,6 +91,7 @@ class SplitModel(UnsplitTree):
         chain = install(model, spec, remote=self._trunk if spec.ushape else None, check=check_cut,
                         placeholder=lambda tensor, name: CloudTensor(tensor, name, cloud_half))
         self.ghosts = Ghosts(model, chain)
+        self.mirror.before_step = self.ghosts.refuse_swapped
         self._flags = ModuleFlags([(name, model.get_submodule(name)) for name in chain.names])
         self.strays = StrayForwards(self.ghosts.cloud_modules, stage.draws_in_training)
         session.before_request = self.strays.check
@@ -367,6 +369,8 @@ class SplitModel(UnsplitTree):
         of it loads); missing and unexpected keys are reported, and with ``strict`` raised once
         the rest is loaded, as is a tensor of another shape, with torch's ``RuntimeError``."""
         cloud_names = self.ghosts.state_names()
+        if assign:
+            _refuse_assigning_cloud_parameters(state_dict, cloud_names & set(self.cloud_half.params))
         shapes = {k: tuple(v.shape) for k, v in self.wrapped.state_dict(keep_vars=True).items() if k in cloud_names}
         cloud, errors = {}, []
         for key, value in state_dict.items():
@@ -380,9 +384,12 @@ class SplitModel(UnsplitTree):
         if cloud:
             self.session.outbox.queue(LoadWeights(weights=cloud, partial=cloud.keys() != cloud_names))
             self.session.sync()  # applied now, so a bad tensor is reported here
+        edge_part = OrderedDict((k, v) for k, v in state_dict.items() if k not in cloud_names)
+        metadata = getattr(state_dict, "_metadata", None)
+        if metadata is not None:  # each module's version, as torch keeps it: without it, its loader would
+            edge_part._metadata = metadata  # type: ignore[attr-defined]  # migrate a current checkpoint as an old one
         try:
-            result = self.wrapped.load_state_dict({k: v for k, v in state_dict.items() if k not in cloud_names},
-                                                strict=False, assign=assign)
+            result = self.wrapped.load_state_dict(edge_part, strict=False, assign=assign)
         except RuntimeError as exc:  # an edge tensor of another shape: torch loads the rest, then raises
             raise RuntimeError("\n\t".join([str(exc), *errors])) from None
         missing = [k for k in result.missing_keys if k not in state_dict]
@@ -461,6 +468,20 @@ class SplitModel(UnsplitTree):
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         self.close("interrupted" if exc_type is KeyboardInterrupt else "done" if exc_type is None else "error")
+
+
+def _refuse_assigning_cloud_parameters(state_dict: Mapping[str, Any], cloud_params: set[str]) -> None:
+    """``load_state_dict(assign=True)`` puts new parameter objects in the model, in the checkpoint's
+    dtype: an optimizer built before it keeps the old ones, so unsplit it no longer trains the
+    model. The cloud half's parameters stay the objects every optimizer holds (their values are
+    loaded), so that cannot be repeated: refused before anything loads."""
+    given = sorted(k for k in state_dict if k in cloud_params)
+    if given:
+        raise ConfigError(f"load_state_dict(assign=True) would replace cloud parameter {given[0]!r} "
+                          f"({len(given)} in all) with new objects: an optimizer built before the load would keep "
+                          "the old ones and, unsplit, no longer train the model, while the cloud half keeps its "
+                          "parameters (it loads their values). Load with assign=False (the values load the same; "
+                          "build the optimizer after the load for one over the loaded weights), or load before split()")
 
 
 __all__ = ["CutActivation", "RemoteLoss", "SplitModel"]
