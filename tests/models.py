@@ -131,6 +131,14 @@ def counting_mlp(seed: int = 0) -> nn.Sequential:
         return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), CountingLinear(16, 16), nn.ReLU(), nn.Linear(16, 3))
 
 
+def parametrized_mlp(seed: int = 0, how: str = "weight_norm") -> nn.Sequential:
+    """The MLP with its middle layer (the first of the cloud half, cut at 2) parametrized by
+    ``torch.nn.utils.parametrizations.<how>``."""
+    model = mlp(seed)
+    getattr(nn.utils.parametrizations, how)(model[2])
+    return model
+
+
 def mlp_dropout(seed: int = 0) -> nn.Sequential:
     """An MLP with dropout in its cloud half (cut at 2): its masks come from the cloud's generator."""
     with torch.random.fork_rng(devices=[]):

@@ -24,7 +24,8 @@ from torch import nn
 import splitft
 from splitft.errors import ConfigError, CutError, HandshakeError, PlaceholderError
 from tests.conftest import ROOT, start_cloud, stop
-from tests.models import checkpointed_mlp, counting_mlp, deep_supervised, mlp, mlp_batchnorm, mlp_dropout, noisy_mlp
+from tests.models import (checkpointed_mlp, counting_mlp, deep_supervised, mlp, mlp_batchnorm, mlp_dropout, noisy_mlp,
+                          parametrized_mlp)
 from tests.test_faults import _data
 from tests.test_script_corpus import assert_bitwise
 
@@ -38,7 +39,7 @@ def cloud(tmp_path_factory):
                                      "--model", DIGITS, "--model", "tests.models:deep_supervised",
                                      "--model", "tests.models:mlp_dropout", "--model", "tests.models:checkpointed_mlp",
                                      "--model", "tests.models:mlp_batchnorm", "--model", "tests.models:noisy_mlp",
-                                     "--model", "tests.models:counting_mlp")
+                                     "--model", "tests.models:counting_mlp", "--model", "tests.models:parametrized_mlp")
     yield address
     stop(proc)
 
@@ -168,6 +169,21 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
         lambda model, net, opt: 1e-3 * sum(p.pow(2).sum() for p in model.parameters()), PlaceholderError,
         r"cloud parameter '2\.weight' with gradients on.*optimizer's weight_decay, or its gradient added after "
         r"backward"),
+    "a cloud weight swapped for a fresh tensor (torch.utils.swap_tensors), then a forward": (
+        lambda model, net, opt: (torch.utils.swap_tensors(net[2].bias, nn.Parameter(torch.zeros(16))),
+                                 model(_data(1)[0][0])), ConfigError, r"'2\.bias' was swapped.*swap_tensors"),
+    "a cloud weight swapped for a fresh tensor (torch.utils.swap_tensors), then an optimizer step": (
+        lambda model, net, opt: (torch.utils.swap_tensors(net[2].weight, nn.Parameter(torch.zeros(16, 16))),
+                                 opt.step()), ConfigError, r"'2\.weight' was swapped"),
+    "a checkpoint loaded with assign=True (the optimizer built before it keeps the old parameters)": (
+        lambda model, net, opt: model.load_state_dict({k: v + 1 for k, v in mlp_dropout(seed=3).state_dict().items()},
+                                                      assign=True), ConfigError, r"assign=True.*'2\.bias'"),
+    "a gradient hook on a cloud weight registered after split()": (
+        lambda model, net, opt: net[2].weight.register_hook(lambda g: g * 0.5), PlaceholderError,
+        r"a gradient hook on cloud parameter '2\.weight'.*would not run"),
+    "a post-accumulate gradient hook on a cloud weight registered after split()": (
+        lambda model, net, opt: net[2].bias.register_post_accumulate_grad_hook(lambda p: None), PlaceholderError,
+        r"a gradient hook on cloud parameter '2\.bias'"),
     "a gradient penalty (create_graph=True)": (
         lambda model, net, opt: torch.autograd.grad(model.remote_loss(nn.CrossEntropyLoss())(
             model(_data(1)[0][0]), _data(1)[0][1]), list(net[0].parameters()), create_graph=True),
@@ -312,6 +328,21 @@ def test_a_layer_referenced_before_split_is_the_ghost_and_its_parameters_the_pla
     # unsplit gives every object its values back: the references work again, with the trained weights
     assert trained is net and not weight.is_meta and torch.equal(weight, trained.state_dict()["2.weight"])
     assert torch.isfinite(layer(torch.ones(1, 16))).all()
+
+
+@pytest.mark.parametrize("how", ["weight_norm", "spectral_norm"])
+def test_a_parametrized_cloud_layer_is_refused_by_split_which_leaves_the_model_as_it_was(cloud, how):
+    net = parametrized_mlp(how=how).eval()  # spectral_norm's power iteration stays put
+    before = {n: t.clone() for n, t in net.state_dict().items()}
+    x = _data(1)[0][0]
+    with torch.no_grad():  # no graph holding the weights: split() gets as far as it can
+        expected = net(x)
+    with pytest.raises(CutError, match=r"parametrized layer .* cannot run in the cloud half; cut after it"):
+        splitft.split(net, 2, factory=splitft.Factory("tests.models:parametrized_mlp", {"how": how}), connect=cloud)
+    assert all(type(t) in (torch.Tensor, nn.Parameter) for t in (*net.parameters(), *net.buffers()))
+    assert_bitwise(net.state_dict(), before)
+    with torch.no_grad():
+        assert torch.equal(net(x), expected)
 
 
 def test_a_refusal_names_a_cloud_buffer_as_a_buffer_and_a_parameter_as_a_parameter(cloud):

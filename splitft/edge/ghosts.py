@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..code_reads import CodeGuard
 from ..config_reads import ConfigGuard, own_attributes_kept_by_forward
@@ -69,7 +70,13 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
         code.check()
         numerics.check()
 
-    chain = Chain([(name, _twin(module, memo)) for name, module in zip(stages.names, stages.stages)])
+    try:
+        chain = Chain([(name, _twin(module, memo)) for name, module in zip(stages.names, stages.stages)])
+    except Exception as exc:
+        _swap_all(swapped)  # the model's own tensors back where they were: a failed split leaves it as it was
+        raise CutError(f"cannot make the edge's stand-ins of the cloud half's modules ({type(exc).__name__}: {exc})"
+                       + _PARAMETRIZED_HINT * any(parametrize.is_parametrized(m) for s in stages.stages
+                                                  for m in s.modules())) from exc
     chain.swapped = swapped
     entry: TrunkEntry | None = None
     for i, (name, module) in enumerate(zip(stages.names, stages.stages)):
@@ -86,6 +93,11 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
             standin = CutPoint(name) if i == 0 else Unreachable(name)
         ghost(module, standin, never_run=_never_run(spec.ushape, i), before=unchanged if i == 0 else None)
     return chain
+
+
+_PARAMETRIZED_HINT = (": a parametrized layer (torch.nn.utils.parametrizations.weight_norm, spectral_norm, "
+                      "register_parametrization) cannot run in the cloud half; cut after it, so it stays on the edge, "
+                      "or parametrize it nowhere")
 
 
 def _ancestors(name: str) -> list[str]:
@@ -114,6 +126,8 @@ class Ghosts:
                          for key, module in model.get_submodule(name).named_modules()]
         self._batchnorms = [(name, module) for name, module in self._cloud_modules
                             if isinstance(module, nn.modules.batchnorm._BatchNorm)]
+        # The objects the model held, placeholders since the cut, with the class each was made of.
+        self._placeholders = [(placeholder, type(placeholder), twin) for placeholder, twin in chain.swapped]
 
     def flipped(self, training: bool) -> list[str]:
         """The cloud half's modules whose mode is not ``training`` (a layer put in ``eval()`` by name)."""
@@ -142,10 +156,24 @@ class Ghosts:
             raise ConfigError(f"{standin_name(module)!r} runs in the cloud, but the model's forward would call "
                               f"another module there: it was replaced after split(). Replace layers before "
                               "split(), in the cloud's factory too")
+        self.refuse_swapped()
         if any(_GLOBAL_HOOKS):
             raise ConfigError("a global module hook is registered (torch.nn.modules.module.register_module_forward_hook "
                               "and its kin, or a tool that uses them): it runs on every module's call, but the cloud "
                               "half's modules run in the cloud, where it would not; register hooks on edge modules")
+
+    def refuse_swapped(self) -> None:
+        """``torch.utils.swap_tensors(p, t)`` on a cloud tensor swaps the object's contents past every
+        torch function a placeholder sees: the object the model and its optimizer hold would become an
+        edge tensor the cloud never hears of. Refused before the next forward or optimizer step."""
+        for placeholder, made, twin in self._placeholders:
+            if type(placeholder) is not made:
+                names = {id(t): f"{name}.{key}" for name, stage in zip(self.chain.names, self.chain.stages)
+                         for key, t in (*stage.named_parameters(), *stage.named_buffers())}
+                raise ConfigError(f"cloud tensor {names.get(id(twin), '?')!r} was swapped for another "
+                                  "tensor (torch.utils.swap_tensors) after split(): the cloud half keeps its own, so "
+                                  "training would silently differ from the unsplit model. Load new values with "
+                                  "model.load_state_dict() or `with torch.no_grad(): p.copy_(t)`, or swap before split()")
 
     def refuse_hooks_above_the_cut(self) -> None:
         """A plain split: the model and the containers that hold the cut run their forwards on the

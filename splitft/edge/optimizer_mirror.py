@@ -28,13 +28,14 @@ from .placeholders import RemoteTensor
 class Owner(Protocol):
     """What an optimizer's copy needs of its split model's mirror (:class:`~splitft.edge.mirror.ModelMirror`):
     the session (``link``: ``shared``, ``sync``, ``optimizer_state``), where operations wait
-    (``outbox``), the step count (``steps``), the cloud half's tensors, what runs after each step."""
+    (``outbox``), the step count (``steps``), the cloud half's tensors, what runs before and after each step."""
 
     link: Any
     outbox: Any
     steps: Any
     cloud_half: CloudHalf
     on_step: Callable[[], None]
+    before_step: Callable[[], None]
 
 
 class OptimizerMirror:
@@ -167,6 +168,7 @@ class OptimizerMirror:
     def before_step(self) -> None:
         """Refuse, before the step runs, what the mirror would not carry; send the groups added."""
         self._still_attached()
+        self.model.before_step()
         self.groups_added()
         self.follow_state()
         self._stepping = self._group_settings()  # refused now, if it cannot be sent, not after the step

@@ -118,6 +118,10 @@ class RemoteTensor(Tensor):
                 return func(*args, **kwargs)
         if func == IS_META:
             return False
+        if func in GRADIENT_HOOKS:
+            raise PlaceholderError(f"a gradient hook on {args[0]._what()}: its gradient is computed and kept in the "
+                                   "cloud, where the hook would not run. Change it after backward instead "
+                                   "(under torch.no_grad(), p.grad.mul_(...)), or in an optimizer step pre-hook")
         remote = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, RemoteTensor)]
         self = args[0] if args else kwargs.get("tensor")  # torch.nn.init's initialisers pass tensor=
         if isinstance(self, CloudGrad) or (isinstance(self, list) and any(isinstance(t, CloudGrad) for t in self)):
@@ -143,6 +147,10 @@ class RemoteTensor(Tensor):
         # Reached only past __torch_function__ (torch internals that disable it): refuse all the same.
         remote = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, RemoteTensor)]
         raise PlaceholderError(_refusal(func, remote[0] if remote else None))
+
+
+#: Hooks on a tensor's gradient: a cloud tensor's is made in the cloud, which runs no hook of the edge's.
+GRADIENT_HOOKS = frozenset({Tensor.register_hook, Tensor.register_post_accumulate_grad_hook})
 
 
 class CloudTensor(RemoteTensor):
