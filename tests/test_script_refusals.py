@@ -345,6 +345,17 @@ def test_a_parametrized_cloud_layer_is_refused_by_split_which_leaves_the_model_a
         assert torch.equal(net(x), expected)
 
 
+def test_split_while_a_forwards_graph_holds_the_weights_says_so_and_leaves_the_model_as_it_was(cloud):
+    net = mlp()
+    out = net(_data(1)[0][0])  # its graph holds every weight until it is dropped
+    before = {n: t.clone() for n, t in net.state_dict().items()}
+    with pytest.raises(CutError, match=r"the graph of a forward whose output is still alive"):
+        splitft.split(net, 2, factory=MLP, connect=cloud)
+    assert_bitwise(net.state_dict(), before)
+    out.sum().backward()
+    assert all(p.grad is not None for p in net.parameters())
+
+
 def test_a_refusal_names_a_cloud_buffer_as_a_buffer_and_a_parameter_as_a_parameter(cloud):
     net = mlp_batchnorm()
     model = splitft.split(net, 2, factory="tests.models:mlp_batchnorm", connect=cloud)

@@ -60,8 +60,10 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
         memo[id(tensor)] = twin
     failure = _swap_all(swapped)  # each object the model held is its placeholder now, its twin the values
     if failure is not None:
-        raise CutError(f"cannot turn the cloud half's tensors into placeholders ({failure}); split the model before "
-                       "anything keeps a weak reference to its parameters")
+        raise CutError(f"cannot turn the cloud half's tensors into placeholders ({failure}): something else holds "
+                       "one of its parameters, such as the graph of a forward whose output is still alive (run it "
+                       "under torch.no_grad(), or drop the output), a weight computed from them (the old "
+                       "torch.nn.utils.weight_norm), or a weak reference; split the model before any of these")
     modules = list(zip(stages.names, stages.stages))
     config, code, numerics = ConfigGuard(modules), CodeGuard(modules), NumericsGuard()
 
