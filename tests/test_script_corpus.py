@@ -690,6 +690,21 @@ def logs_weight_and_gradient_statistics_moved_to_the_cpu(model, net, crit, data)
     return logged
 
 
+def resets_a_layer_with_tensors_made_like_its_weights(model, net, crit, data):
+    """A layer set to fixed values mid-run by copying tensors made like its own
+    (``w.copy_(torch.zeros_like(w))``, ``b.copy_(torch.full_like(b, 0.1))``), as a reset often reads."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i, (x, y) in enumerate(data):
+        crit(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 1:
+            with torch.no_grad():
+                layer = net[2]
+                layer.weight.copy_(torch.zeros_like(layer.weight))
+                layer.bias.copy_(torch.full_like(layer.bias, 0.1))
+
+
 def prunes_small_weights_by_hand(model, net, crit, data):
     """Magnitude pruning as tutorials write it: ``p.data[p.data.abs() < t] = 0`` after a few steps,
     then the pruned entries' gradients zeroed the same way, ``p.grad[mask] = 0``, at every step."""
@@ -709,7 +724,7 @@ def prunes_small_weights_by_hand(model, net, crit, data):
     return [int(mask.sum()) for mask in masks]
 
 
-COMPUTED = [prunes_small_weights_by_hand, logs_weight_and_gradient_statistics_moved_to_the_cpu,
+COMPUTED = [resets_a_layer_with_tensors_made_like_its_weights, prunes_small_weights_by_hand, logs_weight_and_gradient_statistics_moved_to_the_cpu,
             skips_a_step_whose_gradients_are_not_finite, sign_sgd_with_weight_decay_added_to_the_gradient,
             logs_the_largest_gradient_and_the_weight_norm, renormalises_rows_and_perturbs_weights_after_each_step,
             steps_by_hand_as_old_tutorials_do, keeps_an_average_of_the_weights_and_evaluates_with_it,

@@ -132,7 +132,9 @@ class RemoteTensor(Tensor):
                 except PlaceholderError:
                     if func not in expressions.NAMES:
                         raise  # else: computed in the cloud as an expression (p.grad.mul_(p.grad))
-        elif isinstance(self, (CloudTensor, CloudState)) and (len(remote) == 1 or func == _DATA_SETTER):
+        elif isinstance(self, (CloudTensor, CloudState)) and (
+                len(remote) == 1 or func == _DATA_SETTER
+                or (func == Tensor.copy_ and all(isinstance(t, CloudState) for t in remote[1:]))):
             handler = (_VALUE_OPS if isinstance(self, CloudTensor) else _LIKE_OPS).get(func)
             if handler is not None:
                 return handler(*args, **kwargs)
@@ -288,6 +290,17 @@ def _fill_value(fill_value: Any) -> Any:
     return fill_value
 
 
+def _values_of(source: Any) -> Tensor:
+    """What ``p.copy_(source)`` copies: a tensor made like a cloud one with a number in every element
+    (``torch.full_like(p, 0.5)``, ``zeros_like``) is that number, in its dtype, as unsplit."""
+    if not isinstance(source, CloudState):
+        return source.detach()
+    if source._splitft_fill is None:
+        raise PlaceholderError(f"copying {source._what()} made by torch.empty_like: its values are whatever memory "
+                               "held; fill it first (torch.zeros_like, torch.full_like)")
+    return torch.full(source.shape, source._splitft_fill, dtype=source.dtype)
+
+
 _LIKE_OPS: dict[Any, Callable[..., Any]] = {
     torch.zeros_like: _like(lambda: 0), torch.ones_like: _like(lambda: 1), torch.full_like: _like(_fill_value),
     torch.empty_like: _like(lambda: None),
@@ -300,7 +313,7 @@ _VALUE_OPS: dict[Any, Callable[..., Any]] = {
                                        Tensor.new_tensor)},
     torch.randn_like: drawn_like(torch.randn_like), torch.rand_like: drawn_like(torch.rand_like),
     torch.randint_like: drawn_like(torch.randint_like),
-    Tensor.copy_: new_values(lambda value, source, non_blocking=False: value.copy_(source.detach())),
+    Tensor.copy_: new_values(lambda value, source, non_blocking=False: value.copy_(_values_of(source))),
     **{op: new_values(op) for op in (Tensor.fill_, Tensor.zero_, Tensor.normal_, Tensor.uniform_)},
     # the initialisers torch lets a tensor subclass own; the others reach the Tensor methods above
     **{init: new_values(init, no_grad=True) for init in (torch.nn.init.normal_, torch.nn.init.uniform_,
