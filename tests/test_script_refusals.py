@@ -356,6 +356,21 @@ def test_split_while_a_forwards_graph_holds_the_weights_says_so_and_leaves_the_m
     assert all(p.grad is not None for p in net.parameters())
 
 
+def test_a_single_cloud_value_reads_as_a_python_number_as_unsplit(cloud):
+    """``int(bn.num_batches_tracked)`` in a log line, ``if bn.num_batches_tracked:``, a count used
+    as an index: each the number ``.item()`` reads."""
+    data = _data(2)
+    local = mlp_batchnorm()
+    _steps(local, torch.optim.SGD(local.parameters(), lr=0.1), nn.CrossEntropyLoss(), data)
+    net = mlp_batchnorm()
+    with splitft.split(net, 2, factory="tests.models:mlp_batchnorm", connect=cloud) as model:
+        _steps(model, torch.optim.SGD(model.parameters(), lr=0.1), model.remote_loss(nn.CrossEntropyLoss()), data)
+        count, expected = net[3].num_batches_tracked, local[3].num_batches_tracked
+        assert (int(count), float(count), bool(count), [0, 1, 2][count]) == \
+               (int(expected), float(expected), bool(expected), [0, 1, 2][expected]) == (2, 2.0, True, 2)
+        assert type(int(count)) is int and type(float(count)) is float
+
+
 def test_a_refusal_names_a_cloud_buffer_as_a_buffer_and_a_parameter_as_a_parameter(cloud):
     net = mlp_batchnorm()
     model = splitft.split(net, 2, factory="tests.models:mlp_batchnorm", connect=cloud)

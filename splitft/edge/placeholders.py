@@ -44,6 +44,7 @@ The state an optimizer's steps make for a cloud parameter stands in ``opt.state`
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
@@ -319,8 +320,18 @@ _VALUE_OPS: dict[Any, Callable[..., Any]] = {
     **{init: new_values(init, no_grad=True) for init in (torch.nn.init.normal_, torch.nn.init.uniform_,
                                                           torch.nn.init.constant_, torch.nn.init.kaiming_uniform_)},
     Tensor.detach: CloudTensor.alias, _DATA_GETTER: CloudTensor.alias, _DATA_SETTER: _data_set_to_itself,
+    # a single value read as a Python number, as .item() reads it (int(bn.num_batches_tracked))
+    Tensor.__int__: lambda t: int(t.item()), Tensor.__float__: lambda t: float(t.item()),
+    Tensor.__bool__: lambda t: bool(t.item()), Tensor.__index__: lambda t: operator.index(cast(int, _integral(t).item())),
     **_LIKE_OPS,
 }
+
+
+def _integral(tensor: CloudTensor) -> CloudTensor:
+    """``operator.index`` of a tensor takes an integer one only, as torch's does."""
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+        raise TypeError("only integer tensors of a single element can be converted to an index")
+    return tensor
 
 
 # ---------------------------------------------------------------- a cloud gradient
