@@ -4,7 +4,8 @@
 or ``p.cpu()`` is ``p`` itself: unsplit none of them reads a value of ``p``, so each is made here,
 where the unsplit model's values were (the edge half's device), from ``p``'s shape and dtype alone.
 New values for a cloud tensor that read none of its old ones (``p.normal_()``, ``nn.init``'s
-initialisers) are made here too, then pushed to the cloud (:func:`new_values`).
+initialisers) are made here too, then pushed to the cloud (:func:`new_values`). ``torch.zeros_like(p)``
+and its kin stand for the number they hold until a copy into a cloud tensor needs it (:func:`made_like`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,50 @@ def new_like(factory: Callable[..., Tensor]) -> Callable[..., Tensor]:
         return factory(torch.empty(0, dtype=source.dtype, device=source._splitft_remote.device), *args, **kwargs)
 
     return new
+
+
+def made_like(state: Callable[..., Tensor]) -> tuple[dict[Any, Callable[..., Any]], Callable[[Any], Tensor]]:
+    """``torch.zeros_like(p)`` and its kin, and what ``p.copy_(t)`` copies.
+
+    A tensor made like a cloud one is ``state(source, name, remote, dtype, fill)`` (the number in
+    every element; None for ``empty_like``'s), or a real tensor where the call asks for one on a
+    device of its own: it reads no values either way. Copied into a cloud tensor, such a tensor
+    is its number, in its dtype, as unsplit; any other source is copied as it is.
+    """
+
+    def like(fill_of: Callable[..., Any]) -> Callable[..., Any]:
+        def made(source: Any, *args: Any, dtype: Any = None, layout: Any = None, device: Any = None,
+                 pin_memory: Any = None, requires_grad: bool = False, memory_format: Any = None, **fill: Any) -> Tensor:
+            value = fill_of(*args, **fill)
+            if (layout not in (None, torch.strided) or requires_grad or pin_memory
+                    or memory_format not in (None, torch.preserve_format, torch.contiguous_format)):
+                raise PlaceholderError(f"a tensor like {source._what()} is made here with the default layout, "
+                                       "memory format and no gradient only")
+            dtype = dtype or source.dtype
+            if device is not None and torch.device(device).type != "meta":
+                tensor = torch.empty(source.shape, dtype=dtype, device=device)
+                return tensor if value is None else tensor.fill_(value)
+            return state(source, source._splitft_name, source._splitft_remote, dtype, value)
+
+        return made
+
+    def values_of(source: Any) -> Tensor:
+        if not isinstance(source, state):  # type: ignore[arg-type]  # a class, given as its constructor
+            return source.detach()
+        if source._splitft_fill is None:
+            raise PlaceholderError(f"copying {source._what()} made by torch.empty_like: its values are whatever "
+                                   "memory held; fill it first (torch.zeros_like, torch.full_like)")
+        return torch.full(source.shape, source._splitft_fill, dtype=source.dtype)
+
+    ops = {torch.zeros_like: like(lambda: 0), torch.ones_like: like(lambda: 1), torch.full_like: like(_fill_value),
+           torch.empty_like: like(lambda: None)}
+    return ops, values_of
+
+
+def _fill_value(fill_value: Any) -> Any:
+    if not isinstance(fill_value, (bool, int, float, complex)):
+        raise PlaceholderError("torch.full_like of a cloud tensor takes a Python number as its value")
+    return fill_value
 
 
 def itself_where_unmoved(convert: Callable[..., Tensor]) -> Callable[..., Tensor]:
@@ -78,4 +123,4 @@ def new_values(make: Callable[..., Any], *, no_grad: bool = False) -> Callable[.
     return made
 
 
-__all__ = ["drawn_like", "itself_where_unmoved", "new_like", "new_values"]
+__all__ = ["drawn_like", "itself_where_unmoved", "made_like", "new_like", "new_values"]

@@ -53,7 +53,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..errors import PlaceholderError
 from ..wire import expressions
-from .made_here import drawn_like, itself_where_unmoved, new_like, new_values
+from .made_here import drawn_like, itself_where_unmoved, made_like, new_like, new_values
 from .metadata import DEVICE_QUERIES, IS_META, METADATA, REQUIRES_GRAD_SETTERS, set_requires_grad, where
 
 Tensor = torch.Tensor
@@ -265,47 +265,8 @@ def _data_set_to_itself(tensor: RemoteTensor, value: Any) -> None:
         raise PlaceholderError(_refusal(_DATA_SETTER, tensor))
 
 
-def _like(fill_of: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.zeros_like`` and its kin: a :class:`CloudState` of the source's shape, or a real
-    tensor where the call asks for one on a device of its own (it reads no values either way)."""
-
-    def like(source: RemoteTensor, *args: Any, dtype: Any = None, layout: Any = None, device: Any = None,
-             pin_memory: Any = None, requires_grad: bool = False, memory_format: Any = None, **fill: Any) -> Tensor:
-        value = fill_of(*args, **fill)
-        if (layout not in (None, torch.strided) or requires_grad or pin_memory
-                or memory_format not in (None, torch.preserve_format, torch.contiguous_format)):
-            raise PlaceholderError(f"a tensor like {source._what()} is made here with the default layout, "
-                                   "memory format and no gradient only")
-        dtype = dtype or source.dtype
-        if device is not None and torch.device(device).type != "meta":
-            made = torch.empty(source.shape, dtype=dtype, device=device)
-            return made if value is None else made.fill_(value)
-        return CloudState(source, source._splitft_name, source._splitft_remote, dtype, value)
-
-    return like
-
-
-def _fill_value(fill_value: Any) -> Any:
-    if not isinstance(fill_value, (bool, int, float, complex)):
-        raise PlaceholderError("torch.full_like of a cloud tensor takes a Python number as its value")
-    return fill_value
-
-
-def _values_of(source: Any) -> Tensor:
-    """What ``p.copy_(source)`` copies: a tensor made like a cloud one with a number in every element
-    (``torch.full_like(p, 0.5)``, ``zeros_like``) is that number, in its dtype, as unsplit."""
-    if not isinstance(source, CloudState):
-        return source.detach()
-    if source._splitft_fill is None:
-        raise PlaceholderError(f"copying {source._what()} made by torch.empty_like: its values are whatever memory "
-                               "held; fill it first (torch.zeros_like, torch.full_like)")
-    return torch.full(source.shape, source._splitft_fill, dtype=source.dtype)
-
-
-_LIKE_OPS: dict[Any, Callable[..., Any]] = {
-    torch.zeros_like: _like(lambda: 0), torch.ones_like: _like(lambda: 1), torch.full_like: _like(_fill_value),
-    torch.empty_like: _like(lambda: None),
-}
+#: ``torch.zeros_like`` and its kin: a :class:`CloudState`, which ``p.copy_`` copies as the number it holds.
+_LIKE_OPS, _values_of = made_like(CloudState)
 
 
 _VALUE_OPS: dict[Any, Callable[..., Any]] = {
