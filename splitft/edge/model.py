@@ -22,7 +22,7 @@ from torch import nn
 
 from ..config_reads import ModuleFlags
 from ..cut import CutSpec
-from ..errors import ConfigError, HiddenAttributeWarning, SplitFTError
+from ..errors import ConfigError, HiddenAttributeWarning, PeerGone, SplitFTError
 from ..metrics import Metrics
 from ..wire.operations import LoadWeights
 from . import generator_sets, initialisers, move, optimizers, resume
@@ -225,6 +225,8 @@ class SplitModel(UnsplitTree):
     def _before_forward(self, sample_ids: Any) -> None:
         """What ``model(x)`` checks before the model's forward runs (nothing changed that the cloud
         would not follow), and the ``sample_ids`` its call carries."""
+        if self.session.closed:  # closed or unsplit: the model's tensors are no placeholders any more
+            raise PeerGone("this split session is closed; create a new one to keep training")
         self.caller.forward_with(sample_ids)
         self.ghosts.check()
         self.strays.check()
