@@ -59,14 +59,13 @@ class ModelMirror:
         steps: the optimizer step count, which each mirrored step advances.
         cloud_half: the edge's record of the cloud half's parameters and gradients.
         on_step: runs after each mirrored step.
-        before_step: runs before each mirrored step, to refuse what the model's tensors went through
-            that the cloud would not follow.
     """
 
     def __init__(self, link: Link, outbox: Queue, steps: Steps, cloud_half: CloudHalf, *,
-                 on_step: Callable[[], None], before_step: Callable[[], None] = lambda: None) -> None:
+                 on_step: Callable[[], None]) -> None:
         self.link, self.outbox, self.steps, self.cloud_half, self.on_step = link, outbox, steps, cloud_half, on_step
-        self.before_step = before_step
+        #: Runs before each mirrored step: refuses what the model's tensors went through that the cloud would not follow.
+        self.before_step: Callable[[], None] = lambda: None
         self.optimizer: torch.optim.Optimizer | None = None
         self.optimizer_mirror: OptimizerMirror | None = None
         self._criterion: nn.Module | None = None  # the remote loss, and what it was when last sent
