@@ -223,6 +223,30 @@ def deep_supervised(seed: int = 0) -> DeepSupervised:
         return DeepSupervised()
 
 
+class LayerStack(nn.Module):
+    """A stack of layers its forward runs in the order ``plan`` gives (None: each once, in order):
+    a plan that skips some is LayerDrop's forward in training (BART, Wav2Vec2, Whisper)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(12, 16)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
+        self.head = nn.Linear(16, 3)
+        self.plan: list[int] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.inp(x))
+        for i in range(len(self.layers)) if self.plan is None else self.plan:
+            h = self.layers[i](h)
+        return self.head(h)
+
+
+def layer_stack(seed: int = 0) -> LayerStack:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LayerStack()
+
+
 class CheckpointedMLP(nn.Module):
     """:func:`mlp` whose first layer, on the edge, is checkpointed (and compiled, if asked)."""
 

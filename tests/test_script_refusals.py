@@ -24,8 +24,8 @@ from torch import nn
 import splitft
 from splitft.errors import ConfigError, CutError, HandshakeError, PlaceholderError
 from tests.conftest import ROOT, start_cloud, stop
-from tests.models import (checkpointed_mlp, counting_mlp, deep_supervised, mlp, mlp_batchnorm, mlp_dropout, noisy_mlp,
-                          parametrized_mlp)
+from tests.models import (checkpointed_mlp, counting_mlp, deep_supervised, layer_stack, mlp, mlp_batchnorm,
+                          mlp_dropout, noisy_mlp, parametrized_mlp)
 from tests.test_faults import _data
 from tests.test_script_corpus import assert_bitwise
 
@@ -39,7 +39,8 @@ def cloud(tmp_path_factory):
                                      "--model", DIGITS, "--model", "tests.models:deep_supervised",
                                      "--model", "tests.models:mlp_dropout", "--model", "tests.models:checkpointed_mlp",
                                      "--model", "tests.models:mlp_batchnorm", "--model", "tests.models:noisy_mlp",
-                                     "--model", "tests.models:counting_mlp", "--model", "tests.models:parametrized_mlp")
+                                     "--model", "tests.models:counting_mlp", "--model", "tests.models:parametrized_mlp",
+                                     "--model", "tests.models:layer_stack")
     yield address
     stop(proc)
 
@@ -406,6 +407,130 @@ def test_an_auxiliary_head_on_an_inner_trunk_layer_is_refused_at_the_first_forwa
         out, aux = model(torch.ones(4, 12))
     expected, expected_aux = local(torch.ones(4, 12))
     assert torch.equal(out, expected) and torch.equal(aux, expected_aux)
+
+
+@pytest.mark.parametrize("plan, message", [
+    ([0, 1, 3], r"skipped 'layers.2' \(called 'layers.3' after 'layers.1'\)"),
+    ([0, 1, 1, 2, 3], r"called 'layers.1' again or out of order, after 'layers.1'"),
+    ([0, 2, 1, 3], r"skipped 'layers.1'"),
+    ([1, 2, 3], r"called 'layers.1' outside a run of the trunk, which starts at 'layers.0'"),
+], ids=["skips (LayerDrop)", "repeats", "reorders", "starts past the first"])
+def test_a_forward_that_skips_repeats_or_reorders_trunk_layers_is_refused_in_that_forward(cloud, plan, message):
+    """The cloud runs the whole trunk at the first module's call: a forward that then calls its
+    layers otherwise computed something else, and is refused before its output is used."""
+    data = _data(3)
+    local = layer_stack()
+    opt_local = torch.optim.SGD(local.parameters(), lr=0.1)
+    net = layer_stack()
+    with splitft.split(net, "layers.0:4", factory="tests.models:layer_stack", connect=cloud) as model:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for m, o in ((local, opt_local), (model, opt)):
+            _steps(m, o, nn.CrossEntropyLoss(), data[:2])  # each layer once, in order: as unsplit
+        net.plan = plan
+        with pytest.raises(CutError, match=message + r".*LayerDrop: set the model's layerdrop to 0"):
+            model(data[2][0])
+        net.plan = None
+        assert_bitwise(model.state_dict(), local.state_dict())
+        for m, o in ((local, opt_local), (model, opt)):  # the refused run left nothing to refuse again
+            _steps(m, o, nn.CrossEntropyLoss(), data[2:])
+        assert_bitwise(model.state_dict(), local.state_dict())
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_a_trunk_left_after_its_first_module_is_refused_where_the_cloud_ran_more_than_unsplit(cloud, training):
+    """``net[2](h)`` alone (a feature logged under no_grad) runs the whole trunk 2..3 in the cloud:
+    in training mode the batch norm's statistics moved, so the next request refuses; in eval mode
+    nothing changed and training goes on as unsplit."""
+    data = _data(3)
+    local = mlp_batchnorm()
+    opt_local = torch.optim.SGD(local.parameters(), lr=0.1)
+    net = mlp_batchnorm()
+    with splitft.split(net, 2, 4, factory="tests.models:mlp_batchnorm", connect=cloud) as model:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in data:
+            for m, o in ((local, opt_local), (model, opt)):
+                _steps(m, o, nn.CrossEntropyLoss(), [(x, y)])
+            model.train(training)
+            with torch.no_grad():
+                net[2](torch.relu(net[0](x)))
+            model.train()
+            if training:
+                with pytest.raises(CutError, match=r"trunk '2'..'3' in training mode was left unfinished \(called up "
+                                                   r"to '2', not '3'\).*batch-norm statistics"):
+                    model.state_dict()
+                return
+            assert_bitwise(model.state_dict(), local.state_dict())
+
+
+def _written(sd, model, opt, crit, data):
+    with torch.no_grad():
+        sd["2.weight"].mul_(0.5)  # unsplit: halves the model's weight, whose memory the entry shares
+
+
+def _written_through_a_view(sd, model, opt, crit, data):
+    sd["2.bias"].detach()[0] = 1.0
+
+
+def _kept_and_loaded(sd, model, opt, crit, data):
+    _steps(model, opt, crit, data)
+    model.load_state_dict(sd)  # unsplit: sd followed the live weights, so this loads them onto themselves
+
+
+def _kept_and_saved(sd, model, opt, crit, data):
+    _steps(model, opt, crit, data)
+    torch.save(sd, io.BytesIO())  # unsplit: saves the weights of now
+
+
+STATE_DICT_MISUSE = {"written in place": (_written, "was written in place"),
+                     "written through a view": (_written_through_a_view, "was written in place"),
+                     "kept, trained, loaded": (_kept_and_loaded, "used after the cloud half changed"),
+                     "kept, trained, saved": (_kept_and_saved, "used after the cloud half changed")}
+
+
+@pytest.mark.parametrize("name", sorted(STATE_DICT_MISUSE))
+def test_a_cloud_entry_of_state_dict_refuses_a_write_and_a_read_after_the_cloud_changed(cloud, name):
+    """Unsplit, state_dict() shares the model's memory: a write changes the model, a kept dict follows
+    training. Split, its cloud entries are fetched copies: both are refused before the cloud half parts."""
+    action, message = STATE_DICT_MISUSE[name]
+    data = _data(3)
+    local = mlp()
+    _steps(local, torch.optim.SGD(local.parameters(), lr=0.1), nn.CrossEntropyLoss(), data[:2])
+    with splitft.split(mlp(), 2, factory=MLP, connect=cloud) as model:
+        opt, crit = torch.optim.SGD(model.parameters(), lr=0.1), model.remote_loss(nn.CrossEntropyLoss())
+        _steps(model, opt, crit, data[:1])
+        sd = model.state_dict()
+        with pytest.raises(ConfigError, match=message + r".*(model.get_parameter|copy.deepcopy)"):
+            action(sd, model, opt, crit, data[1:2])
+        if "trained" not in name:
+            _steps(model, opt, crit, data[1:2])
+        assert_bitwise(model.state_dict(), local.state_dict())
+
+
+def test_state_dict_kept_as_a_copy_or_with_its_variables_trains_as_unsplit(cloud):
+    """copy.deepcopy(state_dict()) keeps a moment (a best checkpoint, loaded back later); keep_vars
+    gives the model's own tensors (the cloud's placeholders), so freezing through it is mirrored;
+    a fresh state_dict() saves with torch.save and loads with weights_only into the unsplit model."""
+    def script(model, crit):
+        for key, value in model.state_dict(keep_vars=True).items():
+            if key.startswith("2."):
+                value.requires_grad = False
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        _steps(model, opt, crit, data[:1])
+        best = copy.deepcopy(model.state_dict())
+        _steps(model, opt, crit, data[1:])
+        model.load_state_dict(best)
+        buffer = io.BytesIO()
+        torch.save(model.state_dict(), buffer)
+        return torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+
+    data = _data(3)
+    local = mlp()
+    expected = script(local, nn.CrossEntropyLoss())
+    with splitft.split(mlp(), 2, factory=MLP, connect=cloud) as model:
+        saved = script(model, model.remote_loss(nn.CrossEntropyLoss()))
+        assert_bitwise(model.state_dict(), local.state_dict())
+    assert_bitwise(saved, expected)
+    assert all(type(v) is torch.Tensor for v in saved.values())
 
 
 def test_a_forward_hook_on_the_last_trunk_layer_sees_its_real_output(cloud):

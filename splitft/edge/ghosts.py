@@ -90,7 +90,7 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
                 standin: nn.Module = entry
             else:
                 assert entry is not None
-                standin = TrunkFollower(name, entry, last=i == len(stages.names) - 1)
+                standin = TrunkFollower(name, entry, index=i)
         else:
             standin = CutPoint(name) if i == 0 else Unreachable(name)
         ghost(module, standin, never_run=_never_run(spec.ushape, i), before=unchanged if i == 0 else None)

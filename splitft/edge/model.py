@@ -27,7 +27,8 @@ from ..metrics import Metrics
 from ..wire.operations import LoadWeights
 from . import generator_sets, initialisers, move, optimizers, resume
 from .cloud_half import CloudHalf, values_to_send
-from .ghosts import Ghosts, install, uninstall
+from .fetched_state import FetchedCloudState
+from .ghosts import Ghosts, install, standin_of, uninstall
 from .mirror import ModelMirror, loss_module
 from .module_tree import UnsplitTree, hidden_attributes
 from .placeholders import CloudTensor
@@ -37,7 +38,7 @@ from .requests import EdgeSession
 from .schedule import Scheduler
 from .stage import DRAWN_BETWEEN, CloudStage
 from .stray import StrayForwards, crossed
-from .standins import FORWARDING, CutReached
+from .standins import FORWARDING, CutReached, TrunkEntry
 from .step_log import StepLog
 
 
@@ -93,7 +94,9 @@ class SplitModel(UnsplitTree):
         self.ghosts = Ghosts(model, chain)
         self.mirror.before_step = self.ghosts.refuse_swapped
         self._flags = ModuleFlags([(name, model.get_submodule(name)) for name in chain.names])
-        self.strays = StrayForwards(self.ghosts.cloud_modules, stage.draws_in_training)
+        entry = standin_of(model.get_submodule(chain.names[0])) if spec.ushape else None
+        self.strays = StrayForwards(self.ghosts.cloud_modules, stage.draws_in_training,
+                                    entry if isinstance(entry, TrunkEntry) else None)
         session.before_request = self.strays.check
         cloud_half.bind(model, chain)
         cloud_half.device = next((p.device for p in self.edge_parameters()), torch.device("cpu"))
@@ -357,12 +360,20 @@ class SplitModel(UnsplitTree):
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         """The whole model's state under the unsplit model's key names: the edge's tensors and the
-        cloud half's (fetched), so ``torch.save(model.state_dict())`` loads into the unsplit model."""
+        cloud half's (fetched), so ``torch.save(model.state_dict())`` loads into the unsplit model.
+
+        The cloud half's entries are its values now, which refuse a write and a read once the cloud
+        half changed (:mod:`.fetched_state`); with ``keep_vars`` they are the model's own
+        parameters and buffers, as unsplit (the placeholders, which mirror what is done to them)."""
         if args:
             raise ConfigError("state_dict() of a split model takes keyword arguments only")
         out = self.wrapped.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if keep_vars:
+            return out
+        outbox = self.session.outbox
+        moment = (outbox.weights_version, outbox.runs)
         for key, value in self.cloud_state_dict().items():  # in place of the placeholders
-            out[prefix + key] = value
+            out[prefix + key] = FetchedCloudState(value, key, lambda: (outbox.weights_version, outbox.runs), moment)
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
@@ -384,8 +395,14 @@ class SplitModel(UnsplitTree):
                     errors.append(f"size mismatch for {key}: copying a param with shape {array.shape} from "
                                   f"checkpoint, the shape in current model is {shapes[key]}.")
         if cloud:
-            self.session.outbox.queue(LoadWeights(weights=cloud, partial=cloud.keys() != cloud_names))
+            outbox = self.session.outbox
+            before = (outbox.weights_version, outbox.runs)
+            outbox.queue(LoadWeights(weights=cloud, partial=cloud.keys() != cloud_names))
             self.session.sync()  # applied now, so a bad tensor is reported here
+            for key in cloud:  # a fetched entry just loaded holds the cloud's values still
+                value = state_dict[key]
+                if isinstance(value, FetchedCloudState) and value._splitft_moment == before:
+                    value._splitft_moment = (outbox.weights_version, outbox.runs)
         edge_part = OrderedDict((k, v) for k, v in state_dict.items() if k not in cloud_names)
         metadata = getattr(state_dict, "_metadata", None)
         if metadata is not None:  # each module's version, as torch keeps it: without it, its loader would

@@ -33,6 +33,9 @@ class Outbox:
         #: Moves with every operation that changes the cloud half's weights (a step, a load, an
         #: in-place call on a weight): a plain split's ``model(x)`` ran with those of its moment.
         self.weights_version = 0
+        #: Moves with every forward or backward sent: a training-mode forward may change the cloud
+        #: half's buffers (running statistics).
+        self.runs = 0
 
     def __len__(self) -> int:
         return len(self._ops)

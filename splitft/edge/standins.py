@@ -94,6 +94,9 @@ class TrunkEntry(nn.Module):
         self.last: Any = None  # the trunk's output
         self.handed: Any = None  # what the trunk module the forward called last handed back to it
         self.call_rest: tuple[tuple, dict] = ((), {})
+        #: In a run of the trunk not yet finished: the index of the trunk module the forward called last.
+        self.reached: int | None = None
+        self._run_training = False  # whether that run was in training mode
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.last = self.handed = None
@@ -112,10 +115,27 @@ class TrunkEntry(nn.Module):
         # cloud too) when the model that made it lets it go.
         self.call_rest = (args[1:], {k: _WeakCache(weakref.ref(v)) if is_cache(v) else v for k, v in kwargs.items()})
         self.last = self._remote(*args, **kwargs)
+        self.reached, self._run_training = (0 if len(self.cloud_names) > 1 else None), self.training
         # An inner module's output is not what the cloud returns: the forward may pass it on, not read it.
         self.handed = self.last if len(self.cloud_names) == 1 else hand_over(self.last, self.cloud_names[0],
                                                                              self.cloud_names)
         return self.handed
+
+    def refuse_unfinished(self, could_change: Callable[[], bool]) -> None:
+        """Refuse a run of the trunk the forward left unfinished, where it could have changed the
+        cloud half: the first module's call ran the whole trunk in the cloud, while unsplit only the
+        modules called would have run (their batch-norm statistics, their dropout draws). Asked
+        before the next request; refuses once."""
+        reached, self.reached = self.reached, None
+        if reached is None or not (self._run_training and could_change()):
+            return
+        names = self.cloud_names
+        raise CutError(
+            f"a run of the trunk {names[0]!r}..{names[-1]!r} in training mode was left unfinished (called up to "
+            f"{names[reached]!r}, not {names[reached + 1]!r}): the first module's call runs the whole trunk in the "
+            "cloud, so its batch-norm statistics or dropout draws moved as "
+            "if every module had run, where unsplit only the modules called would have. Call the trunk's modules "
+            "one after another to its end, or call a lone trunk module in eval mode (model.eval())")
 
     def extra_repr(self) -> str:
         return f"runs in the cloud: {', '.join(self.cloud_names)}"
@@ -129,14 +149,16 @@ class TrunkFollower(nn.Module):
     the cloud compute something different from the model.
     """
 
-    def __init__(self, name: str, entry: TrunkEntry, *, last: bool = True) -> None:
+    def __init__(self, name: str, entry: TrunkEntry, index: int) -> None:
         super().__init__()
         self.cloud_name = name
-        self.is_last = last
+        self.index = index  # its place in the trunk (the entry is 0)
+        self.is_last = index == len(entry.cloud_names) - 1
         self._entry = [entry]  # a list, so the entry is not registered twice as a submodule
 
     def forward(self, first: Any, *args: Any, **kwargs: Any) -> Any:
         entry = self._entry[0]
+        self._refuse_out_of_order(entry)
         handed = entry.handed
         if handed is None or (first is not handed and first is not stream(handed)):
             raise CutError(
@@ -154,7 +176,29 @@ class TrunkFollower(nn.Module):
                 "modules share their extra arguments (or a trunk of one module)"
             )
         entry.handed = entry.last if self.is_last else hand_over(entry.last, self.cloud_name, entry.cloud_names)
+        entry.reached = None if self.is_last else self.index
         return entry.handed
+
+    def _refuse_out_of_order(self, entry: TrunkEntry) -> None:
+        """The cloud ran every trunk module once, in order, at the first one's call: a forward that
+        skips, repeats or reorders them (LayerDrop) computes something else."""
+        reached, names = entry.reached, entry.cloud_names
+        if reached == self.index - 1:
+            return
+        entry.reached = None  # refused here: the next request need not refuse the same run again
+        if reached is None:
+            what = f"called {self.cloud_name!r} outside a run of the trunk, which starts at {names[0]!r}"
+        elif reached >= self.index:
+            what = f"called {self.cloud_name!r} again or out of order, after {names[reached]!r}"
+        else:
+            skipped = ", ".join(map(repr, names[reached + 1:self.index]))
+            what = f"skipped {skipped} (called {self.cloud_name!r} after {names[reached]!r})"
+        raise CutError(
+            f"the model's forward {what}: the cloud runs the trunk {names[0]!r}..{names[-1]!r} as one chain, every "
+            "module once and in order, at the first module's call (which has run), so it computed something else "
+            "than this forward. A forward that skips, repeats or reorders trunk layers (LayerDrop: set the model's "
+            "layerdrop to 0) cannot be cut there: choose a trunk the forward always runs whole, or a trunk of "
+            "one module")
 
     def extra_repr(self) -> str:
         return f"runs in the cloud: {self.cloud_name}"

@@ -9,6 +9,11 @@ go on silently apart; one whose loss comes after another forward or request woul
 half out of order. Such a forward is refused at the next forward or request, naming the fix, when
 it could have changed the cloud half: in training mode, with a cloud layer that keeps running
 statistics or one that draws random numbers.
+
+A U-shape trunk has the converse case: its first module's call runs the whole trunk in the cloud,
+so a run the forward leaves unfinished (the first module called alone) ran modules that unsplit
+would not have; it is refused at the next request on the same terms
+(:meth:`TrunkEntry.refuse_unfinished <splitft.edge.standins.TrunkEntry.refuse_unfinished>`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from .standins import TrunkEntry
 
 #: Where a plain split's ``model(x)`` keeps its :class:`_Crossing`.
 _CROSSING = "_splitft_crossing"
@@ -61,9 +67,11 @@ def _keeps_statistics(module: nn.Module) -> bool:
 class StrayForwards:
     """The last plain-split ``model(x)`` made in training mode, until its activation crosses."""
 
-    def __init__(self, cloud_modules: Callable[[], list[nn.Module]], draws: Callable[[], bool | None]) -> None:
+    def __init__(self, cloud_modules: Callable[[], list[nn.Module]], draws: Callable[[], bool | None],
+                 trunk: TrunkEntry | None = None) -> None:
         self._cloud_modules = cloud_modules
         self._draws = draws  # whether the cloud half drew in its training-mode forwards (None: none yet)
+        self._trunk = trunk
         self._last: _Crossing | None = None
 
     def made(self, out: Any, training: bool) -> None:
@@ -77,7 +85,10 @@ class StrayForwards:
 
     def check(self) -> None:
         """Refuse if the last training-mode ``model(x)`` has not reached the cloud half, where that
-        forward could have changed it (asked only then: a step whose loss crossed pays nothing)."""
+        forward could have changed it (asked only then: a step whose loss crossed pays nothing); in a
+        U-shape split, a run of the trunk left unfinished."""
+        if self._trunk is not None:
+            self._trunk.refuse_unfinished(self._could_change)
         last, self._last = self._last, None
         if last is None or last.crossed or not self._could_change():
             return

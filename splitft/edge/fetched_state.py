@@ -1,0 +1,111 @@
+"""The cloud half's entries of ``model.state_dict()``: values fetched once, standing for live tensors.
+
+Unsplit, ``model.state_dict()`` holds tensors that share the parameters' and buffers' memory: a
+write into one changes the model, and one kept without a copy (``best = model.state_dict()``)
+goes on reading the live weights as training moves them. Split, a cloud entry is the value the
+cloud sent at that moment, so both would silently part from the unsplit run. Each is a
+:class:`FetchedCloudState` instead: a plain tensor in every other respect (``torch.save``,
+safetensors, ``copy.deepcopy`` and ``clone()`` see an ordinary tensor) that refuses, with a
+:class:`~splitft.errors.ConfigError` naming the fix, a write into it and any read after the cloud
+half may have changed, where unsplit it would read something else. What aliases it (``.detach()``,
+``.data``, a view) is one too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+from ..wire import tree as trees
+
+#: What reads nothing a training step changes: a stale entry still answers these as unsplit.
+_HARMLESS = {getattr(torch.Tensor, name).__get__ for name in (
+    "shape", "dtype", "device", "ndim", "layout", "requires_grad", "is_cuda", "is_cpu", "is_meta", "is_sparse")}
+_HARMLESS |= {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.__len__,
+              torch.Tensor.__hash__, torch.Tensor.element_size, torch.Tensor.is_floating_point,
+              torch.Tensor.is_complex, torch.Tensor.stride, torch.Tensor.is_contiguous}
+
+
+class FetchedCloudState(torch.Tensor):
+    """The value of the cloud half's tensor ``name`` as fetched when the cloud half stood at
+    ``moment`` (what ``now()`` returned then)."""
+
+    _splitft_name: str
+    _splitft_moment: Hashable
+    _splitft_now: Callable[[], Hashable]
+
+    @staticmethod
+    def __new__(cls, value: torch.Tensor, name: str, now: Callable[[], Hashable],
+                moment: Hashable | None = None) -> FetchedCloudState:
+        made = torch.Tensor._make_subclass(cls, value)
+        made._splitft_name = name
+        made._splitft_now = now
+        made._splitft_moment = now() if moment is None else moment
+        return made
+
+    def _refuse_stale(self) -> None:
+        if self._splitft_now() != self._splitft_moment:
+            raise ConfigError(
+                f"a tensor of model.state_dict() (the cloud half's {self._splitft_name!r}) is used after the cloud "
+                "half changed (a forward or an optimizer step since): unsplit, state_dict() shares the model's "
+                "memory, so it would hold the values of now; split, it holds those fetched then. Take "
+                "model.state_dict() again where you use it; to keep a moment's values (a best checkpoint), keep "
+                "copy.deepcopy(model.state_dict()), which is a copy both ways")
+
+    def _refuse_written(self) -> None:
+        raise ConfigError(
+            f"a tensor of model.state_dict() (the cloud half's {self._splitft_name!r}) was written in place: unsplit "
+            "that changes the model's own tensor, which it shares memory with; split, it is a copy fetched from the "
+            f"cloud. Write to the model's tensor itself (with torch.no_grad(): "
+            f"model.get_parameter({self._splitft_name!r}).mul_(...), or get_buffer), or load a changed copy with "
+            "model.load_state_dict(...)")
+
+    @classmethod
+    def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        fetched = [t for t in trees.leaves((args, kwargs)) if isinstance(t, FetchedCloudState)]
+        if func not in _HARMLESS:
+            for t in fetched:
+                t._refuse_stale()
+        with torch._C.DisableTorchFunctionSubclass():
+            versions = [t._version for t in fetched]
+            out = func(*args, **kwargs)
+            for t, version in zip(fetched, versions):
+                if t._version != version:
+                    t._refuse_written()
+            return trees.rebuild(out, lambda r, path: _aliased(r, fetched), other=lambda node, path: node)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # torch's: unannotated
+        self._refuse_stale()
+        with torch._C.DisableTorchFunctionSubclass():
+            return repr(torch.Tensor._make_subclass(torch.Tensor, self))
+
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:
+        self._refuse_stale()
+        with torch._C.DisableTorchFunctionSubclass():
+            copied = self.clone()
+        memo[id(self)] = copied
+        return copied
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # torch.save, pickle: an ordinary tensor of the values
+        self._refuse_stale()
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.Tensor._make_subclass(torch.Tensor, self).__reduce_ex__(protocol)
+
+
+def _aliased(result: torch.Tensor, fetched: list[FetchedCloudState]) -> torch.Tensor:
+    """``result`` as a fetched entry when it shares memory with one (a view, ``detach()``, a no-op
+    ``.to()``), else as it is: a copy is the script's own."""
+    if isinstance(result, FetchedCloudState) or not fetched or result.layout != torch.strided:
+        return result
+    pointer = result.untyped_storage().data_ptr()
+    source = next((t for t in fetched if t.untyped_storage().data_ptr() == pointer), None)
+    if source is None or type(result) is not torch.Tensor:
+        return result
+    return FetchedCloudState(result, source._splitft_name, source._splitft_now, source._splitft_moment)
+
+
+__all__ = ["FetchedCloudState"]
