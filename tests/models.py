@@ -223,6 +223,27 @@ def deep_supervised(seed: int = 0) -> DeepSupervised:
         return DeepSupervised()
 
 
+class SparseLookup(nn.Module):
+    """Token ids to vectors through ``F.embedding(..., sparse=True)``: a sparse gradient no layer class shows."""
+
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(20, 4))
+        self.sparse = sparse
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight, sparse=self.sparse).flatten(1)
+
+
+def lookup_mlp(seed: int = 0, layer: str = "functional") -> nn.Sequential:
+    """Ids in, a lookup at 1 (the cloud's first module for a cut at 1), then a classifier;
+    ``layer``: "functional" (a sparse F.embedding), "embedding" (nn.Embedding(sparse=True))."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        lookup = SparseLookup(True) if layer == "functional" else nn.Embedding(20, 4, sparse=True)
+        return nn.Sequential(nn.Identity(), lookup, nn.Flatten(), nn.Linear(16, 3))
+
+
 class LayerStack(nn.Module):
     """A stack of layers its forward runs in the order ``plan`` gives (None: each once, in order):
     a plan that skips some is LayerDrop's forward in training (BART, Wav2Vec2, Whisper)."""

@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 import splitft
-from splitft.errors import ConfigError, CutError, HandshakeError, PlaceholderError
+from splitft.errors import ConfigError, CutError, HandshakeError, ModelError, PlaceholderError
 from tests.conftest import ROOT, start_cloud, stop
-from tests.models import (checkpointed_mlp, counting_mlp, deep_supervised, layer_stack, mlp, mlp_batchnorm,
-                          mlp_dropout, noisy_mlp, parametrized_mlp)
+from tests.models import (checkpointed_mlp, counting_mlp, deep_supervised, layer_stack, lookup_mlp, mlp,
+                          mlp_batchnorm, mlp_dropout, noisy_mlp, parametrized_mlp)
 from tests.test_faults import _data
 from tests.test_script_corpus import assert_bitwise
 
@@ -40,7 +40,7 @@ def cloud(tmp_path_factory):
                                      "--model", "tests.models:mlp_dropout", "--model", "tests.models:checkpointed_mlp",
                                      "--model", "tests.models:mlp_batchnorm", "--model", "tests.models:noisy_mlp",
                                      "--model", "tests.models:counting_mlp", "--model", "tests.models:parametrized_mlp",
-                                     "--model", "tests.models:layer_stack")
+                                     "--model", "tests.models:layer_stack", "--model", "tests.models:lookup_mlp")
     yield address
     stop(proc)
 
@@ -531,6 +531,25 @@ def test_state_dict_kept_as_a_copy_or_with_its_variables_trains_as_unsplit(cloud
         assert_bitwise(model.state_dict(), local.state_dict())
     assert_bitwise(saved, expected)
     assert all(type(v) is torch.Tensor for v in saved.values())
+
+
+@pytest.mark.parametrize("rejoin", [None, 3], ids=["plain", "ushape"])
+def test_a_sparse_embedding_in_the_cloud_half_is_refused_by_split_which_leaves_the_model_as_it_was(cloud, rejoin):
+    net = lookup_mlp(layer="embedding")
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(CutError, match=r"'1' \(Embedding\(sparse=True\)\) would run in the cloud.*sparse=False"):
+        splitft.split(net, 1, rejoin, factory=splitft.Factory("tests.models:lookup_mlp", {"layer": "embedding"}),
+                      connect=cloud)
+    assert_bitwise(net.state_dict(), before)
+    assert type(net[1].weight) is nn.Parameter
+
+
+def test_a_sparse_gradient_made_in_the_cloud_is_a_model_error_naming_it(cloud):
+    """A layer of the user's own whose code asks for a sparse gradient: the cloud's backward says so."""
+    ids, y = torch.randint(0, 20, (8, 4)), torch.randint(0, 3, (8,))
+    with splitft.split(lookup_mlp(), 1, factory="tests.models:lookup_mlp", connect=cloud) as model:
+        with pytest.raises(ModelError, match=r"sparse_coo gradient.*sparse=False"):
+            model.remote_loss(nn.CrossEntropyLoss())(model(ids), y).backward()
 
 
 def test_a_forward_hook_on_the_last_trunk_layer_sees_its_real_output(cloud):

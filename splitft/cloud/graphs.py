@@ -148,8 +148,12 @@ def sole_owners(inputs: Sequence[torch.Tensor | None], grads: Deferred) -> bool:
     for param, grad in [(None, g) for g in inputs] + list(grads):
         if grad is None:
             continue
+        if grad.layout != torch.strided:
+            raise ModelError(f"the cloud half's backward made a {grad.layout} gradient (an embedding with "
+                             "sparse=True?): its gradients cross the cut and are stepped as dense tensors; build the "
+                             "cloud half's layers with sparse=False")
         storage = grad.untyped_storage()
-        if (grad.layout != torch.strided or storage.nbytes() != grad.numel() * grad.element_size()
+        if (storage.nbytes() != grad.numel() * grad.element_size()
                 or storage.data_ptr() in seen or (param is not None and grad.stride() != param.stride())):
             return False
         seen.add(storage.data_ptr())

@@ -51,6 +51,7 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
     tensors = _cloud_tensors(stages)
     _refuse_ties(model, stages, tensors)
     _refuse_hooks(stages, tensors, spec.ushape)
+    _refuse_sparse_gradients(stages)
     make = placeholder or _meta_placeholder
     memo: dict[int, Any] = {}
     swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -100,6 +101,18 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
 _PARAMETRIZED_HINT = (": a parametrized layer (torch.nn.utils.parametrizations.weight_norm, spectral_norm, "
                       "register_parametrization) cannot run in the cloud half; cut after it, so it stays on the edge, "
                       "or parametrize it nowhere")
+
+
+def _refuse_sparse_gradients(stages: Chain) -> None:
+    """An embedding with ``sparse=True`` in the cloud half: its gradient would be a sparse tensor,
+    which neither crosses the cut nor reads as one on the edge (``p.grad.is_sparse``, ``coalesce()``)."""
+    for name, stage in zip(stages.names, stages.stages):
+        for key, module in stage.named_modules():
+            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
+                where = f"{name}.{key}" if key else name
+                raise CutError(f"{where!r} ({type(module).__name__}(sparse=True)) would run in the cloud, whose "
+                               "gradients are dense tensors: build it with sparse=False (and a dense optimizer in "
+                               "place of SparseAdam), or cut so that it stays on the edge")
 
 
 def _ancestors(name: str) -> list[str]:
