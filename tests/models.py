@@ -6,6 +6,7 @@ import dataclasses
 import types
 
 import torch
+import torch.nn.utils.prune
 from torch import nn
 from torch.nn import functional as F
 
@@ -221,6 +222,13 @@ def deep_supervised(seed: int = 0) -> DeepSupervised:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return DeepSupervised()
+
+
+def pruned_mlp(seed: int = 0) -> nn.Sequential:
+    """:func:`mlp` whose layer 2 is pruned by torch.nn.utils.prune (its weight computed by a hook)."""
+    net = mlp(seed)
+    torch.nn.utils.prune.l1_unstructured(net[2], "weight", amount=0.3)
+    return net
 
 
 class SparseLookup(nn.Module):

@@ -25,7 +25,7 @@ import splitft
 from splitft.errors import ConfigError, CutError, HandshakeError, ModelError, PlaceholderError
 from tests.conftest import ROOT, start_cloud, stop
 from tests.models import (checkpointed_mlp, counting_mlp, deep_supervised, layer_stack, lookup_mlp, mlp,
-                          mlp_batchnorm, mlp_dropout, noisy_mlp, parametrized_mlp)
+                          mlp_batchnorm, mlp_dropout, noisy_mlp, parametrized_mlp, pruned_mlp)
 from tests.test_faults import _data
 from tests.test_script_corpus import assert_bitwise
 
@@ -40,7 +40,8 @@ def cloud(tmp_path_factory):
                                      "--model", "tests.models:mlp_dropout", "--model", "tests.models:checkpointed_mlp",
                                      "--model", "tests.models:mlp_batchnorm", "--model", "tests.models:noisy_mlp",
                                      "--model", "tests.models:counting_mlp", "--model", "tests.models:parametrized_mlp",
-                                     "--model", "tests.models:layer_stack", "--model", "tests.models:lookup_mlp")
+                                     "--model", "tests.models:layer_stack", "--model", "tests.models:lookup_mlp",
+                                     "--model", "tests.models:pruned_mlp")
     yield address
     stop(proc)
 
@@ -81,7 +82,29 @@ class _Doubled(nn.Linear):
         return super().forward(x) * 2
 
 
+def _edge_bias_tied_after_split(model, net, opt):
+    net[0].bias = net[2].bias
+    model(_data(1)[0][0])
+
+
+def _hand_written_momentum(model, net, opt):
+    buffers = [torch.zeros_like(p) for p in model.parameters()]
+    with torch.no_grad():
+        for p, b in zip(model.parameters(), buffers):
+            b.mul_(0.9).add_(p.grad)
+
+
 REFUSED: dict[str, tuple[Callable, type, str]] = {
+    "parameters counted by their memory (data_ptr)": (
+        lambda model, net, opt: {p.data_ptr(): p.numel() for p in model.parameters()}, PlaceholderError,
+        r"data_ptr\(\) of cloud parameter '2.weight': its memory is in the cloud.*model.parameters\(\)"),
+    "a storage read under no_grad": (
+        lambda model, net, opt: torch.no_grad()(lambda: [p.untyped_storage() for p in model.parameters()])(),
+        PlaceholderError, r"untyped_storage\(\) of cloud parameter '2.weight'"),
+    "an edge bias tied to a cloud bias after split()": (
+        _edge_bias_tied_after_split, PlaceholderError, r"cloud parameter '2.bias' with gradients on.*tied after split"),
+    "a hand-written optimizer's buffers made with zeros_like": (
+        _hand_written_momentum, PlaceholderError, r"made like cloud parameter '2.weight'.*hand-written optimizer"),
     "a running sum of a weight": (
         lambda model, net, opt: [p.data.cumsum_(0) for p in model.parameters()], PlaceholderError, r"before split"),
     "gradients flattened to one vector": (
@@ -344,6 +367,15 @@ def test_a_parametrized_cloud_layer_is_refused_by_split_which_leaves_the_model_a
     assert_bitwise(net.state_dict(), before)
     with torch.no_grad():
         assert torch.equal(net(x), expected)
+
+
+def test_a_pruned_cloud_layer_is_refused_by_split_which_leaves_the_model_as_it_was(cloud):
+    net = pruned_mlp()
+    before = {n: t.clone() for n, t in net.state_dict().items()}
+    with pytest.raises(CutError, match=r"'2' is pruned with torch.nn.utils.prune.*prune.remove\(module, 'weight'\)"):
+        splitft.split(net, 2, factory="tests.models:pruned_mlp", connect=cloud)
+    assert_bitwise(net.state_dict(), before)
+    assert all(type(t) in (torch.Tensor, nn.Parameter) for t in (*net.parameters(), *net.buffers()))
 
 
 def test_split_while_a_forwards_graph_holds_the_weights_says_so_and_leaves_the_model_as_it_was(cloud):
@@ -937,7 +969,7 @@ def test_a_checkpoint_around_the_whole_split_model_trains_exactly_or_is_refused(
                 assert_bitwise(model.state_dict(), local.state_dict())
                 continue
             weights = dict(model.named_parameters())
-            before = {n: v for n, v in model.state_dict().items() if n in weights}
+            before = {n: v.clone() for n, v in model.state_dict().items() if n in weights}
             with pytest.raises(ConfigError, match=plain_refusal):
                 _checkpointed_steps(model, crit, data[:1], reentrant, early_stop)
             # no step was taken (a recomputation is refused in the first backward, once the

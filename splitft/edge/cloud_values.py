@@ -68,9 +68,17 @@ class _NotExpressible(Exception):
     """An operand or call an expression cannot hold: the call is refused as before."""
 
 
+#: What reads a tensor's memory itself: a cloud tensor's is in the cloud.
+_MEMORY = {Tensor.data_ptr, Tensor.untyped_storage, Tensor.storage, Tensor._typed_storage}
+
+
 def handle(func: Any, args: tuple, kwargs: dict) -> Any:
     """``func`` on cloud tensors, computed in the cloud; NotImplemented where it cannot be."""
     remotes = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, RemoteTensor)]
+    if func in _MEMORY and remotes:
+        raise PlaceholderError(f"{func.__name__}() of {remotes[0]._what()}: its memory is in the cloud. To count "
+                               "the model's parameters once each (tied ones too), walk model.parameters(), which "
+                               "yields each parameter object once, and add p.numel()")
     if not remotes or any(isinstance(t, CloudState) for t in remotes) or \
             len({id(t._splitft_remote) for t in remotes}) > 1:
         return NotImplemented
@@ -144,10 +152,12 @@ def _operand(value: Any, remote: Any) -> Any:
     if isinstance(value, CloudTensor):
         if torch.is_grad_enabled() and value.requires_grad:
             raise PlaceholderError(
-                f"computing from {value._what()} with gradients on: the cloud computes values, not graphs, so no "
-                "gradient would flow back from it. A penalty on weights in the loss (L2, L1) is the optimizer's "
-                "weight_decay, or its gradient added after backward under torch.no_grad() (for c * p.pow(2).sum(): "
-                "p.grad.add_(p, alpha=2 * c)); a value only logged or checked is computed under torch.no_grad()")
+                f"computing from {value._what()} with gradients on, on the edge: the cloud computes values, not "
+                "graphs, so no gradient would flow back from it. A penalty on weights in the loss (L2, L1) is the "
+                "optimizer's weight_decay, or its gradient added after backward under torch.no_grad() (for c * "
+                "p.pow(2).sum(): p.grad.add_(p, alpha=2 * c)); an edge layer holding it (a weight tied after "
+                "split()) is tied before split(), which checks the tie; a value only logged or checked is computed "
+                "under torch.no_grad()")
         return {"value": value._splitft_name}
     if isinstance(value, Tensor):
         if isinstance(value, RemoteTensor) or (value.requires_grad and torch.is_grad_enabled()):

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
+from torch.nn.utils import parametrize, prune
 
 from ..code_reads import CodeGuard
 from ..config_reads import ConfigGuard, own_attributes_kept_by_forward
@@ -48,10 +48,10 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
     :mod:`splitft.edge.audit`).
     """
     stages = extract(model, spec)
+    _refuse_unsupported_layers(stages)
     tensors = _cloud_tensors(stages)
     _refuse_ties(model, stages, tensors)
     _refuse_hooks(stages, tensors, spec.ushape)
-    _refuse_sparse_gradients(stages)
     make = placeholder or _meta_placeholder
     memo: dict[int, Any] = {}
     swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -103,16 +103,24 @@ _PARAMETRIZED_HINT = (": a parametrized layer (torch.nn.utils.parametrizations.w
                       "or parametrize it nowhere")
 
 
-def _refuse_sparse_gradients(stages: Chain) -> None:
-    """An embedding with ``sparse=True`` in the cloud half: its gradient would be a sparse tensor,
-    which neither crosses the cut nor reads as one on the edge (``p.grad.is_sparse``, ``coalesce()``)."""
+def _refuse_unsupported_layers(stages: Chain) -> None:
+    """Layers the cloud half cannot hold, refused before the model is touched: an embedding with
+    ``sparse=True`` (its gradient would be a sparse tensor, which neither crosses the cut nor reads
+    as one on the edge), a layer pruned by ``torch.nn.utils.prune`` (its ``weight`` is computed
+    from ``weight_orig`` by a hook, a graph that holds the parameter)."""
     for name, stage in zip(stages.names, stages.stages):
         for key, module in stage.named_modules():
+            where = f"{name}.{key}" if key else name
             if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
-                where = f"{name}.{key}" if key else name
                 raise CutError(f"{where!r} ({type(module).__name__}(sparse=True)) would run in the cloud, whose "
                                "gradients are dense tensors: build it with sparse=False (and a dense optimizer in "
                                "place of SparseAdam), or cut so that it stays on the edge")
+            pruned = [hook for hook in module._forward_pre_hooks.values() if isinstance(hook, prune.BasePruningMethod)]
+            if pruned:
+                raise CutError(f"{where!r} is pruned with torch.nn.utils.prune ({pruned[0]._tensor_name} is computed "
+                               f"from {pruned[0]._tensor_name}_orig by a hook), which the cloud half cannot hold: make "
+                               f"the pruning permanent with prune.remove(module, {pruned[0]._tensor_name!r}) before "
+                               "split() and in the factory, or cut so that the layer stays on the edge")
 
 
 def _ancestors(name: str) -> list[str]:

@@ -232,8 +232,9 @@ class CloudState(RemoteTensor):
         return self._splitft_name, tuple(self.shape), self.dtype, self._splitft_fill
 
     def _what(self) -> str:
-        return (f"a tensor made like cloud parameter {self._splitft_name!r} (optimizer state for it lives in the "
-                "cloud's copy of the optimizer)")
+        return (f"a tensor made like cloud parameter {self._splitft_name!r} (torch.zeros_like(p) and its kin "
+                "stand for their number until p.copy_ uses it; an optimizer's state for the cloud half lives in the "
+                "cloud's copy of a torch.optim optimizer, so a hand-written optimizer cannot keep buffers for it here)")
 
 
 class CloudMoment(CloudState):
