@@ -17,6 +17,7 @@ import textwrap
 import warnings
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -515,6 +516,10 @@ def _kept_and_saved(sd, model, opt, crit, data):
 
 STATE_DICT_MISUSE = {"written in place": (_written, "was written in place"),
                      "written through a view": (_written_through_a_view, "was written in place"),
+                     "written through copy.copy": (lambda sd, *rest: copy.copy(sd["2.bias"]).zero_(),
+                                                   "was written in place"),
+                     "shared through DLPack": (lambda sd, *rest: torch.from_dlpack(sd["2.bias"]),
+                                               "through DLPack"),
                      "kept, trained, loaded": (_kept_and_loaded, "used after the cloud half changed"),
                      "kept, trained, saved": (_kept_and_saved, "used after the cloud half changed")}
 
@@ -531,10 +536,23 @@ def test_a_cloud_entry_of_state_dict_refuses_a_write_and_a_read_after_the_cloud_
         opt, crit = torch.optim.SGD(model.parameters(), lr=0.1), model.remote_loss(nn.CrossEntropyLoss())
         _steps(model, opt, crit, data[:1])
         sd = model.state_dict()
-        with pytest.raises(ConfigError, match=message + r".*(model.get_parameter|copy.deepcopy)"):
+        with pytest.raises(ConfigError, match=message + r".*(model.get_parameter|copy.deepcopy|clone)"):
             action(sd, model, opt, crit, data[1:2])
         if "trained" not in name:
             _steps(model, opt, crit, data[1:2])
+        assert_bitwise(model.state_dict(), local.state_dict())
+
+
+def test_a_cloud_entry_of_state_dict_reads_into_numpy_as_a_copy_that_refuses_writes(cloud):
+    """Flower's get_parameters, ``[v.cpu().numpy() for v in net.state_dict().values()]``: the values,
+    in an array that refuses the write which unsplit would change the model with."""
+    local = mlp()
+    with splitft.split(mlp(), 2, factory=MLP, connect=cloud) as model:
+        arrays = {k: v.cpu().numpy() for k, v in model.state_dict().items()}
+        assert {k: a.tolist() for k, a in arrays.items()} == {k: v.numpy().tolist() for k, v in local.state_dict().items()}
+        with pytest.raises(ValueError, match="read-only"):
+            arrays["2.weight"][0, 0] = 1.0
+        assert not np.asarray(model.state_dict()["2.bias"]).flags.writeable
         assert_bitwise(model.state_dict(), local.state_dict())
 
 

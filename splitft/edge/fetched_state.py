@@ -8,7 +8,8 @@ cloud sent at that moment, so both would silently part from the unsplit run. Eac
 safetensors, ``copy.deepcopy`` and ``clone()`` see an ordinary tensor) that refuses, with a
 :class:`~splitft.errors.ConfigError` naming the fix, a write into it and any read after the cloud
 half may have changed, where unsplit it would read something else. What aliases it (``.detach()``,
-``.data``, a view) is one too.
+``.data``, a view, ``copy.copy``) is one too; ``.numpy()`` gives a read-only copy, and DLPack is
+refused.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ _HARMLESS = {getattr(torch.Tensor, name).__get__ for name in (
 _HARMLESS |= {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.__len__,
               torch.Tensor.__hash__, torch.Tensor.element_size, torch.Tensor.is_floating_point,
               torch.Tensor.is_complex, torch.Tensor.stride, torch.Tensor.is_contiguous}
+
+
+#: What hands the values to numpy: a read-only copy here, where unsplit it is the model's memory.
+_TO_NUMPY: set[Callable[..., Any]] = {torch.Tensor.numpy, torch.Tensor.__array__}
 
 
 class FetchedCloudState(torch.Tensor):
@@ -70,7 +75,15 @@ class FetchedCloudState(torch.Tensor):
         if func not in _HARMLESS:
             for t in fetched:
                 t._refuse_stale()
+        if func is torch.Tensor.__dlpack__:
+            raise ConfigError(f"sharing the memory of a tensor of model.state_dict() (the cloud half's "
+                              f"{fetched[0]._splitft_name!r}) through DLPack: unsplit that is the model's own memory; "
+                              "split, a copy fetched from the cloud. Share a clone(), which is a copy both ways")
         with torch._C.DisableTorchFunctionSubclass():
+            if func in _TO_NUMPY:  # an array of the values that refuses writes: unsplit it is the model's memory
+                array = func(*args, **kwargs).copy()
+                array.flags.writeable = False
+                return array
             versions = [t._version for t in fetched]
             out = func(*args, **kwargs)
             for t, version in zip(fetched, versions):
@@ -82,6 +95,12 @@ class FetchedCloudState(torch.Tensor):
         self._refuse_stale()
         with torch._C.DisableTorchFunctionSubclass():
             return repr(torch.Tensor._make_subclass(torch.Tensor, self))
+
+    def __copy__(self) -> FetchedCloudState:  # copy.copy(t): unsplit, another tensor over the same memory
+        self._refuse_stale()
+        with torch._C.DisableTorchFunctionSubclass():
+            alias = self.detach()
+        return FetchedCloudState(alias, self._splitft_name, self._splitft_now, self._splitft_moment)
 
     def __deepcopy__(self, memo: dict) -> torch.Tensor:
         self._refuse_stale()
