@@ -543,6 +543,25 @@ def test_a_cloud_entry_of_state_dict_refuses_a_write_and_a_read_after_the_cloud_
         assert_bitwise(model.state_dict(), local.state_dict())
 
 
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+def test_a_state_dict_taken_before_an_evaluation_saves_after_it(cloud, rejoin):
+    """A validation in eval mode changes nothing a state dict holds: one taken before it is still
+    the model's (the batch norm's statistics would have moved in training mode)."""
+    x = _data(1)[0][0]
+    local = mlp_batchnorm()
+    with splitft.split(mlp_batchnorm(), 2, rejoin, factory="tests.models:mlp_batchnorm", connect=cloud) as model:
+        for m in (local, model):
+            sd = m.state_dict()
+            m.eval()
+            with torch.no_grad():
+                m.predict(x) if m is model else m(x)
+            m.train()
+            buffer = io.BytesIO()
+            torch.save(sd, buffer)
+            saved = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+            assert_bitwise(saved, local.state_dict())
+
+
 def test_a_cloud_entry_of_state_dict_reads_into_numpy_as_a_copy_that_refuses_writes(cloud):
     """Flower's get_parameters, ``[v.cpu().numpy() for v in net.state_dict().values()]``: the values,
     in an array that refuses the write which unsplit would change the model with."""

@@ -259,6 +259,8 @@ class SplitModel(UnsplitTree):
         if cut is not None:
             cut.refuse_changes(self.training, self.session.outbox.weights_version)
         modes = self._mirror_module_state()
+        if self.training or modes:
+            self.session.outbox.runs += 1
         drawn_since = generator_kept = None
         since = cut.generator_since() if again is None and cut is not None else "untouched"
         if cut is not None and since == "set":  # the half draws from the forward's state; the script's set stays

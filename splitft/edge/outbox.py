@@ -33,8 +33,8 @@ class Outbox:
         #: Moves with every operation that changes the cloud half's weights (a step, a load, an
         #: in-place call on a weight): a plain split's ``model(x)`` ran with those of its moment.
         self.weights_version = 0
-        #: Moves with every forward or backward sent: a training-mode forward may change the cloud
-        #: half's buffers (running statistics).
+        #: Moves with every call of the cloud half that may change its buffers (running statistics):
+        #: one in training mode, or with one of its layers in training mode.
         self.runs = 0
 
     def __len__(self) -> int:

@@ -147,7 +147,6 @@ class EdgeSession(Recovery):
             self.before_request()
         if not isinstance(msg, Sync):
             self.outbox.version += 1  # a forward or a backward changes the cloud half's tensors
-            self.outbox.runs += not isinstance(msg, Bye)
         numbered = _numbered(msg)
         if numbered:
             self._seq += 1
