@@ -96,6 +96,12 @@ def _hand_written_momentum(model, net, opt):
 
 
 REFUSED: dict[str, tuple[Callable, type, str]] = {
+    "a state_dict post-hook on a cloud layer (to rename or rescale its entries)": (
+        lambda model, net, opt: net[2].register_state_dict_post_hook(lambda module, sd, prefix, local: None),
+        CutError, r"register_state_dict_post_hook on '2': that module's state is the cloud's"),
+    "a load_state_dict pre-hook on a cloud layer (to migrate old checkpoints)": (
+        lambda model, net, opt: net[4].register_load_state_dict_pre_hook(lambda *args: None),
+        CutError, r"register_load_state_dict_pre_hook on '4'"),
     "parameters counted by their memory (data_ptr)": (
         lambda model, net, opt: {p.data_ptr(): p.numel() for p in model.parameters()}, PlaceholderError,
         r"data_ptr\(\) of cloud parameter '2.weight': its memory is in the cloud.*model.parameters\(\)"),

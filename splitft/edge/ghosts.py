@@ -25,6 +25,8 @@ from ..numerics import NumericsGuard
 from ..cut import Chain, CutSpec, _module, extract
 from ..errors import ConfigError, CutError
 from .ghost_classes import TABLES, Ghost, ghost_class
+from .ghost_hooks import (GLOBAL_HOOKS, HOOKS, STATE_HOOKS, library_hook, never_run, refuse_hooks, refused_hook,
+                          refused_state_hook)
 from .standins import CutPoint, TrunkEntry, TrunkFollower, Unreachable
 
 
@@ -51,7 +53,7 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
     _refuse_unsupported_layers(stages)
     tensors = _cloud_tensors(stages)
     _refuse_ties(model, stages, tensors)
-    _refuse_hooks(stages, tensors, spec.ushape)
+    refuse_hooks(stages, tensors, spec.ushape)
     make = placeholder or _meta_placeholder
     memo: dict[int, Any] = {}
     swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -94,7 +96,7 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
                 standin = TrunkFollower(name, entry, index=i)
         else:
             standin = CutPoint(name) if i == 0 else Unreachable(name)
-        ghost(module, standin, never_run=_never_run(spec.ushape, i), before=unchanged if i == 0 else None)
+        ghost(module, standin, never_run=never_run(spec.ushape, i), before=unchanged if i == 0 else None)
     return chain
 
 
@@ -180,7 +182,7 @@ class Ghosts:
                               f"another module there: it was replaced after split(). Replace layers before "
                               "split(), in the cloud's factory too")
         self.refuse_swapped()
-        if any(_GLOBAL_HOOKS):
+        if any(GLOBAL_HOOKS):
             raise ConfigError("a global module hook is registered (torch.nn.modules.module.register_module_forward_hook "
                               "and its kin, or a tool that uses them): it runs on every module's call, but the cloud "
                               "half's modules run in the cloud, where it would not; register hooks on edge modules")
@@ -206,7 +208,7 @@ class Ghosts:
                                                   if not in_cloud]
         for where, module in holders:
             for table in ("_forward_hooks", "_backward_hooks", "_backward_pre_hooks"):
-                if any(not _library_hook(h) for h in getattr(module, table).values()):
+                if any(not library_hook(h) for h in getattr(module, table).values()):
                     raise CutError(f"a {table.strip('_').replace('_', ' ')[:-1]} on {where!r}: a plain split runs its "
                                    "forward on the edge only up to the cut (the cloud computes the rest with the loss), "
                                    "so the hook would never see its output; register it on an edge module, use "
@@ -318,7 +320,8 @@ def ghost(module: nn.Module, standin: nn.Module, *, never_run: tuple[str, ...] =
     state.update(forward=forward, _apply=apply, extra_repr=standin.extra_repr, _splitft_standin=standin)
     for key, sub in module.named_modules():
         where = f"{standin_name(module)}.{key}" if key else standin_name(module)
-        sub.__dict__.update({hook: _refused_hook(where, hook) for hook in (_HOOKS if key else never_run)})
+        sub.__dict__.update({hook: refused_hook(where, hook) for hook in (HOOKS if key else never_run)})
+        sub.__dict__.update({hook: refused_state_hook(where, hook) for hook in STATE_HOOKS})
         sub.__dict__["_splitft_where"] = where
         for table in TABLES:  # add_module, register_buffer, Sequential.append write these directly
             sub.__dict__[table] = _FixedTable(sub.__dict__[table], where, table)
@@ -371,71 +374,8 @@ class _FixedTable(dict):
     __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = __ior__ = _refuse
 
 
-_HOOKS = ("register_forward_pre_hook", "register_forward_hook", "register_full_backward_hook",
-          "register_full_backward_pre_hook", "register_backward_hook")
-_GHOST_ATTRIBUTES = ("forward", "_apply", "extra_repr", "_splitft_standin", "_splitft_where", *_HOOKS)
-
-
-#: The process-wide hooks every module's call runs (torch.nn.modules.module.register_module_*_hook).
-_GLOBAL_HOOKS = (nn.modules.module._global_forward_pre_hooks, nn.modules.module._global_forward_hooks,
-                 nn.modules.module._global_backward_pre_hooks, nn.modules.module._global_backward_hooks)
-
-#: Where a module keeps the hooks each registration adds.
-_HOOK_TABLES = {"register_forward_pre_hook": "_forward_pre_hooks", "register_forward_hook": "_forward_hooks",
-                "register_full_backward_hook": "_backward_hooks", "register_full_backward_pre_hook": "_backward_pre_hooks",
-                "register_backward_hook": "_backward_hooks"}
-
-
-#: Libraries whose models register hooks of their own: transformers installs output-recording
-#: hooks the first time a forward asks for hidden states or attentions; they record, never change
-#: what a module returns, and the cloud's copy of the model installs its own when asked.
-_LIBRARY_HOOKS = ("transformers.",)
-
-
-def _library_hook(hook: Any) -> bool:
-    module = getattr(hook, "__module__", None) or ""
-    return module.startswith(_LIBRARY_HOOKS)
-
-
-def _never_run(ushape: bool, index: int) -> tuple[str, ...]:
-    """The hooks the ``index``-th cloud module's ghost cannot run on itself. A plain split's first
-    runs its forward pre-hooks (then stops the forward), the others run nothing; a U-shape trunk's
-    modules run their forward hooks on the edge (one that reads an inner module's output is refused
-    at the forward), but no backward hook: the trunk's backward runs in the cloud."""
-    if ushape:
-        return _HOOKS[2:]
-    return _HOOKS[1:] if index == 0 else _HOOKS
-
-
-def _refuse_hooks(stages: Any, tensors: dict[str, torch.Tensor], ushape: bool) -> None:
-    """Hooks registered before ``split()`` on what goes to the cloud: refused as they would be
-    after it (they would never run, and training would silently differ), before anything changed."""
-    for i, (name, module) in enumerate(zip(stages.names, stages.stages)):
-        never = _never_run(ushape, i)
-        for key, sub in module.named_modules():
-            for hook in (_HOOKS if key else never):
-                if any(not _library_hook(h) for h in getattr(sub, _HOOK_TABLES[hook], {}).values()):
-                    where = f"{name}.{key}" if key else name
-                    raise CutError(f"{where!r} has a hook ({hook}, registered before split()): that module runs in the "
-                                   "cloud, so the hook would never run there; remove it, register it on a module that "
-                                   "stays on the edge, or cut elsewhere")
-    for name, tensor in tensors.items():
-        if getattr(tensor, "_backward_hooks", None) or getattr(tensor, "_post_accumulate_grad_hooks", None):
-            raise CutError(f"cloud parameter {name!r} has a gradient hook (register_hook or "
-                           "register_post_accumulate_grad_hook, before split()): its gradient is computed and "
-                           "accumulated in the cloud, where the hook would never run; remove it or cut elsewhere")
-
-
-def _refused_hook(where: str, hook: str) -> Callable[..., Any]:
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        if args and _library_hook(args[0]):
-            raise CutError("the forward asked for hidden states or attentions (output_hidden_states, "
-                           "output_attentions), which transformers records with hooks on every layer, but "
-                           f"{where!r} runs in the cloud, where they would not record: leave them off with a split "
-                           "model, or ask the unsplit one (model.unsplit())")
-        raise CutError(f"{hook} on {where!r}: that module runs in the cloud, so the hook would never run; "
-                       "register it before split() on a module that stays on the edge, or cut elsewhere")
-    return refuse
+_GHOST_ATTRIBUTES = ("forward", "_apply", "extra_repr", "_splitft_standin", "_splitft_where", *HOOKS,
+                     *STATE_HOOKS)
 
 
 def standin_of(module: nn.Module) -> nn.Module | None:
