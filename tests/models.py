@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import types
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.utils.prune
@@ -252,28 +255,49 @@ def lookup_mlp(seed: int = 0, layer: str = "functional") -> nn.Sequential:
         return nn.Sequential(nn.Identity(), lookup, nn.Flatten(), nn.Linear(16, 3))
 
 
+class StackBlock(nn.Module):
+    """A layer of :class:`LayerStack`: ``settings["scale"]`` scales its output when given."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, h: torch.Tensor, settings: dict | None = None) -> torch.Tensor:
+        h = self.drop(torch.tanh(self.fc(h)))
+        return h if settings is None else h * settings["scale"]
+
+
 class LayerStack(nn.Module):
     """A stack of layers its forward runs in the order ``plan`` gives (None: each once, in order):
-    a plan that skips some is LayerDrop's forward in training (BART, Wav2Vec2, Whisper)."""
+    a plan that skips some is LayerDrop's forward in training (BART, Wav2Vec2, Whisper). A script
+    may set what runs around each layer's call (``around(i)``: a context, a grad mode or autocast
+    switched per layer) and before it (``between(i, settings)``: a draw, a setting changed)."""
 
-    def __init__(self) -> None:
+    def __init__(self, p: float = 0.0) -> None:
         super().__init__()
         self.inp = nn.Linear(12, 16)
-        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
+        self.layers = nn.ModuleList([StackBlock(p) for _ in range(4)])
         self.head = nn.Linear(16, 3)
         self.plan: list[int] | None = None
+        self.around: Callable[[int], Any] | None = None
+        self.between: Callable[[int, dict], None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.relu(self.inp(x))
+        settings = {"scale": 1.0}
         for i in range(len(self.layers)) if self.plan is None else self.plan:
-            h = self.layers[i](h)
+            if self.between is not None:
+                self.between(i, settings)
+            with self.around(i) if self.around is not None else contextlib.nullcontext():
+                h = self.layers[i](h, settings)
         return self.head(h)
 
 
-def layer_stack(seed: int = 0) -> LayerStack:
+def layer_stack(seed: int = 0, p: float = 0.0) -> LayerStack:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return LayerStack()
+        return LayerStack(p)
 
 
 class CheckpointedMLP(nn.Module):

@@ -475,6 +475,67 @@ def test_a_forward_that_skips_repeats_or_reorders_trunk_layers_is_refused_in_tha
         assert_bitwise(model.state_dict(), local.state_dict())
 
 
+PER_LAYER = {
+    "grad mode switched per layer (bottom layers frozen by no graph)": (
+        "around", lambda i: torch.set_grad_enabled(i != 1), r"'layers.1' under another grad mode or autocast"),
+    "autocast switched per layer": (
+        "around", lambda i: torch.autocast("cpu", dtype=torch.bfloat16, enabled=i == 0),
+        r"'layers.1' under another grad mode or autocast"),
+    "a shared setting changed between layers": (
+        "between", lambda i, settings: settings.__setitem__("scale", 1.0 / (i + 1)),
+        r"'layers.1' with other arguments .*changed in place since"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PER_LAYER))
+def test_a_trunk_layer_called_under_another_mode_or_setting_than_the_first_is_refused(cloud, name):
+    """The cloud runs the whole trunk under what its first module's call ran under, with that
+    call's arguments as they were then: a forward that switches them between layers is refused."""
+    where, what, message = PER_LAYER[name]
+    data = _data(3)
+    local = layer_stack()
+    opt_local = torch.optim.SGD(local.parameters(), lr=0.1)
+    net = layer_stack()
+    with splitft.split(net, "layers.0:4", factory="tests.models:layer_stack", connect=cloud) as model:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for m, o in ((local, opt_local), (model, opt)):
+            _steps(m, o, nn.CrossEntropyLoss(), data[:2])
+        setattr(net, where, what)
+        with pytest.raises(CutError, match=message):
+            model(data[2][0])
+        setattr(net, where, None)
+        for m, o in ((local, opt_local), (model, opt)):
+            _steps(m, o, nn.CrossEntropyLoss(), data[2:])
+        assert_bitwise(model.state_dict(), local.state_dict())
+
+
+def test_a_draw_between_trunk_layers_whose_dropout_draws_in_the_cloud_is_refused_for_good(cloud):
+    """HF-style LayerDrop draws ``torch.rand`` per layer even at layerdrop=0: unsplit those draws fall
+    between the layers' dropout masks, split the cloud drew every mask at the first module's call.
+    Refused at the second layer; the cloud half drew its masks already, so every later request is
+    refused too."""
+    net = layer_stack(p=0.1)
+    with splitft.split(net, "layers.0:4", factory=splitft.Factory("tests.models:layer_stack", {"p": 0.1}),
+                       connect=cloud) as model:
+        x = _data(1)[0][0]
+        model(x)  # no draws between: as unsplit
+        net.between = lambda i, settings: torch.rand(())
+        with pytest.raises(CutError, match=r"drew random numbers on the edge before calling 'layers.1'"):
+            model(x)
+        net.between = None
+        with pytest.raises(CutError, match=r"refuses every request from now on"):
+            model.state_dict()
+
+
+def test_a_forward_that_walks_into_a_cloud_modules_children_is_refused(cloud):
+    """``for block in stage: h = block(h)`` over a module the cloud runs whole: its children would
+    run on the edge, on placeholders."""
+    net = deep_supervised()
+    with splitft.split(net, "l2", "l3", factory="tests.models:deep_supervised", connect=cloud):
+        with pytest.raises(CutError, match=r"called 'l2.0' on its own, a part of 'l2'.*cut at the parts"):
+            net.l2[0](torch.ones(4, 16))
+
+
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_a_trunk_left_after_its_first_module_is_refused_where_the_cloud_ran_more_than_unsplit(cloud, training):
     """``net[2](h)`` alone (a feature logged under no_grad) runs the whole trunk 2..3 in the cloud:

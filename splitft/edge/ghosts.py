@@ -321,6 +321,8 @@ def ghost(module: nn.Module, standin: nn.Module, *, never_run: tuple[str, ...] =
     for key, sub in module.named_modules():
         where = f"{standin_name(module)}.{key}" if key else standin_name(module)
         sub.__dict__.update({hook: refused_hook(where, hook) for hook in (HOOKS if key else never_run)})
+        if key:  # the cloud runs the ghost's module whole: one of its layers called alone would run here, on nothing
+            sub.__dict__["forward"] = _refused_call(where, standin_name(module))
         sub.__dict__.update({hook: refused_state_hook(where, hook) for hook in STATE_HOOKS})
         sub.__dict__["_splitft_where"] = where
         for table in TABLES:  # add_module, register_buffer, Sequential.append write these directly
@@ -376,6 +378,15 @@ class _FixedTable(dict):
 
 _GHOST_ATTRIBUTES = ("forward", "_apply", "extra_repr", "_splitft_standin", "_splitft_where", *HOOKS,
                      *STATE_HOOKS)
+
+
+def _refused_call(where: str, whole: str) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise CutError(f"the model's forward called {where!r} on its own, a part of {whole!r}, which runs in the cloud "
+                       f"whole at its own call (a forward that walks into its children, for block in {whole}: ...): "
+                       f"cut at the parts instead ({where!r} and its siblings as the cut's modules), or call "
+                       f"{whole!r} itself")
+    return refuse
 
 
 def standin_of(module: nn.Module) -> nn.Module | None:

@@ -95,6 +95,8 @@ class SplitModel(UnsplitTree):
         self.mirror.before_step = self.ghosts.refuse_swapped
         self._flags = ModuleFlags([(name, model.get_submodule(name)) for name in chain.names])
         entry = standin_of(model.get_submodule(chain.names[0])) if spec.ushape else None
+        if isinstance(entry, TrunkEntry):
+            entry.draws = stage.draws_in_training
         self.strays = StrayForwards(self.ghosts.cloud_modules, stage.draws_in_training,
                                     entry if isinstance(entry, TrunkEntry) else None)
         session.before_request = self.strays.check

@@ -97,6 +97,10 @@ class TrunkEntry(nn.Module):
         #: In a run of the trunk not yet finished: the index of the trunk module the forward called last.
         self.reached: int | None = None
         self._run_training = False  # whether that run was in training mode
+        self.context: tuple = ()  # what the first module's call ran under (grad mode, autocast)
+        #: Whether the trunk drew random numbers in its training-mode forwards (None: not known yet).
+        self.draws: Callable[[], bool | None] = lambda: None
+        self.rng_after: torch.Tensor | None = None  # the edge's generator after a drawing trunk ran
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.last = self.handed = None
@@ -113,9 +117,14 @@ class TrunkEntry(nn.Module):
             self._attributes = []
         # Kept for the followers' check; a cache only by a weak reference, so that it is freed (in the
         # cloud too) when the model that made it lets it go.
-        self.call_rest = (args[1:], {k: _WeakCache(weakref.ref(v)) if is_cache(v) else v for k, v in kwargs.items()})
+        # Containers copied and tensors with their version: a follower's check sees what changed in place.
+        self.call_rest = (_snapshot(args[1:]),
+                          {k: _WeakCache(weakref.ref(v)) if is_cache(v) else _snapshot(v) for k, v in kwargs.items()})
+        self.context = run_context()
         self.last = self._remote(*args, **kwargs)
         self.reached, self._run_training = (0 if len(self.cloud_names) > 1 else None), self.training
+        # Unsplit, a draw between trunk modules falls between their dropout masks; here they are all drawn now.
+        self.rng_after = torch.get_rng_state() if self.reached == 0 and self.training and self.draws() else None
         # An inner module's output is not what the cloud returns: the forward may pass it on, not read it.
         self.handed = self.last if len(self.cloud_names) == 1 else hand_over(self.last, self.cloud_names[0],
                                                                              self.cloud_names)
@@ -126,16 +135,18 @@ class TrunkEntry(nn.Module):
         cloud half: the first module's call ran the whole trunk in the cloud, while unsplit only the
         modules called would have run (their batch-norm statistics, their dropout draws). Asked
         before the next request; refuses once."""
-        reached, self.reached = self.reached, None
+        reached = self.reached
         if reached is None or not (self._run_training and could_change()):
+            self.reached = None
             return
-        names = self.cloud_names
+        names = self.cloud_names  # kept: every later request refuses, the cloud half being apart from unsplit now
         raise CutError(
             f"a run of the trunk {names[0]!r}..{names[-1]!r} in training mode was left unfinished (called up to "
             f"{names[reached]!r}, not {names[reached + 1]!r}): the first module's call runs the whole trunk in the "
-            "cloud, so its batch-norm statistics or dropout draws moved as "
-            "if every module had run, where unsplit only the modules called would have. Call the trunk's modules "
-            "one after another to its end, or call a lone trunk module in eval mode (model.eval())")
+            "cloud, so its batch-norm statistics or dropout draws moved as if every module had run, where unsplit "
+            "only the modules called would have; the cloud half no longer matches the unsplit model, so this split "
+            "session refuses every request from now on. Call the trunk's modules one after another to its end "
+            "(a lone trunk module only in eval mode), and start again from a checkpoint")
 
     def extra_repr(self) -> str:
         return f"runs in the cloud: {', '.join(self.cloud_names)}"
@@ -159,6 +170,18 @@ class TrunkFollower(nn.Module):
     def forward(self, first: Any, *args: Any, **kwargs: Any) -> Any:
         entry = self._entry[0]
         self._refuse_out_of_order(entry)
+        if entry.rng_after is not None and not torch.equal(torch.get_rng_state(), entry.rng_after):
+            raise CutError(
+                f"the model's forward drew random numbers on the edge before calling {self.cloud_name!r} (a per-layer "
+                "torch.rand, as LayerDrop draws even at layerdrop=0), while the trunk draws its dropout masks in the "
+                "cloud, all at the first module's call: unsplit the draws interleave with the masks, here they would "
+                "not. Draw before or after the trunk, or run the trunk without dropout")
+        if run_context() != entry.context:
+            raise CutError(
+                f"the model's forward calls {self.cloud_name!r} under another grad mode or autocast than the trunk's "
+                f"first module {entry.cloud_names[0]!r} (torch.set_grad_enabled, torch.no_grad or torch.autocast "
+                "switched per layer): the cloud runs the whole trunk at the first module's call, under what that "
+                "call ran under. Switch them around the whole trunk, or cut where they switch")
         handed = entry.handed
         if handed is None or (first is not handed and first is not stream(handed)):
             raise CutError(
@@ -171,7 +194,7 @@ class TrunkFollower(nn.Module):
         if difference:
             raise CutError(
                 f"the model's forward calls {self.cloud_name!r} with other arguments than the first "
-                f"trunk module {entry.cloud_names[0]!r} ({difference}); the cloud gives every trunk module "
+                f"trunk module {entry.cloud_names[0]!r} ({difference}, or changed in place since); the cloud gives every trunk module "
                 "the first one's arguments, so it would compute something else. Choose a trunk whose "
                 "modules share their extra arguments (or a trunk of one module)"
             )
@@ -185,7 +208,6 @@ class TrunkFollower(nn.Module):
         reached, names = entry.reached, entry.cloud_names
         if reached == self.index - 1:
             return
-        entry.reached = None  # refused here: the next request need not refuse the same run again
         if reached is None:
             what = f"called {self.cloud_name!r} outside a run of the trunk, which starts at {names[0]!r}"
         elif reached >= self.index:
@@ -204,6 +226,13 @@ class TrunkFollower(nn.Module):
         return f"runs in the cloud: {self.cloud_name}"
 
 
+def run_context() -> tuple:
+    """What a module's call runs under that the cloud takes from the trunk's first call: the grad
+    mode and each device's autocast (on, and to which dtype)."""
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+            *((torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")))
+
+
 def _labelled(args: tuple, kwargs: dict, signature: inspect.Signature | None) -> list[tuple[str, Any]]:
     """(human name, value) of each argument, named after the module's parameters when possible."""
     names: list[str] = []
@@ -220,9 +249,30 @@ class _WeakCache:
     ref: weakref.ref
 
 
+@dataclass(frozen=True)
+class _Versioned:
+    """A tensor argument as the first trunk module's call saw it: the object, and its version then."""
+
+    tensor: torch.Tensor
+    version: int
+
+
+def _snapshot(value: Any) -> Any:
+    """``value`` with its tuples, lists and dicts copied and its tensors versioned."""
+    if isinstance(value, torch.Tensor):
+        return _Versioned(value, value._version)
+    if isinstance(value, (tuple, list)) and type(value) in (tuple, list):
+        return type(value)(_snapshot(v) for v in value)
+    if type(value) is dict:
+        return {k: _snapshot(v) for k, v in value.items()}
+    return value
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, _WeakCache):
         return a.ref() is b
+    if isinstance(a, _Versioned):
+        return a.tensor is b and b._version == a.version
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return a is b
     if isinstance(a, (tuple, list)) and type(a) is type(b):
