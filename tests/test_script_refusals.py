@@ -629,6 +629,23 @@ def test_a_state_dict_taken_before_an_evaluation_saves_after_it(cloud, rejoin):
             assert_bitwise(saved, local.state_dict())
 
 
+def test_a_state_dict_kept_across_unsplit_or_loaded_into_another_split_model_stays_checked(cloud):
+    """After unsplit() the model trains on the edge, where a fetched entry cannot follow it; a dict
+    one split model fetched and another loaded still stands for the first one's tensors."""
+    with splitft.split(mlp(), 2, factory=MLP, connect=cloud) as teacher, \
+            splitft.split(mlp(seed=1), 2, factory=splitft.Factory(MLP, {"seed": 1}), connect=cloud) as student:
+        sd = teacher.state_dict()
+        student.load_state_dict(sd)  # the student starts from the teacher
+        with torch.no_grad():
+            teacher.get_parameter("2.weight").mul_(0.5)
+        with pytest.raises(ConfigError, match="used after the cloud half changed"):
+            sd["2.weight"].sum()
+        sd = student.state_dict()
+        student.unsplit()
+        with pytest.raises(ConfigError, match=r"used after the cloud half changed.*unsplit\(\)"):
+            torch.save(sd, io.BytesIO())
+
+
 def test_a_cloud_entry_of_state_dict_reads_into_numpy_as_a_copy_that_refuses_writes(cloud):
     """Flower's get_parameters, ``[v.cpu().numpy() for v in net.state_dict().values()]``: the values,
     in an array that refuses the write which unsplit would change the model with."""

@@ -100,6 +100,9 @@ class SplitModel(UnsplitTree):
         self.strays = StrayForwards(self.ghosts.cloud_modules, stage.draws_in_training,
                                     entry if isinstance(entry, TrunkEntry) else None)
         session.before_request = self.strays.check
+        outbox = session.outbox
+        #: Where the cloud half's state stands: what a fetched state_dict() entry was taken at.
+        self._state_moment: Callable[[], tuple[int, int]] = lambda: (outbox.weights_version, outbox.runs)
         cloud_half.bind(model, chain)
         cloud_half.device = next((p.device for p in self.edge_parameters()), torch.device("cpu"))
         optimizers.register(cloud_half, self.mirror)
@@ -374,10 +377,9 @@ class SplitModel(UnsplitTree):
         out = self.wrapped.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         if keep_vars:
             return out
-        outbox = self.session.outbox
-        moment = (outbox.weights_version, outbox.runs)
+        moment = self._state_moment()
         for key, value in self.cloud_state_dict().items():  # in place of the placeholders
-            out[prefix + key] = FetchedCloudState(value, key, lambda: (outbox.weights_version, outbox.runs), moment)
+            out[prefix + key] = FetchedCloudState(value, key, self._state_moment, moment)
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
@@ -399,14 +401,14 @@ class SplitModel(UnsplitTree):
                     errors.append(f"size mismatch for {key}: copying a param with shape {array.shape} from "
                                   f"checkpoint, the shape in current model is {shapes[key]}.")
         if cloud:
-            outbox = self.session.outbox
-            before = (outbox.weights_version, outbox.runs)
-            outbox.queue(LoadWeights(weights=cloud, partial=cloud.keys() != cloud_names))
+            before = self._state_moment()
+            self.session.outbox.queue(LoadWeights(weights=cloud, partial=cloud.keys() != cloud_names))
             self.session.sync()  # applied now, so a bad tensor is reported here
-            for key in cloud:  # a fetched entry just loaded holds the cloud's values still
+            for key in cloud:  # this model's fetched entry, just loaded, holds the cloud's values still
                 value = state_dict[key]
-                if isinstance(value, FetchedCloudState) and value._splitft_moment == before:
-                    value._splitft_moment = (outbox.weights_version, outbox.runs)
+                if (isinstance(value, FetchedCloudState) and value._splitft_now is self._state_moment
+                        and value._splitft_moment == before):
+                    value._splitft_moment = self._state_moment()
         edge_part = OrderedDict((k, v) for k, v in state_dict.items() if k not in cloud_names)
         metadata = getattr(state_dict, "_metadata", None)
         if metadata is not None:  # each module's version, as torch keeps it: without it, its loader would
@@ -434,6 +436,7 @@ class SplitModel(UnsplitTree):
             optimizer.follow_state()  # a reset of the state reaches the cloud's copy before it is fetched
             moments = self.session.optimizer_state()
         self.close()
+        self.session.outbox.runs += 1  # the model trains on here: what state_dict() fetched no longer follows it
         self.cloud_half.has_grad.clear()
         whole = uninstall(self.wrapped, modules)
         if optimizer is not None:
