@@ -646,6 +646,37 @@ def test_a_state_dict_kept_across_unsplit_or_loaded_into_another_split_model_sta
             torch.save(sd, io.BytesIO())
 
 
+class _Holder(nn.Module):
+    """A Lightning-style module: the model it trains is an attribute, beside a layer of its own."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(5)
+            self.extra = nn.Linear(2, 2)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_split_model_inside_another_module_saves_and_loads_with_it(cloud, strict):
+    """torch's load of the holder walks into the split model, which loads what its state_dict() wrote."""
+    def run(model, crit):
+        holder, data = _Holder(model), _data(3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        _steps(model, opt, crit, data[:1])
+        buffer = io.BytesIO()
+        torch.save(holder.state_dict(), buffer)
+        _steps(model, opt, crit, data[1:2])
+        result = holder.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True), strict=strict)
+        assert result.missing_keys == [] and result.unexpected_keys == []
+        _steps(model, opt, crit, data[2:])
+        return {k: v.clone() for k, v in holder.state_dict().items()}
+
+    expected = run(mlp(), nn.CrossEntropyLoss())
+    with splitft.split(mlp(), 2, factory=MLP, connect=cloud) as model:
+        assert_bitwise(run(model, model.remote_loss(nn.CrossEntropyLoss())), expected)
+
+
 def test_a_cloud_entry_of_state_dict_reads_into_numpy_as_a_copy_that_refuses_writes(cloud):
     """Flower's get_parameters, ``[v.cpu().numpy() for v in net.state_dict().values()]``: the values,
     in an array that refuses the write which unsplit would change the model with."""

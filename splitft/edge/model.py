@@ -42,6 +42,18 @@ from .standins import FORWARDING, CutReached, TrunkEntry
 from .step_log import StepLog
 
 
+def _forget_inner_keys(model: nn.Module, incompatible: Any) -> None:
+    """After torch's load walked into a nested split model's wrapped model: drop the keys that walk
+    reported, which the split model's own load answered already."""
+    loading = model.__dict__.pop("_splitft_loading", None)
+    if loading is None:
+        return
+    inner, missing, unexpected = loading
+    incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if not k.startswith(inner) or k in missing]
+    incompatible.unexpected_keys[:] = [k for k in incompatible.unexpected_keys
+                                       if not k.startswith(inner) or k in unexpected]
+
+
 def _caller_level() -> int:
     """The ``stacklevel`` of the first frame outside splitft: where the script called it."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,6 +115,7 @@ class SplitModel(UnsplitTree):
         outbox = session.outbox
         #: Where the cloud half's state stands: what a fetched state_dict() entry was taken at.
         self._state_moment: Callable[[], tuple[int, int]] = lambda: (outbox.weights_version, outbox.runs)
+        nn.Module.register_load_state_dict_post_hook(self, _forget_inner_keys)
         cloud_half.bind(model, chain)
         cloud_half.device = next((p.device for p in self.edge_parameters()), torch.device("cpu"))
         optimizers.register(cloud_half, self.mirror)
@@ -423,6 +436,25 @@ class SplitModel(UnsplitTree):
                                f"{missing[:5]}, unexpected keys {result.unexpected_keys[:5]}"
                                + "".join(f"\n\t{e}" for e in errors))
         return type(result)(missing, result.unexpected_keys)
+
+    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, local_metadata: dict, strict: bool,
+                              missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        """A split model inside another module (``self.model = split(...)`` in a Lightning-style
+        module): torch's load of that module reaches it here with the keys its ``state_dict()``
+        wrote (``prefix`` + the unsplit names), which load as :meth:`load_state_dict` loads them.
+        torch then walks into the wrapped model under ``prefix + "model."``, where nothing is:
+        what that walk reports missing or unexpected is dropped after it (:func:`_forget_inner_keys`)."""
+        mine = {key[len(prefix):]: value for key, value in state_dict.items() if key.startswith(prefix)}
+        try:
+            result = self.load_state_dict(mine, strict=False,
+                                          assign=bool(local_metadata.get("assign_to_params_buffers", False)))
+        except RuntimeError as exc:
+            error_msgs.append(str(exc))
+            return
+        missing, unexpected = [prefix + k for k in result.missing_keys], [prefix + k for k in result.unexpected_keys]
+        missing_keys.extend(missing)
+        unexpected_keys.extend(unexpected)
+        self.__dict__["_splitft_loading"] = (prefix + "model.", set(missing), set(unexpected))
 
     def unsplit(self) -> nn.Module:
         """The whole trained model, in one piece on the edge: the cloud half's modules back in place
