@@ -629,9 +629,10 @@ def test_a_state_dict_taken_before_an_evaluation_saves_after_it(cloud, rejoin):
             assert_bitwise(saved, local.state_dict())
 
 
-def test_a_state_dict_kept_across_unsplit_or_loaded_into_another_split_model_stays_checked(cloud):
-    """After unsplit() the model trains on the edge, where a fetched entry cannot follow it; a dict
-    one split model fetched and another loaded still stands for the first one's tensors."""
+def test_a_state_dict_kept_across_unsplit_is_the_whole_models_and_one_loaded_elsewhere_stays_checked(cloud):
+    """unsplit() makes a current fetched entry the whole model's memory, as unsplit it always was
+    (one taken before the last step stays refused); a dict one split model fetched and another
+    loaded still stands for the first one's tensors."""
     with splitft.split(mlp(), 2, factory=MLP, connect=cloud) as teacher, \
             splitft.split(mlp(seed=1), 2, factory=splitft.Factory(MLP, {"seed": 1}), connect=cloud) as student:
         sd = teacher.state_dict()
@@ -640,10 +641,18 @@ def test_a_state_dict_kept_across_unsplit_or_loaded_into_another_split_model_sta
             teacher.get_parameter("2.weight").mul_(0.5)
         with pytest.raises(ConfigError, match="used after the cloud half changed"):
             sd["2.weight"].sum()
+        stale = student.state_dict()
+        _steps(student, torch.optim.SGD(student.parameters(), lr=0.1), student.remote_loss(nn.CrossEntropyLoss()),
+               _data(1))
         sd = student.state_dict()
-        student.unsplit()
-        with pytest.raises(ConfigError, match=r"used after the cloud half changed.*unsplit\(\)"):
-            torch.save(sd, io.BytesIO())
+        whole = student.unsplit()
+        with pytest.raises(ConfigError, match=r"used after the cloud half changed"):
+            torch.save(stale, io.BytesIO())
+        assert torch.equal(sd["2.weight"], whole[2].weight)  # the whole model's memory now, as unsplit
+        with torch.no_grad():
+            whole[2].weight.mul_(0.5)
+            sd["2.bias"].zero_()
+        assert torch.equal(sd["2.weight"], whole[2].weight) and not whole[2].bias.any()
 
 
 class _Holder(nn.Module):

@@ -9,7 +9,7 @@ safetensors, ``copy.deepcopy`` and ``clone()`` see an ordinary tensor) that refu
 :class:`~splitft.errors.ConfigError` naming the fix, a write into it and any read after the cloud
 half may have changed, where unsplit it would read something else. What aliases it (``.detach()``,
 ``.data``, a view, ``copy.copy``) is one too; ``.numpy()`` gives a read-only copy, and DLPack is
-refused.
+refused. ``unsplit()`` makes each one still current the whole model's memory, as unsplit it was.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class FetchedCloudState(torch.Tensor):
     _splitft_name: str
     _splitft_moment: Hashable
     _splitft_now: Callable[[], Hashable]
+    _splitft_live = False  # the model's own memory since unsplit(): an ordinary tensor from then on
 
     @staticmethod
     def __new__(cls, value: torch.Tensor, name: str, now: Callable[[], Hashable],
@@ -51,8 +52,14 @@ class FetchedCloudState(torch.Tensor):
         made._splitft_moment = now() if moment is None else moment
         return made
 
+    def follow(self, tensor: torch.Tensor) -> None:
+        """Become ``tensor``'s memory (the whole model's, after ``unsplit()``), as unsplit it was."""
+        with torch._C.DisableTorchFunctionSubclass():
+            self.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride())
+        self._splitft_live = True
+
     def _refuse_stale(self) -> None:
-        if self._splitft_now() != self._splitft_moment:
+        if not self._splitft_live and self._splitft_now() != self._splitft_moment:
             raise ConfigError(
                 f"a tensor of model.state_dict() (the cloud half's {self._splitft_name!r}) is used after the cloud "
                 "half changed (a forward in training mode, an optimizer step, a load or unsplit() since): unsplit, state_dict() shares the model's "
@@ -71,7 +78,10 @@ class FetchedCloudState(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        fetched = [t for t in trees.leaves((args, kwargs)) if isinstance(t, FetchedCloudState)]
+        fetched = [t for t in trees.leaves((args, kwargs)) if isinstance(t, FetchedCloudState) and not t._splitft_live]
+        if not fetched:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
         if func not in _HARMLESS:
             for t in fetched:
                 t._refuse_stale()
@@ -96,11 +106,12 @@ class FetchedCloudState(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             return repr(torch.Tensor._make_subclass(torch.Tensor, self))
 
-    def __copy__(self) -> FetchedCloudState:  # copy.copy(t): unsplit, another tensor over the same memory
+    def __copy__(self) -> torch.Tensor:  # copy.copy(t): unsplit, another tensor over the same memory
         self._refuse_stale()
         with torch._C.DisableTorchFunctionSubclass():
             alias = self.detach()
-        return FetchedCloudState(alias, self._splitft_name, self._splitft_now, self._splitft_moment)
+        return alias if self._splitft_live else FetchedCloudState(alias, self._splitft_name, self._splitft_now,
+                                                                 self._splitft_moment)
 
     def __deepcopy__(self, memo: dict) -> torch.Tensor:
         self._refuse_stale()

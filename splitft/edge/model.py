@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from collections import OrderedDict
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -24,11 +24,11 @@ from ..config_reads import ModuleFlags
 from ..cut import CutSpec
 from ..errors import ConfigError, HiddenAttributeWarning, PeerGone, SplitFTError
 from ..metrics import Metrics
-from ..wire.operations import LoadWeights
 from . import generator_sets, initialisers, move, optimizers, resume
-from .cloud_half import CloudHalf, values_to_send
+from .cloud_half import CloudHalf
 from .fetched_state import FetchedCloudState
 from .ghosts import Ghosts, install, standin_of, uninstall
+from .whole_state import forget_inner_keys, load_nested, load_whole_state
 from .mirror import ModelMirror, loss_module
 from .module_tree import UnsplitTree, hidden_attributes
 from .placeholders import CloudTensor
@@ -40,18 +40,6 @@ from .stage import DRAWN_BETWEEN, CloudStage
 from .stray import StrayForwards, crossed
 from .standins import FORWARDING, CutReached, TrunkEntry
 from .step_log import StepLog
-
-
-def _forget_inner_keys(model: nn.Module, incompatible: Any) -> None:
-    """After torch's load walked into a nested split model's wrapped model: drop the keys that walk
-    reported, which the split model's own load answered already."""
-    loading = model.__dict__.pop("_splitft_loading", None)
-    if loading is None:
-        return
-    inner, missing, unexpected = loading
-    incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if not k.startswith(inner) or k in missing]
-    incompatible.unexpected_keys[:] = [k for k in incompatible.unexpected_keys
-                                       if not k.startswith(inner) or k in unexpected]
 
 
 def _caller_level() -> int:
@@ -115,7 +103,8 @@ class SplitModel(UnsplitTree):
         outbox = session.outbox
         #: Where the cloud half's state stands: what a fetched state_dict() entry was taken at.
         self._state_moment: Callable[[], tuple[int, int]] = lambda: (outbox.weights_version, outbox.runs)
-        nn.Module.register_load_state_dict_post_hook(self, _forget_inner_keys)
+        nn.Module.register_load_state_dict_post_hook(self, forget_inner_keys)
+        self._fetched: weakref.WeakSet[FetchedCloudState] = weakref.WeakSet()  # for unsplit() to make them the model's
         cloud_half.bind(model, chain)
         cloud_half.device = next((p.device for p in self.edge_parameters()), torch.device("cpu"))
         optimizers.register(cloud_half, self.mirror)
@@ -392,7 +381,8 @@ class SplitModel(UnsplitTree):
             return out
         moment = self._state_moment()
         for key, value in self.cloud_state_dict().items():  # in place of the placeholders
-            out[prefix + key] = FetchedCloudState(value, key, self._state_moment, moment)
+            out[prefix + key] = entry = FetchedCloudState(value, key, self._state_moment, moment)
+            self._fetched.add(entry)
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
@@ -400,42 +390,9 @@ class SplitModel(UnsplitTree):
         loads, the edge's part here and the cloud half's in the cloud (checked there before any
         of it loads); missing and unexpected keys are reported, and with ``strict`` raised once
         the rest is loaded, as is a tensor of another shape, with torch's ``RuntimeError``."""
-        cloud_names = self.ghosts.state_names()
-        if assign:
-            _refuse_assigning_cloud_parameters(state_dict, cloud_names & set(self.cloud_half.params))
-        shapes = {k: tuple(v.shape) for k, v in self.wrapped.state_dict(keep_vars=True).items() if k in cloud_names}
-        cloud, errors = {}, []
-        for key, value in state_dict.items():
-            if key in cloud_names:
-                array = values_to_send(value)
-                if array.shape == shapes[key]:
-                    cloud[key] = array
-                else:
-                    errors.append(f"size mismatch for {key}: copying a param with shape {array.shape} from "
-                                  f"checkpoint, the shape in current model is {shapes[key]}.")
-        if cloud:
-            before = self._state_moment()
-            self.session.outbox.queue(LoadWeights(weights=cloud, partial=cloud.keys() != cloud_names))
-            self.session.sync()  # applied now, so a bad tensor is reported here
-            for key in cloud:  # this model's fetched entry, just loaded, holds the cloud's values still
-                value = state_dict[key]
-                if (isinstance(value, FetchedCloudState) and value._splitft_now is self._state_moment
-                        and value._splitft_moment == before):
-                    value._splitft_moment = self._state_moment()
-        edge_part = OrderedDict((k, v) for k, v in state_dict.items() if k not in cloud_names)
-        metadata = getattr(state_dict, "_metadata", None)
-        if metadata is not None:  # each module's version, as torch keeps it: without it, its loader would
-            edge_part._metadata = metadata  # type: ignore[attr-defined]  # migrate a current checkpoint as an old one
-        try:
-            result = self.wrapped.load_state_dict(edge_part, strict=False, assign=assign)
-        except RuntimeError as exc:  # an edge tensor of another shape: torch loads the rest, then raises
-            raise RuntimeError("\n\t".join([str(exc), *errors])) from None
-        missing = [k for k in result.missing_keys if k not in state_dict]
-        if errors or (strict and (missing or result.unexpected_keys)):
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.wrapped).__name__}: missing keys "
-                               f"{missing[:5]}, unexpected keys {result.unexpected_keys[:5]}"
-                               + "".join(f"\n\t{e}" for e in errors))
-        return type(result)(missing, result.unexpected_keys)
+        return load_whole_state(self.wrapped, state_dict, strict, assign, cloud_names=self.ghosts.state_names(),
+                                cloud_params=set(self.cloud_half.params), session=self.session,
+                                moment=self._state_moment)
 
     def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, local_metadata: dict, strict: bool,
                               missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
@@ -443,18 +400,8 @@ class SplitModel(UnsplitTree):
         module): torch's load of that module reaches it here with the keys its ``state_dict()``
         wrote (``prefix`` + the unsplit names), which load as :meth:`load_state_dict` loads them.
         torch then walks into the wrapped model under ``prefix + "model."``, where nothing is:
-        what that walk reports missing or unexpected is dropped after it (:func:`_forget_inner_keys`)."""
-        mine = {key[len(prefix):]: value for key, value in state_dict.items() if key.startswith(prefix)}
-        try:
-            result = self.load_state_dict(mine, strict=False,
-                                          assign=bool(local_metadata.get("assign_to_params_buffers", False)))
-        except RuntimeError as exc:
-            error_msgs.append(str(exc))
-            return
-        missing, unexpected = [prefix + k for k in result.missing_keys], [prefix + k for k in result.unexpected_keys]
-        missing_keys.extend(missing)
-        unexpected_keys.extend(unexpected)
-        self.__dict__["_splitft_loading"] = (prefix + "model.", set(missing), set(unexpected))
+        what that walk reports missing or unexpected is dropped after it (:mod:`.whole_state`)."""
+        load_nested(self, state_dict, prefix, local_metadata, missing_keys, unexpected_keys, error_msgs)
 
     def unsplit(self) -> nn.Module:
         """The whole trained model, in one piece on the edge: the cloud half's modules back in place
@@ -468,9 +415,14 @@ class SplitModel(UnsplitTree):
             optimizer.follow_state()  # a reset of the state reaches the cloud's copy before it is fetched
             moments = self.session.optimizer_state()
         self.close()
-        self.session.outbox.runs += 1  # the model trains on here: what state_dict() fetched no longer follows it
         self.cloud_half.has_grad.clear()
         whole = uninstall(self.wrapped, modules)
+        now = self._state_moment()
+        self.session.outbox.runs += 1  # what state_dict() fetched before is the whole model's now, or stale
+        tensors = dict(whole.state_dict(keep_vars=True))
+        for entry in list(self._fetched):
+            if entry._splitft_moment == now:
+                entry.follow(tensors[entry._splitft_name])
         if optimizer is not None:
             optimizer.unsplit(moments)  # the optimizer steps the whole model on the edge from now on
         return whole
@@ -526,20 +478,6 @@ class SplitModel(UnsplitTree):
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         self.close("interrupted" if exc_type is KeyboardInterrupt else "done" if exc_type is None else "error")
-
-
-def _refuse_assigning_cloud_parameters(state_dict: Mapping[str, Any], cloud_params: set[str]) -> None:
-    """``load_state_dict(assign=True)`` puts new parameter objects in the model, in the checkpoint's
-    dtype: an optimizer built before it keeps the old ones, so unsplit it no longer trains the
-    model. The cloud half's parameters stay the objects every optimizer holds (their values are
-    loaded), so that cannot be repeated: refused before anything loads."""
-    given = sorted(k for k in state_dict if k in cloud_params)
-    if given:
-        raise ConfigError(f"load_state_dict(assign=True) would replace cloud parameter {given[0]!r} "
-                          f"({len(given)} in all) with new objects: an optimizer built before the load would keep "
-                          "the old ones and, unsplit, no longer train the model, while the cloud half keeps its "
-                          "parameters (it loads their values). Load with assign=False (the values load the same; "
-                          "build the optimizer after the load for one over the loaded weights), or load before split()")
 
 
 __all__ = ["CutActivation", "RemoteLoss", "SplitModel"]
