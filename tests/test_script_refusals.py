@@ -527,6 +527,35 @@ def test_a_draw_between_trunk_layers_whose_dropout_draws_in_the_cloud_is_refused
             model.state_dict()
 
 
+def test_a_trunk_called_with_its_hidden_state_by_keyword_is_refused_naming_the_positional_call(cloud):
+    net = layer_stack()
+    net.by_keyword = True
+    with splitft.split(net, "layers.0:4", factory="tests.models:layer_stack", connect=cloud) as model:
+        with pytest.raises(CutError, match=r"'layers.0' with keyword arguments only \(h, settings\).*positionally"):
+            model(_data(1)[0][0])
+
+
+def test_a_batch_too_large_for_the_trunk_raises_out_of_memory_as_unsplit_and_a_smaller_one_trains(cloud):
+    """An out-of-memory retry loop: the first call's cut check meets the model's own error, which it
+    passes on as it is (not as a fault of the cut), and checks the cut again with the smaller batch."""
+    def train(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = _data(1)[0]
+        size = len(x)
+        while True:
+            try:
+                return _steps(model, opt, nn.CrossEntropyLoss(), [(x[:size], y[:size])])
+            except torch.OutOfMemoryError:
+                size //= 2
+
+    local = layer_stack(most=8)
+    train(local)
+    with splitft.split(layer_stack(most=8), "layers.0:4", factory=splitft.Factory("tests.models:layer_stack",
+                                                                                  {"most": 8}), connect=cloud) as model:
+        train(model)
+        assert_bitwise(model.state_dict(), local.state_dict())
+
+
 def test_a_forward_that_walks_into_a_cloud_modules_children_is_refused(cloud):
     """``for block in stage: h = block(h)`` over a module the cloud runs whole: its children would
     run on the edge, on placeholders."""

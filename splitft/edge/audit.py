@@ -94,6 +94,8 @@ def audit_trunk(trunk: nn.Module, args: tuple, kwargs: dict, *, names: list[str]
         with torch.random.fork_rng(devices=[]), torch.no_grad(), watch:
             trunk(*c_args, **c_kwargs)
     except Exception as exc:
+        if out_of_memory(exc):
+            raise  # the batch, not the cut: unsplit the same forward runs out of memory too
         raise CutError(
             f"the trunk {_span(names)}, run as the cloud runs it (each module gets the previous one's "
             f"output and the other arguments of {names[0]!r}), fails: {type(exc).__name__}: {exc}. "
@@ -115,6 +117,11 @@ def audit_trunk(trunk: nn.Module, args: tuple, kwargs: dict, *, names: list[str]
             "factory builds too (a module-level tensor), pass check_cut=False to skip this check."
         )
     log.debug("trunk %s reads only what crosses the cut", names)
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is a forward running out of memory (torch's error, or its message)."""
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(exc)
 
 
 def _span(names: list[str]) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .audit import attribute_tensors, audit_trunk
+from .audit import attribute_tensors, audit_trunk, out_of_memory
 from ..wire.coding import flatten, is_cache
 from ..cut import Chain, stream
 from ..errors import CutError
@@ -104,6 +104,12 @@ class TrunkEntry(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.last = self.handed = None
+        if not args and len(self.cloud_names) > 1:
+            raise CutError(
+                f"the model's forward calls the trunk's first module {self.cloud_names[0]!r} with keyword arguments "
+                f"only ({', '.join(sorted(kwargs))}): the cloud runs the trunk as a chain, handing each module the "
+                "previous one's output as its first positional argument. Pass the hidden state positionally "
+                "(layer(h, mask=m)), or cut a trunk of one module")
         caching = False
         for label, value in _labelled(args, kwargs, self._signature):
             if is_cache(value):  # a key/value cache stays in the cloud: its number crosses
@@ -112,8 +118,13 @@ class TrunkEntry(nn.Module):
                 flatten(value, where=f"{label} of {self.cloud_names[0]!r}")  # raises naming what cannot cross
         if self._probe and not caching:  # (checked at the first call without a cache, which it would fill)
             probe = self._probe.pop()
-            audit_trunk(probe, args, kwargs, names=self.cloud_names, attributes=self._attributes,
-                        training=self.training)
+            try:
+                audit_trunk(probe, args, kwargs, names=self.cloud_names, attributes=self._attributes,
+                            training=self.training)
+            except Exception as exc:
+                if out_of_memory(exc):  # a smaller batch may follow: check the cut with it
+                    self._probe.append(probe)
+                raise
             self._attributes = []
         # Kept for the followers' check; a cache only by a weak reference, so that it is freed (in the
         # cloud too) when the model that made it lets it go.
