@@ -376,6 +376,15 @@ def test_a_parametrized_cloud_layer_is_refused_by_split_which_leaves_the_model_a
         assert torch.equal(net(x), expected)
 
 
+def test_a_state_dict_hook_on_a_cloud_layer_from_before_split_is_refused_by_split(cloud):
+    """A load pre-hook migrating old checkpoints of layer 2: the cloud half's state loads without it."""
+    net = mlp()
+    net[2].register_load_state_dict_pre_hook(lambda module, state_dict, prefix, *rest: None)
+    with pytest.raises(CutError, match=r"'2' has a state-dict hook \(registered before split\(\)\)"):
+        splitft.split(net, 2, factory=MLP, connect=cloud)
+    assert all(type(t) in (torch.Tensor, nn.Parameter) for t in (*net.parameters(), *net.buffers()))
+
+
 def test_a_pruned_cloud_layer_is_refused_by_split_which_leaves_the_model_as_it_was(cloud):
     net = pruned_mlp()
     before = {n: t.clone() for n, t in net.state_dict().items()}

@@ -24,6 +24,9 @@ HOOKS = ("register_forward_pre_hook", "register_forward_hook", "register_full_ba
 STATE_HOOKS = ("register_state_dict_pre_hook", "register_state_dict_post_hook", "_register_state_dict_hook",
                "register_load_state_dict_pre_hook", "_register_load_state_dict_pre_hook",
                "register_load_state_dict_post_hook")
+#: Where a module keeps its state-dict hooks.
+STATE_HOOK_TABLES = ("_state_dict_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks",
+                     "_load_state_dict_post_hooks")
 #: The process-wide hooks every module's call runs (torch.nn.modules.module.register_module_*_hook).
 GLOBAL_HOOKS = (nn.modules.module._global_forward_pre_hooks, nn.modules.module._global_forward_hooks,
                 nn.modules.module._global_backward_pre_hooks, nn.modules.module._global_backward_hooks)
@@ -38,6 +41,9 @@ HOOK_TABLES = {"register_forward_pre_hook": "_forward_pre_hooks", "register_forw
 #: hooks the first time a forward asks for hidden states or attentions; they record, never change
 #: what a module returns, and the cloud's copy of the model installs its own when asked.
 LIBRARY_HOOKS = ("transformers.",)
+#: Whose state-dict hooks a cloud module may hold: torch's and the model libraries' own, made by the
+#: factory too (the cloud's copy of the module holds the same).
+STATE_HOOK_LIBRARIES = ("transformers.", "peft.", "torch.")
 
 
 def library_hook(hook: Any) -> bool:
@@ -67,6 +73,13 @@ def refuse_hooks(stages: Any, tensors: dict[str, torch.Tensor], ushape: bool) ->
                     raise CutError(f"{where!r} has a hook ({hook}, registered before split()): that module runs in the "
                                    "cloud, so the hook would never run there; remove it, register it on a module that "
                                    "stays on the edge, or cut elsewhere")
+            held = [h for table in STATE_HOOK_TABLES for h in getattr(sub, table, {}).values()]
+            if any(not (getattr(getattr(h, "hook", h), "__module__", None) or "").startswith(STATE_HOOK_LIBRARIES)
+                   for h in held):
+                where = f"{name}.{key}" if key else name
+                raise CutError(f"{where!r} has a state-dict hook (registered before split()): that module's state is "
+                               "the cloud's, which model.state_dict() and load_state_dict() fetch and push without "
+                               "it; remove it and transform the state dict yourself around those calls")
     for name, tensor in tensors.items():
         if getattr(tensor, "_backward_hooks", None) or getattr(tensor, "_post_accumulate_grad_hooks", None):
             raise CutError(f"cloud parameter {name!r} has a gradient hook (register_hook or "
