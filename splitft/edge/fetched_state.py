@@ -62,8 +62,9 @@ class FetchedCloudState(torch.Tensor):
         if not self._splitft_live and self._splitft_now() != self._splitft_moment:
             raise ConfigError(
                 f"a tensor of model.state_dict() (the cloud half's {self._splitft_name!r}) is used after the cloud "
-                "half changed (a forward in training mode, an optimizer step, a load or unsplit() since): unsplit, state_dict() shares the model's "
-                "memory, so it would hold the values of now; split, it holds those fetched then. Take "
+                "half changed (a forward in training mode, an optimizer step, a load or unsplit() since): unsplit, "
+                "state_dict() shares the model's memory, so it would hold the values of now; split, it holds those "
+                "fetched then. Take "
                 "model.state_dict() again where you use it; to keep a moment's values (a best checkpoint), keep "
                 "copy.deepcopy(model.state_dict()), which is a copy both ways")
 
