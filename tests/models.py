@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.nn.utils.prune
+import torch.utils.checkpoint
 from torch import nn
 from torch.nn import functional as F
 
@@ -258,16 +259,17 @@ def lookup_mlp(seed: int = 0, layer: str = "functional") -> nn.Sequential:
 class StackBlock(nn.Module):
     """A layer of :class:`LayerStack`: ``settings["scale"]`` scales its output when given."""
 
-    def __init__(self, p: float, most: int | None = None) -> None:
+    def __init__(self, p: float, most: int | None = None, norm: bool = False) -> None:
         super().__init__()
         self.fc = nn.Linear(16, 16)
+        self.norm = nn.BatchNorm1d(16) if norm else nn.Identity()
         self.drop = nn.Dropout(p)
         self.most = most  # a batch larger than this runs out of memory (as a GPU's would)
 
     def forward(self, h: torch.Tensor, settings: dict | None = None) -> torch.Tensor:
         if self.most is not None and len(h) > self.most:
             raise torch.OutOfMemoryError(f"out of memory at a batch of {len(h)} (at most {self.most} fit)")
-        h = self.drop(torch.tanh(self.fc(h)))
+        h = self.drop(torch.tanh(self.norm(self.fc(h))))
         return h if settings is None else h * settings["scale"]
 
 
@@ -277,13 +279,14 @@ class LayerStack(nn.Module):
     may set what runs around each layer's call (``around(i)``: a context, a grad mode or autocast
     switched per layer) and before it (``between(i, settings)``: a draw, a setting changed)."""
 
-    def __init__(self, p: float = 0.0, most: int | None = None) -> None:
+    def __init__(self, p: float = 0.0, most: int | None = None, norm: bool = False) -> None:
         super().__init__()
         self.inp = nn.Linear(12, 16)
-        self.layers = nn.ModuleList([StackBlock(p, most) for _ in range(4)])
+        self.layers = nn.ModuleList([StackBlock(p, most, norm) for _ in range(4)])
         self.head = nn.Linear(16, 3)
         self.plan: list[int] | None = None
         self.by_keyword = False  # each layer called as layer(h=h, settings=...)
+        self.checkpointed = False  # each layer in a torch.utils.checkpoint region of its own
         self.around: Callable[[int], Any] | None = None
         self.between: Callable[[int, dict], None] | None = None
 
@@ -294,14 +297,17 @@ class LayerStack(nn.Module):
             if self.between is not None:
                 self.between(i, settings)
             with self.around(i) if self.around is not None else contextlib.nullcontext():
-                h = self.layers[i](h=h, settings=settings) if self.by_keyword else self.layers[i](h, settings)
+                if self.checkpointed:
+                    h = torch.utils.checkpoint.checkpoint(self.layers[i], h, settings, use_reentrant=False)
+                else:
+                    h = self.layers[i](h=h, settings=settings) if self.by_keyword else self.layers[i](h, settings)
         return self.head(h)
 
 
-def layer_stack(seed: int = 0, p: float = 0.0, most: int | None = None) -> LayerStack:
+def layer_stack(seed: int = 0, p: float = 0.0, most: int | None = None, norm: bool = False) -> LayerStack:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return LayerStack(p, most)
+        return LayerStack(p, most, norm)
 
 
 class CheckpointedMLP(nn.Module):

@@ -565,6 +565,28 @@ def test_a_batch_too_large_for_the_trunk_raises_out_of_memory_as_unsplit_and_a_s
         assert_bitwise(model.state_dict(), local.state_dict())
 
 
+@pytest.mark.parametrize("norm", [False, True], ids=["no batch norm", "batch norm"])
+def test_a_checkpoint_per_trunk_layer_trains_exactly_or_is_refused_where_recomputation_moves_statistics(cloud,
+                                                                                                       norm):
+    """Unsplit, each layer's checkpoint recomputes it in the backward: exact for the split where
+    that changes nothing, refused where batch norm would move its statistics a second time."""
+    data = _data(2)
+    local = layer_stack(norm=norm)
+    local.checkpointed = True
+    net = layer_stack(norm=norm)
+    net.checkpointed = True
+    factory = splitft.Factory("tests.models:layer_stack", {"norm": norm})
+    with splitft.split(net, "layers.0:4", factory=factory, connect=cloud) as model:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if norm:
+            with pytest.raises(CutError, match=r"'layers.1' in another torch.utils.checkpoint region"):
+                _steps(model, opt, nn.CrossEntropyLoss(), data)
+            return
+        _steps(model, opt, nn.CrossEntropyLoss(), data)
+        _steps(local, torch.optim.SGD(local.parameters(), lr=0.1), nn.CrossEntropyLoss(), data)
+        assert_bitwise(model.state_dict(), local.state_dict())
+
+
 def test_a_forward_that_walks_into_a_cloud_modules_children_is_refused(cloud):
     """``for block in stage: h = block(h)`` over a module the cloud runs whole: its children would
     run on the edge, on placeholders."""

@@ -99,6 +99,8 @@ class SplitModel(UnsplitTree):
             entry.draws = stage.draws_in_training
         self.strays = StrayForwards(self.ghosts.cloud_modules, stage.draws_in_training,
                                     entry if isinstance(entry, TrunkEntry) else None)
+        if isinstance(entry, TrunkEntry):
+            entry.keeps_statistics = self.strays.keeps_statistics
         session.before_request = self.strays.check
         outbox = session.outbox
         #: Where the cloud half's state stands: what a fetched state_dict() entry was taken at.

@@ -101,6 +101,9 @@ class TrunkEntry(nn.Module):
         #: Whether the trunk drew random numbers in its training-mode forwards (None: not known yet).
         self.draws: Callable[[], bool | None] = lambda: None
         self.rng_after: torch.Tensor | None = None  # the edge's generator after a drawing trunk ran
+        #: Whether a trunk layer in training mode keeps running statistics (batch norm).
+        self.keeps_statistics: Callable[[], bool] = lambda: False
+        self.region: Any = None  # the torch.utils.checkpoint region the first module's call ran in
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.last = self.handed = None
@@ -131,7 +134,7 @@ class TrunkEntry(nn.Module):
         # Containers copied and tensors with their version: a follower's check sees what changed in place.
         self.call_rest = (_snapshot(args[1:]),
                           {k: _WeakCache(weakref.ref(v)) if is_cache(v) else _snapshot(v) for k, v in kwargs.items()})
-        self.context = run_context()
+        self.context, self.region = run_context(), checkpoint_region()
         self.last = self._remote(*args, **kwargs)
         self.reached, self._run_training = (0 if len(self.cloud_names) > 1 else None), self.training
         # Unsplit, a draw between trunk modules falls between their dropout masks; here they are all drawn now.
@@ -187,6 +190,13 @@ class TrunkFollower(nn.Module):
                 "torch.rand, as LayerDrop draws even at layerdrop=0), while the trunk draws its dropout masks in the "
                 "cloud, all at the first module's call: unsplit the draws interleave with the masks, here they would "
                 "not. Draw before or after the trunk, or run the trunk without dropout")
+        if checkpoint_region() is not entry.region and entry.training and entry.keeps_statistics():
+            raise CutError(
+                f"the model's forward calls {self.cloud_name!r} in another torch.utils.checkpoint region than the "
+                f"trunk's first module {entry.cloud_names[0]!r} (a checkpoint per layer) while the trunk keeps "
+                "batch-norm statistics in training: unsplit, the backward recomputes each region's layers, moving "
+                "their statistics again; the cloud runs the trunk once. Checkpoint the whole model, or the edge's "
+                "layers only")
         if run_context() != entry.context:
             raise CutError(
                 f"the model's forward calls {self.cloud_name!r} under another grad mode or autocast than the trunk's "
@@ -235,6 +245,13 @@ class TrunkFollower(nn.Module):
 
     def extra_repr(self) -> str:
         return f"runs in the cloud: {self.cloud_name}"
+
+
+def checkpoint_region() -> Any:
+    """The non-reentrant ``torch.utils.checkpoint`` region a call runs in (its saved-tensor hook;
+    None: none), told apart by identity: each region hooks the tensors it saves with its own."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return None if hooks is None else hooks[0]
 
 
 def run_context() -> tuple:

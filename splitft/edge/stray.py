@@ -118,6 +118,10 @@ class StrayForwards:
                 "is not run again, so training would silently differ. Checkpoint the edge's layers inside the "
                 "model, or cut a U-shape (rejoin=), whose recomputation runs the cloud half too")
 
+    def keeps_statistics(self) -> bool:
+        """Whether a cloud layer in training mode keeps running statistics now."""
+        return any(m.training and _keeps_statistics(m) for m in self._cloud_modules())
+
     def _could_change(self) -> bool:
         """Whether a training-mode forward of the cloud half may change it (its layers as in
         training: the script may have called ``model.eval()`` since, before the next forward)."""
