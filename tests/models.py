@@ -286,7 +286,7 @@ class LayerStack(nn.Module):
         self.head = nn.Linear(16, 3)
         self.plan: list[int] | None = None
         self.by_keyword = False  # each layer called as layer(h=h, settings=...)
-        self.checkpointed = False  # each layer in a torch.utils.checkpoint region of its own
+        self.checkpointed: str | None = None  # each layer in a checkpoint region of its own: "reentrant" or not
         self.around: Callable[[int], Any] | None = None
         self.between: Callable[[int, dict], None] | None = None
 
@@ -298,7 +298,8 @@ class LayerStack(nn.Module):
                 self.between(i, settings)
             with self.around(i) if self.around is not None else contextlib.nullcontext():
                 if self.checkpointed:
-                    h = torch.utils.checkpoint.checkpoint(self.layers[i], h, settings, use_reentrant=False)
+                    h = torch.utils.checkpoint.checkpoint(self.layers[i], h, settings,
+                                                          use_reentrant=self.checkpointed == "reentrant")
                 else:
                     h = self.layers[i](h=h, settings=settings) if self.by_keyword else self.layers[i](h, settings)
         return self.head(h)

@@ -572,9 +572,9 @@ def test_a_checkpoint_per_trunk_layer_trains_exactly_or_is_refused_where_recompu
     that changes nothing, refused where batch norm would move its statistics a second time."""
     data = _data(2)
     local = layer_stack(norm=norm)
-    local.checkpointed = True
+    local.checkpointed = net_checkpointed = "non-reentrant"
     net = layer_stack(norm=norm)
-    net.checkpointed = True
+    net.checkpointed = net_checkpointed
     factory = splitft.Factory("tests.models:layer_stack", {"norm": norm})
     with splitft.split(net, "layers.0:4", factory=factory, connect=cloud) as model:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -585,6 +585,14 @@ def test_a_checkpoint_per_trunk_layer_trains_exactly_or_is_refused_where_recompu
         _steps(model, opt, nn.CrossEntropyLoss(), data)
         _steps(local, torch.optim.SGD(local.parameters(), lr=0.1), nn.CrossEntropyLoss(), data)
         assert_bitwise(model.state_dict(), local.state_dict())
+
+
+def test_a_reentrant_checkpoint_per_trunk_layer_is_refused_naming_the_non_reentrant_one(cloud):
+    net = layer_stack()
+    net.checkpointed = "reentrant"
+    with splitft.split(net, "layers.0:4", factory="tests.models:layer_stack", connect=cloud) as model:
+        with pytest.raises(CutError, match=r"detaches the output of 'layers.2'.*use use_reentrant=False"):
+            _steps(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), _data(1))
 
 
 def test_a_forward_that_walks_into_a_cloud_modules_children_is_refused(cloud):

@@ -58,6 +58,10 @@ class TrunkIntermediate(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         inner = next(t for t in trees.leaves((args, kwargs or {})) if isinstance(t, TrunkIntermediate))
+        if func is torch.Tensor.detach:  # torch.utils.checkpoint(layer, h, use_reentrant=True) detaches h
+            raise CutError(f"the model's forward detaches the output of {inner._splitft_module!r}, an inner module "
+                           "of a trunk that runs in the cloud, as torch.utils.checkpoint(layer, h, use_reentrant=True) "
+                           "around a trunk layer does: use use_reentrant=False, or checkpoint the whole model")
         raise CutError(inner.refusal(f"computes with ({getattr(func, '__name__', func)})"))
 
     @classmethod
