@@ -457,15 +457,35 @@ def test_an_auxiliary_head_on_an_inner_trunk_layer_is_refused_at_the_first_forwa
     assert torch.equal(out, expected) and torch.equal(aux, expected_aux)
 
 
-@pytest.mark.parametrize("plan, message", [
-    ([0, 1, 3], r"skipped 'layers.2' \(called 'layers.3' after 'layers.1'\)"),
-    ([0, 1, 1, 2, 3], r"called 'layers.1' again or out of order, after 'layers.1'"),
-    ([0, 2, 1, 3], r"skipped 'layers.1'"),
-    ([1, 2, 3], r"called 'layers.1' outside a run of the trunk, which starts at 'layers.0'"),
-], ids=["skips (LayerDrop)", "repeats", "reorders", "starts past the first"])
-def test_a_forward_that_skips_repeats_or_reorders_trunk_layers_is_refused_in_that_forward(cloud, plan, message):
-    """The cloud runs the whole trunk at the first module's call: a forward that then calls its
-    layers otherwise computed something else, and is refused before its output is used."""
+_OUT_OF_ORDER = r".*LayerDrop: set the model's layerdrop to 0"
+#: What a forward does to the trunk layers.0..3 of a layer stack: the attribute of the stack that
+#: makes it do so, its value, and the refusal.
+TRUNK_CALLS = {
+    "skips a layer (LayerDrop)": ("plan", [0, 1, 3],
+                                  r"skipped 'layers.2' \(called 'layers.3' after 'layers.1'\)" + _OUT_OF_ORDER),
+    "repeats a layer": ("plan", [0, 1, 1, 2, 3],
+                        r"called 'layers.1' again or out of order, after 'layers.1'" + _OUT_OF_ORDER),
+    "reorders layers": ("plan", [0, 2, 1, 3], r"skipped 'layers.1'" + _OUT_OF_ORDER),
+    "starts past the first layer": ("plan", [1, 2, 3],
+                                    r"called 'layers.1' outside a run of the trunk, which starts at 'layers.0'"),
+    "switches grad mode per layer (bottom layers frozen by no graph)": (
+        "around", lambda i: torch.set_grad_enabled(i != 1), r"'layers.1' under another grad mode or autocast"),
+    "switches autocast per layer": (
+        "around", lambda i: torch.autocast("cpu", dtype=torch.bfloat16, enabled=i == 0),
+        r"'layers.1' under another grad mode or autocast"),
+    "changes a shared setting between layers": (
+        "between", lambda i, settings: settings.__setitem__("scale", 1.0 / (i + 1)),
+        r"'layers.1' with other arguments .*changed in place since"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRUNK_CALLS))
+def test_a_forward_that_runs_trunk_layers_otherwise_than_the_cloud_is_refused_in_that_forward(cloud, name):
+    """The cloud runs the whole trunk at the first module's call, each layer once and in order, under
+    what that call ran under and with its arguments as they were then: a forward that then calls its
+    layers otherwise computed something else, and is refused before its output is used; nothing
+    changed in the cloud half, so training goes on as unsplit."""
+    where, what, message = TRUNK_CALLS[name]
     data = _data(3)
     local = layer_stack()
     opt_local = torch.optim.SGD(local.parameters(), lr=0.1)
@@ -474,46 +494,12 @@ def test_a_forward_that_skips_repeats_or_reorders_trunk_layers_is_refused_in_tha
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for m, o in ((local, opt_local), (model, opt)):
             _steps(m, o, nn.CrossEntropyLoss(), data[:2])  # each layer once, in order: as unsplit
-        net.plan = plan
-        with pytest.raises(CutError, match=message + r".*LayerDrop: set the model's layerdrop to 0"):
-            model(data[2][0])
-        net.plan = None
-        assert_bitwise(model.state_dict(), local.state_dict())
-        for m, o in ((local, opt_local), (model, opt)):  # the refused run left nothing to refuse again
-            _steps(m, o, nn.CrossEntropyLoss(), data[2:])
-        assert_bitwise(model.state_dict(), local.state_dict())
-
-
-PER_LAYER = {
-    "grad mode switched per layer (bottom layers frozen by no graph)": (
-        "around", lambda i: torch.set_grad_enabled(i != 1), r"'layers.1' under another grad mode or autocast"),
-    "autocast switched per layer": (
-        "around", lambda i: torch.autocast("cpu", dtype=torch.bfloat16, enabled=i == 0),
-        r"'layers.1' under another grad mode or autocast"),
-    "a shared setting changed between layers": (
-        "between", lambda i, settings: settings.__setitem__("scale", 1.0 / (i + 1)),
-        r"'layers.1' with other arguments .*changed in place since"),
-}
-
-
-@pytest.mark.parametrize("name", sorted(PER_LAYER))
-def test_a_trunk_layer_called_under_another_mode_or_setting_than_the_first_is_refused(cloud, name):
-    """The cloud runs the whole trunk under what its first module's call ran under, with that
-    call's arguments as they were then: a forward that switches them between layers is refused."""
-    where, what, message = PER_LAYER[name]
-    data = _data(3)
-    local = layer_stack()
-    opt_local = torch.optim.SGD(local.parameters(), lr=0.1)
-    net = layer_stack()
-    with splitft.split(net, "layers.0:4", factory="tests.models:layer_stack", connect=cloud) as model:
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for m, o in ((local, opt_local), (model, opt)):
-            _steps(m, o, nn.CrossEntropyLoss(), data[:2])
         setattr(net, where, what)
         with pytest.raises(CutError, match=message):
             model(data[2][0])
         setattr(net, where, None)
-        for m, o in ((local, opt_local), (model, opt)):
+        assert_bitwise(model.state_dict(), local.state_dict())
+        for m, o in ((local, opt_local), (model, opt)):  # the refused run left nothing to refuse again
             _steps(m, o, nn.CrossEntropyLoss(), data[2:])
         assert_bitwise(model.state_dict(), local.state_dict())
 
