@@ -148,12 +148,12 @@ class TrunkEntry(nn.Module):
         """Refuse a run of the trunk the forward left unfinished, where it could have changed the
         cloud half: the first module's call ran the whole trunk in the cloud, while unsplit only the
         modules called would have run (their batch-norm statistics, their dropout draws). Asked
-        before the next request; refuses once."""
+        before every request: once refused, always, the cloud half being apart from unsplit."""
         reached = self.reached
         if reached is None or not (self._run_training and could_change()):
             self.reached = None
             return
-        names = self.cloud_names  # kept: every later request refuses, the cloud half being apart from unsplit now
+        names = self.cloud_names
         raise CutError(
             f"a run of the trunk {names[0]!r}..{names[-1]!r} in training mode was left unfinished (called up to "
             f"{names[reached]!r}, not {names[reached + 1]!r}): the first module's call runs the whole trunk in the "
@@ -215,9 +215,9 @@ class TrunkFollower(nn.Module):
         if difference:
             raise CutError(
                 f"the model's forward calls {self.cloud_name!r} with other arguments than the first "
-                f"trunk module {entry.cloud_names[0]!r} ({difference}, or changed in place since); the cloud gives every trunk module "
-                "the first one's arguments, so it would compute something else. Choose a trunk whose "
-                "modules share their extra arguments (or a trunk of one module)"
+                f"trunk module {entry.cloud_names[0]!r} ({difference}, or changed in place since); the cloud gives "
+                "every trunk module the first one's arguments, so it would compute something else. Choose a trunk "
+                "whose modules share their extra arguments (or a trunk of one module)"
             )
         entry.handed = entry.last if self.is_last else hand_over(entry.last, self.cloud_name, entry.cloud_names)
         entry.reached = None if self.is_last else self.index
@@ -288,7 +288,10 @@ class _Versioned:
 def _snapshot(value: Any) -> Any:
     """``value`` with its tuples, lists and dicts copied and its tensors versioned."""
     if isinstance(value, torch.Tensor):
-        return _Versioned(value, value._version)
+        try:
+            return _Versioned(value, value._version)
+        except Exception:  # noqa: BLE001 — a tensor without a version of its own: compared as the object
+            return value
     if isinstance(value, (tuple, list)) and type(value) in (tuple, list):
         return type(value)(_snapshot(v) for v in value)
     if type(value) is dict:
