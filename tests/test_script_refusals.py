@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import splitft
 from splitft.errors import ConfigError, CutError, HandshakeError, ModelError, PlaceholderError
@@ -383,6 +384,42 @@ def test_a_state_dict_hook_on_a_cloud_layer_from_before_split_is_refused_by_spli
     with pytest.raises(CutError, match=r"'2' has a state-dict hook \(registered before split\(\)\)"):
         splitft.split(net, 2, factory=MLP, connect=cloud)
     assert all(type(t) in (torch.Tensor, nn.Parameter) for t in (*net.parameters(), *net.buffers()))
+
+
+def test_a_process_wide_optimizer_hook_sees_the_scripts_steps_only(cloud):
+    """A step counter (or a gradient guard) registered for every optimizer: the split model's first
+    step, which learns the optimizer's state layout by a dry run, adds no step of its own."""
+    def count(runs: list):
+        handle = register_optimizer_step_post_hook(lambda opt, args, kwargs: runs.append(1))
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    data = _data(2)
+    local, split_runs, local_runs = mlp(), [], []
+    for _ in count(local_runs):
+        _steps(local, torch.optim.Adam(local.parameters(), lr=0.01), nn.CrossEntropyLoss(), data)
+    with splitft.split(mlp(), 2, factory=MLP, connect=cloud) as model:
+        for _ in count(split_runs):
+            _steps(model, torch.optim.Adam(model.parameters(), lr=0.01), model.remote_loss(nn.CrossEntropyLoss()),
+                   data)
+        assert_bitwise(model.state_dict(), local.state_dict())
+    assert len(split_runs) == len(local_runs) == 2
+
+
+def test_a_grad_scaler_stepping_a_fused_optimizer_over_the_cloud_half_is_refused_before_the_step(cloud):
+    """A fused step takes the scale and the overflow flag from GradScaler instead of unscaled
+    gradients; the cloud's copy of the optimizer would not see them."""
+    x, y = _data(1)[0]
+    local = mlp()
+    with splitft.split(mlp(), 2, factory=MLP, connect=cloud) as model:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+        scaler.scale(model.remote_loss(nn.CrossEntropyLoss())(model(x), y)).backward()
+        with pytest.raises(ConfigError, match=r"GradScaler stepping a Adam\(fused=True\) over the cloud half"):
+            scaler.step(opt)
+        assert_bitwise(model.state_dict(), local.state_dict())
 
 
 def test_a_pruned_cloud_layer_is_refused_by_split_which_leaves_the_model_as_it_was(cloud):
@@ -1019,6 +1056,7 @@ from torch.nn.utils import clip_grad_norm_  # at the top, before splitft: the mo
 import sys
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 import splitft
 from tests.models import mlp
 from tests.test_faults import _data

@@ -137,6 +137,11 @@ def _prepare_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> t
     mirror = _MIRRORS.get(optimizer)
     if mirror is None:
         return None
+    if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
+        raise ConfigError(f"GradScaler stepping a {type(optimizer).__name__}(fused=True) over the cloud half: a fused "
+                          "step takes the scale and the overflow flag from the scaler, which the cloud's copy of the "
+                          "optimizer would not see (it would step on scaled gradients, and through an overflow). Use "
+                          "the optimizer without fused=True, which GradScaler unscales for, or fused without GradScaler")
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
     if closure is None:
         mirror.before_step()
