@@ -14,7 +14,6 @@ import math
 from typing import Any
 
 import torch
-from torch.optim import optimizer as torch_optimizer
 
 #: Settings that only choose how a step runs, not what state it keeps.
 _HOW_IT_RUNS = {"fused": False, "foreach": False, "capturable": False, "differentiable": False}
@@ -35,23 +34,16 @@ def state_layout(cls: type, groups: list[tuple[dict[str, Any], list[tuple[torch.
     for group in metas:
         for meta in group:
             meta.grad = torch.empty_like(meta)
-    # The process-wide step hooks (a script's step counter, a gradient guard) are the script's
-    # optimizers' business, not this dry run's: set aside while it steps, put back in place after.
-    hooks: list[dict[int, Any]] = [torch_optimizer._global_optimizer_pre_hooks,
-                                   torch_optimizer._global_optimizer_post_hooks]
-    kept = [list(table.items()) for table in hooks]
-    for table in hooks:
-        table.clear()
     try:
         dry = cls([{**_how_it_runs(group_settings), "params": params}
                    for (group_settings, _), params in zip(groups, metas) if params], **_how_it_runs(settings))
+        # The step beneath torch's hook wrapper: the process-wide step hooks (a script's step
+        # counter, a gradient guard, splitft's own) are the script's optimizers' business.
+        step = type(dry).step
         with torch.no_grad():
-            dry.step()
+            (step.__wrapped__ if getattr(step, "hooked", False) else step)(dry)
     except Exception:  # noqa: BLE001 — any optimizer's own failure on meta tensors means: not known here
         return None
-    finally:
-        for table, items in zip(hooks, kept):
-            table.update(items)
     return [[{key: (tuple(value.shape), value.dtype) for key, value in dry.state.get(meta, {}).items()
               if isinstance(value, torch.Tensor)} for meta in group] for group in metas]
 
