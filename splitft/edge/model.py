@@ -95,12 +95,10 @@ class SplitModel(UnsplitTree):
         self.mirror.before_step = self.ghosts.refuse_swapped
         self._flags = ModuleFlags([(name, model.get_submodule(name)) for name in chain.names])
         entry = standin_of(model.get_submodule(chain.names[0])) if spec.ushape else None
-        if isinstance(entry, TrunkEntry):
-            entry.draws = stage.draws_in_training
-        self.strays = StrayForwards(self.ghosts.cloud_modules, stage.draws_in_training,
-                                    entry if isinstance(entry, TrunkEntry) else None)
-        if isinstance(entry, TrunkEntry):
-            entry.keeps_statistics = self.strays.keeps_statistics
+        trunk = entry if isinstance(entry, TrunkEntry) else None
+        self.strays = StrayForwards(self.ghosts.cloud_modules, stage.draws_in_training, trunk)
+        if trunk is not None:
+            trunk.draws, trunk.keeps_statistics = stage.draws_in_training, self.strays.keeps_statistics
         session.before_request = self.strays.check
         outbox = session.outbox
         #: Where the cloud half's state stands: what a fetched state_dict() entry was taken at.
