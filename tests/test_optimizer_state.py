@@ -434,3 +434,99 @@ def test_a_message_that_would_build_more_groups_than_an_optimizer_has_is_refused
         state = model.session.optimizer_state()  # still the Adam it had, with its moments
         assert state and all(set(entry) == {"step", "exp_avg", "exp_avg_sq"} for entry in state.values())
         _train(model, opt, crit, _data(2)[1:])
+
+
+def _cloud_moment(sd: dict) -> torch.Tensor:
+    return sd["state"][2]["exp_avg"]  # "2.weight": the first cloud parameter
+
+
+def _kept_trained_loaded(opt: torch.optim.Optimizer, sd: dict, step: Callable[[], None]) -> None:
+    step()
+    opt.load_state_dict(sd)  # unsplit: sd is the optimizer's own state, so this loads it onto itself
+
+
+def _kept_trained_saved(opt: torch.optim.Optimizer, sd: dict, step: Callable[[], None]) -> None:
+    step()
+    torch.save(sd, __import__("io").BytesIO())  # unsplit: saves the moments of now
+
+
+def _written(opt: torch.optim.Optimizer, sd: dict, step: Callable[[], None]) -> None:
+    _cloud_moment(sd).zero_()  # unsplit: zeroes the optimizer's own moment
+
+
+def _shared_with_another(opt: torch.optim.Optimizer, sd: dict, step: Callable[[], None]) -> None:
+    twin = mlp()
+    other = torch.optim.Adam(twin.parameters(), lr=0.01)
+    other.load_state_dict(sd)  # torch's load keeps the tensors: unsplit both optimizers share the moments
+    nn.CrossEntropyLoss()(twin(_data(1)[0][0]), _data(1)[0][1]).backward()
+    other.step()  # unsplit: moves the first optimizer's moments too
+
+
+OPTIMIZER_STATE_MISUSE = {"kept, trained, loaded": (_kept_trained_loaded, "used after the cloud half changed"),
+                          "kept, trained, saved": (_kept_trained_saved, "used after the cloud half changed"),
+                          "written in place": (_written, "was written in place"),
+                          "loaded into another that steps": (_shared_with_another, "was written in place")}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZER_STATE_MISUSE))
+def test_a_cloud_entry_of_opt_state_dict_refuses_a_write_and_a_read_after_a_step(cloud, name):
+    """Unsplit, opt.state_dict() holds the optimizer's own moments: ``best = opt.state_dict()`` kept
+    without a copy follows training, so loading it later changes nothing. Split, its cloud entries
+    are fetched copies, which would rewind the cloud's moments: refused before anything parts, and
+    training goes on exactly."""
+    action, message = OPTIMIZER_STATE_MISUSE[name]
+    data = _data(3)
+    local = mlp()
+    _train(local, torch.optim.Adam(local.parameters(), lr=0.01), nn.CrossEntropyLoss(), data)
+    model, crit = _split(cloud, None)
+    with model:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        _train(model, opt, crit, data[:1])
+        sd = opt.state_dict()
+        with pytest.raises(ConfigError, match=r"a tensor of opt\.state_dict\(\) \(the cloud half's '\w+ of "
+                                              rf"2\.weight'\) (is )?{message}.*(copy\.deepcopy|opt\.load_state_dict)"):
+            action(opt, sd, lambda: _train(model, opt, crit, data[1:2]))
+        if name == "loaded into another that steps":
+            return  # its step moved the edge half's moments first, shared as unsplit: this run is not local's
+        _train(model, opt, crit, data[1 if "trained" not in name else 2:])
+        assert_bitwise(model.state_dict(), local.state_dict())
+
+
+def test_a_copied_best_optimizer_state_loads_back_as_unsplit(cloud):
+    """The best-checkpoint idiom done with a copy (``copy.deepcopy(opt.state_dict())``) rewinds
+    both halves' moments, split as unsplit; one loaded back before any step changes nothing."""
+    data = _data(4)
+    runs = []
+    for split in (False, True):
+        model, crit = _split(cloud, None) if split else (mlp(), nn.CrossEntropyLoss())
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        _train(model, opt, crit, data[:1])
+        opt.load_state_dict(opt.state_dict())
+        best = copy.deepcopy(opt.state_dict())
+        _train(model, opt, crit, data[1:3])
+        opt.load_state_dict(best)
+        _train(model, opt, crit, data[3:])
+        runs.append((model.state_dict(), copy.deepcopy(opt.state_dict())))
+        if split:
+            model.close()
+    (local, local_opt), (split_sd, split_opt) = runs
+    assert_bitwise(split_sd, local)
+    _assert_same_state(split_opt, local_opt)
+
+
+def test_an_optimizer_state_dict_kept_across_unsplit_is_the_whole_optimizers(cloud):
+    """unsplit() makes a current fetched entry the optimizer's own tensor, as unsplit it always was:
+    it follows the whole model's next step; one taken before the last step stays refused."""
+    data = _data(3)
+    model, crit = _split(cloud, None)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    _train(model, opt, crit, data[:1])
+    stale = opt.state_dict()
+    _train(model, opt, crit, data[1:2])
+    sd = opt.state_dict()
+    whole = model.unsplit()
+    with pytest.raises(ConfigError, match="used after the cloud half changed"):
+        _cloud_moment(stale).sum()
+    assert _cloud_moment(sd) is not opt.state[whole[2].weight]["exp_avg"]
+    _train(whole, opt, nn.CrossEntropyLoss(), data[2:])
+    assert torch.equal(_cloud_moment(sd), opt.state[whole[2].weight]["exp_avg"])

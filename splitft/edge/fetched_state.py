@@ -10,11 +10,17 @@ safetensors, ``copy.deepcopy`` and ``clone()`` see an ordinary tensor) that refu
 half may have changed, where unsplit it would read something else. What aliases it (``.detach()``,
 ``.data``, a view, ``copy.copy``) is one too; ``.numpy()`` gives a read-only copy, and DLPack is
 refused. ``unsplit()`` makes each one still current the whole model's memory, as unsplit it was.
+
+``opt.state_dict()`` is alike: unsplit, its entries are the optimizer's own moments (torch's
+``load_state_dict`` even keeps them shared), so ``best = opt.state_dict()`` kept without a copy
+and loaded after training changes nothing, where a fetched copy would rewind the cloud's moments.
+Its cloud entries are :class:`FetchedCloudState` too, described by :data:`OPTIMIZER_STATE`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,23 +40,49 @@ _HARMLESS |= {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Ten
 _TO_NUMPY: set[Callable[..., Any]] = {torch.Tensor.numpy, torch.Tensor.__array__}
 
 
+@dataclass(frozen=True)
+class StateSource:
+    """Which state dict an entry came from, in the words its refusals use."""
+
+    call: str  # what the script called: "model.state_dict()"
+    owner: str  # whose memory it shares unsplit: "the model"
+    write_instead: str  # how to change the value instead, ``{name}`` the entry's name
+
+
+MODEL_STATE = StateSource(
+    "model.state_dict()", "the model",
+    "Write to the model's tensor itself (with torch.no_grad(): model.get_parameter({name!r}).mul_(...), or "
+    "get_buffer), or load a changed copy with model.load_state_dict(...)")
+OPTIMIZER_STATE = StateSource(
+    "opt.state_dict()", "the optimizer",
+    "Load a changed copy with opt.load_state_dict(...); to give another optimizer the same state, load "
+    "copy.deepcopy(opt.state_dict()) into it")
+
+
 class FetchedCloudState(torch.Tensor):
     """The value of the cloud half's tensor ``name`` as fetched when the cloud half stood at
-    ``moment`` (what ``now()`` returned then)."""
+    ``moment`` (what ``now()`` returned then), an entry of the state dict ``source`` describes."""
 
     _splitft_name: str
     _splitft_moment: Hashable
     _splitft_now: Callable[[], Hashable]
+    _splitft_source: StateSource
     _splitft_live = False  # the model's own memory since unsplit(): an ordinary tensor from then on
 
     @staticmethod
     def __new__(cls, value: torch.Tensor, name: str, now: Callable[[], Hashable],
-                moment: Hashable | None = None) -> FetchedCloudState:
+                moment: Hashable | None = None, source: StateSource = MODEL_STATE) -> FetchedCloudState:
         made = torch.Tensor._make_subclass(cls, value)
         made._splitft_name = name
         made._splitft_now = now
         made._splitft_moment = now() if moment is None else moment
+        made._splitft_source = source
         return made
+
+    def same_moment(self, value: torch.Tensor) -> FetchedCloudState:
+        """``value`` (an alias of this entry) as an entry of the same name, moment and source."""
+        return FetchedCloudState(value, self._splitft_name, self._splitft_now, self._splitft_moment,
+                                 self._splitft_source)
 
     def follow(self, tensor: torch.Tensor) -> None:
         """Become ``tensor``'s memory (the whole model's, after ``unsplit()``), as unsplit it was."""
@@ -60,21 +92,20 @@ class FetchedCloudState(torch.Tensor):
 
     def _refuse_stale(self) -> None:
         if not self._splitft_live and self._splitft_now() != self._splitft_moment:
+            call = self._splitft_source.call
             raise ConfigError(
-                f"a tensor of model.state_dict() (the cloud half's {self._splitft_name!r}) is used after the cloud "
-                "half changed (a forward in training mode, an optimizer step, a load or unsplit() since): unsplit, "
-                "state_dict() shares the model's memory, so it would hold the values of now; split, it holds those "
-                "fetched then. Take "
-                "model.state_dict() again where you use it; to keep a moment's values (a best checkpoint), keep "
-                "copy.deepcopy(model.state_dict()), which is a copy both ways")
+                f"a tensor of {call} (the cloud half's {self._splitft_name!r}) is used after the cloud half changed "
+                "(a forward in training mode, an optimizer step, a load or unsplit() since): unsplit, "
+                f"{call} shares {self._splitft_source.owner}'s memory, so it would hold the values of now; split, it "
+                f"holds those fetched then. Take {call} again where you use it; to keep a moment's values (a best "
+                f"checkpoint), keep copy.deepcopy({call}), which is a copy both ways")
 
     def _refuse_written(self) -> None:
+        source = self._splitft_source
         raise ConfigError(
-            f"a tensor of model.state_dict() (the cloud half's {self._splitft_name!r}) was written in place: unsplit "
-            "that changes the model's own tensor, which it shares memory with; split, it is a copy fetched from the "
-            f"cloud. Write to the model's tensor itself (with torch.no_grad(): "
-            f"model.get_parameter({self._splitft_name!r}).mul_(...), or get_buffer), or load a changed copy with "
-            "model.load_state_dict(...)")
+            f"a tensor of {source.call} (the cloud half's {self._splitft_name!r}) was written in place: unsplit that "
+            f"changes {source.owner}'s own tensor, which it shares memory with; split, it is a copy fetched from the "
+            "cloud. " + source.write_instead.format(name=self._splitft_name))
 
     @classmethod
     def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -87,9 +118,10 @@ class FetchedCloudState(torch.Tensor):
             for t in fetched:
                 t._refuse_stale()
         if func is torch.Tensor.__dlpack__:
-            raise ConfigError(f"sharing the memory of a tensor of model.state_dict() (the cloud half's "
-                              f"{fetched[0]._splitft_name!r}) through DLPack: unsplit that is the model's own memory; "
-                              "split, a copy fetched from the cloud. Share a clone(), which is a copy both ways")
+            first = fetched[0]
+            raise ConfigError(f"sharing the memory of a tensor of {first._splitft_source.call} (the cloud half's "
+                              f"{first._splitft_name!r}) through DLPack: unsplit that is {first._splitft_source.owner}'s "
+                              "own memory; split, a copy fetched from the cloud. Share a clone(), which is a copy both ways")
         with torch._C.DisableTorchFunctionSubclass():
             if func in _TO_NUMPY:  # an array of the values that refuses writes: unsplit it is the model's memory
                 array = func(*args, **kwargs).copy()
@@ -111,8 +143,7 @@ class FetchedCloudState(torch.Tensor):
         self._refuse_stale()
         with torch._C.DisableTorchFunctionSubclass():
             alias = self.detach()
-        return alias if self._splitft_live else FetchedCloudState(alias, self._splitft_name, self._splitft_now,
-                                                                 self._splitft_moment)
+        return alias if self._splitft_live else self.same_moment(alias)
 
     def __deepcopy__(self, memo: dict) -> torch.Tensor:
         self._refuse_stale()
@@ -136,7 +167,7 @@ def _aliased(result: torch.Tensor, fetched: list[FetchedCloudState]) -> torch.Te
     source = next((t for t in fetched if t.untyped_storage().data_ptr() == pointer), None)
     if source is None or type(result) is not torch.Tensor:
         return result
-    return FetchedCloudState(result, source._splitft_name, source._splitft_now, source._splitft_moment)
+    return source.same_moment(result)
 
 
-__all__ = ["FetchedCloudState"]
+__all__ = ["MODEL_STATE", "OPTIMIZER_STATE", "FetchedCloudState", "StateSource"]

@@ -12,6 +12,7 @@ import contextlib
 import inspect
 import itertools
 import operator
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -22,6 +23,7 @@ from ..optimizer_layout import same_kind
 from ..wire.operations import AddParamGroup, AttachOptimizer, LoadOptimizerState, Step
 from . import initial_state, optimizers
 from .cloud_half import CloudHalf
+from .fetched_state import OPTIMIZER_STATE, FetchedCloudState
 from .placeholders import RemoteTensor
 
 
@@ -72,6 +74,11 @@ class OptimizerMirror:
         self._stated: set[str] = set()  # the cloud parameters with an entry, by name (or none to make)
         self._edge_only = False
         self._replaced_by: str | None = None  # the class of the optimizer attached after this one
+        #: Moves with every step and load: what ``state_dict()`` fetched before stands for the
+        #: cloud's state only while it holds (:mod:`.fetched_state`).
+        self._version = 0
+        self._fetched: weakref.WeakKeyDictionary[FetchedCloudState, tuple[torch.Tensor, str]] = (
+            weakref.WeakKeyDictionary())  # each fetched entry's parameter and key, for unsplit() to follow
 
     def replaced(self, newer: torch.optim.Optimizer) -> None:
         """A newer optimizer was attached to the split model: the cloud's copy is its now (as a new
@@ -272,11 +279,22 @@ class OptimizerMirror:
                 arrays = fetched.get(names[id(param)])
                 if arrays:
                     here = self.optimizer.state.get(param)  # placeholders, whose dtypes the values take
-                    state[i] = {key: _local_value(array, dict.get(here, key) if isinstance(here, dict) else None)
-                                for key, array in arrays.items()}
+                    state[i] = {key: self._fetched_entry(param, names[id(param)], key, _local_value(
+                        array, dict.get(here, key) if isinstance(here, dict) else None))
+                        for key, array in arrays.items()}
             state = dict(sorted(state.items()))
         saved["state"] = state
         return saved
+
+    def _fetched_entry(self, param: torch.Tensor, name: str, key: str, value: torch.Tensor) -> FetchedCloudState:
+        """A fetched state value that stands for the cloud's only until its next step or load: unsplit,
+        ``opt.state_dict()`` holds the optimizer's own tensors, which the step changes in place."""
+        entry = FetchedCloudState(value, f"{key} of {name}", self._state_moment, source=OPTIMIZER_STATE)
+        self._fetched[entry] = (param, key)
+        return entry
+
+    def _state_moment(self) -> int:
+        return self._version
 
     def load_state(self, saved: dict[str, Any], load: Callable[[torch.optim.Optimizer, dict], None]) -> None:
         """``opt.load_state_dict(saved)``: the edge half's entries load here (``load``: torch's
@@ -318,6 +336,7 @@ class OptimizerMirror:
         self._kept = ([cloud[i] for i in layouts], [state[cloud[i]] for i in layouts])
         self._stated = {names[id(cloud[i])] for i in layouts}
         self._state, self._entries = state, len(state)
+        self._version += 1
 
     def unsplit(self, fetched: dict[str, dict[str, Any]] | None) -> None:
         """The model is whole again: the cloud parameters' entries become the cloud's state
@@ -337,6 +356,10 @@ class OptimizerMirror:
                         state[param] = {key: _placed(param, key, torch.tensor(array), index, packed)
                                         for key, array in arrays.items()}
                 index += 1
+        for entry, (param, key) in list(self._fetched.items()):  # current ones are the optimizer's memory now
+            if entry._splitft_moment == self._version and key in state.get(param, {}):
+                entry.follow(state[param][key])
+        self._version += 1
 
     def _loaded_settings(self, saved: dict[str, Any]) -> list[dict[str, Any]]:
         """Each group's settings once torch's load has taken ``saved``'s (it keeps only the groups'
@@ -379,6 +402,7 @@ class OptimizerMirror:
         changes = [{k: v for k, v in group.items() if k != "lr" and v != before.get(k)}
                    for group, before in zip(now, self.sent)]
         self.sent = now
+        self._version += 1
         model.steps.step += 1
         single = len(lrs) == 1
         model.outbox.queue(Step(id=model.steps.step, lr=lrs[0] if single else None, lrs=None if single else lrs,
