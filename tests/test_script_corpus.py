@@ -11,8 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import splitft
+from splitft.errors import ConfigError
 from tests.conftest import start_cloud, stop
 from tests.models import mlp, mlp_dropout
 from tests.test_faults import _data, assert_same
@@ -824,8 +826,10 @@ def test_a_loss_with_tensor_settings_is_computed_in_the_cloud_exactly(cloud, mak
     lambda ce, step: ce.weight.mul_(1.5),
     lambda ce, step: setattr(ce, "weight", torch.tensor([0.6, 0.3, 0.1])),
 ], ids=["label_smoothing by a curriculum", "class weights changed in place", "class weights set anew"])
-def test_a_criterion_changed_after_remote_loss_is_followed_by_the_cloud(cloud, change):
-    """The script keeps its criterion and changes it between steps; the cloud's loss must follow."""
+@pytest.mark.parametrize("through", ["criterion", "remote loss"])
+def test_a_criterion_changed_after_remote_loss_is_followed_by_the_cloud(cloud, change, through):
+    """The script keeps its criterion and changes it between steps, or changes it through what
+    ``remote_loss`` returned (which it uses as the criterion); the cloud's loss must follow."""
     data = _data(4)
 
     def train(model, ce, crit):
@@ -844,9 +848,69 @@ def test_a_criterion_changed_after_remote_loss_is_followed_by_the_cloud(cloud, c
     train(local, ce, ce)
     model, ce = splitft.split(mlp(), 2, factory=MLP, connect=cloud), criterion()
     with model:
-        train(model, ce, model.remote_loss(ce))
+        crit = model.remote_loss(ce)
+        train(model, ce if through == "criterion" else crit, crit)
         state = model.state_dict()
     assert_bitwise(state, local.state_dict())
+
+
+def _double(module, args, output):
+    return output * 2
+
+
+CRITERION_ADDITIONS = {
+    "a forward hook": lambda ce, crit, patch: ce.register_forward_hook(_double),
+    "a pre-hook through the remote loss": lambda ce, crit, patch: crit.register_forward_pre_hook(lambda m, a: None),
+    "its forward replaced": lambda ce, crit, patch: setattr(ce, "forward", lambda a, b: F.cross_entropy(a, b) * 2),
+    "its class's forward replaced": lambda ce, crit, patch: patch.setattr(
+        nn.CrossEntropyLoss, "forward", lambda self, a, b: F.cross_entropy(a, b) * 2),
+}
+
+
+@pytest.mark.parametrize("when", ["before remote_loss", "after a step"])
+@pytest.mark.parametrize("addition", sorted(CRITERION_ADDITIONS))
+def test_a_criterion_that_does_more_than_torchs_loss_is_refused(cloud, monkeypatch, addition, when):
+    """A hook on the criterion, or its forward replaced, changes what the unsplit loss computes;
+    the cloud computes torch's own loss by name, so it is refused before the loss it would change."""
+    add = CRITERION_ADDITIONS[addition]
+    (x, y), = _data(1)
+    with splitft.split(mlp(), 2, factory=MLP, connect=cloud) as model:
+        ce = nn.CrossEntropyLoss()
+        if when == "before remote_loss":
+            add(ce, ce, monkeypatch)
+            with pytest.raises(ConfigError, match=r"criterion of model\.remote_loss \(CrossEntropyLoss\) has "
+                                                  r"(a hook|its forward replaced).*rejoin="):
+                model.remote_loss(ce)
+            return
+        crit = model.remote_loss(ce)
+        crit(model(x), y).backward()
+        add(ce, crit, monkeypatch)
+        with pytest.raises(ConfigError, match=r"(a hook|its forward replaced).*never run"):
+            crit(model(x), y)
+
+
+@pytest.mark.parametrize("call", [lambda crit, out, y: crit(out, y, weight=torch.ones(3)),
+                                  lambda crit, out, y: crit(out, y, torch.ones(3))], ids=["keyword", "positional"])
+def test_a_remote_loss_called_with_more_than_out_and_target_names_where_its_settings_go(cloud, call):
+    """``F.cross_entropy(out, y, weight=w)`` unsplit; its remote loss takes (out, target) and the
+    settings from the loss module: refused naming that, and training goes on exactly."""
+    data = _data(2)
+    local = mlp()
+    _train_adam(local, nn.CrossEntropyLoss(), data)
+    with splitft.split(mlp(), 2, factory=MLP, connect=cloud) as model:
+        crit = model.remote_loss(F.cross_entropy)
+        with pytest.raises(ConfigError, match=r"crit\(out, target\).*nn\.CrossEntropyLoss\(weight=w\)"):
+            call(crit, model(data[0][0]), data[0][1])
+        _train_adam(model, crit, data)
+        assert_bitwise(model.state_dict(), local.state_dict())
+
+
+def _train_adam(model, crit, data):
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for x, y in data:
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
 
 
 def test_two_remote_losses_called_in_turn_each_compute_their_own(cloud):

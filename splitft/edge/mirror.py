@@ -21,6 +21,7 @@ from ..errors import ConfigError
 from ..wire.operations import Operation, SetFlags, SetFrozen, SetLoss, SetModes
 from . import optimizers
 from .cloud_half import CloudHalf
+from .ghost_hooks import HOOK_TABLES
 from .metadata import requires_grad_changes
 from .optimizer_mirror import NOT_PLAIN, OptimizerMirror, optimizer_settings, plain_setting
 from .placeholders import RemoteTensor
@@ -151,7 +152,8 @@ class ModelMirror:
     def loss(self, criterion: nn.Module) -> str:
         """Plain split: the cloud computes ``criterion``; returns its reduction (how the losses of
         micro-batches add up)."""
-        settings = loss_settings(criterion)
+        settings = loss_settings(criterion)  # a torch.nn loss, or refused
+        refuse_hooked(criterion)
         self.outbox.queue(SetLoss(name=type(criterion).__name__, settings=settings))
         self._criterion, self._criterion_sent = criterion, loss_fingerprint(criterion)
         return str(settings.get("reduction", "mean"))
@@ -161,6 +163,7 @@ class ModelMirror:
         cloud computes (a script with two remote losses, called in turn) or changed since it was
         sent (a curriculum's ``label_smoothing``, class weights set anew or changed in place), so
         the cloud's loss follows; returns the reduction then (None: nothing to send)."""
+        refuse_hooked(criterion)
         if criterion is self._criterion and loss_fingerprint(criterion) == self._criterion_sent:
             return None
         return self.loss(criterion)
@@ -202,6 +205,24 @@ def loss_settings(criterion: nn.Module) -> dict[str, Any]:
         elif plain_setting(value) is not NOT_PLAIN and value is not None:
             settings[name] = value
     return settings
+
+
+#: Where a module keeps the hooks its call runs.
+_CALL_HOOKS = tuple(dict.fromkeys(HOOK_TABLES.values()))
+
+
+def refuse_hooked(criterion: nn.Module) -> None:
+    """Refuse a criterion whose call would do more than torch's loss: a hook on it, or its
+    ``forward`` replaced (on it, or on its class). The cloud computes torch's own loss by name,
+    so what was added would never run, and the loss would silently differ."""
+    hooked = next((table for table in _CALL_HOOKS if getattr(criterion, table, None)), None)
+    replaced = "forward" in vars(criterion) or type(criterion).forward.__module__ != "torch.nn.modules.loss"
+    if hooked or replaced:
+        what = f"a hook ({hooked.strip('_')})" if hooked else "its forward replaced"
+        raise ConfigError(f"the criterion of model.remote_loss ({type(criterion).__name__}) has {what}: the cloud "
+                          "computes torch's own loss by its class and settings, so that would never run. Work on the "
+                          "loss the remote loss returns (it is the loss itself), or cut a U-shape (split(..., "
+                          "rejoin=...)) so your criterion runs on the edge as it is")
 
 
 _SETTING_NAMES: dict[type, tuple[str, ...]] = {}

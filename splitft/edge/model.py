@@ -337,9 +337,10 @@ class SplitModel(UnsplitTree):
         ``(input, target)``) in the cloud. Returns a callable ``crit(out, target)``."""
         if self.spec.ushape:
             raise ConfigError("in a U-shape split the loss stays on the edge: call your criterion directly")
-        criterion = loss_module(criterion)
-        self.scheduler.loss_reduction = self.mirror.loss(criterion)
-        return RemoteLoss(self._remote, before=lambda: self._loss_for_call(criterion))
+        module = loss_module(criterion)
+        self.scheduler.loss_reduction = self.mirror.loss(module)
+        return RemoteLoss(self._remote, before=lambda: self._loss_for_call(module),
+                          criterion=module if module is criterion else None)
 
     def _loss_for_call(self, criterion: nn.Module) -> None:
         reduction = self.mirror.loss_for_call(criterion)

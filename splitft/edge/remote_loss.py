@@ -147,13 +147,37 @@ class CloudCall(Protocol):
 
 
 class RemoteLoss:
-    """``crit(out, target)`` for a plain split: the cloud runs its part and the loss."""
+    """``crit(out, target)`` for a plain split: the cloud runs its part and the loss.
 
-    def __init__(self, call: CloudCall, before: Callable[[], None] | None = None) -> None:
-        self.call = call
-        self.before = before  # sends the criterion again if it is not the cloud's as it is now
+    Made from a torch.nn loss (``criterion``), it stands for that loss as the script sees it: an
+    attribute read or set on it is the criterion's, so ``crit.label_smoothing = 0.1`` changes the
+    loss the cloud computes, as it changes the unsplit one (set on this object only, it would
+    change nothing). Made from a torch.nn.functional loss, it is a function, as that one is."""
 
-    def __call__(self, out: Any, target: torch.Tensor) -> torch.Tensor:
+    _OWN = frozenset({"call", "before", "criterion"})
+
+    def __init__(self, call: CloudCall, before: Callable[[], None] | None = None,
+                 criterion: torch.nn.Module | None = None) -> None:
+        vars(self).update(call=call, before=before, criterion=criterion)  # before: sends the criterion again
+        # if it is not the cloud's as it is now
+
+    def __getattr__(self, name: str) -> Any:
+        criterion = vars(self).get("criterion")
+        if criterion is None or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(criterion, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        criterion = vars(self).get("criterion")
+        if criterion is None or name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(criterion, name, value)
+
+    def __call__(self, out: Any, target: torch.Tensor, *more: Any, **kwargs: Any) -> torch.Tensor:
+        if more or kwargs:
+            raise ConfigError(_MORE_ARGUMENTS.format(given=", ".join([*("a third argument" for _ in more[:1]),
+                                                                       *map(repr, kwargs)])))
         if self.before is not None:
             self.before()
         args, kwargs = call_parts(out)
@@ -168,6 +192,13 @@ class RemoteLoss:
         if isinstance(out, CutTensor) and isinstance(loss, torch.Tensor) and loss.requires_grad:
             _one_pass_each(out, loss)
         return loss
+
+
+_MORE_ARGUMENTS = (
+    "a remote loss is called as crit(out, target); this call also gives {given}. The cloud computes the loss "
+    "by its torch.nn class and settings: give the settings to the loss itself (model.remote_loss("
+    "nn.CrossEntropyLoss(weight=w)) for F.cross_entropy(out, y, weight=w), or crit.weight = w before the call). "
+    "For a loss of more inputs, cut a U-shape (split(..., rejoin=...)) so it runs on the edge")
 
 
 _GRADIENTS_ADDED = (
