@@ -530,3 +530,61 @@ def test_an_optimizer_state_dict_kept_across_unsplit_is_the_whole_optimizers(clo
     assert _cloud_moment(sd) is not opt.state[whole[2].weight]["exp_avg"]
     _train(whole, opt, nn.CrossEntropyLoss(), data[2:])
     assert torch.equal(_cloud_moment(sd), opt.state[whole[2].weight]["exp_avg"])
+
+
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+@pytest.mark.parametrize("name", ["Adam", "SGD-momentum", "Adagrad"])
+def test_an_optimizer_that_stepped_before_split_goes_on_from_its_state(cloud, name, rejoin):
+    """A few steps on the whole model, then split() with the same optimizer (a warm-up where the
+    data first was): its moments for the cloud half go to the cloud's copy at its first step, as
+    torch's own load would place them, and training goes on bitwise as unsplit."""
+    data = _data(4)
+    splitft.split(mlp(), 2, factory=MLP, connect=cloud).close()  # the warm-up's steps run splitft's step hook
+    runs = []
+    for split in (False, True):
+        net = mlp()
+        opt = BUILDS[name](net.parameters())
+        _train(net, opt, nn.CrossEntropyLoss(), data[:2])
+        model, crit = _split_from(net, cloud, rejoin) if split else (net, nn.CrossEntropyLoss())
+        _train(model, opt, crit, data[2:])
+        assert not split or model.optimizer is opt  # found local in the warm-up; over the cloud half now
+        runs.append((model.state_dict(), copy.deepcopy(opt.state_dict())))
+        if split:
+            model.close()
+    (local, local_opt), (split_sd, split_opt) = runs
+    assert_bitwise(split_sd, local)
+    _assert_same_state(split_opt, local_opt)
+
+
+def _split_from(net: nn.Module, cloud: str, rejoin: int | None) -> tuple[splitft.SplitModel, nn.Module]:
+    model = splitft.split(net, 2, rejoin, factory=MLP, connect=cloud)  # the weights the warm-up left go along
+    return model, nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss())
+
+
+def test_a_load_pre_hook_changes_what_both_halves_load(cloud):
+    """``opt.register_load_state_dict_pre_hook`` (a checkpoint migrated as it loads: here the first
+    moments halved) runs once per load, on the whole state dict, so the cloud half's entries load
+    as it left them, as unsplit."""
+    data = _data(3)
+    runs, calls = [], []
+
+    def halve_moments(optimizer: torch.optim.Optimizer, sd: dict) -> dict:
+        calls.append(1)
+        state = {i: {k: v * 0.5 if k == "exp_avg" else v for k, v in entry.items()} for i, entry in sd["state"].items()}
+        return {**sd, "state": state}
+
+    for split in (False, True):
+        model, crit = _split(cloud, None) if split else (mlp(), nn.CrossEntropyLoss())
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        _train(model, opt, crit, data[:2])
+        saved = copy.deepcopy(opt.state_dict())
+        opt.register_load_state_dict_pre_hook(halve_moments)
+        opt.load_state_dict(saved)
+        _train(model, opt, crit, data[2:])
+        runs.append((model.state_dict(), copy.deepcopy(opt.state_dict())))
+        if split:
+            model.close()
+    (local, local_opt), (split_sd, split_opt) = runs
+    assert calls == [1, 1]
+    assert_bitwise(split_sd, local)
+    _assert_same_state(split_opt, local_opt)

@@ -89,7 +89,10 @@ class ModelMirror:
         if self.optimizer is optimizer:
             return optimizer
         optimizer_mirror = OptimizerMirror(self, optimizer)  # refuses what it cannot mirror, before any change
-        optimizer_mirror.check_initial_state()
+        carried = optimizer_mirror.check_initial_state()  # stepped before split(): goes on from there
+        if carried is not None and self.resume_state is not None:
+            raise ConfigError(f"this {type(optimizer).__name__} holds state of its own, and split(..., resume_from=) "
+                              "restores the checkpoint's: build a new optimizer to resume with")
         if self.optimizer_mirror is not None:
             # A new optimizer (one per stage, say) replaces the one before, in the cloud too, as
             # the unsplit loop would step only the new one; the old one stepping again is refused.
@@ -102,6 +105,8 @@ class ModelMirror:
             op_id = self.optimizer_id
         optimizer_mirror.attached(op_id)
         optimizers.mirrored(optimizer, optimizer_mirror)
+        if carried is not None:
+            optimizer_mirror.carry(carried)
         self.resume_state = None
         self.optimizer, self.optimizer_mirror = optimizer, optimizer_mirror
         return optimizer

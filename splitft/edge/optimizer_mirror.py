@@ -24,6 +24,7 @@ from ..wire.operations import AddParamGroup, AttachOptimizer, LoadOptimizerState
 from . import initial_state, optimizers
 from .cloud_half import CloudHalf
 from .fetched_state import OPTIMIZER_STATE, FetchedCloudState
+from .optimizer_loads import load_hooks_aside, local_value, placed, pre_hooked, wire_value
 from .placeholders import RemoteTensor
 
 
@@ -94,21 +95,33 @@ class OptimizerMirror:
                               "Step the newer one, or put every group in one optimizer (one over edge parameters "
                               "only stays local)")
 
-    def check_initial_state(self) -> None:
-        """Refuse state for a cloud parameter that the cloud's copy, built with the same settings,
-        would not start from: only what the optimizer's own constructor makes (Adagrad's
-        accumulators) is mirrored, by building the same optimizer in the cloud."""
+    def check_initial_state(self) -> dict[str, Any] | None:
+        """The state the optimizer holds for cloud parameters, as the cloud's copy starts from it.
+        What its own constructor makes (Adagrad's accumulators) is built in the cloud with it; any
+        other (an optimizer that stepped before ``split()``, or state written for a cloud
+        parameter) is returned as its state dict, which :meth:`carry` loads into the cloud's copy
+        once attached, so training goes on from it as unsplit."""
         optimizer, owns = self.optimizer, self.model.cloud_half.owns
         entries = {p: entry for p, entry in optimizer.state.items() if entry and owns(p)}
         if not entries:
-            return
+            return None
         made = initial_state.constructor_state(optimizer, owns, self.settings, self.sent)
-        if entries.keys() != made.keys() or not all(initial_state.same_entry(entries[p], made[p]) for p in made):
+        if entries.keys() == made.keys() and all(initial_state.same_entry(entries[p], made[p]) for p in made):
+            for param, entry in entries.items():
+                initial_state.to_placeholders(entry, made[param])
+            return None
+        if any(isinstance(value, RemoteTensor) for entry in entries.values() for value in entry.values()):
             raise ConfigError(f"this {type(optimizer).__name__} already holds state for cloud parameters that its "
-                              "constructor did not make (written, or loaded before it was attached); the cloud's copy "
-                              "starts from the constructor's state: attach it before loading its state_dict")
-        for param, entry in entries.items():
-            initial_state.to_placeholders(entry, made[param])
+                              "constructor did not make, made from their placeholders (written after split(), before "
+                              "it was attached); the cloud's copy cannot start from it: attach the optimizer first, "
+                              "then load its state with opt.load_state_dict(...)")
+        saved = optimizer.state_dict()
+        saved["state"] = {i: dict(entry) for i, entry in saved["state"].items()}  # as they are now
+        return saved
+
+    def carry(self, saved: dict[str, Any]) -> None:
+        """Load ``saved`` (what :meth:`check_initial_state` returned) into the attached copy."""
+        self.load_state(saved, optimizers.load_optimizer_state, hooks=False)
 
     def attached(self, op_id: int) -> None:
         """Build the cloud's copy, as attachment ``op_id`` (the cloud builds each id once)."""
@@ -279,7 +292,7 @@ class OptimizerMirror:
                 arrays = fetched.get(names[id(param)])
                 if arrays:
                     here = self.optimizer.state.get(param)  # placeholders, whose dtypes the values take
-                    state[i] = {key: self._fetched_entry(param, names[id(param)], key, _local_value(
+                    state[i] = {key: self._fetched_entry(param, names[id(param)], key, local_value(
                         array, dict.get(here, key) if isinstance(here, dict) else None))
                         for key, array in arrays.items()}
             state = dict(sorted(state.items()))
@@ -296,15 +309,23 @@ class OptimizerMirror:
     def _state_moment(self) -> int:
         return self._version
 
-    def load_state(self, saved: dict[str, Any], load: Callable[[torch.optim.Optimizer, dict], None]) -> None:
+    def load_state(self, saved: dict[str, Any], load: Callable[[torch.optim.Optimizer, dict], None], *,
+                   hooks: bool = True) -> None:
         """``opt.load_state_dict(saved)``: the edge half's entries load here (``load``: torch's
         own), the cloud half's go to the cloud's copy, which from then on holds exactly them, as
         torch's load leaves the optimizer holding exactly what it loaded. Checked here first
-        against the layout the optimizer keeps, so a refused load changes nothing."""
+        against the layout the optimizer keeps, so a refused load changes nothing.
+
+        The optimizer's load pre-hooks (``opt.register_load_state_dict_pre_hook``, a checkpoint
+        migrated as it loads) run first, once, on the whole state dict, so what they change
+        reaches both halves. ``hooks=False`` runs none of its load hooks (a state carried at
+        attachment: unsplit, nothing was loaded)."""
         self._still_attached()
         name = type(self.optimizer).__name__
         if self.model.link.shared:
             raise ConfigError(f"{name}.load_state_dict over a shared cloud half: its optimizer is every edge's")
+        if hooks:
+            saved = pre_hooked(self.optimizer, saved)
         self.groups_added()
         cloud, names, remote = self._cloud_params(), self.model.cloud_half.names_by_id, self.model.cloud_half
         given = saved.get("state", {})
@@ -323,9 +344,10 @@ class OptimizerMirror:
                 raise ConfigError(f"{name}.load_state_dict: the entry of cloud parameter {pname!r} is not the state "
                                   f"this {name} keeps ({sorted(keys)} with their shapes): a state dict of another "
                                   "optimizer or model?")
-            entries[pname] = {key: _wire_value(value) for key, value in entry.items()}
+            entries[pname] = {key: wire_value(value) for key, value in entry.items()}
             layouts[i] = keys
-        load(self.optimizer, {**saved, "state": {i: e for i, e in given.items() if i not in cloud}})
+        with load_hooks_aside(self.optimizer, post=not hooks):
+            load(self.optimizer, {**saved, "state": {i: e for i, e in given.items() if i not in cloud}})
         changes = [{k: v for k, v in now.items() if v != before.get(k)} for now, before in zip(loaded, self.sent)]
         self.model.outbox.queue(LoadOptimizerState(entries=entries, changes=changes if any(changes) else None))
         self.sent, self._raw = loaded, None
@@ -353,7 +375,7 @@ class OptimizerMirror:
                     arrays = (fetched or {}).get(name)
                     state.pop(param, None)
                     if arrays:
-                        state[param] = {key: _placed(param, key, torch.tensor(array), index, packed)
+                        state[param] = {key: placed(param, key, torch.tensor(array), index, packed)
                                         for key, array in arrays.items()}
                 index += 1
         for entry, (param, key) in list(self._fetched.items()):  # current ones are the optimizer's memory now
@@ -412,25 +434,6 @@ class OptimizerMirror:
             # message, so it lands between the other edges' steps where the user's loop put it.
             model.link.sync()
         model.on_step()
-
-
-def _local_value(array: Any, placeholder: Any) -> torch.Tensor:
-    """A fetched state value as the unsplit optimizer holds it (the placeholder's dtype: bfloat16
-    travels as float32)."""
-    value = torch.tensor(array)
-    return value.to(placeholder.dtype) if isinstance(placeholder, torch.Tensor) else value
-
-
-def _placed(param: torch.Tensor, key: str, value: torch.Tensor, index: int, groups: list) -> torch.Tensor:
-    """A state value where torch's ``load_state_dict`` puts it for ``param`` (its dtype and device,
-    a step count as it is)."""
-    return torch.optim.Optimizer._process_value_according_to_param_policy(param, value, index, groups, key)
-
-
-def _wire_value(value: torch.Tensor) -> Any:
-    """A state value as it travels (bfloat16, which numpy lacks, as float32: exact)."""
-    value = value.detach().cpu()
-    return (value.float() if value.dtype == torch.bfloat16 else value).numpy().copy()
 
 
 def _members(optimizer: torch.optim.Optimizer) -> list[tuple[int, ...]]:

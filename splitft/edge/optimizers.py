@@ -49,8 +49,10 @@ _INSTALLED = False
 _INSTALLING = threading.Lock()
 #: Optimizers mirrored to a cloud half, with their mirror (see splitft.edge.optimizer_mirror.OptimizerMirror).
 _MIRRORS: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
-#: Optimizers found to hold no cloud placeholder, with how many parameters they had then.
-_LOCAL: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+#: Optimizers found to hold no cloud placeholder, with how many parameters they had then and how many
+#: cloud halves had been made (a split() turns parameters an optimizer holds into placeholders in place).
+_LOCAL: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]] = weakref.WeakKeyDictionary()
+_HALVES = 0  # cloud halves registered in this process so far
 #: Each mirrored optimizer's own step hooks (their handle ids): the pre-hook that hides the cloud's
 #: gradients and sends the step's settings, the post-hook that sends the step.
 _STEP_HOOKS: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]] = weakref.WeakKeyDictionary()
@@ -60,7 +62,9 @@ _OWNERS: weakref.WeakKeyDictionary[Any, weakref.ref[Attaches]] = weakref.WeakKey
 
 def register(remote: Any, owner: Attaches) -> None:
     """An optimizer that holds ``remote``'s placeholders is attached by ``owner`` (kept weakly)."""
+    global _HALVES
     _OWNERS[remote] = weakref.ref(owner)
+    _HALVES += 1  # an optimizer found local before may hold this half's placeholders now
 
 
 def mirrored(optimizer: torch.optim.Optimizer, mirror: Any) -> None:
@@ -96,12 +100,12 @@ def _mirror_of(optimizer: torch.optim.Optimizer) -> Any:
     mirror = _MIRRORS.get(optimizer)
     if mirror is not None:
         return mirror
-    count = sum(len(group["params"]) for group in optimizer.param_groups)
-    if _LOCAL.get(optimizer) == count:
-        return None  # checked already: one look per optimizer, not one per step
+    seen = sum(len(group["params"]) for group in optimizer.param_groups), _HALVES
+    if _LOCAL.get(optimizer) == seen:
+        return None  # checked already: one look per optimizer and split, not one per step
     owner = cloud_owner(optimizer)
     if owner is None:
-        _LOCAL[optimizer] = count
+        _LOCAL[optimizer] = seen
         return None
     owner.attach(optimizer)
     return _MIRRORS[optimizer]

@@ -1,0 +1,65 @@
+"""An optimizer's state dict as torch's own load takes it, for both halves of a split model.
+
+The cloud half's state values travel as arrays and come back as the tensors the unsplit
+optimizer would hold (:func:`local_value`, :func:`placed`, :func:`wire_value`); the optimizer's
+load hooks run once over the whole state dict, as torch runs them, not once per half
+(:func:`pre_hooked`, :func:`load_hooks_aside`).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+LOAD_PRE_HOOKS, LOAD_POST_HOOKS = "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"
+
+
+def pre_hooked(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+    """``saved`` as the optimizer's load pre-hooks leave it, run as torch's load runs them."""
+    saved = saved.copy()  # what torch's load hands its hooks
+    for hook in list(getattr(optimizer, LOAD_PRE_HOOKS, {}).values()):
+        changed = hook(optimizer, saved)
+        if changed is not None:
+            saved = changed
+    return saved
+
+
+@contextlib.contextmanager
+def load_hooks_aside(optimizer: torch.optim.Optimizer, post: bool) -> Iterator[None]:
+    """Torch's load within runs no pre-hook (they ran on the whole state dict), nor, with
+    ``post``, a post-hook. The tables are the optimizer's own: no other optimizer is touched."""
+    tables = (LOAD_PRE_HOOKS, LOAD_POST_HOOKS) if post else (LOAD_PRE_HOOKS,)
+    kept = {table: vars(optimizer)[table] for table in tables if table in vars(optimizer)}
+    for table in kept:
+        setattr(optimizer, table, collections.OrderedDict())
+    try:
+        yield
+    finally:
+        for table, hooks in kept.items():
+            setattr(optimizer, table, hooks)
+
+
+def local_value(array: Any, placeholder: Any) -> torch.Tensor:
+    """A fetched state value as the unsplit optimizer holds it (the placeholder's dtype: bfloat16
+    travels as float32)."""
+    value = torch.tensor(array)
+    return value.to(placeholder.dtype) if isinstance(placeholder, torch.Tensor) else value
+
+
+def placed(param: torch.Tensor, key: str, value: torch.Tensor, index: int, groups: list) -> torch.Tensor:
+    """A state value where torch's ``load_state_dict`` puts it for ``param`` (its dtype and device,
+    a step count as it is)."""
+    return torch.optim.Optimizer._process_value_according_to_param_policy(param, value, index, groups, key)
+
+
+def wire_value(value: torch.Tensor) -> Any:
+    """A state value as it travels (bfloat16, which numpy lacks, as float32: exact)."""
+    value = value.detach().cpu()
+    return (value.float() if value.dtype == torch.bfloat16 else value).numpy().copy()
+
+
+__all__ = ["load_hooks_aside", "local_value", "placed", "pre_hooked", "wire_value"]
