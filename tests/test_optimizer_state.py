@@ -492,13 +492,27 @@ def test_a_cloud_entry_of_opt_state_dict_refuses_a_write_and_a_read_after_a_step
         assert_bitwise(model.state_dict(), local.state_dict())
 
 
+def _same_both_ways(cloud: str, script: Callable[[nn.Module, nn.Module], torch.optim.Optimizer]) -> None:
+    """``script(model, crit)`` (returning its optimizer) on the unsplit model and on a split one:
+    the weights and the optimizer's state come out bitwise alike."""
+    runs = []
+    for split in (False, True):
+        model, crit = _split(cloud, None) if split else (mlp(), nn.CrossEntropyLoss())
+        opt = script(model, crit)
+        runs.append((model.state_dict(), copy.deepcopy(opt.state_dict())))
+        if split:
+            model.close()
+    (local, local_opt), (split_sd, split_opt) = runs
+    assert_bitwise(split_sd, local)
+    _assert_same_state(split_opt, local_opt)
+
+
 def test_a_copied_best_optimizer_state_loads_back_as_unsplit(cloud):
     """The best-checkpoint idiom done with a copy (``copy.deepcopy(opt.state_dict())``) rewinds
     both halves' moments, split as unsplit; one loaded back before any step changes nothing."""
     data = _data(4)
-    runs = []
-    for split in (False, True):
-        model, crit = _split(cloud, None) if split else (mlp(), nn.CrossEntropyLoss())
+
+    def script(model: nn.Module, crit: nn.Module) -> torch.optim.Optimizer:
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
         _train(model, opt, crit, data[:1])
         opt.load_state_dict(opt.state_dict())
@@ -506,12 +520,9 @@ def test_a_copied_best_optimizer_state_loads_back_as_unsplit(cloud):
         _train(model, opt, crit, data[1:3])
         opt.load_state_dict(best)
         _train(model, opt, crit, data[3:])
-        runs.append((model.state_dict(), copy.deepcopy(opt.state_dict())))
-        if split:
-            model.close()
-    (local, local_opt), (split_sd, split_opt) = runs
-    assert_bitwise(split_sd, local)
-    _assert_same_state(split_opt, local_opt)
+        return opt
+
+    _same_both_ways(cloud, script)
 
 
 def test_an_optimizer_state_dict_kept_across_unsplit_is_the_whole_optimizers(cloud):
@@ -566,25 +577,21 @@ def test_a_load_pre_hook_changes_what_both_halves_load(cloud):
     moments halved) runs once per load, on the whole state dict, so the cloud half's entries load
     as it left them, as unsplit."""
     data = _data(3)
-    runs, calls = [], []
+    calls = []
 
     def halve_moments(optimizer: torch.optim.Optimizer, sd: dict) -> dict:
         calls.append(1)
         state = {i: {k: v * 0.5 if k == "exp_avg" else v for k, v in entry.items()} for i, entry in sd["state"].items()}
         return {**sd, "state": state}
 
-    for split in (False, True):
-        model, crit = _split(cloud, None) if split else (mlp(), nn.CrossEntropyLoss())
+    def script(model: nn.Module, crit: nn.Module) -> torch.optim.Optimizer:
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
         _train(model, opt, crit, data[:2])
         saved = copy.deepcopy(opt.state_dict())
         opt.register_load_state_dict_pre_hook(halve_moments)
         opt.load_state_dict(saved)
         _train(model, opt, crit, data[2:])
-        runs.append((model.state_dict(), copy.deepcopy(opt.state_dict())))
-        if split:
-            model.close()
-    (local, local_opt), (split_sd, split_opt) = runs
+        return opt
+
+    _same_both_ways(cloud, script)
     assert calls == [1, 1]
-    assert_bitwise(split_sd, local)
-    _assert_same_state(split_opt, local_opt)
