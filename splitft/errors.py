@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 import compressors
+import torch
 import transports
 
 
@@ -67,6 +68,12 @@ class TooLarge(ProtocolError):
 
 class ModelError(SplitFTError):
     """The cloud part raised on the inputs an edge sent (wrong shapes, dtypes, targets...)."""
+
+
+class CloudOutOfMemory(ModelError, torch.OutOfMemoryError):
+    """The cloud half ran out of memory on the inputs an edge sent. Also torch's own error, as the
+    unsplit model would raise it: a loop that halves its batch on ``torch.OutOfMemoryError`` (or
+    finds its batch size so) catches this too."""
 
 
 class CapacityError(SplitFTError):
@@ -128,6 +135,7 @@ CODES: dict[str, type[SplitFTError]] = {
     "resume": ResumeError,
     "policy": PolicyError,
     "checkpoint": CheckpointError,
+    "out_of_memory": CloudOutOfMemory,
 }
 
 

@@ -489,3 +489,25 @@ def twin_bias_mlp(seed: int = 0) -> nn.Sequential:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return nn.Sequential(nn.Linear(12, 8), nn.ReLU(), TwinBias(4, 8), nn.Linear(8, 3))
+
+
+class BatchLimited(nn.Module):
+    """Runs out of memory above ``most`` rows, as a GPU does: the model of an out-of-memory retry
+    (halve the batch, accumulate), which finds its batch size by catching torch's error."""
+
+    def __init__(self, most: int) -> None:
+        super().__init__()
+        self.most = most
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.most:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {x.shape[0]} rows")
+        return x
+
+
+def batch_limited_mlp(seed: int = 0, most: int = 8, dropout: float | None = None) -> nn.Sequential:
+    """mlp with a :class:`BatchLimited` at index 2, its cloud half's first module; with ``dropout``,
+    a dropout before it (index 2, the limit at 3), whose draws come before memory runs out."""
+    net = mlp(seed)
+    drop = [] if dropout is None else [nn.Dropout(dropout)]
+    return nn.Sequential(net[0], net[1], *drop, BatchLimited(most), net[2], net[3], net[4])

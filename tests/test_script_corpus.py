@@ -20,6 +20,7 @@ from tests.models import mlp, mlp_dropout
 from tests.test_faults import _data, assert_same
 
 MLP = "tests.models:mlp"
+BATCH_LIMITED = "tests.models:batch_limited_mlp"
 DIGITS = "splitft.app.models:digits_cnn"
 MLP_DROPOUT = "tests.models:mlp_dropout"
 
@@ -736,7 +737,7 @@ COMPUTED = [resets_a_layer_with_tensors_made_like_its_weights, prunes_small_weig
 @pytest.fixture(scope="module")
 def cloud(tmp_path_factory):
     proc, address, err = start_cloud(tmp_path_factory.mktemp("cloud"), "--sessions", "0", "--model", MLP,
-                                     "--model", DIGITS, "--model", MLP_DROPOUT)
+                                     "--model", DIGITS, "--model", MLP_DROPOUT, "--model", BATCH_LIMITED)
     yield address
     stop(proc)
 
@@ -911,6 +912,77 @@ def _train_adam(model, crit, data):
         opt.zero_grad()
         crit(model(x), y).backward()
         opt.step()
+
+
+@pytest.mark.parametrize("rejoin", [None, 5], ids=["plain", "ushape"])
+def test_a_loop_that_halves_its_batch_when_out_of_memory_trains_as_unsplit(cloud, rejoin):
+    """The out-of-memory retry (catch ``torch.OutOfMemoryError``, accumulate the batch in halves):
+    the cloud half running out of memory reaches the script as torch's error, as unsplit, and
+    the retry trains exactly."""
+    from tests.models import batch_limited_mlp
+
+    data = [(x if i % 2 else x[:8], y if i % 2 else y[:8]) for i, (x, y) in enumerate(_data(4))]  # 16 rows fail
+    retries = []
+
+    def train(model, crit):
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        for x, y in data:
+            try:
+                opt.zero_grad()
+                crit(model(x), y).backward()
+            except torch.OutOfMemoryError as exc:
+                retries.append(type(exc))
+                opt.zero_grad()
+                for xs, ys in zip(x.chunk(2), y.chunk(2)):
+                    (crit(model(xs), ys) / 2).backward()
+            opt.step()
+
+    local = batch_limited_mlp()
+    train(local, nn.CrossEntropyLoss())
+    with splitft.split(batch_limited_mlp(), 2, rejoin, factory=BATCH_LIMITED, connect=cloud) as model:
+        train(model, nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss()))
+        assert_bitwise(model.state_dict(), local.state_dict())
+    assert retries[:2] == [torch.OutOfMemoryError] * 2 and retries[2:] == [splitft.errors.CloudOutOfMemory] * 2
+
+
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded before the retry", "not seeded"])
+@pytest.mark.parametrize("first", [True, False], ids=["at the first step", "at a later step"])
+def test_an_out_of_memory_retry_after_the_cloud_half_drew_is_exact_once_seeded(cloud, first, seeded):
+    """Dropout before the point where memory ran out: unsplit, its draws moved the generator, which
+    the cloud's error does not bring back. Without a seed the retry is refused (before it runs once
+    the half is known to draw, at its reply at the first step); with one, it trains exactly."""
+    from tests.models import batch_limited_mlp
+
+    sizes = [16, 8, 8] if first else [8, 16, 8]
+    data = [(x[:n], y[:n]) for (x, y), n in zip(_data(3), sizes)]
+
+    def train(model, crit):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in data:
+            try:
+                opt.zero_grad()
+                crit(model(x), y).backward()
+            except torch.OutOfMemoryError:
+                opt.zero_grad()
+                if seeded:
+                    torch.manual_seed(7)
+                for xs, ys in zip(x.chunk(2), y.chunk(2)):
+                    (crit(model(xs), ys) / 2).backward()
+            opt.step()
+
+    torch.manual_seed(0)
+    local = batch_limited_mlp(dropout=0.5)
+    train(local, nn.CrossEntropyLoss())
+    factory = splitft.Factory(BATCH_LIMITED, {"dropout": 0.5})
+    torch.manual_seed(0)
+    with splitft.split(batch_limited_mlp(dropout=0.5), 2, factory=factory, connect=cloud) as model:
+        crit = model.remote_loss(nn.CrossEntropyLoss())
+        if not seeded:
+            with pytest.raises(ConfigError, match=r"ran out of memory in a forward before this one.*manual_seed"):
+                train(model, crit)
+            return
+        train(model, crit)
+        assert_bitwise(model.state_dict(), local.state_dict())
 
 
 def test_two_remote_losses_called_in_turn_each_compute_their_own(cloud):

@@ -9,8 +9,9 @@ import time
 from typing import Literal
 
 import compressors
+import torch
 
-from ..errors import SplitFTError
+from ..errors import CloudOutOfMemory, SplitFTError
 from ..metrics import Timed
 from ..wire.records import _short
 
@@ -33,7 +34,8 @@ class _Blame:
                  tb: object) -> Literal[False]:
         if exc is None or not isinstance(exc, Exception) or isinstance(exc, _OURS):
             return False
-        raise self.kind(f"{self.what}: {type(exc).__name__}: {str(exc)[:500]}") from exc
+        kind = CloudOutOfMemory if isinstance(exc, torch.OutOfMemoryError) else self.kind  # the batch's, as unsplit
+        raise kind(f"{self.what}: {type(exc).__name__}: {str(exc)[:500]}") from exc
 
 
 _OURS = (SplitFTError, compressors.CompressionError)
@@ -44,6 +46,7 @@ def blame(kind: type[SplitFTError], what: str) -> _Blame:
 
     Our own typed errors pass through; anything else (a KeyError in a codec fed a malformed
     payload, a RuntimeError from a layer fed the wrong shape) is the edge's input, not our bug.
+    Running out of memory is :class:`~splitft.errors.CloudOutOfMemory` whatever ``kind`` is.
     """
     return _Blame(kind, what)
 

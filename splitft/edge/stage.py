@@ -19,12 +19,13 @@ import torch
 
 from compressors import CodecContext
 
-from ..errors import ConfigError, DesyncError, ProtocolError
+from ..errors import CloudOutOfMemory, ConfigError, DesyncError, ProtocolError
 from ..generator_state import checked_host_state
 from ..metrics import Metrics
 from ..wire.coding import SlotCodecs, Traffic, from_wire, raw_nbytes, stream_index, to_wire
 from ..wire.operations import Operation
 from ..wire.protocol import Backward, Forward, InputGrads, Message, Output
+from . import generator_sets
 from .requests import Expect, Reply
 from .schedule import Call, Part, backward_pass
 
@@ -65,6 +66,9 @@ class CloudStage:
         self._rng_synced: torch.Tensor | None = None
         #: Whether the half's forward draws random numbers, learnt per (training?, modules in the other mode).
         self._cloud_draws: dict[tuple[bool, tuple[str, ...]], bool] = {}
+        #: :func:`.generator_sets.count` when the half ran out of memory mid-forward: the draws it
+        #: made before are lost to the edge's generator, until the script sets it (None: none lost).
+        self._draws_lost: int | None = None
 
     def check(self, call: Call) -> None:
         """Refuse a training call without sample ids when a codec keeps state per sample."""
@@ -113,7 +117,10 @@ class CloudStage:
         """The host generator's state, when it changed since the cloud half's stream was at it (the
         edge drew, the script seeded) and the half may draw in these modes: its dropout then draws on
         from where the edge's left off, as in the unsplit model (:mod:`splitft.cloud.randomness`)."""
-        if self._cloud_draws.get((call.train, call.modes)) is False:
+        draws = self._cloud_draws.get((call.train, call.modes))
+        if draws and self._draws_lost is not None and generator_sets.count() == self._draws_lost:
+            raise ConfigError(DRAWS_LOST)  # before the half runs; not known yet whether it draws: at its reply
+        if draws is False:
             return None
         if call.again is not None:  # the first loss's start, whatever the stream is at now (it stays there)
             return call.again.numpy()
@@ -140,6 +147,10 @@ class CloudStage:
         """Learn whether the half draws in these modes; when it drew, the edge's generator goes on
         from the state it left, as the unsplit model's next draw would (not for a streamed step,
         whose reply comes after the script ran on)."""
+        if self._draws_lost is not None:
+            if reply.rng is not None and generator_sets.count() == self._draws_lost:
+                raise ConfigError(DRAWS_LOST)
+            self._draws_lost = None
         if call.again is not None:
             return  # a repeated forward: the half's stream and the edge's stay where the first left them
         key = (call.train, call.modes)
@@ -177,8 +188,10 @@ class CloudStage:
                 self._rng_synced = None  # refused before the half ran: the state goes again
                 msg, traffic = self._forward_message(call, part, leaves, [], ctx)
                 reply, wire_in = self.requests.exchange(msg, "activation", Output, traffic)
-        except BaseException:
+        except BaseException as exc:
             self._rng_synced = None  # whether the cloud's stream took the state sent is not known
+            if isinstance(exc, CloudOutOfMemory):
+                self._draws_lost = generator_sets.count()
             raise
         assert isinstance(reply, Output)
         self._follow_cloud_rng(call, part, reply)
@@ -277,6 +290,12 @@ DRAWN_BETWEEN = (
     "would silently differ from the unsplit model. Draw before model(x) (or after the loss), or cut a U-shape "
     "(rejoin=), whose model(x) runs the whole model")
 
+DRAWS_LOST = (
+    "the cloud half draws random numbers (dropout), and ran out of memory in a forward before this one: unsplit, "
+    "the draws it made before running out moved the generator, which the cloud's error does not bring back, so "
+    "this forward's masks would differ from the unsplit model's. Set the generator before the retry "
+    "(torch.manual_seed(...)), as the same script then draws the same unsplit")
 
-__all__ = ["CloudStage", "DRAWN_BETWEEN"]
+
+__all__ = ["CloudStage", "DRAWN_BETWEEN", "DRAWS_LOST"]
 
