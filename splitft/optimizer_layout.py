@@ -40,6 +40,8 @@ def state_layout(cls: type, groups: list[tuple[dict[str, Any], list[tuple[torch.
         # The step beneath torch's hook wrapper: the process-wide step hooks (a script's step
         # counter, a gradient guard, splitft's own) are the script's optimizers' business.
         step = type(dry).step
+        while getattr(step, "__splitft_guard__", False):  # splitft's guard of a failed step (edge.optimizers)
+            step = step.__wrapped__
         with torch.no_grad():
             (step.__wrapped__ if getattr(step, "hooked", False) else step)(dry)
     except Exception:  # noqa: BLE001 — any optimizer's own failure on meta tensors means: not known here

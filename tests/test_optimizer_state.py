@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import io
 from collections.abc import Callable
 from typing import Any
 
@@ -447,7 +448,7 @@ def _kept_trained_loaded(opt: torch.optim.Optimizer, sd: dict, step: Callable[[]
 
 def _kept_trained_saved(opt: torch.optim.Optimizer, sd: dict, step: Callable[[], None]) -> None:
     step()
-    torch.save(sd, __import__("io").BytesIO())  # unsplit: saves the moments of now
+    torch.save(sd, io.BytesIO())  # unsplit: saves the moments of now
 
 
 def _written(opt: torch.optim.Optimizer, sd: dict, step: Callable[[], None]) -> None:
@@ -595,3 +596,66 @@ def test_a_load_pre_hook_changes_what_both_halves_load(cloud):
 
     _same_both_ways(cloud, script)
     assert calls == [1, 1]
+
+
+def test_a_step_that_raised_and_was_caught_leaves_the_cloud_gradients_to_the_script(cloud):
+    """A step raising inside torch (amsgrad switched on mid-run: Adam's state lacks its key, a
+    KeyError unsplit too), caught, the setting put back: the cloud's gradients must be there for
+    the script's zero_grad again, or the next backward adds to the old ones."""
+    data = _data(5)
+    failures = []
+
+    def script(model: nn.Module, crit: nn.Module) -> torch.optim.Optimizer:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        for i, (x, y) in enumerate(data):
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.param_groups[0]["amsgrad"] = i == 2
+            try:
+                opt.step()
+            except KeyError:
+                failures.append(i)
+                opt.param_groups[0]["amsgrad"] = False
+        return opt
+
+    _same_both_ways(cloud, script)
+    assert failures == [2, 2]
+
+
+def test_a_loaded_state_dict_follows_training_as_torchs_load_keeps_it(cloud):
+    """Unsplit, torch's load keeps the loaded tensors as the optimizer's own: a resumed checkpoint's
+    dict, saved again later, holds the moments of then. Split, its cloud entries stand for the
+    cloud's: current right after the load, refused once a step moved them, followed after unsplit()."""
+    data = _data(4)
+    model, crit = _split(cloud, None)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    _train(model, opt, crit, data[:1])
+    ckpt = {"optimizer": copy.deepcopy(opt.state_dict())}
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    opt.load_state_dict(ckpt["optimizer"])
+    torch.save(ckpt, io.BytesIO())  # current: saves as it is
+    _train(model, opt, crit, data[1:2])
+    with pytest.raises(ConfigError, match=r"opt\.state_dict\(\) \(the cloud half's 'step of 2\.weight'\) is used after"):
+        torch.save(ckpt, io.BytesIO())
+    loaded = copy.deepcopy(opt.state_dict())
+    opt.load_state_dict(loaded)
+    whole = model.unsplit()
+    _train(whole, opt, nn.CrossEntropyLoss(), data[2:])  # two steps more, unsplit: the loaded dict follows
+    assert torch.equal(loaded["state"][2]["exp_avg"], opt.state[whole[2].weight]["exp_avg"])
+    assert loaded["state"][2]["step"] == 4
+
+
+class _MyAdam(torch.optim.Adam):
+    """A subclass of torch's Adam that adds nothing here; the cloud builds torch's classes only."""
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda params: _MyAdam(params, lr=0.01),
+     r"_MyAdam is not one of them \(a subclass of torch\.optim\.Adam.*use torch\.optim\.Adam itself"),
+    (lambda params: torch.optim.Adam(params, lr=np.float32(0.01)),
+     r"lr is np\.float32\(0\.01\): a numpy number computes in its own precision.*float\(\.\.\.\)"),
+], ids=["a subclass", "a numpy learning rate"])
+def test_an_optimizer_the_cloud_cannot_rebuild_is_refused_naming_the_fix(cloud, build, message):
+    model, _ = _split(cloud, None)
+    with model, pytest.raises(ConfigError, match=message):
+        model.attach(build(model.parameters()))

@@ -23,7 +23,8 @@ from . import optimizers
 from .cloud_half import CloudHalf
 from .ghost_hooks import HOOK_TABLES
 from .metadata import requires_grad_changes
-from .optimizer_mirror import NOT_PLAIN, OptimizerMirror, optimizer_settings, plain_setting
+from .optimizer_mirror import OptimizerMirror
+from .optimizer_settings import NOT_PLAIN, optimizer_settings, plain_setting
 from .placeholders import RemoteTensor
 
 

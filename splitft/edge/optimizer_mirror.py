@@ -9,7 +9,6 @@ parameters' entries of ``optimizer.state`` as placeholders (:mod:`.initial_state
 from __future__ import annotations
 
 import contextlib
-import inspect
 import itertools
 import operator
 import weakref
@@ -25,6 +24,8 @@ from . import initial_state, optimizers
 from .cloud_half import CloudHalf
 from .fetched_state import OPTIMIZER_STATE, FetchedCloudState
 from .optimizer_loads import load_hooks_aside, local_value, placed, pre_hooked, wire_value
+from .optimizer_settings import (IMMUTABLE, NOT_PLAIN, PLAIN_KINDS, PLAIN_OR_TUPLE, not_mirrored,
+                                 optimizer_settings, plain_setting)
 from .placeholders import RemoteTensor
 
 
@@ -149,8 +150,8 @@ class OptimizerMirror:
         # read every step: plain values and tuples of them (Adam's betas) are told apart by type, in one go
         values = list(itertools.chain.from_iterable(raw))
         kinds = set(map(type, values))
-        immutable = kinds <= _PLAIN_KINDS or (kinds <= _PLAIN_OR_TUPLE and set(map(type, itertools.chain.from_iterable(
-            v for v in values if type(v) is tuple))) <= _IMMUTABLE)
+        immutable = kinds <= PLAIN_KINDS or (kinds <= PLAIN_OR_TUPLE and set(map(type, itertools.chain.from_iterable(
+            v for v in values if type(v) is tuple))) <= IMMUTABLE)
         if immutable and raw == self._raw:
             return self.sent, self._raw
         out = []
@@ -159,7 +160,7 @@ class OptimizerMirror:
             for key in self.settings:
                 value = plain_setting(group.get(key))
                 if value is NOT_PLAIN:
-                    raise ConfigError(_not_mirrored(type(self.optimizer).__name__, key, group.get(key)))
+                    raise ConfigError(not_mirrored(type(self.optimizer).__name__, key, group.get(key)))
                 settings[key] = value
             out.append(settings)
         return out, raw if immutable else None
@@ -359,6 +360,19 @@ class OptimizerMirror:
         self._stated = {names[id(cloud[i])] for i in layouts}
         self._state, self._entries = state, len(state)
         self._version += 1
+        for i in layouts:
+            self._follow_loaded(cloud[i], names[id(cloud[i])], given[i])
+
+    def _follow_loaded(self, param: torch.Tensor, name: str, entry: dict[str, Any]) -> None:
+        """Unsplit, torch's load keeps the loaded tensors as the optimizer's state (where no cast was
+        needed): the state dict loaded follows training, so one saved again later holds the moments
+        of then. Its cloud entries stand for the cloud's from now on, refusing a read once they
+        moved on (:mod:`.fetched_state`)."""
+        for key, value in list(entry.items()):
+            if key == "step" or (value.dtype, value.device) == (param.dtype, param.device):
+                with torch._C.DisableTorchFunctionSubclass():
+                    plain = value.detach()
+                entry[key] = self._fetched_entry(param, name, key, plain)
 
     def unsplit(self, fetched: dict[str, dict[str, Any]] | None) -> None:
         """The model is whole again: the cloud parameters' entries become the cloud's state
@@ -413,6 +427,11 @@ class OptimizerMirror:
                               "split(..., resume_from=path)")
         return found
 
+    def step_failed(self) -> None:
+        """The step raised (the script may catch it and go on): nothing reaches the cloud, whose
+        gradients are the script's to clear again."""
+        self.model.cloud_half.hidden = False
+
     def after_step(self) -> None:
         model = self.model
         model.cloud_half.hidden = False
@@ -440,52 +459,4 @@ def _members(optimizer: torch.optim.Optimizer) -> list[tuple[int, ...]]:
     return [tuple(map(id, group["params"])) for group in optimizer.param_groups]
 
 
-#: Settings that cannot change without being replaced (a list or a tensor can, in place), and tuples of them.
-_IMMUTABLE = {bool, int, float, str}
-_PLAIN_KINDS = {type(None), *_IMMUTABLE}
-_PLAIN_OR_TUPLE = {tuple, *_PLAIN_KINDS}
-
-
-def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """What the cloud needs to build the same optimizer; refuses what it cannot rebuild by name."""
-    cls = type(optimizer)
-    if not cls.__module__.startswith("torch.optim") or getattr(torch.optim, cls.__name__, None) is not cls:
-        raise ConfigError(f"the cloud mirrors torch.optim optimizers by name; {cls.__qualname__} is not one of them")
-    closure = inspect.signature(cls.step).parameters.get("closure")
-    if closure is not None and closure.default is inspect.Parameter.empty:
-        raise ConfigError(f"{cls.__name__} steps by calling a closure (the loss evaluated again inside its step), "
-                          "which the cloud's copy of the optimizer cannot repeat; use an optimizer whose step takes "
-                          "the gradients as they are")
-    # Only what the constructor takes: AdamW keeps a 'decoupled_weight_decay' default that its
-    # __init__ does not accept, so mirroring every default would fail in the cloud.
-    accepted = inspect.signature(cls).parameters
-    takes_any = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
-    settings = {}
-    for key, value in optimizer.defaults.items():
-        if takes_any or key in accepted:
-            settings[key] = plain_setting(value)
-            if settings[key] is NOT_PLAIN:  # left out, the cloud's copy would step with its own default
-                raise ConfigError(_not_mirrored(cls.__name__, key, value))
-    return settings
-
-
-def _not_mirrored(optimizer: str, key: str, value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return (f"{optimizer}'s {key} is a tensor: torch steps with it in the tensor's own precision, which the "
-                f"cloud's copy would not repeat bit for bit; set it as a Python number ({key}=float(...))")
-    return f"{optimizer}'s {key} is {value!r}; a split model mirrors plain numbers and flags, not this"
-
-
-NOT_PLAIN = object()
-
-
-def plain_setting(value: Any) -> Any:
-    """``value`` if msgpack can carry it as a setting, else a marker."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (tuple, list)) and all(v is None or isinstance(v, (bool, int, float)) for v in value):
-        return list(value)  # Adafactor's eps is (None, 1e-3)
-    return NOT_PLAIN
-
-
-__all__ = ["NOT_PLAIN", "OptimizerMirror", "Owner", "optimizer_settings", "plain_setting"]
+__all__ = ["OptimizerMirror", "Owner"]

@@ -183,6 +183,36 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
     getattr(load, "__splitft_original__", load)(optimizer, state)
 
 
+#: Marks a ``step`` :func:`_guarded` wraps (the optimizer layout's dry run steps beneath it).
+GUARD = "__splitft_guard__"
+
+
+def _guarded(step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step``, and when it raises (out of memory, an assertion of torch's on its settings) the
+    cloud's gradients shown again: hidden for the step only, they would stay hidden from the
+    script's ``zero_grad`` after a step it caught, and the next backward would add to them."""
+    @functools.wraps(step)
+    def step_guarded(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return step(self, *args, **kwargs)
+        except BaseException:
+            mirror = _MIRRORS.get(self)
+            if mirror is not None:
+                mirror.step_failed()
+            raise
+
+    setattr(step_guarded, GUARD, True)
+    return step_guarded
+
+
+def _guard_steps() -> None:
+    """Guard the step of every torch.optim optimizer class (the ones a split model mirrors)."""
+    for cls in vars(torch.optim).values():
+        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and "step" in vars(cls):
+            if not getattr(cls.step, GUARD, False):
+                cls.step = _guarded(cls.step)  # type: ignore[method-assign]
+
+
 def install() -> None:
     """Put the optimizer hooks in place, once per process."""
     global _INSTALLED
@@ -194,7 +224,8 @@ def install() -> None:
         register_optimizer_step_pre_hook(_before_step)
         optimizer = torch.optim.Optimizer
         optimizer.load_state_dict = _load_mirrored(optimizer.load_state_dict)  # type: ignore[method-assign]
+        _guard_steps()
         _INSTALLED = True
 
 
-__all__ = ["Attaches", "cloud_owner", "forget", "install", "load_optimizer_state", "mirrored", "register"]
+__all__ = ["GUARD", "Attaches", "cloud_owner", "forget", "install", "load_optimizer_state", "mirrored", "register"]

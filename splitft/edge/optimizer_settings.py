@@ -1,0 +1,71 @@
+"""An optimizer's settings as the cloud's copy is built and stepped with them: plain numbers and
+flags only, of a ``torch.optim`` class the cloud can build by name."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+
+#: Settings that cannot change without being replaced (a list or a tensor can, in place), and tuples of them.
+IMMUTABLE = {bool, int, float, str}
+PLAIN_KINDS = {type(None), *IMMUTABLE}
+PLAIN_OR_TUPLE = {tuple, *PLAIN_KINDS}
+
+
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What the cloud needs to build the same optimizer; refuses what it cannot rebuild by name."""
+    cls = type(optimizer)
+    if not cls.__module__.startswith("torch.optim") or getattr(torch.optim, cls.__name__, None) is not cls:
+        base = next((b for b in cls.__mro__ if getattr(torch.optim, b.__name__, None) is b), None)
+        raise ConfigError(f"the cloud mirrors torch.optim optimizers by name; {cls.__qualname__} is not one of them"
+                          + (f" (a subclass of torch.optim.{base.__name__}, whose copy in the cloud would not run what "
+                             f"{cls.__name__} adds): use torch.optim.{base.__name__} itself, and set what the subclass "
+                             "changes on its param_groups (a learning rate, mirrored at each step)"
+                             if base is not None and base is not torch.optim.Optimizer else ""))
+    closure = inspect.signature(cls.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ConfigError(f"{cls.__name__} steps by calling a closure (the loss evaluated again inside its step), "
+                          "which the cloud's copy of the optimizer cannot repeat; use an optimizer whose step takes "
+                          "the gradients as they are")
+    # Only what the constructor takes: AdamW keeps a 'decoupled_weight_decay' default that its
+    # __init__ does not accept, so mirroring every default would fail in the cloud.
+    accepted = inspect.signature(cls).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+    settings = {}
+    for key, value in optimizer.defaults.items():
+        if takes_any or key in accepted:
+            settings[key] = plain_setting(value)
+            if settings[key] is NOT_PLAIN:  # left out, the cloud's copy would step with its own default
+                raise ConfigError(not_mirrored(cls.__name__, key, value))
+    return settings
+
+
+def not_mirrored(optimizer: str, key: str, value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return (f"{optimizer}'s {key} is a tensor: torch steps with it in the tensor's own precision, which the "
+                f"cloud's copy would not repeat bit for bit; set it as a Python number ({key}=float(...))")
+    if type(value).__module__ == "numpy":
+        return (f"{optimizer}'s {key} is {value!r}: a numpy number computes in its own precision in the step's "
+                f"arithmetic, which the cloud's copy would not repeat bit for bit; set it as a Python number "
+                f"(float(...))")
+    return f"{optimizer}'s {key} is {value!r}; a split model mirrors plain numbers and flags, not this"
+
+
+NOT_PLAIN = object()
+
+
+def plain_setting(value: Any) -> Any:
+    """``value`` if msgpack can carry it as a setting, else a marker."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)) and all(v is None or isinstance(v, (bool, int, float)) for v in value):
+        return list(value)  # Adafactor's eps is (None, 1e-3)
+    return NOT_PLAIN
+
+
+__all__ = ["IMMUTABLE", "NOT_PLAIN", "PLAIN_KINDS", "PLAIN_OR_TUPLE", "not_mirrored", "optimizer_settings",
+           "plain_setting"]
