@@ -737,7 +737,8 @@ COMPUTED = [resets_a_layer_with_tensors_made_like_its_weights, prunes_small_weig
 @pytest.fixture(scope="module")
 def cloud(tmp_path_factory):
     proc, address, err = start_cloud(tmp_path_factory.mktemp("cloud"), "--sessions", "0", "--model", MLP,
-                                     "--model", DIGITS, "--model", MLP_DROPOUT, "--model", BATCH_LIMITED)
+                                     "--model", DIGITS, "--model", MLP_DROPOUT, "--model", BATCH_LIMITED,
+                                     "--model", "tests.models:mlp_dropout_everywhere")
     yield address
     stop(proc)
 
@@ -982,6 +983,50 @@ def test_an_out_of_memory_retry_after_the_cloud_half_drew_is_exact_once_seeded(c
                 train(model, crit)
             return
         train(model, crit)
+        assert_bitwise(model.state_dict(), local.state_dict())
+
+
+DROPOUT_TOGGLES = {
+    "eval, then train": (lambda drop: drop.eval(), lambda drop: drop.train()),
+    "p set to 0, then back": (lambda drop: setattr(drop, "p", 0.0), lambda drop: setattr(drop, "p", 0.5)),
+}
+
+
+DROPOUT_CUTS = {"plain": ("mlp_dropout", 2, None, 3), "ushape": ("mlp_dropout", 2, 4, 3),
+                "plain, the edge draws too": ("mlp_dropout_everywhere", 3, None, 4),
+                "ushape, the edge draws too": ("mlp_dropout_everywhere", 3, 6, 4)}
+
+
+@pytest.mark.parametrize("cut", sorted(DROPOUT_CUTS))
+@pytest.mark.parametrize("toggle", sorted(DROPOUT_TOGGLES))
+def test_a_cloud_dropout_turned_off_and_on_again_draws_the_unsplit_masks(cloud, toggle, cut):
+    """A dropout of the cloud half off for a step (``eval()``, or ``p = 0``) and on again: both
+    halves learnt it draws nothing while off, and must learn again that it draws once it is back,
+    or its masks come from the cloud process's generator, or a stale state, instead of the edge's."""
+    from tests import models
+
+    off, on = DROPOUT_TOGGLES[toggle]
+    name, at, rejoin, dropout = DROPOUT_CUTS[cut]
+    build = getattr(models, name)
+    data = _data(4)
+
+    def train(model, net, crit):
+        torch.manual_seed(1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for i, (x, y) in enumerate(data):
+            if i == 1:
+                off(net[dropout])
+            if i == 2:
+                on(net[dropout])
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+
+    local = build()
+    train(local, local, nn.CrossEntropyLoss())
+    net = build()
+    with splitft.split(net, at, rejoin, factory=f"tests.models:{name}", connect=cloud) as model:
+        train(model, net, nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss()))
         assert_bitwise(model.state_dict(), local.state_dict())
 
 

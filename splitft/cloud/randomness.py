@@ -19,7 +19,8 @@ swapped in. Whether it draws is seen, per mode (training or evaluation), on its 
 that mode, which runs holding the lock: a half whose forward left the generator as it found it
 draws nothing and from then on computes without the lock, beside the others. What is seen holds
 for every session of the same half (``kind``: the same factory, arguments and cut), unless a
-session runs some of its modules in the other mode, which it then learns for itself.
+session runs some of its modules in the other mode or sets their flags, which it then learns for
+itself, again at each change.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class SessionRandom:
         # per mode (training?): whether the half drew, once seen; shared by the halves of one kind
         self.draws: dict[bool, bool] = _SEEN.setdefault(kind, {}) if kind is not None else {}
         self._of_kind = kind is not None
+        self._flipped: list[Any] = []  # the modules in the other mode and the flags set when draws were learnt
+        self._flags: dict[str, Any] = {}
 
     def on(self, device: torch.device) -> SessionRandom:
         """The same stream for a half that moved to ``device`` (built on the host, then placed)."""
@@ -60,11 +63,16 @@ class SessionRandom:
         moved.device, moved.accelerator = device, None
         return moved
 
-    def on_its_own(self) -> None:
-        """This session's half no longer runs as the others of its kind (some of its modules run
-        in the other mode): what it draws is learnt for it alone from now on."""
-        if self._of_kind:
-            self.draws, self._of_kind = {}, False
+    def configured(self, flipped: list[Any], flags: dict[str, Any]) -> None:
+        """The half runs with ``flipped`` modules in the other mode and ``flags`` set (as the edge
+        mirrored them). Once they differ from its kind's, or from what its draws were learnt with
+        (a dropout put in eval mode, or its ``p`` set to 0, and back), what it draws is learnt
+        again, for it alone: a half learnt not to draw would run a dropout turned back on off
+        the process's generator rather than the edge's."""
+        if flipped == self._flipped and flags == self._flags:
+            return
+        self.draws, self._of_kind = {}, False
+        self._flipped, self._flags = list(flipped), copy.deepcopy(flags)
 
     def may_draw(self, train: bool) -> bool:
         """Whether a forward in this mode needs :data:`GENERATOR` (unknown counts as yes)."""

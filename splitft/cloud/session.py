@@ -164,8 +164,7 @@ class CloudSession:
             args, kwargs = self.caches.bind((args, kwargs))
         target = unflatten(target_skel, leaves[n_args + n_kw:])
         _set_modes(half.chain, train, mirrored.flipped)
-        if mirrored.flipped or mirrored.flags:  # its half no longer runs as the others of its kind
-            self.random.on_its_own()
+        self.random.configured(mirrored.flipped, mirrored.flags)
         try:
             with torch.set_grad_enabled(grad), blame(ModelError, "the cloud part failed on the inputs the edge sent"), \
                     GraphMeter(half.chain, half.parameter_storages()) as meter, \
