@@ -216,6 +216,12 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
     "a post-accumulate gradient hook on a cloud weight registered after split()": (
         lambda model, net, opt: net[2].bias.register_post_accumulate_grad_hook(lambda p: None), PlaceholderError,
         r"a gradient hook on cloud parameter '2\.bias'"),
+    "a module set on the split Sequential, which its forward runs last (model.aux = nn.Linear(...))": (
+        lambda model, net, opt: (setattr(model, "aux", nn.Linear(3, 3)), model(_data(1)[0][0])), ConfigError,
+        r"module 'aux' was added to a Sequential that holds the cloud half.*never run.*rejoin="),
+    "a module added to the model that was split (net.add_module('5', ...))": (
+        lambda model, net, opt: (net.add_module("5", nn.Softmax(-1)), model(_data(1)[0][0])), ConfigError,
+        r"module '5' was added to a Sequential that holds the cloud half"),
     "a gradient penalty (create_graph=True)": (
         lambda model, net, opt: torch.autograd.grad(model.remote_loss(nn.CrossEntropyLoss())(
             model(_data(1)[0][0]), _data(1)[0][1]), list(net[0].parameters()), create_graph=True),

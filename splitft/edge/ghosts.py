@@ -153,6 +153,10 @@ class Ghosts:
                             if isinstance(module, nn.modules.batchnorm._BatchNorm)]
         # The objects the model held, placeholders since the cut, with the class each was made of.
         self._placeholders = [(placeholder, type(placeholder), twin) for placeholder, twin in chain.swapped]
+        # Each torch Sequential that holds a cloud module, with its modules' names: what its forward runs.
+        holders = {id(parent): parent for _, _, parent, _, _ in self._links}.values()
+        self._sequences = [(held, frozenset(held._modules)) for held in holders
+                           if isinstance(held, nn.Sequential) and type(held).forward is nn.Sequential.forward]
 
     def flipped(self, training: bool) -> list[str]:
         """The cloud half's modules whose mode is not ``training`` (a layer put in ``eval()`` by name)."""
@@ -186,6 +190,19 @@ class Ghosts:
             raise ConfigError("a global module hook is registered (torch.nn.modules.module.register_module_forward_hook "
                               "and its kin, or a tool that uses them): it runs on every module's call, but the cloud "
                               "half's modules run in the cloud, where it would not; register hooks on edge modules")
+
+    def refuse_modules_after_the_cut(self) -> None:
+        """A plain split's cloud half ends the model's forward: a module added to a Sequential that
+        holds a cloud module (``model.aux = nn.Linear(...)``, ``add_module``) runs after it unsplit,
+        where split it would never run. Refused before the forward."""
+        for sequence, names in self._sequences:
+            if not sequence._modules.keys() <= names:
+                added = next(name for name in sequence._modules if name not in names)
+                raise ConfigError(f"module {added!r} was added to a Sequential that holds the cloud half after "
+                                  "split(): its forward runs it after the cloud half, where a plain split's forward "
+                                  "has ended (the cloud computes the loss there), so it would never run. Add it "
+                                  "before split() (in the cloud's factory too), keep it outside the Sequential, or cut "
+                                  "a U-shape (rejoin=) so the layers after the cloud half run on the edge")
 
     def refuse_swapped(self) -> None:
         """``torch.utils.swap_tensors(p, t)`` on a cloud tensor swaps the object's contents past every
