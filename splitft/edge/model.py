@@ -315,7 +315,10 @@ class SplitModel(UnsplitTree):
         """Tell the cloud what the script changed on its modules by name (frozen parameters, modes);
         returns the modules whose mode is not the model's."""
         flipped = self.ghosts.flipped(self.training)
-        self.mirror.module_state(flipped, self._flags.changed())
+        flags = self._flags.changed()
+        if flags:
+            self.stage.flags_changed()
+        self.mirror.module_state(flipped, flags)
         return tuple(flipped)
 
     def _fetch_norms(self, norm_type: float) -> list[float | None]:

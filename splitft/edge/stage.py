@@ -26,7 +26,6 @@ from ..wire.coding import SlotCodecs, Traffic, from_wire, raw_nbytes, stream_ind
 from ..wire.operations import Operation
 from ..wire.protocol import Backward, Forward, InputGrads, Message, Output
 from . import generator_sets
-from .ghost_classes import settings_version
 from .requests import Expect, Reply
 from .schedule import Call, Part, backward_pass
 
@@ -67,7 +66,6 @@ class CloudStage:
         self._rng_synced: torch.Tensor | None = None
         #: Whether the half's forward draws random numbers, learnt per (training?, modules in the other mode).
         self._cloud_draws: dict[tuple[bool, tuple[str, ...]], bool] = {}
-        self._draws_settings = settings_version()  # what _cloud_draws was learnt under
         #: :func:`.generator_sets.count` when the half ran out of memory mid-forward: the draws it
         #: made before are lost to the edge's generator, until the script sets it (None: none lost).
         self._draws_lost: int | None = None
@@ -119,7 +117,7 @@ class CloudStage:
         """The host generator's state, when it changed since the cloud half's stream was at it (the
         edge drew, the script seeded) and the half may draw in these modes: its dropout then draws on
         from where the edge's left off, as in the unsplit model (:mod:`splitft.cloud.randomness`)."""
-        draws = self._known_draws.get((call.train, call.modes))
+        draws = self._cloud_draws.get((call.train, call.modes))
         if draws and self._draws_lost is not None and generator_sets.count() == self._draws_lost:
             raise ConfigError(DRAWS_LOST)  # before the half runs; not known yet whether it draws: at its reply
         if draws is False:
@@ -136,23 +134,18 @@ class CloudStage:
         self._rng_synced = state
         return state.numpy()
 
-    @property
-    def _known_draws(self) -> dict[tuple[bool, tuple[str, ...]], bool]:
-        """What the half's forwards draw, as learnt since a cloud module's mode or setting last
-        changed (a dropout put in eval mode, or its ``p`` set to 0, and back): learnt again after."""
-        version = settings_version()
-        if version != self._draws_settings:
-            self._cloud_draws.clear()
-            self._draws_settings = version
-        return self._cloud_draws
+    def flags_changed(self) -> None:
+        """A setting a cloud module's code reads changed (a dropout's ``p`` set to 0, or back): what
+        the half draws is learnt again (the modes a forward runs in are part of what it is learnt by)."""
+        self._cloud_draws.clear()
 
     def draws(self, train: bool, modes: tuple[str, ...]) -> bool | None:
         """Whether the cloud half's forward draws random numbers in these modes (None: not known yet)."""
-        return self._known_draws.get((train, modes))
+        return self._cloud_draws.get((train, modes))
 
     def draws_in_training(self) -> bool | None:
         """Whether the cloud half drew random numbers in its training-mode forwards (None: none yet)."""
-        seen = [drew for (train, _), drew in self._known_draws.items() if train]
+        seen = [drew for (train, _), drew in self._cloud_draws.items() if train]
         return any(seen) if seen else None
 
     def _follow_cloud_rng(self, call: Call, part: Part, reply: Output) -> None:
@@ -167,9 +160,9 @@ class CloudStage:
             return  # a repeated forward: the half's stream and the edge's stay where the first left them
         key = (call.train, call.modes)
         if part.rng_sent:
-            self._known_draws[key] = reply.rng is not None
-        elif reply.rng is not None and self._known_draws.get(key) is False:
-            self._known_draws[key] = True
+            self._cloud_draws[key] = reply.rng is not None
+        elif reply.rng is not None and self._cloud_draws.get(key) is False:
+            self._cloud_draws[key] = True
             log.warning("the cloud half drew random numbers in a forward like those where it drew none before "
                         "(its draws depend on the data?): this one's came from its own stream, not from the "
                         "edge's generator as unsplit; from now on the edge's state goes with every such forward")
