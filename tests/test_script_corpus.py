@@ -1030,6 +1030,29 @@ def test_a_cloud_dropout_turned_off_and_on_again_draws_the_unsplit_masks(cloud, 
         assert_bitwise(model.state_dict(), local.state_dict())
 
 
+def test_an_edge_layer_replaced_by_index_trains_as_unsplit(cloud):
+    """``model[1] = nn.Tanh()`` on a split Sequential replaces an edge module in place, as unsplit
+    (and as ``setattr(model, "1", ...)`` does); a cloud module's index stays refused."""
+    data = _data(3)
+
+    def train(model, crit):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for i, (x, y) in enumerate(data):
+            if i == 1:
+                model[1] = nn.Tanh()
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+
+    local = mlp()
+    train(local, nn.CrossEntropyLoss())
+    with splitft.split(mlp(), 2, factory=MLP, connect=cloud) as model:
+        train(model, model.remote_loss(nn.CrossEntropyLoss()))
+        assert_bitwise(model.state_dict(), local.state_dict())
+        with pytest.raises(ConfigError, match="cannot be added, replaced or removed"):
+            model[3] = nn.Tanh()
+
+
 def test_two_remote_losses_called_in_turn_each_compute_their_own(cloud):
     """A script with two criteria (a smoothed loss on some batches, a plain one on others): the
     second ``remote_loss`` must not replace the first for good."""

@@ -15,6 +15,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import ConfigError
+from .ghost_classes import Ghost
 from .model import SplitModel
 
 
@@ -47,6 +48,7 @@ def split_class(model_class: type[nn.Module]) -> type[SplitModel]:
         for name in _REPLACING:
             if _defines(model_class, name):
                 members[name] = _refuse_replacing
+        members["__setitem__"] = _set_item
     if any(c.__module__.split(".")[0] in ("transformers", "peft") and c.__name__ in ("PreTrainedModel", "PeftModel")
            for c in model_class.__mro__):
         # isinstance(model, PreTrainedModel / PeftModel) holds, as for the model the user split: Trainer and
@@ -72,6 +74,20 @@ def _to_wrapped(name: str) -> Any:
 
     method.__name__ = name
     return method
+
+
+def _set_item(self: SplitModel, index: Any, module: Any) -> None:
+    """``model[i] = layer``: an edge module replaced in place (an activation swapped, a layer made
+    anew), as ``setattr`` of its name replaces it; a module that is or holds a cloud one cannot be."""
+    wrapped: Any = self.wrapped  # a torch container
+    try:
+        current = wrapped[index]
+    except (IndexError, KeyError, TypeError):
+        current = None
+    if isinstance(current, nn.Module) and not any(isinstance(m, Ghost) for m in current.modules()):
+        wrapped[index] = module
+        return
+    _refuse_replacing(self)
 
 
 def _refuse_replacing(self: SplitModel, *args: Any, **kwargs: Any) -> Any:
