@@ -469,6 +469,10 @@ def _refusal(func: Any, tensor: Any) -> str:
                 "in-place forms too), norms, clip_grad_norm_ / clip_grad_value_, and setting p.grad = None")
     if isinstance(tensor, CloudMoment):
         return f"{name} on {what}: {tensor._hint()}"
+    if name == "setting .data":
+        return (f"{name} on {what}: the parameter's values live in the cloud, where this new tensor would not "
+                "go (split training would silently differ from the unsplit model). Change the values in place "
+                "(with torch.no_grad(): p.mul_(0.5), p.copy_(tensor)) or load them with model.load_state_dict(...)")
     return (f"{name} on {what}: its values live in the cloud, so this would compute on nothing (split "
             "training would silently differ from the unsplit model), and the cloud computes only torch's "
             "elementwise functions, comparisons and reductions of them (splitft.wire.expressions lists them). "
