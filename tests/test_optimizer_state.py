@@ -496,10 +496,19 @@ def test_a_cloud_entry_of_opt_state_dict_refuses_a_write_and_a_read_after_a_step
 def _same_both_ways(cloud: str, script: Callable[[nn.Module, nn.Module], torch.optim.Optimizer]) -> None:
     """``script(model, crit)`` (returning its optimizer) on the unsplit model and on a split one:
     the weights and the optimizer's state come out bitwise alike."""
+    def run(split: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model, crit = _split(cloud, None) if split else (mlp(), nn.CrossEntropyLoss())
+        return model, script(model, crit)
+
+    _runs_alike(run)
+
+
+def _runs_alike(run: Callable[[bool], tuple[nn.Module, torch.optim.Optimizer]]) -> None:
+    """``run(split)`` unsplit and split (returning the model and its optimizer): the weights and
+    the optimizer's state come out bitwise alike."""
     runs = []
     for split in (False, True):
-        model, crit = _split(cloud, None) if split else (mlp(), nn.CrossEntropyLoss())
-        opt = script(model, crit)
+        model, opt = run(split)
         runs.append((model.state_dict(), copy.deepcopy(opt.state_dict())))
         if split:
             model.close()
@@ -552,20 +561,17 @@ def test_an_optimizer_that_stepped_before_split_goes_on_from_its_state(cloud, na
     torch's own load would place them, and training goes on bitwise as unsplit."""
     data = _data(4)
     splitft.split(mlp(), 2, factory=MLP, connect=cloud).close()  # the warm-up's steps run splitft's step hook
-    runs = []
-    for split in (False, True):
+
+    def run(split: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
         net = mlp()
         opt = BUILDS[name](net.parameters())
         _train(net, opt, nn.CrossEntropyLoss(), data[:2])
         model, crit = _split_from(net, cloud, rejoin) if split else (net, nn.CrossEntropyLoss())
         _train(model, opt, crit, data[2:])
         assert not split or model.optimizer is opt  # found local in the warm-up; over the cloud half now
-        runs.append((model.state_dict(), copy.deepcopy(opt.state_dict())))
-        if split:
-            model.close()
-    (local, local_opt), (split_sd, split_opt) = runs
-    assert_bitwise(split_sd, local)
-    _assert_same_state(split_opt, local_opt)
+        return model, opt
+
+    _runs_alike(run)
 
 
 def _split_from(net: nn.Module, cloud: str, rejoin: int | None) -> tuple[splitft.SplitModel, nn.Module]:
