@@ -40,7 +40,7 @@ def state_layout(cls: type, groups: list[tuple[dict[str, Any], list[tuple[torch.
         # The step beneath torch's hook wrapper: the process-wide step hooks (a script's step
         # counter, a gradient guard, splitft's own) are the script's optimizers' business.
         step = type(dry).step
-        while getattr(step, "__splitft_guard__", False):  # splitft's guard of a failed step (edge.optimizers)
+        while getattr(step, STEP_GUARD, False):  # the edge's guard of a step that raises
             step = step.__wrapped__
         with torch.no_grad():
             (step.__wrapped__ if getattr(step, "hooked", False) else step)(dry)
@@ -70,4 +70,9 @@ def same_kind(value: Any, current: Any) -> bool:
     return False
 
 
-__all__ = ["Layout", "same_kind", "state_layout"]
+#: Marks the edge's wrapper of an optimizer class's ``step`` (``splitft.edge.optimizers``), which
+#: shows the cloud's gradients again when the step raises; the dry run above steps beneath it.
+STEP_GUARD = "__splitft_guard__"
+
+
+__all__ = ["STEP_GUARD", "Layout", "same_kind", "state_layout"]

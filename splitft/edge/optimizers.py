@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import ConfigError
+from ..optimizer_layout import STEP_GUARD
 from .placeholders import remote_of
 
 
@@ -183,10 +184,6 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
     getattr(load, "__splitft_original__", load)(optimizer, state)
 
 
-#: Marks a ``step`` :func:`_guarded` wraps (the optimizer layout's dry run steps beneath it).
-GUARD = "__splitft_guard__"
-
-
 def _guarded(step: Callable[..., Any]) -> Callable[..., Any]:
     """``step``, and when it raises (out of memory, an assertion of torch's on its settings) the
     cloud's gradients shown again: hidden for the step only, they would stay hidden from the
@@ -201,7 +198,7 @@ def _guarded(step: Callable[..., Any]) -> Callable[..., Any]:
                 mirror.step_failed()
             raise
 
-    setattr(step_guarded, GUARD, True)
+    setattr(step_guarded, STEP_GUARD, True)
     return step_guarded
 
 
@@ -209,7 +206,7 @@ def _guard_steps() -> None:
     """Guard the step of every torch.optim optimizer class (the ones a split model mirrors)."""
     for cls in vars(torch.optim).values():
         if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and "step" in vars(cls):
-            if not getattr(cls.step, GUARD, False):
+            if not getattr(cls.step, STEP_GUARD, False):
                 cls.step = _guarded(cls.step)  # type: ignore[method-assign]
 
 
@@ -228,4 +225,4 @@ def install() -> None:
         _INSTALLED = True
 
 
-__all__ = ["GUARD", "Attaches", "cloud_owner", "forget", "install", "load_optimizer_state", "mirrored", "register"]
+__all__ = ["Attaches", "cloud_owner", "forget", "install", "load_optimizer_state", "mirrored", "register"]
