@@ -574,6 +574,30 @@ def test_an_optimizer_that_stepped_before_split_goes_on_from_its_state(cloud, na
     _runs_alike(run)
 
 
+def test_an_entry_written_before_the_first_step_is_refused_as_the_scripts_own(cloud):
+    """SAM's step keeps each weight before its perturbation in ``opt.state[p]["old_p"]``, written
+    before the optimizer ever stepped (so before it was attached): the step that would carry it
+    to the cloud's copy names what was written, not a load the script never made, and runs nothing."""
+    data = _data(2)
+    local = mlp()
+    _train(local, torch.optim.SGD(local.parameters(), lr=0.05), nn.CrossEntropyLoss(), data[:1])
+    model, crit = _split(cloud, None)
+    with model:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        x, y = data[0]
+        crit(model(x), y).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                opt.state[p]["old_p"] = p.detach().clone()
+        with pytest.raises(ConfigError, match=r"this SGD holds an entry for cloud parameter '2.weight' .*written "
+                                              r"before it was attached.*SAM.*a dict of the script's own"):
+            opt.step()
+        for p in model.parameters():
+            del opt.state[p]
+        opt.step()
+        assert_bitwise(model.state_dict(), local.state_dict())
+
+
 def _split_from(net: nn.Module, cloud: str, rejoin: int | None) -> tuple[splitft.SplitModel, nn.Module]:
     model = splitft.split(net, 2, rejoin, factory=MLP, connect=cloud)  # the weights the warm-up left go along
     return model, nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss())

@@ -228,7 +228,19 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
     "a gradient penalty (create_graph=True)": (
         lambda model, net, opt: torch.autograd.grad(model.remote_loss(nn.CrossEntropyLoss())(
             model(_data(1)[0][0]), _data(1)[0][1]), list(net[0].parameters()), create_graph=True),
-        ConfigError, r"create_graph"),
+        ConfigError, r"create_graph.*A penalty whose gradient does not pass through the cut is computed as unsplit"),
+    "the cloud half's gradients asked of torch.autograd.grad (MAML's inner step by hand)": (
+        lambda model, net, opt: torch.autograd.grad(model.remote_loss(nn.CrossEntropyLoss())(
+            model(_data(1)[0][0]), _data(1)[0][1]), list(model.parameters())),
+        PlaceholderError, r"torch\.autograd\.grad\(\.\.\.\) naming cloud parameter '2\.weight'.*Call loss\.backward\(\) "
+                          r"and read"),
+    "a backward restricted to a cloud layer (loss.backward(inputs=[...]))": (
+        lambda model, net, opt: model.remote_loss(nn.CrossEntropyLoss())(
+            model(_data(1)[0][0]), _data(1)[0][1]).backward(inputs=[net[2].weight]),
+        PlaceholderError, r"backward\(inputs=\.\.\.\) naming cloud parameter '2\.weight'"),
+    "a cloud gradient replaced by a tensor (PCGrad's p.grad = projected)": (
+        lambda model, net, opt: setattr(net[2].weight, "grad", torch.zeros(16, 16)), PlaceholderError,
+        r"assigning a tensor to p\.grad of cloud parameter '2\.weight'.*p\.grad\.copy_\(g\)"),
 }
 
 

@@ -100,7 +100,8 @@ class CloudHalf:
 
     def refuse_grad(self, name: str, value: Any) -> None:
         raise PlaceholderError(f"assigning a tensor to p.grad of cloud parameter {name!r}: its gradient lives in the "
-                               "cloud, which computes it from the backward. Set p.grad = None to clear it")
+                               "cloud, which computes it from the backward. Set p.grad = None to clear it, or write "
+                               "new values in place: p.grad.copy_(g) (a projection of it, as PCGrad's), p.grad.mul_(s)")
 
     def backward_reached(self, trainable: Iterable[str], unreached: Iterable[str] | None) -> None:
         """A backward reached the cut: the cloud's parameters that required a gradient at the

@@ -71,6 +71,9 @@ class _NotExpressible(Exception):
 #: What reads a tensor's memory itself: a cloud tensor's is in the cloud.
 _MEMORY = {Tensor.data_ptr, Tensor.untyped_storage, Tensor.storage, Tensor._typed_storage}
 
+#: Gradients asked of tensors (``inputs=``): a cloud parameter's are the cloud's backward's.
+_GRADIENT_CALLS = {torch.autograd.grad: "torch.autograd.grad(...)", torch.autograd.backward: "backward(inputs=...)"}
+
 
 def handle(func: Any, args: tuple, kwargs: dict) -> Any:
     """``func`` on cloud tensors, computed in the cloud; NotImplemented where it cannot be."""
@@ -79,6 +82,11 @@ def handle(func: Any, args: tuple, kwargs: dict) -> Any:
         raise PlaceholderError(f"{func.__name__}() of {remotes[0]._what()}: its memory is in the cloud. To count "
                                "the model's parameters once each (tied ones too), walk model.parameters(), which "
                                "yields each parameter object once, and add p.numel()")
+    if func in _GRADIENT_CALLS and remotes:
+        raise PlaceholderError(f"{_GRADIENT_CALLS[func]} naming {remotes[0]._what()}: the cloud half's gradients are "
+                               "computed in the cloud by loss.backward(), into p.grad, and no graph here reaches its "
+                               "parameters. Call loss.backward() and read (or apply by hand, under torch.no_grad()) "
+                               "p.grad; inputs= and torch.autograd.grad of edge tensors only are mirrored")
     if not remotes or any(isinstance(t, CloudState) for t in remotes) or \
             len({id(t._splitft_remote) for t in remotes}) > 1:
         return NotImplemented

@@ -42,6 +42,17 @@ class Owner(Protocol):
     before_step: Callable[[], None]
 
 
+#: An entry of a cloud parameter that is not the optimizer's state: loaded, or (``False``) held before attachment.
+_NOT_ITS_STATE = {
+    True: "{name}.load_state_dict: the entry of cloud parameter {pname!r} is not the state this {name} keeps ({keys} "
+          "with their shapes): a state dict of another optimizer or model?",
+    False: "this {name} holds an entry for cloud parameter {pname!r} that is not the state it keeps ({keys} with their "
+           "shapes), written before it was attached (opt.state[p][key] = ..., as SAM keeps the weights before its "
+           "perturbation): the cloud's copy of the optimizer keeps the cloud half's state, which the edge cannot set. "
+           "Keep such values in a dict of the script's own ({{p: p.detach().clone() for p in params}})",
+}
+
+
 class OptimizerMirror:
     """The cloud's copy of one optimizer: built when it is attached, stepped and zeroed with it.
 
@@ -118,6 +129,7 @@ class OptimizerMirror:
                               "then load its state with opt.load_state_dict(...)")
         saved = optimizer.state_dict()
         saved["state"] = {i: dict(entry) for i, entry in saved["state"].items()}  # as they are now
+        self._cloud_entries(saved, self.sent, loading=False)  # refused before anything is attached
         return saved
 
     def carry(self, saved: dict[str, Any]) -> None:
@@ -222,7 +234,8 @@ class OptimizerMirror:
             self._reset_cloud_state(name)
         elif written or not initial_state.unchanged(state, self._initial):
             raise ConfigError(f"{name}'s state was written for a cloud parameter; the cloud's copy of the optimizer "
-                              "keeps the cloud half's state, which the edge cannot set")
+                              "keeps the cloud half's state, which the edge cannot set. Keep values of the script's "
+                              "own (as SAM's weights before its perturbation) in a dict of its own")
         self._state, self._entries = state, len(state)
 
     def _reset_cloud_state(self, name: str) -> None:
@@ -330,23 +343,8 @@ class OptimizerMirror:
         self.groups_added()
         cloud, names, remote = self._cloud_params(), self.model.cloud_half.names_by_id, self.model.cloud_half
         given = saved.get("state", {})
-        entries: dict[str, dict[str, Any]] = {}
-        layouts: dict[int, dict[str, Any]] = {}
         loaded = self._loaded_settings(saved)
-        expected = self._layout([p for i, p in cloud.items() if given.get(i)], loaded)
-        for i, param in cloud.items():
-            entry = given.get(i)
-            if not entry:
-                continue
-            pname = names[id(param)]
-            keys = expected.get(id(param), {})
-            if set(entry) != set(keys) or not all(isinstance(v, torch.Tensor) and not isinstance(v, RemoteTensor)
-                                                  and tuple(v.shape) == keys[k][0] for k, v in entry.items()):
-                raise ConfigError(f"{name}.load_state_dict: the entry of cloud parameter {pname!r} is not the state "
-                                  f"this {name} keeps ({sorted(keys)} with their shapes): a state dict of another "
-                                  "optimizer or model?")
-            entries[pname] = {key: wire_value(value) for key, value in entry.items()}
-            layouts[i] = keys
+        entries, layouts = self._cloud_entries(saved, loaded, loading=hooks)
         with load_hooks_aside(self.optimizer, post=not hooks):
             load(self.optimizer, {**saved, "state": {i: e for i, e in given.items() if i not in cloud}})
         changes = [{k: v for k, v in now.items() if v != before.get(k)} for now, before in zip(loaded, self.sent)]
@@ -362,6 +360,29 @@ class OptimizerMirror:
         self._version += 1
         for i in layouts:
             self._follow_loaded(cloud[i], names[id(cloud[i])], given[i])
+
+    def _cloud_entries(self, saved: dict[str, Any], settings: list[dict[str, Any]], *, loading: bool
+                       ) -> tuple[dict[str, dict[str, Any]], dict[int, dict[str, Any]]]:
+        """``saved``'s entries of cloud parameters as the wire carries them, and their layouts by
+        index, each checked against the state this optimizer keeps with ``settings`` (``loading``:
+        by ``load_state_dict``, else held before attachment)."""
+        cloud, names, name = self._cloud_params(), self.model.cloud_half.names_by_id, type(self.optimizer).__name__
+        given = saved.get("state", {})
+        entries: dict[str, dict[str, Any]] = {}
+        layouts: dict[int, dict[str, Any]] = {}
+        expected = self._layout([p for i, p in cloud.items() if given.get(i)], settings)
+        for i, param in cloud.items():
+            entry = given.get(i)
+            if not entry:
+                continue
+            pname = names[id(param)]
+            keys = expected.get(id(param), {})
+            if set(entry) != set(keys) or not all(isinstance(v, torch.Tensor) and not isinstance(v, RemoteTensor)
+                                                  and tuple(v.shape) == keys[k][0] for k, v in entry.items()):
+                raise ConfigError(_NOT_ITS_STATE[loading].format(name=name, pname=pname, keys=sorted(keys)))
+            entries[pname] = {key: wire_value(value) for key, value in entry.items()}
+            layouts[i] = keys
+        return entries, layouts
 
     def _follow_loaded(self, param: torch.Tensor, name: str, entry: dict[str, Any]) -> None:
         """Unsplit, torch's load keeps the loaded tensors as the optimizer's state (where no cast was

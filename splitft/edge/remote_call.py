@@ -44,7 +44,10 @@ class _RemoteCall(torch.autograd.Function):
             raise ConfigError("backward(create_graph=True) / autograd.grad(create_graph=True) through a split model: "
                               "the gradient that comes back from the cloud is a number, not a graph, so a gradient "
                               "of it (a gradient penalty, second-order methods) would silently leave the cloud half "
-                              "out. Compute the penalty on edge modules only, or train this model unsplit")
+                              "out. A penalty whose gradient does not pass through the cut is computed as unsplit "
+                              "(the gradient of an edge layer's own output; in a U-shape, of the loss with respect "
+                              "to the head's parameters or the logits); one through the cloud half needs this model "
+                              "trained unsplit")
         call: Call = ctx.call
         # Whether the engine accumulates into the anchor, the cloud half's stand-in: not under
         # backward(inputs=...) naming edge tensors only, nor autograd.grad, and then, as unsplit,
