@@ -254,6 +254,9 @@ def test_a_placeholder_is_a_parameter_of_the_right_shape_that_answers_the_edges_
     # device=p.device is a real one there)
     assert not weight.is_meta and weight.device == REMOTE.device == torch.device("cpu") and not weight.is_cuda
     assert torch.empty(weight.shape, device=weight.device).device.type == "cpu"
+    # torch's C++ asks it too: grouped with the edge's tensors by device (AveragedModel, foreach kernels)
+    grouped = torch.utils._foreach_utils._group_tensors_by_device_and_dtype([[torch.zeros(2, 3)], [weight.detach()]])
+    assert list(grouped) == [(torch.device("cpu"), torch.float32)]
     assert weight.new_zeros(4).device.type == "cpu" and weight.new_zeros(4).dtype == weight.dtype
     assert math.prod(weight.shape) == weight.numel() == 6
     assert "values in the cloud" in repr(weight)

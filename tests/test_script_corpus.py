@@ -1053,6 +1053,38 @@ def test_an_edge_layer_replaced_by_index_trains_as_unsplit(cloud):
             model[3] = nn.Tanh()
 
 
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+@pytest.mark.parametrize("average", ["ema", "swa"])
+def test_an_averaged_model_built_before_split_averages_the_split_models_weights(cloud, average, rejoin):
+    """``AveragedModel(net)`` made on the unsplit model, as the refusal of one made after split()
+    advises, then updated from the split model after each step: torch groups the two models'
+    tensors by device (in C++, which asks the cloud tensors theirs), then averages them."""
+    data = _data(4)
+    swa_utils = torch.optim.swa_utils
+
+    def train(net, split):
+        averaged = swa_utils.AveragedModel(net, multi_avg_fn=swa_utils.get_ema_multi_avg_fn(0.9) if average == "ema"
+                                           else None)
+        model = splitft.split(net, 2, rejoin, factory=MLP, connect=cloud) if split else net
+        crit = model.remote_loss(nn.CrossEntropyLoss()) if split and not rejoin else nn.CrossEntropyLoss()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in data:
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+            averaged.update_parameters(model)
+        state = model.state_dict()
+        if split:
+            model.close()
+        return state, averaged.state_dict()
+
+    local, local_average = train(mlp(), False)
+    state, averaged = train(mlp(), True)
+    assert_bitwise(state, local)
+    assert_bitwise(averaged, local_average)
+    assert not torch.equal(averaged["module.2.weight"], state["2.weight"])  # an average, not the last weights
+
+
 def test_two_remote_losses_called_in_turn_each_compute_their_own(cloud):
     """A script with two criteria (a smoothed loss on some batches, a plain one on others): the
     second ``remote_loss`` must not replace the first for good."""

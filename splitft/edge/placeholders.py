@@ -3,7 +3,8 @@
 After :func:`splitft.split` the cloud half's parameters and buffers are :class:`CloudTensor`
 placeholders: tensors with the shape, dtype and ``requires_grad`` of the originals but no values
 (those live in the cloud), kept on the ``meta`` device, yet answering ``p.device`` with the edge
-half's, where the unsplit model's values were (a buffer made ``device=p.device`` is a real one),
+half's, where the unsplit model's values were (a buffer made ``device=p.device`` is a real one;
+torch's C++ asks them too, so ``AveragedModel`` groups them with the edge's tensors by device),
 and ``is_meta`` with False (torch's initialisers return early on a meta tensor, "sampling is a
 no-op", which on a cloud parameter would be a silent divergence; answered False, they reach an
 operation that is mirrored or refused). Their gradients are
@@ -85,9 +86,12 @@ class RemoteTensor(Tensor):
 
     @staticmethod
     def _make(cls: type, like: Tensor, name: str, remote: Remote, device: torch.device | str,
-              requires_grad: bool) -> Any:
+              requires_grad: bool, *, ask_device: bool = False) -> Any:
+        """``ask_device``: torch's C++ asks the tensor its device too (:meth:`__torch_dispatch__`), so
+        what groups tensors by device there (``AveragedModel.update_parameters``) sees the edge's."""
         made: Any = Tensor._make_wrapper_subclass(cls, like.shape, strides=like.stride(), dtype=like.dtype,
-                                                  device=torch.device(device), requires_grad=requires_grad)
+                                                  device=torch.device(device), requires_grad=requires_grad,
+                                                  dispatch_device=ask_device)
         made._splitft_name = name
         made._splitft_remote = remote
         return made
@@ -147,10 +151,16 @@ class RemoteTensor(Tensor):
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]  # torch's default is a plain function
             cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        # Reached only past __torch_function__ (torch internals that disable it): refuse all the same.
+        # Reached only past __torch_function__ (torch internals that disable it): refuse all the same,
+        # but for the device torch's C++ asks of a cloud tensor, which is where the edge's tensors are.
+        if func is _DEVICE_ASKED and args and isinstance(args[0], RemoteTensor):
+            return args[0]._splitft_remote.device
         remote = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, RemoteTensor)]
         raise PlaceholderError(_refusal(func, remote[0] if remote else None))
 
+
+#: What torch's C++ calls to read a tensor's device when the tensor answers it itself.
+_DEVICE_ASKED = torch.ops.prim.device.default
 
 #: Hooks on a tensor's gradient: a cloud tensor's is made in the cloud, which runs no hook of the edge's.
 GRADIENT_HOOKS = frozenset({Tensor.register_hook, Tensor.register_post_accumulate_grad_hook})
@@ -165,7 +175,7 @@ class CloudTensor(RemoteTensor):
 
     @staticmethod
     def __new__(cls, like: Tensor, name: str, remote: Remote) -> CloudTensor:
-        made = RemoteTensor._make(cls, like, name, remote, "meta", like.requires_grad)
+        made = RemoteTensor._make(cls, like, name, remote, "meta", like.requires_grad, ask_device=True)
         if isinstance(like, torch.nn.Parameter):
             made._is_param = True
         return made
@@ -176,7 +186,8 @@ class CloudTensor(RemoteTensor):
 
     def alias(self) -> CloudTensor:
         """``p.data`` / ``p.detach()``: the same cloud tensor, not a parameter, no gradient."""
-        made = RemoteTensor._make(CloudTensor, self, self._splitft_name, self._splitft_remote, "meta", False)
+        made = RemoteTensor._make(CloudTensor, self, self._splitft_name, self._splitft_remote, "meta", False,
+                                  ask_device=True)
         return made
 
     @property  # type: ignore[override]
