@@ -67,6 +67,17 @@ class _NoCloud(CloudHalf):
 REMOTE = _NoCloud()
 
 
+class _Accumulating(torch.optim.Optimizer):
+    """An optimizer whose constructor makes its state, as Adagrad's does."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["sum"] = torch.full_like(p, 0.1, memory_format=torch.preserve_format)
+                self.state[p]["sum64"] = torch.zeros_like(self.state[p]["sum"], dtype=torch.float64)
+
+
 def _placeholder(like: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "parameter":
         made = CloudTensor(torch.nn.Parameter(like.detach().float(), requires_grad=True), "block.weight", REMOTE)
@@ -75,7 +86,7 @@ def _placeholder(like: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "gradient":
         return CloudGrad(like.detach().float(), "block.weight", REMOTE, torch.device("cpu"))
     if kind == "optimizer state":  # what Adagrad's constructor makes for a cloud parameter
-        return torch.full_like(_placeholder(like, "parameter"), 0.1)
+        return _Accumulating([_placeholder(like, "parameter")]).state[REMOTE.params["block.weight"]]["sum"]
     return TrunkIntermediate(like.detach().float(), "block.1", ["block.0", "block.1", "block.2"])
 
 
@@ -232,17 +243,22 @@ def test_a_refusal_names_the_tensor_and_the_fix():
 
 
 def test_a_tensor_made_like_a_placeholder_keeps_its_recipe_and_asks_nothing_of_the_cloud():
-    """``torch.full_like(p, v)`` and its kin read no values: they answer here, remembering the fill
-    (how the mirror tells an optimizer's initial state from state written later)."""
+    """``torch.full_like(p, v)`` and its kin read no values. Made by an optimizer's constructor they
+    answer here, remembering the fill (how the mirror tells an optimizer's initial state from
+    state written later); made by the script, they are its own tensors, as unsplit."""
     weight = _placeholder(torch.ones(2, 3), "parameter")
     assert not torch.is_complex(weight) and torch.is_floating_point(weight) and torch.numel(weight) == 6
-    state = torch.full_like(weight, 0.1, memory_format=torch.preserve_format)
-    assert isinstance(state, CloudState) and not isinstance(state, torch.nn.Parameter) and not state.requires_grad
-    assert state.recipe() == ("block.weight", (2, 3), torch.float32, 0.1)
-    assert torch.zeros_like(state, dtype=torch.float64).recipe() == ("block.weight", (2, 3), torch.float64, 0)
-    assert torch.equal(torch.ones_like(weight, device="cpu"), torch.ones(2, 3))  # asked for on a device: made there
+    state = _Accumulating([weight]).state[weight]
+    assert isinstance(state["sum"], CloudState) and not isinstance(state["sum"], torch.nn.Parameter)
+    assert not state["sum"].requires_grad
+    assert state["sum"].recipe() == ("block.weight", (2, 3), torch.float32, 0.1)
+    assert state["sum64"].recipe() == ("block.weight", (2, 3), torch.float64, 0)
     with pytest.raises(PlaceholderError, match=r"made like cloud parameter 'block.weight'"):
-        state.add_(1.0)
+        state["sum"].add_(1.0)
+    buffer = torch.full_like(weight, 0.1)  # an average's or a momentum's, kept by the script
+    assert type(buffer) is torch.Tensor and torch.equal(buffer, torch.full((2, 3), 0.1))
+    assert torch.equal(torch.ones_like(weight, device="cpu"), torch.ones(2, 3))
+    assert torch.zeros_like(weight, requires_grad=True).requires_grad
 
 
 def test_a_placeholder_is_a_parameter_of_the_right_shape_that_answers_the_edges_device():

@@ -659,6 +659,24 @@ def keeps_an_average_of_the_weights_and_evaluates_with_it(model, net, crit, data
     return [evaluated, *(round(float(v.sum()), 6) for v in average.values())]
 
 
+def momentum_and_an_average_by_hand_in_buffers_made_like_the_weights(model, net, crit, data):
+    """SGD with momentum written out, its buffers and an EMA's made with ``torch.zeros_like(p)``
+    (the script's own tensors, as unsplit) and updated from each weight and gradient."""
+    params = list(model.parameters())
+    momenta = [torch.zeros_like(p) for p in params]
+    average = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in params]
+    for x, y in data:
+        for p in params:
+            p.grad = None
+        crit(model(x), y).backward()
+        with torch.no_grad():
+            for p, m, a in zip(params, momenta, average):
+                m.mul_(0.9).add_(p.grad)
+                p.add_(m, alpha=-0.05)
+                a.mul_(0.8).add_(p, alpha=0.2)
+    return [a.clone() for a in average]
+
+
 def averages_weights_in_an_optimizer_post_hook(model, net, crit, data):
     """The same average, updated by ``torch._foreach_lerp_`` in a step post-hook (as EMA helpers do)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -731,7 +749,8 @@ COMPUTED = [resets_a_layer_with_tensors_made_like_its_weights, prunes_small_weig
             skips_a_step_whose_gradients_are_not_finite, sign_sgd_with_weight_decay_added_to_the_gradient,
             logs_the_largest_gradient_and_the_weight_norm, renormalises_rows_and_perturbs_weights_after_each_step,
             steps_by_hand_as_old_tutorials_do, keeps_an_average_of_the_weights_and_evaluates_with_it,
-            averages_weights_in_an_optimizer_post_hook]
+            averages_weights_in_an_optimizer_post_hook,
+            momentum_and_an_average_by_hand_in_buffers_made_like_the_weights]
 
 
 @pytest.fixture(scope="module")

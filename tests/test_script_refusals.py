@@ -89,13 +89,6 @@ def _edge_bias_tied_after_split(model, net, opt):
     model(_data(1)[0][0])
 
 
-def _hand_written_momentum(model, net, opt):
-    buffers = [torch.zeros_like(p) for p in model.parameters()]
-    with torch.no_grad():
-        for p, b in zip(model.parameters(), buffers):
-            b.mul_(0.9).add_(p.grad)
-
-
 REFUSED: dict[str, tuple[Callable, type, str]] = {
     "a state_dict post-hook on a cloud layer (to rename or rescale its entries)": (
         lambda model, net, opt: net[2].register_state_dict_post_hook(lambda module, sd, prefix, local: None),
@@ -111,8 +104,6 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
         PlaceholderError, r"untyped_storage\(\) of cloud parameter '2.weight'"),
     "an edge bias tied to a cloud bias after split()": (
         _edge_bias_tied_after_split, PlaceholderError, r"cloud parameter '2.bias' with gradients on.*tied after split"),
-    "a hand-written optimizer's buffers made with zeros_like": (
-        _hand_written_momentum, PlaceholderError, r"made like cloud parameter '2.weight'.*hand-written optimizer"),
     "a running sum of a weight": (
         lambda model, net, opt: [p.data.cumsum_(0) for p in model.parameters()], PlaceholderError, r"before split"),
     "gradients flattened to one vector": (

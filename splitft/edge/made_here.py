@@ -5,12 +5,15 @@ or ``p.cpu()`` is ``p`` itself: unsplit none of them reads a value of ``p``, so 
 where the unsplit model's values were (the edge half's device), from ``p``'s shape and dtype alone.
 New values for a cloud tensor that read none of its old ones (``p.normal_()``, ``nn.init``'s
 initialisers) are made here too, then pushed to the cloud (:func:`new_values`). ``torch.zeros_like(p)``
-and its kin stand for the number they hold until a copy into a cloud tensor needs it (:func:`made_like`).
+and its kin are made here too, but in an optimizer's constructor, where they stand for the number
+they hold: that state is the cloud's copy's (:func:`made_like`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -46,24 +49,30 @@ def new_like(factory: Callable[..., Tensor]) -> Callable[..., Tensor]:
 def made_like(state: Callable[..., Tensor]) -> tuple[dict[Any, Callable[..., Any]], Callable[[Any], Tensor]]:
     """``torch.zeros_like(p)`` and its kin, and what ``p.copy_(t)`` copies.
 
-    A tensor made like a cloud one is ``state(source, name, remote, dtype, fill)`` (the number in
-    every element; None for ``empty_like``'s), or a real tensor where the call asks for one on a
-    device of its own: it reads no values either way. Copied into a cloud tensor, such a tensor
-    is its number, in its dtype, as unsplit; any other source is copied as it is.
+    Made by an optimizer's constructor (Adagrad's accumulators), a tensor like a cloud one is
+    ``state(source, name, remote, dtype, fill)`` (the number in every element; None for
+    ``empty_like``'s): the cloud's copy of the optimizer makes its own, so the edge keeps no
+    memory for it. Made by the script (an average's or a momentum's buffers), or asked for on a
+    device of its own, it is a real tensor, as unsplit. Either reads no values of the cloud's.
+    Copied into a cloud tensor, a ``state`` is its number, in its dtype; any other source is copied
+    as it is.
     """
 
     def like(fill_of: Callable[..., Any]) -> Callable[..., Any]:
         def made(source: Any, *args: Any, dtype: Any = None, layout: Any = None, device: Any = None,
                  pin_memory: Any = None, requires_grad: bool = False, memory_format: Any = None, **fill: Any) -> Tensor:
             value = fill_of(*args, **fill)
-            if (layout not in (None, torch.strided) or requires_grad or pin_memory
+            if (layout not in (None, torch.strided) or pin_memory
                     or memory_format not in (None, torch.preserve_format, torch.contiguous_format)):
-                raise PlaceholderError(f"a tensor like {source._what()} is made here with the default layout, "
-                                       "memory format and no gradient only")
+                raise PlaceholderError(f"a tensor like {source._what()} is made here with the default layout and "
+                                       "memory format only")
             dtype = dtype or source.dtype
-            if device is not None and torch.device(device).type != "meta":
-                tensor = torch.empty(source.shape, dtype=dtype, device=device)
-                return tensor if value is None else tensor.fill_(value)
+            if device is not None and torch.device(device).type == "meta":
+                device = None
+            if device is not None or requires_grad or not _an_optimizers_constructor():
+                tensor = torch.empty(source.shape, dtype=dtype,
+                                     device=device if device is not None else source._splitft_remote.device)
+                return (tensor if value is None else tensor.fill_(value)).requires_grad_(requires_grad)
             return state(source, source._splitft_name, source._splitft_remote, dtype, value)
 
         return made
@@ -79,6 +88,17 @@ def made_like(state: Callable[..., Tensor]) -> tuple[dict[Any, Callable[..., Any
     ops = {torch.zeros_like: like(lambda: 0), torch.ones_like: like(lambda: 1), torch.full_like: like(_fill_value),
            torch.empty_like: like(lambda: None)}
     return ops, values_of
+
+
+def _an_optimizers_constructor() -> bool:
+    """Whether an optimizer's ``__init__`` is running (Adagrad's makes its accumulators there): what
+    it makes for a cloud parameter is the cloud's copy's to keep."""
+    frame: types.FrameType | None = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "__init__" and isinstance(frame.f_locals.get("self"), torch.optim.Optimizer):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _fill_value(fill_value: Any) -> Any:

@@ -32,10 +32,10 @@ What is mirrored:
   in-place forms) is computed in the cloud (:mod:`.cloud_values`); ``torch.randn_like(p)`` and kin
   are drawn here, from the shape alone.
 
-``p.new_zeros(n)`` and its kin make a tensor here, as unsplit. What is made from a placeholder's
-shape alone (``torch.zeros_like(p)``, ``full_like``, ``ones_like``, ``empty_like``) is a
-:class:`CloudState`: the state an optimizer's constructor makes for a cloud parameter (Adagrad's
-accumulators), which the cloud's copy of the optimizer, built with the same settings, makes too.
+``p.new_zeros(n)`` and its kin make a tensor here, as unsplit, and so do ``torch.zeros_like(p)``,
+``full_like``, ``ones_like`` and ``empty_like`` in a script (an average's buffers). Made by an
+optimizer's constructor, they are a :class:`CloudState`: the state it makes for a cloud parameter
+(Adagrad's accumulators), which the cloud's copy of the optimizer, built with the same settings, makes too.
 It remembers how it was made, so the edge can check that it is still that initial state
 (:mod:`.initial_state`), and refuses every operation on its values like a placeholder.
 The state an optimizer's steps make for a cloud parameter stands in ``opt.state`` as
@@ -224,8 +224,8 @@ class CloudGrad(RemoteTensor):
 
 
 class CloudState(RemoteTensor):
-    """A tensor made from a cloud tensor's shape alone (``torch.full_like(p, 0.1)``): what an
-    optimizer's constructor keeps for a cloud parameter. Its values are known (``fill``: a number,
+    """A tensor an optimizer's constructor made from a cloud tensor's shape alone
+    (``torch.full_like(p, 0.1)``): what it keeps for a cloud parameter. Its values are known (``fill``: a number,
     or None for ``empty_like``'s), but kept nowhere here: the cloud's copy of the optimizer makes
     its own; any operation on them raises, as on a placeholder."""
 
@@ -243,9 +243,8 @@ class CloudState(RemoteTensor):
         return self._splitft_name, tuple(self.shape), self.dtype, self._splitft_fill
 
     def _what(self) -> str:
-        return (f"a tensor made like cloud parameter {self._splitft_name!r} (torch.zeros_like(p) and its kin "
-                "stand for their number until p.copy_ uses it; an optimizer's state for the cloud half lives in the "
-                "cloud's copy of a torch.optim optimizer, so a hand-written optimizer cannot keep buffers for it here)")
+        return (f"a tensor an optimizer's constructor made like cloud parameter {self._splitft_name!r} (its state "
+                "for the cloud half lives in the cloud's copy of the optimizer, which made its own)")
 
 
 class CloudMoment(CloudState):
