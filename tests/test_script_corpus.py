@@ -677,6 +677,24 @@ def momentum_and_an_average_by_hand_in_buffers_made_like_the_weights(model, net,
     return [a.clone() for a in average]
 
 
+def steps_by_hand_with_foreach_kernels(model, net, crit, data):
+    """SGD written with torch's foreach kernels over the parameter list, as fused optimizers are:
+    NaNs in the gradients zeroed, weight decay added to them, the decay of the weights decoupled."""
+    params = list(model.parameters())
+    for x, y in data:
+        for p in params:
+            p.grad = None
+        crit(model(x), y).backward()
+        grads = [p.grad for p in params]
+        with torch.no_grad():
+            for g in grads:
+                torch.nan_to_num_(g, nan=0.0)
+            torch._foreach_add_(grads, params, alpha=1e-3)
+            torch._foreach_mul_(params, 0.999)
+            torch._foreach_add_(params, grads, alpha=-0.05)
+    return [round(float(p.detach().sum()), 6) for p in params]
+
+
 def averages_weights_in_an_optimizer_post_hook(model, net, crit, data):
     """The same average, updated by ``torch._foreach_lerp_`` in a step post-hook (as EMA helpers do)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -750,7 +768,7 @@ COMPUTED = [resets_a_layer_with_tensors_made_like_its_weights, prunes_small_weig
             logs_the_largest_gradient_and_the_weight_norm, renormalises_rows_and_perturbs_weights_after_each_step,
             steps_by_hand_as_old_tutorials_do, keeps_an_average_of_the_weights_and_evaluates_with_it,
             averages_weights_in_an_optimizer_post_hook,
-            momentum_and_an_average_by_hand_in_buffers_made_like_the_weights]
+            momentum_and_an_average_by_hand_in_buffers_made_like_the_weights, steps_by_hand_with_foreach_kernels]
 
 
 @pytest.fixture(scope="module")

@@ -93,6 +93,7 @@ def handle(func: Any, args: tuple, kwargs: dict) -> Any:
     remote = remotes[0]._splitft_remote
     if func is Tensor.__setitem__ and _a_masked_fill(args, kwargs):
         func = Tensor.masked_fill_  # w[w.abs() < t] = 0: the same elements set, to the same value
+    func = _as_method(func)
     name = ex.NAMES.get(func)
     if name is not None and (autocast_dtype("cpu") or autocast_dtype("cuda")):
         raise PlaceholderError(f"{name} on {remotes[0]._what()} inside an autocast region: the cloud computes it "
@@ -104,9 +105,53 @@ def handle(func: Any, args: tuple, kwargs: dict) -> Any:
                 return _in_place(name, func, args, kwargs, remote)
         elif name is not None and "out" not in kwargs:
             return _computed(name, func, args, kwargs, remote)
+        if getattr(func, "__name__", "").startswith("_foreach_") and args and isinstance(args[0], (list, tuple)):
+            done = _foreach_in_place(func, args, kwargs, remote)
+            if done is not NotImplemented:
+                return done
     except _NotExpressible:
         return NotImplemented
     return _computed_here(func, args, kwargs, remotes, remote)  # anything else reads the values
+
+
+def _as_method(func: Any) -> Any:
+    """torch's in-place function as the tensor method it is (``torch.nan_to_num_(g)`` is ``g.nan_to_num_()``)."""
+    name = getattr(func, "__name__", "")
+    if name in ex.IN_PLACE and getattr(torch, name, None) is func and hasattr(Tensor, name):
+        return getattr(Tensor, name)
+    return func
+
+
+def _foreach_in_place(func: Any, args: tuple, kwargs: dict, remote: Any) -> Any:
+    """``torch._foreach_add_(params, grads, alpha=-lr)`` and its kin over lists holding cloud tensors:
+    each cloud element's own in-place call (``p.add_(g, alpha=-lr)``, what the CPU's foreach kernel
+    runs too), all checked before any is queued; the edge's elements by torch's kernel over them.
+    NotImplemented where an element's call is no in-place expression."""
+    method = getattr(Tensor, func.__name__.removeprefix("_foreach_"), None)
+    name = ex.NAMES.get(method)
+    targets, count = args[0], len(args[0])
+    values = [*args[1:], *kwargs.values()]
+    if name not in ex.IN_PLACE or any(isinstance(v, (list, tuple)) and len(v) != count for v in values):
+        return NotImplemented
+    cloud = [i for i, t in enumerate(targets)
+             if isinstance(t, (CloudTensor, CloudGrad)) and not isinstance(t, CloudValue)]
+    edge = [i for i, t in enumerate(targets) if not isinstance(t, RemoteTensor)]
+    if not cloud or len(cloud) + len(edge) != count:
+        return NotImplemented
+
+    def nth(value: Any, i: int) -> Any:
+        return value[i] if isinstance(value, (list, tuple)) else value
+
+    def some(value: Any, at: list[int]) -> Any:
+        return [value[i] for i in at] if isinstance(value, (list, tuple)) else value
+
+    ops = [_in_place_op(name, method, tuple(nth(a, i) for a in args), {k: nth(v, i) for k, v in kwargs.items()},
+                        remote) for i in cloud]
+    if edge:
+        func(*(some(a, edge) for a in args), **{k: some(v, edge) for k, v in kwargs.items()})
+    for op in ops:
+        remote.compute(op)
+    return None
 
 
 def _a_masked_fill(args: tuple, kwargs: dict) -> bool:
@@ -131,14 +176,20 @@ def _computed(name: str, func: Any, args: tuple, kwargs: dict, remote: Any) -> T
 
 
 def _in_place(name: str, func: Any, args: tuple, kwargs: dict, remote: Any) -> Tensor:
+    remote.compute(_in_place_op(name, func, args, kwargs, remote))
+    return args[0]
+
+
+def _in_place_op(name: str, func: Any, args: tuple, kwargs: dict, remote: Any) -> Compute:
+    """The operation that makes an in-place call on a cloud tensor in the cloud, checked as torch
+    would check the call (shapes, in-place dtypes, a leaf that requires grad)."""
     target = args[0]
     if isinstance(target, CloudTensor) and torch.is_grad_enabled() and target.requires_grad:
         raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
     node = _call(name, args, kwargs, remote)
-    _on_meta(func, args, kwargs)  # torch's own checks (shapes, in-place dtypes) before anything is queued
+    _on_meta(func, args, kwargs)
     leaf, *operands = node["args"]
-    remote.compute(Compute(target=leaf, fn=name, args=operands, kwargs=node["kwargs"]))
-    return target
+    return Compute(target=leaf, fn=name, args=operands, kwargs=node["kwargs"])
 
 
 def _call(name: str, args: tuple, kwargs: dict, remote: Any) -> dict:
