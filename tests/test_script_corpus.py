@@ -695,6 +695,24 @@ def steps_by_hand_with_foreach_kernels(model, net, crit, data):
     return [round(float(p.detach().sum()), 6) for p in params]
 
 
+def lookahead_with_slow_weights_cloned_then_detached(model, net, crit, data):
+    """Lookahead: slow weights kept as ``p.clone().detach()`` (with gradients on), pulled toward
+    the fast ones every second step, which then restart from them."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = list(model.parameters())
+    slow = [p.clone().detach() for p in params]
+    for i, (x, y) in enumerate(data):
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+        if i % 2 == 1:
+            with torch.no_grad():
+                for p, s in zip(params, slow):
+                    s.add_(p - s, alpha=0.5)
+                    p.copy_(s)
+    return [round(float(s.sum()), 6) for s in slow]
+
+
 def averages_weights_in_an_optimizer_post_hook(model, net, crit, data):
     """The same average, updated by ``torch._foreach_lerp_`` in a step post-hook (as EMA helpers do)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -768,7 +786,8 @@ COMPUTED = [resets_a_layer_with_tensors_made_like_its_weights, prunes_small_weig
             logs_the_largest_gradient_and_the_weight_norm, renormalises_rows_and_perturbs_weights_after_each_step,
             steps_by_hand_as_old_tutorials_do, keeps_an_average_of_the_weights_and_evaluates_with_it,
             averages_weights_in_an_optimizer_post_hook,
-            momentum_and_an_average_by_hand_in_buffers_made_like_the_weights, steps_by_hand_with_foreach_kernels]
+            momentum_and_an_average_by_hand_in_buffers_made_like_the_weights, steps_by_hand_with_foreach_kernels,
+            lookahead_with_slow_weights_cloned_then_detached]
 
 
 @pytest.fixture(scope="module")

@@ -229,6 +229,9 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
         lambda model, net, opt: model.remote_loss(nn.CrossEntropyLoss())(
             model(_data(1)[0][0]), _data(1)[0][1]).backward(inputs=[net[2].weight]),
         PlaceholderError, r"backward\(inputs=\.\.\.\) naming cloud parameter '2\.weight'"),
+    "a clone of a cloud weight computed with gradients on (unsplit, a graph to the weight)": (
+        lambda model, net, opt: (net[2].weight.clone() * 2).sum(), PlaceholderError,
+        r"computed from the cloud half's tensors with gradients on.*p\.clone\(\)\.detach\(\)"),
     "a cloud gradient replaced by a tensor (PCGrad's p.grad = projected)": (
         lambda model, net, opt: setattr(net[2].weight, "grad", torch.zeros(16, 16)), PlaceholderError,
         r"assigning a tensor to p\.grad of cloud parameter '2\.weight'.*p\.grad\.copy_\(g\)"),

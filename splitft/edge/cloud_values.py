@@ -29,7 +29,7 @@ would.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -54,8 +54,10 @@ class CloudValue(RemoteTensor):
     _splitft_version: int
 
     @staticmethod
-    def __new__(cls, meta: Tensor, node: dict, remote: Any) -> CloudValue:
-        made = RemoteTensor._make(cls, meta, f"{node['fn']}(...)", remote, remote.device, False)
+    def __new__(cls, meta: Tensor, node: dict, remote: Any, *, graph: bool = False) -> CloudValue:
+        """``graph``: it stands for a tensor with a graph to a cloud weight (``p.clone()`` with
+        gradients on), whose values only ``detach()`` gives."""
+        made = RemoteTensor._make(cls, meta, f"{node['fn']}(...)", remote, remote.device, graph)
         made._splitft_node = node
         made._splitft_version = remote.version()
         return made
@@ -70,6 +72,10 @@ class _NotExpressible(Exception):
 
 #: What reads a tensor's memory itself: a cloud tensor's is in the cloud.
 _MEMORY = {Tensor.data_ptr, Tensor.untyped_storage, Tensor.storage, Tensor._typed_storage}
+
+#: ``p.clone()``, and what gives its values without its graph.
+_CLONES = {Tensor.clone, torch.clone}
+_DETACHES = {Tensor.detach, cast(Any, Tensor.data).__get__}
 
 #: Gradients asked of tensors (``inputs=``): a cloud parameter's are the cloud's backward's.
 _GRADIENT_CALLS = {torch.autograd.grad: "torch.autograd.grad(...)", torch.autograd.backward: "backward(inputs=...)"}
@@ -91,6 +97,14 @@ def handle(func: Any, args: tuple, kwargs: dict) -> Any:
             len({id(t._splitft_remote) for t in remotes}) > 1:
         return NotImplemented
     remote = remotes[0]._splitft_remote
+    graphed = next((t for t in remotes if isinstance(t, CloudValue) and t.requires_grad), None)
+    if graphed is not None:
+        if func in _DETACHES and len(remotes) == 1 and args and args[0] is graphed:
+            return _detached(graphed, remote)
+        raise PlaceholderError(_with_gradients(graphed))
+    if (func in _CLONES and args and isinstance(args[0], CloudTensor) and len(remotes) == 1
+            and torch.is_grad_enabled() and args[0].requires_grad):
+        return _cloned_with_graph(func, args, kwargs, remote)
     if func is Tensor.__setitem__ and _a_masked_fill(args, kwargs):
         func = Tensor.masked_fill_  # w[w.abs() < t] = 0: the same elements set, to the same value
     func = _as_method(func)
@@ -210,13 +224,7 @@ def _operand(value: Any, remote: Any) -> Any:
         return {"grad": value._splitft_name}
     if isinstance(value, CloudTensor):
         if torch.is_grad_enabled() and value.requires_grad:
-            raise PlaceholderError(
-                f"computing from {value._what()} with gradients on, on the edge: the cloud computes values, not "
-                "graphs, so no gradient would flow back from it. A penalty on weights in the loss (L2, L1) is the "
-                "optimizer's weight_decay, or its gradient added after backward under torch.no_grad() (for c * "
-                "p.pow(2).sum(): p.grad.add_(p, alpha=2 * c)); an edge layer holding it (a weight tied after "
-                "split()) is tied before split(), which checks the tie; a value only logged or checked is computed "
-                "under torch.no_grad()")
+            raise PlaceholderError(_with_gradients(value))
         return {"value": value._splitft_name}
     if isinstance(value, Tensor):
         if isinstance(value, RemoteTensor) or (value.requires_grad and torch.is_grad_enabled()):
@@ -229,6 +237,33 @@ def _operand(value: Any, remote: Any) -> Any:
     if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         return list(value)
     raise _NotExpressible
+
+
+def _with_gradients(value: RemoteTensor) -> str:
+    return (f"computing from {value._what()} with gradients on, on the edge: the cloud computes values, not "
+            "graphs, so no gradient would flow back from it. A penalty on weights in the loss (L2, L1) is the "
+            "optimizer's weight_decay, or its gradient added after backward under torch.no_grad() (for c * "
+            "p.pow(2).sum(): p.grad.add_(p, alpha=2 * c)); an edge layer holding it (a weight tied after "
+            "split()) is tied before split(), which checks the tie; a value only logged or checked is computed "
+            "under torch.no_grad(), and a copy kept is p.detach().clone() (or p.clone().detach())")
+
+
+def _cloned_with_graph(func: Any, args: tuple, kwargs: dict, remote: Any) -> CloudValue:
+    """``p.clone()`` of a trainable cloud weight with gradients on: unsplit a tensor whose graph
+    leads to ``p``. It stands for it, refusing all but ``detach()`` (``p.clone().detach()``, a copy
+    of the weights kept), which gives its values."""
+    with torch.no_grad():
+        node = _call("clone", args, kwargs, remote)
+        meta, _ = _on_meta(func, args, kwargs)
+    return CloudValue(meta, node, remote, graph=True)
+
+
+def _detached(value: CloudValue, remote: Any) -> Tensor:
+    """The values of a clone that stood for a graph: read back now when small, as a clone's are."""
+    _fresh(value, remote)
+    if value.numel() <= MOST_READ:
+        return _read(remote, [value._splitft_node])[0]
+    return CloudValue(torch.empty(value.shape, dtype=value.dtype, device="meta"), value._splitft_node, remote)
 
 
 def _on_meta(func: Any, args: tuple, kwargs: dict) -> tuple[Tensor, bool]:
