@@ -365,7 +365,9 @@ class ModuleFlags:
             if not is_flag(now):
                 raise ConfigError(f"{flag} of {where!r} changed after split() ({_shown(was)} -> {_shown(now)}): that "
                                   "module's code reads it as it runs, in the cloud, which takes a flag, a number, a "
-                                  "name, or a list or a map of them; set it back")
+                                  "name, or a list or a map of them; set it back, or change the trained model "
+                                  "(peft's merge of a DoRA adapter, which caches the weight's norm) after "
+                                  "model.unsplit()")
             changed.setdefault(where, {})[flag] = (list(now) if isinstance(now, (tuple, list, set, frozenset))
                                                    else dict(now) if isinstance(now, dict) else now)
             self._sent[i] = _snapshot(now)
@@ -442,7 +444,8 @@ def _snapshot(value: Any) -> Any:
 
 
 def _shown(value: Any) -> str:
-    return "unset" if value is _MISSING else repr(value)
+    shown = "unset" if value is _MISSING else repr(value)
+    return shown if len(shown) <= 80 else f"{shown[:72]} ...{shown[-4:]}"  # a tensor a cache holds prints whole
 
 
 __all__ = ["MODE_ATTRIBUTES", "ConfigGuard", "ModuleFlags", "apply_flags", "flags_read", "globals_read", "is_flag",

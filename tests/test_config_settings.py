@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import splitft
-from splitft.config_reads import globals_read, keys_read
-from splitft.errors import ConfigError, HandshakeError
+from splitft.config_reads import ModuleFlags, globals_read, keys_read
+from splitft.errors import ConfigError, HandshakeError, PlaceholderError
 from tests.conftest import start_cloud, stop
 import tests.models
 from tests.models import Gain, GlobalGain, ScaledLinear, configured_mlp, gain_mlp, global_gain_mlp, tiny_hf
@@ -207,6 +208,38 @@ def test_peft_disable_adapter_on_a_split_model_computes_as_the_unsplit_model_and
 
 
 
+def test_peft_merge_adapter_names_no_grad_and_under_it_merges_both_halves_as_unsplit(cloud):
+    """peft's ``merge_adapter()`` computes each adapter's delta with gradients on, which a cloud
+    layer's cannot be (the cloud computes values, not graphs): refused at the first cloud layer,
+    naming torch.no_grad(), under which the same call merges the rest (peft skips the edge's layers,
+    merged already) and the model computes and trains on as the unsplit one."""
+    pytest.importorskip("peft")
+    from tests.models import tiny_tied_lora
+
+    def script(model, split: bool) -> torch.Tensor:
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        _step(model, opt)  # the adapters move away from zero: merging them changes the weights
+        if split:
+            with pytest.raises(PlaceholderError, match=r"peft's merge_adapter\(\).*torch\.no_grad\(\), where peft "
+                                                       r"skips the layers merged already"):
+                model.merge_adapter()
+        with torch.no_grad():
+            model.merge_adapter()
+            merged = model(input_ids=_ids()).logits
+            model.unmerge_adapter()
+        _step(model, opt)
+        return merged
+
+    local = tiny_tied_lora()
+    expected = script(local, False)
+    model = splitft.split(tiny_tied_lora(), "base_model.model.model.layers.1:3", factory=LORA, connect=cloud)
+    with model:
+        got = script(model, True)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert torch.equal(got, expected)
+    _assert_same(state, local.state_dict())
+
+
 def test_peft_scale_layer_changes_each_lora_layers_scaling_in_place_and_the_cloud_layers_follow(cloud):
     """``layer.scale_layer(0.5)`` (how PEFT turns an adapter's strength down) changes the dict a
     LoRA layer's code reads, ``scaling``, in place, with no attribute set: the cloud's layers get the
@@ -265,6 +298,26 @@ def test_a_private_flag_set_to_something_the_cloud_cannot_take_is_refused_and_a_
     assert cloud_side["q"]._disable_adapters is False  # a refused message set none of its flags
     apply_flags(cloud_side, {"q": {"_disable_adapters": True}})
     assert cloud_side["q"]._disable_adapters is True
+
+
+class _Cached(nn.Module):
+    """A layer whose forward reads a cache its own methods fill (peft's DoRA keeps a weight's norm so)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._caches: dict = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * len(self._caches)
+
+
+def test_a_cache_a_cloud_layer_reads_filled_after_split_is_refused_shown_short_naming_unsplit():
+    layer = _Cached()
+    flags = ModuleFlags([("layer", layer)])
+    layer._caches = {"default-weight_norm": torch.arange(1000.0)}
+    with pytest.raises(ConfigError, match=r"_caches of 'layer' changed after split\(\) \(\{\} -> [^\n]{0,90}\): "
+                                          r".*after model\.unsplit\(\)"):
+        flags.changed()
 
 
 def test_what_a_layer_reads_in_init_is_not_a_setting_it_reads_as_it_runs():

@@ -99,7 +99,9 @@ class Ghost(nn.Module):
             return
         raise CutError(f"setting {name!r} of {self.__dict__.get('_splitft_where', '?')!r}: that module runs in the "
                        "cloud, built by the factory, and would not change with it (split training would silently "
-                       "differ). Change the model before split(), and the cloud's factory the same way")
+                       "differ). Change the model before split(), and the cloud's factory the same way; to change "
+                       "the trained model (peft's merge_and_unload(), a layer swapped for export), take it whole "
+                       "with model.unsplit() first")
 
     def __delattr__(self, name: str) -> None:
         if name.startswith("_"):
