@@ -681,7 +681,8 @@ class _MyAdam(torch.optim.Adam):
 
 @pytest.mark.parametrize("build, message", [
     (lambda params: _MyAdam(params, lr=0.01),
-     r"_MyAdam is not one of them \(a subclass of torch\.optim\.Adam.*use torch\.optim\.Adam itself"),
+     r"tests\.test_optimizer_state\._MyAdam is not one of them \(a subclass of torch\.optim\.Adam.*"
+     r"use torch\.optim\.Adam itself"),
     (lambda params: torch.optim.Adam(params, lr=np.float32(0.01)),
      r"lr is np\.float32\(0\.01\): a numpy number computes in its own precision.*float\(\.\.\.\)"),
 ], ids=["a subclass", "a numpy learning rate"])

@@ -236,7 +236,8 @@ class SplitModel(UnsplitTree):
         """What ``model(x)`` checks before the model's forward runs (nothing changed that the cloud
         would not follow), and the ``sample_ids`` its call carries."""
         if self.session.closed:  # closed or unsplit: the model's tensors are no placeholders any more
-            raise PeerGone("this split session is closed; create a new one to keep training")
+            raise PeerGone("this split session is closed (after model.unsplit(), go on with the model it returned); "
+                           "create a new one to keep training")
         self.caller.forward_with(sample_ids)
         self.ghosts.check()
         self.strays.check()

@@ -21,7 +21,8 @@ def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     cls = type(optimizer)
     if not cls.__module__.startswith("torch.optim") or getattr(torch.optim, cls.__name__, None) is not cls:
         base = next((b for b in cls.__mro__ if getattr(torch.optim, b.__name__, None) is b), None)
-        raise ConfigError(f"the cloud mirrors torch.optim optimizers by name; {cls.__qualname__} is not one of them"
+        raise ConfigError(f"the cloud mirrors torch.optim optimizers by name; {cls.__module__}.{cls.__qualname__} is "
+                          "not one of them"
                           + (f" (a subclass of torch.optim.{base.__name__}, whose copy in the cloud would not run what "
                              f"{cls.__name__} adds): use torch.optim.{base.__name__} itself, and set what the subclass "
                              "changes on its param_groups (a learning rate, mirrored at each step)"

@@ -142,7 +142,8 @@ class EdgeSession(Recovery):
         replies. ``kind`` and ``traffic`` (raw and payload bytes) are what the metrics count.
         """
         if self.closed:
-            raise PeerGone("this split session is closed; create a new one to keep training")
+            raise PeerGone("this split session is closed (after model.unsplit(), go on with the model it returned); "
+                           "create a new one to keep training")
         if self.before_request is not None and not isinstance(msg, Bye):
             self.before_request()
         if not isinstance(msg, Sync):
