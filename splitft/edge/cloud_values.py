@@ -243,8 +243,8 @@ def _with_gradients(value: RemoteTensor) -> str:
     if ".lora_" in value._splitft_name:  # peft computes an adapter's delta with gradients on as it merges
         return (f"computing from {value._what()} with gradients on, on the edge (peft's merge_adapter(), "
                 "unmerge_adapter() and merge_and_unload() compute an adapter's delta so): the cloud computes values, "
-                "not graphs. Call them under torch.no_grad(), where peft skips the layers merged already (the "
-                "edge's, here), or after model.unsplit()")
+                "not graphs. Call merge_adapter() and unmerge_adapter() under torch.no_grad(), where peft skips the "
+                "layers merged already (the edge's, here); merge_and_unload() after model.unsplit()")
     return (f"computing from {value._what()} with gradients on, on the edge: the cloud computes values, not "
             "graphs, so no gradient would flow back from it. A penalty on weights in the loss (L2, L1) is the "
             "optimizer's weight_decay, or its gradient added after backward under torch.no_grad() (for c * "
