@@ -36,7 +36,8 @@ def test_two_rendezvous_agents_serve_edges_on_both_nodes_each_as_alone(tmp_path)
         for addr in NODES:
             job.start(_agent(rdzv_port, rdzv_id, addr, _free_port(), tmp_path / "ready"), _env())
         address = job.wait_ready(tmp_path / "ready")
-        assert "cloud rank 0/2" in job.logs[0].text and "cloud rank 1/2" in job.logs[1].text, job.text
+        # each rank's line is read off its pipe by a thread of its own: the ready file may come first
+        assert job.logs[0].wait_for("cloud rank 0/2", 10) and job.logs[1].wait_for("cloud rank 1/2", 10), job.text
         out = _edges(address)
         assert collections.Counter(r["placed"] for r in out.values()) == {0: 2, 1: 2}, job.text
         for i, r in out.items():
