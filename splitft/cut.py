@@ -250,7 +250,7 @@ def value_hash(chain: Chain) -> str:
     digest = hashlib.sha256()
     for key, value in sorted(chain.qualified_state_dict().items()):
         digest.update(key.encode())
-        digest.update(value.detach().cpu().contiguous().numpy().tobytes())
+        digest.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())  # bfloat16 too
     return digest.hexdigest()[:16]
 
 

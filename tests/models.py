@@ -37,11 +37,11 @@ def residual_net(seed: int = 0) -> ResidualNet:
         return ResidualNet()
 
 
-def mlp(seed: int = 0, width: int = 16) -> nn.Sequential:
+def mlp(seed: int = 0, width: int = 16, dtype: str = "float32") -> nn.Sequential:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return nn.Sequential(nn.Linear(12, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
-                             nn.Linear(width, 3))
+                             nn.Linear(width, 3)).to(getattr(torch, dtype))
 
 
 class TinyBertClassifier(nn.Module):

@@ -1141,6 +1141,29 @@ def test_an_averaged_model_built_before_split_averages_the_split_models_weights(
     assert not torch.equal(averaged["module.2.weight"], state["2.weight"])  # an average, not the last weights
 
 
+@pytest.mark.parametrize("weights", ["push", "factory"])
+def test_a_bfloat16_model_cast_before_split_trains_as_unsplit(cloud, weights):
+    """A model cast to bfloat16 before split() (and in its factory): its weights go to the cloud as
+    float32, which holds them exactly, or are hashed as the bytes they are."""
+    data = [(x.bfloat16(), y) for x, y in _data(3)]
+
+    def train(model, crit):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in data:
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+
+    local = mlp(dtype="bfloat16")
+    train(local, nn.CrossEntropyLoss())
+    factory = splitft.Factory(MLP, {"dtype": "bfloat16"}, weights=weights)
+    with splitft.split(mlp(dtype="bfloat16"), 2, factory=factory, connect=cloud) as model:
+        train(model, model.remote_loss(nn.CrossEntropyLoss()))
+        state = model.state_dict()
+    assert state["2.weight"].dtype == torch.bfloat16
+    assert_bitwise(state, local.state_dict())
+
+
 def test_two_remote_losses_called_in_turn_each_compute_their_own(cloud):
     """A script with two criteria (a smoothed loss on some batches, a plain one on others): the
     second ``remote_loss`` must not replace the first for good."""

@@ -21,6 +21,7 @@ from ..options import Codecs, Factory, Faults, Link, Opener, Schedule
 from ..wire.protocol import Hello
 from ..wire.coding import SlotCodecs
 from . import auto_codecs, resume
+from .cloud_half import values_to_send
 from .facade import split_class
 from .model import SplitModel
 from .requests import EdgeSession
@@ -144,7 +145,7 @@ def hello_for(model: nn.Module, spec: CutSpec, factory: Factory, codecs: Codecs,
         protocol=protocol.PROTOCOL_VERSION, factory=factory.name, factory_kwargs=dict(factory.kwargs),
         cut=cut_name, rejoin=rejoin_name, fingerprint=fingerprint(chain), codecs=dict(codecs.specs),
         seed=codecs.seed, value_hash=value_hash(chain) if push and factory.weights == "factory" else None,
-        weights={k: v.detach().cpu().numpy() for k, v in chain.qualified_state_dict().items()}
+        weights={k: values_to_send(v) for k, v in chain.qualified_state_dict().items()}
         if push and factory.weights == "push" else None,
         client="splitft", nonce=secrets.token_hex(8), structure=structure(chain), numerics=numerics.settings(),
     )

@@ -161,8 +161,8 @@ class SplitModel(UnsplitTree):
         if not fn(torch.empty(1, 2, 3, 4)).is_contiguous() and any(p.dim() == 4 for p in cloud):
             raise ConfigError("model.to(memory_format=...) would change the layout of the edge's tensors only: the "
                               "cloud half's convolutions would compute in another layout than the unsplit model's, "
-                              "a few bits apart. Convert edge submodules you choose (model.wrapped.<name>.to(...)) or "
-                              "leave the layout as it is")
+                              "a few bits apart. Convert edge submodules you choose (model.wrapped.<name>.to(...)), "
+                              "the activation at the cut left in the default layout, or leave the layout as it is")
         result = super()._apply(fn, recurse)
         # The cloud gradients' handles report where the edge's tensors are, as the unsplit model's would.
         self.cloud_half.device = fn(torch.empty(0, device=self.cloud_half.device)).device
@@ -447,7 +447,8 @@ class SplitModel(UnsplitTree):
         """The cloud part's current weights, named as in the original model."""
         self.scheduler.drain()
         state = self.session.sync(want_state=True) or {}
-        return {k: torch.from_numpy(np.array(v)) for k, v in state.items()}
+        kept = self.wrapped.state_dict(keep_vars=True)  # the placeholders: their dtypes (bfloat16 travels as float32)
+        return {k: _in_dtype(torch.from_numpy(np.array(v)), kept.get(k)) for k, v in state.items()}
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Checkpoint both halves at this step boundary (call it after ``opt.step()``).
@@ -484,6 +485,13 @@ class SplitModel(UnsplitTree):
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         self.close("interrupted" if exc_type is KeyboardInterrupt else "done" if exc_type is None else "error")
+
+
+def _in_dtype(value: torch.Tensor, placeholder: Any) -> torch.Tensor:
+    """A fetched cloud tensor in its placeholder's dtype (bfloat16 arrives as float32, exactly)."""
+    if isinstance(placeholder, torch.Tensor) and placeholder.dtype != value.dtype:
+        return value.to(placeholder.dtype)
+    return value
 
 
 __all__ = ["CutActivation", "RemoteLoss", "SplitModel"]

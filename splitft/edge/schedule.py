@@ -144,6 +144,7 @@ class Scheduler:
         """Run the cloud part on ``leaves``; the outputs of the whole batch."""
         with self.lock:
             self.stage.check(call)
+            refuse_other_layouts(leaves)
             call.in_grad = [bool(g) and call.grad for g in needs_grad]
             # The cloud's backward can only come with the forward in a plain split with a loss.
             # Not under float16 autocast: eager backward runs the cloud's half for an incoming gradient of 1
@@ -334,6 +335,22 @@ def _same(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:  # noqa: BLE001 — skeletons that cannot be compared are not the same
         return False
+
+
+def refuse_other_layouts(leaves: list[torch.Tensor]) -> None:
+    """Refuse an activation at the cut in a memory format of its own (``torch.channels_last``): it
+    reaches the cloud in the default layout, where its convolutions would compute in another layout
+    than the unsplit model's, a few bits apart."""
+    for leaf in leaves:
+        if leaf.dim() in (4, 5) and not leaf.is_contiguous():
+            layout = torch.channels_last if leaf.dim() == 4 else torch.channels_last_3d
+            if leaf.is_contiguous(memory_format=layout):
+                raise ConfigError(
+                    f"the activation at the cut is in {str(layout).removeprefix('torch.')} layout (edge layers "
+                    "converted with .to(memory_format=...), or their input): the cloud half receives it in the "
+                    "default layout, and its layers would compute in another layout than the unsplit model's, a "
+                    "few bits apart. Keep the edge's layers and input in the default layout, or have the last "
+                    "edge layer return x.contiguous(), in the unsplit model too")
 
 
 def partition(call: Call, leaves: list[torch.Tensor], micro_batches: int) -> list[slice]:
