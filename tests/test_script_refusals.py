@@ -233,6 +233,12 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
     "a clone of a cloud weight computed with gradients on (unsplit, a graph to the weight)": (
         lambda model, net, opt: (net[2].weight.clone() * 2).sum(), PlaceholderError,
         r"computed from the cloud half's tensors with gradients on.*p\.clone\(\)\.detach\(\)"),
+    "a forward hook on what split() returned (a plain split's model(x) is the cut's activation)": (
+        lambda model, net, opt: (model.register_forward_hook(lambda m, i, o: None), model(_data(1)[0][0])), CutError,
+        r"a forward hook on 'the split model'.*model\.predict\(x\)"),
+    "a backward hook on what split() returned": (
+        lambda model, net, opt: (model.register_full_backward_hook(lambda m, gi, go: None), model(_data(1)[0][0])),
+        CutError, r"a backward hook on 'the split model'"),
     "a cloud gradient replaced by a tensor (PCGrad's p.grad = projected)": (
         lambda model, net, opt: setattr(net[2].weight, "grad", torch.zeros(16, 16)), PlaceholderError,
         r"assigning a tensor to p\.grad of cloud parameter '2\.weight'.*p\.grad\.copy_\(g\)"),

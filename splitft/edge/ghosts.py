@@ -217,12 +217,13 @@ class Ghosts:
                                   "training would silently differ from the unsplit model. Load new values with "
                                   "model.load_state_dict() or `with torch.no_grad(): p.copy_(t)`, or swap before split()")
 
-    def refuse_hooks_above_the_cut(self) -> None:
+    def refuse_hooks_above_the_cut(self, split_model: nn.Module) -> None:
         """A plain split: the model and the containers that hold the cut run their forwards on the
         edge only up to the cut, so a forward or backward hook on them would never see their output
-        (the cloud computes it with the loss): refused at the forward, however it was registered."""
-        holders = [("the model", self._model)] + [(name, module) for name, in_cloud, _, _, module in self._links
-                                                  if not in_cloud]
+        (the cloud computes it with the loss): refused at the forward, however it was registered,
+        on ``split_model`` too (what ``split()`` returned, whose output is the cut's activation)."""
+        holders = [("the split model", split_model), ("the model", self._model)] + [
+            (name, module) for name, in_cloud, _, _, module in self._links if not in_cloud]
         for where, module in holders:
             for table in ("_forward_hooks", "_backward_hooks", "_backward_pre_hooks"):
                 if any(not library_hook(h) for h in getattr(module, table).values()):

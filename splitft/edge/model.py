@@ -243,7 +243,7 @@ class SplitModel(UnsplitTree):
         self.strays.check()
         if not self.spec.ushape:
             self.strays.refuse_recomputation(self.training)
-            self.ghosts.refuse_hooks_above_the_cut()
+            self.ghosts.refuse_hooks_above_the_cut(self)
             self.ghosts.refuse_modules_after_the_cut()
 
     @torch.compiler.disable  # as _remote: what reached the cut is handed over as it is
