@@ -47,10 +47,11 @@ class TrunkIntermediate(torch.Tensor):
 
     def refusal(self, what: str) -> str:
         trunk = self._splitft_trunk
-        return (f"the model's forward {what} the output of {self._splitft_module!r}, an inner module of the trunk "
-                f"{trunk[0]!r}..{trunk[-1]!r} that runs in the cloud; only the trunk's last output comes back. Cut "
-                f"so that {self._splitft_module!r} ends the trunk (rejoin at the module after it), or move what "
-                "reads it after the trunk")
+        return (f"the model's forward (or a forward hook on {self._splitft_module!r}) {what} the output of "
+                f"{self._splitft_module!r}, an inner module of the trunk {trunk[0]!r}..{trunk[-1]!r} that runs in the "
+                f"cloud; only the trunk's last output comes back. Cut so that {self._splitft_module!r} ends the trunk "
+                "(rejoin at the module after it), or move what reads it after the trunk (a hook: onto the trunk's "
+                "last module)")
 
     @classmethod
     def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -59,9 +60,10 @@ class TrunkIntermediate(torch.Tensor):
                 return func(*args, **(kwargs or {}))
         inner = next(t for t in trees.leaves((args, kwargs or {})) if isinstance(t, TrunkIntermediate))
         if func is torch.Tensor.detach:  # torch.utils.checkpoint(layer, h, use_reentrant=True) detaches h
-            raise CutError(f"the model's forward detaches the output of {inner._splitft_module!r}, an inner module "
-                           "of a trunk that runs in the cloud, as torch.utils.checkpoint(layer, h, use_reentrant=True) "
-                           "around a trunk layer does: use use_reentrant=False, or checkpoint the whole model")
+            raise CutError(f"the model's forward (or a forward hook on {inner._splitft_module!r}) detaches the output "
+                           f"of {inner._splitft_module!r}, an inner module of a trunk that runs in the cloud, as "
+                           "torch.utils.checkpoint(layer, h, use_reentrant=True) around a trunk layer does: use "
+                           "use_reentrant=False, or checkpoint the whole model; a hook goes on the trunk's last module")
         raise CutError(inner.refusal(f"computes with ({getattr(func, '__name__', func)})"))
 
     @classmethod
