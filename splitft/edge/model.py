@@ -16,7 +16,6 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -30,6 +29,7 @@ from .fetched_state import FetchedCloudState
 from .ghosts import Ghosts, install, standin_of, uninstall
 from .whole_state import forget_inner_keys, load_nested, load_whole_state
 from .mirror import ModelMirror, loss_module
+from .optimizer_loads import local_value
 from .module_tree import UnsplitTree, hidden_attributes
 from .placeholders import CloudTensor
 from .remote_call import CacheRefs, RemoteCaller
@@ -448,7 +448,7 @@ class SplitModel(UnsplitTree):
         self.scheduler.drain()
         state = self.session.sync(want_state=True) or {}
         kept = self.wrapped.state_dict(keep_vars=True)  # the placeholders: their dtypes (bfloat16 travels as float32)
-        return {k: _in_dtype(torch.from_numpy(np.array(v)), kept.get(k)) for k, v in state.items()}
+        return {k: local_value(v, kept.get(k)) for k, v in state.items()}
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Checkpoint both halves at this step boundary (call it after ``opt.step()``).
@@ -485,13 +485,6 @@ class SplitModel(UnsplitTree):
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         self.close("interrupted" if exc_type is KeyboardInterrupt else "done" if exc_type is None else "error")
-
-
-def _in_dtype(value: torch.Tensor, placeholder: Any) -> torch.Tensor:
-    """A fetched cloud tensor in its placeholder's dtype (bfloat16 arrives as float32, exactly)."""
-    if isinstance(placeholder, torch.Tensor) and placeholder.dtype != value.dtype:
-        return value.to(placeholder.dtype)
-    return value
 
 
 __all__ = ["CutActivation", "RemoteLoss", "SplitModel"]

@@ -44,8 +44,8 @@ def load_hooks_aside(optimizer: torch.optim.Optimizer, post: bool) -> Iterator[N
 
 
 def local_value(array: Any, placeholder: Any) -> torch.Tensor:
-    """A fetched state value as the unsplit optimizer holds it (the placeholder's dtype: bfloat16
-    travels as float32)."""
+    """A fetched value (an optimizer's state, a cloud weight) as the unsplit model or optimizer
+    holds it: in the placeholder's dtype (bfloat16 travels as float32)."""
     value = torch.tensor(array)
     return value.to(placeholder.dtype) if isinstance(placeholder, torch.Tensor) else value
 
