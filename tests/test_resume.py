@@ -238,6 +238,97 @@ def test_a_checkpoint_saved_right_after_a_reset_of_the_optimizer_resumes_reset(t
     assert all(torch.equal(weights[k], v) for k, v in local.state_dict().items())
 
 
+def _warmup(epoch: int) -> float:
+    return min(1.0, (epoch + 1) / 4)
+
+
+def _checkpointed_then(tmp_path, data, resumed, scheduled: bool = False):
+    """Three steps of ``data`` (a warm-up scheduler stepping after each when ``scheduled``), an
+    edge checkpoint, then ``resumed(model, scheduler_state)`` on a split model resumed from it."""
+    listener = InprocListener()
+    server = CloudServer(listener, [MLP], checkpoint_dir=str(tmp_path / "ck"), fsync=False)
+    thread = serve_in_thread(server)
+    try:
+        first = splitft.split(mlp(), 2, factory=MLP, connect=listener.connect)
+        opt = torch.optim.Adam(first.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup) if scheduled else None
+        crit = first.remote_loss(nn.CrossEntropyLoss())
+        for x, y in data[:3]:
+            opt.zero_grad()
+            crit(first(x), y).backward()
+            opt.step()
+            if sched is not None:
+                sched.step()
+        first.save_checkpoint(tmp_path / "edge")
+        first.session.drop()
+        second = splitft.split(mlp(seed=5), 2, factory=MLP, connect=listener.connect, resume_from=tmp_path / "edge")
+        with second:
+            return resumed(second, sched.state_dict() if sched is not None else None)
+    finally:
+        server.stop()
+        thread.join(timeout=10)
+
+
+def test_a_learning_rate_set_by_hand_on_a_resumed_models_new_optimizer_is_refused_not_replaced(tmp_path):
+    """The checkpoint's optimizer state loads when the optimizer is attached, at its first step:
+    a learning rate the script set between building it and that step would be replaced by the
+    checkpoint's, unseen. Refused, naming the fix, which then trains as the unsplit run."""
+    data = _data(6)
+    local = mlp()
+    local_opt = torch.optim.Adam(local.parameters(), lr=0.01)
+    _train(local, local_opt, nn.CrossEntropyLoss(), data[:3])
+    local_opt.param_groups[0]["lr"] = 0.005
+    _train(local, local_opt, nn.CrossEntropyLoss(), data[3:])
+
+    def resumed(model, _):
+        crit = model.remote_loss(nn.CrossEntropyLoss())
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        for group in opt.param_groups:
+            group["lr"] = 0.005
+        crit(model(data[3][0]), data[3][1]).backward()
+        with pytest.raises(splitft.ConfigError, match=r"lr=0\.005 was set on param group 0 .* checkpoint's lr=0\.01"
+                                                      r".* model\.attach\(opt\) right after building"):
+            opt.step()
+        opt = model.attach(torch.optim.Adam(model.parameters(), lr=0.01))
+        for group in opt.param_groups:
+            group["lr"] = 0.005
+        _train(model, opt, crit, data[3:])
+        return model.state_dict()
+
+    weights = _checkpointed_then(tmp_path, data, resumed)
+    assert all(torch.equal(weights[k], v) for k, v in local.state_dict().items())
+
+
+def test_a_scheduler_built_over_a_resumed_models_new_optimizer_goes_on_with_the_checkpoints_learning_rate(tmp_path):
+    """A warm-up scheduler built over the new optimizer sets its learning rate, and its state is
+    loaded from the first run's: the checkpoint's learning rate is the one to go on with (as a
+    script that loads both states after building both), and the run ends as one never stopped."""
+    data = _data(6)
+    local = mlp()
+    local_opt = torch.optim.Adam(local.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(local_opt, _warmup)
+    for x, y in data:
+        local_opt.zero_grad()
+        nn.CrossEntropyLoss()(local(x), y).backward()
+        local_opt.step()
+        sched.step()
+
+    def resumed(model, sched_state):
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup)
+        sched.load_state_dict(sched_state)
+        crit = model.remote_loss(nn.CrossEntropyLoss())
+        for x, y in data[3:]:
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+            sched.step()
+        return model.state_dict()
+
+    weights = _checkpointed_then(tmp_path, data, resumed, scheduled=True)
+    assert all(torch.equal(weights[k], v) for k, v in local.state_dict().items())
+
+
 def test_resume_with_a_wrong_token_is_refused(tmp_path):
     listener = InprocListener()
     server = CloudServer(listener, [MLP], checkpoint_dir=str(tmp_path / "ck"), fsync=False)

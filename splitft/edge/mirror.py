@@ -50,6 +50,20 @@ class Steps(Protocol):
     step: int
 
 
+def _refuse_replaced_settings(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """A setting the script changed after building the optimizer of a resumed model, which the
+    checkpoint's state, loading as the optimizer is attached, would replace unseen."""
+    saved = state.get("param_groups", [])
+    for i, key, value in optimizers.set_since_built(optimizer) or ():
+        if i < len(saved) and key in saved[i] and not optimizers.same_setting(value, saved[i][key]):
+            raise ConfigError(f"{key}={value!r} was set on param group {i} of this {type(optimizer).__name__} after it "
+                              f"was built, and split(..., resume_from=) would replace it with the checkpoint's "
+                              f"{key}={saved[i][key]!r}: the checkpoint's optimizer state loads when the optimizer is "
+                              "attached (its first step, or model.attach(opt)). Call model.attach(opt) right after "
+                              f"building the optimizer and set {key} after that, or leave it to go on with the "
+                              "checkpoint's")
+
+
 class ModelMirror:
     """What the cloud must repeat of one split model's training: its optimizer (one at a time,
     attachments numbered so that a replayed one is recognised), the cloud parameters the script
@@ -94,6 +108,8 @@ class ModelMirror:
         if carried is not None and self.resume_state is not None:
             raise ConfigError(f"this {type(optimizer).__name__} holds state of its own, and split(..., resume_from=) "
                               "restores the checkpoint's: build a new optimizer to resume with")
+        if self.resume_state is not None:
+            _refuse_replaced_settings(optimizer, self.resume_state)
         if self.optimizer_mirror is not None:
             # A new optimizer (one per stage, say) replaces the one before, in the cloud too, as
             # the unsplit loop would step only the new one; the old one stepping again is refused.

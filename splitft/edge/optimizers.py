@@ -59,6 +59,8 @@ _HALVES = 0  # cloud halves registered in this process so far
 _STEP_HOOKS: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]] = weakref.WeakKeyDictionary()
 #: Each cloud half's handle (splitft.edge.cloud_half.CloudHalf), with who attaches optimizers over it.
 _OWNERS: weakref.WeakKeyDictionary[Any, weakref.ref[Attaches]] = weakref.WeakKeyDictionary()
+#: Each optimizer's param group settings as its constructor left them, built after :func:`install`.
+_BUILT: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[dict[str, Any]]] = weakref.WeakKeyDictionary()
 
 
 def register(remote: Any, owner: Attaches) -> None:
@@ -184,6 +186,47 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
     getattr(load, "__splitft_original__", load)(optimizer, state)
 
 
+def _group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{key: value.detach().clone() if isinstance(value, torch.Tensor) else value
+             for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+
+
+def _recorded(init: Callable[..., None]) -> Callable[..., None]:
+    """``Optimizer.__init__``, remembering the settings it left (see :func:`set_since_built`)."""
+    @functools.wraps(init)
+    def __init__(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        _BUILT[self] = _group_settings(self)
+
+    __init__.__splitft_original__ = init  # type: ignore[attr-defined]
+    return __init__
+
+
+def set_since_built(optimizer: torch.optim.Optimizer) -> list[tuple[int, str, Any]] | None:
+    """The param group settings the script changed after building ``optimizer``, as (group, key,
+    value); None where that cannot be told apart from a scheduler's work: one built over it adds
+    its keys (``initial_lr``) and sets the learning rate, and it is not known what it was built with."""
+    built = _BUILT.get(optimizer)
+    if built is None:
+        return None
+    now = _group_settings(optimizer)
+    if any(set(group) - set(before) for group, before in zip(now, built)):
+        return None
+    missing = object()
+    return [(i, key, value) for i, group in enumerate(now) for key, value in group.items()
+            if not same_setting(value, built[i].get(key, missing) if i < len(built) else missing)]
+
+
+def same_setting(a: Any, b: Any) -> bool:
+    """Whether two param group settings are equal, a tensor to its number, a tuple to a list."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.tolist()
+        return [plain(v) for v in value] if isinstance(value, (tuple, list)) else value
+
+    return bool(plain(a) == plain(b))
+
+
 def _guarded(step: Callable[..., Any]) -> Callable[..., Any]:
     """``step``, and when it raises (out of memory, an assertion of torch's on its settings) the
     cloud's gradients shown again: hidden for the step only, they would stay hidden from the
@@ -221,8 +264,10 @@ def install() -> None:
         register_optimizer_step_pre_hook(_before_step)
         optimizer = torch.optim.Optimizer
         optimizer.load_state_dict = _load_mirrored(optimizer.load_state_dict)  # type: ignore[method-assign]
+        optimizer.__init__ = _recorded(optimizer.__init__)  # type: ignore[method-assign]
         _guard_steps()
         _INSTALLED = True
 
 
-__all__ = ["Attaches", "cloud_owner", "forget", "install", "load_optimizer_state", "mirrored", "register"]
+__all__ = ["Attaches", "cloud_owner", "forget", "install", "load_optimizer_state", "mirrored", "register",
+           "same_setting", "set_since_built"]
