@@ -781,7 +781,27 @@ def prunes_small_weights_by_hand(model, net, crit, data):
     return [int(mask.sum()) for mask in masks]
 
 
-COMPUTED = [resets_a_layer_with_tensors_made_like_its_weights, prunes_small_weights_by_hand, logs_weight_and_gradient_statistics_moved_to_the_cpu,
+def writes_slices_and_indices_of_weights_and_gradients(model, net, crit, data):
+    """Structured pruning and partial freezing by indexing: columns and rows zeroed by slice
+    (``w[:, :3] = 0``, ``w[rows] = 0``), a row set from a tensor, ``index_fill_``, a slice of a
+    gradient cleared before the step (``p.grad[:, :2] = 0``: the first columns never train)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    layer = net[2]
+    for i, (x, y) in enumerate(data):
+        crit(model(x), y).backward()
+        layer.weight.grad[:, :2] = 0
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            layer.weight[:, 2:4] = 0
+            layer.weight.data[i % 3] = torch.linspace(-1, 1, 16)
+            layer.weight[torch.tensor([i % 2 == 0] * 8 + [False] * 8)] = 0.25
+            layer.bias.index_fill_(0, torch.tensor([1, 5]), -0.5)
+            layer.bias[..., 7] = torch.tensor(2.0)
+
+
+COMPUTED = [resets_a_layer_with_tensors_made_like_its_weights, prunes_small_weights_by_hand,
+            writes_slices_and_indices_of_weights_and_gradients, logs_weight_and_gradient_statistics_moved_to_the_cpu,
             skips_a_step_whose_gradients_are_not_finite, sign_sgd_with_weight_decay_added_to_the_gradient,
             logs_the_largest_gradient_and_the_weight_norm, renormalises_rows_and_perturbs_weights_after_each_step,
             steps_by_hand_as_old_tutorials_do, keeps_an_average_of_the_weights_and_evaluates_with_it,

@@ -105,8 +105,10 @@ def handle(func: Any, args: tuple, kwargs: dict) -> Any:
     if (func in _CLONES and args and isinstance(args[0], CloudTensor) and len(remotes) == 1
             and torch.is_grad_enabled() and args[0].requires_grad):
         return _cloned_with_graph(func, args, kwargs, remote)
-    if func is Tensor.__setitem__ and _a_masked_fill(args, kwargs):
-        func = Tensor.masked_fill_  # w[w.abs() < t] = 0: the same elements set, to the same value
+    if func is Tensor.__setitem__ or func is Tensor.index_fill_:
+        written = _indexed_write(func, args, kwargs, remote)
+        if written is not NotImplemented:
+            return written
     func = _as_method(func)
     name = ex.NAMES.get(func)
     if name is not None and (autocast_dtype("cpu") or autocast_dtype("cuda")):
@@ -168,15 +170,34 @@ def _foreach_in_place(func: Any, args: tuple, kwargs: dict, remote: Any) -> Any:
     return None
 
 
-def _a_masked_fill(args: tuple, kwargs: dict) -> bool:
-    """Whether ``target[mask] = value`` is ``target.masked_fill_(mask, value)``: a cloud tensor, a
-    boolean mask of its very shape (a smaller one selects rows, which a fill would broadcast
-    otherwise), a number."""
-    if kwargs or len(args) != 3:
-        return False
-    target, mask, value = args
-    return (isinstance(target, (CloudTensor, CloudGrad)) and isinstance(mask, Tensor) and mask.dtype == torch.bool
-            and mask.shape == target.shape and isinstance(value, (bool, int, float)))
+def _indexed_write(func: Any, args: tuple, kwargs: dict, remote: Any) -> Any:
+    """``target[index] = value`` on a cloud tensor (``w[:, :3] = 0``, ``w[w.abs() < t] = 0``,
+    ``p.grad[:n] = 0``, ``w[0] = row``) and ``target.index_fill_(dim, index, value)`` as the in-place
+    call that sets the same elements to the same values: ``masked_fill_`` for a number, ``copy_`` of
+    a ``where`` for an edge tensor. The index is applied by torch to a mask of the target's shape
+    here, so it selects as torch's indexing does (and fails as it would). NotImplemented where the
+    index or the value is a cloud tensor."""
+    if kwargs or len(args) != (4 if func is Tensor.index_fill_ else 3):
+        return NotImplemented
+    target, *where, value = args
+    if not isinstance(target, (CloudTensor, CloudGrad)) or isinstance(target, CloudValue) or \
+            any(isinstance(t, RemoteTensor) for t in tree_flatten([where, value])[0]):
+        return NotImplemented
+    mask = torch.zeros(target.shape, dtype=torch.bool, device=target.device)
+    if func is Tensor.index_fill_:
+        dim, index = where
+        mask.index_fill_(dim, index, True)
+        return _in_place("masked_fill_", Tensor.masked_fill_, (target, mask, value), {}, remote)
+    index = where[0]
+    mask[index] = True
+    if isinstance(value, (bool, int, float)) or (isinstance(value, Tensor) and value.dim() == 0):
+        return _in_place("masked_fill_", Tensor.masked_fill_, (target, mask, value), {}, remote)
+    full = torch.zeros(target.shape, dtype=target.dtype, device=target.device)
+    full[index] = value
+    with torch.no_grad():
+        node = _call(ex.NAMES[torch.where], (mask, full, target), {}, remote)
+    chosen = CloudValue(torch.empty(target.shape, dtype=target.dtype, device="meta"), node, remote)
+    return _in_place("copy_", Tensor.copy_, (target, chosen), {}, remote)
 
 
 def _computed(name: str, func: Any, args: tuple, kwargs: dict, remote: Any) -> Tensor:

@@ -464,7 +464,8 @@ _GRAD_OPS: dict[Any, Callable[..., Any]] = {
 #: Every torch function that reaches the cloud rather than raising, by the kind of tensor it takes.
 MIRRORED: dict[str, frozenset[Any]] = {"values": frozenset(_VALUE_OPS), "gradients": frozenset(_GRAD_OPS),
                                        "made like": frozenset(_LIKE_OPS),
-                                       "computed": frozenset(expressions.FUNCTIONS.values())}
+                                       "computed": frozenset([*expressions.FUNCTIONS.values(), Tensor.__setitem__,
+                                                              Tensor.index_fill_])}  # those two as masked fills
 
 
 def _refusal(func: Any, tensor: Any) -> str:
