@@ -932,6 +932,32 @@ def test_a_criterion_changed_after_remote_loss_is_followed_by_the_cloud(cloud, c
     assert_bitwise(state, local.state_dict())
 
 
+@pytest.mark.parametrize("use", [
+    lambda crit: crit.to("cpu"), lambda crit: crit.train(), lambda crit: crit.float(),
+    lambda crit: crit.requires_grad_(False), lambda crit: crit.forward,
+], ids=["crit = crit.to(device)", "crit = crit.train()", "crit = crit.float()", "crit = crit.requires_grad_(False)",
+        "crit.forward(out, y)"])
+def test_a_remote_loss_moved_or_set_to_a_mode_as_a_module_is_still_the_remote_loss(cloud, use):
+    """Scripts treat the criterion as the module it is: ``crit = crit.to(device)`` keeps what the
+    call returns, ``crit.forward(out, y)`` computes it. Those are the remote loss, not the torch
+    criterion it stands for (which, called on a plain split's ``model(x)``, refuses the activation)."""
+    data = _data(3)
+
+    def train(model, crit):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in data:
+            opt.zero_grad()
+            use(crit)(model(x), y).backward()
+            opt.step()
+
+    local = mlp()
+    train(local, nn.CrossEntropyLoss())
+    with splitft.split(mlp(), 2, factory=MLP, connect=cloud) as model:
+        train(model, model.remote_loss(nn.CrossEntropyLoss()))
+        state = model.state_dict()
+    assert_bitwise(state, local.state_dict())
+
+
 def _double(module, args, output):
     return output * 2
 

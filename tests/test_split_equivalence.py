@@ -180,6 +180,43 @@ def test_adamw_settings_are_mirrored(inproc_cloud):
     _train_both_and_compare(local, split_model, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1), xs, ys)
 
 
+@pytest.mark.parametrize("loss", ["class weights", "ignored targets", "a part all ignored"])
+def test_micro_batches_of_a_weighted_or_ignoring_cross_entropy_give_the_batchs_loss(inproc_cloud, loss):
+    """A class-weighted cross-entropy's mean divides by the weights of the batch's targets, and one
+    with ignore_index by the targets it counts: micro-batches weigh their parts' losses by those
+    (by rows they were another loss, and a part whose targets were all ignored made it NaN)."""
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 12, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(4)]
+    for i, (_, y) in enumerate(data):
+        if loss == "ignored targets":
+            y[i % 8] = y[(i + 3) % 8] = -100
+        elif loss == "a part all ignored":
+            y[:4] = -100
+    make_crit = (lambda: nn.CrossEntropyLoss(weight=torch.tensor([1.0, 4.0, 0.25]))) if loss == "class weights" \
+        else nn.CrossEntropyLoss
+
+    def train(model, crit):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        losses = []
+        for x, y in data:
+            value = crit(model(x), y)
+            value.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(value))
+        return losses
+
+    local = mlp()
+    expected = train(local, make_crit())
+    with splitft.split(mlp(), 2, factory="tests.models:mlp", connect=inproc_cloud.connect(),
+                       schedule=Schedule(micro_batches=2)) as model:
+        got = train(model, model.remote_loss(make_crit()))
+        state = model.state_dict()
+    assert got == pytest.approx(expected, rel=1e-6)
+    for name, value in local.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6)
+
+
 def test_micro_batches_through_a_cloud_batchnorm_are_refused_before_anything_diverges(inproc_cloud, digits):
     """BatchNorm in the cloud half, in training mode, would normalize each micro-batch by its own
     statistics: the step would not be the unsplit model's. Refused at the first cloud call, before

@@ -33,7 +33,7 @@ from .optimizer_loads import local_value
 from .module_tree import UnsplitTree, hidden_attributes
 from .placeholders import CloudTensor
 from .remote_call import CacheRefs, RemoteCaller
-from .remote_loss import CUT_CONTEXT, CutActivation, CutContext, CutTensor, RemoteLoss, call_parts
+from .remote_loss import CUT_CONTEXT, CutActivation, CutContext, CutTensor, RemoteLoss, call_parts, mean_denominator
 from .requests import EdgeSession
 from .schedule import Scheduler
 from .stage import DRAWN_BETWEEN, CloudStage
@@ -343,14 +343,14 @@ class SplitModel(UnsplitTree):
         if self.spec.ushape:
             raise ConfigError("in a U-shape split the loss stays on the edge: call your criterion directly")
         module = loss_module(criterion)
-        self.scheduler.loss_reduction = self.mirror.loss(module)
+        self.scheduler.loss_is(self.mirror.loss(module), mean_denominator(module))
         return RemoteLoss(self._remote, before=lambda: self._loss_for_call(module),
                           criterion=module if module is criterion else None)
 
     def _loss_for_call(self, criterion: nn.Module) -> None:
         reduction = self.mirror.loss_for_call(criterion)
         if reduction is not None:
-            self.scheduler.loss_reduction = reduction
+            self.scheduler.loss_is(reduction, mean_denominator(criterion))
 
     # ------------------------------------------------------------ cloud state
 

@@ -10,6 +10,7 @@ gets an error naming the fix instead of a silently different number.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -162,10 +163,15 @@ class RemoteLoss:
         # if it is not the cloud's as it is now
 
     def __getattr__(self, name: str) -> Any:
-        criterion = vars(self).get("criterion")
+        criterion: torch.nn.Module | None = vars(self).get("criterion")
         if criterion is None or name.startswith("__"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(criterion, name)
+        if name == "forward":
+            return self.__call__  # crit.forward(out, y) is the loss, as a module's forward is
+        found = getattr(criterion, name)
+        if callable(found) and getattr(found, "__self__", None) is criterion:
+            return _returning_self(self, found)
+        return found
 
     def __setattr__(self, name: str, value: Any) -> None:
         criterion = vars(self).get("criterion")
@@ -192,6 +198,36 @@ class RemoteLoss:
         if isinstance(out, CutTensor) and isinstance(loss, torch.Tensor) and loss.requires_grad:
             _one_pass_each(out, loss)
         return loss
+
+
+def _returning_self(remote: RemoteLoss, method: Any) -> Callable[..., Any]:
+    """The criterion's bound ``method``, giving back the remote loss where it gives back the criterion
+    (``crit = crit.to(device)``, ``crit.train()``: the script keeps the remote loss, as unsplit the module)."""
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        result = method(*args, **kwargs)
+        return remote if result is method.__self__ else result
+
+    return call
+
+
+def mean_denominator(criterion: torch.nn.Module) -> Callable[[torch.Tensor], float] | None:
+    """What ``criterion``'s mean divides a batch's sum by, from its targets, where that is not the
+    number of rows: a cross-entropy or NLL loss of class indices divides by the class weights of
+    the targets it counts (their number without weights), leaving out ``ignore_index``. Micro-batches
+    of a call weigh their losses by it (their mean of rows would be another loss, and a part whose
+    targets are all ignored has none). None where rows are the measure."""
+    if not isinstance(criterion, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)) or criterion.reduction != "mean":
+        return None
+
+    def denominator(target: torch.Tensor) -> float:
+        if target.is_floating_point():  # class probabilities: the mean is over rows
+            return float(target.shape[0])
+        counted = target[target != criterion.ignore_index]
+        weight = criterion.weight
+        return float(weight[counted].sum()) if weight is not None else float(counted.numel())
+
+    return denominator
 
 
 _MORE_ARGUMENTS = (
@@ -256,4 +292,4 @@ def _one_pass_each(out: CutTensor, loss: torch.Tensor) -> None:
                           "make it one remote loss call") from None
 
 
-__all__ = ["CloudCall", "CutActivation", "CutTensor", "RemoteLoss", "call_parts"]
+__all__ = ["CloudCall", "CutActivation", "CutTensor", "RemoteLoss", "call_parts", "mean_denominator"]

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..wire.coding import Coded, stream_index
+from ..wire.tree import Leaf
 from ..wire.operations import ApplyEager, Operation
 from ..errors import ConfigError, ProtocolError
 from ..options import Schedule
@@ -47,6 +48,7 @@ class Part:
     eager_grads: tuple | None = None  # parsed input gradients that came with the output (eager backward)
     seq: int = 0  # request number of its forward, then of its backward
     rng_sent: bool = False  # its forward carried the edge's generator state
+    share: float = 1.0  # its weight in the call's mean loss (its rows' share of the batch, or its targets')
 
 
 @dataclass
@@ -132,6 +134,9 @@ class Scheduler:
         self.options = options
         self.ushape = ushape
         self.loss_reduction = "mean"  # of the mirrored loss: how a loss's parts add up to the batch's
+        #: What the mirrored loss's mean divides by, from a part's target, where not its rows (see
+        #: :func:`splitft.edge.remote_loss.mean_denominator`).
+        self.loss_denominator: Callable[[torch.Tensor], float] | None = None
         self._ids = itertools.count(1)
         self.window = Window()
         self._template: _Template | None = None  # the last synchronous call a streamed one may copy
@@ -166,9 +171,20 @@ class Scheduler:
                     self.stage.send_forward(call, part, inputs[-1], ops if j == 0 else [])
                     call.parts.append(part)
                 outputs = [self.stage.receive_output(call, part, x) for part, x in zip(call.parts, inputs)]
-            joined = join_outputs(call, outputs, self.loss_reduction)
+            joined = join_outputs(call, outputs, self.loss_reduction, self._denominators(call, inputs))
             self._remember(call, joined)
             return joined
+
+    def loss_is(self, reduction: str, denominator: Callable[[torch.Tensor], float] | None) -> None:
+        """The mirrored loss's reduction and mean denominator, as it was last sent."""
+        self.loss_reduction, self.loss_denominator = reduction, denominator
+
+    def _denominators(self, call: Call, inputs: list[list[torch.Tensor]]) -> list[float] | None:
+        """What each part's mean loss divides by, from its target, where its rows are not it."""
+        target = call.skeleton[2]
+        if self.loss_denominator is None or len(inputs) < 2 or not isinstance(target, Leaf):
+            return None
+        return [self.loss_denominator(part[target.index]) for part in inputs]
 
     # ------------------------------------------------------------ streaming
 
@@ -371,8 +387,10 @@ def part_inputs(call: Call, leaves: list[torch.Tensor], part: Part) -> list[torc
     return [t[part.rows] if cut else t for t, cut in zip(leaves, call.in_split)]
 
 
-def join_outputs(call: Call, outputs: list[list[torch.Tensor]], loss_reduction: str = "mean") -> list[torch.Tensor]:
-    """The batch's outputs from its parts': rows concatenated; a scalar loss averaged (or summed)."""
+def join_outputs(call: Call, outputs: list[list[torch.Tensor]], loss_reduction: str = "mean",
+                 denominators: list[float] | None = None) -> list[torch.Tensor]:
+    """The batch's outputs from its parts': rows concatenated; a scalar loss averaged (or summed),
+    each part's mean weighed by its rows, or by its ``denominators`` (a part with none adds nothing)."""
     if len(outputs) == 1:
         call.out_join = ["cat"] * len(outputs[0])
         return outputs[0]
@@ -386,6 +404,12 @@ def join_outputs(call: Call, outputs: list[list[torch.Tensor]], loss_reduction: 
             join = "sum" if loss_reduction == "sum" else "mean"
             call.out_join.append(join)
             weights = [1.0 if join == "sum" else n / call.batch for n in sizes]
+            if join == "mean" and denominators is not None and sum(denominators) > 0:
+                weights = [d / sum(denominators) for d in denominators]
+                pieces = tuple(t for t, w in zip(pieces, weights) if w) or pieces  # 0/0: what unsplit gives
+                weights = [w for w in weights if w] or weights
+            for part, w in zip(call.parts, weights if join == "mean" else ()):
+                part.share = w
             joined.append(sum(w * t for w, t in zip(weights, pieces)))
         else:
             raise ConfigError(
@@ -433,8 +457,7 @@ def part_output_grads(call: Call, part: Part, grads: tuple) -> list[torch.Tensor
         elif len(call.parts) == 1 or join == "sum":
             result.append(grad)
         else:
-            result.append(grad[part.rows] if join == "cat" else
-                          grad * ((part.rows.stop - part.rows.start) / call.batch))
+            result.append(grad[part.rows] if join == "cat" else grad * part.share)
     return result
 
 
