@@ -958,6 +958,22 @@ def test_a_remote_loss_moved_or_set_to_a_mode_as_a_module_is_still_the_remote_lo
     assert_bitwise(state, local.state_dict())
 
 
+def test_a_loss_setting_that_requires_a_gradient_is_refused_at_the_call_as_torch_refuses_it(cloud):
+    """A learned ``pos_weight`` (an ``nn.Parameter``): torch's loss is not differentiable in it and
+    the unsplit call raises; the cloud's copy would take its values and train on silently."""
+    x, y = _data(1)[0]
+    target = nn.functional.one_hot(y, 3).float()
+    weight = nn.Parameter(torch.ones(3))
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        nn.BCEWithLogitsLoss(pos_weight=weight)(mlp()(x), target)
+    with splitft.split(mlp(), 2, factory=MLP, connect=cloud) as model:
+        crit = model.remote_loss(nn.BCEWithLogitsLoss(pos_weight=weight))
+        with pytest.raises(splitft.ConfigError, match="pos_weight requires a gradient"):
+            crit(model(x), target)
+        with torch.no_grad():  # no gradient asked: torch computes it, and so does the cloud
+            crit(model(x), target)
+
+
 def _double(module, args, output):
     return output * 2
 

@@ -184,6 +184,8 @@ class RemoteLoss:
         if more or kwargs:
             raise ConfigError(_MORE_ARGUMENTS.format(given=", ".join([*("a third argument" for _ in more[:1]),
                                                                        *map(repr, kwargs)])))
+        if self.criterion is not None and torch.is_grad_enabled():
+            _refuse_learned_settings(self.criterion)
         if self.before is not None:
             self.before()
         args, kwargs = call_parts(out)
@@ -209,6 +211,17 @@ def _returning_self(remote: RemoteLoss, method: Any) -> Callable[..., Any]:
         return remote if result is method.__self__ else result
 
     return call
+
+
+def _refuse_learned_settings(criterion: torch.nn.Module) -> None:
+    """A loss's tensor setting that requires a gradient (a learned ``pos_weight``): torch's losses
+    are not differentiable in them, and unsplit the call raises; the cloud's copy takes its values."""
+    for name, value in criterion.named_buffers():
+        if value.requires_grad:
+            raise ConfigError(f"{type(criterion).__name__}'s {name} requires a gradient, in which torch's loss is not "
+                              "differentiable (unsplit, this call raises); the cloud's loss would take its values "
+                              "and no gradient would reach it. Pass it detached, or compute the loss on the edge "
+                              "(a U-shape, split(..., rejoin=...))")
 
 
 def mean_denominator(criterion: torch.nn.Module) -> Callable[[torch.Tensor], float] | None:
