@@ -7,7 +7,7 @@ enough for a user.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import compressors
 import torch
@@ -67,7 +67,14 @@ class TooLarge(ProtocolError):
 
 
 class ModelError(SplitFTError):
-    """The cloud part raised on the inputs an edge sent (wrong shapes, dtypes, targets...)."""
+    """The cloud part raised on the inputs an edge sent (wrong shapes, dtypes, targets...).
+
+    Raised as the Python exception the cloud's code raised too (a ``ModelError`` that is also an
+    ``IndexError``, see :data:`RAISED_AS`), so a script's ``except RuntimeError`` around a bad
+    batch catches it as unsplit. ``rng``: where the cloud half's generator stream was left, when
+    it drew before failing (the edge goes on from there)."""
+
+    rng: Any = None
 
 
 class CloudOutOfMemory(ModelError, torch.OutOfMemoryError):
@@ -151,11 +158,38 @@ def code_of(exc: BaseException) -> str:
     return "internal"
 
 
-def from_code(code: str, message: str) -> SplitFTError:
+def _raised_as(base: type[Exception]) -> type[ModelError]:
+    return type(f"Model{base.__name__}", (ModelError, base), {"__module__": __name__, "__doc__": (
+        f"The cloud half raised {base.__name__} on the inputs an edge sent: a ModelError, and the {base.__name__} "
+        "the unsplit model would raise.")})
+
+
+#: The Python exceptions a cloud model's error is raised as on the edge too, by name (``error.raised``).
+RAISED_AS: dict[str, type[ModelError]] = {base.__name__: _raised_as(base) for base in (
+    RuntimeError, NotImplementedError, IndexError, KeyError, ValueError, TypeError, AssertionError,
+    ZeroDivisionError, OverflowError, FloatingPointError)}
+
+
+def raised_name(exc: BaseException) -> str:
+    """The name :data:`RAISED_AS` knows for what the cloud half's code raised under ``exc`` (a
+    ``ModelError`` from it), the nearest of its classes; "" for none."""
+    cause = exc.__cause__ if isinstance(exc, ModelError) and not isinstance(exc, CloudOutOfMemory) else None
+    for cls in type(cause).__mro__ if isinstance(cause, Exception) else ():
+        if cls.__module__ == "builtins" and cls.__name__ in RAISED_AS:
+            return cls.__name__
+    return ""
+
+
+def from_code(code: str, message: str, raised: str = "", rng: Any = None) -> SplitFTError:
     cls = CODES.get(code)
     if cls is None or cls is RemoteError:
         return RemoteError(message, code)
-    return cls(message)
+    if cls is ModelError and isinstance(raised, str):
+        cls = RAISED_AS.get(raised, ModelError)
+    error = cls(message)
+    if isinstance(error, ModelError):
+        error.rng = rng
+    return error
 
 
 class HiddenAttributeWarning(UserWarning):

@@ -1066,10 +1066,9 @@ def test_a_loop_that_halves_its_batch_when_out_of_memory_trains_as_unsplit(cloud
 
 @pytest.mark.parametrize("seeded", [True, False], ids=["seeded before the retry", "not seeded"])
 @pytest.mark.parametrize("first", [True, False], ids=["at the first step", "at a later step"])
-def test_an_out_of_memory_retry_after_the_cloud_half_drew_is_exact_once_seeded(cloud, first, seeded):
-    """Dropout before the point where memory ran out: unsplit, its draws moved the generator, which
-    the cloud's error does not bring back. Without a seed the retry is refused (before it runs once
-    the half is known to draw, at its reply at the first step); with one, it trains exactly."""
+def test_an_out_of_memory_retry_after_the_cloud_half_drew_is_exact(cloud, first, seeded):
+    """Dropout before the point where memory ran out: unsplit, its draws moved the generator; the
+    cloud's error brings back where they left it, and the retry trains exactly, seeded or not."""
     from tests.models import batch_limited_mlp
 
     sizes = [16, 8, 8] if first else [8, 16, 8]
@@ -1092,16 +1091,57 @@ def test_an_out_of_memory_retry_after_the_cloud_half_drew_is_exact_once_seeded(c
     torch.manual_seed(0)
     local = batch_limited_mlp(dropout=0.5)
     train(local, nn.CrossEntropyLoss())
+    local_rng = torch.get_rng_state()
     factory = splitft.Factory(BATCH_LIMITED, {"dropout": 0.5})
     torch.manual_seed(0)
     with splitft.split(batch_limited_mlp(dropout=0.5), 2, factory=factory, connect=cloud) as model:
+        train(model, model.remote_loss(nn.CrossEntropyLoss()))
+        assert_bitwise(model.state_dict(), local.state_dict())
+        assert torch.equal(torch.get_rng_state(), local_rng)
+
+
+@pytest.mark.parametrize("bad, caught", [
+    (lambda y: y + 3, IndexError), (lambda y: y[:-1], ValueError), (lambda y: y + 3, RuntimeError),
+], ids=["a target out of range, except IndexError", "a short target, except ValueError",
+        "a target out of range, except RuntimeError (which it is not)"])
+def test_a_loop_that_skips_a_batch_the_loss_refuses_trains_as_unsplit(cloud, bad, caught):
+    """A loop catching the loss's error on a malformed batch and going on: the cloud's error is the
+    Python exception the unsplit loss raises (its class, for ``except``), and the draws its dropout
+    made before the loss failed move the edge's generator, as they move the unsplit one."""
+    data = _data(5)
+
+    def train(model, crit):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        outcomes = []
+        for i, (x, y) in enumerate(data):
+            opt.zero_grad()
+            try:
+                loss = crit(model(x), bad(y) if i == 2 else y)
+            except caught:
+                outcomes.append("skipped")
+                continue
+            loss.backward()
+            opt.step()
+            outcomes.append(float(loss))
+        return outcomes
+
+    torch.manual_seed(0)
+    local = mlp_dropout()
+    try:
+        expected = train(local, nn.CrossEntropyLoss())
+    except Exception as exc:  # noqa: BLE001 - not the class caught: the split loop must raise it too
+        expected = type(exc)
+    local_rng = torch.get_rng_state()
+    torch.manual_seed(0)
+    with splitft.split(mlp_dropout(), 2, factory=MLP_DROPOUT, connect=cloud) as model:
         crit = model.remote_loss(nn.CrossEntropyLoss())
-        if not seeded:
-            with pytest.raises(ConfigError, match=r"ran out of memory in a forward before this one.*manual_seed"):
+        if isinstance(expected, type):
+            with pytest.raises(expected):
                 train(model, crit)
             return
-        train(model, crit)
+        assert train(model, crit) == expected
         assert_bitwise(model.state_dict(), local.state_dict())
+    assert torch.equal(torch.get_rng_state(), local_rng)
 
 
 DROPOUT_TOGGLES = {

@@ -6,13 +6,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Literal
+from typing import Any, Literal
 
 import compressors
 import torch
 
-from ..errors import CloudOutOfMemory, SplitFTError
+from ..errors import CloudOutOfMemory, ModelError, SplitFTError, code_of, raised_name
 from ..metrics import Timed
+from ..wire.messages import Error
 from ..wire.records import _short
 
 #: A peer's value as an error quotes it: its repr, cut short (the wire's own rule, one import here).
@@ -84,4 +85,12 @@ class ErrorLog:
             self.suppressed += 1
 
 
-__all__ = ["ErrorLog", "Stopwatch", "blame", "short"]
+def error_reply(exc: BaseException, seq: int, call: Any, max_chars: int) -> Error:
+    """The typed ``error`` answering a request that raised ``exc``: its code, its text cut to
+    ``max_chars``, the Python exception the half's code raised and where its generator was left."""
+    return Error(code=code_of(exc), message=f"{type(exc).__name__}: {exc}"[:max_chars], seq=seq,
+                 call=call if isinstance(call, int) and not isinstance(call, bool) else 0,
+                 raised=raised_name(exc), rng=exc.rng if isinstance(exc, ModelError) else None)
+
+
+__all__ = ["ErrorLog", "Stopwatch", "blame", "error_reply", "short"]

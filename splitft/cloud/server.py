@@ -25,7 +25,7 @@ import compressors
 import transports
 
 from ..devices import Placement
-from ..errors import CapacityError, ConfigError, ProtocolError, SessionLost, SplitFTError, code_of
+from ..errors import CapacityError, ConfigError, ProtocolError, SessionLost, SplitFTError
 from ..factories import load_factory
 from ..state_files import CheckpointError
 from ..wire import protocol
@@ -33,7 +33,7 @@ from ..wire.protocol import (Ack, Arrive, Backward, Bye, Error, Forward, Hello, 
                              Sync, Welcome)
 from . import moves, prices, probes, snapshots, work
 from .admission import Admission
-from .blame import ErrorLog
+from .blame import ErrorLog, error_reply
 from .budget import MemoryBook
 from .build import build_chain, check_codecs
 from .checkpoint_folder import CheckpointStore
@@ -237,9 +237,7 @@ class CloudServer:
         return msg
 
     def _error(self, exc: BaseException, seq: int, call: Any) -> Error:
-        text = f"{type(exc).__name__}: {exc}"
-        return Error(code=code_of(exc), message=text[: self.limits.max_error_chars], seq=seq,
-                     call=call if isinstance(call, int) and not isinstance(call, bool) else 0)
+        return error_reply(exc, seq, call, self.limits.max_error_chars)
 
     def answer(self, peer: bytes, session: CloudSession | None, reply: protocol.Message, seq: int,
                numbered: bool) -> None:

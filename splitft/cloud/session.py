@@ -99,6 +99,7 @@ class CloudSession:
         device = self.half.placement.device
         self.random = SessionRandom(hello.seed, device, kind=half_kind(hello)) if stream is None else \
             SessionRandom(hello.seed, device, stream=stream)
+        self._drew_from = self.random.host  # where the stream was as the half's current forward began
         self.pricing = Pricing(chain)  # what its requests cost, and how fast they run
         self.codecs = SlotCodecs(hello.codecs, hello.seed, bounds=self.policy.bounds)
         self.seat = Seat(trained=restoring)
@@ -183,6 +184,14 @@ class CloudSession:
         return leaves, value, meter
 
     def forward(self, msg: Forward) -> Output:
+        self._drew_from = self.random.host
+        try:
+            return self._forward(msg)
+        except ModelError as exc:  # what the half drew before it failed moved the stream: the edge goes on from it
+            exc.rng = self._drawn(msg)
+            raise
+
+    def _forward(self, msg: Forward) -> Output:
         watch = Stopwatch()
         edge_rng = checked_host_state(msg.rng, "forward.rng") if msg.rng is not None else None
         ctx = self.context("activation", msg.train, msg.step, msg.sample_ids)
@@ -193,11 +202,10 @@ class CloudSession:
         stream_at = self.random.host  # where the session's stream is: a repeated forward puts it back
         if edge_rng is not None:
             self.random.follow(edge_rng)
-        start = self.random.host
+        self._drew_from = self.random.host
         with watch("compute"), self._traceless(msg.again, stream_at):
             leaves, value, saved = self.run(inputs, msg.train, msg.grad, msg.autocast)
-        rng_after = self.random.host
-        drew = not msg.again and rng_after is not start and not torch.equal(rng_after, start)
+        drawn = self._drawn(msg)
         with watch("codec"):
             outs, out_skel = flatten(value)
             stream = stream_index(out_skel) if self.half.ushape else None
@@ -214,7 +222,12 @@ class CloudSession:
         elif msg.grad:
             self.keep_graph(msg, leaves, inputs, outs, out_coded, saved, flops)
         return Output(call=msg.call, value=to_wire(out_skel, entries), timings=watch.seconds, grads=eager_grads,
-                      unreached=unreached, rng=rng_after.numpy() if drew else None)
+                      unreached=unreached, rng=drawn)
+
+    def _drawn(self, msg: Forward) -> np.ndarray | None:
+        """The stream's state, when the half drew in this forward (not a repeated one) since it began."""
+        after, start = self.random.host, self._drew_from
+        return None if msg.again or after is start or torch.equal(after, start) else after.numpy()
 
     @contextmanager
     def _traceless(self, again: bool, rng: torch.Tensor) -> Iterator[None]:

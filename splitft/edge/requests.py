@@ -197,7 +197,7 @@ class EdgeSession(Recovery):
             if seq and reply.seq == 0 and seq == self._seq and not self._outstanding:
                 self._log.drop(seq)  # the cloud could not even read the request: nothing was applied
                 self._seq -= 1
-            raise from_code(reply.code, f"cloud: {reply.message}")
+            raise from_code(reply.code, f"cloud: {reply.message}", reply.raised, reply.rng)
         if isinstance(reply, Bye):
             self.metrics.count("down", "control", wire=wire_in)
             self.drop()

@@ -19,7 +19,7 @@ import torch
 
 from compressors import CodecContext
 
-from ..errors import CloudOutOfMemory, ConfigError, DesyncError, ProtocolError
+from ..errors import ConfigError, DesyncError, ModelError, ProtocolError
 from ..generator_state import checked_host_state
 from ..metrics import Metrics
 from ..wire.coding import SlotCodecs, Traffic, from_wire, raw_nbytes, stream_index, to_wire
@@ -175,6 +175,20 @@ class CloudStage:
             torch.default_generator.set_state(state)  # not torch.set_rng_state: the script's own sets are counted
         self._rng_synced = state  # the half's stream; the edge's state is sent again when it differs
 
+    def _follow_failed(self, call: Call, rng: Any) -> None:
+        """A forward that failed in the cloud (out of memory, an error the script catches) after its
+        half drew: unsplit, those draws moved the generator, and it goes on from where they left it.
+        Where the script's generator is not the stream's to follow (it drew or set it since the
+        call's ``model(x)``, or a stream ran on), those draws are lost: the next forward that draws
+        is refused until the script sets the generator."""
+        state = checked_host_state(rng, "error.rng")
+        if call.again is not None or call.drawn_since is not None or call.streamed:
+            self._draws_lost = generator_sets.count()
+            return
+        if call.generator_kept is None:
+            torch.default_generator.set_state(state)
+        self._rng_synced = state
+
     def send_forward(self, call: Call, part: Part, leaves: list[torch.Tensor], ops: list[Operation]) -> None:
         msg, traffic = self._forward_message(call, part, leaves, ops, self._context(call, part))
         part.seq = self.requests.send(msg, "activation", traffic)
@@ -195,8 +209,8 @@ class CloudStage:
                 reply, wire_in = self.requests.exchange(msg, "activation", Output, traffic)
         except BaseException as exc:
             self._rng_synced = None  # whether the cloud's stream took the state sent is not known
-            if isinstance(exc, CloudOutOfMemory):
-                self._draws_lost = generator_sets.count()
+            if isinstance(exc, ModelError) and exc.rng is not None:
+                self._follow_failed(call, exc.rng)
             raise
         assert isinstance(reply, Output)
         self._follow_cloud_rng(call, part, reply)
@@ -296,10 +310,10 @@ DRAWN_BETWEEN = (
     "(rejoin=), whose model(x) runs the whole model")
 
 DRAWS_LOST = (
-    "the cloud half draws random numbers (dropout), and ran out of memory in a forward before this one: unsplit, "
-    "the draws it made before running out moved the generator, which the cloud's error does not bring back, so "
-    "this forward's masks would differ from the unsplit model's. Set the generator before the retry "
-    "(torch.manual_seed(...)), as the same script then draws the same unsplit")
+    "the cloud half draws random numbers (dropout), and failed in a forward before this one that the script drew "
+    "or set the generator around: unsplit, the draws the half made before failing moved the generator in between, "
+    "where the edge's cannot follow them, so this forward's masks would differ from the unsplit model's. Set the "
+    "generator before the retry (torch.manual_seed(...)), as the same script then draws the same unsplit")
 
 
 __all__ = ["CloudStage", "DRAWN_BETWEEN", "DRAWS_LOST"]

@@ -221,6 +221,12 @@ class Error(Message):
     message: str
     call: int = 0  # the request it answers, when known
     seq: int = 0
+    #: ``model``: the Python exception the cloud half's code raised (``IndexError``), which the edge
+    #: raises it as too (:data:`splitft.errors.RAISED_AS`); "" for any other.
+    raised: str = ""
+    #: The host generator state after a forward that drew random numbers (dropout) before it
+    #: failed: the edge goes on from it, as the unsplit model's generator moved.
+    rng: np.ndarray | None = None
 
 
 @dataclass
