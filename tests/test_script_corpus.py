@@ -800,7 +800,28 @@ def writes_slices_and_indices_of_weights_and_gradients(model, net, crit, data):
             layer.bias[..., 7] = torch.tensor(2.0)
 
 
+def keeps_the_best_state_of_a_cloud_layer_and_restores_it(model, net, crit, data):
+    """Early stopping of one layer: ``best = copy.deepcopy(net[2].state_dict())`` (also saved with
+    ``torch.save``) after a few steps, loaded back into the layer at the end, as unsplit."""
+    import copy
+    import io
+
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    best, saved = None, io.BytesIO()
+    for i, (x, y) in enumerate(data):
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+        if i == 2:
+            best = copy.deepcopy(net[2].state_dict())
+            torch.save(net[2].state_dict(prefix="layer."), saved)
+    net[2].load_state_dict(best)
+    saved.seek(0)
+    return [v.clone() for v in torch.load(saved).values()] + [v.clone() for v in best.values()]
+
+
 COMPUTED = [resets_a_layer_with_tensors_made_like_its_weights, prunes_small_weights_by_hand,
+            keeps_the_best_state_of_a_cloud_layer_and_restores_it,
             writes_slices_and_indices_of_weights_and_gradients, logs_weight_and_gradient_statistics_moved_to_the_cpu,
             skips_a_step_whose_gradients_are_not_finite, sign_sgd_with_weight_decay_added_to_the_gradient,
             logs_the_largest_gradient_and_the_weight_norm, renormalises_rows_and_perturbs_weights_after_each_step,

@@ -81,6 +81,14 @@ class Ghost(nn.Module):
                            "the cloud half's state, which the edge reads) or outside the layer")
         return super().__getattr__(name)
 
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        out = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        served: tuple[Any, str] | None = self.__dict__.get("_splitft_state")
+        if served is None or destination is not None or keep_vars or args:
+            return out
+        fetch = served[0]()  # its own call (not within a parent's): the values, fetched
+        return out if fetch is None else fetch(out, prefix, served[1])
+
     def __setattr__(self, name: str, value: Any) -> None:
         if name in self.__dict__.get("_splitft_kept", ()):
             raise CutError(f"setting {name!r} of {self.__dict__.get('_splitft_where', '?')!r}: that module's forward "

@@ -12,8 +12,9 @@ from __future__ import annotations
 import copy
 import inspect
 import itertools
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -157,6 +158,14 @@ class Ghosts:
         holders = {id(parent): parent for _, _, parent, _, _ in self._links}.values()
         self._sequences = [(held, frozenset(held._modules)) for held in holders
                            if isinstance(held, nn.Sequential) and type(held).forward is nn.Sequential.forward]
+
+    def serve_state(self, fetch: Callable[[dict, str, str], dict]) -> None:
+        """A cloud module's own ``state_dict()`` (``best = copy.deepcopy(net.head.state_dict())``)
+        holds its entries' values, fetched by ``fetch(state, prefix, under)`` (the split model's,
+        held weakly), as the split model's does; within another module's it is left to that one's."""
+        method = weakref.WeakMethod(cast(Any, fetch))
+        for name, module in self._cloud_modules:
+            module.__dict__["_splitft_state"] = (method, f"{name}.")
 
     def flipped(self, training: bool) -> list[str]:
         """The cloud half's modules whose mode is not ``training`` (a layer put in ``eval()`` by name)."""
@@ -394,8 +403,8 @@ class _FixedTable(dict):
     __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = __ior__ = _refuse
 
 
-_GHOST_ATTRIBUTES = ("forward", "_apply", "extra_repr", "_splitft_standin", "_splitft_where", *HOOKS,
-                     *STATE_HOOKS)
+_GHOST_ATTRIBUTES = ("forward", "_apply", "extra_repr", "_splitft_standin", "_splitft_where", "_splitft_state",
+                     *HOOKS, *STATE_HOOKS)
 
 
 def _refused_call(where: str, whole: str) -> Callable[..., Any]:

@@ -92,6 +92,7 @@ class SplitModel(UnsplitTree):
         chain = install(model, spec, remote=self._trunk if spec.ushape else None, check=check_cut,
                         placeholder=lambda tensor, name: CloudTensor(tensor, name, cloud_half))
         self.ghosts = Ghosts(model, chain)
+        self.ghosts.serve_state(self._with_cloud_values)
         self.mirror.before_step = self.ghosts.refuse_swapped
         self._flags = ModuleFlags([(name, model.get_submodule(name)) for name in chain.names])
         entry = standin_of(model.get_submodule(chain.names[0])) if spec.ushape else None
@@ -383,12 +384,15 @@ class SplitModel(UnsplitTree):
         if args:
             raise ConfigError("state_dict() of a split model takes keyword arguments only")
         out = self.wrapped.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-        if keep_vars:
-            return out
+        return out if keep_vars else self._with_cloud_values(out, prefix)
+
+    def _with_cloud_values(self, out: Any, prefix: str, under: str = "") -> Any:
+        """``out`` with the cloud half's entries (of module ``under``) fetched, in place of the placeholders."""
         moment = self._state_moment()
-        for key, value in self.cloud_state_dict().items():  # in place of the placeholders
-            out[prefix + key] = entry = FetchedCloudState(value, key, self._state_moment, moment)
-            self._fetched.add(entry)
+        for key, value in self.cloud_state_dict().items():
+            if key.startswith(under):
+                out[prefix + key[len(under):]] = entry = FetchedCloudState(value, key, self._state_moment, moment)
+                self._fetched.add(entry)
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
