@@ -269,6 +269,30 @@ def test_an_in_place_call_is_only_a_compute_operations_own(cloud):
         assert_bitwise(model.cloud_state_dict(), before)
 
 
+@pytest.mark.parametrize("target, fn, refusal", [
+    ({"grad": "2.bias", "new": True, "more": 1}, "copy_", r"no in-place call on a cloud gradient"),
+    ({"value": "2.bias", "new": True}, "copy_", r"no in-place call on a cloud gradient"),
+    ({"grad": "2.bias", "new": True}, "add_", r"no in-place call on a cloud gradient"),
+    ({"grad": ["2.bias"], "new": True}, "copy_", r"named by a string"),
+    ({"grad": "nothing", "new": True}, "copy_", r"no parameter of this half"),
+])
+def test_a_gradient_set_by_an_edge_is_checked_before_it_is_made(cloud, target, fn, refusal):
+    """``p.grad = g`` travels as a compute that makes the gradient first: only ``copy_`` of a
+    gradient, of a parameter of the half, of its shape; anything else is refused with nothing made."""
+    model, net = _wide_split(cloud)
+    with model:
+        operand = {"array": np.ones(16, np.float32), "dtype": "float32"}
+        model.cloud_half.compute(Compute(target=target, fn=fn, args=[operand], kwargs={}))
+        with pytest.raises(ProtocolError, match=refusal):
+            model.sync()
+        model.cloud_half.compute(Compute(target={"grad": "2.bias", "new": True}, fn="copy_",
+                                         args=[{"array": np.ones(3, np.float32), "dtype": "float32"}], kwargs={}))
+        with pytest.raises(ProtocolError, match=r"cannot be computed"):
+            model.sync()
+        with pytest.raises(ProtocolError, match=r"has none here"):  # nothing was made
+            model.session.sync_reply(evaluate=[{"fn": "abs", "args": [{"grad": "2.bias"}], "kwargs": {}}])
+
+
 def _changed_in_place(model, net, crit, when: str) -> None:
     """Two steps; the third changes a cloud weight in place at ``when``, as a buggy script might."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -820,7 +820,29 @@ def keeps_the_best_state_of_a_cloud_layer_and_restores_it(model, net, crit, data
     return [v.clone() for v in torch.load(saved).values()] + [v.clone() for v in best.values()]
 
 
+def assigns_gradients_and_fills_in_missing_ones(model, net, crit, data):
+    """``p.grad = ...`` by hand: a projection computed from the gradient (PCGrad's ``p.grad =
+    projected``), an edge tensor, and once a layer is frozen the unused-parameter fill
+    ``if p.grad is None: p.grad = torch.zeros_like(p)``, which Adam then steps with."""
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for i, (x, y) in enumerate(data):
+        if i == 3:
+            net[2].requires_grad_(False)
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                elif i % 2:
+                    p.grad = p.grad - 0.5 * p.grad.clamp(min=0)
+                else:
+                    p.grad = torch.full(p.shape, 1e-3)
+        opt.step()
+
+
 COMPUTED = [resets_a_layer_with_tensors_made_like_its_weights, prunes_small_weights_by_hand,
+            assigns_gradients_and_fills_in_missing_ones,
             keeps_the_best_state_of_a_cloud_layer_and_restores_it,
             writes_slices_and_indices_of_weights_and_gradients, logs_weight_and_gradient_statistics_moved_to_the_cpu,
             skips_a_step_whose_gradients_are_not_finite, sign_sgd_with_weight_decay_added_to_the_gradient,

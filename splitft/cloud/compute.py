@@ -101,16 +101,31 @@ def compute(session: Target, op: o.Compute) -> None:
     if session.half.shared is not None:
         raise PolicyError("the tensors of a shared cloud half are every edge's; one edge may not change them by "
                           "its own computation")
-    if op.fn not in ex.IN_PLACE or not isinstance(op.target, dict) or set(op.target) not in ({"grad"}, {"value"}):
+    new = isinstance(op.target, dict) and op.target.get("new") is True  # p.grad = g: made where there is none
+    leaf = {k: v for k, v in op.target.items() if k != "new"} if new else op.target
+    if op.fn not in ex.IN_PLACE or not isinstance(leaf, dict) or set(leaf) not in ({"grad"}, {"value"}) or \
+            (new and (set(leaf) != {"grad"} or op.fn != "copy_")):
         raise ProtocolError(f"compute: {str(op.fn)[:40]!r} on {str(op.target)[:80]} is no in-place call on a cloud "
                             "gradient or weight")
-    call = {"fn": op.fn, "args": [op.target, *op.args], "kwargs": op.kwargs}
+    call = {"fn": op.fn, "args": [leaf, *op.args], "kwargs": op.kwargs}
     ex.check(call, "compute", in_place=True)
     with torch.no_grad(), session.half.own_grads():
-        target = _Leaves(session).tensor(op.target, meta=False)
-        _checked(session, call, "compute", target)
+        param = _new_grad_of(session, leaf["grad"]) if new else None
+        shaped = {"value": leaf["grad"]} if new else leaf  # a gradient to be made: checked as its parameter
+        target = _Leaves(session).tensor(shaped, meta=False)
+        _checked(session, {"fn": op.fn, "args": [shaped, *op.args], "kwargs": op.kwargs}, "compute", target)
+        if param is not None and param.grad is None:
+            param.grad = torch.zeros_like(param)
         with blame(ModelError, f"compute {op.fn} on the cloud half failed"):
             _run(call, _Leaves(session), False, [])
+
+
+def _new_grad_of(session: Target, name: Any) -> torch.nn.Parameter:
+    """The parameter whose gradient ``p.grad = g`` sets (checked against its shape as its values are)."""
+    param = session.half.named_params.get(name) if isinstance(name, str) else None
+    if param is None:
+        raise ProtocolError(f"compute sets the gradient of {str(name)[:80]!r}, no parameter of this half")
+    return param
 
 
 def evaluate(session: Target, expressions: list) -> list[Any]:

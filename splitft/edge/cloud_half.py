@@ -98,10 +98,25 @@ class CloudHalf:
             self._changed()
             self._queue(ZeroGrad(set_to_none=True, names=[name]))
 
-    def refuse_grad(self, name: str, value: Any) -> None:
-        raise PlaceholderError(f"assigning a tensor to p.grad of cloud parameter {name!r}: its gradient lives in the "
-                               "cloud, which computes it from the backward. Set p.grad = None to clear it, or write "
-                               "new values in place: p.grad.copy_(g) (a projection of it, as PCGrad's), p.grad.mul_(s)")
+    def assign_grad(self, name: str, value: Any) -> None:
+        """``p.grad = g``: the cloud's gradient of ``name`` takes ``g``'s values (an edge tensor, or
+        one computed from the cloud half's: PCGrad's projection, a zero gradient filled in for a
+        parameter the backward did not reach), checked first as torch checks the assignment."""
+        param = self.params[name]
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"assigned grad expected to be a Tensor or None but got grad of {type(value).__name__}")
+        if value.shape != param.shape:
+            raise RuntimeError(f"attempting to assign a gradient of size '{list(value.shape)}' to a tensor of size "
+                               f"'{list(param.shape)}' (cloud parameter {name!r}). Please ensure that the gradient and "
+                               "the tensor are the same size")
+        if value.dtype != param.dtype:
+            raise RuntimeError(f"attempting to assign a gradient with dtype '{value.dtype}' to a tensor with dtype "
+                               f"'{param.dtype}' (cloud parameter {name!r}). Please ensure that the gradient and the "
+                               "tensor have the same dtype")
+        op = cloud_values.grad_assignment(name, value, self)
+        self.has_grad.add(name)
+        self._changed()
+        self._queue(op)
 
     def backward_reached(self, trainable: Iterable[str], unreached: Iterable[str] | None) -> None:
         """A backward reached the cut: the cloud's parameters that required a gradient at the

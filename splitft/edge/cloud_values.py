@@ -200,6 +200,19 @@ def _indexed_write(func: Any, args: tuple, kwargs: dict, remote: Any) -> Any:
     return _in_place("copy_", Tensor.copy_, (target, chosen), {}, remote)
 
 
+def grad_assignment(name: str, value: Tensor, remote: Any) -> Compute:
+    """``p.grad = value`` for the cloud parameter ``name``: its gradient (made, where it has none)
+    takes ``value``'s values, an edge tensor or an expression over the cloud half's."""
+    try:
+        with torch.no_grad():
+            operand = _operand(value, remote)
+    except _NotExpressible:
+        raise PlaceholderError(f"p.grad = ... of cloud parameter {name!r} with a tensor the cloud cannot take the "
+                               "values of (one that requires a gradient, or an optimizer's state): assign "
+                               "value.detach()") from None
+    return Compute(target={"grad": name, "new": True}, fn="copy_", args=[operand], kwargs={})
+
+
 def _computed(name: str, func: Any, args: tuple, kwargs: dict, remote: Any) -> Tensor:
     node = _call(name, args, kwargs, remote)
     meta, aliased = _on_meta(func, args, kwargs)

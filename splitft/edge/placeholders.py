@@ -72,7 +72,7 @@ class Remote(Protocol):
     def evaluate(self, nodes: list[dict]) -> list[Tensor]: ...  # expressions' values, computed in the cloud
     def version(self) -> int: ...  # moves whenever the cloud half's tensors may have changed
     def push_values(self, name: str, value: Tensor) -> None: ...
-    def refuse_grad(self, name: str, value: Any) -> None: ...
+    def assign_grad(self, name: str, value: Any) -> None: ...  # p.grad = value, in the cloud
     @property
     def device(self) -> torch.device: ...  # the edge half's: where the unsplit model's values would be drawn
     params: dict[str, Any]  # the cloud half's parameters by name (the rest of its tensors are buffers)
@@ -199,7 +199,7 @@ class CloudTensor(RemoteTensor):
         if value is None:
             self._splitft_remote.clear_grad(self._splitft_name)
         elif value is not self.grad:  # the same handle back: an in-place operator (p.grad /= n), mirrored
-            self._splitft_remote.refuse_grad(self._splitft_name, value)
+            self._splitft_remote.assign_grad(self._splitft_name, value)
 
     @grad.deleter
     def grad(self) -> None:  # ``del p.grad``: torch's own spelling of ``p.grad = None``
