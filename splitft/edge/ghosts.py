@@ -398,7 +398,10 @@ class _FixedTable(dict):
         kind = {"_modules": "submodules", "_parameters": "parameters", "_buffers": "buffers"}[self.table]
         raise CutError(f"changing the {kind} of {self.where!r}: that module runs in the cloud, built by the factory, "
                        "and would not change with it (split training would silently differ). Change the model "
-                       "before split(), and the cloud's factory the same way")
+                       "before split(), and the cloud's factory the same way; mid-training, change the values "
+                       "instead (pruning as torch.nn.utils.prune would: w[w.abs() <= threshold] = 0 under "
+                       "torch.no_grad(), and p.grad[mask] = 0 after each backward), or take the model whole with "
+                       "model.unsplit()")
 
     __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = __ior__ = _refuse
 

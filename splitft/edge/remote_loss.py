@@ -216,8 +216,8 @@ def _returning_self(remote: RemoteLoss, method: Any) -> Callable[..., Any]:
 def _refuse_learned_settings(criterion: torch.nn.Module) -> None:
     """A loss's tensor setting that requires a gradient (a learned ``pos_weight``): torch's losses
     are not differentiable in them, and unsplit the call raises; the cloud's copy takes its values."""
-    for name, value in criterion.named_buffers():
-        if value.requires_grad:
+    for name, value in criterion._buffers.items():  # a torch.nn loss's tensor settings (weight, pos_weight)
+        if value is not None and value.requires_grad:
             raise ConfigError(f"{type(criterion).__name__}'s {name} requires a gradient, in which torch's loss is not "
                               "differentiable (unsplit, this call raises); the cloud's loss would take its values "
                               "and no gradient would reach it. Pass it detached, or compute the loss on the edge "
