@@ -406,11 +406,10 @@ def join_outputs(call: Call, outputs: list[list[torch.Tensor]], loss_reduction: 
             weights = [1.0 if join == "sum" else n / call.batch for n in sizes]
             if join == "mean" and denominators is not None and sum(denominators) > 0:
                 weights = [d / sum(denominators) for d in denominators]
-                pieces = tuple(t for t, w in zip(pieces, weights) if w) or pieces  # 0/0: what unsplit gives
-                weights = [w for w in weights if w] or weights
             for part, w in zip(call.parts, weights if join == "mean" else ()):
                 part.share = w
-            joined.append(sum(w * t for w, t in zip(weights, pieces)))
+            counted = [(w, t) for w, t in zip(weights, pieces) if w] or list(zip(weights, pieces))  # 0/0 as unsplit
+            joined.append(sum(w * t for w, t in counted))
         else:
             raise ConfigError(
                 f"output {i} of the cloud part has no batch dimension, so micro-batches cannot be "
