@@ -179,10 +179,11 @@ class CloudStage:
         """A forward that failed in the cloud (out of memory, an error the script catches) after its
         half drew: unsplit, those draws moved the generator, and it goes on from where they left it.
         Where the script's generator is not the stream's to follow (it drew or set it since the
-        call's ``model(x)``, or a stream ran on), those draws are lost: the next forward that draws
-        is refused until the script sets the generator."""
+        call's ``model(x)``, or a stream ran on, or other micro-batches of the call ran after this
+        one), those draws are lost: the next forward that draws is refused until the script sets
+        the generator."""
         state = checked_host_state(rng, "error.rng")
-        if call.again is not None or call.drawn_since is not None or call.streamed:
+        if call.again is not None or call.drawn_since is not None or call.streamed or len(call.parts) > 1:
             self._draws_lost = generator_sets.count()
             return
         if call.generator_kept is None:
@@ -310,10 +311,11 @@ DRAWN_BETWEEN = (
     "(rejoin=), whose model(x) runs the whole model")
 
 DRAWS_LOST = (
-    "the cloud half draws random numbers (dropout), and failed in a forward before this one that the script drew "
-    "or set the generator around: unsplit, the draws the half made before failing moved the generator in between, "
-    "where the edge's cannot follow them, so this forward's masks would differ from the unsplit model's. Set the "
-    "generator before the retry (torch.manual_seed(...)), as the same script then draws the same unsplit")
+    "the cloud half draws random numbers (dropout), and failed in a forward before this one whose draws the edge's "
+    "generator cannot follow (the script drew or set the generator between its model(x) and the loss, or the call "
+    "ran in micro-batches): unsplit, the draws the half made before failing moved the generator, so this forward's "
+    "masks would differ from the unsplit model's. Set the generator before it (torch.manual_seed(...)), as the "
+    "same script then draws the same unsplit")
 
 
 __all__ = ["CloudStage", "DRAWN_BETWEEN", "DRAWS_LOST"]
