@@ -293,6 +293,27 @@ def test_a_gradient_set_by_an_edge_is_checked_before_it_is_made(cloud, target, f
             model.session.sync_reply(evaluate=[{"fn": "abs", "args": [{"grad": "2.bias"}], "kwargs": {}}])
 
 
+def test_an_edge_tensor_shaped_like_a_cloud_weight_reads_only_its_shape(cloud):
+    """``vec.view_as(p)`` (torch's ``vector_to_parameters``), ``reshape_as``, ``expand_as`` and
+    ``type_as`` of a cloud weight read its shape, dtype and device, which the placeholder has: they
+    compute on the edge, with gradients on too, as unsplit; ``vector_to_parameters`` then meets
+    the refusal of ``p.data = ...``, naming it."""
+    model, net = _wide_split(cloud)
+    weight = net[2].weight
+    with model:
+        sent = model.metrics.bytes[("up", "control")].messages
+        vec = torch.arange(float(weight.numel()), requires_grad=True)
+        shaped = [vec.view_as(weight), vec.reshape_as(weight), vec[:WIDE].expand_as(weight),
+                  vec.double().type_as(weight)]
+        assert model.metrics.bytes[("up", "control")].messages == sent  # nothing asked of the cloud
+        for got in shaped:
+            assert not isinstance(got, RemoteTensor) and got.grad_fn is not None and got.dtype == weight.dtype
+            assert got.shape == weight.shape or got.shape == vec.shape
+        assert torch.equal(shaped[0], vec.detach().view(weight.shape))
+        with pytest.raises(PlaceholderError, match=r"setting \.data on cloud parameter '2\.weight'"):
+            torch.nn.utils.vector_to_parameters(torch.zeros(weight.numel()), [weight])
+
+
 def _changed_in_place(model, net, crit, when: str) -> None:
     """Two steps; the third changes a cloud weight in place at ``when``, as a buggy script might."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -78,6 +78,12 @@ _CLONES = {Tensor.clone, torch.clone}
 _DETACHES = {Tensor.detach, cast(Any, Tensor.data).__get__}
 
 #: Gradients asked of tensors (``inputs=``): a cloud parameter's are the cloud's backward's.
+#: A tensor of the edge's shaped like a cloud one (``vec.view_as(p)`` in ``vector_to_parameters``): only
+#: its shape, dtype and device are read, which a placeholder has.
+_SHAPED_LIKE: dict[Any, Any] = {
+    Tensor.view_as: lambda t, like: t.view(like.shape), Tensor.reshape_as: lambda t, like: t.reshape(like.shape),
+    Tensor.expand_as: lambda t, like: t.expand(like.shape),
+    Tensor.type_as: lambda t, like: t.to(device=like.device, dtype=like.dtype)}
 _GRADIENT_CALLS = {torch.autograd.grad: "torch.autograd.grad(...)", torch.autograd.backward: "backward(inputs=...)"}
 
 
@@ -93,6 +99,9 @@ def handle(func: Any, args: tuple, kwargs: dict) -> Any:
                                "computed in the cloud by loss.backward(), into p.grad, and no graph here reaches its "
                                "parameters. Call loss.backward() and read (or apply by hand, under torch.no_grad()) "
                                "p.grad; inputs= and torch.autograd.grad of edge tensors only are mirrored")
+    if func in _SHAPED_LIKE and len(args) == 2 and not kwargs and not isinstance(args[0], RemoteTensor) \
+            and isinstance(args[1], RemoteTensor):
+        return _SHAPED_LIKE[func](*args)
     if not remotes or any(isinstance(t, CloudState) for t in remotes) or \
             len({id(t._splitft_remote) for t in remotes}) > 1:
         return NotImplemented
