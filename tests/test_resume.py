@@ -185,28 +185,49 @@ def _train(model, opt, crit, part):
         opt.step()
 
 
-def _resumed_run(tmp_path, data, after_three=lambda opt: None, on_resume=lambda model: None) -> dict:
-    """Three steps of ``data``, ``after_three(opt)``, an edge checkpoint, then a new split model
-    resumed from it (``on_resume(model)``) trains on the rest: its weights."""
+def _warmup(epoch: int) -> float:
+    return min(1.0, (epoch + 1) / 4)
+
+
+def _checkpointed_then(tmp_path, data, resumed, scheduled: bool = False, after_three=lambda opt: None):
+    """Three steps of ``data`` (a warm-up scheduler stepping after each when ``scheduled``),
+    ``after_three(opt)``, an edge checkpoint, then ``resumed(model, scheduler_state)`` on a split
+    model resumed from it: what that returns."""
     listener = InprocListener()
     server = CloudServer(listener, [MLP], checkpoint_dir=str(tmp_path / "ck"), fsync=False)
     thread = serve_in_thread(server)
     try:
         first = splitft.split(mlp(), 2, factory=MLP, connect=listener.connect)
         opt = torch.optim.Adam(first.parameters(), lr=0.01)
-        _train(first, opt, first.remote_loss(nn.CrossEntropyLoss()), data[:3])
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup) if scheduled else None
+        crit = first.remote_loss(nn.CrossEntropyLoss())
+        for x, y in data[:3]:
+            opt.zero_grad()
+            crit(first(x), y).backward()
+            opt.step()
+            if sched is not None:
+                sched.step()
         after_three(opt)
         first.save_checkpoint(tmp_path / "edge")
         first.session.drop()
         second = splitft.split(mlp(seed=5), 2, factory=MLP, connect=listener.connect, resume_from=tmp_path / "edge")
         with second:
-            on_resume(second)
-            _train(second, torch.optim.Adam(second.parameters(), lr=0.01), second.remote_loss(nn.CrossEntropyLoss()),
-                   data[3:])
-            return second.state_dict()
+            return resumed(second, sched.state_dict() if sched is not None else None)
     finally:
         server.stop()
         thread.join(timeout=10)
+
+
+def _resumed_run(tmp_path, data, after_three=lambda opt: None, on_resume=lambda model: None) -> dict:
+    """Three steps of ``data``, ``after_three(opt)``, an edge checkpoint, then a new split model
+    resumed from it (``on_resume(model)``) trains on the rest: its weights."""
+    def resumed(model, _):
+        on_resume(model)
+        _train(model, torch.optim.Adam(model.parameters(), lr=0.01), model.remote_loss(nn.CrossEntropyLoss()),
+               data[3:])
+        return model.state_dict()
+
+    return _checkpointed_then(tmp_path, data, resumed, after_three=after_three)
 
 
 def test_an_edge_resumed_before_its_next_zero_grad_clears_the_gradients_the_cloud_kept(tmp_path):
@@ -236,37 +257,6 @@ def test_a_checkpoint_saved_right_after_a_reset_of_the_optimizer_resumes_reset(t
     _train(local, local_opt, nn.CrossEntropyLoss(), data[3:])
     weights = _resumed_run(tmp_path, data, after_three=lambda opt: opt.state.clear())
     assert all(torch.equal(weights[k], v) for k, v in local.state_dict().items())
-
-
-def _warmup(epoch: int) -> float:
-    return min(1.0, (epoch + 1) / 4)
-
-
-def _checkpointed_then(tmp_path, data, resumed, scheduled: bool = False):
-    """Three steps of ``data`` (a warm-up scheduler stepping after each when ``scheduled``), an
-    edge checkpoint, then ``resumed(model, scheduler_state)`` on a split model resumed from it."""
-    listener = InprocListener()
-    server = CloudServer(listener, [MLP], checkpoint_dir=str(tmp_path / "ck"), fsync=False)
-    thread = serve_in_thread(server)
-    try:
-        first = splitft.split(mlp(), 2, factory=MLP, connect=listener.connect)
-        opt = torch.optim.Adam(first.parameters(), lr=0.01)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup) if scheduled else None
-        crit = first.remote_loss(nn.CrossEntropyLoss())
-        for x, y in data[:3]:
-            opt.zero_grad()
-            crit(first(x), y).backward()
-            opt.step()
-            if sched is not None:
-                sched.step()
-        first.save_checkpoint(tmp_path / "edge")
-        first.session.drop()
-        second = splitft.split(mlp(seed=5), 2, factory=MLP, connect=listener.connect, resume_from=tmp_path / "edge")
-        with second:
-            return resumed(second, sched.state_dict() if sched is not None else None)
-    finally:
-        server.stop()
-        thread.join(timeout=10)
 
 
 def test_a_learning_rate_set_by_hand_on_a_resumed_models_new_optimizer_is_refused_not_replaced(tmp_path):
