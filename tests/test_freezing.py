@@ -101,3 +101,19 @@ def test_layers_and_settings():
     assert chain == ["embeddings", "layer0", "layer1"]
     with pytest.raises(ConfigError, match="window"):
         ProgressiveFreezing(None, None, window=0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("rejoin", [None, "head"], ids=["plain", "ushape"])
+def test_an_input_that_requires_a_gradient_is_refused_where_none_crosses_back(cloud, rejoin):
+    """With ``freeze_edge`` no gradient crosses back from the cloud, so a saliency map's or FGSM's
+    ``x.grad`` would stay None where the unsplit model computes it: refused at the forward; without
+    the gradient asked for, the same model trains."""
+    (x, y), = _batches()[:1]
+    model = split(digits_cnn(), "block3", rejoin, factory=DIGITS, connect=cloud, freeze_edge=True)
+    with model:
+        crit = nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss())
+        with pytest.raises(ConfigError, match=r"input of the model requires a gradient.*freeze_edge"):
+            model(x.clone().requires_grad_())
+        crit(model(x), y).backward()
+        with torch.no_grad():
+            model(x.clone().requires_grad_())  # no gradient asked for: nothing lost

@@ -55,7 +55,8 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
         schedule: micro-batches and eager backward, :class:`~splitft.options.Schedule`.
         faults: reply timeout, reconnection time and heartbeat, :class:`~splitft.options.Faults`.
         freeze_edge: SFT's eliminated link: the edge's modules before the cut get no gradient,
-            so no gradient crosses from the cloud at all (a U-shape head still trains).
+            so no gradient crosses from the cloud at all (a U-shape head still trains); a model
+            input that requires a gradient (``x.grad`` of a saliency map) is refused.
         metrics_path: append one JSON record of traffic and timings per optimizer step here.
         resume_from: an edge checkpoint written by :meth:`SplitModel.save_checkpoint`: load the
             edge's half from it and continue the session where both halves were saved.

@@ -214,6 +214,7 @@ class SplitModel(UnsplitTree):
         per-sample state, such as ``acsgd``.
         """
         self._before_forward(sample_ids)
+        self.caller.refuse_input_gradients(args, kwargs)
         if self.spec.ushape:
             try:
                 return self.wrapped(*args, **kwargs)

@@ -197,6 +197,17 @@ class RemoteCaller:
         self._sample_ids: np.ndarray | None = None
         self._stash: list | None = None  # delayed gradients: the weights this step's edge forward ran with
 
+    def refuse_input_gradients(self, args: tuple, kwargs: dict) -> None:
+        """With ``freeze_edge`` no gradient crosses back from the cloud: a model input that requires
+        one (a saliency map, FGSM's ``x.grad``) would silently get none. Refused at the forward."""
+        if self.freeze_edge and torch.is_grad_enabled() and any(
+                isinstance(t, torch.Tensor) and t.requires_grad for t in trees.leaves((args, kwargs))):
+            raise ConfigError("an input of the model requires a gradient, and this split model sends none back from "
+                              "the cloud (split(..., freeze_edge=True), or progressive freezing once every edge layer "
+                              "froze), so its .grad would stay None where the unsplit model computes it. Split "
+                              "without freeze_edge and freeze the edge's layers by hand (requires_grad_(False)): the "
+                              "input's gradient then crosses back")
+
     def forward_with(self, sample_ids: Any) -> None:
         """The forward under way passes ``sample_ids`` (None when it ends, or passes none)."""
         self._sample_ids = sample_ids_array(sample_ids)
