@@ -55,7 +55,7 @@ def _refuse_replaced_settings(optimizer: torch.optim.Optimizer, state: dict) -> 
     checkpoint's state, loading as the optimizer is attached, would replace unseen."""
     saved = state.get("param_groups", [])
     for i, key, value in optimizers.set_since_built(optimizer) or ():
-        if i < len(saved) and key in saved[i] and not optimizers.same_setting(value, saved[i][key]):
+        if i < len(saved) and key in saved[i] and value != plain_setting(saved[i][key]):
             raise ConfigError(f"{key}={value!r} was set on param group {i} of this {type(optimizer).__name__} after it "
                               f"was built, and split(..., resume_from=) would replace it with the checkpoint's "
                               f"{key}={saved[i][key]!r}: the checkpoint's optimizer state loads when the optimizer is "

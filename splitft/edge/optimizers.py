@@ -36,6 +36,7 @@ import torch
 
 from ..errors import ConfigError
 from ..optimizer_layout import STEP_GUARD
+from .optimizer_settings import plain_setting
 from .placeholders import remote_of
 
 
@@ -187,8 +188,9 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
 
 
 def _group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    return [{key: value.detach().clone() if isinstance(value, torch.Tensor) else value
-             for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    """Each param group's settings as plain values (a tuple as the list a checkpoint holds)."""
+    return [{key: plain_setting(value) for key, value in group.items() if key != "params"}
+            for group in optimizer.param_groups]
 
 
 def _recorded(init: Callable[..., None]) -> Callable[..., None]:
@@ -204,8 +206,9 @@ def _recorded(init: Callable[..., None]) -> Callable[..., None]:
 
 def set_since_built(optimizer: torch.optim.Optimizer) -> list[tuple[int, str, Any]] | None:
     """The param group settings the script changed after building ``optimizer``, as (group, key,
-    value); None where that cannot be told apart from a scheduler's work: one built over it adds
-    its keys (``initial_lr``) and sets the learning rate, and it is not known what it was built with."""
+    value) with the value as :func:`~splitft.edge.optimizer_settings.plain_setting` gives it; None
+    where that cannot be told apart from a scheduler's work: one built over it adds its keys
+    (``initial_lr``) and sets the learning rate, and it is not known what it was built with."""
     built = _BUILT.get(optimizer)
     if built is None:
         return None
@@ -214,17 +217,7 @@ def set_since_built(optimizer: torch.optim.Optimizer) -> list[tuple[int, str, An
         return None
     missing = object()
     return [(i, key, value) for i, group in enumerate(now) for key, value in group.items()
-            if not same_setting(value, built[i].get(key, missing) if i < len(built) else missing)]
-
-
-def same_setting(a: Any, b: Any) -> bool:
-    """Whether two param group settings are equal, a tensor to its number, a tuple to a list."""
-    def plain(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return value.tolist()
-        return [plain(v) for v in value] if isinstance(value, (tuple, list)) else value
-
-    return bool(plain(a) == plain(b))
+            if value != (built[i].get(key, missing) if i < len(built) else missing)]
 
 
 def _guarded(step: Callable[..., Any]) -> Callable[..., Any]:
@@ -270,4 +263,4 @@ def install() -> None:
 
 
 __all__ = ["Attaches", "cloud_owner", "forget", "install", "load_optimizer_state", "mirrored", "register",
-           "same_setting", "set_since_built"]
+           "set_since_built"]
