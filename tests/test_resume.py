@@ -319,6 +319,57 @@ def test_a_scheduler_built_over_a_resumed_models_new_optimizer_goes_on_with_the_
     assert all(torch.equal(weights[k], v) for k, v in local.state_dict().items())
 
 
+def _same_state(got: dict, want: dict) -> bool:
+    """Two optimizer state dicts hold equal entries and settings."""
+    return got["param_groups"] == want["param_groups"] and got["state"].keys() == want["state"].keys() and all(
+        torch.equal(torch.as_tensor(got["state"][i][k]), torch.as_tensor(v))
+        for i, entry in want["state"].items() for k, v in entry.items())
+
+
+def test_a_resumed_models_new_optimizer_holds_the_checkpoints_state_before_its_first_step(tmp_path):
+    """``opt.state_dict()`` right after resuming (a script that saves its optimizer at the top of
+    each epoch): the checkpoint's state loads then, as after the unsplit script's
+    ``opt.load_state_dict``, not at the first step; before, the state saved was empty."""
+    data = _data(6)
+    local = mlp()
+    local_opt = torch.optim.Adam(local.parameters(), lr=0.01)
+    _train(local, local_opt, nn.CrossEntropyLoss(), data[:3])
+
+    def resumed(model, _):
+        return torch.optim.Adam(model.parameters(), lr=0.01).state_dict()
+
+    assert _same_state(_checkpointed_then(tmp_path, data, resumed), local_opt.state_dict())
+
+
+def test_a_scheduler_resumed_with_last_epoch_over_a_resumed_models_new_optimizer_goes_on(tmp_path):
+    """A scheduler rebuilt with ``last_epoch=`` (torch's way to resume one) reads the
+    ``initial_lr`` of the loaded optimizer state: the checkpoint's loads as the scheduler is
+    built (torch raised KeyError before), and the run ends as one never stopped."""
+    data = _data(6)
+    local = mlp()
+    local_opt = torch.optim.Adam(local.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(local_opt, _warmup)
+    for x, y in data:
+        local_opt.zero_grad()
+        nn.CrossEntropyLoss()(local(x), y).backward()
+        local_opt.step()
+        sched.step()
+
+    def resumed(model, _):
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup, last_epoch=2)
+        crit = model.remote_loss(nn.CrossEntropyLoss())
+        for x, y in data[3:]:
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+            sched.step()
+        return model.state_dict()
+
+    weights = _checkpointed_then(tmp_path, data, resumed, scheduled=True)
+    assert all(torch.equal(weights[k], v) for k, v in local.state_dict().items())
+
+
 def test_resume_with_a_wrong_token_is_refused(tmp_path):
     listener = InprocListener()
     server = CloudServer(listener, [MLP], checkpoint_dir=str(tmp_path / "ck"), fsync=False)

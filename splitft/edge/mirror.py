@@ -88,6 +88,7 @@ class ModelMirror:
         self._criterion_sent: tuple = ()
         self.optimizer_id = 0  # optimizers attached so far: the cloud builds each id once
         self.resume_state: dict | None = None  # optimizer state from an edge checkpoint, for the next attach
+        self._attaching = False
         #: The cloud parameters that require a gradient, as last sent.
         self.trainable: frozenset[str] = frozenset()
         self._frozen_sent: frozenset[str] | None = None
@@ -99,10 +100,21 @@ class ModelMirror:
         having restored its own, skips."""
         self.resume_state, self.optimizer_id = optimizer_state, optimizer_id
 
+    def resuming(self) -> bool:
+        """An edge checkpoint's optimizer state waits for the next attach (not under way)."""
+        return self.resume_state is not None and not self._attaching
+
     def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Mirror ``optimizer`` in the cloud (see :meth:`SplitModel.attach`)."""
         if self.optimizer is optimizer:
             return optimizer
+        self._attaching = True  # what the attach reads of the optimizer (its state_dict) does not attach it again
+        try:
+            return self._attach(optimizer)
+        finally:
+            self._attaching = False
+
+    def _attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         optimizer_mirror = OptimizerMirror(self, optimizer)  # refuses what it cannot mirror, before any change
         carried = optimizer_mirror.check_initial_state()  # stepped before split(): goes on from there
         if carried is not None and self.resume_state is not None:

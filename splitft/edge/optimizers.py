@@ -4,7 +4,8 @@ A split model's ``parameters()`` include the cloud half's placeholders (:mod:`.p
 the objects a script held before :func:`splitft.split` *are* those placeholders now, so any
 optimizer that holds one is over the cloud half: built after the cut, before it, by
 ``transformers.Trainer`` or by Accelerate. The first time such an optimizer steps it is attached
-to its split model (``model.attach(opt)`` does the same, earlier), through a global optimizer
+to its split model (``model.attach(opt)`` does the same, earlier; so does reading the state of one
+over a model resumed from a checkpoint, whose state loads at attachment), through a global optimizer
 step hook; from then on each step is forwarded to the cloud, and while it runs the cloud's
 gradients are hidden from it, so the edge's step leaves the cloud's parameters to the cloud's.
 The hiding and the forwarding are step hooks of the optimizer's own, kept last among its
@@ -44,6 +45,8 @@ class Attaches(Protocol):
     """Who mirrors an optimizer over a cloud half (:class:`~splitft.edge.mirror.ModelMirror`)."""
 
     def attach(self, optimizer: torch.optim.Optimizer) -> Any: ...
+
+    def resuming(self) -> bool: ...
 
 
 _INSTALLED = False
@@ -113,6 +116,42 @@ def _mirror_of(optimizer: torch.optim.Optimizer) -> Any:
         return None
     owner.attach(optimizer)
     return _MIRRORS[optimizer]
+
+
+def _attach_if_resuming(optimizer: torch.optim.Optimizer) -> None:
+    """Attach ``optimizer`` now when it is over a model split with ``resume_from=`` whose
+    checkpoint's optimizer state has not loaded yet: what reads that state before the first step
+    (``opt.state_dict()``, a scheduler resuming from ``last_epoch=``) reads the checkpoint's, as
+    after the ``opt.load_state_dict`` the unsplit script made first."""
+    if not _HALVES or optimizer in _MIRRORS:
+        return
+    owner = cloud_owner(optimizer)
+    if owner is not None and owner.resuming():
+        owner.attach(optimizer)
+
+
+def _state_dict_resumed(original: Callable[..., dict]) -> Callable[..., dict]:
+    @functools.wraps(original)
+    def state_dict(self: torch.optim.Optimizer) -> dict:
+        _attach_if_resuming(self)
+        return original(self)
+
+    state_dict.__splitft_original__ = original  # type: ignore[attr-defined]
+    return state_dict
+
+
+def _scheduler_resumed(init: Callable[..., None]) -> Callable[..., None]:
+    """``LRScheduler.__init__``: one that resumes (``last_epoch`` not -1) reads the
+    ``initial_lr`` a loaded optimizer state holds."""
+    @functools.wraps(init)
+    def __init__(self: Any, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        last_epoch = kwargs.get("last_epoch", args[0] if args else -1)
+        if last_epoch != -1 and isinstance(optimizer, torch.optim.Optimizer):
+            _attach_if_resuming(optimizer)
+        init(self, optimizer, *args, **kwargs)
+
+    __init__.__splitft_original__ = init  # type: ignore[attr-defined]
+    return __init__
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -258,6 +297,9 @@ def install() -> None:
         optimizer = torch.optim.Optimizer
         optimizer.load_state_dict = _load_mirrored(optimizer.load_state_dict)  # type: ignore[method-assign]
         optimizer.__init__ = _recorded(optimizer.__init__)  # type: ignore[method-assign]
+        optimizer.state_dict = _state_dict_resumed(optimizer.state_dict)  # type: ignore[method-assign]
+        scheduler = torch.optim.lr_scheduler.LRScheduler
+        scheduler.__init__ = _scheduler_resumed(scheduler.__init__)  # type: ignore[method-assign]
         _guard_steps()
         _INSTALLED = True
 
