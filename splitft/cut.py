@@ -150,19 +150,25 @@ def stream(value: Any) -> Any:
 
 
 class Chain(nn.Module):
-    """Modules called one after another, keeping their dotted names from the original model."""
+    """Modules called one after another, keeping their dotted names from the original model.
 
-    def __init__(self, named: list[tuple[str, nn.Module]]) -> None:
+    ``whole``: each module takes the one before's output as it is, as ``nn.Sequential`` passes
+    it (a GRU's ``(output, state)`` to the layer after it); else the first element of a tuple, as
+    a model's loop over its decoder layers takes their hidden states.
+    """
+
+    def __init__(self, named: list[tuple[str, nn.Module]], *, whole: bool = False) -> None:
         super().__init__()
         self.names = [n for n, _ in named]
         self.stages = nn.ModuleList(m for _, m in named)
+        self.whole = whole
         #: (placeholder, twin holding the values) of each tensor :func:`install` turned into a placeholder.
         self.swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def forward(self, first: Any, *args: Any, **kwargs: Any) -> Any:
         out = first
         for i, stage in enumerate(self.stages):
-            out = stage(out if i == 0 else stream(out), *args, **kwargs)
+            out = stage(out if i == 0 or self.whole else stream(out), *args, **kwargs)
         return out
 
     def qualified_state_dict(self) -> dict[str, torch.Tensor]:
@@ -204,8 +210,12 @@ class Chain(nn.Module):
 
 
 def extract(model: nn.Module, spec: CutSpec) -> Chain:
-    """The cloud part of ``model`` as a :class:`Chain` (shares the modules, copies nothing)."""
-    return Chain([(name, _module(model, name)) for name in cloud_module_names(model, spec)])
+    """The cloud part of ``model`` as a :class:`Chain` (shares the modules, copies nothing): its
+    modules take what the one before returned whole where ``nn.Sequential``'s forward calls them
+    (every container above a plain cut is one)."""
+    parent = _module(model, spec.parent)
+    whole = not spec.ushape or (isinstance(parent, nn.Sequential) and type(parent).forward is nn.Sequential.forward)
+    return Chain([(name, _module(model, name)) for name in cloud_module_names(model, spec)], whole=whole)
 
 
 def fingerprint(chain: Chain) -> str:

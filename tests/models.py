@@ -138,10 +138,41 @@ def counting_mlp(seed: int = 0) -> nn.Sequential:
 
 def parametrized_mlp(seed: int = 0, how: str = "weight_norm") -> nn.Sequential:
     """The MLP with its middle layer (the first of the cloud half, cut at 2) parametrized by
-    ``torch.nn.utils.parametrizations.<how>``."""
+    ``torch.nn.utils.parametrizations.<how>`` (spectral_norm's starting vectors drawn from ``seed``)."""
     model = mlp(seed)
-    getattr(nn.utils.parametrizations, how)(model[2])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        getattr(nn.utils.parametrizations, how)(model[2])
     return model
+
+
+def old_norm_mlp(seed: int = 0, how: str = "weight_norm") -> nn.Sequential:
+    """The MLP with its middle layer under torch's old, hook-based ``torch.nn.utils.<how>``."""
+    model = mlp(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        getattr(nn.utils, how)(model[2])
+    return model
+
+
+class SequenceOf(nn.Module):
+    """What an RNN returns, reduced to its output sequence (``last``: the output at the last step)."""
+
+    def __init__(self, last: bool = False) -> None:
+        super().__init__()
+        self.last = last
+
+    def forward(self, out: tuple[torch.Tensor, Any]) -> torch.Tensor:
+        return out[0][:, -1] if self.last else out[0]
+
+
+def recurrent_net(seed: int = 0) -> nn.Sequential:
+    """Twelve features read as a sequence of four steps by a two-layer GRU and an LSTM (cut at 2:
+    both in the cloud half; rejoin at 6: the head on the edge)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(12, 16), nn.Unflatten(1, (4, 4)), nn.GRU(4, 8, num_layers=2, batch_first=True),
+                             SequenceOf(), nn.LSTM(8, 8, batch_first=True), SequenceOf(last=True), nn.Linear(8, 3))
 
 
 def mlp_dropout(seed: int = 0) -> nn.Sequential:

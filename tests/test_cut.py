@@ -8,7 +8,7 @@ from torch import nn
 
 from splitft.errors import CutError
 from splitft.app.models import digits_cnn
-from splitft.cut import cloud_module_names, cut_text, parse_cut
+from splitft.cut import cloud_module_names, cut_text, extract, parse_cut
 from splitft.edge.ghosts import install, standin_of
 from tests.models import mlp, residual_net
 
@@ -76,6 +76,44 @@ def test_a_trunk_whose_modules_are_not_chained_is_detected():
     install(model, parse_cut(model, "a", "c"), remote=lambda x: x * 2)
     with pytest.raises(CutError, match="does not feed"):
         model(torch.ones(2, 4))
+
+
+class Counted(nn.Module):
+    """A layer that counts the layers before it: takes ``h`` or ``(h, count)``, returns both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, inp):
+        h, count = inp if isinstance(inp, tuple) else (inp, 0)
+        return self.lin(h), count + 1
+
+
+def test_a_chain_under_sequential_hands_on_whole_tuples_and_one_under_a_loop_their_first_element():
+    """nn.Sequential passes a module's tuple on whole (a GRU's output and state); a model's loop
+    over its decoder layers takes their first element: the cloud's chain does as its parent does."""
+    seq = nn.Sequential(nn.Linear(4, 4), Counted(), Counted(), Counted())
+    x = torch.ones(2, 4)
+    assert extract(seq, parse_cut(seq, "1")).whole and extract(seq, parse_cut(seq, "1", "3")).whole
+    h, count = extract(seq, parse_cut(seq, "1"))(seq[0](x))
+    assert count == 3 and torch.equal(h, seq(x)[0])
+
+    class Loop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(Counted() for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)  # whole tuples, where the cloud's chain would hand on the first element
+            return x[1]
+
+    model = Loop()
+    assert not extract(model, parse_cut(model, "layers.0:2")).whole
+    install(model, parse_cut(model, "layers.0:2"), remote=lambda x: (x, 1))
+    with pytest.raises(CutError, match=r"feeds 'layers.1' the whole tuple .* hands on its first element"):
+        model(x)
 
 
 def test_edge_cannot_call_cloud_modules_after_a_plain_cut():

@@ -27,7 +27,8 @@ import splitft
 from splitft.errors import ConfigError, CutError, HandshakeError, ModelError, PlaceholderError
 from tests.conftest import ROOT, start_cloud, stop
 from tests.models import (checkpointed_mlp, counting_mlp, deep_supervised, layer_stack, lookup_mlp, mlp,
-                          mlp_batchnorm, mlp_dropout, noisy_mlp, parametrized_mlp, pruned_mlp)
+                          mlp_batchnorm, mlp_dropout, noisy_mlp, old_norm_mlp, parametrized_mlp, pruned_mlp,
+                          recurrent_net)
 from tests.test_faults import _data
 from tests.test_script_corpus import assert_bitwise
 
@@ -43,7 +44,8 @@ def cloud(tmp_path_factory):
                                      "--model", "tests.models:mlp_batchnorm", "--model", "tests.models:noisy_mlp",
                                      "--model", "tests.models:counting_mlp", "--model", "tests.models:parametrized_mlp",
                                      "--model", "tests.models:layer_stack", "--model", "tests.models:lookup_mlp",
-                                     "--model", "tests.models:pruned_mlp")
+                                     "--model", "tests.models:pruned_mlp", "--model", "tests.models:old_norm_mlp",
+                                     "--model", "tests.models:recurrent_net")
     yield address
     stop(proc)
 
@@ -381,19 +383,87 @@ def test_a_layer_referenced_before_split_is_the_ghost_and_its_parameters_the_pla
     assert torch.isfinite(layer(torch.ones(1, 16))).all()
 
 
-@pytest.mark.parametrize("how", ["weight_norm", "spectral_norm"])
-def test_a_parametrized_cloud_layer_is_refused_by_split_which_leaves_the_model_as_it_was(cloud, how):
-    net = parametrized_mlp(how=how).eval()  # spectral_norm's power iteration stays put
-    before = {n: t.clone() for n, t in net.state_dict().items()}
-    x = _data(1)[0][0]
-    with torch.no_grad():  # no graph holding the weights: split() gets as far as it can
-        expected = net(x)
-    with pytest.raises(CutError, match=r"parametrized layer .* cannot run in the cloud half; cut after it"):
-        splitft.split(net, 2, factory=splitft.Factory("tests.models:parametrized_mlp", {"how": how}), connect=cloud)
-    assert all(type(t) in (torch.Tensor, nn.Parameter) for t in (*net.parameters(), *net.buffers()))
-    assert_bitwise(net.state_dict(), before)
+@pytest.mark.parametrize("how", ["weight_norm", "spectral_norm", "orthogonal"])
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "U-shape"])
+def test_a_parametrized_cloud_layer_trains_as_unsplit(cloud, how, rejoin):
+    """torch.nn.utils.parametrizations on a cloud layer run in the cloud (spectral_norm's power
+    iteration updating its vectors there): training, evaluation and unsplit() give the unsplit
+    model's values bit for bit."""
+    data = _data(4)
+    x = data[3][0]
+    local = parametrized_mlp(how=how)
+    _steps(local, torch.optim.Adam(local.parameters(), lr=0.01), nn.CrossEntropyLoss(), data[:3])
     with torch.no_grad():
-        assert torch.equal(net(x), expected)
+        expected = local.eval()(x)
+    net = parametrized_mlp(how=how)
+    factory = splitft.Factory("tests.models:parametrized_mlp", {"how": how})
+    model = splitft.split(*((net, 2) if rejoin is None else (net, 2, rejoin)), factory=factory, connect=cloud)
+    crit = model.remote_loss(nn.CrossEntropyLoss()) if rejoin is None else nn.CrossEntropyLoss()
+    _steps(model, torch.optim.Adam(model.parameters(), lr=0.01), crit, data[:3])
+    model.eval()
+    with torch.no_grad():
+        got = model.predict(x) if rejoin is None else model(x)
+    trained = model.unsplit()
+    assert torch.equal(got, expected)
+    assert_bitwise(trained.state_dict(), local.state_dict())
+
+
+@pytest.mark.parametrize("rejoin", [None, 6], ids=["plain", "U-shape"])
+def test_recurrent_cloud_layers_train_as_unsplit(cloud, rejoin):
+    """A GRU and an LSTM in the cloud half: torch's RNNs keep weak references to their weights,
+    which the cut drops (they would keep the weights from becoming placeholders) and unsplit()
+    gives back, so a weight set anew afterwards is still noticed."""
+    data = _data(4)
+    x = data[3][0]
+    local = recurrent_net()
+    _steps(local, torch.optim.Adam(local.parameters(), lr=0.01), nn.CrossEntropyLoss(), data[:3])
+    net = recurrent_net()
+    model = splitft.split(*((net, 2) if rejoin is None else (net, 2, rejoin)), factory="tests.models:recurrent_net",
+                          connect=cloud)
+    crit = model.remote_loss(nn.CrossEntropyLoss()) if rejoin is None else nn.CrossEntropyLoss()
+    _steps(model, torch.optim.Adam(model.parameters(), lr=0.01), crit, data[:3])
+    with torch.no_grad():
+        got = model.predict(x) if rejoin is None else model(x)
+        expected = local(x)
+    trained = model.unsplit()
+    assert torch.equal(got, expected)
+    assert_bitwise(trained.state_dict(), local.state_dict())
+    for whole in (local, trained):
+        whole[2].weight_hh_l1 = nn.Parameter(torch.zeros_like(whole[2].weight_hh_l1))
+    with torch.no_grad():
+        assert torch.equal(trained(x), local(x))
+
+
+def test_a_parametrization_added_to_a_cloud_layer_after_split_is_refused(cloud):
+    net = mlp()
+    with splitft.split(net, 2, factory=MLP, connect=cloud):
+        with pytest.raises(CutError, match=r"'weight' of '2': that module runs in the cloud"):
+            nn.utils.parametrizations.weight_norm(net[2])
+        assert not nn.utils.parametrize.is_parametrized(net[2])
+
+
+def test_reading_a_parametrized_cloud_weight_on_the_edge_is_refused_naming_what_it_is_computed_from(cloud):
+    """``layer.weight`` of a parametrized layer runs its parametrization, which reads (and for
+    spectral_norm in training, updates) the cloud's tensors."""
+    net = parametrized_mlp(how="weight_norm")
+    with splitft.split(net, 2, factory=splitft.Factory("tests.models:parametrized_mlp", {"how": "weight_norm"}),
+                       connect=cloud):
+        with pytest.raises(CutError, match=r"reading 'weight' of '2' on the edge: .*\(2\.parametrizations\.weight"
+                                           r"\.original0, 2\.parametrizations\.weight\.original1, under"):
+            net[2].weight
+        with torch.no_grad():
+            assert net[2].parametrizations.weight.original0.shape == (16, 1)
+
+
+@pytest.mark.parametrize("how", ["weight_norm", "spectral_norm"])
+def test_torchs_old_hook_based_norm_on_a_cloud_layer_is_refused_by_split_naming_the_parametrization(cloud, how):
+    """``torch.nn.utils.weight_norm`` computes the weight in a forward pre-hook, outside the layer's
+    forward that the cloud runs; the parametrization of the same name runs in the cloud."""
+    net = old_norm_mlp(how=how)
+    with pytest.raises(CutError, match=rf"'2' has torch\.nn\.utils\.{how}, the old one .* "
+                                       rf"torch\.nn\.utils\.parametrizations\.{how}, which the cloud half runs"):
+        splitft.split(net, 2, factory=splitft.Factory("tests.models:old_norm_mlp", {"how": how}), connect=cloud)
+    assert all(type(t) in (torch.Tensor, nn.Parameter) for t in (*net.parameters(), *net.buffers()))
 
 
 def test_a_state_dict_hook_on_a_cloud_layer_from_before_split_is_refused_by_split(cloud):

@@ -18,13 +18,15 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize, prune
+from torch.nn.utils import parametrize
 
 from ..code_reads import CodeGuard
 from ..config_reads import ConfigGuard, own_attributes_kept_by_forward
 from ..numerics import NumericsGuard
 from ..cut import Chain, CutSpec, _module, extract
 from ..errors import ConfigError, CutError
+from . import weight_refs
+from .layer_refusals import refuse_unsupported_layers
 from .ghost_classes import TABLES, Ghost, ghost_class
 from .ghost_hooks import (GLOBAL_HOOKS, HOOKS, STATE_HOOKS, library_hook, never_run, refuse_hooks, refused_hook,
                           refused_state_hook)
@@ -51,7 +53,7 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
     :mod:`splitft.edge.audit`).
     """
     stages = extract(model, spec)
-    _refuse_unsupported_layers(stages)
+    refuse_unsupported_layers(stages)
     tensors = _cloud_tensors(stages)
     _refuse_ties(model, stages, tensors)
     refuse_hooks(stages, tensors, spec.ushape)
@@ -62,12 +64,15 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
         twin = make(tensor, name)
         swapped.append((tensor, twin))
         memo[id(tensor)] = twin
+    weight_refs.drop(stages.stages)
     failure = _swap_all(swapped)  # each object the model held is its placeholder now, its twin the values
     if failure is not None:
+        weight_refs.restore(stages.stages)
         raise CutError(f"cannot turn the cloud half's tensors into placeholders ({failure}): something else holds "
                        "one of its parameters, such as the graph of a forward whose output is still alive (run it "
                        "under torch.no_grad(), or drop the output), a weight computed from them (the old "
-                       "torch.nn.utils.weight_norm), or a weak reference; split the model before any of these")
+                       "torch.nn.utils.weight_norm: use torch.nn.utils.parametrizations.weight_norm), or a weak "
+                       "reference; split the model before any of these")
     modules = list(zip(stages.names, stages.stages))
     config, code, numerics = ConfigGuard(modules), CodeGuard(modules), NumericsGuard()
 
@@ -77,12 +82,12 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
         numerics.check()
 
     try:
-        chain = Chain([(name, _twin(module, memo)) for name, module in zip(stages.names, stages.stages)])
+        chain = Chain([(name, _twin(module, memo)) for name, module in zip(stages.names, stages.stages)],
+                      whole=stages.whole)
     except Exception as exc:
         _swap_all(swapped)  # the model's own tensors back where they were: a failed split leaves it as it was
-        raise CutError(f"cannot make the edge's stand-ins of the cloud half's modules ({type(exc).__name__}: {exc})"
-                       + _PARAMETRIZED_HINT * any(parametrize.is_parametrized(m) for s in stages.stages
-                                                  for m in s.modules())) from exc
+        weight_refs.restore(stages.stages)
+        raise CutError(f"cannot make the edge's stand-ins of the cloud half's modules ({type(exc).__name__}: {exc})") from exc
     chain.swapped = swapped
     entry: TrunkEntry | None = None
     for i, (name, module) in enumerate(zip(stages.names, stages.stages)):
@@ -90,7 +95,7 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
             if i == 0:
                 if remote is None:
                     raise CutError("a U-shape cut needs a remote callable for its trunk")
-                entry = TrunkEntry(chain.names, remote, _signature(module), chain if check else None)
+                entry = TrunkEntry(chain.names, remote, _signature(module), chain if check else None, whole=chain.whole)
                 standin: nn.Module = entry
             else:
                 assert entry is not None
@@ -99,31 +104,6 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
             standin = CutPoint(name) if i == 0 else Unreachable(name)
         ghost(module, standin, never_run=never_run(spec.ushape, i), before=unchanged if i == 0 else None)
     return chain
-
-
-_PARAMETRIZED_HINT = (": a parametrized layer (torch.nn.utils.parametrizations.weight_norm, spectral_norm, "
-                      "register_parametrization) cannot run in the cloud half; cut after it, so it stays on the edge, "
-                      "or parametrize it nowhere")
-
-
-def _refuse_unsupported_layers(stages: Chain) -> None:
-    """Layers the cloud half cannot hold, refused before the model is touched: an embedding with
-    ``sparse=True`` (its gradient would be a sparse tensor, which neither crosses the cut nor reads
-    as one on the edge), a layer pruned by ``torch.nn.utils.prune`` (its ``weight`` is computed
-    from ``weight_orig`` by a hook, a graph that holds the parameter)."""
-    for name, stage in zip(stages.names, stages.stages):
-        for key, module in stage.named_modules():
-            where = f"{name}.{key}" if key else name
-            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
-                raise CutError(f"{where!r} ({type(module).__name__}(sparse=True)) would run in the cloud, whose "
-                               "gradients are dense tensors: build it with sparse=False (and a dense optimizer in "
-                               "place of SparseAdam), or cut so that it stays on the edge")
-            pruned = [hook for hook in module._forward_pre_hooks.values() if isinstance(hook, prune.BasePruningMethod)]
-            if pruned:
-                raise CutError(f"{where!r} is pruned with torch.nn.utils.prune ({pruned[0]._tensor_name} is computed "
-                               f"from {pruned[0]._tensor_name}_orig by a hook), which the cloud half cannot hold: make "
-                               f"the pruning permanent with prune.remove(module, {pruned[0]._tensor_name!r}) before "
-                               "split() and in the factory, or cut so that the layer stays on the edge")
 
 
 def _ancestors(name: str) -> list[str]:
@@ -271,14 +251,16 @@ def _twin(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
     """
     if id(module) in memo:
         return memo[id(module)]
-    twin = memo[id(module)] = copy.copy(module)
+    twin = memo[id(module)] = object.__new__(type(module))  # not copy.copy: a parametrized layer refuses it
     state = twin.__dict__
+    state.update(module.__dict__)
     state["_parameters"] = {k: memo.get(id(v), v) for k, v in module._parameters.items()}
     state["_buffers"] = {k: memo.get(id(v), v) for k, v in module._buffers.items()}
     state["_modules"] = {k: None if v is None else _twin(v, memo) for k, v in module._modules.items()}
     for key, value in module.__dict__.items():
         if key.endswith(("hooks", "hooks_with_kwargs", "hooks_always_called")) and isinstance(value, dict):
             state[key] = copy.copy(value)  # hooks registered on one of the two later are not on both
+    weight_refs.point_twin(twin)
     return twin
 
 
@@ -348,7 +330,9 @@ def ghost(module: nn.Module, standin: nn.Module, *, never_run: tuple[str, ...] =
     for key, sub in module.named_modules():
         where = f"{standin_name(module)}.{key}" if key else standin_name(module)
         sub.__dict__.update({hook: refused_hook(where, hook) for hook in (HOOKS if key else never_run)})
-        if key:  # the cloud runs the ghost's module whole: one of its layers called alone would run here, on nothing
+        if isinstance(sub, parametrize.ParametrizationList):  # reading a parametrized weight computes it
+            sub.__dict__["forward"] = _refused_parametrized(where, [f"{where}.{n}" for n in sub._parameters])
+        elif key:  # the cloud runs the ghost's module whole: one of its layers called alone would run here, on nothing
             sub.__dict__["forward"] = _refused_call(where, standin_name(module))
         sub.__dict__.update({hook: refused_state_hook(where, hook) for hook in STATE_HOOKS})
         sub.__dict__["_splitft_where"] = where
@@ -410,6 +394,16 @@ _GHOST_ATTRIBUTES = ("forward", "_apply", "extra_repr", "_splitft_standin", "_sp
                      *HOOKS, *STATE_HOOKS)
 
 
+def _refused_parametrized(where: str, originals: list[str]) -> Callable[..., Any]:
+    layer, _, name = where.rpartition(".parametrizations.")
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise CutError(f"reading {name!r} of {layer!r} on the edge: its parametrization computes it from the cloud "
+                       "half's tensors as the layer runs, in the cloud (spectral_norm's power iteration updating "
+                       f"its vectors). Read what it is computed from ({', '.join(originals)}, under torch.no_grad()), "
+                       "or take the model whole with model.unsplit()")
+    return refuse
+
+
 def _refused_call(where: str, whole: str) -> Callable[..., Any]:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise CutError(f"the model's forward called {where!r} on its own, a part of {whole!r}, which runs in the cloud "
@@ -451,6 +445,7 @@ def uninstall(model: nn.Module, chain: Chain) -> nn.Module:
                 sub.__dict__[table] = dict(sub.__dict__[table])
             if isinstance(sub, Ghost):
                 object.__setattr__(sub, "__class__", type(sub).__mro__[2])  # the model's own class, behind Ghost
+    weight_refs.restore(_module(model, name) for name in chain.names)
     return model
 
 

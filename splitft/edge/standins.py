@@ -84,9 +84,10 @@ class TrunkEntry(nn.Module):
     """
 
     def __init__(self, names: list[str], remote: Callable[..., Any], signature: inspect.Signature | None = None,
-                 probe: Chain | None = None) -> None:
+                 probe: Chain | None = None, *, whole: bool = False) -> None:
         super().__init__()
         self.cloud_names = names
+        self.whole = whole  # the cloud's chain hands each module the one before's output whole (see Chain)
         self._remote = remote
         self._signature = signature
         self._probe = [probe] if probe is not None else []  # a list: not a submodule, not a parameter
@@ -204,6 +205,12 @@ class TrunkFollower(nn.Module):
                 "switched per layer): the cloud runs the whole trunk at the first module's call, under what that "
                 "call ran under. Switch them around the whole trunk, or cut where they switch")
         handed = entry.handed
+        if handed is not None and first is handed and not entry.whole and stream(handed) is not handed:
+            raise CutError(
+                f"the model's forward feeds {self.cloud_name!r} the whole tuple the previous trunk module returned, "
+                "where the cloud's chain hands on its first element (as a loop over decoder layers takes their "
+                "hidden states): the trunk would compute something else. Pass the first element on, or cut a "
+                "trunk of one module")
         if handed is None or (first is not handed and first is not stream(handed)):
             raise CutError(
                 f"the model's forward does not feed {self.cloud_name!r} with the previous trunk "

@@ -1,0 +1,44 @@
+"""Layers the cloud half cannot hold, refused by ``split()`` before the model is touched."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.utils import prune
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
+
+from ..cut import Chain
+from ..errors import CutError
+
+#: torch's old weight reparametrizations: a forward pre-hook computes the weight from its parts.
+_HOOKED_NORMS = (WeightNorm, SpectralNorm)
+
+
+def refuse_unsupported_layers(stages: Chain) -> None:
+    """Layers the cloud half cannot hold, refused before the model is touched: an embedding with
+    ``sparse=True`` (its gradient would be a sparse tensor, which neither crosses the cut nor reads
+    as one on the edge), a layer pruned by ``torch.nn.utils.prune`` (its ``weight`` is computed
+    from ``weight_orig`` by a hook, a graph that holds the parameter), and so one with torch's old
+    ``weight_norm`` or ``spectral_norm`` (the parametrizations of the same name run in the cloud)."""
+    for name, stage in zip(stages.names, stages.stages):
+        for key, module in stage.named_modules():
+            where = f"{name}.{key}" if key else name
+            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
+                raise CutError(f"{where!r} ({type(module).__name__}(sparse=True)) would run in the cloud, whose "
+                               "gradients are dense tensors: build it with sparse=False (and a dense optimizer in "
+                               "place of SparseAdam), or cut so that it stays on the edge")
+            pruned = [hook for hook in module._forward_pre_hooks.values() if isinstance(hook, prune.BasePruningMethod)]
+            if pruned:
+                raise CutError(f"{where!r} is pruned with torch.nn.utils.prune ({pruned[0]._tensor_name} is computed "
+                               f"from {pruned[0]._tensor_name}_orig by a hook), which the cloud half cannot hold: make "
+                               f"the pruning permanent with prune.remove(module, {pruned[0]._tensor_name!r}) before "
+                               "split() and in the factory, or cut so that the layer stays on the edge")
+            hooked = [type(h).__name__ for h in module._forward_pre_hooks.values() if isinstance(h, _HOOKED_NORMS)]
+            if hooked:
+                how = "weight_norm" if hooked[0] == "WeightNorm" else "spectral_norm"
+                raise CutError(f"{where!r} has torch.nn.utils.{how}, the old one that computes the weight in a "
+                               "forward pre-hook, which a cloud layer cannot run: build the model (and the cloud's "
+                               f"factory) with torch.nn.utils.parametrizations.{how}, which the cloud half runs")
+
+
+__all__ = ["refuse_unsupported_layers"]
