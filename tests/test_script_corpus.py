@@ -494,6 +494,28 @@ def restarts_adam_at_each_warm_restart(model, net, crit, data):
         sched.step()
 
 
+def deep_supervision_heads_on_the_layer_before_the_cut(model, net, crit, data):
+    """Two auxiliary heads on the output of the last layer before the cut (caught by a forward
+    hook), their losses added around the main one: the activation's gradient sums the heads' and
+    the cloud's in the unsplit model's order, so the first layer's gradient is its own bitwise."""
+    torch.manual_seed(9)
+    heads = [nn.Linear(16, 3), nn.Linear(16, 3)]
+    caught = {}
+    handle = net[1].register_forward_hook(lambda module, args, out: caught.__setitem__("h", out))
+    opt = torch.optim.SGD([*model.parameters(), *(p for head in heads for p in head.parameters())], lr=0.05)
+    grads = []
+    for x, y in data:
+        out = model(x)
+        h = caught["h"]
+        loss = 0.3 * F.cross_entropy(heads[0](h), y) + crit(out, y) + 0.7 * F.cross_entropy(heads[1](h), y)
+        loss.backward()
+        grads.append(net[0].weight.grad.clone())
+        opt.step()
+        opt.zero_grad()
+    handle.remove()
+    return grads
+
+
 SCRIPTS = [a_head_at_its_own_rate_and_the_first_layer_frozen_picked_by_name,
            scales_and_clips_gradients_in_an_optimizer_pre_hook,
            warms_up_in_a_pre_hook_and_logs_gradient_norms_in_a_post_hook,
@@ -507,7 +529,8 @@ SCRIPTS = [a_head_at_its_own_rate_and_the_first_layer_frozen_picked_by_name,
            reinitialises_with_initialisers_that_read_their_draws,
            learning_rate_set_by_hand_and_frozen_by_attribute,
            one_optimizer_over_two_models, loads_a_cloud_layer_by_hand_mid_training,
-           edge_gradients_alone_by_autograd_grad_and_restricted_backward, restarts_adam_at_each_warm_restart]
+           edge_gradients_alone_by_autograd_grad_and_restricted_backward, restarts_adam_at_each_warm_restart,
+           deep_supervision_heads_on_the_layer_before_the_cut]
 
 
 def adds_a_head_by_attribute_and_counts_steps_in_a_buffer(model, net, crit, data):
@@ -1202,6 +1225,33 @@ def test_a_caught_loss_error_in_micro_batches_with_dropout_in_the_cloud_is_refus
             crit(model(x2), y2)
         torch.manual_seed(1)
         assert torch.isfinite(crit(model(x2), y2))
+
+
+GENERATOR_READS = {"torch.get_rng_state()": lambda: torch.get_rng_state(),
+                   "torch.random.fork_rng()": lambda: torch.random.fork_rng(devices=[]).__enter__()}
+
+
+@pytest.mark.parametrize("read", sorted(GENERATOR_READS))
+def test_the_generators_state_read_between_model_x_and_the_loss_with_dropout_in_the_cloud_is_refused(cloud, read):
+    """Unsplit the cloud half's dropout drew at model(x), so a state read before the loss (saved for
+    a checkpoint, or by fork_rng around a teacher's forward, which puts it back) is after those
+    draws; split the half draws at the loss. Refused there; before model(x) and after the loss,
+    and with no dropout in the cloud, read as usual."""
+    (x, y), = _data(1)
+    with splitft.split(mlp_dropout(), 2, factory=MLP_DROPOUT, connect=cloud) as model:
+        crit = model.remote_loss(nn.CrossEntropyLoss())
+        crit(model(x), y).backward()  # the cloud half is known to draw from here on
+        out = model(x)
+        with pytest.raises(ConfigError, match=r"generator's state read .* between a plain split's model\(x\) and "
+                                              r"its remote loss, while the cloud half draws"):
+            GENERATOR_READS[read]()
+        crit(out, y).backward()
+        GENERATOR_READS[read]()
+    with splitft.split(mlp(), 2, factory=MLP, connect=cloud) as model:
+        out = model(x)
+        with torch.random.fork_rng(devices=[]):
+            torch.rand(3)
+        assert torch.isfinite(model.remote_loss(nn.CrossEntropyLoss())(out, y))
 
 
 DROPOUT_TOGGLES = {

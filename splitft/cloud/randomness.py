@@ -104,7 +104,7 @@ class SessionRandom:
             try:
                 yield
             finally:
-                self.host = torch.get_rng_state()
+                self.host = torch.random.get_rng_state()
                 if cuda:
                     self.accelerator = torch.cuda.get_rng_state(self.device)
 

@@ -1,5 +1,6 @@
 """How many times the script set torch's host generator: ``torch.set_rng_state``,
-``torch.manual_seed``, and the exit of ``torch.random.fork_rng``, which calls the first.
+``torch.manual_seed``, and the exit of ``torch.random.fork_rng``, which calls the first; and the
+checks a script's read of its state passes (``torch.get_rng_state``, also on entering ``fork_rng``).
 
 A plain split's cloud half runs at the remote loss, not at ``model(x)``; its dropout draws from
 the generator state ``model(x)`` saw, and the edge's generator then goes on from where the half
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +30,9 @@ _INSTALLING = threading.Lock()
 #: The functions counted, where scripts and ``fork_rng`` look them up. Not ``torch.random``'s
 #: own names: torch.compile puts the generator back through those around its tracing.
 _SETTERS = ("set_rng_state", "manual_seed")
+#: Run before the script reads the generator's state: each split model's refusal of a read its
+#: pending cloud forward would make wrong (see :meth:`.stray.StrayForwards.refuse_generator_read`).
+_READ_CHECKS: list[weakref.WeakMethod] = []
 
 
 def count() -> int:
@@ -40,7 +45,7 @@ def since(mark: int, start: torch.Tensor) -> str:
     ``"untouched"``; ``"set"``, nothing drawn before the first set (what follows it is the
     script's); or ``"drew"``: drawn from before any set, or set so often that this is not known."""
     if _count == mark:
-        return "untouched" if _same_state(torch.get_rng_state(), start) else "drew"
+        return "untouched" if _same_state(torch.random.get_rng_state(), start) else "drew"
     found = _found.get(mark + 1)
     return "set" if found is not None and _same_state(found, start) else "drew"
 
@@ -56,7 +61,7 @@ def _counted(original: Callable[..., Any]) -> Callable[..., Any]:
     def setter(*args: Any, **kwargs: Any) -> Any:
         global _count
         _count += 1
-        _found[_count] = torch.get_rng_state()
+        _found[_count] = torch.random.get_rng_state()
         _found.pop(_count - _REMEMBERED, None)
         return original(*args, **kwargs)
 
@@ -65,13 +70,37 @@ def _counted(original: Callable[..., Any]) -> Callable[..., Any]:
     return counted
 
 
+def check_reads(check: Callable[[], None]) -> None:
+    """Run ``check`` (a bound method, held weakly) before each read of the generator's state by
+    ``torch.get_rng_state``. splitft's own reads go through ``torch.random.get_rng_state``."""
+    with _INSTALLING:
+        _READ_CHECKS[:] = [ref for ref in _READ_CHECKS if ref() is not None] + [weakref.WeakMethod(check)]
+
+
+def _checked(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def get_rng_state() -> torch.Tensor:
+        for ref in list(_READ_CHECKS):
+            check = ref()
+            if check is not None:
+                check()
+        return original()
+
+    checked: Any = torch.compiler.disable(get_rng_state)
+    checked.__splitft_original__ = original
+    return checked
+
+
 def install() -> None:
-    """Count the setters of :data:`_SETTERS` in the ``torch`` namespace, once per process."""
+    """Count the setters of :data:`_SETTERS` in the ``torch`` namespace and check the reads of
+    ``torch.get_rng_state``, once per process."""
     with _INSTALLING:
         for name in _SETTERS:
             current = getattr(torch, name)
             if not hasattr(current, "__splitft_original__"):
                 setattr(torch, name, _counted(current))
+        if not hasattr(torch.get_rng_state, "__splitft_original__"):
+            torch.get_rng_state = _checked(torch.get_rng_state)
 
 
-__all__ = ["count", "install"]
+__all__ = ["check_reads", "count", "install"]

@@ -97,7 +97,7 @@ class SplitModel(UnsplitTree):
         self._flags = ModuleFlags([(name, model.get_submodule(name)) for name in chain.names])
         entry = standin_of(model.get_submodule(chain.names[0])) if spec.ushape else None
         trunk = entry if isinstance(entry, TrunkEntry) else None
-        self.strays = StrayForwards(self.ghosts.cloud_modules, stage.draws_in_training, trunk)
+        self.strays = StrayForwards(self.ghosts.cloud_modules, stage.draws_in_training, trunk, session=session)
         if trunk is not None:
             trunk.draws, trunk.keeps_statistics = stage.draws_in_training, self.strays.keeps_statistics
         session.before_request = self.strays.check

@@ -25,12 +25,26 @@ from .metadata import METADATA, requires_grad_changes
 from .stray import crossed
 
 
+def in_order(value: Any) -> Any:
+    """``value`` through a view made now, at ``model(x)``, for the remote loss's call: unsplit, the
+    cloud half's first autograd node takes the activation here, and the engine adds its gradient to
+    the activation's after those of nodes made later (edge heads on the activation before the
+    loss, made before the remote loss's node); the view keeps that place for the cloud's."""
+    if isinstance(value, torch.Tensor) and value.requires_grad and torch.is_grad_enabled():
+        return value.view_as(value)
+    return value
+
+
 @dataclass
 class CutActivation:
     """What reaches a plain cut when more than one value crosses (e.g. hidden states and a mask)."""
 
     args: tuple
     kwargs: dict
+
+    def __post_init__(self) -> None:
+        self.args = tuple(in_order(value) for value in self.args)
+        self.kwargs = {key: in_order(value) for key, value in self.kwargs.items()}
 
 
 class CutTensor(torch.Tensor):
@@ -39,12 +53,14 @@ class CutTensor(torch.Tensor):
     computation on it raises, since the unsplit model's ``model(x)`` is the output the cloud computes."""
 
     _splitft_value: torch.Tensor
+    _splitft_passage: torch.Tensor  # what the cloud's call takes (see :func:`in_order`)
 
     @staticmethod
     def __new__(cls, value: torch.Tensor) -> CutTensor:
         made: Any = torch.Tensor._make_wrapper_subclass(cls, value.shape, strides=value.stride(), dtype=value.dtype,
                                                         device=value.device, requires_grad=value.requires_grad)
         made._splitft_value = value
+        made._splitft_passage = in_order(value)
         return made
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # torch's: unannotated
@@ -80,7 +96,7 @@ def call_parts(cut: Any) -> tuple[tuple, dict]:
     if isinstance(cut, CutActivation):
         return cut.args, cut.kwargs
     if isinstance(cut, CutTensor):
-        return (cut._splitft_value,), {}
+        return (cut._splitft_passage,), {}
     return (cut,), {}
 
 
@@ -101,7 +117,7 @@ class CutContext:
 
     @staticmethod
     def now(training: bool, weights: int) -> CutContext:
-        return CutContext(torch.get_rng_state(), training, torch.is_grad_enabled(),
+        return CutContext(torch.random.get_rng_state(), training, torch.is_grad_enabled(),
                           (autocast_dtype("cpu"), autocast_dtype("cuda")), weights, settings_version(),
                           generator_sets.count(), requires_grad_changes())
 
@@ -268,7 +284,7 @@ def _again(out: Any) -> torch.Tensor | None:
         return None
     start = out.__dict__.get("_splitft_start_rng")
     if start is None:
-        out.__dict__["_splitft_start_rng"] = torch.get_rng_state()
+        out.__dict__["_splitft_start_rng"] = torch.random.get_rng_state()
     return start
 
 

@@ -128,7 +128,7 @@ class CloudStage:
         if start is not None:  # unsplit, the half drew from there (see _follow_cloud_rng)
             self._rng_synced = None
             return start.numpy()
-        state = torch.get_rng_state()
+        state = torch.random.get_rng_state()
         if self._rng_synced is not None and torch.equal(state, self._rng_synced):
             return None
         self._rng_synced = state

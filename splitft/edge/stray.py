@@ -18,6 +18,7 @@ would not have; it is refused at the next request on the same terms
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from . import generator_sets
 from .standins import TrunkEntry
 
 #: Where a plain split's ``model(x)`` keeps its :class:`_Crossing`.
@@ -68,11 +70,14 @@ class StrayForwards:
     """The last plain-split ``model(x)`` made in training mode, until its activation crosses."""
 
     def __init__(self, cloud_modules: Callable[[], list[nn.Module]], draws: Callable[[], bool | None],
-                 trunk: TrunkEntry | None = None) -> None:
+                 trunk: TrunkEntry | None = None, *, session: Any = None) -> None:
         self._cloud_modules = cloud_modules
         self._draws = draws  # whether the cloud half drew in its training-mode forwards (None: none yet)
         self._trunk = trunk
+        self._session = session  # closed (or unsplit): its forwards are nothing to the cloud any more
         self._last: _Crossing | None = None
+        self._thread = threading.get_ident()  # the script's: where the last model(x) was made
+        generator_sets.check_reads(self.refuse_generator_read)
 
     def made(self, out: Any, training: bool) -> None:
         """``model(x)`` returned ``out`` (after :meth:`check`). One recomputed inside a backward
@@ -82,6 +87,7 @@ class StrayForwards:
         self._last = None
         if training and hasattr(out, "__dict__"):
             self._last = out.__dict__[_CROSSING] = _Crossing()
+            self._thread = threading.get_ident()
 
     def check(self) -> None:
         """Refuse if the last training-mode ``model(x)`` has not reached the cloud half, where that
@@ -100,6 +106,25 @@ class StrayForwards:
             "right after its model(x); for the whole model's forward use model.predict(x) (it runs the cloud half "
             "in the model's mode, as model(x) does unsplit, e.g. to recompute batch-norm statistics); or call "
             "model.eval() first; or cut a U-shape (rejoin=), whose model(x) is the whole model's")
+
+    def refuse_generator_read(self) -> None:
+        """Refuse a read of the generator's state (``torch.get_rng_state``, ``torch.random.fork_rng``
+        entering) between a plain split's training-mode ``model(x)`` and its remote loss, where the
+        cloud half draws: unsplit its dropout drew at ``model(x)``, so the state read is after those
+        draws; split they are drawn at the loss, and the state read (saved, restored) would not be."""
+        last = self._last
+        if last is None or last.crossed or threading.get_ident() != self._thread or getattr(self._session, "closed",
+                                                                                               False):
+            return
+        draws = self._draws()
+        if draws or (draws is None and any(m.training and _may_draw(m) for m in self._cloud_modules())):
+            raise ConfigError(
+                "the generator's state read (torch.get_rng_state, or torch.random.fork_rng entering) between a plain "
+                "split's model(x) and its remote loss, while the cloud half draws random numbers (dropout): "
+                "unsplit, those were drawn at model(x) and the state read comes after them; split, the cloud half "
+                "draws at the loss, so the state read (kept, or put back by fork_rng) would not be the unsplit "
+                "one. Read it before model(x) or after the loss (a teacher's forward under fork_rng before the "
+                "student's model(x)), or cut a U-shape (rejoin=), whose model(x) runs the cloud half at once")
 
     def refuse_recomputation(self, training: bool) -> None:
         """Refuse a training-mode ``model(x)`` made inside a backward pass (a checkpoint around the
