@@ -162,9 +162,20 @@ def test_a_cache_change_is_checked_against_the_cache_and_the_memory_before_it_is
     caches.change(1, "crop", None, -1, fits)
     assert cache.layers[0].keys.shape[2] == 2
     caches.change(2, "reorder", [5], None, fits)  # a cache the cloud's layers never wrote: nothing to change
+    for number, source in ((1, 1), (1, 3), (3, "1"), (3, True)):  # onto a cache it has, or from no number
+        with pytest.raises(ProtocolError):
+            caches.change(number, "copy", None, None, fits, source=source)
+    caches.change(3, "copy", None, None, fits, source=9)  # from a cache its layers never wrote: nothing to copy
+    with pytest.raises(CapacityError, match="copied does not fit"):
+        caches.change(3, "copy", None, None, lambda extra, what: fits(extra + held, what), source=1)
+    caches.change(3, "copy", None, None, fits, source=1)
+    copied = caches._get(3)
+    assert copied is not cache and torch.equal(copied.layers[0].keys, cache.layers[0].keys)
+    caches.change(3, "crop", None, -1, fits)
+    assert cache.layers[0].keys.shape[2] == 2  # the copy changes alone
 
 
-def test_a_followed_cache_sends_its_changes_and_a_copy_of_it_changes_only_itself():
+def test_a_followed_cache_sends_its_changes_and_a_deep_copy_is_followed_as_a_copy_of_it():
     import copy
 
     from transformers import DynamicCache
@@ -175,18 +186,43 @@ def test_a_followed_cache_sends_its_changes_and_a_copy_of_it_changes_only_itself
     refs = CacheRefs(sent.append, lambda: False)
     cache = DynamicCache()
     keys = torch.arange(16.0).reshape(2, 1, 2, 4)
-    cache.update(keys, keys, 0)
-    refs.ref(cache, ())
+    cache.update(keys, keys, 0)  # the edge's layer wrote this call's 2 tokens
+    with pytest.raises(splitft.ConfigError, match=r"already holds 2 tokens .* never saw them"):
+        refs.ref(cache, (), new_tokens=1)  # one more than the call wrote: filled before it
+    assert refs.ref(cache, (), new_tokens=2).id == 1
     assert isinstance(cache, DynamicCache) and type(cache).__name__ == "DynamicCache"
-    twin = copy.deepcopy(cache)  # a prompt cache copied for another continuation
+    twin = copy.deepcopy(cache)  # a prompt cache copied for another continuation: the cloud copies its part
     twin.reorder_cache(torch.tensor([1, 0]))
-    assert not sent and torch.equal(cache.layers[0].keys, keys)
+    assert torch.equal(cache.layers[0].keys, keys) and refs.ref(twin, ()).id == 2
     cache.reorder_cache(torch.tensor([1, 0]))
     cache.batch_select_indices(torch.tensor([True, False]))
     cache.crop(-1)
-    assert [(op.kind, op.indices, op.count) for op in sent] == [("reorder", [1, 0], None), ("select", [0], None),
-                                                                ("crop", None, -1)]
+    assert [(op.id, op.kind, op.indices, op.count, op.source) for op in sent] == [
+        (2, "copy", None, None, 1), (2, "reorder", [1, 0], None, None), (1, "reorder", [1, 0], None, None),
+        (1, "select", [0], None, None), (1, "crop", None, -1, None)]
     assert torch.equal(cache.layers[0].keys, keys[1:, :, :1])
+    with pytest.raises(splitft.ConfigError, match=r"copy\.copy of a key/value cache .* copy\.deepcopy"):
+        copy.copy(cache)
+
+
+def test_a_deep_copy_of_a_prompts_cache_continues_each_branch_as_the_unsplit_model(cloud):
+    """transformers' prefix reuse: one prompt's cache, copied for each continuation; each copy's
+    cloud layers start from the prompt's keys and values, as the unsplit model's do."""
+    import copy
+
+    ids, mask = _prompts()
+    branches = torch.tensor([[5], [6], [9]]), torch.tensor([[7], [8], [10]])
+
+    def continuations(model):
+        with torch.no_grad():
+            prompt = model(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
+            return [model(input_ids=t, past_key_values=copy.deepcopy(prompt), use_cache=True).logits
+                    for t in branches]
+
+    expected = continuations(tiny_hf("llama").eval())
+    with splitft.split(tiny_hf("llama"), "model.layers.1:3", factory=FACTORY, connect=cloud.connect) as model:
+        got = continuations(model.eval())
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
 def test_a_static_cache_is_refused_by_name_before_the_cloud_runs(cloud):

@@ -9,6 +9,7 @@ when its own cache object goes away; a session's caches go when the session ends
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,12 @@ MAX_BATCH = 4096
 #: The changes a generation makes to a cache, by the name of transformers' method for each.
 _CHANGES = {"reorder": "reorder_cache", "select": "batch_select_indices", "repeat": "batch_repeat_interleave",
             "crop": "crop"}
+
+
+_TOO_MANY = (f"this session already keeps {MAX_CACHES} key/value caches, one for each cache object alive on the edge "
+             "that reached the cloud: a generation's, a copy of one, or the past_key_values of a forward with "
+             "use_cache=True whose output the script keeps (transformers' models cache by default; pass "
+             "use_cache=False where the cache is not used); let go of one before another starts")
 
 
 class SessionCaches:
@@ -53,8 +60,7 @@ class SessionCaches:
         cache = self._caches.get(number)
         if cache is None:
             if len(self._caches) >= MAX_CACHES:
-                raise CapacityError(f"this session already keeps {MAX_CACHES} key/value caches; finish (or drop) a "
-                                    "generation before starting another")
+                raise CapacityError(_TOO_MANY)
             try:
                 from transformers import DynamicCache
             except ImportError:
@@ -66,11 +72,16 @@ class SessionCaches:
     def free(self, number: int) -> None:
         self._caches.pop(number, None)
 
-    def change(self, number: int, kind: str, indices: Any, count: Any, fits: Callable[[int, str], None]) -> None:
+    def change(self, number: int, kind: str, indices: Any, count: Any, fits: Callable[[int, str], None],
+               source: Any = None) -> None:
         """What the edge's generation did to its cache ``number`` (beam search reordering it), done
         to this one: checked against its batch and priced against the session's memory first."""
-        if not isinstance(kind, str) or kind not in _CHANGES or not isinstance(number, int):
-            raise ProtocolError(f"no cache change {short(kind)} of cache {short(number)}; known: {sorted(_CHANGES)}")
+        if not isinstance(kind, str) or kind not in (*_CHANGES, "copy") or not isinstance(number, int):
+            raise ProtocolError(f"no cache change {short(kind)} of cache {short(number)}; known: "
+                                f"{sorted([*_CHANGES, 'copy'])}")
+        if kind == "copy":
+            self._copy(number, source, fits)
+            return
         cache = self._caches.get(number)
         tensors = [t for layer in getattr(cache, "layers", []) for t in (getattr(layer, "keys", None),)
                    if isinstance(t, torch.Tensor) and t.dim() > 0]
@@ -93,6 +104,19 @@ class SessionCaches:
             if not (isinstance(count, int) and not isinstance(count, bool) and count <= 0):
                 raise ProtocolError(f"a cache crop takes the tokens to drop as a count of 0 or less, got {short(count)}")
             crop_held(cache, count, type(cache).crop)
+
+    def _copy(self, number: int, source: Any, fits: Callable[[int, str], None]) -> None:
+        """Cache ``number`` (new) becomes a copy of cache ``source`` as it is now; nothing to copy
+        where the cloud's layers never wrote ``source``."""
+        if not isinstance(source, int) or isinstance(source, bool) or number in self._caches or source == number:
+            raise ProtocolError(f"a cache copy makes a new cache from another, got {short(number)} from {short(source)}")
+        cache = self._caches.get(source)
+        if cache is None:
+            return
+        if len(self._caches) >= MAX_CACHES:
+            raise CapacityError(_TOO_MANY)
+        fits(self.nbytes_of(cache), "the key/value cache copied")
+        self._caches[number] = copy.deepcopy(cache)
 
     @staticmethod
     def nbytes_of(cache: Any) -> int:

@@ -278,7 +278,7 @@ def set_flags(session: Target, op: o.SetFlags) -> None:
 
 @handles(o.ChangeCache)
 def change_cache(session: Target, op: o.ChangeCache) -> None:
-    session.caches.change(op.id, op.kind, op.indices, op.count, session.fits)
+    session.caches.change(op.id, op.kind, op.indices, op.count, session.fits, source=op.source)
 
 
 @handles(o.SetModes)

@@ -9,6 +9,7 @@ gradient at the cut. A delayed-gradient step also keeps here the edge weights it
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -78,16 +79,29 @@ class CacheRefs:
         self._numbers: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._next = 0
 
-    def ref(self, cache: Any, path: Any) -> CacheRef:
+    def ref(self, cache: Any, path: Any, new_tokens: int | None = None) -> CacheRef:
         """The number of a key/value cache the cloud keeps for it; freed there when ``cache`` goes,
-        and changed there as the generation changes it (see :func:`_mirror_changes`)."""
+        and changed there as the generation changes it (see :func:`_mirror_changes`). A cache the
+        cloud has not seen must hold no more than the ``new_tokens`` this call's edge layers wrote."""
         number = self._numbers.get(cache)
         if number is None:
-            self._next += 1
-            number = self._numbers[cache] = self._next
-            weakref.finalize(cache, _free, weakref.ref(self), number)
-            _mirror_changes(cache, number, self.queue)
+            _refuse_other_kinds(cache)
+            _refuse_unseen_tokens(cache, new_tokens)
+            number = self._follow(cache)
         return CacheRef(number)
+
+    def _follow(self, cache: Any) -> int:
+        self._next += 1
+        number = self._numbers[cache] = self._next
+        weakref.finalize(cache, _free, weakref.ref(self), number)
+        _mirror_changes(cache, number, self)
+        return number
+
+    def copied(self, copy: Any, source: int) -> None:
+        """``copy`` is ``copy.deepcopy`` of cache ``source`` (a prompt's cache reused for several
+        continuations): the cloud copies its part of it too, as it is now."""
+        number = self._follow(copy)
+        self.queue(ChangeCache(id=number, kind="copy", source=source))
 
 
     def free(self, number: int) -> None:
@@ -99,18 +113,32 @@ class CacheRefs:
 #: transformers' cache methods that change a cache in place, and the change each is sent as.
 _CHANGES = {"reorder_cache": "reorder", "batch_select_indices": "select", "batch_repeat_interleave": "repeat",
             "crop": "crop"}
-#: Each cache the cloud keeps a part of: its number there, and where its changes are queued.
-_SENDERS: weakref.WeakKeyDictionary[Any, tuple[int, Callable[[Operation], None]]] = weakref.WeakKeyDictionary()
+#: Each cache the cloud keeps a part of: its number there, and who sends its changes.
+_SENDERS: weakref.WeakKeyDictionary[Any, tuple[int, CacheRefs]] = weakref.WeakKeyDictionary()
 
 
-def _mirror_changes(cache: Any, number: int, queue: Callable[[Operation], None]) -> None:
+def _refuse_unseen_tokens(cache: Any, new_tokens: int | None) -> None:
+    """A cache new to the cloud that holds keys and values the edge's layers did not just write (a
+    cache filled elsewhere: by peft's prefix tuning, built from tensors, copied other than by
+    ``copy.deepcopy``): the cloud's layers would start from nothing where unsplit they read them."""
+    held = [layer.keys.shape[-2] for layer in getattr(cache, "layers", [])
+            if isinstance(getattr(layer, "keys", None), torch.Tensor) and layer.keys.dim() > 1]
+    if held and (new_tokens is None or max(held) > new_tokens):
+        raise ConfigError(f"a key/value cache that already holds {max(held)} tokens reached the cloud half, which "
+                          "never saw them (a cache filled before this call: prefix tuning's virtual tokens, one "
+                          "built from tensors or copied other than by copy.deepcopy); its layers' part of the cache "
+                          "would start empty. Start generations from an empty cache (or a copy.deepcopy of one the "
+                          "split model filled), or use the unsplit model (model.unsplit())")
+
+
+def _mirror_changes(cache: Any, number: int, refs: CacheRefs) -> None:
     """Beam search reorders the cache at every token (``reorder_cache``), and other generation
     modes select, repeat or crop it: the cloud layers' part of it is in the cloud, so each change
     made here is also sent (with the next message, before the next forward reads the cache). The
-    cache becomes an instance of a subclass of its class that does so (a copy of it, never sent,
-    changes here only)."""
+    cache becomes an instance of a subclass of its class that does so; ``copy.deepcopy`` of it is
+    followed as a cache of its own, which the cloud copies from this one."""
     _refuse_other_kinds(cache)
-    _SENDERS[cache] = (number, queue)
+    _SENDERS[cache] = (number, refs)
     cls = type(cache)
     if getattr(cls, "__splitft_sends_changes__", False) or not any(hasattr(cls, m) for m in _CHANGES):
         return
@@ -143,8 +171,26 @@ def _sending_changes(cls: type) -> type:
                    if callable(getattr(cls, method, None))}
         made = _SENDING_CLASSES[cls] = type(cls.__name__, (cls,), {
             "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__splitft_sends_changes__": True,
-            **methods})
+            "__deepcopy__": _deepcopy, "__copy__": _refused_copy, **methods})
     return made
+
+
+def _deepcopy(self: Any, memo: dict) -> Any:
+    """``copy.deepcopy`` of a followed cache: its values copied as deepcopy copies them, and the
+    cloud's part copied from the original's, as it is now."""
+    copied = object.__new__(type(self))
+    memo[id(self)] = copied
+    copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+    sender = _SENDERS.get(self)
+    if sender is not None:
+        sender[1].copied(copied, sender[0])
+    return copied
+
+
+def _refused_copy(self: Any) -> Any:
+    raise ConfigError("copy.copy of a key/value cache the cloud keeps part of: the copy would share the edge "
+                      "layers' entries with the original, and the cloud's part would not follow; copy it with "
+                      "copy.deepcopy")
 
 
 _SENDING_CLASSES: dict[type, type] = {}
@@ -159,7 +205,7 @@ def _sending(original: Callable[..., Any], method: str, kind: str) -> Callable[[
         sender = _SENDERS.get(self)
         if sender is None:
             return
-        number, queue = sender
+        number, queue = sender[0], sender[1].queue
         if kind in ("reorder", "select"):
             indices = torch.as_tensor(arg)
             if indices.dtype == torch.bool:
@@ -224,8 +270,10 @@ class RemoteCaller:
         """The cloud half's output for ``args``/``kwargs`` (plain split: the loss, with ``target``)."""
         self.cloud_half.hidden = False  # an optimizer step that raised left them hidden
         if kwargs or not all(isinstance(a, torch.Tensor) for a in args):  # tensors alone hold no cache to name
-            args, kwargs = trees.rebuild((args, kwargs), self.caches.ref, is_leaf=is_cache,
-                                         other=lambda node, path: node)
+            first = args[0] if args else None
+            new_tokens = first.shape[-2] if isinstance(first, torch.Tensor) and first.dim() > 2 else None
+            args, kwargs = trees.rebuild((args, kwargs), lambda cache, path: self.caches.ref(cache, path, new_tokens),
+                                         is_leaf=is_cache, other=lambda node, path: node)
         grad = torch.is_grad_enabled()
         leaves, skeleton = flatten((list(args), kwargs, target))
         if self.freeze_edge:  # no input needs a gradient, so none crosses back
