@@ -225,6 +225,35 @@ def test_a_deep_copy_of_a_prompts_cache_continues_each_branch_as_the_unsplit_mod
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
+def test_a_step_after_the_token_embeddings_were_resized_trains_as_the_unsplit_model(cloud):
+    """``resize_token_embeddings`` between steps (new special tokens): the split model holds no
+    graph of the last step once the script let it go, so the next backward meets the resized
+    embedding's gradient accumulator afresh, as the unsplit model's does (a held graph kept the old
+    shape's and failed)."""
+    ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+
+    def train(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for resized in (False, True):
+            if resized:
+                model.resize_token_embeddings(136, mean_resizing=False)
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            del loss
+        return losses
+
+    torch.manual_seed(1)
+    expected = train(tiny_hf("llama"))
+    torch.manual_seed(1)
+    with splitft.split(tiny_hf("llama"), "model.layers.1:3", factory=FACTORY, connect=cloud.connect) as model:
+        assert train(model) == expected
+
+
 def test_a_static_cache_is_refused_by_name_before_the_cloud_runs(cloud):
     ids, mask = _prompts()
     with splitft.split(tiny_hf("llama"), "model.layers.1:3", factory=FACTORY, connect=cloud.connect) as model:

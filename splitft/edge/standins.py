@@ -140,10 +140,18 @@ class TrunkEntry(nn.Module):
         self.reached, self._run_training = (0 if len(self.cloud_names) > 1 else None), self.training
         # Unsplit, a draw between trunk modules falls between their dropout masks; here they are all drawn now.
         self.rng_after = torch.random.get_rng_state() if self.reached == 0 and self.training and self.draws() else None
+        if len(self.cloud_names) == 1:
+            return self.finished()
         # An inner module's output is not what the cloud returns: the forward may pass it on, not read it.
-        self.handed = self.last if len(self.cloud_names) == 1 else hand_over(self.last, self.cloud_names[0],
-                                                                             self.cloud_names)
+        self.handed = hand_over(self.last, self.cloud_names[0], self.cloud_names)
         return self.handed
+
+    def finished(self) -> Any:
+        """The trunk's output, at the end of its run: kept no longer, nor the call's arguments, so
+        the step's graph goes when the script lets it go (unsplit nothing holds it; a graph held
+        keeps each weight's gradient accumulator, with the shape it had, past a resize)."""
+        out, self.last, self.handed, self.call_rest = self.last, None, None, ((), {})
+        return out
 
     def refuse_unfinished(self, could_change: Callable[[], bool]) -> None:
         """Refuse a run of the trunk the forward left unfinished, where it could have changed the
@@ -226,8 +234,11 @@ class TrunkFollower(nn.Module):
                 "every trunk module the first one's arguments, so it would compute something else. Choose a trunk "
                 "whose modules share their extra arguments (or a trunk of one module)"
             )
-        entry.handed = entry.last if self.is_last else hand_over(entry.last, self.cloud_name, entry.cloud_names)
-        entry.reached = None if self.is_last else self.index
+        if self.is_last:
+            entry.reached = None
+            return entry.finished()
+        entry.handed = hand_over(entry.last, self.cloud_name, entry.cloud_names)
+        entry.reached = self.index
         return entry.handed
 
     def _refuse_out_of_order(self, entry: TrunkEntry) -> None:
