@@ -254,6 +254,26 @@ def test_a_step_after_the_token_embeddings_were_resized_trains_as_the_unsplit_mo
         assert train(model) == expected
 
 
+def test_a_backward_through_a_cache_filled_with_gradients_on_is_refused(cloud):
+    """A continuation run on a prompt's cache, both with gradients on, then one backward: unsplit
+    it runs through the prompt's graph too; the cloud backpropagates each call at its own backward,
+    so the prompt's part would not reach the edge (a loss of the continuation alone) or would run
+    twice. Refused at the backward; decoding with gradients on, never backpropagated, runs on."""
+    ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+
+    def continued(model):
+        prompt = model(input_ids=ids[:, :5], use_cache=True)
+        return model(input_ids=ids[:, 5:], past_key_values=prompt.past_key_values, use_cache=True)
+
+    expected = continued(tiny_hf("llama")).logits
+    with splitft.split(tiny_hf("llama"), "model.layers.1:3", factory=FACTORY, connect=cloud.connect) as model:
+        out = continued(model)
+        assert torch.equal(out.logits, expected)
+        with pytest.raises(splitft.ConfigError, match=r"a backward through a key/value cache an earlier call filled "
+                                                      r"with gradients on"):
+            out.logits.sum().backward()
+
+
 def test_a_static_cache_is_refused_by_name_before_the_cloud_runs(cloud):
     ids, mask = _prompts()
     with splitft.split(tiny_hf("llama"), "model.layers.1:3", factory=FACTORY, connect=cloud.connect) as model:

@@ -69,6 +69,12 @@ class SessionCaches:
             cache = self._caches[number] = DynamicCache() if self.config is None else DynamicCache(config=self.config)
         return cache
 
+    def hold_graphs(self, numbers: list[int]) -> bool:
+        """Whether one of these caches holds an earlier call's graph (filled with gradients on)."""
+        return any(isinstance(t, torch.Tensor) and t.requires_grad for number in numbers
+                   for layer in getattr(self._caches.get(number), "layers", [])
+                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None)))
+
     def free(self, number: int) -> None:
         self._caches.pop(number, None)
 

@@ -40,6 +40,7 @@ class Pending:
     flops: int = 0  # its forward's arithmetic (its backward costs twice that) and its decode's
     decode_flops: int = 0
     saved: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # for backward, with their versions
+    through_cache: bool = False  # run through a key/value cache holding an earlier call's graph
 
     def rebuild(self) -> None:
         """Build the graph again from the same inputs, on the half's current weights (a shared

@@ -105,6 +105,7 @@ class CloudSession:
         self.seat = Seat(trained=restoring)
         self.mirrored = Mirrored(shared)
         self.caches = SessionCaches(model_config(chain))  # key/value caches for generation
+        self.through_cache = False  # the last run read a cache holding an earlier call's graph
         self.graphs = Graphs(self.limits.max_pending_calls)
         self.passes = PassGrads()
         self.replies = Replies(self.id)
@@ -163,6 +164,7 @@ class CloudSession:
         args, kwargs = unflatten(args_skel, cast[:n_args]), unflatten(kw_skel, cast[n_args:n_args + n_kw])
         if caching:  # the session's caches in place of their numbers (a training step names none)
             args, kwargs = self.caches.bind((args, kwargs))
+        self.through_cache = bool(caching) and grad and self.caches.hold_graphs(caching)
         target = unflatten(target_skel, leaves[n_args + n_kw:])
         _set_modes(half.chain, train, mirrored.flipped)
         self.random.configured(mirrored.flipped, mirrored.flags)
@@ -221,6 +223,8 @@ class CloudSession:
             unreached = [self.half.name_of(p) for p, g in self.graphs.deferred[msg.call] if g is None] or None
         elif msg.grad:
             self.keep_graph(msg, leaves, inputs, outs, out_coded, saved, flops)
+            if self.through_cache and msg.call in self.graphs.pending:
+                self.graphs.pending[msg.call].through_cache = True
         return Output(call=msg.call, value=to_wire(out_skel, entries), timings=watch.seconds, grads=eager_grads,
                       unreached=unreached, rng=drawn)
 
@@ -293,6 +297,12 @@ class CloudSession:
                 f"no forward call {msg.call} awaits a backward (already backpropagated, run without "
                 "grad, or freed by an optimizer step)"
             )
+        if pending.through_cache:
+            raise ConfigError("a backward through a key/value cache an earlier call filled with gradients on "
+                              "(training through a shared prompt's cache): the cloud backpropagates each call at its "
+                              "own backward, so the earlier call's part of the gradient would not reach the edge, or "
+                              "be computed twice. Forward the prompt and its continuation as one sequence, fill the "
+                              "cache under torch.no_grad(), or train with the unsplit model")
         prices.backward(self, msg, pending)  # refused here, before its gradients are decoded
         watch = Stopwatch()
         ctx = self.context("gradient", True, self.mirrored.steps, pending.sample_ids)
