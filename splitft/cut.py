@@ -77,9 +77,23 @@ def _child_index(model: nn.Module, parent: str, child: str) -> int:
     return names.index(child)
 
 
+def _refuse_alias(model: nn.Module, parent: str) -> None:
+    """A container reached through another name than its own (peft's ``PeftModel`` hands on
+    attribute reads to the model it wraps): the model's parameters go by its own name, so the cut's
+    names would not be theirs. Its own name is the one to cut at."""
+    if not parent:
+        return
+    held = _module(model, parent)
+    own = next((name for name, module in model.named_modules() if module is held), None)
+    if own is not None and own != parent:
+        raise CutError(f"{parent!r} reaches {own!r} by another name (an attribute the model hands on to the one it "
+                       f"wraps, as peft's PeftModel does): the parameters go by {own!r}; cut there")
+
+
 def parse_cut(model: nn.Module, cut: str | int, rejoin: str | int | None = None) -> CutSpec:
     """Resolve user cut names against ``model``; errors name what exists."""
     cut = str(cut)
+    _refuse_alias(model, (cut.partition(":")[0]).rpartition(".")[0])
     if ":" in cut:
         if rejoin is not None:
             raise CutError(f"cut {cut!r} already gives the trunk as a slice; drop rejoin={rejoin!r}")

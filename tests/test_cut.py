@@ -41,6 +41,19 @@ def test_plain_cut_of_a_non_chain_is_refused_with_the_fix():
         cloud_module_names(residual_net(), parse_cut(residual_net(), "stage1"))
 
 
+def test_a_container_reached_through_a_wrappers_attribute_is_cut_at_its_own_name():
+    """peft's PeftModel hands attribute reads on to the model it wraps: ``model.model.layers`` reaches
+    the layers, whose parameters go by ``base_model.model.model.layers...``. Refused naming that."""
+    pytest.importorskip("peft")
+    from tests.models import tiny_tied_lora
+
+    model = tiny_tied_lora()
+    with pytest.raises(CutError, match=r"'model\.model\.layers' reaches 'base_model\.model\.model\.layers' by "
+                                       r"another name .* cut there"):
+        parse_cut(model, "model.model.layers.1:3")
+    assert parse_cut(model, "base_model.model.model.layers.1:3").parent == "base_model.model.model.layers"
+
+
 def test_rejoin_must_be_a_later_sibling():
     with pytest.raises(CutError, match="after"):
         parse_cut(digits_cnn(), "block3", "block1")
