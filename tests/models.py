@@ -87,7 +87,7 @@ def tiny_bert_pretrained(seed: int = 0) -> nn.Module:
 def tiny_hf(kind: str = "bert", seed: int = 0, dropout: float = 0.0, attn_implementation: str | None = None) -> nn.Module:
     """A randomly initialised transformers model, without dropout unless asked for (hidden and
     attention): ``"bert"`` for sequence classification, ``"llama"`` a causal LM, ``"mistral"`` one
-    with a sliding window; with
+    with a sliding window, ``"gemma2"`` one whose layers alternate a sliding window and full attention; with
     ``attn_implementation``, that attention kernel instead of transformers' default."""
     import transformers
 
@@ -106,8 +106,14 @@ def tiny_hf(kind: str = "bert", seed: int = 0, dropout: float = 0.0, attn_implem
                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                             tie_word_embeddings=False, attention_dropout=dropout, sliding_window=4)
         cls = transformers.MistralForCausalLM
+    elif kind == "gemma2":  # layers alternate a sliding window of 4 tokens (0, 2) and full attention (1, 3)
+        config = transformers.Gemma2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                           max_position_embeddings=64, pad_token_id=0, sliding_window=4,
+                                           query_pre_attn_scalar=8, attention_dropout=dropout)
+        cls = transformers.Gemma2ForCausalLM
     else:
-        raise ValueError(f"tiny_hf knows 'bert', 'llama' and 'mistral', not {kind!r}")
+        raise ValueError(f"tiny_hf knows 'bert', 'llama', 'mistral' and 'gemma2', not {kind!r}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(config).eval()

@@ -5,6 +5,7 @@ cache against the session's memory, and frees it when the generation's cache goe
 from __future__ import annotations
 
 import gc
+import io
 
 import pytest
 import torch
@@ -203,6 +204,8 @@ def test_a_followed_cache_sends_its_changes_and_a_deep_copy_is_followed_as_a_cop
     assert torch.equal(cache.layers[0].keys, keys[1:, :, :1])
     with pytest.raises(splitft.ConfigError, match=r"copy\.copy of a key/value cache .* copy\.deepcopy"):
         copy.copy(cache)
+    with pytest.raises(splitft.ConfigError, match=r"saving \(pickling\) a key/value cache the cloud keeps part of"):
+        torch.save(cache, io.BytesIO())
 
 
 def test_a_deep_copy_of_a_prompts_cache_continues_each_branch_as_the_unsplit_model(cloud):
@@ -272,6 +275,43 @@ def test_a_backward_through_a_cache_filled_with_gradients_on_is_refused(cloud):
         with pytest.raises(splitft.ConfigError, match=r"a backward through a key/value cache an earlier call filled "
                                                       r"with gradients on"):
             out.logits.sum().backward()
+
+
+GEMMA2 = splitft.Factory("tests.models:tiny_hf", {"kind": "gemma2"})
+
+
+def test_a_model_whose_first_full_attention_layer_runs_in_the_cloud_generates_as_the_unsplit_model(cloud):
+    """Gemma 2 interleaves sliding-window and full-attention layers, and transformers sizes the full
+    attention's masks from its first full layer's cache entry, here a cloud layer's: the edge's
+    cache holds that entry's shape, so padded generation and a chunked continuation attend where the
+    unsplit model does; the entry's values stay unreadable, a hand edit of it is refused, and a reset
+    reaches the cloud."""
+    import copy
+
+    ids, mask = _prompts()
+
+    def run(model):
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                                 output_logits=True, return_dict_in_generate=True)
+            cache = model(input_ids=ids[:, :4], use_cache=True).past_key_values
+            chunked = model(input_ids=ids[:, 4:], past_key_values=copy.deepcopy(cache), use_cache=True).logits
+            cache.reset()
+            again = model(input_ids=ids[:, :2], past_key_values=cache, use_cache=True).logits
+        return out.sequences, out.logits, chunked, again, cache
+
+    *expected, _ = run(tiny_hf("gemma2"))
+    with splitft.split(tiny_hf("gemma2"), "model.layers.1:2", factory=GEMMA2, connect=cloud.connect) as model:
+        *got, cache = run(model)
+        assert cache.get_seq_length(1) == cache.get_seq_length(0) == 2  # the cloud layer's length, as unsplit
+        with pytest.raises(splitft.CutError, match=r"on the keys or values of a decoder layer that runs in the cloud"):
+            cache.layers[1].keys.clone()
+        for layer in (cache.layers[1], cache.layers[3]):  # the full layers' oldest token evicted by hand
+            layer.keys, layer.values = layer.keys[:, :, 1:], layer.values[:, :, 1:]
+        with pytest.raises(splitft.CutError, match=r"cache layer 1, a decoder layer that runs in the cloud, were "
+                                                   r"changed outside the cache's own methods"):
+            model(input_ids=ids[:, 2:3], past_key_values=cache, use_cache=True)
+    assert all(torch.equal(a, b) for a, b in zip([got[0], *got[1], *got[2:]], [expected[0], *expected[1], *expected[2:]]))
 
 
 def test_a_static_cache_is_refused_by_name_before_the_cloud_runs(cloud):

@@ -29,7 +29,7 @@ MAX_CACHES = 4
 MAX_BATCH = 4096
 #: The changes a generation makes to a cache, by the name of transformers' method for each.
 _CHANGES = {"reorder": "reorder_cache", "select": "batch_select_indices", "repeat": "batch_repeat_interleave",
-            "crop": "crop"}
+            "crop": "crop", "reset": "reset"}
 
 
 _TOO_MANY = (f"this session already keeps {MAX_CACHES} key/value caches, one for each cache object alive on the edge "
@@ -93,6 +93,9 @@ class SessionCaches:
                    if isinstance(t, torch.Tensor) and t.dim() > 0]
         if cache is None or not tensors:
             return  # nothing the cloud's layers hold yet
+        if kind == "reset":
+            cache.reset()
+            return
         batch, held = tensors[0].shape[0], self.nbytes_of(cache)
         if kind in ("reorder", "select"):
             if not (isinstance(indices, list) and 0 < len(indices) <= MAX_BATCH and all(

@@ -23,7 +23,7 @@ from ..config_reads import ModuleFlags
 from ..cut import CutSpec
 from ..errors import ConfigError, HiddenAttributeWarning, PeerGone, SplitFTError
 from ..metrics import Metrics
-from . import generator_sets, initialisers, move, optimizers, resume
+from . import cloud_kv, generator_sets, initialisers, move, optimizers, resume
 from .cloud_half import CloudHalf
 from .fetched_state import FetchedCloudState
 from .ghosts import Ghosts, install, standin_of, uninstall
@@ -91,6 +91,7 @@ class SplitModel(UnsplitTree):
         cloud_half = self.cloud_half
         chain = install(model, spec, remote=self._trunk if spec.ushape else None, check=check_cut,
                         placeholder=lambda tensor, name: CloudTensor(tensor, name, cloud_half))
+        self.caller.caches.layers = cloud_kv.decoder_layers(chain.stages)
         self.ghosts = Ghosts(model, chain)
         self.ghosts.serve_state(self._with_cloud_values)
         self.mirror.before_step = self.ghosts.refuse_swapped

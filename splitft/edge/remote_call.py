@@ -23,6 +23,7 @@ from ..kv_caches import crop_held
 from ..wire import tree as trees
 from ..wire.coding import CacheRef, flatten, is_cache, sample_ids_array, unflatten
 from ..wire.operations import ChangeCache, FreeCache, Operation
+from . import cloud_kv
 from .cloud_half import CloudHalf
 from .schedule import Call, Scheduler
 from .streaming import stash_weights
@@ -76,6 +77,8 @@ class CacheRefs:
 
     def __init__(self, queue: Callable[[Operation], None], closed: Callable[[], bool]) -> None:
         self.queue, self.closed = queue, closed
+        #: The cache indices of the cloud's decoder layers, whose entries here hold their shapes (:mod:`.cloud_kv`).
+        self.layers: list[int] = []
         self._numbers: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._next = 0
 
@@ -88,6 +91,8 @@ class CacheRefs:
             _refuse_other_kinds(cache)
             _refuse_unseen_tokens(cache, new_tokens)
             number = self._follow(cache)
+        else:
+            cloud_kv.refuse_edits(cache)
         return CacheRef(number)
 
     def _follow(self, cache: Any) -> int:
@@ -102,6 +107,7 @@ class CacheRefs:
         continuations): the cloud copies its part of it too, as it is now."""
         number = self._follow(copy)
         self.queue(ChangeCache(id=number, kind="copy", source=source))
+        cloud_kv.mark(copy, self.layers)
 
 
     def free(self, number: int) -> None:
@@ -112,7 +118,7 @@ class CacheRefs:
 
 #: transformers' cache methods that change a cache in place, and the change each is sent as.
 _CHANGES = {"reorder_cache": "reorder", "batch_select_indices": "select", "batch_repeat_interleave": "repeat",
-            "crop": "crop"}
+            "crop": "crop", "reset": "reset"}
 #: Each cache the cloud keeps a part of: its number there, and who sends its changes.
 _SENDERS: weakref.WeakKeyDictionary[Any, tuple[int, CacheRefs]] = weakref.WeakKeyDictionary()
 
@@ -171,7 +177,7 @@ def _sending_changes(cls: type) -> type:
                    if callable(getattr(cls, method, None))}
         made = _SENDING_CLASSES[cls] = type(cls.__name__, (cls,), {
             "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__splitft_sends_changes__": True,
-            "__deepcopy__": _deepcopy, "__copy__": _refused_copy, **methods})
+            "__deepcopy__": _deepcopy, "__copy__": _refused_copy, "__reduce_ex__": _refused_save, **methods})
     return made
 
 
@@ -187,6 +193,11 @@ def _deepcopy(self: Any, memo: dict) -> Any:
     return copied
 
 
+def _refused_save(self: Any, protocol: Any) -> Any:
+    raise ConfigError("saving (pickling) a key/value cache the cloud keeps part of: its cloud layers' keys and values "
+                      "stay in the cloud; save the prompt and compute its cache again, or use the unsplit model")
+
+
 def _refused_copy(self: Any) -> Any:
     raise ConfigError("copy.copy of a key/value cache the cloud keeps part of: the copy would share the edge "
                       "layers' entries with the original, and the cloud's part would not follow; copy it with "
@@ -196,16 +207,21 @@ def _refused_copy(self: Any) -> Any:
 _SENDING_CLASSES: dict[type, type] = {}
 
 
-def _sending(original: Callable[..., Any], method: str, kind: str) -> Callable[[Any, Any], None]:
-    def change(self: Any, arg: Any) -> None:
+def _sending(original: Callable[..., Any], method: str, kind: str) -> Callable[..., None]:
+    def change(self: Any, *args: Any) -> None:
         if kind == "crop":
-            crop_held(self, arg, original)
+            crop_held(self, args[0], original)
         else:
-            original(self, arg)
+            original(self, *args)
         sender = _SENDERS.get(self)
         if sender is None:
             return
         number, queue = sender[0], sender[1].queue
+        cloud_kv.mark(self, sender[1].layers)
+        if kind == "reset":
+            queue(ChangeCache(id=number, kind=kind))
+            return
+        arg = args[0]
         if kind in ("reorder", "select"):
             indices = torch.as_tensor(arg)
             if indices.dtype == torch.bool:
@@ -269,11 +285,15 @@ class RemoteCaller:
                  drawn_since: torch.Tensor | None = None, generator_kept: torch.Tensor | None = None) -> Any:
         """The cloud half's output for ``args``/``kwargs`` (plain split: the loss, with ``target``)."""
         self.cloud_half.hidden = False  # an optimizer step that raised left them hidden
+        caches: list = []
+        first = args[0] if args else None
+        new_tokens = first.shape[-2] if isinstance(first, torch.Tensor) and first.dim() > 2 else None
         if kwargs or not all(isinstance(a, torch.Tensor) for a in args):  # tensors alone hold no cache to name
-            first = args[0] if args else None
-            new_tokens = first.shape[-2] if isinstance(first, torch.Tensor) and first.dim() > 2 else None
-            args, kwargs = trees.rebuild((args, kwargs), lambda cache, path: self.caches.ref(cache, path, new_tokens),
-                                         is_leaf=is_cache, other=lambda node, path: node)
+            def named(cache: Any, path: Any) -> CacheRef:
+                caches.append(cache)
+                return self.caches.ref(cache, path, new_tokens)
+
+            args, kwargs = trees.rebuild((args, kwargs), named, is_leaf=is_cache, other=lambda node, path: node)
         grad = torch.is_grad_enabled()
         leaves, skeleton = flatten((list(args), kwargs, target))
         if self.freeze_edge:  # no input needs a gradient, so none crosses back
@@ -289,6 +309,9 @@ class RemoteCaller:
                     drawn_since=drawn_since, generator_kept=generator_kept)
         inputs = [*leaves, self._anchor] if grad else leaves
         outputs = _RemoteCall.apply(self.scheduler, call, *inputs)
+        if caches and new_tokens is not None and isinstance(first, torch.Tensor):
+            for cache in caches:  # the cloud layers' entries hold the tokens they were given, in shape
+                cloud_kv.grow(cache, self.caches.layers, first.shape[0], new_tokens, first.dtype, first.device)
         return unflatten(call.out_skeleton, list(outputs))
 
 
