@@ -187,7 +187,7 @@ def test_a_malformed_generator_state_is_refused_and_the_session_goes_on(monkeypa
             x, y = data[0]
             tampered = torch.zeros(torch.get_rng_state().numel(), dtype=torch.uint8)
             with monkeypatch.context() as patch:
-                patch.setattr(torch, "get_rng_state", lambda: tampered)
+                patch.setattr(torch.random, "get_rng_state", lambda: tampered)  # where the edge reads it
                 with pytest.raises(ProtocolError, match="generator state"):
                     crit(model(x), y)
             _step(model, opt, crit, x, y)  # the edge's real state goes with the next forward
