@@ -15,6 +15,7 @@ import functools
 import hashlib
 import inspect
 import operator
+import random
 import sys
 import textwrap
 import types
@@ -110,6 +111,31 @@ def _called(cls: type) -> list[tuple[types.ModuleType, str, str, Any]]:
             if depth < _DEPTH and isinstance(value, types.FunctionType):
                 readers.append((value, depth + 1))
     return found
+
+
+@functools.cache
+def other_generators(cls: type) -> str | None:
+    """Where the methods of ``cls`` (``__init__`` aside), or the module functions they call, draw
+    from Python's ``random`` or NumPy's global generator (a stochastic depth written with
+    ``random.random()``): the cloud's process has its own of those, which the edge's do not steer,
+    where torch's host generator the split carries across. The first such use, or None."""
+    readers: list[tuple[Any, int]] = [(value, 1) for base in _bases(cls) for name, value in vars(base).items()
+                                      if isinstance(value, types.FunctionType) and name != "__init__"]
+    seen: set[int] = set()
+    while readers:
+        code, depth = readers.pop(0)
+        for module_name, alias, attribute in _module_attributes(code):
+            if module_name == "random" or module_name.startswith("numpy.random") or (
+                    module_name == "numpy" and attribute == "random"):
+                return f"{alias or module_name}.{attribute}"
+            value = getattr(sys.modules.get(module_name), attribute, None)
+            if module_name.startswith("random") or getattr(value, "__module__", None) == "random" \
+                    or isinstance(getattr(value, "__self__", None), random.Random):
+                return f"{alias}.{attribute}" if alias else attribute
+            if depth < _DEPTH and isinstance(value, types.FunctionType) and id(value) not in seen:
+                seen.add(id(value))
+                readers.append((value, depth + 1))
+    return None
 
 
 def _submodules(modules: list[tuple[str, nn.Module]]) -> dict[str, nn.Module]:

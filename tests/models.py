@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import random
 import types
 from collections.abc import Callable
 from typing import Any
@@ -179,6 +180,29 @@ def recurrent_net(seed: int = 0) -> nn.Sequential:
         torch.manual_seed(seed)
         return nn.Sequential(nn.Linear(12, 16), nn.Unflatten(1, (4, 4)), nn.GRU(4, 8, num_layers=2, batch_first=True),
                              SequenceOf(), nn.LSTM(8, 8, batch_first=True), SequenceOf(last=True), nn.Linear(8, 3))
+
+
+class RandomSkip(nn.Module):
+    """Stochastic depth drawn from Python's ``random``: in training, skips its layer with
+    probability ``p`` (the generator a cloud process has its own of)."""
+
+    def __init__(self, width: int, p: float = 0.5) -> None:
+        super().__init__()
+        self.layer, self.p = nn.Linear(width, width), p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and random.random() < self.p:
+            return x
+        return x + self.layer(x)
+
+
+def random_skip_mlp(seed: int = 0) -> nn.Sequential:
+    """The MLP with a :class:`RandomSkip` block in its cloud half (cut at 2)."""
+    model = mlp(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model.insert(3, RandomSkip(16))
+    return model
 
 
 def mlp_dropout(seed: int = 0) -> nn.Sequential:

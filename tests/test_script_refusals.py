@@ -28,7 +28,7 @@ from splitft.errors import ConfigError, CutError, HandshakeError, ModelError, Pl
 from tests.conftest import ROOT, start_cloud, stop
 from tests.models import (checkpointed_mlp, counting_mlp, deep_supervised, layer_stack, lookup_mlp, mlp,
                           mlp_batchnorm, mlp_dropout, noisy_mlp, old_norm_mlp, parametrized_mlp, pruned_mlp,
-                          recurrent_net)
+                          random_skip_mlp, recurrent_net)
 from tests.test_faults import _data
 from tests.test_script_corpus import assert_bitwise
 
@@ -45,7 +45,7 @@ def cloud(tmp_path_factory):
                                      "--model", "tests.models:counting_mlp", "--model", "tests.models:parametrized_mlp",
                                      "--model", "tests.models:layer_stack", "--model", "tests.models:lookup_mlp",
                                      "--model", "tests.models:pruned_mlp", "--model", "tests.models:old_norm_mlp",
-                                     "--model", "tests.models:recurrent_net")
+                                     "--model", "tests.models:recurrent_net", "--model", "tests.models:random_skip_mlp")
     yield address
     stop(proc)
 
@@ -463,6 +463,16 @@ def test_torchs_old_hook_based_norm_on_a_cloud_layer_is_refused_by_split_naming_
     with pytest.raises(CutError, match=rf"'2' has torch\.nn\.utils\.{how}, the old one .* "
                                        rf"torch\.nn\.utils\.parametrizations\.{how}, which the cloud half runs"):
         splitft.split(net, 2, factory=splitft.Factory("tests.models:old_norm_mlp", {"how": how}), connect=cloud)
+    assert all(type(t) in (torch.Tensor, nn.Parameter) for t in (*net.parameters(), *net.buffers()))
+
+
+def test_a_cloud_layer_that_draws_from_pythons_random_is_refused_by_split(cloud):
+    """Stochastic depth written with ``random.random()``: torch's generator crosses the cut, Python's
+    and NumPy's do not (the cloud's process has its own), so its draws would differ."""
+    net = random_skip_mlp()
+    with pytest.raises(CutError, match=r"'3' \(RandomSkip\) draws from a generator of its own process as it runs "
+                                       r"\(random\.random: .* Draw with torch"):
+        splitft.split(net, 2, factory="tests.models:random_skip_mlp", connect=cloud)
     assert all(type(t) in (torch.Tensor, nn.Parameter) for t in (*net.parameters(), *net.buffers()))
 
 

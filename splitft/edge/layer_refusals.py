@@ -7,6 +7,7 @@ from torch.nn.utils import prune
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
+from ..code_reads import other_generators
 from ..cut import Chain
 from ..errors import CutError
 
@@ -33,6 +34,13 @@ def refuse_unsupported_layers(stages: Chain) -> None:
                                f"from {pruned[0]._tensor_name}_orig by a hook), which the cloud half cannot hold: make "
                                f"the pruning permanent with prune.remove(module, {pruned[0]._tensor_name!r}) before "
                                "split() and in the factory, or cut so that the layer stays on the edge")
+            drawn = None if type(module).__module__.startswith("torch.") else other_generators(type(module))
+            if drawn is not None:
+                raise CutError(f"{where!r} ({type(module).__name__}) draws from a generator of its own process as it "
+                               f"runs ({drawn}: Python's random or NumPy's global generator), which in the cloud's "
+                               "process is another, where torch's generator is carried across the cut: its draws "
+                               "would differ from the unsplit model's. Draw with torch (torch.rand(()) < p, "
+                               "torch.randint), or cut so that the layer stays on the edge")
             hooked = [type(h).__name__ for h in module._forward_pre_hooks.values() if isinstance(h, _HOOKED_NORMS)]
             if hooked:
                 how = "weight_norm" if hooked[0] == "WeightNorm" else "spectral_norm"
