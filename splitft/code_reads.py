@@ -113,12 +113,20 @@ def _called(cls: type) -> list[tuple[types.ModuleType, str, str, Any]]:
     return found
 
 
-@functools.cache
 def other_generators(cls: type) -> str | None:
     """Where the methods of ``cls`` (``__init__`` aside), or the module functions they call, draw
     from Python's ``random`` or NumPy's global generator (a stochastic depth written with
     ``random.random()``): the cloud's process has its own of those, which the edge's do not steer,
     where torch's host generator the split carries across. The first such use, or None."""
+    if cls not in _OTHER_GENERATORS:
+        _OTHER_GENERATORS[cls] = _other_generators(cls)
+    return _OTHER_GENERATORS[cls]
+
+
+_OTHER_GENERATORS: dict[type, str | None] = {}
+
+
+def _other_generators(cls: type) -> str | None:
     readers: list[tuple[Any, int]] = [(value, 1) for base in _bases(cls) for name, value in vars(base).items()
                                       if isinstance(value, types.FunctionType) and name != "__init__"]
     seen: set[int] = set()

@@ -679,13 +679,29 @@ class _MyAdam(torch.optim.Adam):
     """A subclass of torch's Adam that adds nothing here; the cloud builds torch's classes only."""
 
 
+class _SignSGD(torch.optim.Optimizer):
+    """An optimizer of one's own (Lion, sign SGD): the cloud has no code of it."""
+
+    def __init__(self, params, lr: float = 0.01) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad.sign(), alpha=-group["lr"])
+
+
 @pytest.mark.parametrize("build, message", [
     (lambda params: _MyAdam(params, lr=0.01),
      r"tests\.test_optimizer_state\._MyAdam is not one of them \(a subclass of torch\.optim\.Adam.*"
      r"use torch\.optim\.Adam itself"),
     (lambda params: torch.optim.Adam(params, lr=np.float32(0.01)),
      r"lr is np\.float32\(0\.01\): a numpy number computes in its own precision.*float\(\.\.\.\)"),
-], ids=["a subclass", "a numpy learning rate"])
+    (lambda params: _SignSGD(params),
+     r"_SignSGD is not one of them \(an optimizer of its own.* a loop over the parameters under torch\.no_grad\(\)"),
+], ids=["a subclass", "a numpy learning rate", "one of its own"])
 def test_an_optimizer_the_cloud_cannot_rebuild_is_refused_naming_the_fix(cloud, build, message):
     model, _ = _split(cloud, None)
     with model, pytest.raises(ConfigError, match=message):

@@ -476,6 +476,19 @@ def test_a_cloud_layer_that_draws_from_pythons_random_is_refused_by_split(cloud)
     assert all(type(t) in (torch.Tensor, nn.Parameter) for t in (*net.parameters(), *net.buffers()))
 
 
+@pytest.mark.parametrize("value", [torch.tensor(0.25), np.float32(0.25)], ids=["a 0-d tensor", "a numpy float32"])
+def test_a_cloud_layers_setting_set_to_a_number_that_is_no_python_number_names_the_conversion(cloud, value):
+    """A drop rate from ``torch.linspace`` or ``np.linspace(dtype=float32)``: the cloud takes settings
+    as plain values; the refusal says to convert it, and the converted one is set in the cloud."""
+    net = mlp_dropout()
+    with splitft.split(net, 2, factory="tests.models:mlp_dropout", connect=cloud):
+        with pytest.raises(CutError, match=r"setting 'p' of '3' to a .*: the cloud's copy of the layer takes the "
+                                           r"settings its code reads as plain values .* \(float\(v\)"):
+            net[3].p = value
+        net[3].p = float(value)
+        assert net[3].p == 0.25
+
+
 def test_a_state_dict_hook_on_a_cloud_layer_from_before_split_is_refused_by_split(cloud):
     """A load pre-hook migrating old checkpoints of layer 2: the cloud half's state loads without it."""
     net = mlp()

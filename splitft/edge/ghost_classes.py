@@ -99,12 +99,18 @@ class Ghost(nn.Module):
                            f"{getattr(value, '__name__', value)!s:.60}: that module runs in the cloud, built by the "
                            "factory, and would keep its class and code (split training would silently differ). "
                            "Change the model before split(), and the cloud's factory the same way")
-        setting = name in MODE_ATTRIBUTES or (is_flag(value) and name in flags_read(self))
+        read = name in flags_read(self)
+        setting = name in MODE_ATTRIBUTES or (is_flag(value) and read)
         if setting or (name.startswith("_") and name not in TABLES):
             if setting and not same_setting(self.__dict__.get(name), value):
                 settings_changed()
             super().__setattr__(name, value)
             return
+        if read:
+            raise CutError(f"setting {name!r} of {self.__dict__.get('_splitft_where', '?')!r} to a "
+                           f"{type(value).__qualname__}: the cloud's copy of the layer takes the settings its code "
+                           "reads as plain values (numbers, switches, names); set it as a Python number "
+                           f"(float(v), int(v) or v.item())")
         raise CutError(f"setting {name!r} of {self.__dict__.get('_splitft_where', '?')!r}: that module runs in the "
                        "cloud, built by the factory, and would not change with it (split training would silently "
                        "differ). Change the model before split(), and the cloud's factory the same way; to change "

@@ -26,7 +26,10 @@ def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
                           + (f" (a subclass of torch.optim.{base.__name__}, whose copy in the cloud would not run what "
                              f"{cls.__name__} adds): use torch.optim.{base.__name__} itself, and set what the subclass "
                              "changes on its param_groups (a learning rate, mirrored at each step)"
-                             if base is not None and base is not torch.optim.Optimizer else ""))
+                             if base is not None and base is not torch.optim.Optimizer else
+                             " (an optimizer of its own, whose code the cloud does not have): step the cloud half with "
+                             "a torch.optim optimizer, or write the update as a loop over the parameters under "
+                             "torch.no_grad() (p.add_(...) from p.grad), which is computed in the cloud"))
     closure = inspect.signature(cls.step).parameters.get("closure")
     if closure is not None and closure.default is inspect.Parameter.empty:
         raise ConfigError(f"{cls.__name__} steps by calling a closure (the loss evaluated again inside its step), "
