@@ -174,6 +174,8 @@ def test_a_cache_change_is_checked_against_the_cache_and_the_memory_before_it_is
     assert copied is not cache and torch.equal(copied.layers[0].keys, cache.layers[0].keys)
     caches.change(3, "crop", None, -1, fits)
     assert cache.layers[0].keys.shape[2] == 2  # the copy changes alone
+    with pytest.raises(ProtocolError):
+        caches.change(3, "whole", None, None, fits)  # a cache is made whole as it begins, not after
 
 
 def test_a_followed_cache_sends_its_changes_and_a_deep_copy_is_followed_as_a_copy_of_it():
@@ -199,6 +201,7 @@ def test_a_followed_cache_sends_its_changes_and_a_deep_copy_is_followed_as_a_cop
     cache.batch_select_indices(torch.tensor([True, False]))
     cache.crop(-1)
     assert [(op.id, op.kind, op.indices, op.count, op.source) for op in sent] == [
+        (1, "whole", None, None, None),  # made without a model config: the cloud's keeps every token too
         (2, "copy", None, None, 1), (2, "reorder", [1, 0], None, None), (1, "reorder", [1, 0], None, None),
         (1, "select", [0], None, None), (1, "crop", None, -1, None)]
     assert torch.equal(cache.layers[0].keys, keys[1:, :, :1])
@@ -312,6 +315,30 @@ def test_a_model_whose_first_full_attention_layer_runs_in_the_cloud_generates_as
                                                    r"changed outside the cache's own methods"):
             model(input_ids=ids[:, 2:3], past_key_values=cache, use_cache=True)
     assert all(torch.equal(a, b) for a, b in zip([got[0], *got[1], *got[2:]], [expected[0], *expected[1], *expected[2:]]))
+
+
+def test_a_cache_made_without_the_models_config_keeps_every_token_in_the_cloud_too(cloud):
+    """``DynamicCache()`` built by a manual decoding loop keeps all tokens of every layer, where
+    generate() builds one from the config (a sliding window's layers keep the window): the cloud's
+    part of it is made the same way, past the window."""
+    from transformers import DynamicCache
+
+    ids = torch.randint(3, 128, (2, 3), generator=torch.Generator().manual_seed(0))
+
+    def decode(model):
+        cache, logits, tokens = DynamicCache(), [], ids
+        with torch.no_grad():
+            for _ in range(4):  # 3 + 4 tokens: past the window of 4
+                out = model(input_ids=tokens, past_key_values=cache, use_cache=True)
+                logits.append(out.logits)
+                tokens = out.logits[:, -1:].argmax(-1)
+        return logits
+
+    expected = decode(tiny_hf("mistral"))
+    factory = splitft.Factory("tests.models:tiny_hf", {"kind": "mistral"})
+    with splitft.split(tiny_hf("mistral"), "model.layers.1:3", factory=factory, connect=cloud.connect) as model:
+        got = decode(model)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
 def test_a_static_cache_is_refused_by_name_before_the_cloud_runs(cloud):

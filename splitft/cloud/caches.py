@@ -56,7 +56,9 @@ class SessionCaches:
         return trees.rebuild(tree, lambda ref, path: self._get(ref.id),
                              is_leaf=lambda node: isinstance(node, CacheRef), other=lambda node, path: node)
 
-    def _get(self, number: int) -> Any:
+    def _get(self, number: int, whole: bool = False) -> Any:
+        """The cache of ``number``, made as the edge's generation makes one (from the model's config:
+        a sliding window's layers keep only the window) unless ``whole`` (every layer keeps all)."""
         cache = self._caches.get(number)
         if cache is None:
             if len(self._caches) >= MAX_CACHES:
@@ -66,7 +68,8 @@ class SessionCaches:
             except ImportError:
                 raise ConfigError("the edge generates with a key/value cache, which needs transformers in the "
                                   "cloud: pip install transformers") from None
-            cache = self._caches[number] = DynamicCache() if self.config is None else DynamicCache(config=self.config)
+            cache = self._caches[number] = DynamicCache() if self.config is None or whole else \
+                DynamicCache(config=self.config)
         return cache
 
     def hold_graphs(self, numbers: list[int]) -> bool:
@@ -82,11 +85,16 @@ class SessionCaches:
                source: Any = None) -> None:
         """What the edge's generation did to its cache ``number`` (beam search reordering it), done
         to this one: checked against its batch and priced against the session's memory first."""
-        if not isinstance(kind, str) or kind not in (*_CHANGES, "copy") or not isinstance(number, int):
+        if not isinstance(kind, str) or kind not in (*_CHANGES, "copy", "whole") or not isinstance(number, int):
             raise ProtocolError(f"no cache change {short(kind)} of cache {short(number)}; known: "
-                                f"{sorted([*_CHANGES, 'copy'])}")
+                                f"{sorted([*_CHANGES, 'copy', 'whole'])}")
         if kind == "copy":
             self._copy(number, source, fits)
+            return
+        if kind == "whole":
+            if number in self._caches:
+                raise ProtocolError(f"cache {number} exists already: a cache is made whole as it begins")
+            self._get(number, whole=True)
             return
         cache = self._caches.get(number)
         tensors = [t for layer in getattr(cache, "layers", []) for t in (getattr(layer, "keys", None),)

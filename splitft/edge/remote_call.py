@@ -95,17 +95,21 @@ class CacheRefs:
             cloud_kv.refuse_edits(cache)
         return CacheRef(number)
 
-    def _follow(self, cache: Any) -> int:
+    def _follow(self, cache: Any, made: bool = True) -> int:
         self._next += 1
         number = self._numbers[cache] = self._next
         weakref.finalize(cache, _free, weakref.ref(self), number)
         _mirror_changes(cache, number, self)
+        if made and getattr(cache, "layer_class_to_replicate", None) is not None:
+            # built without a model config (DynamicCache()): every layer keeps all its tokens, no
+            # sliding window, and the cloud's part must too (its caches are built with the config)
+            self.queue(ChangeCache(id=number, kind="whole"))
         return number
 
     def copied(self, copy: Any, source: int) -> None:
         """``copy`` is ``copy.deepcopy`` of cache ``source`` (a prompt's cache reused for several
         continuations): the cloud copies its part of it too, as it is now."""
-        number = self._follow(copy)
+        number = self._follow(copy, made=False)
         self.queue(ChangeCache(id=number, kind="copy", source=source))
         cloud_kv.mark(copy, self.layers)
 

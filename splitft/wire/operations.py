@@ -214,7 +214,9 @@ class ChangeCache(Operation):
     token): the same change to the cloud's part of it. ``kind``: ``reorder`` and ``select`` take
     ``indices`` along the batch, ``repeat`` repeats each entry ``count`` times, ``crop`` drops the
     last ``-count`` tokens (transformers' ``reorder_cache``, ``batch_select_indices``,
-    ``batch_repeat_interleave``, ``crop``), ``reset`` empties it; ``copy`` makes cache ``id`` a copy of cache
+    ``batch_repeat_interleave``, ``crop``), ``reset`` empties it; ``whole`` makes cache ``id`` one whose
+    layers keep all their tokens (a ``DynamicCache()`` built without the model's config); ``copy``
+    makes cache ``id`` a copy of cache
     ``source`` (``copy.deepcopy`` of a prompt's cache, for another continuation)."""
 
     NAME: ClassVar[str] = "change_cache"
