@@ -336,7 +336,9 @@ def _fresh(value: CloudValue, remote: Any) -> None:
     if value._splitft_version != remote.version():
         raise PlaceholderError("a tensor computed from the cloud half's tensors is used after they changed (an "
                                "operation, a forward or a step since): torch would have computed it before the "
-                               "change. Reduce or read it (.sum(), float(...)) before changing them")
+                               "change. Reduce or read it (.sum(), float(...)) before changing them; a copy kept "
+                               "to restore later (an EMA's store() and restore(), the best weights) is taken as "
+                               "p.detach().clone() or under torch.no_grad(), which hold the values")
 
 
 def _read(remote: Any, nodes: list[dict]) -> list[Tensor]:
