@@ -281,9 +281,10 @@ class Scheduler:
                                   "once")
             if call.backpropagated and not call.streamed and (
                     not exact or any(part.eager_grads is None for part in call.parts)):
-                raise ConfigError("a second backward through the same forward (backward(retain_graph=True), then "
-                                  "another): the cloud frees its graph after the first, so it cannot be repeated "
-                                  "there; run the forward again, or add the losses and call backward once")
+                raise ConfigError("a second backward through the same forward (backward(retain_graph=True) or "
+                                  "torch.autograd.grad(..., retain_graph=True) through the cloud half, then another): "
+                                  "the cloud frees its graph after the first, so it cannot be repeated there; run "
+                                  "the forward again, or add the losses and call backward once")
             call.backpropagated = True
             if not exact:  # the cloud backpropagates the graph it kept, for the gradient the loss got
                 for part in call.parts:
