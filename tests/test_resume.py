@@ -189,6 +189,23 @@ def _warmup(epoch: int) -> float:
     return min(1.0, (epoch + 1) / 4)
 
 
+def _scheduled(model, opt, sched, crit, part) -> None:
+    """:func:`_train` with the scheduler stepping after each step."""
+    for x, y in part:
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+        sched.step()
+
+
+def _warmed_up_locally(data) -> dict:
+    """The unsplit model's weights after ``data`` under Adam and the warm-up scheduler, never stopped."""
+    local = mlp()
+    opt = torch.optim.Adam(local.parameters(), lr=0.01)
+    _scheduled(local, opt, torch.optim.lr_scheduler.LambdaLR(opt, _warmup), nn.CrossEntropyLoss(), data)
+    return local.state_dict()
+
+
 def _checkpointed_then(tmp_path, data, resumed, scheduled: bool = False, after_three=lambda opt: None):
     """Three steps of ``data`` (a warm-up scheduler stepping after each when ``scheduled``),
     ``after_three(opt)``, an edge checkpoint, then ``resumed(model, scheduler_state)`` on a split
@@ -294,29 +311,16 @@ def test_a_scheduler_built_over_a_resumed_models_new_optimizer_goes_on_with_the_
     loaded from the first run's: the checkpoint's learning rate is the one to go on with (as a
     script that loads both states after building both), and the run ends as one never stopped."""
     data = _data(6)
-    local = mlp()
-    local_opt = torch.optim.Adam(local.parameters(), lr=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(local_opt, _warmup)
-    for x, y in data:
-        local_opt.zero_grad()
-        nn.CrossEntropyLoss()(local(x), y).backward()
-        local_opt.step()
-        sched.step()
 
     def resumed(model, sched_state):
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup)
         sched.load_state_dict(sched_state)
-        crit = model.remote_loss(nn.CrossEntropyLoss())
-        for x, y in data[3:]:
-            opt.zero_grad()
-            crit(model(x), y).backward()
-            opt.step()
-            sched.step()
+        _scheduled(model, opt, sched, model.remote_loss(nn.CrossEntropyLoss()), data[3:])
         return model.state_dict()
 
     weights = _checkpointed_then(tmp_path, data, resumed, scheduled=True)
-    assert all(torch.equal(weights[k], v) for k, v in local.state_dict().items())
+    assert all(torch.equal(weights[k], v) for k, v in _warmed_up_locally(data).items())
 
 
 def _same_state(got: dict, want: dict) -> bool:
@@ -346,28 +350,15 @@ def test_a_scheduler_resumed_with_last_epoch_over_a_resumed_models_new_optimizer
     ``initial_lr`` of the loaded optimizer state: the checkpoint's loads as the scheduler is
     built (torch raised KeyError before), and the run ends as one never stopped."""
     data = _data(6)
-    local = mlp()
-    local_opt = torch.optim.Adam(local.parameters(), lr=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(local_opt, _warmup)
-    for x, y in data:
-        local_opt.zero_grad()
-        nn.CrossEntropyLoss()(local(x), y).backward()
-        local_opt.step()
-        sched.step()
 
     def resumed(model, _):
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup, last_epoch=2)
-        crit = model.remote_loss(nn.CrossEntropyLoss())
-        for x, y in data[3:]:
-            opt.zero_grad()
-            crit(model(x), y).backward()
-            opt.step()
-            sched.step()
+        _scheduled(model, opt, sched, model.remote_loss(nn.CrossEntropyLoss()), data[3:])
         return model.state_dict()
 
     weights = _checkpointed_then(tmp_path, data, resumed, scheduled=True)
-    assert all(torch.equal(weights[k], v) for k, v in local.state_dict().items())
+    assert all(torch.equal(weights[k], v) for k, v in _warmed_up_locally(data).items())
 
 
 def test_resume_with_a_wrong_token_is_refused(tmp_path):
