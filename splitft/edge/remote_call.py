@@ -113,7 +113,6 @@ class CacheRefs:
         self.queue(ChangeCache(id=number, kind="copy", source=source))
         cloud_kv.mark(copy, self.layers)
 
-
     def free(self, number: int) -> None:
         """Cache ``number`` is gone on the edge: free the cloud's."""
         if not self.closed():
