@@ -341,6 +341,22 @@ def test_a_cache_made_without_the_models_config_keeps_every_token_in_the_cloud_t
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
+def test_a_split_model_drafts_for_an_unsplit_targets_assisted_generation(cloud):
+    """``target.generate(..., assistant_model=split_model)``: transformers asks the assistant for
+    private methods of its class (``_supports_logits_to_keep``), which the split model hands on to
+    the model it wraps, as for any attribute of its own it lacks."""
+    ids, mask = _prompts()
+
+    def drafted(assistant):
+        with torch.no_grad():
+            return tiny_hf("llama", seed=5).generate(input_ids=ids[:1], max_new_tokens=6, do_sample=False,
+                                                      pad_token_id=0, assistant_model=assistant)
+
+    expected = drafted(tiny_hf("llama"))
+    with splitft.split(tiny_hf("llama"), "model.layers.1:3", factory=FACTORY, connect=cloud.connect) as model:
+        assert torch.equal(drafted(model.eval()), expected)
+
+
 def test_a_static_cache_is_refused_by_name_before_the_cloud_runs(cloud):
     ids, mask = _prompts()
     with splitft.split(tiny_hf("llama"), "model.layers.1:3", factory=FACTORY, connect=cloud.connect) as model:

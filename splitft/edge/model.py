@@ -131,9 +131,9 @@ class SplitModel(UnsplitTree):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if wrapped is None or name.startswith("_"):
+            if wrapped is None or name.startswith("__") or (name.startswith("_") and not hasattr(type(wrapped), name)):
                 raise
-            return getattr(wrapped, name)  # config, main_input_name, num_parameters, ...
+            return getattr(wrapped, name)  # config, main_input_name, transformers' _supports_logits_to_keep, ...
 
     # ------------------------------------------------------------ what cannot reach the cloud half
 
