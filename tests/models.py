@@ -205,6 +205,13 @@ def random_skip_mlp(seed: int = 0) -> nn.Sequential:
     return model
 
 
+def inplace_relu_mlp(seed: int = 0) -> nn.Sequential:
+    """The MLP with an in-place ReLU at 1, the first module of the cloud half when cut at 1."""
+    model = mlp(seed)
+    model[1] = nn.ReLU(inplace=True)
+    return model
+
+
 def mlp_dropout(seed: int = 0) -> nn.Sequential:
     """An MLP with dropout in its cloud half (cut at 2): its masks come from the cloud's generator."""
     with torch.random.fork_rng(devices=[]):

@@ -28,7 +28,7 @@ from splitft.errors import ConfigError, CutError, HandshakeError, ModelError, Pl
 from tests.conftest import ROOT, start_cloud, stop
 from tests.models import (checkpointed_mlp, counting_mlp, deep_supervised, layer_stack, lookup_mlp, mlp,
                           mlp_batchnorm, mlp_dropout, noisy_mlp, old_norm_mlp, parametrized_mlp, pruned_mlp,
-                          random_skip_mlp, recurrent_net)
+                          inplace_relu_mlp, random_skip_mlp, recurrent_net)
 from tests.test_faults import _data
 from tests.test_script_corpus import assert_bitwise
 
@@ -45,7 +45,8 @@ def cloud(tmp_path_factory):
                                      "--model", "tests.models:counting_mlp", "--model", "tests.models:parametrized_mlp",
                                      "--model", "tests.models:layer_stack", "--model", "tests.models:lookup_mlp",
                                      "--model", "tests.models:pruned_mlp", "--model", "tests.models:old_norm_mlp",
-                                     "--model", "tests.models:recurrent_net", "--model", "tests.models:random_skip_mlp")
+                                     "--model", "tests.models:recurrent_net", "--model", "tests.models:random_skip_mlp",
+                                     "--model", "tests.models:inplace_relu_mlp")
     yield address
     stop(proc)
 
@@ -487,6 +488,20 @@ def test_a_cloud_layers_setting_set_to_a_number_that_is_no_python_number_names_t
             net[3].p = value
         net[3].p = float(value)
         assert net[3].p == 0.25
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["training", "evaluation"])
+def test_a_cloud_module_that_changes_what_it_receives_in_place_is_refused(cloud, training):
+    """``nn.ReLU(inplace=True)`` first in the cloud half: unsplit it changes the edge's tensor, which
+    the model's forward may read again; the cloud has its own copy. Refused by the cloud, in
+    training (where torch itself refused the change of a leaf, unclearly) and in evaluation (where
+    nothing was said)."""
+    (x, y), = _data(1)
+    with splitft.split(inplace_relu_mlp(), 1, factory="tests.models:inplace_relu_mlp", connect=cloud) as model:
+        model.train(training)
+        with torch.set_grad_enabled(training), pytest.raises(
+                ConfigError, match=r"a cloud module changes a tensor it receives from the edge in place"):
+            model.remote_loss(nn.CrossEntropyLoss())(model(x), y)
 
 
 def test_a_state_dict_hook_on_a_cloud_layer_from_before_split_is_refused_by_split(cloud):

@@ -68,6 +68,30 @@ def test_tiny_bert_ushape_split_equals_local(inproc_cloud, attn):
     assert sent.payload - hidden <= 3 * 10 * 4 * STEPS * ACCUMULATE
 
 
+def test_tiny_bert_under_bfloat16_autocast_trains_bitwise_as_local(inproc_cloud):
+    """What Trainer(bf16=True) on the CPU does: the received activation is no autocast cache's leaf in
+    the cloud (its query, key and value layers cast it each, as unsplit, and their input gradients
+    add in float32), so the gradient crossing back, and every edge weight, are the unsplit ones."""
+    def train(model, opt):  # the forward and loss under autocast, as Trainer runs them
+        losses = []
+        for ids, mask, y in _batches():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(model(ids, mask), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+        return losses
+
+    local = tiny_bert()
+    local_losses = train(local, torch.optim.AdamW(local.parameters(), lr=1e-3))
+    with splitft.split(tiny_bert(), CUT, factory=FACTORY, connect=inproc_cloud.connect()) as model:
+        losses = train(model, model.attach(torch.optim.AdamW(model.parameters(), lr=1e-3)))
+        state = model.state_dict()
+    assert losses == local_losses
+    assert all(torch.equal(state[k], v) for k, v in local.state_dict().items())
+
+
 def test_frozen_edge_sends_no_gradient_and_equals_local_with_a_frozen_bottom(inproc_cloud):
     """SFT's eliminated link: the cut's input needs no gradient, so none crosses back; the head
     after the trunk still trains, exactly like local training with the bottom frozen."""

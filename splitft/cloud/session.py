@@ -159,7 +159,10 @@ class CloudSession:
         n_args, n_kw = inputs.counts
         leaves = [t.detach().requires_grad_() if g and t.is_floating_point() else t
                   for t, g in zip(inputs.tensors, inputs.grads)]
-        cast = [half.placement.cast_in(t) for t in leaves[:n_args + n_kw]]  # in the graph: grads keep the edge's dtype
+        # In the graph (grads keep the edge's dtype), through a view where it takes a gradient: the
+        # activation is no leaf unsplit, and autocast caches one cast of a leaf for all its readers
+        # (a block's query, key and value layers), where each reader of a non-leaf casts its own.
+        cast = [half.placement.cast_in(t.view_as(t) if t.requires_grad else t) for t in leaves[:n_args + n_kw]]
         caching = self.caches.named((args_skel, kw_skel))
         args, kwargs = unflatten(args_skel, cast[:n_args]), unflatten(kw_skel, cast[n_args:n_args + n_kw])
         if caching:  # the session's caches in place of their numbers (a training step names none)
@@ -172,7 +175,7 @@ class CloudSession:
             with torch.set_grad_enabled(grad), blame(ModelError, "the cloud part failed on the inputs the edge sent"), \
                     GraphMeter(half.chain, half.parameter_storages()) as meter, \
                     autocast_region(autocast, half.placement.device), self.random.active(train):
-                value = edge_dtype(half.chain(*args, **kwargs), inputs.tensors, half.placement.dtype)
+                value = edge_dtype(_chain_run(half.chain, args, kwargs), inputs.tensors, half.placement.dtype)
                 if target is not None:
                     if mirrored.loss_fn is None:
                         raise ConfigError("a target arrived but no loss was configured: use "
@@ -371,6 +374,29 @@ class CloudSession:
     def weights(self) -> dict[str, torch.Tensor]:
         """The half's whole state under the original model's names (a sharded half gathers it)."""
         return self.half.chain.qualified_state_dict()
+
+
+_CHANGED_IN_PLACE = ("a cloud module changes a tensor it receives from the edge in place (an nn.ReLU(inplace=True) "
+                     "first in the cloud half, a statistic added to an argument): the edge's tensor, which the "
+                     "model's forward may read again (a skip connection), would not change as unsplit; build that "
+                     "layer with inplace=False (in the cloud's factory too), return what it computes, or cut after it")
+
+
+def _chain_run(chain: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """The half's forward; one that changes what it received in place is refused: the edge's
+    tensor, which its forward may read again, would not change, where unsplit it does."""
+    received = [t for value in (*args, *kwargs.values())
+                for t in (value if isinstance(value, (tuple, list)) else (value,)) if isinstance(t, torch.Tensor)]
+    versions = [t._version for t in received]
+    try:
+        out = chain(*args, **kwargs)
+    except RuntimeError as exc:
+        if "leaf Variable that requires grad is being used in an in-place operation" not in str(exc):
+            raise
+        raise ConfigError(_CHANGED_IN_PLACE) from exc
+    if any(t._version != version for t, version in zip(received, versions)):
+        raise ConfigError(_CHANGED_IN_PLACE)
+    return out
 
 
 def _needed(inputs: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+import torch
 from torch import nn
 
 from ..config_reads import MODE_ATTRIBUTES, flags_read, is_flag, same_setting
@@ -106,7 +108,7 @@ class Ghost(nn.Module):
                 settings_changed()
             super().__setattr__(name, value)
             return
-        if read:
+        if read and (isinstance(value, np.generic) or (isinstance(value, torch.Tensor) and value.dim() == 0)):
             raise CutError(f"setting {name!r} of {self.__dict__.get('_splitft_where', '?')!r} to a "
                            f"{type(value).__qualname__}: the cloud's copy of the layer takes the settings its code "
                            "reads as plain values (numbers, switches, names); set it as a Python number "
