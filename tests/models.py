@@ -212,6 +212,39 @@ def inplace_relu_mlp(seed: int = 0) -> nn.Sequential:
     return model
 
 
+class AuxLossBlock(nn.Module):
+    """A block that appends an auxiliary loss to a list it is handed (the mixture-of-experts idiom)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor, losses: list) -> torch.Tensor:
+        losses.append(h.pow(2).mean())
+        return torch.relu(self.lin(h))
+
+
+class AuxLossNet(nn.Module):
+    """Blocks handed one list of auxiliary losses, which the forward adds to the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.blocks, self.head = nn.Linear(12, 16), nn.ModuleList(AuxLossBlock() for _ in range(3)), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        losses: list = []
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h, losses)
+        return self.head(h) + sum(losses)
+
+
+def aux_loss_net(seed: int = 0) -> AuxLossNet:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AuxLossNet()
+
+
 def mlp_dropout(seed: int = 0) -> nn.Sequential:
     """An MLP with dropout in its cloud half (cut at 2): its masks come from the cloud's generator."""
     with torch.random.fork_rng(devices=[]):

@@ -28,7 +28,7 @@ from splitft.errors import ConfigError, CutError, HandshakeError, ModelError, Pl
 from tests.conftest import ROOT, start_cloud, stop
 from tests.models import (checkpointed_mlp, counting_mlp, deep_supervised, layer_stack, lookup_mlp, mlp,
                           mlp_batchnorm, mlp_dropout, noisy_mlp, old_norm_mlp, parametrized_mlp, pruned_mlp,
-                          inplace_relu_mlp, random_skip_mlp, recurrent_net)
+                          aux_loss_net, inplace_relu_mlp, random_skip_mlp, recurrent_net)
 from tests.test_faults import _data
 from tests.test_script_corpus import assert_bitwise
 
@@ -46,7 +46,7 @@ def cloud(tmp_path_factory):
                                      "--model", "tests.models:layer_stack", "--model", "tests.models:lookup_mlp",
                                      "--model", "tests.models:pruned_mlp", "--model", "tests.models:old_norm_mlp",
                                      "--model", "tests.models:recurrent_net", "--model", "tests.models:random_skip_mlp",
-                                     "--model", "tests.models:inplace_relu_mlp")
+                                     "--model", "tests.models:inplace_relu_mlp", "--model", "tests.models:aux_loss_net")
     yield address
     stop(proc)
 
@@ -502,6 +502,15 @@ def test_a_cloud_module_that_changes_what_it_receives_in_place_is_refused(cloud,
         with torch.set_grad_enabled(training), pytest.raises(
                 ConfigError, match=r"a cloud module changes a tensor it receives from the edge in place"):
             model.remote_loss(nn.CrossEntropyLoss())(model(x), y)
+
+
+def test_a_trunk_block_that_appends_to_a_list_it_is_handed_is_refused(cloud):
+    """Blocks appending auxiliary losses to a list the forward hands them: the cloud's blocks append
+    to its copy of the list, which the edge's forward would sum without them. Refused by the cloud."""
+    (x, y), = _data(1)
+    with splitft.split(aux_loss_net(), "blocks.0:2", factory="tests.models:aux_loss_net", connect=cloud) as model:
+        with pytest.raises(ConfigError, match=r"or a list or dict it receives \(an auxiliary loss appended\)"):
+            model(x)
 
 
 def test_a_state_dict_hook_on_a_cloud_layer_from_before_split_is_refused_by_split(cloud):

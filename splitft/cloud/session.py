@@ -377,9 +377,10 @@ class CloudSession:
 
 
 _CHANGED_IN_PLACE = ("a cloud module changes a tensor it receives from the edge in place (an nn.ReLU(inplace=True) "
-                     "first in the cloud half, a statistic added to an argument): the edge's tensor, which the "
-                     "model's forward may read again (a skip connection), would not change as unsplit; build that "
-                     "layer with inplace=False (in the cloud's factory too), return what it computes, or cut after it")
+                     "first in the cloud half, a statistic added to an argument), or a list or dict it receives (an "
+                     "auxiliary loss appended): the edge's, which the model's forward may read again (a skip "
+                     "connection, the losses it sums), would not change as unsplit; build that layer with "
+                     "inplace=False (in the cloud's factory too), return what it computes, or cut after it")
 
 
 def _chain_run(chain: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -388,15 +389,22 @@ def _chain_run(chain: nn.Module, args: tuple, kwargs: dict) -> Any:
     received = [t for value in (*args, *kwargs.values())
                 for t in (value if isinstance(value, (tuple, list)) else (value,)) if isinstance(t, torch.Tensor)]
     versions = [t._version for t in received]
+    held = [(value, _contents(value)) for value in (*args, *kwargs.values()) if isinstance(value, (list, dict))]
     try:
         out = chain(*args, **kwargs)
     except RuntimeError as exc:
         if "leaf Variable that requires grad is being used in an in-place operation" not in str(exc):
             raise
         raise ConfigError(_CHANGED_IN_PLACE) from exc
-    if any(t._version != version for t, version in zip(received, versions)):
+    if any(t._version != version for t, version in zip(received, versions)) or \
+            any(_contents(value) != before for value, before in held):
         raise ConfigError(_CHANGED_IN_PLACE)
     return out
+
+
+def _contents(value: list | dict) -> list[int]:
+    """What a list or dict holds, by identity (and its keys): an append or an entry set changes it."""
+    return [id(v) for v in value] if isinstance(value, list) else [id(k) for k in value] + [id(v) for v in value.values()]
 
 
 def _needed(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
