@@ -205,6 +205,18 @@ def random_skip_mlp(seed: int = 0) -> nn.Sequential:
     return model
 
 
+class PositiveRows(nn.Module):
+    """Keeps the rows whose first value is positive: an output whose shape depends on the values."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[x[:, 0] > 0]
+
+
+def positive_rows_mlp(seed: int = 0) -> nn.Sequential:
+    """The MLP ending in :class:`PositiveRows` (in the cloud half when cut at 2)."""
+    return nn.Sequential(*mlp(seed), PositiveRows())
+
+
 def inplace_relu_mlp(seed: int = 0) -> nn.Sequential:
     """The MLP with an in-place ReLU at 1, the first module of the cloud half when cut at 1."""
     model = mlp(seed)

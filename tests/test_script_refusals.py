@@ -28,7 +28,7 @@ from splitft.errors import ConfigError, CutError, HandshakeError, ModelError, Pl
 from tests.conftest import ROOT, start_cloud, stop
 from tests.models import (checkpointed_mlp, counting_mlp, deep_supervised, layer_stack, lookup_mlp, mlp,
                           mlp_batchnorm, mlp_dropout, noisy_mlp, old_norm_mlp, parametrized_mlp, pruned_mlp,
-                          aux_loss_net, inplace_relu_mlp, random_skip_mlp, recurrent_net)
+                          aux_loss_net, inplace_relu_mlp, positive_rows_mlp, random_skip_mlp, recurrent_net)
 from tests.test_faults import _data
 from tests.test_script_corpus import assert_bitwise
 
@@ -46,7 +46,8 @@ def cloud(tmp_path_factory):
                                      "--model", "tests.models:layer_stack", "--model", "tests.models:lookup_mlp",
                                      "--model", "tests.models:pruned_mlp", "--model", "tests.models:old_norm_mlp",
                                      "--model", "tests.models:recurrent_net", "--model", "tests.models:random_skip_mlp",
-                                     "--model", "tests.models:inplace_relu_mlp", "--model", "tests.models:aux_loss_net")
+                                     "--model", "tests.models:inplace_relu_mlp", "--model", "tests.models:aux_loss_net",
+                                     "--model", "tests.models:positive_rows_mlp")
     yield address
     stop(proc)
 
@@ -326,16 +327,38 @@ def test_an_optimizer_built_before_split_trains_the_cloud_half(cloud):
     assert model.session.metrics.steps == len(data)
 
 
-def test_a_plain_splits_model_x_answers_its_shape_and_gives_the_activation_when_asked(cloud):
+def test_a_plain_splits_model_x_answers_the_outputs_shape_and_gives_the_activation_when_asked(cloud):
     x, _ = _data(1)[0]
     net = mlp()
-    expected = net[1](net[0](x))
+    with torch.no_grad():
+        expected, activation = net(x), net[1](net[0](x))
     model = splitft.split(net, 2, factory=MLP, connect=cloud)
     with model:
         out = model(x)
-        assert out.shape == expected.shape and out.dtype == expected.dtype and out.size(0) == len(x)
-        assert torch.equal(out.activation, expected)
+        rng = torch.get_rng_state()
+        # what scripts read as unsplit: a batch's size, the classes' number, the output's layout
+        assert out.shape == expected.shape and out.size(-1) == 3 and out.size(0) == len(out) == len(x)
+        assert (out.dim(), out.numel(), torch.numel(out), out.stride()) == (2, expected.numel(), expected.numel(),
+                                                                             expected.stride())
+        assert out.dtype == expected.dtype and out.is_floating_point() and out.is_contiguous()
+        assert out.device == expected.device and out.requires_grad
+        assert torch.equal(torch.get_rng_state(), rng)  # worked out without a draw
+        assert torch.equal(out.activation, activation)
         assert model.predict(x).shape == (len(x), 3)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert model(x).dtype == torch.bfloat16  # the cloud's last Linear computes in bfloat16, as unsplit
+        assert model(x[:3]).shape == (3, 3)
+
+
+def test_the_output_shape_of_a_plain_split_that_cannot_be_worked_out_is_refused(cloud):
+    x, _ = _data(1)[0]
+    model = splitft.split(positive_rows_mlp(), 2, factory="tests.models:positive_rows_mlp", connect=cloud)
+    with model:
+        model.eval()
+        out = model(x)
+        with pytest.raises(ConfigError, match=r"out.shape on what a plain split's model\(x\) returns.*model.predict"):
+            out.shape  # noqa: B018  # how many rows the cloud keeps depends on its values
+        assert model.predict(x).shape == positive_rows_mlp()(x).shape
 
 
 @pytest.mark.parametrize("make", [mlp, mlp_batchnorm, mlp_dropout], ids=["mlp", "batch norm", "dropout"])

@@ -46,6 +46,16 @@ IS_META = cast(Any, Tensor.is_meta).__get__
 #: is among them: the edge sends the cloud half's frozen set with each forward.
 METADATA = frozenset(_metadata())
 
+#: The calls among them that ask about a tensor's shape or element type: of a plain split's
+#: ``model(x)``, the answers are the cloud half's output's (:mod:`.output_shapes`).
+SHAPE_AND_TYPE = frozenset(
+    query for name in ("shape", "dtype", "ndim", "itemsize", "nbytes", "dim", "ndimension", "size", "numel",
+                       "nelement", "element_size", "is_contiguous", "stride", "storage_offset", "__len__",
+                       "is_complex", "is_floating_point", "is_signed")
+    if (attribute := torch.Tensor.__dict__.get(name) or getattr(torch._C.TensorBase, name, None)) is not None
+    for query in [attribute.__get__ if hasattr(attribute, "__set__") else attribute]
+) | {getattr(torch, name) for name in ("is_complex", "is_floating_point", "is_signed", "numel") if hasattr(torch, name)}
+
 #: The calls among them that ask where a tensor is. A placeholder has no memory here (its C++
 #: device is ``meta``), but its values are the unsplit model's, which were on the edge half's
 #: device: a script that makes a buffer ``device=p.device`` or moves data ``.to(p.device)``
@@ -89,5 +99,5 @@ def requires_grad_changes() -> int:
     return _requires_grad_changes
 
 
-__all__ = ["DEVICE_QUERIES", "IS_META", "METADATA", "REQUIRES_GRAD_SETTERS", "requires_grad_changes",
-           "set_requires_grad", "where"]
+__all__ = ["DEVICE_QUERIES", "IS_META", "METADATA", "REQUIRES_GRAD_SETTERS", "SHAPE_AND_TYPE",
+           "requires_grad_changes", "set_requires_grad", "where"]

@@ -33,6 +33,7 @@ from .optimizer_loads import local_value
 from .module_tree import UnsplitTree, hidden_attributes
 from .placeholders import CloudTensor
 from .remote_call import CacheRefs, RemoteCaller
+from .output_shapes import OutputShapes
 from .remote_loss import CUT_CONTEXT, CutActivation, CutContext, CutTensor, RemoteLoss, call_parts, mean_denominator
 from .requests import EdgeSession
 from .schedule import Scheduler
@@ -93,6 +94,7 @@ class SplitModel(UnsplitTree):
                         placeholder=lambda tensor, name: CloudTensor(tensor, name, cloud_half))
         self.caller.caches.layers = cloud_kv.decoder_layers(chain.stages)
         self.ghosts = Ghosts(model, chain)
+        self._output_shapes = OutputShapes(chain)
         self.ghosts.serve_state(self._with_cloud_values)
         self.mirror.before_step = self.ghosts.refuse_swapped
         self._flags = ModuleFlags([(name, model.get_submodule(name)) for name in chain.names])
@@ -254,7 +256,7 @@ class SplitModel(UnsplitTree):
         """A plain split's ``model(x)``: what reached the cut, with what it ran under."""
         if len(cut.call_args) == 1 and not cut.call_kwargs:
             value = cut.call_args[0]
-            out = CutTensor(value) if isinstance(value, torch.Tensor) else value
+            out = CutTensor(value, self._output_shapes) if isinstance(value, torch.Tensor) else value
         else:
             out = CutActivation(cut.call_args, cut.call_kwargs)
         self.strays.made(out, self.training)

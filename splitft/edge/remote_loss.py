@@ -21,7 +21,8 @@ from ..devices import autocast_dtype
 from ..errors import ConfigError
 from . import generator_sets
 from .ghost_classes import settings_version
-from .metadata import METADATA, requires_grad_changes
+from .metadata import METADATA, SHAPE_AND_TYPE, requires_grad_changes
+from .output_shapes import OutputShapes
 from .stray import crossed
 
 
@@ -49,18 +50,21 @@ class CutActivation:
 
 class CutTensor(torch.Tensor):
     """A plain split's ``model(x)``: the activation at the cut, for ``crit(out, target)`` (a remote
-    loss) or ``model.predict``. It answers what reads no values (its shape, its dtype); any
-    computation on it raises, since the unsplit model's ``model(x)`` is the output the cloud computes."""
+    loss) or ``model.predict``. It answers what reads no values: its shape and dtype as the unsplit
+    model's output's (:mod:`.output_shapes`), its device and ``requires_grad``; any computation on
+    it raises, since the unsplit model's ``model(x)`` is the output the cloud computes."""
 
     _splitft_value: torch.Tensor
     _splitft_passage: torch.Tensor  # what the cloud's call takes (see :func:`in_order`)
+    _splitft_outputs: OutputShapes | None
 
     @staticmethod
-    def __new__(cls, value: torch.Tensor) -> CutTensor:
+    def __new__(cls, value: torch.Tensor, outputs: OutputShapes | None = None) -> CutTensor:
         made: Any = torch.Tensor._make_wrapper_subclass(cls, value.shape, strides=value.stride(), dtype=value.dtype,
                                                         device=value.device, requires_grad=value.requires_grad)
         made._splitft_value = value
         made._splitft_passage = in_order(value)
+        made._splitft_outputs = outputs
         return made
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # torch's: unannotated
@@ -72,8 +76,20 @@ class CutTensor(torch.Tensor):
         crossed(self)
         return self._splitft_value
 
+    def _output_like(self, func: Any) -> torch.Tensor:
+        """A stand-in for the unsplit output, on which ``func`` answers the script's question."""
+        owner = getattr(func, "__self__", None)  # a property's getter (out.shape) is its descriptor's __get__
+        name = f"out.{getattr(owner if isinstance(owner, type(torch.Tensor.shape)) else func, '__name__', 'shape')}"
+        if self._splitft_outputs is None:
+            raise ConfigError(f"{name} on what a plain split's model(x) returns: unsplit, that is the model's output, "
+                              "whose shape the cloud computes later; read it from model.predict(x)")
+        cut = self.__dict__.get(CUT_CONTEXT)
+        return self._splitft_outputs.like(self._splitft_value, cut.autocast if cut else (None, None), name)
+
     @classmethod
     def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func in SHAPE_AND_TYPE and args and isinstance(args[0], CutTensor):
+            args = (args[0]._output_like(func), *args[1:])
         if func in METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
