@@ -527,6 +527,25 @@ def test_a_cloud_module_that_changes_what_it_receives_in_place_is_refused(cloud,
             model.remote_loss(nn.CrossEntropyLoss())(model(x), y)
 
 
+@pytest.mark.parametrize("how", ["hooked activation", "input at a first-layer cut"])
+def test_what_crossed_a_plain_cut_changed_in_place_before_its_loss_is_refused(cloud, how):
+    """Unsplit, ``model(x)`` computed the output before the script changed what it had read (a hook's
+    kept activation normalized for a log, the input itself); split, the cloud half runs at the
+    loss, and ran on the changed values, silently."""
+    (x, y), = _data(1)
+    kept = {}
+    with splitft.split(mlp(), 2 if how == "hooked activation" else 0, factory=MLP, connect=cloud) as model:
+        crit = model.remote_loss(nn.CrossEntropyLoss())
+        if how == "hooked activation":
+            model[1].register_forward_hook(lambda module, args, out: kept.__setitem__("h", out))
+        with torch.no_grad():
+            out = model(x)
+            (kept["h"] if how == "hooked activation" else x).mul_(0.5)
+            with pytest.raises(ConfigError, match=r"what crossed the cut at model\(x\) was changed in place since"):
+                crit(out, y)
+            assert crit(model(x), y).isfinite()  # a loss right after its model(x) goes on
+
+
 def test_a_trunk_block_that_appends_to_a_list_it_is_handed_is_refused(cloud):
     """Blocks appending auxiliary losses to a list the forward hands them: the cloud's blocks append
     to its copy of the list, which the edge's forward would sum without them. Refused by the cloud."""

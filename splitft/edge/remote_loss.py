@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -42,10 +42,17 @@ class CutActivation:
 
     args: tuple
     kwargs: dict
+    versions: tuple[int | None, ...] = field(init=False)  # of the values that are tensors, at model(x)
 
     def __post_init__(self) -> None:
         self.args = tuple(in_order(value) for value in self.args)
         self.kwargs = {key: in_order(value) for key, value in self.kwargs.items()}
+        self.versions = _versions((*self.args, *self.kwargs.values()))
+
+
+def _versions(values: tuple) -> tuple[int | None, ...]:
+    """Each tensor's version counter (None for what is no tensor): what :func:`call_parts` compares."""
+    return tuple(value._version if isinstance(value, torch.Tensor) else None for value in values)
 
 
 class CutTensor(torch.Tensor):
@@ -57,6 +64,7 @@ class CutTensor(torch.Tensor):
     _splitft_value: torch.Tensor
     _splitft_passage: torch.Tensor  # what the cloud's call takes (see :func:`in_order`)
     _splitft_outputs: OutputShapes | None
+    _splitft_version: int  # the activation's version counter at model(x)
 
     @staticmethod
     def __new__(cls, value: torch.Tensor, outputs: OutputShapes | None = None) -> CutTensor:
@@ -65,6 +73,7 @@ class CutTensor(torch.Tensor):
         made._splitft_value = value
         made._splitft_passage = in_order(value)
         made._splitft_outputs = outputs
+        made._splitft_version = value._version
         return made
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # torch's: unannotated
@@ -108,12 +117,24 @@ _REFUSAL = ("{name} on what a plain split's model(x) returns: the activation at 
 
 
 def call_parts(cut: Any) -> tuple[tuple, dict]:
-    """The arguments of the cloud's call for what the model's forward returned at the cut."""
+    """The arguments of the cloud's call for what the model's forward returned at the cut, once
+    they are known to hold what they held at ``model(x)``."""
     if isinstance(cut, CutActivation):
+        if _versions((*cut.args, *cut.kwargs.values())) != cut.versions:
+            raise ConfigError(_CHANGED_SINCE)
         return cut.args, cut.kwargs
     if isinstance(cut, CutTensor):
+        if cut._splitft_value._version != cut._splitft_version:
+            raise ConfigError(_CHANGED_SINCE)
         return (cut._splitft_passage,), {}
     return (cut,), {}
+
+
+_CHANGED_SINCE = (
+    "what crossed the cut at model(x) was changed in place since (a hook's kept activation normalized with div_, "
+    "the input x.mul_() when the cut is at the first layer): unsplit, the model's output was computed at model(x), "
+    "before the change; split, the cloud half runs at the loss, on the changed values, so the loss would silently "
+    "differ. Change a clone (h.clone().div_(...)), or compute the loss before the change")
 
 
 @dataclass(frozen=True)
