@@ -217,6 +217,70 @@ def positive_rows_mlp(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(*mlp(seed), PositiveRows())
 
 
+class MaskedNoise(nn.Module):
+    """Adds noise to the rows whose first value is positive, in training: whether it draws depends on the data."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x[:, 0] > 0
+        if self.training and bool(rows.any()):
+            x = x.clone()
+            x[rows] = x[rows] + 0.1 * torch.randn_like(x[rows])
+        return x
+
+
+def masked_noise_mlp(seed: int = 0) -> nn.Sequential:
+    """The MLP after :class:`MaskedNoise` on its input, all in the cloud half when cut at 2."""
+    return nn.Sequential(nn.Flatten(), nn.Identity(), MaskedNoise(), *mlp(seed))
+
+
+class SumOverTime(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum(1)
+
+
+class TransposedFrontEnd(nn.Module):
+    """An audio front end's idiom: a Conv1d's output transposed to (batch, time, channels), not
+    contiguous, reduced over time by the module after it (the first of a U-shape trunk at ``pool``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(8, 16, 3, padding=1)
+        self.pool = SumOverTime()
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.pool(self.conv(x).transpose(1, 2))))
+
+
+def transposed_front_end(seed: int = 0) -> TransposedFrontEnd:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return TransposedFrontEnd()
+
+
+class RepeatedStateDecoder(nn.Module):
+    """An LSTM autoencoder: the encoder's last state repeated over time into a decoder LSTM (the
+    trunk at ``dec``), whose gradient for that input is not contiguous."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.LSTM(3, 8, batch_first=True)
+        self.dec = nn.LSTM(8, 8, batch_first=True)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, (h, _) = self.enc(x)
+        o, _ = self.dec(h[-1].unsqueeze(1).repeat(1, x.size(1), 1))
+        return self.out(o)
+
+
+def repeated_state_decoder(seed: int = 0) -> RepeatedStateDecoder:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return RepeatedStateDecoder()
+
+
 def inplace_relu_mlp(seed: int = 0) -> nn.Sequential:
     """The MLP with an in-place ReLU at 1, the first module of the cloud half when cut at 1."""
     model = mlp(seed)

@@ -199,36 +199,85 @@ def test_a_malformed_generator_state_is_refused_and_the_session_goes_on(monkeypa
         thread.join(timeout=10)
 
 
-def test_the_state_goes_only_where_the_half_may_draw():
-    """A half without dropout: the edge's state goes with the first training forward, which learns
-    that the half draws nothing, and never again, though the script reseeds before every step; a
-    half with dropout gets it with every forward after the edge's generator moved."""
+def test_the_state_goes_with_a_forward_only_where_the_edges_generator_moved():
+    """The edge's state goes with the first training forward and then only after the script's
+    generator moved (it reseeds before every step): also to a half that drew nothing so far, whose
+    draws may depend on the data; a half whose stream the edge's has not left gets nothing."""
     from splitft.wire import protocol
     from tests.faulty import FaultyConnection
     from tests.models import mlp
 
     listener, server, thread = _inproc_cloud("tests.models:mlp", MODEL)
-    sent: dict[str, list[bool]] = {"tests.models:mlp": [], MODEL: []}
+    sent: dict[tuple[str, bool], list[bool]] = {}
     try:
-        for factory, net in (("tests.models:mlp", mlp()), (MODEL, mlp_dropout())):
-            def note(frames, factory=factory) -> int:
+        for factory, make, reseed in (("tests.models:mlp", mlp, True), ("tests.models:mlp", mlp, False),
+                                      (MODEL, mlp_dropout, True)):
+            seen = sent[factory, reseed] = []
+
+            def note(frames, seen=seen) -> int:
                 msg = protocol.decode([bytes(memoryview(f)) for f in frames])
                 if isinstance(msg, protocol.Forward):
-                    sent[factory].append(msg.rng is not None)
+                    seen.append(msg.rng is not None)
                 return 1
 
-            model = splitft.split(net, 2, factory=factory, connect=lambda: FaultyConnection(listener.connect(), note))
+            model = splitft.split(make(), 2, factory=factory, connect=lambda: FaultyConnection(listener.connect(),
+                                                                                               note))
             with model:
                 opt = model.attach(torch.optim.SGD(model.parameters(), lr=0.1))
                 crit = model.remote_loss(nn.CrossEntropyLoss())
                 for i, (x, y) in enumerate(_edge_data(seed=0)):
-                    torch.manual_seed(100 + i)  # no state the session's own stream starts from
+                    if reseed:
+                        torch.manual_seed(100 + i)  # no state the session's own stream starts from
                     _step(model, opt, crit, x, y)
-        assert sent["tests.models:mlp"] == [True] + [False] * (STEPS - 1)
-        assert sent[MODEL] == [True] * STEPS
+        assert sent["tests.models:mlp", True] == [True] * STEPS
+        assert sent["tests.models:mlp", False] == [True] + [False] * (STEPS - 1)
+        assert sent[MODEL, True] == [True] * STEPS
     finally:
         server.stop()
         thread.join(timeout=10)
+
+
+def test_a_cloud_layer_whose_draws_depend_on_the_data_is_refused_once_and_then_draws_the_unsplit_numbers(tmp_path):
+    """Noise added only to the rows a mask selects: a batch that selects none draws nothing, and the
+    cloud learns the half does not draw; the next one that draws ran on the cloud process's
+    generator, not the edge's stream: refused, and from then on its forwards draw the unsplit numbers."""
+    from splitft.errors import ModelError
+    from tests.models import masked_noise_mlp
+
+    refused = []
+
+    def run(model, crit) -> list[torch.Tensor]:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for i, (x, y) in enumerate(_edge_data(seed=0)):
+            torch.randn(3)  # the script draws (an augmentation) before every step
+            x = -x.abs() if i in (0, 3) else x.abs()  # the half adds noise to rows with a positive first value
+            try:
+                loss = crit(model(x), y)
+            except ModelError as error:
+                assert "drew random numbers in a forward in training mode, where its forwards so far" in str(error)
+                refused.append(i)
+                loss = crit(model(x), y)  # the step again
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        return losses
+
+    torch.manual_seed(0)
+    local = masked_noise_mlp()
+    expected = run(local, nn.CrossEntropyLoss())
+    proc, address, _ = start_cloud(tmp_path, "--model", "tests.models:masked_noise_mlp")  # a generator of its own
+    try:
+        torch.manual_seed(0)
+        with splitft.split(masked_noise_mlp(), 2, factory="tests.models:masked_noise_mlp", connect=address) as model:
+            got = run(model, model.remote_loss(nn.CrossEntropyLoss()))
+            state = model.state_dict()
+    finally:
+        stop(proc)
+    assert [float(v) for v in got] == [float(v) for v in expected]
+    assert all(torch.equal(state[k], v) for k, v in local.state_dict().items())
+    assert refused == [1]
 
 
 def test_monte_carlo_dropout_at_inference_draws_the_unsplit_masks():

@@ -17,7 +17,9 @@ Sessions may compute at the same time (a heavy request runs on a worker thread, 
 and the process has one generator: a half that draws holds :data:`GENERATOR` while its state is
 swapped in. Whether it draws is seen, per mode (training or evaluation), on its first forward in
 that mode, which runs holding the lock: a half whose forward left the generator as it found it
-draws nothing and from then on computes without the lock, beside the others. What is seen holds
+draws nothing and from then on computes without the lock, beside the others (a forward that draws
+after all, where its layers' draws depend on the data, is refused, and it takes the lock from then
+on: :meth:`SessionRandom.active`). What is seen holds
 for every session of the same half (``kind``: the same factory, arguments and cut), unless a
 session runs some of its modules in the other mode or sets their flags, which it then learns for
 itself, again at each change.
@@ -32,6 +34,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+
+from ..errors import ModelError
 
 #: Spreads (seed, stream) pairs apart: stream s of seed k is seeded with k * STRIDE + s.
 STRIDE = 1_000_003
@@ -80,15 +84,27 @@ class SessionRandom:
 
     @contextmanager
     def active(self, train: bool = True) -> Iterator[None]:
-        """Run the block on this session's states; the process's are as they were afterwards."""
+        """Run the block on this session's states; the process's are as they were afterwards.
+
+        A half learnt not to draw runs on the process's generator, without the lock; if it drew
+        after all (whether a layer draws can depend on its input: noise added to the rows a mask
+        selects), those numbers were not the edge's: the forward is refused, and the half's
+        forwards in this mode run on the session's states from then on. (Seen where no forward
+        that draws held the lock as this one began or ended; one never waits for the lock.)"""
         if not self.may_draw(train):
+            before = _process_state()
             yield
+            after = _process_state() if before is not None else None
+            if before is not None and after is not None and not torch.equal(before, after):
+                self.draws[train] = True
+                raise ModelError(DREW_UNEXPECTEDLY.format(mode="training" if train else "evaluation"))
             return
         with GENERATOR:
             host, accelerator = self.host, self.accelerator
             with self._swapped():
                 yield
-            self.draws[train] = not (_same(host, self.host) and _same(accelerator, self.accelerator))
+            drew = not (_same(host, self.host) and _same(accelerator, self.accelerator))
+            self.draws[train] = drew or self.draws.get(train, False)  # one that drew once may draw again
 
     @contextmanager
     def _swapped(self) -> Iterator[None]:
@@ -124,13 +140,32 @@ class SessionRandom:
             self.accelerator = tree["cuda_rng"].clone()
 
 
+DREW_UNEXPECTEDLY = (
+    "the cloud half drew random numbers in a forward in {mode} mode, where its forwards so far drew none (whether a "
+    "layer draws depends on its input: noise added to the rows a mask selects, a label dropped only when labels "
+    "are given); it ran on the cloud process's generator, not the edge's stream as unsplit, so its result was not "
+    "used. Its forwards in this mode draw from the edge's stream from now on: run the step again (where its "
+    "modules keep running statistics, they moved once in this forward)")
+
+
 def half_kind(hello: Any) -> str:
     """Which half a hello asks for, whatever its codecs and seed: halves of one kind run one code."""
     return repr((hello.factory, sorted(hello.factory_kwargs.items()), hello.cut, hello.rejoin, hello.fingerprint))
+
+
+def _process_state() -> torch.Tensor | None:
+    """The process's own host generator state, where no half has swapped its state in; None while
+    one has (a forward that draws, on a worker): a half that does not draw never waits for it."""
+    if not GENERATOR.acquire(blocking=False):
+        return None
+    try:
+        return torch.random.get_rng_state()
+    finally:
+        GENERATOR.release()
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a is None and b is None or a is not None and b is not None and torch.equal(a, b)
 
 
-__all__ = ["GENERATOR", "SessionRandom", "half_kind"]
+__all__ = ["DREW_UNEXPECTEDLY", "GENERATOR", "SessionRandom", "half_kind"]

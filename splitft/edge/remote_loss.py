@@ -52,7 +52,13 @@ class CutActivation:
 
 def _versions(values: tuple) -> tuple[int | None, ...]:
     """Each tensor's version counter (None for what is no tensor): what :func:`call_parts` compares."""
-    return tuple(value._version if isinstance(value, torch.Tensor) else None for value in values)
+    return tuple(_version(value) if isinstance(value, torch.Tensor) else None for value in values)
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """Its version counter; None for one made under ``torch.inference_mode()``, which keeps none
+    (and which torch lets no one change in place outside it)."""
+    return None if tensor.is_inference() else tensor._version
 
 
 class CutTensor(torch.Tensor):
@@ -64,7 +70,7 @@ class CutTensor(torch.Tensor):
     _splitft_value: torch.Tensor
     _splitft_passage: torch.Tensor  # what the cloud's call takes (see :func:`in_order`)
     _splitft_outputs: OutputShapes | None
-    _splitft_version: int  # the activation's version counter at model(x)
+    _splitft_version: int | None  # the activation's version counter at model(x)
 
     @staticmethod
     def __new__(cls, value: torch.Tensor, outputs: OutputShapes | None = None) -> CutTensor:
@@ -73,7 +79,7 @@ class CutTensor(torch.Tensor):
         made._splitft_value = value
         made._splitft_passage = in_order(value)
         made._splitft_outputs = outputs
-        made._splitft_version = value._version
+        made._splitft_version = _version(value)
         return made
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # torch's: unannotated
@@ -124,7 +130,7 @@ def call_parts(cut: Any) -> tuple[tuple, dict]:
             raise ConfigError(_CHANGED_SINCE)
         return cut.args, cut.kwargs
     if isinstance(cut, CutTensor):
-        if cut._splitft_value._version != cut._splitft_version:
+        if _version(cut._splitft_value) != cut._splitft_version:
             raise ConfigError(_CHANGED_SINCE)
         return (cut._splitft_passage,), {}
     return (cut,), {}

@@ -115,13 +115,13 @@ class CloudStage:
 
     def _rng_to_send(self, call: Call) -> np.ndarray | None:
         """The host generator's state, when it changed since the cloud half's stream was at it (the
-        edge drew, the script seeded) and the half may draw in these modes: its dropout then draws on
-        from where the edge's left off, as in the unsplit model (:mod:`splitft.cloud.randomness`)."""
+        edge drew, the script seeded): if the half draws, its dropout then draws on from where the
+        edge's left off, as in the unsplit model (:mod:`splitft.cloud.randomness`). Also where its
+        forwards in these modes drew nothing so far: whether a layer draws can depend on the data
+        (noise added to the rows a mask selects, a label dropped only when labels are given)."""
         draws = self._cloud_draws.get((call.train, call.modes))
         if draws and self._draws_lost is not None and generator_sets.count() == self._draws_lost:
             raise ConfigError(DRAWS_LOST)  # before the half runs; not known yet whether it draws: at its reply
-        if draws is False:
-            return None
         if call.again is not None:  # the first loss's start, whatever the stream is at now (it stays there)
             return call.again.numpy()
         start = call.drawn_since if call.drawn_since is not None else call.generator_kept
@@ -159,13 +159,8 @@ class CloudStage:
         if call.again is not None:
             return  # a repeated forward: the half's stream and the edge's stay where the first left them
         key = (call.train, call.modes)
-        if part.rng_sent:
-            self._cloud_draws[key] = reply.rng is not None
-        elif reply.rng is not None and self._cloud_draws.get(key) is False:
-            self._cloud_draws[key] = True
-            log.warning("the cloud half drew random numbers in a forward like those where it drew none before "
-                        "(its draws depend on the data?): this one's came from its own stream, not from the "
-                        "edge's generator as unsplit; from now on the edge's state goes with every such forward")
+        if reply.rng is not None or part.rng_sent:  # it drew, or had the chance to
+            self._cloud_draws[key] = reply.rng is not None or self._cloud_draws.get(key, False)
         if reply.rng is not None and call.drawn_since is not None:
             raise ConfigError(DRAWN_BETWEEN)
         if reply.rng is None or call.streamed:
