@@ -20,6 +20,28 @@ def test_identity_is_exact_and_keeps_dtype():
         assert torch.equal(codec.decode(payload, CTX), x)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_identity_keeps_a_permuted_layout_and_sends_other_strides_contiguous(dtype):
+    codec = compressors.make_codec("identity")
+    transposed = torch.randn(4, 16, 40).to(dtype).transpose(1, 2)
+    channels_last = torch.randn(2, 3, 5, 5).to(dtype).to(memory_format=torch.channels_last)
+    for x in (transposed, channels_last):
+        y = codec.decode(codec.encode(x, CTX), CTX)
+        assert torch.equal(y, x) and y.stride() == x.stride() and y.dtype == dtype
+    sliced = torch.randn(6, 8)[:, ::2]
+    y = codec.decode(codec.encode(sliced, CTX), CTX)
+    assert torch.equal(y, sliced) and y.is_contiguous()
+
+
+@pytest.mark.parametrize("order", [[0, 0, 1], [0, 1], [2, 1, True], "012", [0, 1, 3]])
+def test_identity_refuses_an_order_that_is_no_permutation_of_the_arrays_dimensions(order):
+    codec = compressors.make_codec("identity")
+    payload = codec.encode(torch.randn(4, 16, 40).transpose(1, 2), CTX)
+    payload.meta["order"] = order
+    with pytest.raises(CompressionError, match="'order' must list the array's 3 dimensions"):
+        codec.decode(payload, CTX)
+
+
 def test_fp16_relative_error_is_within_half_precision():
     signs = torch.randint(0, 2, (1000,), generator=torch.Generator().manual_seed(0)) * 2 - 1
     x = signs * torch.logspace(-4, 4, 1000, dtype=torch.float64)  # inside fp16's normal range

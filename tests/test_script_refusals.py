@@ -47,7 +47,9 @@ def cloud(tmp_path_factory):
                                      "--model", "tests.models:pruned_mlp", "--model", "tests.models:old_norm_mlp",
                                      "--model", "tests.models:recurrent_net", "--model", "tests.models:random_skip_mlp",
                                      "--model", "tests.models:inplace_relu_mlp", "--model", "tests.models:aux_loss_net",
-                                     "--model", "tests.models:positive_rows_mlp")
+                                     "--model", "tests.models:positive_rows_mlp",
+                                     "--model", "tests.models:transposed_front_end",
+                                     "--model", "tests.models:repeated_state_decoder")
     yield address
     stop(proc)
 
@@ -544,6 +546,36 @@ def test_what_crossed_a_plain_cut_changed_in_place_before_its_loss_is_refused(cl
             with pytest.raises(ConfigError, match=r"what crossed the cut at model\(x\) was changed in place since"):
                 crit(out, y)
             assert crit(model(x), y).isfinite()  # a loss right after its model(x) goes on
+
+
+@pytest.mark.parametrize("factory,shape", [("transposed_front_end", (4, 8, 40)), ("repeated_state_decoder", (4, 12, 3))],
+                         ids=["transposed activation", "transposed gradient"])
+def test_a_tensor_crossing_the_cut_in_another_layout_arrives_in_it_and_trains_as_unsplit(cloud, factory, shape):
+    """A Conv1d's output transposed before a trunk that sums over time; a decoder LSTM whose input's
+    gradient comes out transposed for the edge's backward (through ``repeat``) to sum: each side
+    rounds by the layout it gets, which crosses with the tensor, as unsplit."""
+    import tests.models as models
+
+    make = getattr(models, factory)
+    cut, rejoin = ("pool", "norm") if factory == "transposed_front_end" else ("dec", "out")
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+
+    def train(model) -> list[float]:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        losses = []
+        for _ in range(3):
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+        return losses
+
+    local = make()
+    expected = train(local)
+    with splitft.split(make(), cut, rejoin, factory=f"tests.models:{factory}", connect=cloud) as model:
+        assert train(model) == expected
+        assert_bitwise(model.state_dict(), local.state_dict())
 
 
 def test_a_trunk_block_that_appends_to_a_list_it_is_handed_is_refused(cloud):

@@ -16,6 +16,7 @@ every session that asks for the same model and cut trains one :class:`~.half.Sha
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 from collections.abc import Callable, Iterator
@@ -313,12 +314,12 @@ class CloudSession:
             outputs, grads = decode_backward(msg, pending, self.codecs, ctx, self.half.shared, self.check_decode)
         self.graphs.take(msg.call)
         self.graphs.applied(msg.call)  # an eager call backpropagated again: its gradients for 1 go
-        with watch("compute"):
+        with watch("compute"), _as_computed(pending.inputs) as computed:
             if outputs:
                 self._backward_pass(msg, outputs, grads, None if msg.params else _needed(pending.inputs))
         with watch("codec"):
             entries = encode_input_grads(self.codecs, pending.inputs, pending.in_coded, pending.in_grad,
-                                         [leaf.grad for leaf in pending.inputs], ctx)
+                                         computed, ctx)
         unreached = [name for name in self.half.unreached() or ()
                      if not self.passes.holds(self.half.named_params[name])]  # summed, not in .grad yet
         return InputGrads(call=msg.call, grads=entries, timings=watch.seconds, unreached=unreached or None)
@@ -405,6 +406,24 @@ def _chain_run(chain: nn.Module, args: tuple, kwargs: dict) -> Any:
 def _contents(value: list | dict) -> list[int]:
     """What a list or dict holds, by identity (and its keys): an append or an entry set changes it."""
     return [id(v) for v in value] if isinstance(value, list) else [id(k) for k in value] + [id(v) for v in value.values()]
+
+
+@contextmanager
+def _as_computed(leaves: list[torch.Tensor]) -> Iterator[list[torch.Tensor | None]]:
+    """The gradients a backward in the block brings the received tensors, as computed (filled in
+    after it): a leaf's ``.grad`` takes the leaf's layout (torch's layout contract), where unsplit
+    the activation's gradient kept the one its backward made (a transposed one, from a layer that
+    computes in another order), which the edge's backward then rounds by."""
+    computed: list[torch.Tensor | None] = []
+    raw: dict[int, torch.Tensor] = {}
+    hooks = [leaf.register_hook(functools.partial(raw.__setitem__, i)) for i, leaf in enumerate(leaves)
+             if leaf.requires_grad and leaf.grad is None]  # one gradient: what .grad holds, in its own layout
+    try:
+        yield computed
+    finally:
+        for hook in hooks:
+            hook.remove()
+    computed.extend(raw.get(i, leaf.grad) for i, leaf in enumerate(leaves))
 
 
 def _needed(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
