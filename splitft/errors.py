@@ -31,6 +31,12 @@ class PlaceholderError(ConfigError, RuntimeError):
     are not on the edge); raised before anything diverges, with the fix."""
 
 
+class GraphFreedError(ConfigError, RuntimeError):
+    """A second backward through a forward whose graph the cloud freed at the first. Also a
+    ``RuntimeError``, as torch's own error for a freed graph is: a script's ``except RuntimeError``
+    catches it as unsplit."""
+
+
 class ProtocolError(SplitFTError):
     """A message that does not follow the wire protocol."""
 

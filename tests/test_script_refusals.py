@@ -578,6 +578,50 @@ def test_a_tensor_crossing_the_cut_in_another_layout_arrives_in_it_and_trains_as
         assert_bitwise(model.state_dict(), local.state_dict())
 
 
+@pytest.mark.parametrize("transform", ["jacrev", "vmap of grad", "jvp", "forward_ad"])
+def test_a_torch_func_transform_or_forward_ad_through_the_split_model_is_refused_by_name(cloud, transform):
+    from torch.func import grad, jacrev, jvp, vmap
+
+    x, y = _data(1)[0]
+    with splitft.split(mlp(), 2, 4, factory=MLP, connect=cloud) as model:
+        def per_sample_loss(xi, yi):
+            return nn.functional.cross_entropy(model(xi[None]), yi[None])
+
+        with pytest.raises(ConfigError, match=r"a torch.func transform .* or forward-mode AD .* through a split model"):
+            if transform == "jacrev":
+                jacrev(model)(x)
+            elif transform == "vmap of grad":
+                vmap(grad(per_sample_loss))(x, y)
+            elif transform == "jvp":
+                jvp(model, (x,), (torch.ones_like(x),))
+            else:
+                with torch.autograd.forward_ad.dual_level():
+                    model(torch.autograd.forward_ad.make_dual(x, torch.ones_like(x)))
+        nn.functional.cross_entropy(model(x), y).backward()  # and the session goes on
+
+
+def test_functional_call_with_cloud_parameters_is_refused_naming_it(cloud):
+    """A weight-perturbed forward (``functional_call`` with tensors for cloud parameters): the cloud
+    would run its own weights. Refused, naming the call and what does reach the cloud."""
+    x, _ = _data(1)[0]
+    with splitft.split(mlp(), 2, 4, factory=MLP, connect=cloud) as model:
+        perturbed = {name: torch.zeros(p.shape) for name, p in model.named_parameters() if name.startswith("2.")}
+        with pytest.raises(CutError, match=r"torch.func.functional_call .* p.copy_\(t\) under torch.no_grad\(\)"):
+            torch.func.functional_call(model, perturbed, (x,))
+
+
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+@pytest.mark.parametrize("compile_with", ["trace", "script"])
+def test_torchscript_of_a_split_model_is_refused_naming_unsplit(cloud, rejoin, compile_with):
+    x, _ = _data(1)[0]
+    cut = (2,) if rejoin is None else (2, rejoin)
+    with splitft.split(mlp(), *cut, factory=MLP, connect=cloud) as model:
+        with pytest.raises(ConfigError, match=r"torch.jit.trace / torch.jit.script of a split model.*model.unsplit"):
+            torch.jit.trace(model, x) if compile_with == "trace" else torch.jit.script(model)
+        model.eval()
+        assert model.predict(x).shape == (len(x), 3)
+
+
 def test_a_trunk_block_that_appends_to_a_list_it_is_handed_is_refused(cloud):
     """Blocks appending auxiliary losses to a list the forward hands them: the cloud's blocks append
     to its copy of the list, which the edge's forward would sum without them. Refused by the cloud."""
@@ -824,7 +868,7 @@ def test_a_reentrant_checkpoint_per_trunk_layer_is_refused_naming_the_non_reentr
     net = layer_stack()
     net.checkpointed = "reentrant"
     with splitft.split(net, "layers.0:4", factory="tests.models:layer_stack", connect=cloud) as model:
-        with pytest.raises(CutError, match=r"detaches the output of 'layers.2'.*use use_reentrant=False"):
+        with pytest.raises(CutError, match=r"detaches the output of 'layers.2'.*checkpoint with use_reentrant=False"):
             _steps(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), _data(1))
 
 
@@ -1353,8 +1397,9 @@ def test_a_second_backward_through_one_forward_is_refused_in_a_u_shape_and_mirro
     with splitft.split(mlp(), 2, 4, factory=MLP, connect=cloud) as ushape:
         loss = nn.functional.cross_entropy(ushape(x), y)
         loss.backward(retain_graph=True)
-        with pytest.raises(ConfigError, match="second backward through the same forward"):
-            loss.backward()
+        with pytest.raises(RuntimeError, match="second backward through the same forward") as refused:
+            loss.backward()  # a RuntimeError, as torch's for a freed graph: an except RuntimeError catches both
+        assert isinstance(refused.value, ConfigError)
 
 
 def test_a_second_backward_after_one_without_retain_graph_is_refused_before_anything_is_sent(cloud):

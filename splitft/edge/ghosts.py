@@ -380,8 +380,12 @@ class _FixedTable(dict):
 
     def _refuse(self, *args: Any, **kwargs: Any) -> Any:
         kind = {"_modules": "submodules", "_parameters": "parameters", "_buffers": "buffers"}[self.table]
-        raise CutError(f"changing the {kind} of {self.where!r}: that module runs in the cloud, built by the factory, "
-                       "and would not change with it (split training would silently differ). Change the model "
+        swapped = "" if self.table == "_modules" else (
+            " (torch.func.functional_call with tensors for the cloud's parameters or buffers swaps them in for one "
+            "forward: change the weights themselves, p.copy_(t) under torch.no_grad(), or cut so that the layers "
+            "it swaps stay on the edge)")
+        raise CutError(f"changing the {kind} of {self.where!r}{swapped}: that module runs in the cloud, built by the "
+                       "factory, and would not change with it (split training would silently differ). Change the model "
                        "before split(), and the cloud's factory the same way; mid-training, change the values "
                        "instead (pruning as torch.nn.utils.prune would: w[w.abs() <= threshold] = 0 under "
                        "torch.no_grad(), and p.grad[mask] = 0 after each backward), or take the model whole with "

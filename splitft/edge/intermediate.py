@@ -19,6 +19,7 @@ import torch
 
 from ..wire import tree as trees
 from ..errors import CutError
+from .metadata import described
 
 #: What may be asked of an inner output without reading it: it holds the trunk's final output's.
 _HARMLESS = {getattr(torch.Tensor, name).__get__ for name in ("dtype", "device", "requires_grad", "layout",
@@ -61,10 +62,11 @@ class TrunkIntermediate(torch.Tensor):
         inner = next(t for t in trees.leaves((args, kwargs or {})) if isinstance(t, TrunkIntermediate))
         if func is torch.Tensor.detach:  # torch.utils.checkpoint(layer, h, use_reentrant=True) detaches h
             raise CutError(f"the model's forward (or a forward hook on {inner._splitft_module!r}) detaches the output "
-                           f"of {inner._splitft_module!r}, an inner module of a trunk that runs in the cloud, as "
-                           "torch.utils.checkpoint(layer, h, use_reentrant=True) around a trunk layer does: use "
-                           "use_reentrant=False, or checkpoint the whole model; a hook goes on the trunk's last module")
-        raise CutError(inner.refusal(f"computes with ({getattr(func, '__name__', func)})"))
+                           f"of {inner._splitft_module!r}, an inner module of a trunk that runs in the cloud (a hook "
+                           "keeping it detached, or torch.utils.checkpoint(layer, h, use_reentrant=True) around a "
+                           "trunk layer): a hook goes on the trunk's last module; checkpoint with "
+                           "use_reentrant=False, or the whole model")
+        raise CutError(inner.refusal(f"computes with ({described(func)})"))
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]  # torch's default is a plain function

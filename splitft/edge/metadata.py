@@ -56,6 +56,14 @@ SHAPE_AND_TYPE = frozenset(
     for query in [attribute.__get__ if hasattr(attribute, "__set__") else attribute]
 ) | {getattr(torch, name) for name in ("is_complex", "is_floating_point", "is_signed", "numel") if hasattr(torch, name)}
 
+def described(func: Any) -> str:
+    """A torch call as a script wrote it: ``shape`` for the getter torch hands ``__torch_function__``
+    for ``t.shape`` (a descriptor's ``__get__``), else the function's name."""
+    owner = getattr(func, "__self__", None)
+    named = owner if isinstance(owner, type(Tensor.shape)) else func
+    return str(getattr(named, "__name__", None) or func)
+
+
 #: The calls among them that ask where a tensor is. A placeholder has no memory here (its C++
 #: device is ``meta``), but its values are the unsplit model's, which were on the edge half's
 #: device: a script that makes a buffer ``device=p.device`` or moves data ``.to(p.device)``
@@ -100,4 +108,4 @@ def requires_grad_changes() -> int:
 
 
 __all__ = ["DEVICE_QUERIES", "IS_META", "METADATA", "REQUIRES_GRAD_SETTERS", "SHAPE_AND_TYPE",
-           "requires_grad_changes", "set_requires_grad", "where"]
+           "described", "requires_grad_changes", "set_requires_grad", "where"]

@@ -32,7 +32,7 @@ from .mirror import ModelMirror, loss_module
 from .optimizer_loads import local_value
 from .module_tree import UnsplitTree, hidden_attributes
 from .placeholders import CloudTensor
-from .remote_call import CacheRefs, RemoteCaller
+from .remote_call import COMPILED_TO_TORCHSCRIPT, CacheRefs, RemoteCaller
 from .output_shapes import OutputShapes
 from .remote_loss import CUT_CONTEXT, CutActivation, CutContext, CutTensor, RemoteLoss, call_parts, mean_denominator
 from .requests import EdgeSession
@@ -146,6 +146,9 @@ class SplitModel(UnsplitTree):
                           "model.state_dict(). To quantize, export or keep the trained model, take it whole with "
                           "model.unsplit() (which ends the session)")
 
+    def __prepare_scriptable__(self) -> Any:  # what torch.jit.script asks of a module first
+        raise ConfigError(COMPILED_TO_TORCHSCRIPT)
+
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise ConfigError("a split model cannot be pickled (torch.save(model)): save model.state_dict(), which fetches "
                           "the cloud half, or use model.save_checkpoint(path); model.unsplit() gives the whole "
@@ -240,6 +243,8 @@ class SplitModel(UnsplitTree):
     def _before_forward(self, sample_ids: Any) -> None:
         """What ``model(x)`` checks before the model's forward runs (nothing changed that the cloud
         would not follow), and the ``sample_ids`` its call carries."""
+        if torch._C._get_tracing_state() is not None:
+            raise ConfigError(COMPILED_TO_TORCHSCRIPT)
         if self.session.closed:  # closed or unsplit: the model's tensors are no placeholders any more
             raise PeerGone("this split session is closed (after model.unsplit(), go on with the model it returned); "
                            "create a new one to keep training")

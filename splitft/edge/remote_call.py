@@ -29,6 +29,20 @@ from .schedule import Call, Scheduler
 from .streaming import stash_weights
 
 
+_TRANSFORMS = (
+    "a torch.func transform (vmap, grad, jacrev, jvp, functional_call under them) or forward-mode AD "
+    "(torch.autograd.forward_ad) through a split model: the cloud half computes on plain tensors, so the batched "
+    "or dual tensors these make cannot cross the cut. Apply them to edge modules alone, or to the whole model "
+    "after model.unsplit()")
+
+
+#: torch.jit.trace / torch.jit.script of a split model.
+COMPILED_TO_TORCHSCRIPT = (
+    "torch.jit.trace / torch.jit.script of a split model: TorchScript would record the edge's half and a call of the "
+    "cloud it cannot run. To export the trained model, take it whole with model.unsplit() (which ends the "
+    "session) and trace or script that; edge modules alone may be scripted as they are")
+
+
 class _RemoteCall(torch.autograd.Function):
     """The cut. Inputs: the call's tensors (and an anchor that keeps the cloud part trainable)."""
 
@@ -39,6 +53,10 @@ class _RemoteCall(torch.autograd.Function):
         ctx.scheduler, ctx.call = scheduler, call
         ctx.mark_non_differentiable(*[t for t, g in zip(outputs, call.parts[0].out_grad) if not g])
         return tuple(outputs)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        raise ConfigError(_TRANSFORMS)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -287,6 +305,8 @@ class RemoteCaller:
                  trainable: frozenset[str], modes: tuple[str, ...] = (), again: torch.Tensor | None = None,
                  drawn_since: torch.Tensor | None = None, generator_kept: torch.Tensor | None = None) -> Any:
         """The cloud half's output for ``args``/``kwargs`` (plain split: the loss, with ``target``)."""
+        if torch._C._functorch.peek_interpreter_stack() is not None:
+            raise ConfigError(_TRANSFORMS)
         self.cloud_half.hidden = False  # an optimizer step that raised left them hidden
         caches: list = []
         first = args[0] if args else None

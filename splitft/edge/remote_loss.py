@@ -21,7 +21,7 @@ from ..devices import autocast_dtype
 from ..errors import ConfigError
 from . import generator_sets
 from .ghost_classes import settings_version
-from .metadata import METADATA, SHAPE_AND_TYPE, requires_grad_changes
+from .metadata import METADATA, SHAPE_AND_TYPE, described, requires_grad_changes
 from .output_shapes import OutputShapes
 from .stray import crossed
 
@@ -93,8 +93,7 @@ class CutTensor(torch.Tensor):
 
     def _output_like(self, func: Any) -> torch.Tensor:
         """A stand-in for the unsplit output, on which ``func`` answers the script's question."""
-        owner = getattr(func, "__self__", None)  # a property's getter (out.shape) is its descriptor's __get__
-        name = f"out.{getattr(owner if isinstance(owner, type(torch.Tensor.shape)) else func, '__name__', 'shape')}"
+        name = f"out.{described(func)}"
         if self._splitft_outputs is None:
             raise ConfigError(f"{name} on what a plain split's model(x) returns: unsplit, that is the model's output, "
                               "whose shape the cloud computes later; read it from model.predict(x)")

@@ -28,7 +28,7 @@ import torch
 from ..wire.coding import Coded, stream_index
 from ..wire.tree import Leaf
 from ..wire.operations import ApplyEager, Operation
-from ..errors import ConfigError, ProtocolError
+from ..errors import ConfigError, GraphFreedError, ProtocolError
 from ..options import Schedule
 from .streaming import Inflight, Window, pending_like
 
@@ -275,16 +275,18 @@ class Scheduler:
         with self.lock:
             exact = _scales_exactly(call, grads)
             if call.released:
-                raise ConfigError("a second backward through the same forward, the first without retain_graph=True: "
-                                  "torch frees a graph at its backward unless told to keep it, and so did the cloud; "
-                                  "pass retain_graph=True to the first backward, or add the losses and call backward "
-                                  "once")
+                raise GraphFreedError("a second backward through the same forward, the first without "
+                                      "retain_graph=True: torch frees a graph at its backward unless told to keep it, "
+                                      "and so did the cloud; pass retain_graph=True to the first backward, or add the "
+                                      "losses and call backward once")
             if call.backpropagated and not call.streamed and (
                     not exact or any(part.eager_grads is None for part in call.parts)):
-                raise ConfigError("a second backward through the same forward (backward(retain_graph=True) or "
-                                  "torch.autograd.grad(..., retain_graph=True) through the cloud half, then another): "
-                                  "the cloud frees its graph after the first, so it cannot be repeated there; run "
-                                  "the forward again, or add the losses and call backward once")
+                raise GraphFreedError(
+                    "a second backward through the same forward (a recurrent state carried to the next batch without "
+                    ".detach(), or backward(retain_graph=True) or torch.autograd.grad(..., retain_graph=True) through "
+                    "the cloud half, then another): the cloud frees its graph after the first, so it cannot be "
+                    "repeated there; detach what is carried over (truncated backpropagation through time), run the "
+                    "forward again, or add the losses and call backward once")
             call.backpropagated = True
             if not exact:  # the cloud backpropagates the graph it kept, for the gradient the loss got
                 for part in call.parts:
