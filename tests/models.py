@@ -281,6 +281,28 @@ def repeated_state_decoder(seed: int = 0) -> RepeatedStateDecoder:
         return RepeatedStateDecoder()
 
 
+class PaddedTextEncoder(nn.Module):
+    """Token ids through an nn.TransformerEncoder (batch first, nested-tensor fast path on, as by
+    default) with a padding mask, mean-pooled into three classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(30, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        h = self.encoder(self.embed(x), src_key_padding_mask=pad)
+        return self.head(h.masked_fill(pad[..., None], 0.0).sum(1) / (~pad).sum(1, keepdim=True))
+
+
+def padded_text_encoder(seed: int = 0) -> PaddedTextEncoder:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return PaddedTextEncoder()
+
+
 def inplace_relu_mlp(seed: int = 0) -> nn.Sequential:
     """The MLP with an in-place ReLU at 1, the first module of the cloud half when cut at 1."""
     model = mlp(seed)

@@ -49,7 +49,8 @@ def cloud(tmp_path_factory):
                                      "--model", "tests.models:inplace_relu_mlp", "--model", "tests.models:aux_loss_net",
                                      "--model", "tests.models:positive_rows_mlp",
                                      "--model", "tests.models:transposed_front_end",
-                                     "--model", "tests.models:repeated_state_decoder")
+                                     "--model", "tests.models:repeated_state_decoder",
+                                     "--model", "tests.models:padded_text_encoder")
     yield address
     stop(proc)
 
@@ -598,6 +599,28 @@ def test_a_torch_func_transform_or_forward_ad_through_the_split_model_is_refused
                 with torch.autograd.forward_ad.dual_level():
                     model(torch.autograd.forward_ad.make_dual(x, torch.ones_like(x)))
         nn.functional.cross_entropy(model(x), y).backward()  # and the session goes on
+
+
+@pytest.mark.parametrize("cut", ["encoder.layers.0:1", "encoder.layers.1:2"])
+def test_a_transformer_encoders_nested_tensor_path_across_the_cut_is_refused_and_trains_without_it(cloud, cut):
+    """nn.TransformerEncoder's fast path in evaluation computes its layers on a nested tensor made
+    from the padding mask: with its first layer in the cloud, the edge's encoder (seeing
+    placeholders) would not make it and the cloud's layers would round otherwise, silently; with the
+    first on the edge, the nested tensor would reach the cut. Refused; with the path off, as unsplit."""
+    from tests.models import padded_text_encoder
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(1, 30, (4, 7), generator=gen)
+    pad = torch.arange(7)[None] >= torch.tensor([7, 3, 5, 2])[:, None]
+    with splitft.split(padded_text_encoder(), cut, factory="tests.models:padded_text_encoder",
+                       connect=cloud) as model:
+        model.eval()
+        with torch.no_grad(), pytest.raises(CutError, match=r"nested tensor.*encoder.use_nested_tensor = False"):
+            model(x, pad)
+        local = padded_text_encoder().eval()
+        local.encoder.use_nested_tensor = model.encoder.use_nested_tensor = False
+        with torch.no_grad():
+            assert torch.equal(model(x, pad), local(x, pad))
 
 
 def test_functional_call_with_cloud_parameters_is_refused_naming_it(cloud):

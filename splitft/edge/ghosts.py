@@ -96,6 +96,11 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
                 if remote is None:
                     raise CutError("a U-shape cut needs a remote callable for its trunk")
                 entry = TrunkEntry(chain.names, remote, _signature(module), chain if check else None, whole=chain.whole)
+                if name == "layers.0" or name.endswith(".layers.0"):  # a TransformerEncoder's first layer?
+                    above = name[:-len("layers.0")].rstrip(".")
+                    holder = _module(model, above) if above else model
+                    if isinstance(holder, nn.TransformerEncoder):
+                        entry.encoder.append(holder)
                 standin: nn.Module = entry
             else:
                 assert entry is not None

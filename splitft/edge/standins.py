@@ -73,6 +73,22 @@ class Unreachable(nn.Module):
         return f"runs in the cloud: {self.cloud_name}"
 
 
+_NESTED = ("the model's forward {why} (torch.nn.TransformerEncoder built with enable_nested_tensor=True, its "
+           "default, evaluated with a src_key_padding_mask). Turn that path off where its layers are split, as "
+           "for the unsplit model you compare with: encoder.use_nested_tensor = False (or "
+           "torch.backends.mha.set_fastpath_enabled(False) around evaluation), or cut at the whole encoder")
+
+
+def _nested_path(encoder: nn.TransformerEncoder, kwargs: dict) -> bool:
+    """Whether ``encoder`` would turn its input into a nested tensor for its layers, unsplit (the
+    conditions of its fast path that its first layer's placeholders do not decide otherwise)."""
+    first = encoder.layers[0]
+    return bool(getattr(encoder, "use_nested_tensor", False) and not first.training
+                and kwargs.get("src_key_padding_mask") is not None and torch.backends.mha.get_fastpath_enabled()
+                and not torch.is_autocast_enabled()
+                and not (torch.is_grad_enabled() and any(p.requires_grad for p in first.parameters())))
+
+
 class TrunkEntry(nn.Module):
     """U-shape: the first trunk module. Calls ``remote`` with its inputs, returns the trunk output.
 
@@ -105,6 +121,8 @@ class TrunkEntry(nn.Module):
         #: Whether a trunk layer in training mode keeps running statistics (batch norm).
         self.keeps_statistics: Callable[[], bool] = lambda: False
         self.region: Any = None  # the torch.utils.checkpoint region the first module's call ran in
+        #: The nn.TransformerEncoder whose first layer this trunk begins with (in a list: no submodule).
+        self.encoder: list[nn.TransformerEncoder] = []
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.last = self.handed = None
@@ -114,12 +132,19 @@ class TrunkEntry(nn.Module):
                 f"only ({', '.join(sorted(kwargs))}): the cloud runs the trunk as a chain, handing each module the "
                 "previous one's output as its first positional argument. Pass the hidden state positionally "
                 "(layer(h, mask=m)), or cut a trunk of one module")
+        if self.encoder and _nested_path(self.encoder[0], kwargs):
+            raise CutError(_NESTED.format(why="would compute its layers on a nested tensor made from the padding "
+                                              "mask (its fast path, in evaluation), where the layers in the cloud "
+                                              "would get the padded one, and round otherwise"))
         caching = False
         for label, value in _labelled(args, kwargs, self._signature):
             if is_cache(value):  # a key/value cache stays in the cloud: its number crosses
                 caching = True
-            else:
-                flatten(value, where=f"{label} of {self.cloud_names[0]!r}")  # raises naming what cannot cross
+            else:  # raises naming what cannot cross
+                leaves, _ = flatten(value, where=f"{label} of {self.cloud_names[0]!r}")
+                if any(leaf.is_nested for leaf in leaves):
+                    raise CutError(_NESTED.format(why=f"hands {self.cloud_names[0]!r} a nested tensor ({label}), "
+                                                      "which cannot cross the cut"))
         if self._probe and not caching:  # (checked at the first call without a cache, which it would fill)
             probe = self._probe.pop()
             try:
