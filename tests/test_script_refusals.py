@@ -461,6 +461,38 @@ def test_recurrent_cloud_layers_train_as_unsplit(cloud, rejoin):
         assert torch.equal(trained(x), local(x))
 
 
+def test_initialising_a_part_of_a_cloud_weight_through_an_index_is_mirrored_and_reading_it_refused(cloud):
+    """An LSTM's forget-gate biases set to 1 (``p.data[n//4:n//2].fill_(1.0)``), a block of a weight
+    drawn anew through a strided view, torch's initialisers on a row: new values for a part, made
+    here on the same view of a fresh tensor (the draws in the order torch draws for that view) and
+    written through the index; reading the part is refused; with gradients on, torch's error."""
+    def initialise(net) -> None:
+        torch.manual_seed(5)
+        for name, p in net[4].named_parameters():
+            if name.startswith("bias"):
+                n = p.size(0)
+                p.data[n // 4:n // 2].fill_(1.0)
+        net[2].weight_hh_l0.data[:, :3].normal_(0, 0.02)  # not contiguous: torch's draws follow the view
+        with torch.no_grad():
+            nn.init.constant_(net[2].bias_hh_l1[2:5], 0.5)
+            net[4].weight_ih_l0[0].zero_()
+
+    data = _data(3)
+    local = recurrent_net()
+    initialise(local)
+    drawn = torch.get_rng_state()
+    _steps(local, torch.optim.Adam(local.parameters(), lr=0.01), nn.CrossEntropyLoss(), data)
+    with splitft.split(recurrent_net(), 2, factory="tests.models:recurrent_net", connect=cloud) as model:
+        initialise(model)
+        assert torch.equal(torch.get_rng_state(), drawn)
+        with pytest.raises(PlaceholderError, match=r"sum on an indexed part of .*lstm|sum on an indexed part"):
+            model[4].bias_ih_l0.data[:4].sum()
+        with pytest.raises(RuntimeError, match="a view of a leaf Variable that requires grad"):
+            model[4].bias_ih_l0[:4].fill_(0.0)
+        _steps(model, torch.optim.Adam(model.parameters(), lr=0.01), model.remote_loss(nn.CrossEntropyLoss()), data)
+        assert_bitwise(model.state_dict(), local.state_dict())
+
+
 def test_a_parametrization_added_to_a_cloud_layer_after_split_is_refused(cloud):
     net = mlp()
     with splitft.split(net, 2, factory=MLP, connect=cloud):

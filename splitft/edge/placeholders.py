@@ -21,7 +21,8 @@ What is mirrored:
   to the cloud (``load_state_dict`` of a submodule, ``reset_running_stats``, ``nn.init.zeros_``),
   and so do ``normal_``, ``uniform_`` and torch's initialisers built on them (``model.apply(init)``,
   ``p.data.normal_(0, 0.02)``, ``nn.init.kaiming_uniform_``, ``xavier_normal_``), whose values are
-  drawn here from the edge's generator, as the unsplit model would draw them;
+  drawn here from the edge's generator, as the unsplit model would draw them; so do those on an
+  indexed part (``p.data[n // 4:n // 2].fill_(1.0)``, :mod:`.cloud_slices`);
   ``requires_grad_`` is sent with the next forward;
 * ``p.grad`` is the cloud's gradient: ``None`` exactly when the cloud's is; assigning ``None``
   clears the cloud's; its norm (``torch.linalg.vector_norm``, ``Tensor.norm``, ``_foreach_norm``)
@@ -54,6 +55,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..errors import PlaceholderError
 from ..wire import expressions
+from .cloud_slices import CloudSlice
 from .made_here import drawn_like, itself_where_unmoved, made_like, new_like, new_values
 from .metadata import DEVICE_QUERIES, IS_META, METADATA, REQUIRES_GRAD_SETTERS, set_requires_grad, where
 
@@ -292,6 +294,7 @@ _VALUE_OPS: dict[Any, Callable[..., Any]] = {
     **{init: new_values(init, no_grad=True) for init in (torch.nn.init.normal_, torch.nn.init.uniform_,
                                                           torch.nn.init.constant_, torch.nn.init.kaiming_uniform_)},
     Tensor.detach: CloudTensor.alias, _DATA_GETTER: CloudTensor.alias, _DATA_SETTER: _data_set_to_itself,
+    Tensor.__getitem__: CloudSlice,  # p.data[i:j].fill_(1.0): new values for a part (cloud_slices.py)
     # a single value read as a Python number, as .item() reads it (int(bn.num_batches_tracked))
     Tensor.__int__: lambda t: int(t.item()), Tensor.__float__: lambda t: float(t.item()),
     Tensor.__bool__: lambda t: bool(t.item()), Tensor.__index__: lambda t: operator.index(cast(int, _integral(t).item())),
