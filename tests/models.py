@@ -303,6 +303,26 @@ def padded_text_encoder(seed: int = 0) -> PaddedTextEncoder:
         return PaddedTextEncoder()
 
 
+class PackedTagger(nn.Module):
+    """Padded sequences packed for an LSTM (the trunk at ``lstm``) and unpacked for a per-step head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 8, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, _ = self.lstm(packed)
+        return self.head(nn.utils.rnn.pad_packed_sequence(out, batch_first=True)[0])
+
+
+def packed_tagger(seed: int = 0) -> PackedTagger:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return PackedTagger()
+
+
 def inplace_relu_mlp(seed: int = 0) -> nn.Sequential:
     """The MLP with an in-place ReLU at 1, the first module of the cloud half when cut at 1."""
     model = mlp(seed)

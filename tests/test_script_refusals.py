@@ -50,7 +50,8 @@ def cloud(tmp_path_factory):
                                      "--model", "tests.models:positive_rows_mlp",
                                      "--model", "tests.models:transposed_front_end",
                                      "--model", "tests.models:repeated_state_decoder",
-                                     "--model", "tests.models:padded_text_encoder")
+                                     "--model", "tests.models:padded_text_encoder",
+                                     "--model", "tests.models:packed_tagger")
     yield address
     stop(proc)
 
@@ -653,6 +654,15 @@ def test_a_transformer_encoders_nested_tensor_path_across_the_cut_is_refused_and
         local.encoder.use_nested_tensor = model.encoder.use_nested_tensor = False
         with torch.no_grad():
             assert torch.equal(model(x, pad), local(x, pad))
+
+
+def test_a_packed_sequence_handed_to_a_cloud_rnn_is_refused_naming_it(cloud):
+    from tests.models import packed_tagger
+
+    x = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(0))
+    with splitft.split(packed_tagger(), "lstm", "head", factory="tests.models:packed_tagger", connect=cloud) as model:
+        with pytest.raises(CutError, match=r"hands 'lstm' a PackedSequence .* on the same side"):
+            model(x, torch.tensor([5, 2, 4]))
 
 
 def test_functional_call_with_cloud_parameters_is_refused_naming_it(cloud):

@@ -141,6 +141,11 @@ class TrunkEntry(nn.Module):
             if is_cache(value):  # a key/value cache stays in the cloud: its number crosses
                 caching = True
             else:  # raises naming what cannot cross
+                if isinstance(value, nn.utils.rnn.PackedSequence):
+                    raise CutError(f"the model's forward hands {self.cloud_names[0]!r} a PackedSequence ({label}), "
+                                   "which crosses the cut as a plain tuple of its tensors, not as one: keep the "
+                                   "packing and the recurrent layer that takes it on the same side (the layer on "
+                                   "the edge, or pack and unpack inside a module of the trunk)")
                 leaves, _ = flatten(value, where=f"{label} of {self.cloud_names[0]!r}")
                 if any(leaf.is_nested for leaf in leaves):
                     raise CutError(_NESTED.format(why=f"hands {self.cloud_names[0]!r} a nested tensor ({label}), "
