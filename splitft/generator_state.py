@@ -20,6 +20,12 @@ HOST_STATE_BYTES = torch.get_rng_state().numel()
 _MT_WORDS = 624  # the Mersenne twister's state, in 32-bit words
 
 
+def host_state() -> torch.Tensor:
+    """The host generator's state as splitft reads it: from the generator itself, past the names at
+    which a script's reads are checked (:mod:`splitft.edge.generator_sets`)."""
+    return torch.default_generator.get_state()
+
+
 def checked_host_state(value: Any, field: str) -> torch.Tensor:
     """``value`` (a peer's ``field``) as a host generator state of our own; :class:`ProtocolError`
     when it is not one torch's generator accepts (checked on a scratch generator)."""

@@ -1228,6 +1228,7 @@ def test_a_caught_loss_error_in_micro_batches_with_dropout_in_the_cloud_is_refus
 
 
 GENERATOR_READS = {"torch.get_rng_state()": lambda: torch.get_rng_state(),
+                   "torch.random.get_rng_state()": lambda: torch.random.get_rng_state(),
                    "torch.random.fork_rng()": lambda: torch.random.fork_rng(devices=[]).__enter__()}
 
 

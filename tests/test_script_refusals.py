@@ -1617,6 +1617,13 @@ def _forked_forward(model, crit, opt, x, y, i):
     crit(out, y).backward()
 
 
+def _put_back_through_torch_random(model, crit, opt, x, y, i):
+    start = torch.get_rng_state()
+    out = model(x)
+    torch.random.set_rng_state(start)  # torch.random's own name for torch.set_rng_state
+    crit(out, y).backward()
+
+
 def _reseeded_before_the_loss(model, crit, opt, x, y, i):
     out = model(x)
     torch.manual_seed(100 + i)
@@ -1638,8 +1645,10 @@ def _drawn_then_reseeded(model, crit, opt, x, y, i):
 
 
 @pytest.mark.parametrize("step, refused", [(_forked_forward, False), (_reseeded_before_the_loss, False),
+                                           (_put_back_through_torch_random, False),
                                            (_drawn_in_the_fork, True), (_drawn_then_reseeded, True)],
-                         ids=["fork_rng around model(x)", "reseeded before the loss", "drawn inside the fork",
+                         ids=["fork_rng around model(x)", "reseeded before the loss",
+                              "put back by torch.random.set_rng_state", "drawn inside the fork",
                               "drawn, then reseeded"])
 def test_a_generator_set_between_model_x_and_its_loss_stays_as_the_script_set_it(cloud, step, refused):
     """Unsplit, the cloud half's dropout draws at model(x); split, at the loss, from the state

@@ -156,6 +156,7 @@ def _inproc_cloud(*factories: str):
 
 
 def test_a_generator_state_is_checked_before_the_cloud_takes_it():
+    from splitft.edge import stage as stage_module
     from splitft.errors import ProtocolError
     from splitft.generator_state import HOST_STATE_BYTES, checked_host_state
 
@@ -177,6 +178,7 @@ def test_a_generator_state_is_checked_before_the_cloud_takes_it():
 
 
 def test_a_malformed_generator_state_is_refused_and_the_session_goes_on(monkeypatch):
+    from splitft.edge import stage as stage_module
     from splitft.errors import ProtocolError
 
     listener, server, thread = _inproc_cloud(MODEL)
@@ -187,7 +189,7 @@ def test_a_malformed_generator_state_is_refused_and_the_session_goes_on(monkeypa
             x, y = data[0]
             tampered = torch.zeros(torch.get_rng_state().numel(), dtype=torch.uint8)
             with monkeypatch.context() as patch:
-                patch.setattr(torch.random, "get_rng_state", lambda: tampered)  # where the edge reads it
+                patch.setattr(stage_module, "host_state", lambda: tampered)  # where the edge reads it
                 with pytest.raises(ProtocolError, match="generator state"):
                     crit(model(x), y)
             _step(model, opt, crit, x, y)  # the edge's real state goes with the next forward

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ..errors import ModelError
+from ..generator_state import host_state
 
 #: Spreads (seed, stream) pairs apart: stream s of seed k is seeded with k * STRIDE + s.
 STRIDE = 1_000_003
@@ -120,7 +121,7 @@ class SessionRandom:
             try:
                 yield
             finally:
-                self.host = torch.random.get_rng_state()
+                self.host = host_state()
                 if cuda:
                     self.accelerator = torch.cuda.get_rng_state(self.device)
 
@@ -159,7 +160,7 @@ def _process_state() -> torch.Tensor | None:
     if not GENERATOR.acquire(blocking=False):
         return None
     try:
-        return torch.random.get_rng_state()
+        return host_state()
     finally:
         GENERATOR.release()
 

@@ -19,6 +19,7 @@ import torch
 
 from ..devices import autocast_dtype
 from ..errors import ConfigError
+from ..generator_state import host_state
 from . import generator_sets
 from .ghost_classes import settings_version
 from .metadata import METADATA, SHAPE_AND_TYPE, described, requires_grad_changes
@@ -159,7 +160,7 @@ class CutContext:
 
     @staticmethod
     def now(training: bool, weights: int) -> CutContext:
-        return CutContext(torch.random.get_rng_state(), training, torch.is_grad_enabled(),
+        return CutContext(host_state(), training, torch.is_grad_enabled(),
                           (autocast_dtype("cpu"), autocast_dtype("cuda")), weights, settings_version(),
                           generator_sets.count(), requires_grad_changes())
 
@@ -326,7 +327,7 @@ def _again(out: Any) -> torch.Tensor | None:
         return None
     start = out.__dict__.get("_splitft_start_rng")
     if start is None:
-        out.__dict__["_splitft_start_rng"] = torch.random.get_rng_state()
+        out.__dict__["_splitft_start_rng"] = host_state()
     return start
 
 

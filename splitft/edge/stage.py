@@ -20,7 +20,7 @@ import torch
 from compressors import CodecContext
 
 from ..errors import ConfigError, DesyncError, ModelError, ProtocolError
-from ..generator_state import checked_host_state
+from ..generator_state import checked_host_state, host_state
 from ..metrics import Metrics
 from ..wire.coding import SlotCodecs, Traffic, from_wire, raw_nbytes, stream_index, to_wire
 from ..wire.operations import Operation
@@ -128,7 +128,7 @@ class CloudStage:
         if start is not None:  # unsplit, the half drew from there (see _follow_cloud_rng)
             self._rng_synced = None
             return start.numpy()
-        state = torch.random.get_rng_state()
+        state = host_state()
         if self._rng_synced is not None and torch.equal(state, self._rng_synced):
             return None
         self._rng_synced = state

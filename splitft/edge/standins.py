@@ -24,6 +24,7 @@ from .audit import attribute_tensors, audit_trunk, out_of_memory
 from ..wire.coding import flatten, is_cache
 from ..cut import Chain, stream
 from ..errors import CutError
+from ..generator_state import host_state
 from .intermediate import hand_over
 
 
@@ -169,7 +170,7 @@ class TrunkEntry(nn.Module):
         self.last = self._remote(*args, **kwargs)
         self.reached, self._run_training = (0 if len(self.cloud_names) > 1 else None), self.training
         # Unsplit, a draw between trunk modules falls between their dropout masks; here they are all drawn now.
-        self.rng_after = torch.random.get_rng_state() if self.reached == 0 and self.training and self.draws() else None
+        self.rng_after = host_state() if self.reached == 0 and self.training and self.draws() else None
         if len(self.cloud_names) == 1:
             return self.finished()
         # An inner module's output is not what the cloud returns: the forward may pass it on, not read it.
@@ -223,7 +224,7 @@ class TrunkFollower(nn.Module):
     def forward(self, first: Any, *args: Any, **kwargs: Any) -> Any:
         entry = self._entry[0]
         self._refuse_out_of_order(entry)
-        if entry.rng_after is not None and not torch.equal(torch.random.get_rng_state(), entry.rng_after):
+        if entry.rng_after is not None and not torch.equal(host_state(), entry.rng_after):
             raise CutError(
                 f"the model's forward drew random numbers on the edge before calling {self.cloud_name!r} (a per-layer "
                 "torch.rand, as LayerDrop draws even at layerdrop=0), while the trunk draws its dropout masks in the "
