@@ -371,3 +371,37 @@ def test_a_bias_changed_between_forward_and_backward_trains_as_unsplit(cloud, re
         script(model, net, nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss()))
         state = model.state_dict()
     assert all(torch.equal(state[k], v) for k, v in local.state_dict().items())
+
+
+def test_a_tensor_moved_to_a_cloud_weights_dtype_reads_none_of_its_values(cloud):
+    """``scale.to(p)`` (SAM's ``e_w = rho / norm * p.grad * scale.to(p)``) needs p's dtype and device
+    only: it reads nothing, also of a weight too large to read back."""
+    model, net = _wide_split(cloud)
+    with model, torch.no_grad():
+        weight = net[2].weight
+        assert weight.numel() > 65536
+        scale = torch.tensor(0.05, dtype=torch.float64)
+        moved = scale.to(weight)
+        assert moved.dtype == torch.float32 and moved.device == weight.device and torch.equal(moved, scale.float())
+        kept = torch.tensor(2.0)
+        assert kept.to(weight) is kept  # already there, as torch gives it back
+
+
+def test_a_copy_of_a_large_cloud_weight_used_after_it_changed_names_what_restores_it(cloud):
+    """SAM's ``old_p = p.data.clone()``, the weight perturbed, then ``p.copy_(old_p)``: of a weight
+    too large to read back, the copy is an expression of the weight, refused once it changed;
+    the refusal names what restores it (undoing the change, or copy.deepcopy(model.state_dict()))."""
+    import copy
+
+    model, net = _wide_split(cloud)
+    with model, torch.no_grad():
+        weight = net[2].weight
+        backup = weight.data.clone()
+        weight.add_(0.01)
+        with pytest.raises(PlaceholderError, match=r"undo the change instead .* copy.deepcopy\(model.state_dict\(\)\)"):
+            weight.copy_(backup)
+        kept = copy.deepcopy(model.state_dict())["2.weight"]
+        weight.add_(0.01)
+        weight.copy_(kept)  # what the refusal names restores it
+        assert torch.equal(model.state_dict()["2.weight"], kept)
+

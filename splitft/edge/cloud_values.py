@@ -83,7 +83,8 @@ _DETACHES = {Tensor.detach, cast(Any, Tensor.data).__get__}
 _SHAPED_LIKE: dict[Any, Any] = {
     Tensor.view_as: lambda t, like: t.view(like.shape), Tensor.reshape_as: lambda t, like: t.reshape(like.shape),
     Tensor.expand_as: lambda t, like: t.expand(like.shape),
-    Tensor.type_as: lambda t, like: t.to(device=like.device, dtype=like.dtype)}
+    Tensor.type_as: lambda t, like: t.to(device=like.device, dtype=like.dtype),
+    Tensor.to: lambda t, like: t.to(device=like.device, dtype=like.dtype)}  # t.to(p): p's dtype and device
 _GRADIENT_CALLS = {torch.autograd.grad: "torch.autograd.grad(...)", torch.autograd.backward: "backward(inputs=...)"}
 
 
@@ -336,9 +337,13 @@ def _fresh(value: CloudValue, remote: Any) -> None:
     if value._splitft_version != remote.version():
         raise PlaceholderError("a tensor computed from the cloud half's tensors is used after they changed (an "
                                "operation, a forward or a step since): torch would have computed it before the "
-                               "change. Reduce or read it (.sum(), float(...)) before changing them; a copy kept "
-                               "to restore later (an EMA's store() and restore(), the best weights) is taken as "
-                               "p.detach().clone() or under torch.no_grad(), which hold the values")
+                               "change. Reduce or read it (.sum(), float(...)) before changing them. A copy kept "
+                               "to restore later (an EMA's store() and restore(), the best weights, SAM's old "
+                               f"weights) holds the values when taken of at most {MOST_READ} (p.detach().clone(), "
+                               "or under torch.no_grad()); of a larger weight it stays an expression of it in the "
+                               "cloud: undo the change instead (p.sub_(e_w) after p.add_(e_w), as SAM's first "
+                               "implementation does), take the copy from copy.deepcopy(model.state_dict()) "
+                               "(fetched whole), or keep that layer on the edge")
 
 
 def _read(remote: Any, nodes: list[dict]) -> list[Tensor]:
