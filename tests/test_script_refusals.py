@@ -665,6 +665,42 @@ def test_a_packed_sequence_handed_to_a_cloud_rnn_is_refused_naming_it(cloud):
             model(x, torch.tensor([5, 2, 4]))
 
 
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+def test_a_dispatch_mode_around_the_split_model_is_refused(cloud, rejoin):
+    """A TorchDispatchMode (a numerics emulation rounding matmuls, an operation counter) around the
+    forward: unsplit the whole model computes under it, the cloud half outside it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counting(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    x, y = _data(1)[0]
+    cut = (2,) if rejoin is None else (2, rejoin)
+    with splitft.split(mlp(), *cut, factory=MLP, connect=cloud) as model:
+        crit = model.remote_loss(nn.CrossEntropyLoss()) if rejoin is None else nn.CrossEntropyLoss()
+        with Counting(), pytest.raises(ConfigError, match="a TorchDispatchMode is active around the split model"):
+            crit(model(x), y)
+        crit(model(x), y).backward()  # outside it, as before
+
+
+def test_a_cloud_weights_values_as_numpy_are_refused_naming_the_copy_that_reads_them(cloud):
+    """TensorBoard's add_histogram(name, p) calls p.detach().cpu().numpy(): an array over the
+    tensor's memory, which is in the cloud. Refused, naming the copy that reads the values."""
+    local = mlp()
+    with splitft.split(net := mlp(), 2, factory=MLP, connect=cloud) as model:
+        with pytest.raises(PlaceholderError, match=r"NumPy array shares the tensor's memory.*t\.detach\(\)\.clone\(\)"):
+            net[2].weight.detach().cpu().numpy()
+        assert (net[2].weight.detach().clone().numpy() == local[2].weight.detach().numpy()).all()
+        with pytest.raises(CutError, match=r"register_buffer\('total_ops', \.\.\.\), as a profiler"):
+            net[2].register_buffer("total_ops", torch.zeros(1))
+
+
 def test_functional_call_with_cloud_parameters_is_refused_naming_it(cloud):
     """A weight-perturbed forward (``functional_call`` with tensors for cloud parameters): the cloud
     would run its own weights. Refused, naming the call and what does reach the cloud."""

@@ -385,10 +385,13 @@ class _FixedTable(dict):
 
     def _refuse(self, *args: Any, **kwargs: Any) -> Any:
         kind = {"_modules": "submodules", "_parameters": "parameters", "_buffers": "buffers"}[self.table]
-        swapped = "" if self.table == "_modules" else (
+        named = args[0] if args and isinstance(args[0], str) else None
+        swapped = "" if self.table == "_modules" or named is None or named not in self else (
             " (torch.func.functional_call with tensors for the cloud's parameters or buffers swaps them in for one "
             "forward: change the weights themselves, p.copy_(t) under torch.no_grad(), or cut so that the layers "
             "it swaps stay on the edge)")
+        if self.table != "_modules" and named is not None and named not in self:
+            swapped = f" (register_{kind[:-1]}({named!r}, ...), as a profiler that counts into every module does)"
         raise CutError(f"changing the {kind} of {self.where!r}{swapped}: that module runs in the cloud, built by the "
                        "factory, and would not change with it (split training would silently differ). Change the model "
                        "before split(), and the cloud's factory the same way; mid-training, change the values "

@@ -32,7 +32,7 @@ from .mirror import ModelMirror, loss_module
 from .optimizer_loads import local_value
 from .module_tree import UnsplitTree, hidden_attributes
 from .placeholders import CloudTensor
-from .remote_call import COMPILED_TO_TORCHSCRIPT, CacheRefs, RemoteCaller
+from .remote_call import COMPILED_TO_TORCHSCRIPT, CacheRefs, RemoteCaller, refuse_dispatch_modes
 from .output_shapes import OutputShapes
 from .remote_loss import CUT_CONTEXT, CutActivation, CutContext, CutTensor, RemoteLoss, call_parts, mean_denominator
 from .requests import EdgeSession
@@ -245,6 +245,7 @@ class SplitModel(UnsplitTree):
         would not follow), and the ``sample_ids`` its call carries."""
         if torch._C._get_tracing_state() is not None:
             raise ConfigError(COMPILED_TO_TORCHSCRIPT)
+        refuse_dispatch_modes()
         if self.session.closed:  # closed or unsplit: the model's tensors are no placeholders any more
             raise PeerGone("this split session is closed (after model.unsplit(), go on with the model it returned); "
                            "create a new one to keep training")

@@ -477,6 +477,10 @@ def _refusal(func: Any, tensor: Any) -> str:
         attribute = getattr(getattr(func, "__self__", None), "__name__", "an attribute")
         name = f"{'setting' if name.endswith('__set__') else 'reading'} .{attribute}"
     what = tensor._what() if isinstance(tensor, RemoteTensor) else "a cloud tensor"
+    if name.endswith("numpy"):  # a histogram's, a plot's: an array over the tensor's memory, which is in the cloud
+        return (f"{name} on {what}: a NumPy array shares the tensor's memory, which is in the cloud; for its values "
+                "(a histogram, a plot) take a copy, t.detach().clone().numpy() (a copy of a weight's or a "
+                "gradient's values is read back), or read the weights from model.state_dict()")
     if isinstance(tensor, CloudGrad):
         return (f"{name} on {what}: the gradient lives in the cloud, and only these reach it there: torch's "
                 "elementwise functions, comparisons and reductions (splitft.wire.expressions lists them; their "

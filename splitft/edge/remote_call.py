@@ -43,6 +43,17 @@ COMPILED_TO_TORCHSCRIPT = (
     "session) and trace or script that; edge modules alone may be scripted as they are")
 
 
+def refuse_dispatch_modes() -> None:
+    """Refuse a ``TorchDispatchMode`` around the split model's forward or loss: unsplit, the whole
+    model computed under it (a numerics emulation rounding matmuls, an operation counter); the
+    cloud half computes outside it."""
+    if torch._C._len_torch_dispatch_stack() > 0:
+        raise ConfigError("a TorchDispatchMode is active around the split model (a numerics emulation, an operation "
+                          "counter): unsplit the whole model computed under it; the cloud half computes outside it, "
+                          "so its results (or counts) would silently differ. Use it on edge modules alone, or on the "
+                          "model model.unsplit() gives")
+
+
 class _RemoteCall(torch.autograd.Function):
     """The cut. Inputs: the call's tensors (and an anchor that keeps the cloud part trainable)."""
 
@@ -307,6 +318,7 @@ class RemoteCaller:
         """The cloud half's output for ``args``/``kwargs`` (plain split: the loss, with ``target``)."""
         if torch._C._functorch.peek_interpreter_stack() is not None:
             raise ConfigError(_TRANSFORMS)
+        refuse_dispatch_modes()
         self.cloud_half.hidden = False  # an optimizer step that raised left them hidden
         caches: list = []
         first = args[0] if args else None
