@@ -27,6 +27,7 @@ from ..cut import Chain, CutSpec, _module, extract
 from ..errors import ConfigError, CutError
 from . import weight_refs
 from .layer_refusals import refuse_unsupported_layers
+from .output_shapes import OutputShapes
 from .ghost_classes import TABLES, Ghost, ghost_class
 from .ghost_hooks import (GLOBAL_HOOKS, HOOKS, STATE_HOOKS, library_hook, never_run, refuse_hooks, refused_hook,
                           refused_state_hook)
@@ -124,6 +125,7 @@ class Ghosts:
 
     def __init__(self, model: nn.Module, chain: Chain) -> None:
         self.chain = chain
+        self.outputs = OutputShapes(chain)  # what a plain split's model(x) answers for its shape
         self._model = model
         # Each cloud module and each module that holds one, by its name in its parent, from the root
         # down: a holder replaced (``model.body = nn.Sequential(...)``) takes the cloud half out of the

@@ -32,8 +32,7 @@ from .mirror import ModelMirror, loss_module
 from .optimizer_loads import local_value
 from .module_tree import UnsplitTree, hidden_attributes
 from .placeholders import CloudTensor
-from .remote_call import COMPILED_TO_TORCHSCRIPT, CacheRefs, RemoteCaller, refuse_dispatch_modes
-from .output_shapes import OutputShapes
+from .remote_call import COMPILED_TO_TORCHSCRIPT, CacheRefs, RemoteCaller, refuse_foreign_contexts
 from .remote_loss import CUT_CONTEXT, CutActivation, CutContext, CutTensor, RemoteLoss, call_parts, mean_denominator
 from .requests import EdgeSession
 from .schedule import Scheduler
@@ -94,7 +93,6 @@ class SplitModel(UnsplitTree):
                         placeholder=lambda tensor, name: CloudTensor(tensor, name, cloud_half))
         self.caller.caches.layers = cloud_kv.decoder_layers(chain.stages)
         self.ghosts = Ghosts(model, chain)
-        self._output_shapes = OutputShapes(chain)
         self.ghosts.serve_state(self._with_cloud_values)
         self.mirror.before_step = self.ghosts.refuse_swapped
         self._flags = ModuleFlags([(name, model.get_submodule(name)) for name in chain.names])
@@ -243,9 +241,7 @@ class SplitModel(UnsplitTree):
     def _before_forward(self, sample_ids: Any) -> None:
         """What ``model(x)`` checks before the model's forward runs (nothing changed that the cloud
         would not follow), and the ``sample_ids`` its call carries."""
-        if torch._C._get_tracing_state() is not None:
-            raise ConfigError(COMPILED_TO_TORCHSCRIPT)
-        refuse_dispatch_modes()
+        refuse_foreign_contexts()
         if self.session.closed:  # closed or unsplit: the model's tensors are no placeholders any more
             raise PeerGone("this split session is closed (after model.unsplit(), go on with the model it returned); "
                            "create a new one to keep training")
@@ -262,7 +258,7 @@ class SplitModel(UnsplitTree):
         """A plain split's ``model(x)``: what reached the cut, with what it ran under."""
         if len(cut.call_args) == 1 and not cut.call_kwargs:
             value = cut.call_args[0]
-            out = CutTensor(value, self._output_shapes) if isinstance(value, torch.Tensor) else value
+            out = CutTensor(value, self.ghosts.outputs) if isinstance(value, torch.Tensor) else value
         else:
             out = CutActivation(cut.call_args, cut.call_kwargs)
         self.strays.made(out, self.training)

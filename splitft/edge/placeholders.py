@@ -21,8 +21,7 @@ What is mirrored:
   to the cloud (``load_state_dict`` of a submodule, ``reset_running_stats``, ``nn.init.zeros_``),
   and so do ``normal_``, ``uniform_`` and torch's initialisers built on them (``model.apply(init)``,
   ``p.data.normal_(0, 0.02)``, ``nn.init.kaiming_uniform_``, ``xavier_normal_``), whose values are
-  drawn here from the edge's generator, as the unsplit model would draw them; so do those on an
-  indexed part (``p.data[n // 4:n // 2].fill_(1.0)``, :mod:`.cloud_slices`);
+  drawn here from the edge's generator, as the unsplit model would draw them (also of a part, :mod:`.cloud_slices`);
   ``requires_grad_`` is sent with the next forward;
 * ``p.grad`` is the cloud's gradient: ``None`` exactly when the cloud's is; assigning ``None``
   clears the cloud's; its norm (``torch.linalg.vector_norm``, ``Tensor.norm``, ``_foreach_norm``)
@@ -478,9 +477,8 @@ def _refusal(func: Any, tensor: Any) -> str:
         name = f"{'setting' if name.endswith('__set__') else 'reading'} .{attribute}"
     what = tensor._what() if isinstance(tensor, RemoteTensor) else "a cloud tensor"
     if name.endswith("numpy"):  # a histogram's, a plot's: an array over the tensor's memory, which is in the cloud
-        return (f"{name} on {what}: a NumPy array shares the tensor's memory, which is in the cloud; for its values "
-                "(a histogram, a plot) take a copy, t.detach().clone().numpy() (a copy of a weight's or a "
-                "gradient's values is read back), or read the weights from model.state_dict()")
+        return (f"{name} on {what}: a NumPy array shares the tensor's memory, and its values live in the cloud; for "
+                "them (a histogram, a plot) take a copy, t.detach().clone().numpy(), which reads them back")
     if isinstance(tensor, CloudGrad):
         return (f"{name} on {what}: the gradient lives in the cloud, and only these reach it there: torch's "
                 "elementwise functions, comparisons and reductions (splitft.wire.expressions lists them; their "

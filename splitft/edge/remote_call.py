@@ -43,10 +43,12 @@ COMPILED_TO_TORCHSCRIPT = (
     "session) and trace or script that; edge modules alone may be scripted as they are")
 
 
-def refuse_dispatch_modes() -> None:
-    """Refuse a ``TorchDispatchMode`` around the split model's forward or loss: unsplit, the whole
-    model computed under it (a numerics emulation rounding matmuls, an operation counter); the
-    cloud half computes outside it."""
+def refuse_foreign_contexts() -> None:
+    """Refuse what the split model's forward or loss runs under that the cloud half would not: a
+    TorchScript trace, a ``TorchDispatchMode`` (unsplit, the whole model computed under it: a
+    numerics emulation rounding matmuls, an operation counter)."""
+    if torch._C._get_tracing_state() is not None:
+        raise ConfigError(COMPILED_TO_TORCHSCRIPT)
     if torch._C._len_torch_dispatch_stack() > 0:
         raise ConfigError("a TorchDispatchMode is active around the split model (a numerics emulation, an operation "
                           "counter): unsplit the whole model computed under it; the cloud half computes outside it, "
@@ -318,7 +320,7 @@ class RemoteCaller:
         """The cloud half's output for ``args``/``kwargs`` (plain split: the loss, with ``target``)."""
         if torch._C._functorch.peek_interpreter_stack() is not None:
             raise ConfigError(_TRANSFORMS)
-        refuse_dispatch_modes()
+        refuse_foreign_contexts()
         self.cloud_half.hidden = False  # an optimizer step that raised left them hidden
         caches: list = []
         first = args[0] if args else None
