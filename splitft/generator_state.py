@@ -8,6 +8,8 @@ before any generator holds it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -24,6 +26,17 @@ def host_state() -> torch.Tensor:
     """The host generator's state as splitft reads it: from the generator itself, past the names at
     which a script's reads are checked (:mod:`splitft.edge.generator_sets`)."""
     return torch.default_generator.get_state()
+
+
+@contextlib.contextmanager
+def host_state_kept() -> Iterator[None]:
+    """The block's draws undone after it, as ``torch.random.fork_rng(devices=[])`` would, through the
+    generator itself: splitft's own extra run is no read or set of the script's."""
+    state = host_state()
+    try:
+        yield
+    finally:
+        torch.default_generator.set_state(state)
 
 
 def checked_host_state(value: Any, field: str) -> torch.Tensor:

@@ -107,6 +107,8 @@ def test_views_report_the_unsplit_model_with_the_cloud_half_as_placeholders(spli
         model(x)
     handle.remove()
     assert calls == [] and model(x).shape == (16, 3)  # the shape the unsplit model's output has
+    # print(model): where each cloud layer runs, then its settings as unsplit
+    assert "(4): Linear(runs in the cloud: 4, in_features=16, out_features=3, bias=True)" in repr(model)
 
 
 def _pair(inproc_cloud, script, rejoin=4):

@@ -701,6 +701,21 @@ def test_a_cloud_weights_values_as_numpy_are_refused_naming_the_copy_that_reads_
             net[2].register_buffer("total_ops", torch.zeros(1))
 
 
+def test_a_u_shape_teachers_forward_between_a_plain_students_forward_and_loss_is_refused_as_a_draw(cloud):
+    """A U-shape teacher's first forward (its trunk checked once on the edge) between a plain
+    student's model(x) and its loss, both with dropout in the cloud: refused as the draw in between
+    it is, not as a fault of the teacher's trunk (the check's own extra run is no read of the script's)."""
+    x, y = _data(1)[0]
+    with splitft.split(mlp_dropout(), 2, factory="tests.models:mlp_dropout", connect=cloud) as student, \
+            splitft.split(mlp_dropout(), 2, 4, factory="tests.models:mlp_dropout", connect=cloud) as teacher:
+        crit = student.remote_loss(nn.CrossEntropyLoss())
+        crit(student(x), y).backward()  # the student's half is known to draw
+        out = student(x)
+        teacher(x)
+        with pytest.raises(ConfigError, match=r"drew random numbers between model\(x\) and its remote loss \(another"):
+            crit(out, y)
+
+
 def test_functional_call_with_cloud_parameters_is_refused_naming_it(cloud):
     """A weight-perturbed forward (``functional_call`` with tensors for cloud parameters): the cloud
     would run its own weights. Refused, naming the call and what does reach the cloud."""

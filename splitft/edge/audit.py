@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from ..wire import tree as trees
 from ..wire.coding import flatten, unflatten
 from ..errors import CutError
+from ..generator_state import host_state_kept
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def audit_trunk(trunk: nn.Module, args: tuple, kwargs: dict, *, names: list[str]
     watch = _Watch(known)
     try:
         trunk.train(training)
-        with torch.random.fork_rng(devices=[]), torch.no_grad(), watch:
+        with host_state_kept(), torch.no_grad(), watch:
             trunk(*c_args, **c_kwargs)
     except Exception as exc:
         if out_of_memory(exc):

@@ -333,7 +333,14 @@ def ghost(module: nn.Module, standin: nn.Module, *, never_run: tuple[str, ...] =
                                "in the cloud and does not follow; cast the model before split()")
         return module
 
-    state.update(forward=forward, _apply=apply, extra_repr=standin.extra_repr, _splitft_standin=standin)
+    def extra_repr() -> str:  # print(model): where it runs, then its settings as its class prints them
+        try:
+            own = type(module).extra_repr(module)
+        except Exception:  # noqa: BLE001 — a repr that reads values: where it runs says enough
+            own = ""
+        return ", ".join(filter(None, (standin.extra_repr(), own)))
+
+    state.update(forward=forward, _apply=apply, extra_repr=extra_repr, _splitft_standin=standin)
     for key, sub in module.named_modules():
         where = f"{standin_name(module)}.{key}" if key else standin_name(module)
         sub.__dict__.update({hook: refused_hook(where, hook) for hook in (HOOKS if key else never_run)})

@@ -299,7 +299,8 @@ def _is_one(scale: torch.Tensor) -> bool:
 
 #: A plain split's loss whose model(x) was followed by draws of the script, before the cloud half drew.
 DRAWN_BETWEEN = (
-    "the script drew random numbers between model(x) and its remote loss, and the cloud half draws too (dropout): "
+    "the script drew random numbers between model(x) and its remote loss (another model's forward in between, a "
+    "second split model's included, draws from the same generator), and the cloud half draws too (dropout): "
     "unsplit, the cloud half drew its masks at model(x), before the script's draws, which then came from further on "
     "in the generator; split, the cloud half runs at the loss, so the two would draw different numbers and training "
     "would silently differ from the unsplit model. Draw before model(x) (or after the loss), or cut a U-shape "
