@@ -102,6 +102,46 @@ def test_trainer_trains_a_model_with_dropout_split_exactly_like_the_unsplit_one(
     assert any(not torch.equal(value, no_dropout[name]) for name, value in local_state.items())  # it dropped
 
 
+def test_trainer_with_adafactor_trains_and_checkpoints_the_split_model_as_unsplit(hf_cloud, tmp_path):
+    """``optim="adafactor"``: the cloud builds transformers' Adafactor at the edge's release of it.
+    The optimizer state Trainer's checkpoint saves holds the cloud parameters' entries as unsplit,
+    the step counts Adafactor keeps as Python ints among them; loading one back into the split
+    model is refused before anything is loaded (its state's layout is not known ahead of a step)."""
+
+    def train(model, out: Path) -> tuple[dict, dict]:
+        args = transformers.TrainingArguments(
+            output_dir=str(out), per_device_train_batch_size=4, num_train_epochs=1, learning_rate=5e-3,
+            optim="adafactor", seed=0, use_cpu=True, report_to="none", save_strategy="steps", save_steps=3,
+            logging_strategy="no", disable_tqdm=True)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=_examples("bert"))
+        trainer.train()
+        assert type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer")
+                    else trainer.optimizer).__name__ == "Adafactor"
+        return model.state_dict(), torch.load(out / "checkpoint-6" / "optimizer.pt", weights_only=True)
+
+    local_state, local_saved = train(tiny_hf("bert"), tmp_path / "local")
+    model = splitft.split(tiny_hf("bert"), CUTS["bert"], factory=splitft.Factory(FACTORY, {"kind": "bert"}),
+                          connect=hf_cloud)
+    with model:
+        state, saved = train(model, tmp_path / "split")
+        for name, value in local_state.items():
+            assert torch.equal(state[name], value), name
+        assert saved["param_groups"] == local_saved["param_groups"]
+        assert saved["state"].keys() == local_saved["state"].keys()
+        for index, entry in local_saved["state"].items():
+            assert saved["state"][index].keys() == entry.keys(), index
+            for key, value in entry.items():
+                assert type(saved["state"][index][key]) is type(value), (index, key)
+                assert (torch.equal(saved["state"][index][key], value) if isinstance(value, torch.Tensor)
+                        else saved["state"][index][key] == value), (index, key)
+        assert any(isinstance(entry.get("step"), int) and entry["step"] == 6 for entry in saved["state"].values())
+        from transformers.optimization import Adafactor
+
+        again = Adafactor(model.parameters(), lr=5e-3, scale_parameter=False, relative_step=False)
+        with pytest.raises(splitft.ConfigError, match="save_checkpoint"):
+            again.load_state_dict(saved)
+
+
 def test_an_accelerate_loop_trains_the_split_model_exactly_like_the_unsplit_one(hf_cloud):
     from accelerate import Accelerator
 

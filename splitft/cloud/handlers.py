@@ -21,6 +21,7 @@ from torch import nn
 
 from ..config_reads import apply_flags
 from ..errors import CapacityError, ConfigError, ModelError, PolicyError, ProtocolError
+from ..optimizer_classes import optimizer_class
 from ..wire import operations as o
 from . import offload, optimizer_state
 from .blame import blame, short
@@ -163,9 +164,7 @@ def attach_optimizer(session: Target, op: o.AttachOptimizer) -> None:
     op_id = _positive_id(op.id)
     if op_id is not None and op_id <= mirrored.optimizer_id and mirrored.optimizer_spec is not None:
         return  # a replayed attach: the optimizer (and its state) is already there
-    cls = getattr(torch.optim, op.name, None)
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
-        raise ConfigError(f"{short(op.name)} is not a torch.optim optimizer")
+    cls = optimizer_class(op.name, op.version)
     groups = _param_groups(half, op)
     shared = half.shared
     if shared is not None:  # the cloud's optimizer, never the first edge's: an edge's must be it
@@ -175,7 +174,8 @@ def attach_optimizer(session: Target, op: o.AttachOptimizer) -> None:
                       (policy.optimizer or "", policy.describe()))
     else:
         mirrored.own_optimizer = _make_optimizer(groups, cls, op.settings)
-    mirrored.optimizer_spec = o.AttachOptimizer(name=cls.__name__, settings=dict(op.settings), groups=op.groups)
+    mirrored.optimizer_spec = o.AttachOptimizer(name=op.name, settings=dict(op.settings), groups=op.groups,
+                                                version=op.version)
     mirrored.optimizer_id = op_id if op_id is not None else mirrored.optimizer_id + 1
 
 
@@ -211,7 +211,7 @@ def add_param_group(session: Target, op: o.AddParamGroup) -> None:
     if len(params) != len(op.names) or any(id(p) in held for p in params):
         raise ProtocolError("a parameter appears in more than one parameter group, or twice in one")
     grown = o.AttachOptimizer(name=spec.name, settings=spec.settings, id=spec.id,
-                              groups=[*groups, {"names": op.names, "settings": op.settings}])
+                              groups=[*groups, {"names": op.names, "settings": op.settings}], version=spec.version)
     if optimizer is not None:
         try:
             optimizer.add_param_group({"params": params, **settings})
@@ -220,7 +220,7 @@ def add_param_group(session: Target, op: o.AddParamGroup) -> None:
     elif params:  # the first group with a parameter of this half: the optimizer, over every group
         built = _param_groups(half, grown)
         built[-1].update(settings)  # as the optimizer holds them (tuples as tuples)
-        mirrored.own_optimizer = _make_optimizer(built, getattr(torch.optim, spec.name), spec.settings)
+        mirrored.own_optimizer = _make_optimizer(built, optimizer_class(spec.name, spec.version), spec.settings)
     mirrored.optimizer_spec = grown
 
 

@@ -32,13 +32,15 @@ class Session(Protocol):
     def mirrored(self) -> Any: ...
 
 
-def read(session: Session) -> dict[str, dict[str, np.ndarray]]:
-    """The optimizer's state per parameter name, on the host (bfloat16 as float32)."""
+def read(session: Session) -> dict[str, dict[str, Any]]:
+    """The optimizer's state per parameter name: tensors on the host (bfloat16 as float32),
+    Python numbers as they are."""
     optimizer = _own_optimizer(session, "read")
-    out: dict[str, dict[str, np.ndarray]] = {}
+    out: dict[str, dict[str, Any]] = {}
     for param, entry in optimizer.state.items():
-        out[session.half.name_of(param)] = {key: _host(value) for key, value in entry.items()
-                                            if isinstance(value, torch.Tensor)}
+        out[session.half.name_of(param)] = {key: _host(value) if isinstance(value, torch.Tensor) else value
+                                            for key, value in entry.items()
+                                            if isinstance(value, (torch.Tensor, *_PLAIN))}
     return out
 
 
@@ -129,6 +131,10 @@ def _layout(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]]) ->
               for group, changed in zip(optimizer.param_groups, settings)]
     found = state_layout(type(optimizer), groups, {})  # each group holds every setting
     return None if found is None else [keys for group in found for keys in group]
+
+
+#: State values kept as Python numbers (Adafactor's step count), read as they are.
+_PLAIN = (bool, int, float)
 
 
 def _host(value: torch.Tensor) -> np.ndarray:

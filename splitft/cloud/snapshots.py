@@ -106,7 +106,7 @@ def snapshot(session: CloudSession) -> tuple[dict[str, Any], dict[str, Any]]:
     meta = {
         "kind": "cloud", "session": session.id, "token": session.token, "seq": session.replies.last_seq,
         "steps": mirrored.steps, "optimizer_id": mirrored.optimizer_id,
-        "optimizer": ({"name": spec.name, "settings": spec.settings, "groups": spec.groups}
+        "optimizer": ({"name": spec.name, "settings": spec.settings, "groups": spec.groups, "version": spec.version}
                       if spec is not None else None),
         "frozen": [n for n, p in half.chain.qualified_parameters().items() if not p.requires_grad],
         "flipped": [n for n, m in half.chain.qualified_modules().items() if any(m is f for f in mirrored.flipped)],
@@ -146,7 +146,7 @@ def restore(hello: Hello, tree: dict[str, Any], meta: dict[str, Any], factories:
         if meta.get("optimizer"):
             spec = meta["optimizer"]
             attach_optimizer(session, o.AttachOptimizer(name=spec["name"], settings=spec["settings"],
-                                                        groups=spec.get("groups")))
+                                                        groups=spec.get("groups"), version=spec.get("version")))
             if session.mirrored.own_optimizer is not None:
                 session.mirrored.own_optimizer.load_state_dict(tree["optimizer"])
         session.mirrored.restored(int(meta["steps"]), int(meta.get("optimizer_id", 0)))

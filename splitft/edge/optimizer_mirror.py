@@ -19,6 +19,7 @@ import torch
 
 from ..errors import ConfigError
 from ..optimizer_layout import same_kind
+from ..optimizer_classes import library_version, wire_name
 from ..wire.operations import AddParamGroup, AttachOptimizer, LoadOptimizerState, Step
 from . import initial_state, optimizers
 from .cloud_half import CloudHalf
@@ -152,8 +153,10 @@ class OptimizerMirror:
                    "settings": settings} for group, settings in zip(optimizer.param_groups, self.sent)]
         # The common case, one group of every cloud parameter, goes as small as it did before groups.
         whole = len(groups) == 1 and len(groups[0]["names"]) == len(cloud_names) and self.sent[0] == self.settings
-        self.model.outbox.queue(AttachOptimizer(name=type(optimizer).__name__, settings=self.settings, id=op_id,
-                                                groups=None if whole else groups))
+        name = wire_name(type(optimizer))
+        assert name is not None  # optimizer_settings refused the others
+        self.model.outbox.queue(AttachOptimizer(name=name, settings=self.settings, id=op_id,
+                                                groups=None if whole else groups, version=library_version(name)))
 
     def _group_settings(self) -> tuple[list[dict[str, Any]], list[tuple] | None]:
         """Each group's settings as sent, and their raw values when all are immutable (then, read
@@ -306,9 +309,10 @@ class OptimizerMirror:
                 arrays = fetched.get(names[id(param)])
                 if arrays:
                     here = self.optimizer.state.get(param)  # placeholders, whose dtypes the values take
-                    state[i] = {key: self._fetched_entry(param, names[id(param)], key, local_value(
-                        array, dict.get(here, key) if isinstance(here, dict) else None))
-                        for key, array in arrays.items()}
+                    state[i] = {key: array if isinstance(array, (bool, int, float)) else self._fetched_entry(
+                        param, names[id(param)], key,
+                        local_value(array, dict.get(here, key) if isinstance(here, dict) else None))
+                        for key, array in arrays.items()}  # a Python number (a step count) as unsplit: a copy
             state = dict(sorted(state.items()))
         saved["state"] = state
         return saved
@@ -376,6 +380,12 @@ class OptimizerMirror:
             if not entry:
                 continue
             pname = names[id(param)]
+            numbers = sorted(k for k, v in entry.items() if isinstance(v, (bool, int, float)))
+            if numbers:
+                raise ConfigError(f"the state of cloud parameter {pname!r} holds {', '.join(map(repr, numbers))} as a "
+                                  f"Python number, as {name} keeps it; the cloud's copy takes tensors only, so it "
+                                  "cannot start from this state: use model.save_checkpoint(path) and "
+                                  "split(..., resume_from=path)")
             keys = expected.get(id(param), {})
             if set(entry) != set(keys) or not all(isinstance(v, torch.Tensor) and not isinstance(v, RemoteTensor)
                                                   and tuple(v.shape) == keys[k][0] for k, v in entry.items()):

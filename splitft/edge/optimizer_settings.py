@@ -1,5 +1,5 @@
 """An optimizer's settings as the cloud's copy is built and stepped with them: plain numbers and
-flags only, of a ``torch.optim`` class the cloud can build by name."""
+flags only, of a class the cloud can build by name (:mod:`splitft.optimizer_classes`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..optimizer_classes import LIBRARY_OPTIMIZERS, wire_name
 
 #: Settings that cannot change without being replaced (a list or a tensor can, in place), and tuples of them.
 IMMUTABLE = {bool, int, float, str}
@@ -19,10 +20,10 @@ PLAIN_OR_TUPLE = {tuple, *PLAIN_KINDS}
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """What the cloud needs to build the same optimizer; refuses what it cannot rebuild by name."""
     cls = type(optimizer)
-    if not cls.__module__.startswith("torch.optim") or getattr(torch.optim, cls.__name__, None) is not cls:
+    if wire_name(cls) is None:
         base = next((b for b in cls.__mro__ if getattr(torch.optim, b.__name__, None) is b), None)
-        raise ConfigError(f"the cloud mirrors torch.optim optimizers by name; {cls.__module__}.{cls.__qualname__} is "
-                          "not one of them"
+        raise ConfigError(f"the cloud mirrors torch.optim optimizers (and {', '.join(LIBRARY_OPTIMIZERS)}) by name; "
+                          f"{cls.__module__}.{cls.__qualname__} is not one of them"
                           + (f" (a subclass of torch.optim.{base.__name__}, whose copy in the cloud would not run what "
                              f"{cls.__name__} adds): use torch.optim.{base.__name__} itself, and set what the subclass "
                              "changes on its param_groups (a learning rate, mirrored at each step)"

@@ -34,9 +34,11 @@ class Operation:
 
 @dataclass
 class AttachOptimizer(Operation):
-    """The edge attached a ``torch.optim`` optimizer: build the same class with these settings.
+    """The edge attached an optimizer: build the same class with these settings.
 
-    ``id`` numbers attachments, so a replayed attach is recognised and skipped.
+    ``name`` is one of :mod:`splitft.optimizer_classes`' (a ``torch.optim`` class's own name, or
+    a library's optimizer, whose ``version`` is the edge's release of that library). ``id``
+    numbers attachments, so a replayed attach is recognised and skipped.
     """
 
     NAME: ClassVar[str] = "optimizer"
@@ -46,6 +48,7 @@ class AttachOptimizer(Operation):
     #: The optimizer's parameter groups over the cloud half: ``{"names": [...], "settings": {...}}``
     #: each, the names those of the unsplit model. None: one group of every cloud parameter.
     groups: list | None = None
+    version: str | None = None
 
 
 @dataclass
