@@ -18,15 +18,19 @@ import torch
 #: Settings that only choose how a step runs, not what state it keeps.
 _HOW_IT_RUNS = {"fused": False, "foreach": False, "capturable": False, "differentiable": False}
 
-#: One state value's layout: its shape and dtype.
-Layout = tuple[tuple[int, ...], torch.dtype]
+#: One state value's layout: its shape and dtype; for a Python number, ``()`` and its type.
+Layout = tuple[tuple[int, ...], Any]
+
+#: State values an optimizer may keep as Python numbers (transformers' Adafactor's step count).
+NUMBERS = (bool, int, float)
 
 
 def state_layout(cls: type, groups: list[tuple[dict[str, Any], list[tuple[torch.Size, torch.dtype]]]],
-                 settings: dict[str, Any]) -> list[list[dict[str, Layout]]] | None:
+                 settings: dict[str, Any], numbers: bool = False) -> list[list[dict[str, Layout]]] | None:
     """Per group, per parameter (given as its shape and dtype), the state ``cls`` keeps after a
-    step with a gradient: state key → (shape, dtype) of its tensors ({} where it keeps none).
-    None when ``cls`` cannot step over ``meta`` tensors (one that reads a value on the host)."""
+    step with a gradient: state key → (shape, dtype) of its tensors ({} where it keeps none), and
+    with ``numbers`` → ((), type) of the values it keeps as Python numbers. None when ``cls``
+    cannot step over ``meta`` tensors (one that reads a value on the host)."""
     metas = [[torch.empty(shape, dtype=dtype, device="meta", requires_grad=True) for shape, dtype in params]
              for _, params in groups]
     if not any(metas):
@@ -46,8 +50,10 @@ def state_layout(cls: type, groups: list[tuple[dict[str, Any], list[tuple[torch.
             (step.__wrapped__ if getattr(step, "hooked", False) else step)(dry)
     except Exception:  # noqa: BLE001 — any optimizer's own failure on meta tensors means: not known here
         return None
-    return [[{key: (tuple(value.shape), value.dtype) for key, value in dry.state.get(meta, {}).items()
-              if isinstance(value, torch.Tensor)} for meta in group] for group in metas]
+    return [[{key: (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else ((), type(value))
+              for key, value in dry.state.get(meta, {}).items()
+              if isinstance(value, torch.Tensor) or (numbers and isinstance(value, NUMBERS))}
+             for meta in group] for group in metas]
 
 
 def _how_it_runs(settings: dict[str, Any]) -> dict[str, Any]:
@@ -75,4 +81,4 @@ def same_kind(value: Any, current: Any) -> bool:
 STEP_GUARD = "__splitft_guard__"
 
 
-__all__ = ["STEP_GUARD", "Layout", "same_kind", "state_layout"]
+__all__ = ["NUMBERS", "STEP_GUARD", "Layout", "same_kind", "state_layout"]

@@ -11,13 +11,14 @@ optimizer makes by itself, which the session's memory already counts on.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from ..errors import ConfigError, PolicyError, ProtocolError
-from ..optimizer_layout import same_kind, state_layout
+from ..optimizer_layout import NUMBERS, same_kind, state_layout
 from .blame import blame, short
 from .half import tensors_from_wire
 
@@ -40,7 +41,7 @@ def read(session: Session) -> dict[str, dict[str, Any]]:
     for param, entry in optimizer.state.items():
         out[session.half.name_of(param)] = {key: _host(value) if isinstance(value, torch.Tensor) else value
                                             for key, value in entry.items()
-                                            if isinstance(value, (torch.Tensor, *_PLAIN))}
+                                            if isinstance(value, (torch.Tensor, *NUMBERS))}
     return out
 
 
@@ -64,15 +65,25 @@ def load(session: Session, entries: Any, changes: Any = None) -> None:
     if expected is None:
         raise ConfigError(f"the state a {type(optimizer).__name__} keeps is not known to the cloud ahead of its "
                           "steps, so a loaded one cannot be checked; checkpoint with model.save_checkpoint(path)")
-    state: dict[int, dict[str, torch.Tensor]] = {}
+    state: dict[int, dict[str, Any]] = {}
     for name, arrays in entries.items():
         i = index[name]
         keys = expected[i]
-        values = tensors_from_wire(arrays, f"load_optimizer_state of {name!r}")
-        if set(values) != set(keys):
-            raise ProtocolError(f"load_optimizer_state of {name!r}: keys {short(sorted(values))}; this "
+        if not isinstance(arrays, dict):
+            raise ProtocolError(f"load_optimizer_state of {name!r} must map state keys to arrays")
+        if set(arrays) != set(keys):
+            raise ProtocolError(f"load_optimizer_state of {name!r}: keys {short(sorted(map(str, arrays)))}; this "
                                 f"{type(optimizer).__name__} keeps {short(sorted(keys))}")
+        numbers = {key for key, (_, kind) in keys.items() if not isinstance(kind, torch.dtype)}
         state[i] = {}
+        for key in numbers:  # a value the optimizer keeps as a Python number, of the type it keeps
+            value, kind = arrays[key], keys[key][1]
+            if type(value) is not kind or (kind is float and not math.isfinite(value)):
+                raise ProtocolError(f"load_optimizer_state of {name!r}: {key!r} must be a finite {kind.__name__}, "
+                                    f"got {short(value)}")
+            state[i][key] = value
+        values = tensors_from_wire({k: v for k, v in arrays.items() if k not in numbers},
+                                   f"load_optimizer_state of {name!r}")
         for key, value in values.items():
             shape, dtype = keys[key]
             if tuple(value.shape) != shape:
@@ -129,12 +140,8 @@ def _layout(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]]) ->
     groups = [({**{k: v for k, v in group.items() if k != "params"}, **changed},
                [(p.shape, p.dtype) for p in group["params"]])
               for group, changed in zip(optimizer.param_groups, settings)]
-    found = state_layout(type(optimizer), groups, {})  # each group holds every setting
+    found = state_layout(type(optimizer), groups, {}, numbers=True)  # each group holds every setting
     return None if found is None else [keys for group in found for keys in group]
-
-
-#: State values kept as Python numbers (Adafactor's step count), read as they are.
-_PLAIN = (bool, int, float)
 
 
 def _host(value: torch.Tensor) -> np.ndarray:

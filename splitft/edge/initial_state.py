@@ -155,16 +155,17 @@ def read_only(entry: dict[str, Any], name: str, remote: Any) -> CloudEntry:
 
 
 def layouts(optimizer: torch.optim.Optimizer, params: Container[int], settings: dict[str, Any],
-            group_settings: list[dict[str, Any]]) -> dict[int, dict[str, Layout]] | None:
+            group_settings: list[dict[str, Any]], numbers: bool = False) -> dict[int, dict[str, Layout]] | None:
     """The state ``optimizer`` keeps for each of its parameters whose id is in ``params`` (by id),
-    with the settings the cloud receives (:func:`~splitft.optimizer_layout.state_layout`); None
-    when it cannot be known ahead of a step."""
+    with the settings the cloud receives (:func:`~splitft.optimizer_layout.state_layout`, the
+    values it keeps as Python numbers too with ``numbers``); None when it cannot be known ahead
+    of a step."""
     groups, members = [], []
     for group, sent in zip(optimizer.param_groups, group_settings):
         found = [p for p in group["params"] if id(p) in params]
         groups.append((sent, [(p.shape, p.dtype) for p in found]))
         members.append(found)
-    layout = state_layout(type(optimizer), groups, settings)
+    layout = state_layout(type(optimizer), groups, settings, numbers)
     if layout is None:
         return None
     return {id(p): keys for found, group in zip(members, layout) for p, keys in zip(found, group)}

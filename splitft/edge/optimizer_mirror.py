@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import ConfigError
-from ..optimizer_layout import same_kind
+from ..optimizer_layout import NUMBERS, Layout, same_kind
 from ..optimizer_classes import library_version, wire_name
 from ..wire.operations import AddParamGroup, AttachOptimizer, LoadOptimizerState, Step
 from . import initial_state, optimizers
@@ -52,6 +52,15 @@ _NOT_ITS_STATE = {
            "perturbation): the cloud's copy of the optimizer keeps the cloud half's state, which the edge cannot set. "
            "Keep such values in a dict of the script's own ({{p: p.detach().clone() for p in params}})",
 }
+
+
+def _fits(value: Any, layout: Layout) -> bool:
+    """Whether a state value is of the layout the optimizer keeps: a tensor of that shape, or a
+    Python number of that type."""
+    shape, kind = layout
+    if isinstance(kind, torch.dtype):
+        return isinstance(value, torch.Tensor) and not isinstance(value, RemoteTensor) and tuple(value.shape) == shape
+    return type(value) is kind
 
 
 class OptimizerMirror:
@@ -309,7 +318,7 @@ class OptimizerMirror:
                 arrays = fetched.get(names[id(param)])
                 if arrays:
                     here = self.optimizer.state.get(param)  # placeholders, whose dtypes the values take
-                    state[i] = {key: array if isinstance(array, (bool, int, float)) else self._fetched_entry(
+                    state[i] = {key: array if isinstance(array, NUMBERS) else self._fetched_entry(
                         param, names[id(param)], key,
                         local_value(array, dict.get(here, key) if isinstance(here, dict) else None))
                         for key, array in arrays.items()}  # a Python number (a step count) as unsplit: a copy
@@ -380,18 +389,12 @@ class OptimizerMirror:
             if not entry:
                 continue
             pname = names[id(param)]
-            numbers = sorted(k for k, v in entry.items() if isinstance(v, (bool, int, float)))
-            if numbers:
-                raise ConfigError(f"the state of cloud parameter {pname!r} holds {', '.join(map(repr, numbers))} as a "
-                                  f"Python number, as {name} keeps it; the cloud's copy takes tensors only, so it "
-                                  "cannot start from this state: use model.save_checkpoint(path) and "
-                                  "split(..., resume_from=path)")
             keys = expected.get(id(param), {})
-            if set(entry) != set(keys) or not all(isinstance(v, torch.Tensor) and not isinstance(v, RemoteTensor)
-                                                  and tuple(v.shape) == keys[k][0] for k, v in entry.items()):
+            if set(entry) != set(keys) or not all(_fits(v, keys[k]) for k, v in entry.items()):
                 raise ConfigError(_NOT_ITS_STATE[loading].format(name=name, pname=pname, keys=sorted(keys)))
-            entries[pname] = {key: wire_value(value) for key, value in entry.items()}
-            layouts[i] = keys
+            entries[pname] = {key: value if isinstance(value, NUMBERS) else wire_value(value)
+                              for key, value in entry.items()}
+            layouts[i] = {key: layout for key, layout in keys.items() if isinstance(layout[1], torch.dtype)}
         return entries, layouts
 
     def _follow_loaded(self, param: torch.Tensor, name: str, entry: dict[str, Any]) -> None:
@@ -400,6 +403,8 @@ class OptimizerMirror:
         of then. Its cloud entries stand for the cloud's from now on, refusing a read once they
         moved on (:mod:`.fetched_state`)."""
         for key, value in list(entry.items()):
+            if isinstance(value, NUMBERS):
+                continue  # a Python number: the loaded dict keeps it, as unsplit (no later step changes it)
             if key == "step" or (value.dtype, value.device) == (param.dtype, param.device):
                 with torch._C.DisableTorchFunctionSubclass():
                     plain = value.detach()
@@ -420,7 +425,8 @@ class OptimizerMirror:
                     arrays = (fetched or {}).get(name)
                     state.pop(param, None)
                     if arrays:
-                        state[param] = {key: placed(param, key, torch.tensor(array), index, packed)
+                        state[param] = {key: array if isinstance(array, NUMBERS)
+                                        else placed(param, key, torch.tensor(array), index, packed)
                                         for key, array in arrays.items()}
                 index += 1
         for entry, (param, key) in list(self._fetched.items()):  # current ones are the optimizer's memory now
@@ -451,7 +457,7 @@ class OptimizerMirror:
     def _layout(self, params: list[torch.Tensor], settings: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
         """The state layout this optimizer keeps for ``params`` (by id) with each group's
         ``settings``; refused when not known."""
-        found = initial_state.layouts(self.optimizer, {id(p) for p in params}, self.settings, settings)
+        found = initial_state.layouts(self.optimizer, {id(p) for p in params}, self.settings, settings, numbers=True)
         if found is None:
             raise ConfigError(f"the state a {type(self.optimizer).__name__} keeps is not known ahead of its steps, so "
                               "its cloud half's part cannot be loaded; use model.save_checkpoint(path) and "
