@@ -278,6 +278,23 @@ def test_a_placeholder_is_a_parameter_of_the_right_shape_that_answers_the_edges_
     assert "values in the cloud" in repr(weight)
 
 
+@pytest.mark.parametrize("kind", ["parameter", "gradient"])
+def test_the_legacy_new_of_a_cloud_tensor_makes_a_tensor_here_of_the_size_it_is_given(kind):
+    """``p.grad.new(p.grad.size()).normal_(0, s)`` (gradient noise), ``w.data.new(w.size())`` (a
+    DropConnect mask): torch's legacy constructor skips ``__torch_function__``, and a cloud tensor
+    read the ``torch.Size`` as the values of a one-element tensor, so one noise value was added to
+    a whole gradient. It makes what it makes unsplit: a tensor of that size, here."""
+    made = _placeholder(torch.ones(4, 6), kind)
+    for tensor, call in [(made.new(made.size()), "size"), (made.new(4, 6), "sizes"),
+                         (made.new(size=(4, 6)), "size=")]:
+        assert tensor.shape == (4, 6) and tensor.dtype == made.dtype and type(tensor) is torch.Tensor, call
+    assert made.new([1.5, 2.5]).tolist() == made.new((1.5, 2.5)).tolist() == [1.5, 2.5]  # data, as torch reads it
+    assert made.new().shape == (0,) and made.new(3, device="cpu").device.type == "cpu"
+    if kind == "parameter":
+        with torch.enable_grad():  # reads no value of the parameter: no gradient to refuse
+            assert made.new(made.size()).shape == (4, 6)
+
+
 #: Arguments after the tensor that torch.nn.init's initialisers need (the others take the tensor alone).
 _INIT_ARGUMENTS: dict[str, tuple] = {"constant_": (0.5,), "sparse_": (0.5,)}
 

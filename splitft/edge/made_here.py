@@ -46,6 +46,13 @@ def new_like(factory: Callable[..., Tensor]) -> Callable[..., Tensor]:
     return new
 
 
+def legacy_new(source: Any, *args: Any, **kwargs: Any) -> Tensor:
+    """``t.new(size)``, torch's legacy constructor, which a tensor subclass's ``__torch_function__``
+    does not see (it read a ``torch.Size`` as the values of a tensor): a tensor made here, of ``t``'s
+    dtype on the edge half's device unless the call names others, as unsplit (it reads no values)."""
+    return torch.empty(0, dtype=source.dtype, device=source._splitft_remote.device).new(*args, **kwargs)
+
+
 def made_like(state: Callable[..., Tensor]) -> tuple[dict[Any, Callable[..., Any]], Callable[[Any], Tensor]]:
     """``torch.zeros_like(p)`` and its kin, and what ``p.copy_(t)`` copies.
 
@@ -143,4 +150,4 @@ def new_values(make: Callable[..., Any], *, no_grad: bool = False) -> Callable[.
     return made
 
 
-__all__ = ["drawn_like", "itself_where_unmoved", "made_like", "new_like", "new_values"]
+__all__ = ["drawn_like", "itself_where_unmoved", "legacy_new", "made_like", "new_like", "new_values"]

@@ -7,9 +7,9 @@ half's, where the unsplit model's values were (a buffer made ``device=p.device``
 torch's C++ asks them too, so ``AveragedModel`` groups them with the edge's tensors by device),
 and ``is_meta`` with False (torch's initialisers return early on a meta tensor, "sampling is a
 no-op", which on a cloud parameter would be a silent divergence; answered False, they reach an
-operation that is mirrored or refused). Their gradients are
-:class:`CloudGrad` handles, reported on the edge's device so torch groups them with the edge's
-gradients in parameter order. Both are tensor subclasses that own every torch operation on them,
+operation that is mirrored or refused). Their gradients are :class:`CloudGrad` handles, reported
+on the edge's device so torch groups them with the edge's gradients in parameter order. Both are
+tensor subclasses that own every torch operation on them (and ``t.new(size)``, which skips that),
 as ``DTensor`` and ``FakeTensor`` own theirs: what the cloud can mirror is routed to it
 (:class:`Remote`), what reads no values (shape, dtype, ``requires_grad``) answers here, and
 anything else raises a :class:`~splitft.errors.PlaceholderError` naming the fix. So a script's
@@ -55,7 +55,7 @@ from torch.utils._pytree import tree_flatten
 from ..errors import PlaceholderError
 from ..wire import expressions
 from .cloud_slices import CloudSlice
-from .made_here import drawn_like, itself_where_unmoved, made_like, new_like, new_values
+from .made_here import drawn_like, itself_where_unmoved, legacy_new, made_like, new_like, new_values
 from .metadata import DEVICE_QUERIES, IS_META, METADATA, REQUIRES_GRAD_SETTERS, set_requires_grad, where
 
 Tensor = torch.Tensor
@@ -84,6 +84,7 @@ class RemoteTensor(Tensor):
 
     _splitft_name: str
     _splitft_remote: Remote
+    new = legacy_new  # type: ignore[assignment]  # t.new(size): torch's legacy constructor skips __torch_function__
 
     @staticmethod
     def _make(cls: type, like: Tensor, name: str, remote: Remote, device: torch.device | str,
@@ -93,8 +94,7 @@ class RemoteTensor(Tensor):
         made: Any = Tensor._make_wrapper_subclass(cls, like.shape, strides=like.stride(), dtype=like.dtype,
                                                   device=torch.device(device), requires_grad=requires_grad,
                                                   dispatch_device=ask_device)
-        made._splitft_name = name
-        made._splitft_remote = remote
+        made._splitft_name, made._splitft_remote = name, remote
         return made
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # torch's: unannotated
