@@ -165,6 +165,15 @@ def relevant(expression: str, device: torch.device) -> bool:
     return expression not in CUDA or device.type == "cuda"
 
 
+def _same_effect(expression: str, edge: str, mine: str, device: torch.device) -> bool:
+    """Whether two values of a setting compute alike on ``device``: off CUDA, a float32 matmul
+    precision of "high" is "highest" (TensorFloat-32 is CUDA's; on the CPU, oneDNN's own precision,
+    compared apart, is what ``set_float32_matmul_precision("high")`` changes), so a script's
+    ``torch.backends.cuda.matmul.allow_tf32 = True`` meets a cloud half on the CPU."""
+    return (edge == mine or (expression == "torch.get_float32_matmul_precision()" and device.type != "cuda"
+                             and {edge, mine} <= {"high", "highest"}))
+
+
 def check_hello(theirs: object, device: torch.device) -> None:
     """Refuse an edge whose settings (``theirs``: its :func:`settings`) differ from this process's
     in one that matters to a half on ``device``. A setting the edge's torch lacks is not compared."""
@@ -174,7 +183,7 @@ def check_hello(theirs: object, device: torch.device) -> None:
         raise HandshakeError("the hello's numeric settings must be a map of setting to value")
     for expression, mine in settings(cuda=device.type == "cuda").items():
         edge = theirs.get(expression)
-        if edge is not None and edge != mine and relevant(expression, device):
+        if edge is not None and not _same_effect(expression, str(edge), mine, device) and relevant(expression, device):
             raise HandshakeError(
                 f"the edge computes with {expression} = {str(edge)[:40]} and this cloud with {mine}: the cloud's "
                 "layers would compute differently from the unsplit model. Set it the same in the cloud's process "

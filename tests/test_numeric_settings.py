@@ -114,6 +114,32 @@ def test_a_setting_changed_after_split_is_refused_by_name_before_the_cloud_runs_
     _assert_same(state, local)
 
 
+@pytest.mark.parametrize("rejoin", [None, "4"])
+def test_a_setting_changed_around_the_backward_alone_is_refused_there_and_set_back_trains_exactly(cloud, rejoin):
+    """``with torch.backends.mkldnn.flags(enabled=False): loss.backward()``: unsplit the whole
+    backward computes with the setting, the cloud half's too; split, the cloud's backward would
+    not (a plain split's ran at the loss). Refused at the backward, in both shapes."""
+    local = _trained_locally(3)
+    model = splitft.split(mlp(), "2", rejoin, connect=cloud, factory=splitft.Factory(MLP))
+    crit = torch.nn.CrossEntropyLoss()
+    crit = model.remote_loss(crit) if rejoin is None else crit
+    with model:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for i in range(3):
+            x, y = _batch(i)
+            loss = crit(model(x), y)
+            if i == 1:
+                with torch.backends.mkldnn.flags(enabled=False), pytest.raises(
+                        ConfigError, match=r"torch\.backends\.mkldnn\.enabled changed after split\(\)"):
+                    loss.backward(retain_graph=True)
+                opt.zero_grad()  # the edge's layers after the trunk had their gradients before the refusal
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+    _assert_same(state, local)
+
+
 def test_an_attention_kernel_picked_around_the_forward_is_refused_and_the_default_trains_exactly(tmp_path):
     """On the CPU, ``sdpa_kernel(SDPBackend.MATH)`` makes a causal LM's attention run another
     kernel than the default one, a few bits apart: around the forward of the split model, it
@@ -212,6 +238,31 @@ def test_accelerator_settings_are_compared_only_for_a_half_on_that_accelerator()
     without_cuda = numerics.settings(cuda=False)
     assert tf32 not in without_cuda
     numerics.check_hello(without_cuda, torch.device("cuda"))
+
+
+def test_an_edge_that_allows_tensorfloat32_trains_with_a_cloud_half_on_the_cpu_as_unsplit(cloud):
+    """``torch.backends.cuda.matmul.allow_tf32 = True`` at the top of a script reads as a float32
+    matmul precision of "high", which computes as "highest" off CUDA; a cloud half on CUDA still
+    refuses it."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        assert torch.get_float32_matmul_precision() == "high"
+        local = _trained_locally(3)
+        model = _split(cloud)
+        with model:
+            opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+            for i in range(3):
+                _step(model, opt, i)
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+        _assert_same(state, local)
+        theirs = numerics.settings(cuda=False)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert torch.get_float32_matmul_precision() == "highest"
+    numerics.check_hello(theirs, torch.device("cpu"))
+    with pytest.raises(HandshakeError, match=r"get_float32_matmul_precision\(\) = high and this cloud with highest"):
+        numerics.check_hello(theirs, torch.device("cuda"))
 
 
 def test_hostile_settings_get_a_typed_refusal_and_unknown_ones_are_ignored():

@@ -29,6 +29,7 @@ from ..wire.coding import Coded, stream_index
 from ..wire.tree import Leaf
 from ..wire.operations import ApplyEager, Operation
 from ..errors import ConfigError, GraphFreedError, ProtocolError
+from ..numerics import NumericsGuard
 from ..options import Schedule
 from .streaming import Inflight, Window, pending_like
 
@@ -142,6 +143,8 @@ class Scheduler:
         self._template: _Template | None = None  # the last synchronous call a streamed one may copy
         self._delayed: tuple[Call, torch.Tensor] | None = None  # a streamed call whose cut gradient is due
         self._said_why_synchronous = False
+        #: The process-wide numeric settings as at split(), which the cloud's backward computes with too.
+        self.numerics = NumericsGuard()
         #: Called before a backward takes the queued operations (the frozen parameters, told anew).
         self.before_backward: Callable[[], None] = lambda: None
 
@@ -272,6 +275,7 @@ class Scheduler:
                  params: bool = True) -> list[torch.Tensor | None]:
         """Gradients of the call's inputs, given those of its outputs (``params``: the cloud half's
         parameters accumulate theirs too)."""
+        self.numerics.check()  # a setting changed around backward() alone would reach the edge's layers only
         with self.lock:
             exact = _scales_exactly(call, grads)
             if call.released:
