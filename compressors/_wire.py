@@ -92,6 +92,8 @@ def all_finite(x: torch.Tensor) -> bool:
     """
     if x.numel() == 0:
         return True
+    if x.is_complex():  # finite where both parts are
+        x = torch.view_as_real(x.detach().resolve_conj())
     acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else None
     if math.isfinite(x.detach().sum(dtype=acc).item()):
         return True

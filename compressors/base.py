@@ -54,7 +54,7 @@ ENCODE_PASSES = 8
 # The dtypes a payload array may have on the wire: fixed-size, no objects, nothing executable.
 WIRE_DTYPES = frozenset(
     ["float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "uint16",
-     "uint32", "uint64", "bool"]
+     "uint32", "uint64", "bool", "complex64", "complex128"]
 )
 
 

@@ -730,3 +730,78 @@ def batch_limited_mlp(seed: int = 0, most: int = 8, dropout: float | None = None
     net = mlp(seed)
     drop = [] if dropout is None else [nn.Dropout(dropout)]
     return nn.Sequential(net[0], net[1], *drop, BatchLimited(most), net[2], net[3], net[4])
+
+
+class SpectralMix(nn.Module):
+    """A Fourier layer as neural operators write it: complex weights mixing the lowest modes."""
+
+    def __init__(self, width: int = 12, modes: int = 4) -> None:
+        super().__init__()
+        self.modes = modes
+        self.weight = nn.Parameter(torch.randn(width, width, modes, dtype=torch.cfloat) / width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spectrum = torch.fft.rfft(x, dim=-1)
+        mixed = torch.zeros_like(spectrum)
+        mixed[..., :self.modes] = torch.einsum("bix,iox->box", spectrum[..., :self.modes], self.weight)
+        return torch.fft.irfft(mixed, n=x.shape[-1], dim=-1)
+
+
+class Spectrum(nn.Module):
+    """``torch.fft.rfft``'s complex output, handed on as it is."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.fft.rfft(x, dim=-1)
+
+
+class Magnitude(nn.Module):
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return (z.abs() + z.real).flatten(1)
+
+
+def spectral_net(seed: int = 0, spectrum_first: bool = False) -> nn.Sequential:
+    """Cut at 1 (rejoin 3): a complex-weighted Fourier layer in the cloud; ``spectrum_first``: the
+    edge's complex spectrum crosses the cut instead, and the cloud's output is complex."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if spectrum_first:
+            return nn.Sequential(nn.Conv1d(2, 12, 1), Spectrum(), Magnitude(), nn.Linear(12 * 9, 3))
+        return nn.Sequential(nn.Conv1d(2, 12, 1), SpectralMix(), nn.Tanh(), nn.Flatten(), nn.Linear(12 * 16, 3))
+
+
+class SparseGraph(nn.Module):
+    """A fixed graph's normalised adjacency kept as a sparse buffer, applied with torch.sparse.mm."""
+
+    def __init__(self, nodes: int = 6, width: int = 12) -> None:
+        super().__init__()
+        ring = torch.arange(nodes)
+        edges = torch.stack([torch.cat([ring, ring]), torch.cat([(ring + 1) % nodes, (ring - 1) % nodes])])
+        self.register_buffer("adj", torch.sparse_coo_tensor(edges, torch.full((2 * nodes,), 0.5), (nodes, nodes),
+                                                            check_invariants=True))
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sparse.mm(self.adj, self.lin(x))
+
+
+def sparse_graph_mlp(seed: int = 0) -> nn.Sequential:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(12, 12), nn.ReLU(), SparseGraph(), nn.Linear(12, 3))
+
+
+class ToSparse(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to_sparse()
+
+
+class SparseInputLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sparse.mm(x, self.weight.t()) + self.bias
+
+
+def sparse_activation_mlp(seed: int = 0) -> nn.Sequential:
+    """Cut at 2: the activation at the cut is a sparse tensor."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(12, 12), ToSparse(), SparseInputLinear(12, 3))

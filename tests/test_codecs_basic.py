@@ -21,16 +21,36 @@ def test_identity_is_exact_and_keeps_dtype():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_identity_keeps_a_permuted_layout_and_sends_other_strides_contiguous(dtype):
+def test_identity_keeps_a_layout_with_gaps_or_permuted_and_sends_a_sparse_slice_contiguous(dtype):
+    """A transpose, channels_last, every other column, the real part of a complex tensor (as
+    torch.fft's backward hands its input's gradient): rebuilt with the sender's strides, so what
+    is computed from it sums in the sender's order. A narrow slice of a wide tensor (its values a
+    small part of what it spans) travels contiguous."""
     codec = compressors.make_codec("identity")
     transposed = torch.randn(4, 16, 40).to(dtype).transpose(1, 2)
     channels_last = torch.randn(2, 3, 5, 5).to(dtype).to(memory_format=torch.channels_last)
-    for x in (transposed, channels_last):
-        y = codec.decode(codec.encode(x, CTX), CTX)
-        assert torch.equal(y, x) and y.stride() == x.stride() and y.dtype == dtype
-    sliced = torch.randn(6, 8)[:, ::2]
-    y = codec.decode(codec.encode(sliced, CTX), CTX)
-    assert torch.equal(y, sliced) and y.is_contiguous()
+    every_other = torch.randn(6, 8).to(dtype)[:, ::2]
+    real_part = torch.view_as_real(torch.randn(4, 12, 9, dtype=torch.cfloat))[..., 0].to(dtype)
+    for x in (transposed, channels_last, every_other, real_part):
+        if not x.is_contiguous() or dtype == torch.float32:
+            y = codec.decode(codec.encode(x, CTX), CTX)
+            assert torch.equal(y, x) and y.stride() == x.stride() and y.dtype == dtype
+    narrow = torch.randn(6, 80)[:, :3]
+    y = codec.decode(codec.encode(narrow, CTX), CTX)
+    assert torch.equal(y, narrow) and y.is_contiguous()
+
+
+@pytest.mark.parametrize("strides", [[1, 1], [0, 1], [4, -1], [10**12, 1], [2], "21", [2, 1.0]])
+def test_identity_refuses_strides_that_overlap_or_span_too_much(strides):
+    codec = compressors.make_codec("identity")
+    payload = codec.encode(torch.randn(6, 8)[:, ::2], CTX)
+    assert payload.meta["strides"] == [8, 2]
+    payload.meta["strides"] = strides
+    with pytest.raises(CompressionError, match="'strides' must lay out the array's 2 dimensions"):
+        codec.decode(payload, CTX)
+    payload.meta = {"strides": [8, 2], "order": [1, 0]}
+    with pytest.raises(CompressionError, match="'order' or 'strides'"):
+        codec.decode(payload, CTX)
 
 
 @pytest.mark.parametrize("order", [[0, 0, 1], [0, 1], [2, 1, True], "012", [0, 1, 3]])

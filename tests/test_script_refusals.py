@@ -958,6 +958,40 @@ def test_a_batch_too_large_for_the_trunk_raises_out_of_memory_as_unsplit_and_a_s
         assert_bitwise(model.state_dict(), local.state_dict())
 
 
+def test_a_batch_refused_as_too_large_before_it_left_keeps_the_optimizer_step_it_would_have_carried(tmp_path):
+    """The cloud accepts messages up to its --max-message-mb; a forward over that is refused before
+    it is sent. The operations queued for it (the last optimizer step) wait for the next message
+    instead of being dropped, and the request number is the next request's: a script that catches
+    the refusal and goes on with smaller batches trains as the unsplit model, which computed the
+    large batch's loss and threw it away."""
+    data = _data(4)
+    big_x, big_y = torch.cat([x for x, _ in data] * 40), torch.cat([y for _, y in data] * 40)
+
+    def train(model, crit) -> None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for i, (x, y) in enumerate(data):
+            if i == 2:
+                try:
+                    crit(model(big_x), big_y)  # a loss to log, too large to send
+                except splitft.errors.TooLarge:
+                    pass
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+
+    local = mlp()
+    train(local, nn.CrossEntropyLoss())
+    proc, address, _ = start_cloud(tmp_path, "--sessions", "0", "--model", MLP, "--max-message-mb", "0.02")
+    try:
+        with splitft.split(mlp(), "2", factory=MLP, connect=address) as model:
+            with pytest.raises(splitft.errors.TooLarge):
+                model.remote_loss(nn.CrossEntropyLoss())(model(big_x), big_y)
+            train(model, model.remote_loss(nn.CrossEntropyLoss()))
+            assert_bitwise(model.state_dict(), local.state_dict())
+    finally:
+        stop(proc)
+
+
 @pytest.mark.parametrize("norm", [False, True], ids=["no batch norm", "batch norm"])
 def test_a_checkpoint_per_trunk_layer_trains_exactly_or_is_refused_where_recomputation_moves_statistics(cloud,
                                                                                                        norm):

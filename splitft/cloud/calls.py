@@ -77,7 +77,7 @@ def decode_forward(msg: Forward, codecs: SlotCodecs, ctx: CodecContext, ushape: 
             tensors += decoded
             in_coded += coded
     for tensor, one in zip(tensors, in_coded):
-        if one.stream and tensor.is_floating_point() and not all_finite(tensor):
+        if one.stream and (tensor.is_floating_point() or tensor.is_complex()) and not all_finite(tensor):
             raise ProtocolError("the activation contains NaN or Inf; the edge part diverged or the data is bad")
     grads = [g and msg.grad for _, g in (*args_entries, *kw_entries, *target_entries)]
     return Inputs(tensors, in_coded, grads, (args_skel, kw_skel, target_skel),

@@ -147,9 +147,11 @@ def cast_weights(chain: Chain, arrays: Any, what: str, partial: bool = False) ->
         if tuple(value.shape) != tuple(target.shape):
             raise ProtocolError(f"{what}: {name!r} has shape {tuple(value.shape)}; the cloud half's is "
                                 f"{tuple(target.shape)}")
+        if value.is_complex() and not target.is_complex():  # a cast would drop the imaginary part
+            raise ProtocolError(f"{what}: {name!r} is complex; the cloud half's is {target.dtype}")
         with blame(ProtocolError, f"{what}: {name!r} cannot be cast to {target.dtype}"):
             cast[name] = value.to(target.dtype)
-        if cast[name].is_floating_point() and not torch.isfinite(cast[name]).all():
+        if (cast[name].is_floating_point() or cast[name].is_complex()) and not torch.isfinite(cast[name]).all():
             raise ProtocolError(f"{what}: {name!r} contains NaN or Inf in the half's dtype {target.dtype}")
     return cast
 

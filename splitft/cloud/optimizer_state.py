@@ -89,9 +89,11 @@ def load(session: Session, entries: Any, changes: Any = None) -> None:
             if tuple(value.shape) != shape:
                 raise ProtocolError(f"load_optimizer_state of {name!r}: {key!r} has shape {tuple(value.shape)}, "
                                     f"not {shape}")
+            if value.is_complex() and not dtype.is_complex:  # a cast would drop the imaginary part
+                raise ProtocolError(f"load_optimizer_state of {name!r}: {key!r} is complex, not {dtype}")
             with blame(ProtocolError, f"load_optimizer_state of {name!r}: {key!r} cannot be cast to {dtype}"):
                 value = value.to(dtype)
-            if value.is_floating_point() and not torch.isfinite(value).all():
+            if (value.is_floating_point() or value.is_complex()) and not torch.isfinite(value).all():
                 raise ProtocolError(f"load_optimizer_state of {name!r}: {key!r} contains NaN or Inf")
             state[i][key] = value
     saved = optimizer.state_dict()

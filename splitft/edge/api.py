@@ -22,6 +22,7 @@ from ..wire.protocol import Hello
 from ..wire.coding import SlotCodecs
 from . import auto_codecs, resume
 from .cloud_half import values_to_send
+from .layer_refusals import refuse_unsupported_layers
 from .facade import split_class
 from .model import SplitModel
 from .requests import EdgeSession
@@ -142,6 +143,7 @@ def hello_for(model: nn.Module, spec: CutSpec, factory: Factory, codecs: Codecs,
     """
     cut_name, rejoin_name = cut_text(spec, model)
     chain = extract(model, spec)
+    refuse_unsupported_layers(chain)  # before the handshake reads their values
     return Hello(
         protocol=protocol.PROTOCOL_VERSION, factory=factory.name, factory_kwargs=dict(factory.kwargs),
         cut=cut_name, rejoin=rejoin_name, fingerprint=fingerprint(chain), codecs=dict(codecs.specs),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.nn.utils import prune
 from torch.nn.utils.spectral_norm import SpectralNorm
@@ -20,7 +21,8 @@ def refuse_unsupported_layers(stages: Chain) -> None:
     ``sparse=True`` (its gradient would be a sparse tensor, which neither crosses the cut nor reads
     as one on the edge), a layer pruned by ``torch.nn.utils.prune`` (its ``weight`` is computed
     from ``weight_orig`` by a hook, a graph that holds the parameter), and so one with torch's old
-    ``weight_norm`` or ``spectral_norm`` (the parametrizations of the same name run in the cloud)."""
+    ``weight_norm`` or ``spectral_norm`` (the parametrizations of the same name run in the cloud), and
+    a sparse parameter or buffer (weights travel as dense arrays)."""
     for name, stage in zip(stages.names, stages.stages):
         for key, module in stage.named_modules():
             where = f"{name}.{key}" if key else name
@@ -47,6 +49,12 @@ def refuse_unsupported_layers(stages: Chain) -> None:
                 raise CutError(f"{where!r} has torch.nn.utils.{how}, the old one that computes the weight in a "
                                "forward pre-hook, which a cloud layer cannot run: build the model (and the cloud's "
                                f"factory) with torch.nn.utils.parametrizations.{how}, which the cloud half runs")
+            sparse = next((k for k, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+                           if t is not None and t.layout != torch.strided), None)
+            if sparse is not None:
+                raise CutError(f"{where}.{sparse} is a sparse tensor (a fixed graph's adjacency for torch.sparse.mm), "
+                               "which the cloud half cannot hold: its weights travel as dense arrays. Keep it dense "
+                               "(torch.mm computes the same product), or cut so that the layer stays on the edge")
 
 
 __all__ = ["refuse_unsupported_layers"]

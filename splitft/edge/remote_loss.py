@@ -24,6 +24,7 @@ from . import generator_sets
 from .ghost_classes import settings_version
 from .metadata import METADATA, SHAPE_AND_TYPE, described, requires_grad_changes
 from .output_shapes import OutputShapes
+from .schedule import refuse_sparse
 from .stray import crossed
 
 
@@ -75,6 +76,7 @@ class CutTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, value: torch.Tensor, outputs: OutputShapes | None = None) -> CutTensor:
+        refuse_sparse(value)
         made: Any = torch.Tensor._make_wrapper_subclass(cls, value.shape, strides=value.stride(), dtype=value.dtype,
                                                         device=value.device, requires_grad=value.requires_grad)
         made._splitft_value = value

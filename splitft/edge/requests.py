@@ -152,10 +152,10 @@ class EdgeSession(Recovery):
         if numbered:
             self._seq += 1
             msg.seq = self._seq  # type: ignore[attr-defined]
-        frames = protocol.encode(msg)
         try:
+            frames = protocol.encode(msg)
             self._check_limits(frames, msg)
-        except TooLarge:
+        except Exception:  # nothing left: the number is the next request's
             if numbered:
                 self._seq -= 1
             raise

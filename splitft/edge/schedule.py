@@ -152,8 +152,8 @@ class Scheduler:
         """Run the cloud part on ``leaves``; the outputs of the whole batch."""
         with self.lock:
             self.stage.check(call)
-            refuse_other_layouts(leaves)
             call.in_grad = [bool(g) and call.grad for g in needs_grad]
+            refuse_other_layouts(leaves, call.in_grad)
             # The cloud's backward can only come with the forward in a plain split with a loss.
             # Not under float16 autocast: eager backward runs the cloud's half for an incoming gradient of 1
             # and scales after, so a loss scaler's overflow (which must skip the step) would not happen.
@@ -171,7 +171,12 @@ class Scheduler:
                     ids = call.sample_ids[part_rows] if call.sample_ids is not None and call.batch else call.sample_ids
                     part = Part(next(self._ids), part_rows, ids)
                     inputs.append(part_inputs(call, leaves, part))
-                    self.stage.send_forward(call, part, inputs[-1], ops if j == 0 else [])
+                    try:
+                        self.stage.send_forward(call, part, inputs[-1], ops if j == 0 else [])
+                    except (ConfigError, ProtocolError):  # refused before it left (too large): nothing was sent
+                        if j == 0:
+                            self.ops.requeue(ops)
+                        raise
                     call.parts.append(part)
                 outputs = [self.stage.receive_output(call, part, x) for part, x in zip(call.parts, inputs)]
             joined = join_outputs(call, outputs, self.loss_reduction, self._denominators(call, inputs))
@@ -360,11 +365,26 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def refuse_other_layouts(leaves: list[torch.Tensor]) -> None:
-    """Refuse an activation at the cut in a memory format of its own (``torch.channels_last``): it
-    reaches the cloud in the default layout, where its convolutions would compute in another layout
-    than the unsplit model's, a few bits apart."""
-    for leaf in leaves:
+def refuse_sparse(tensor: torch.Tensor) -> None:
+    """Refuse a sparse tensor at the cut: tensors cross as dense arrays."""
+    if tensor.layout != torch.strided:
+        raise ConfigError(f"a {str(tensor.layout).removeprefix('torch.')} tensor crosses the cut (a sparse adjacency "
+                          "or mask): tensors cross as dense arrays; pass t.to_dense(), or keep the layers that use "
+                          "it on one side of the cut")
+
+
+def refuse_other_layouts(leaves: list[torch.Tensor], in_grad: list[bool]) -> None:
+    """Refuse what crosses the cut in a form the cloud would not compute with as the unsplit model:
+    a sparse tensor (arrays travel dense); a complex one whose gradient the edge needs (the cloud
+    differentiates real inputs); an activation in a memory format of its own
+    (``torch.channels_last``), which reaches the cloud in the default layout, where its
+    convolutions would compute in another layout than the unsplit model's, a few bits apart."""
+    for leaf, grad in zip(leaves, in_grad):
+        refuse_sparse(leaf)
+        if grad and leaf.is_complex():
+            raise ConfigError("a complex tensor that needs a gradient crosses the cut (torch.fft's output): the "
+                              "cloud differentiates real tensors only; pass torch.view_as_real(t) and take "
+                              "torch.view_as_complex(...) of it on the other side, in the unsplit model too")
         if leaf.dim() in (4, 5) and not leaf.is_contiguous():
             layout = torch.channels_last if leaf.dim() == 4 else torch.channels_last_3d
             if leaf.is_contiguous(memory_format=layout):

@@ -366,6 +366,10 @@ class SlotCodecs:
         entries, coded = [], []
         with translated():
             for i, tensor in enumerate(leaves):
+                if tensor.layout != torch.strided:
+                    raise ConfigError(f"a {str(tensor.layout).removeprefix('torch.')} tensor crosses the cut: tensors "
+                                      "cross as dense arrays; return t.to_dense(), or keep the layers that use it on "
+                                      "one side of the cut")
                 is_stream = i == stream
                 # a vector (labels) repeats only as one value throughout: its few bytes are not worth
                 # a check of three tensor operations, run cold each step
