@@ -62,6 +62,30 @@ def test_a_large_result_stays_in_the_cloud_until_reduced_and_equals_the_local_on
             magnitude.tolist()
 
 
+def test_a_max_norm_constraint_after_each_step_renorms_a_large_cloud_weight_in_the_cloud(cloud):
+    """``w.data.renorm_(2, 0, c)`` after ``opt.step()`` (max-norm regularisation): computed in the
+    cloud on the weight itself, which is larger than an edge reads back."""
+    def train(model: nn.Module, net: nn.Module) -> None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        crit = model.remote_loss(nn.CrossEntropyLoss()) if isinstance(model, splitft.SplitModel) else \
+            nn.CrossEntropyLoss()
+        for x, y in _data(3):
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+            with torch.no_grad():
+                net[2].weight.renorm_(2, 0, 0.05)
+
+    local = mlp(width=WIDE)
+    train(local, local)
+    model, net = _wide_split(cloud)
+    with model:
+        train(model, net)
+        assert net[2].weight.numel() > MOST_READ
+        assert_bitwise(model.state_dict(), local.state_dict())
+    assert float(local[2].weight.norm(dim=1).max()) <= 0.05 + 1e-6  # it constrained
+
+
 def test_a_large_result_used_after_the_cloud_half_changed_is_refused(cloud):
     model, net = _wide_split(cloud)
     (x, y), = _data(1)

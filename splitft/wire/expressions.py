@@ -38,13 +38,15 @@ _METHODS = (
     # reductions
     "sum", "mean", "nansum", "nanmean", "amax", "amin", "max", "min", "all", "any", "prod", "norm", "std", "var",
     "count_nonzero",
+    # rows scaled by their norms (a max-norm constraint after each step)
+    "renorm",
 )
 
 #: In-place methods: their first tensor (a cloud gradient or weight) takes the result.
 IN_PLACE = frozenset((
     "add_", "sub_", "mul_", "div_", "pow_", "sign_", "sgn_", "abs_", "neg_", "sqrt_", "square_", "reciprocal_",
     "clamp_", "clip_", "clamp_min_", "clamp_max_", "nan_to_num_", "copy_", "masked_fill_", "lerp_", "addcmul_",
-    "addcdiv_", "__iadd__", "__isub__", "__imul__", "__itruediv__",
+    "addcdiv_", "__iadd__", "__isub__", "__imul__", "__itruediv__", "renorm_",
 ))
 
 _TORCH = (
