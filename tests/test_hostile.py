@@ -505,8 +505,7 @@ def test_specific_hostile_requests_are_refused_with_their_code(hostile_cloud):
         model.attach(torch.optim.SGD(model.parameters(), lr=0.1))
         crit = model.remote_loss(nn.CrossEntropyLoss())
         x, y = _data(1)[0]
-        with pytest.raises(splitft.errors.ProtocolError, match="NaN or Inf"):
-            crit(model(x * math.nan), y)
+        assert math.isnan(crit(model(x * math.nan), y).item())  # its own half: computed as unsplit
         with pytest.raises(splitft.errors.TooLarge, match="the cloud accepts at most"):
             crit(model(torch.randn(8000, 12)), torch.zeros(8000, dtype=torch.long))  # checked before sending
         crit(model(x), y).backward()  # the session is fine after both

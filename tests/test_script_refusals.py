@@ -958,6 +958,39 @@ def test_a_batch_too_large_for_the_trunk_raises_out_of_memory_as_unsplit_and_a_s
         assert_bitwise(model.state_dict(), local.state_dict())
 
 
+def test_a_nan_batch_skipped_by_its_loss_trains_as_unsplit_with_dropout_in_the_cloud(cloud):
+    """``if not torch.isfinite(loss): continue``: unsplit, a batch with a NaN input gives a NaN
+    loss after the cloud half's dropout drew. The cloud computes on it as well (it refused it,
+    and a script that caught the refusal went on one draw behind)."""
+    from tests.models import mlp_dropout
+
+    def train(model, crit) -> list[float]:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for i, (x, y) in enumerate(_data(4)):
+            if i == 1:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            loss = crit(model(x), y)
+            if not torch.isfinite(loss):
+                continue
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    torch.manual_seed(5)
+    local = mlp_dropout()
+    expected = train(local, nn.CrossEntropyLoss())
+    expected_rng = torch.get_rng_state()
+    torch.manual_seed(5)
+    with splitft.split(mlp_dropout(), "2", factory="tests.models:mlp_dropout", connect=cloud) as model:
+        assert train(model, model.remote_loss(nn.CrossEntropyLoss())) == expected
+        assert torch.equal(torch.get_rng_state(), expected_rng)
+        assert_bitwise(model.state_dict(), local.state_dict())
+
+
 def test_a_batch_refused_as_too_large_before_it_left_keeps_the_optimizer_step_it_would_have_carried(tmp_path):
     """The cloud accepts messages up to its --max-message-mb; a forward over that is refused before
     it is sent. The operations queued for it (the last optimizer step) wait for the next message

@@ -57,8 +57,11 @@ _TREES = "_parsed_trees"
 
 
 def decode_forward(msg: Forward, codecs: SlotCodecs, ctx: CodecContext, ushape: bool,
-                   check: DecodeCheck) -> Inputs:
-    """A forward request's tensors, priced by ``check``, then decoded and checked."""
+                   check: DecodeCheck, finite: bool = False) -> Inputs:
+    """A forward request's tensors, priced by ``check``, then decoded and checked; with ``finite``
+    (a half shared with other edges, whose running statistics a NaN would reach), the activation
+    must hold no NaN or Inf. A session's own half computes on them as the unsplit model would:
+    a NaN batch gives a NaN loss, which the script may skip."""
     if msg.sample_ids is not None and (msg.sample_ids.ndim != 1 or msg.sample_ids.dtype != np.int64):
         raise ProtocolError("sample_ids must be a 1-D int64 array")
     (args_entries, args_skel), (kw_entries, kw_skel), (target_entries, target_skel) = forward_trees(msg)
@@ -77,8 +80,9 @@ def decode_forward(msg: Forward, codecs: SlotCodecs, ctx: CodecContext, ushape: 
             tensors += decoded
             in_coded += coded
     for tensor, one in zip(tensors, in_coded):
-        if one.stream and (tensor.is_floating_point() or tensor.is_complex()) and not all_finite(tensor):
-            raise ProtocolError("the activation contains NaN or Inf; the edge part diverged or the data is bad")
+        if finite and one.stream and (tensor.is_floating_point() or tensor.is_complex()) and not all_finite(tensor):
+            raise ProtocolError("the activation contains NaN or Inf (refused for a shared cloud part); the edge part "
+                                "diverged or the data is bad")
     grads = [g and msg.grad for _, g in (*args_entries, *kw_entries, *target_entries)]
     return Inputs(tensors, in_coded, grads, (args_skel, kw_skel, target_skel),
                   (len(args_entries), len(kw_entries)), decode)

@@ -202,7 +202,8 @@ class CloudSession:
         edge_rng = checked_host_state(msg.rng, "forward.rng") if msg.rng is not None else None
         ctx = self.context("activation", msg.train, msg.step, msg.sample_ids)
         with watch("codec"):
-            inputs = decode_forward(msg, self.codecs, ctx, self.half.ushape, self.check_decode)
+            inputs = decode_forward(msg, self.codecs, ctx, self.half.ushape, self.check_decode,
+                                    finite=self.half.shared is not None)
         self.seat.working()
         flops = prices.forward(self, msg, inputs)  # refused here, before the half runs
         stream_at = self.random.host  # where the session's stream is: a repeated forward puts it back
