@@ -90,7 +90,12 @@ class _RemoteCall(torch.autograd.Function):
             raise ConfigError("backward(inputs=...) naming no cloud parameter, or autograd.grad, through a split "
                               "model with steps in flight or delayed gradients (Schedule(window>1)): the cloud has "
                               "backpropagated into its parameters already; call loss.backward()")
-        input_grads = ctx.scheduler.backward(call, grads, params=params)
+        try:
+            input_grads = ctx.scheduler.backward(call, grads, params=params)
+        except BaseException:  # Ctrl-C while the cloud backpropagates: its parameters may hold gradients
+            if params and call.backpropagated:  # which opt.zero_grad() must clear, as unsplit
+                call.cloud_half.backward_reached(call.trainable, None)
+            raise
         if params:
             call.cloud_half.backward_reached(call.trainable, call.unreached)
         extra = len(ctx.needs_input_grad) - 2 - call.n_leaves

@@ -148,6 +148,17 @@ class CloudStage:
         seen = [drew for (train, _), drew in self._cloud_draws.items() if train]
         return any(seen) if seen else None
 
+    def _finish_interrupted(self, call: Call, part: Part) -> None:
+        """Ctrl-C while the cloud ran the half: unsplit, it would have landed after the half's
+        draws and statistics, which the cloud has made, so the edge reads the reply (its
+        generator's state) before it stops. A second Ctrl-C stops at once."""
+        try:
+            reply, _ = self.requests.await_reply(part.seq, Output)
+        except Exception:  # noqa: BLE001 — the interrupt is what the script sees
+            return
+        if isinstance(reply, Output):
+            self._follow_cloud_rng(call, part, reply)
+
     def _follow_cloud_rng(self, call: Call, part: Part, reply: Output) -> None:
         """Learn whether the half draws in these modes; when it drew, the edge's generator goes on
         from the state it left, as the unsplit model's next draw would (not for a streamed step,
@@ -195,6 +206,9 @@ class CloudStage:
         try:
             try:
                 reply, wire_in = self.requests.await_reply(part.seq, Output)
+            except KeyboardInterrupt:
+                self._finish_interrupted(call, part)
+                raise
             except DesyncError as exc:
                 # A desync of stateful codecs (a lost or repeated message) is repaired once, by
                 # sending the same rows again at full precision, which resets both ends' state.
