@@ -958,6 +958,65 @@ def test_a_batch_too_large_for_the_trunk_raises_out_of_memory_as_unsplit_and_a_s
         assert_bitwise(model.state_dict(), local.state_dict())
 
 
+def test_a_u_shape_forward_from_a_second_thread_during_a_run_of_the_trunk_is_refused_naming_threads(cloud):
+    """A validation thread beside training: its call of the trunk's first module while the
+    training thread's run of the trunk is under way is refused by name, and that run goes on."""
+    import threading
+
+    (x, y), = _data(1)
+    local = layer_stack()
+    expected = local(x)
+    net = layer_stack()
+    with splitft.split(net, "layers.0:4", factory="tests.models:layer_stack", connect=cloud) as model:
+        mid_run, other_done = threading.Event(), threading.Event()
+        refused: list[BaseException] = []
+
+        def validate() -> None:
+            mid_run.wait(30)
+            try:
+                model(x)
+            except CutError as exc:
+                refused.append(exc)
+            finally:
+                other_done.set()
+
+        def between(i: int, settings: dict) -> None:
+            if i == 2 and threading.current_thread() is threading.main_thread() and not mid_run.is_set():
+                mid_run.set()
+                other_done.wait(30)
+
+        net.between = between
+        thread = threading.Thread(target=validate)
+        thread.start()
+        out = model(x)
+        thread.join(30)
+        assert refused and "called from two threads at once" in str(refused[0])
+        assert torch.equal(out, expected)
+        assert torch.equal(model(x), expected)  # and after
+
+
+def test_a_forked_dataloader_worker_that_calls_the_split_model_is_refused_not_left_hanging(cloud):
+    """Pseudo-labels in a ``collate_fn`` under ``num_workers > 0`` (fork): the worker holds a copy
+    of the session's connection, whose replies go to the parent; it waited forever. Refused by
+    name in the worker, raised in the loop; the parent's session goes on."""
+    if "fork" not in torch.multiprocessing.get_all_start_methods():
+        pytest.skip("no fork on this platform")
+    (x, y), = _data(1)
+    with splitft.split(mlp(), "1", "4", factory=MLP, connect=cloud) as model:
+        model(x)
+
+        def pseudo_labelled(rows):
+            batch = torch.stack(rows)
+            with torch.no_grad():
+                return batch, model(batch).argmax(1)
+
+        loader = torch.utils.data.DataLoader(list(x), batch_size=4, num_workers=1, collate_fn=pseudo_labelled,
+                                             multiprocessing_context="fork", timeout=60)
+        with pytest.raises(ConfigError, match=r"was forked from it \(a DataLoader worker"):
+            next(iter(loader))
+        assert model(x).shape == (len(x), 3)
+
+
 def test_a_nan_batch_skipped_by_its_loss_trains_as_unsplit_with_dropout_in_the_cloud(cloud):
     """``if not torch.isfinite(loss): continue``: unsplit, a batch with a NaN input gives a NaN
     loss after the cloud half's dropout drew. The cloud computes on it as well (it refused it,

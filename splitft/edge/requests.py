@@ -25,6 +25,7 @@ when it resumes a session (:class:`Steps`).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -37,7 +38,7 @@ import transports
 
 from ..wire import protocol
 from ..wire.coding import Traffic
-from ..errors import (AuthError, HandshakeError, PeerGone, ProtocolError, SessionLost, SplitFTError,
+from ..errors import (AuthError, ConfigError, HandshakeError, PeerGone, ProtocolError, SessionLost, SplitFTError,
                       TooLarge, TransportError, TransportTimeout, from_code, translated)
 from ..metrics import Metrics
 from ..options import Codecs, Faults
@@ -108,6 +109,7 @@ class EdgeSession(Recovery):
         self._outstanding: set[int] = set()  # numbers of requests whose reply has not been read
         self._early: dict[int, Reply] = {}  # replies that overtook the one awaited
         self._lock = threading.RLock()  # autograd may run backward on another thread
+        self._pid = os.getpid()  # the process whose connection this is (a fork inherits a copy of it)
         self._trimming = False
         self._hello: Hello | None = None
         self._reconnect = reconnect
@@ -144,6 +146,11 @@ class EdgeSession(Recovery):
         if self.closed:
             raise PeerGone("this split session is closed (after model.unsplit(), go on with the model it returned); "
                            "create a new one to keep training")
+        if os.getpid() != self._pid:
+            raise ConfigError(f"this split model's session belongs to process {self._pid}; this one ({os.getpid()}) "
+                              "was forked from it (a DataLoader worker with num_workers > 0) and shares its "
+                              "connection, which would hang or mix up its replies. Use the model in the main "
+                              "process (compute pseudo-labels there), or load the data with num_workers=0")
         if self.before_request is not None and not isinstance(msg, Bye):
             self.before_request()
         if not isinstance(msg, Sync):

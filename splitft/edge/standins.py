@@ -11,6 +11,7 @@ as a :class:`~splitft.edge.intermediate.TrunkIntermediate`).
 from __future__ import annotations
 
 import inspect
+import threading
 import weakref
 from contextvars import ContextVar
 from collections.abc import Callable
@@ -114,6 +115,7 @@ class TrunkEntry(nn.Module):
         self.call_rest: tuple[tuple, dict] = ((), {})
         #: In a run of the trunk not yet finished: the index of the trunk module the forward called last.
         self.reached: int | None = None
+        self.run_thread: int | None = None  # the thread whose forward the run under way belongs to
         self._run_training = False  # whether that run was in training mode
         self.context: tuple = ()  # what the first module's call ran under (grad mode, autocast)
         #: Whether the trunk drew random numbers in its training-mode forwards (None: not known yet).
@@ -126,6 +128,8 @@ class TrunkEntry(nn.Module):
         self.encoder: list[nn.TransformerEncoder] = []
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        refuse_another_thread(self)
+        self.run_thread = threading.get_ident()
         self.last = self.handed = None
         if not args and len(self.cloud_names) > 1:
             raise CutError(
@@ -189,6 +193,7 @@ class TrunkEntry(nn.Module):
         cloud half: the first module's call ran the whole trunk in the cloud, while unsplit only the
         modules called would have run (their batch-norm statistics, their dropout draws). Asked
         before every request: once refused, always, the cloud half being apart from unsplit."""
+        refuse_another_thread(self)  # another thread's run under way is not left unfinished
         reached = self.reached
         if reached is None or not (self._run_training and could_change()):
             self.reached = None
@@ -223,6 +228,7 @@ class TrunkFollower(nn.Module):
 
     def forward(self, first: Any, *args: Any, **kwargs: Any) -> Any:
         entry = self._entry[0]
+        refuse_another_thread(entry)
         self._refuse_out_of_order(entry)
         if entry.rng_after is not None and not torch.equal(host_state(), entry.rng_after):
             raise CutError(
@@ -294,6 +300,16 @@ class TrunkFollower(nn.Module):
 
     def extra_repr(self) -> str:
         return f"runs in the cloud: {self.cloud_name}"
+
+
+def refuse_another_thread(entry: TrunkEntry) -> None:
+    """Refuse a trunk module's call from another thread than the forward whose run of the trunk
+    is under way: the runs of two threads would interleave in the one chain the cloud runs."""
+    if entry.reached is not None and entry.run_thread != threading.get_ident():
+        raise CutError("the trunk of this U-shape split model was called from two threads at once (a validation "
+                       "thread beside training, a pool of inference threads): the cloud runs the trunk as one chain "
+                       "per forward, and their runs would interleave. Call the model from one thread at a time (a "
+                       "threading.Lock around model(x)), or give each thread a split model of its own")
 
 
 def checkpoint_region() -> Any:
