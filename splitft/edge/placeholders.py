@@ -480,9 +480,9 @@ def _refusal(func: Any, tensor: Any) -> str:
         return (f"{name} on {what}: a NumPy array shares the tensor's memory, and its values live in the cloud; for "
                 "them (a histogram, a plot) take a copy, t.detach().clone().numpy(), which reads them back")
     if isinstance(tensor, CloudGrad):
-        return (f"{name} on {what}: the gradient lives in the cloud, and only these reach it there: torch's "
-                "elementwise functions, comparisons and reductions (splitft.wire.expressions lists them; their "
-                "in-place forms too), norms, clip_grad_norm_ / clip_grad_value_, and setting p.grad = None")
+        return (f"{name} on {what}: the gradient lives in the cloud, where only these reach it: torch's elementwise "
+                "functions, comparisons and reductions (splitft.wire.expressions lists them; their in-place forms "
+                "too), norms, clip_grad_norm_ / clip_grad_value_, p.grad = None; else compute on p.grad.clone()")
     if isinstance(tensor, CloudMoment):
         return f"{name} on {what}: {tensor._hint()}"
     if name == "setting .data":
@@ -492,8 +492,8 @@ def _refusal(func: Any, tensor: Any) -> str:
     return (f"{name} on {what}: its values live in the cloud, so this would compute on nothing (split "
             "training would silently differ from the unsplit model), and the cloud computes only torch's "
             "elementwise functions, comparisons and reductions of them (splitft.wire.expressions lists them). "
-            "Do it before split(); read the weights with model.state_dict(); set them with "
-            "model.load_state_dict(...) or p.copy_(tensor)")
+            "Compute on a copy, p.detach().clone() (it reads the values back), or before split(); set values "
+            "with p.copy_(tensor) or model.load_state_dict(...)")
 
 
 __all__ = ["CloudGrad", "CloudMoment", "CloudState", "METADATA", "CloudTensor", "MIRRORED", "Remote", "RemoteTensor",
