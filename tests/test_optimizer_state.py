@@ -119,6 +119,34 @@ def test_a_state_dict_of_the_unsplit_run_loads_into_the_split_one(cloud):
         assert_bitwise(model.state_dict(), local.state_dict())
 
 
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+def test_a_state_dict_keyed_by_parameter_names_loads_by_their_places_as_torch_loads_it(cloud, rejoin):
+    """torch matches a saved entry to a parameter by its key's place in the saved groups' params,
+    whatever the keys are: the names torch.distributed.checkpoint's state dicts use, or numbers
+    of another optimizer's. The cloud half's entries were dropped where the keys were not 0..n-1."""
+    data = _data(4)
+
+    def keyed_by_name(model: nn.Module, state: dict) -> dict:
+        names = [n for n, _ in model.named_parameters()]
+        return {"state": {names[i]: entry for i, entry in state["state"].items()},
+                "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+
+    local = mlp()
+    local_opt = torch.optim.Adam(local.parameters(), lr=0.01)
+    _train(local, local_opt, nn.CrossEntropyLoss(), data[:2])
+    saved = keyed_by_name(local, copy.deepcopy(local_opt.state_dict()))
+    torch.optim.Adam(mlp().parameters(), lr=0.01).load_state_dict(copy.deepcopy(saved))  # torch takes it
+    _train(local, local_opt, nn.CrossEntropyLoss(), data[2:])
+    model, crit = _split(cloud, rejoin)
+    with model:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        _train(model, opt, crit, data[:2])
+        opt.load_state_dict(keyed_by_name(model, copy.deepcopy(opt.state_dict())))
+        assert sorted(opt.state_dict()["state"]) == list(range(6))
+        _train(model, opt, crit, data[2:])
+        assert_bitwise(model.state_dict(), local.state_dict())
+
+
 def test_loading_an_empty_state_clears_the_cloud_halfs_moments_too(cloud):
     """torch's load leaves the optimizer holding exactly what it loaded: nothing, here."""
     data = _data(4)

@@ -355,11 +355,16 @@ class OptimizerMirror:
             saved = pre_hooked(self.optimizer, saved)
         self.groups_added()
         cloud, names, remote = self._cloud_params(), self.model.cloud_half.names_by_id, self.model.cloud_half
-        given = saved.get("state", {})
+        # torch matches a saved entry to a parameter by the key's place in the saved groups' params
+        # (positions, or the names torch.distributed.checkpoint's state dicts use)
+        place = {k: i for i, k in enumerate(k for group in saved.get("param_groups", ()) if isinstance(group, dict)
+                                             for k in group.get("params", ()))}
+        given = {place[k]: entry for k, entry in saved.get("state", {}).items() if k in place}
         loaded = self._loaded_settings(saved)
-        entries, layouts = self._cloud_entries(saved, loaded, loading=hooks)
+        entries, layouts = self._cloud_entries({**saved, "state": given}, loaded, loading=hooks)
         with load_hooks_aside(self.optimizer, post=not hooks):
-            load(self.optimizer, {**saved, "state": {i: e for i, e in given.items() if i not in cloud}})
+            load(self.optimizer, {**saved, "state": {k: e for k, e in saved.get("state", {}).items()
+                                                     if place.get(k) not in cloud}})
         changes = [{k: v for k, v in now.items() if v != before.get(k)} for now, before in zip(loaded, self.sent)]
         self.model.outbox.queue(LoadOptimizerState(entries=entries, changes=changes if any(changes) else None))
         self.sent, self._raw = loaded, None
