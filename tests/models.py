@@ -805,3 +805,24 @@ def sparse_activation_mlp(seed: int = 0) -> nn.Sequential:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return nn.Sequential(nn.Linear(12, 12), ToSparse(), SparseInputLinear(12, 3))
+
+
+class KeptAuxLoss(nn.Module):
+    """A gate that keeps its load-balancing loss on itself as its forward runs (fairseq's l_aux,
+    DeepSpeed's MoE): the training loop collects ``m.aux_loss`` from the modules that have one."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.gate = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = self.gate(x).softmax(-1)
+        self.aux_loss = (probs.mean(0) ** 2).sum() * 4
+        return x * probs.max(-1, keepdim=True).values
+
+
+def aux_loss_mlp(seed: int = 0) -> nn.Sequential:
+    """Cut at 2 (rejoin 4 for a U-shape): the module keeping its aux loss is in the cloud."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), KeptAuxLoss(), nn.Linear(16, 16), nn.Linear(16, 3))

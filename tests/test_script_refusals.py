@@ -958,6 +958,32 @@ def test_a_batch_too_large_for_the_trunk_raises_out_of_memory_as_unsplit_and_a_s
         assert_bitwise(model.state_dict(), local.state_dict())
 
 
+@pytest.mark.parametrize("rejoin", [None, "4"], ids=["plain", "ushape"])
+def test_an_aux_loss_a_cloud_module_keeps_on_itself_is_refused_where_hasattr_would_hide_it(tmp_path, rejoin):
+    """``sum(m.aux_loss for m in model.modules() if hasattr(m, "aux_loss"))``: the attribute is
+    made by the cloud module's forward, in the cloud; on the edge it was missing, so hasattr()
+    said no and the loss silently went without its auxiliary term. Refused by name (not as an
+    AttributeError, which hasattr and getattr(m, name, 0) swallow), naming the fix; unsplit()
+    gives the module back as it was."""
+    from tests.models import aux_loss_mlp
+
+    proc, address, _ = start_cloud(tmp_path, "--sessions", "0", "--model", "tests.models:aux_loss_mlp")
+    try:
+        model = splitft.split(aux_loss_mlp(), "2", rejoin, factory="tests.models:aux_loss_mlp", connect=address)
+        with model:
+            x, y = _data(1)[0]
+            out = model(x) if rejoin else model.predict(x)
+            assert out.shape == (len(x), 3)
+            with pytest.raises(CutError, match=r"'aux_loss' of '2' is kept by that module's forward.*return out, aux"):
+                [m.aux_loss for m in model.modules() if hasattr(m, "aux_loss")]
+            with pytest.raises(CutError, match="return out, aux"):
+                getattr(model[2], "aux_loss", 0.0)
+            whole = model.unsplit()
+        assert not hasattr(whole[2], "aux_loss") and whole(x).shape == (len(x), 3) and hasattr(whole[2], "aux_loss")
+    finally:
+        stop(proc)
+
+
 def test_a_u_shape_forward_from_a_second_thread_during_a_run_of_the_trunk_is_refused_naming_threads(cloud):
     """A validation thread beside training: its call of the trunk's first module while the
     training thread's run of the trunk is under way is refused by name, and that run goes on."""

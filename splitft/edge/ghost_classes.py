@@ -79,8 +79,9 @@ class Ghost(nn.Module):
         if name in self.__dict__.get("_splitft_kept", ()):
             raise CutError(f"{name!r} of {self.__dict__.get('_splitft_where', '?')!r} is kept by that module's "
                            "forward, which runs in the cloud and changes it there as it runs: the edge has no current value "
-                           "(split training would silently read a stale one). Keep it as a buffer (register_buffer: "
-                           "the cloud half's state, which the edge reads) or outside the layer")
+                           "(split training would silently read a stale one). Return it from the forward with its output "
+                           "(a load-balancing loss: return out, aux), keep it as a buffer (register_buffer: the cloud "
+                           "half's state, which the edge reads), or outside the layer")
         return super().__getattr__(name)
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:

@@ -250,6 +250,10 @@ class Ghosts:
                                   "BatchNorm layers")
 
 
+#: An attribute a cloud module's forward makes, which it did not have at the cut.
+_NOT_YET = object()
+
+
 def _twin(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
     """A copy of ``module``'s tree of modules holding the tensors ``memo`` maps its own to.
 
@@ -356,8 +360,8 @@ def ghost(module: nn.Module, standin: nn.Module, *, never_run: tuple[str, ...] =
             if isinstance(value, torch.Generator):  # the twin keeps the generator itself
                 sub.__dict__[name] = _CloudGenerator(where, name)
         # what its forward keeps as it runs (self.calls += 1) changes in the cloud alone: no stale copy here
-        kept = {name: sub.__dict__.pop(name) for name in own_attributes_kept_by_forward(type(sub))
-                if name in sub.__dict__ and not isinstance(sub.__dict__[name], _CloudGenerator)}
+        kept = {name: sub.__dict__.pop(name, _NOT_YET) for name in own_attributes_kept_by_forward(type(sub))
+                if not isinstance(sub.__dict__.get(name), _CloudGenerator)}  # (or that it makes: self.aux_loss = ...)
         if kept:
             sub.__dict__["_splitft_kept"] = kept
         sub.__class__ = ghost_class(type(sub))
@@ -459,7 +463,8 @@ def uninstall(model: nn.Module, chain: Chain) -> nn.Module:
     chain.swapped = []
     for name in chain.names:
         for sub in _module(model, name).modules():
-            sub.__dict__.update(sub.__dict__.pop("_splitft_kept", {}))  # as they were at the cut
+            sub.__dict__.update({k: v for k, v in sub.__dict__.pop("_splitft_kept", {}).items()
+                                 if v is not _NOT_YET})  # as they were at the cut
             for attribute in _GHOST_ATTRIBUTES:
                 sub.__dict__.pop(attribute, None)
             for table in TABLES:
