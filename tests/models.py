@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import random
@@ -826,3 +827,29 @@ def aux_loss_mlp(seed: int = 0) -> nn.Sequential:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), KeptAuxLoss(), nn.Linear(16, 16), nn.Linear(16, 3))
+
+
+Scored = collections.namedtuple("Scored", ["logits", "features"])
+
+
+class ScoredHead(nn.Module):
+    """Returns a named tuple (as detection and retrieval heads do): logits and the features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 3)
+
+    def forward(self, h: torch.Tensor) -> Scored:
+        return Scored(self.fc(h), h)
+
+
+class ScoredLogits(nn.Module):
+    def forward(self, out: Scored) -> torch.Tensor:
+        return out.logits + 0.0 * out.features.sum()
+
+
+def scored_mlp(seed: int = 0) -> nn.Sequential:
+    """Cut at 2, rejoin 3: the cloud's module returns a named tuple the edge reads by field."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), ScoredHead(), ScoredLogits())

@@ -984,6 +984,22 @@ def test_an_aux_loss_a_cloud_module_keeps_on_itself_is_refused_where_hasattr_wou
         stop(proc)
 
 
+def test_a_named_tuple_returned_by_a_cloud_module_is_refused_rather_than_arriving_as_a_plain_tuple(tmp_path):
+    """``out.logits`` of a named tuple the trunk returns: it crossed as a plain tuple, so the
+    edge's read of a field failed far from the cut, and ``hasattr(out, "logits")`` said no."""
+    from tests.models import scored_mlp
+
+    x = _data(1)[0][0]
+    assert scored_mlp()(x).shape == (len(x), 3)
+    proc, address, _ = start_cloud(tmp_path, "--sessions", "0", "--model", "tests.models:scored_mlp")
+    try:
+        with splitft.split(scored_mlp(), "2", "3", factory="tests.models:scored_mlp", connect=address) as model:
+            with pytest.raises(ConfigError, match=r"a named tuple \(Scored\).*out\.logits would fail.*dict of its"):
+                model(x)
+    finally:
+        stop(proc)
+
+
 def test_a_u_shape_forward_from_a_second_thread_during_a_run_of_the_trunk_is_refused_naming_threads(cloud):
     """A validation thread beside training: its call of the trunk's first module while the
     training thread's run of the trunk is under way is refused by name, and that run goes on."""

@@ -94,11 +94,16 @@ def flatten(tree: Any, where: str = "a value") -> tuple[list[torch.Tensor], Any]
             return node
         raise ConfigError(_uncrossable(node, where + path_text(path)))
 
-    return trees.flatten(tree, other=refuse)
+    return trees.flatten(tree, other=refuse, named_tuples=False)
 
 
 def _uncrossable(node: Any, where: str) -> str:
     kind = type(node).__name__
+    if isinstance(node, tuple):  # a named tuple: its fields would arrive as a plain tuple's
+        field = (getattr(node, "_fields", None) or ("x",))[0]
+        return (f"{where} is a named tuple ({kind}), which would cross the cut as a plain tuple, without its "
+                f"field names (out.{field} would fail, hasattr() would say no): return a plain tuple or a dict of "
+                "its fields instead")
     text = (f"{where} is a {kind}, which cannot cross the cut: only tensors, None, bool, int, float, "
             "str and tuples/lists/dicts of them can. If the cloud part does not need it, make it None "
             "on the edge")

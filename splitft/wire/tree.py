@@ -37,17 +37,19 @@ def _refuse(node: Any, path: KeyPath) -> Any:
 
 def rebuild(tree: Any, leaf: Callable[[Any, KeyPath], Any], *, is_leaf: Callable[[Any], bool] = is_tensor,
             other: Callable[[Any, KeyPath], Any] = _refuse,
-            pack: Callable[[Any, Any, KeyPath], Any] | None = None) -> Any:
+            pack: Callable[[Any, Any, KeyPath], Any] | None = None, named_tuples: bool = True) -> Any:
     """``tree`` with the same tuples, lists and dicts, and each leaf replaced by ``leaf(node, path)``.
 
     None, bool, int, float and str are kept; anything else becomes ``other(node, path)`` (by
-    default a TypeError). ``pack(original, rebuilt, path)``, when given, chooses how each rebuilt
-    container is represented (a JSON form for tuples, say). Tuples and lists come back as plain
-    tuples and lists, dicts as plain dicts.
+    default a TypeError), and so does a named tuple unless ``named_tuples``. ``pack(original,
+    rebuilt, path)``, when given, chooses how each rebuilt container is represented (a JSON form
+    for tuples, say). Tuples and lists come back as plain tuples and lists, dicts as plain dicts.
     """
     def walk(node: Any, path: KeyPath) -> Any:
         if is_leaf(node):
             return leaf(node, path)
+        if not named_tuples and isinstance(node, tuple) and hasattr(type(node), "_fields"):
+            return other(node, path)
         if isinstance(node, tuple):
             out: Any = tuple(walk(v, (*path, i)) for i, v in enumerate(node))
         elif isinstance(node, list):
@@ -81,7 +83,7 @@ def leaves(tree: Any, *, is_leaf: Callable[[Any], bool] = is_tensor, max_depth: 
 
 
 def flatten(tree: Any, *, is_leaf: Callable[[Any], bool] = is_tensor,
-            other: Callable[[Any, KeyPath], Any] = _refuse) -> tuple[list[Any], Any]:
+            other: Callable[[Any, KeyPath], Any] = _refuse, named_tuples: bool = True) -> tuple[list[Any], Any]:
     """The leaves of ``tree`` in order, and a skeleton (:class:`Leaf` in their places) that rebuilds it."""
     found: list[Any] = []
 
@@ -89,7 +91,7 @@ def flatten(tree: Any, *, is_leaf: Callable[[Any], bool] = is_tensor,
         found.append(node)
         return Leaf(len(found) - 1)
 
-    return found, rebuild(tree, take, is_leaf=is_leaf, other=other)
+    return found, rebuild(tree, take, is_leaf=is_leaf, other=other, named_tuples=named_tuples)
 
 
 def unflatten(skeleton: Any, values: list[Any], leaf: Callable[[Leaf, Any], Any] | None = None) -> Any:
