@@ -853,3 +853,21 @@ def scored_mlp(seed: int = 0) -> nn.Sequential:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), ScoredHead(), ScoredLogits())
+
+
+def _halve_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    return output * 0.5
+
+
+def _double_input(module: nn.Module, args: Any) -> tuple:
+    return (args[0] * 2.0,)
+
+
+def self_hooked_mlp(seed: int = 0, forward_hook: bool = True) -> nn.Sequential:
+    """:func:`mlp` that hooks its own layer 2 as it is built (so the cloud's copy has the hooks too):
+    a forward pre-hook doubling its input and (``forward_hook``) a forward hook halving its output."""
+    net = mlp(seed)
+    net[2].register_forward_pre_hook(_double_input)
+    if forward_hook:
+        net[2].register_forward_hook(_halve_output)
+    return net

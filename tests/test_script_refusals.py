@@ -984,6 +984,29 @@ def test_an_aux_loss_a_cloud_module_keeps_on_itself_is_refused_where_hasattr_wou
         stop(proc)
 
 
+@pytest.mark.parametrize("rejoin", [None, "3"], ids=["plain", "ushape"])
+def test_hooks_a_model_registers_as_it_is_built_run_once_on_the_module_the_edge_runs_them_for(tmp_path, rejoin):
+    """Hooks registered in the model's own construction are in the cloud's factory-built copy
+    too; on the modules whose hooks the edge runs on its stand-ins (a trunk's forward pre-hooks
+    and forward hooks, a plain split's first cloud module's pre-hooks) they ran twice."""
+    from tests.models import self_hooked_mlp
+
+    data = _data(3)
+    hooked = {"forward_hook": rejoin is not None}  # a plain split's edge runs no forward hook of a cloud module
+    local = self_hooked_mlp(**hooked)
+    factory = "tests.models:self_hooked_mlp"
+    proc, address, _ = start_cloud(tmp_path, "--sessions", "0", "--model", factory)
+    try:
+        with splitft.split(self_hooked_mlp(**hooked), "2", rejoin, factory=splitft.Factory(factory, hooked),
+                           connect=address) as model:
+            crit = model.remote_loss(nn.CrossEntropyLoss()) if rejoin is None else nn.CrossEntropyLoss()
+            _steps(model, torch.optim.SGD(model.parameters(), lr=0.1), crit, data)
+            _steps(local, torch.optim.SGD(local.parameters(), lr=0.1), nn.CrossEntropyLoss(), data)
+            assert_bitwise(model.state_dict(), local.state_dict())
+    finally:
+        stop(proc)
+
+
 def test_a_named_tuple_returned_by_a_cloud_module_is_refused_rather_than_arriving_as_a_plain_tuple(tmp_path):
     """``out.logits`` of a named tuple the trunk returns: it crossed as a plain tuple, so the
     edge's read of a field failed far from the cut, and ``hasattr(out, "logits")`` said no."""

@@ -121,7 +121,23 @@ def build_chain(hello: Hello, factories: dict[str, Callable[..., nn.Module]], li
             check_structure(chain, hello.structure)
         except CutError as exc:
             raise HandshakeError(str(exc)) from None
+    _leave_edge_hooks_to_the_edge(chain, spec.ushape)
     return chain, spec.ushape
+
+
+def _leave_edge_hooks_to_the_edge(chain: Chain, ushape: bool) -> None:
+    """Drop the hooks of the half's top modules that the edge runs on its stand-ins of them (a
+    U-shape trunk's forward pre-hooks and forward hooks, a plain split's first module's forward
+    pre-hooks): a model that registers them as it is built (in ``__init__``) has them in the
+    factory's copy too, which would run each a second time."""
+    for i, stage in enumerate(chain.stages):
+        if ushape or i == 0:
+            stage._forward_pre_hooks.clear()
+            stage._forward_pre_hooks_with_kwargs.clear()
+        if ushape:
+            stage._forward_hooks.clear()
+            stage._forward_hooks_with_kwargs.clear()
+            stage._forward_hooks_always_called.clear()
 
 
 __all__ = ["build_chain", "check_codecs", "check_factory_kwargs", "check_version", "count_params", "hello_identity"]
