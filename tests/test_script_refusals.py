@@ -1514,36 +1514,33 @@ def test_channels_last_is_refused_when_the_cloud_half_convolves(cloud):
 
 
 @pytest.mark.parametrize("where", ["edge layers converted", "input converted"])
-def test_an_activation_at_the_cut_in_channels_last_is_refused_before_the_cloud_computes(cloud, where):
+def test_an_activation_at_the_cut_in_channels_last_crosses_in_its_layout_and_trains_as_unsplit(cloud, where):
     """Edge layers converted one by one (as the refusal of ``model.to(memory_format=...)`` allows),
     or a channels_last input, make the activation at the cut channels_last: unsplit, the cloud
-    half's convolutions compute in that layout; the cloud receives the default one, a few bits
-    apart. Refused at the cut, before anything is sent; the default layout trains on exactly."""
+    half's convolutions compute in that layout, and so they do split (the activation crosses as
+    its bytes lie, and its gradient comes back in the layout the cloud's backward made)."""
     from splitft.app.models import digits_cnn
 
     g = torch.Generator().manual_seed(0)
-    data = [(torch.randn(8, 1, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(2)]
-    local = digits_cnn()
-    _steps(local, torch.optim.SGD(local.parameters(), lr=0.05), nn.CrossEntropyLoss(), data)
-    net = digits_cnn()
-    with splitft.split(net, "block3", factory=DIGITS, connect=cloud) as model:
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        crit = model.remote_loss(nn.CrossEntropyLoss())
-        _steps(model, opt, crit, data[:1])
-        x, y = data[1]
+    data = [(torch.randn(8, 1, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(3)]
+    if where == "input converted":
+        data = [(x.to(memory_format=torch.channels_last), y) for x, y in data]
+
+    def convert(net: nn.Module) -> None:
         if where == "edge layers converted":
             net.block1.to(memory_format=torch.channels_last)
             net.block2.to(memory_format=torch.channels_last)
-        else:
-            x = x.to(memory_format=torch.channels_last)
-        model.eval()  # the edge's layers run before the cut: in eval mode their statistics stay as they were
-        with pytest.raises(ConfigError, match=r"activation at the cut is in channels_last layout.*x\.contiguous\(\)"):
-            crit(model(x), y)
-        model.train()
-        net.block1.to(memory_format=torch.contiguous_format)
-        net.block2.to(memory_format=torch.contiguous_format)
-        opt.zero_grad()
-        _steps(model, opt, crit, data[1:])
+
+    local = digits_cnn()
+    convert(local)
+    probe = copy.deepcopy(local).eval()
+    assert probe.block2(probe.block1(data[0][0])).is_contiguous(memory_format=torch.channels_last)
+    _steps(local, torch.optim.SGD(local.parameters(), lr=0.05), nn.CrossEntropyLoss(), data)
+    net = digits_cnn()
+    with splitft.split(net, "block3", factory=DIGITS, connect=cloud) as model:
+        convert(net)
+        crit = model.remote_loss(nn.CrossEntropyLoss())
+        _steps(model, torch.optim.SGD(model.parameters(), lr=0.05), crit, data)
         assert_bitwise(model.state_dict(), local.state_dict())
 
 

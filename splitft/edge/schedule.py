@@ -376,24 +376,14 @@ def refuse_sparse(tensor: torch.Tensor) -> None:
 def refuse_other_layouts(leaves: list[torch.Tensor], in_grad: list[bool]) -> None:
     """Refuse what crosses the cut in a form the cloud would not compute with as the unsplit model:
     a sparse tensor (arrays travel dense); a complex one whose gradient the edge needs (the cloud
-    differentiates real inputs); an activation in a memory format of its own
-    (``torch.channels_last``), which reaches the cloud in the default layout, where its
-    convolutions would compute in another layout than the unsplit model's, a few bits apart."""
+    differentiates real inputs). A tensor in a memory format of its own (``channels_last``, a
+    transpose) crosses as its bytes lie, and arrives with the same strides."""
     for leaf, grad in zip(leaves, in_grad):
         refuse_sparse(leaf)
         if grad and leaf.is_complex():
             raise ConfigError("a complex tensor that needs a gradient crosses the cut (torch.fft's output): the "
                               "cloud differentiates real tensors only; pass torch.view_as_real(t) and take "
                               "torch.view_as_complex(...) of it on the other side, in the unsplit model too")
-        if leaf.dim() in (4, 5) and not leaf.is_contiguous():
-            layout = torch.channels_last if leaf.dim() == 4 else torch.channels_last_3d
-            if leaf.is_contiguous(memory_format=layout):
-                raise ConfigError(
-                    f"the activation at the cut is in {str(layout).removeprefix('torch.')} layout (edge layers "
-                    "converted with .to(memory_format=...), or their input): the cloud half receives it in the "
-                    "default layout, and its layers would compute in another layout than the unsplit model's, a "
-                    "few bits apart. Keep the edge's layers and input in the default layout, or have the last "
-                    "edge layer return x.contiguous(), in the unsplit model too")
 
 
 def partition(call: Call, leaves: list[torch.Tensor], micro_batches: int) -> list[slice]:
