@@ -114,8 +114,12 @@ def tiny_hf(kind: str = "bert", seed: int = 0, dropout: float = 0.0, attn_implem
                                            max_position_embeddings=64, pad_token_id=0, sliding_window=4,
                                            query_pre_attn_scalar=8, attention_dropout=dropout)
         cls = transformers.Gemma2ForCausalLM
+    elif kind == "t5":  # an encoder-decoder whose blocks share a relative position bias
+        config = transformers.T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=3, num_decoder_layers=3,
+                                       num_heads=4, dropout_rate=dropout, decoder_start_token_id=0, pad_token_id=0)
+        cls = transformers.T5ForConditionalGeneration
     else:
-        raise ValueError(f"tiny_hf knows 'bert', 'llama', 'mistral' and 'gemma2', not {kind!r}")
+        raise ValueError(f"tiny_hf knows 'bert', 'llama', 'mistral', 'gemma2' and 't5', not {kind!r}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(config).eval()

@@ -151,6 +151,36 @@ def test_trainer_with_adafactor_trains_checkpoints_and_resumes_the_split_model_a
     assert {entry["step"] for entry in saved["state"].values()} == {6}
 
 
+def test_t5_cut_at_an_inner_encoder_block_trains_as_unsplit_and_a_decoder_cut_names_the_encoder(tmp_path):
+    """T5's blocks after the first take the relative position bias the first computes, a permuted
+    tensor (it was refused as a channels_last activation); a decoder block meets the
+    EncoderDecoderCache T5 makes whenever use_cache is on, training included, refused naming the
+    encoder cut."""
+    proc, address, _ = start_cloud(tmp_path, "--sessions", "0", "--model", FACTORY)
+    factory = splitft.Factory(FACTORY, {"kind": "t5"})
+    ids = torch.randint(1, 64, (2, 7), generator=torch.Generator().manual_seed(0))
+
+    def train(model) -> dict:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(2):
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return model.state_dict()
+
+    try:
+        local = train(tiny_hf("t5"))
+        with splitft.split(tiny_hf("t5"), "encoder.block.1:2", factory=factory, connect=address) as model:
+            state = train(model)
+        for name, value in local.items():
+            assert torch.equal(state[name], value), name
+        with splitft.split(tiny_hf("t5"), "decoder.block.1:2", factory=factory, connect=address) as model:
+            with pytest.raises(splitft.ConfigError, match="EncoderDecoderCache.*use_cache is on.*Cut inside the encoder"):
+                model(input_ids=ids, labels=ids)
+    finally:
+        stop(proc)
+
+
 def test_an_accelerate_loop_trains_the_split_model_exactly_like_the_unsplit_one(hf_cloud):
     from accelerate import Accelerator
 

@@ -202,6 +202,13 @@ def _refuse_other_kinds(cache: Any) -> None:
         from transformers import DynamicCache
     except ImportError:  # a cache of the script's own: the cloud refuses what it cannot hold
         return
+    if type(cache).__name__ == "EncoderDecoderCache":
+        raise ConfigError("an EncoderDecoderCache reaches the cloud layers (the decoder of T5, BART or Whisper makes "
+                          "one whenever use_cache is on, in training too): the cloud keeps its layers' keys and values "
+                          "in a DynamicCache of self-attention only. Cut inside the encoder, or pass use_cache=False "
+                          "(model.config.use_cache = False; generate with the unsplit model, model.unsplit()): a "
+                          "decoder cut hands the cloud the encoder's output, whose gradient comes back summed, a few "
+                          "bits from the unsplit one (docs/wrapping.md)")
     if not isinstance(cache, DynamicCache):
         raise ConfigError(f"generation through the split keeps the cloud layers' keys and values in a DynamicCache, "
                           f"not a {type(cache).__name__}; generate with the default cache (no cache_implementation) "
