@@ -15,6 +15,9 @@ from typing import Any
 
 import torch
 
+from ..optimizer_layout import Layout
+from .placeholders import RemoteTensor
+
 LOAD_PRE_HOOKS, LOAD_POST_HOOKS = "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"
 
 
@@ -62,4 +65,22 @@ def wire_value(value: torch.Tensor) -> Any:
     return (value.float() if value.dtype == torch.bfloat16 else value).numpy().copy()
 
 
-__all__ = ["load_hooks_aside", "local_value", "placed", "pre_hooked", "wire_value"]
+def by_place(saved: dict[str, Any]) -> tuple[dict[Any, int], dict[int, Any]]:
+    """A state dict's entries by their keys' places in its groups' params, as torch's load matches
+    them to the optimizer's parameters (the keys are positions, or the parameter names
+    ``torch.distributed.checkpoint``'s state dicts use): (place of each key, entry by place)."""
+    place = {k: i for i, k in enumerate(k for group in saved.get("param_groups", ()) if isinstance(group, dict)
+                                         for k in group.get("params", ()))}
+    return place, {place[k]: entry for k, entry in saved.get("state", {}).items() if k in place}
+
+
+def fits(value: Any, layout: Layout) -> bool:
+    """Whether a state value is of the layout the optimizer keeps: a tensor of that shape, or a
+    Python number of that type."""
+    shape, kind = layout
+    if isinstance(kind, torch.dtype):
+        return isinstance(value, torch.Tensor) and not isinstance(value, RemoteTensor) and tuple(value.shape) == shape
+    return type(value) is kind
+
+
+__all__ = ["by_place", "fits", "load_hooks_aside", "local_value", "placed", "pre_hooked", "wire_value"]

@@ -18,13 +18,13 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import ConfigError
-from ..optimizer_layout import NUMBERS, Layout, same_kind
+from ..optimizer_layout import NUMBERS, same_kind
 from ..optimizer_classes import library_version, wire_name
 from ..wire.operations import AddParamGroup, AttachOptimizer, LoadOptimizerState, Step
 from . import initial_state, optimizers
 from .cloud_half import CloudHalf
 from .fetched_state import OPTIMIZER_STATE, FetchedCloudState
-from .optimizer_loads import load_hooks_aside, local_value, placed, pre_hooked, wire_value
+from .optimizer_loads import by_place, fits, load_hooks_aside, local_value, placed, pre_hooked, wire_value
 from .optimizer_settings import (IMMUTABLE, NOT_PLAIN, PLAIN_KINDS, PLAIN_OR_TUPLE, not_mirrored,
                                  optimizer_settings, plain_setting)
 from .placeholders import RemoteTensor
@@ -52,15 +52,6 @@ _NOT_ITS_STATE = {
            "perturbation): the cloud's copy of the optimizer keeps the cloud half's state, which the edge cannot set. "
            "Keep such values in a dict of the script's own ({{p: p.detach().clone() for p in params}})",
 }
-
-
-def _fits(value: Any, layout: Layout) -> bool:
-    """Whether a state value is of the layout the optimizer keeps: a tensor of that shape, or a
-    Python number of that type."""
-    shape, kind = layout
-    if isinstance(kind, torch.dtype):
-        return isinstance(value, torch.Tensor) and not isinstance(value, RemoteTensor) and tuple(value.shape) == shape
-    return type(value) is kind
 
 
 class OptimizerMirror:
@@ -355,11 +346,7 @@ class OptimizerMirror:
             saved = pre_hooked(self.optimizer, saved)
         self.groups_added()
         cloud, names, remote = self._cloud_params(), self.model.cloud_half.names_by_id, self.model.cloud_half
-        # torch matches a saved entry to a parameter by the key's place in the saved groups' params
-        # (positions, or the names torch.distributed.checkpoint's state dicts use)
-        place = {k: i for i, k in enumerate(k for group in saved.get("param_groups", ()) if isinstance(group, dict)
-                                             for k in group.get("params", ()))}
-        given = {place[k]: entry for k, entry in saved.get("state", {}).items() if k in place}
+        place, given = by_place(saved)
         loaded = self._loaded_settings(saved)
         entries, layouts = self._cloud_entries({**saved, "state": given}, loaded, loading=hooks)
         with load_hooks_aside(self.optimizer, post=not hooks):
@@ -395,7 +382,7 @@ class OptimizerMirror:
                 continue
             pname = names[id(param)]
             keys = expected.get(id(param), {})
-            if set(entry) != set(keys) or not all(_fits(v, keys[k]) for k, v in entry.items()):
+            if set(entry) != set(keys) or not all(fits(v, keys[k]) for k, v in entry.items()):
                 raise ConfigError(_NOT_ITS_STATE[loading].format(name=name, pname=pname, keys=sorted(keys)))
             entries[pname] = {key: value if isinstance(value, NUMBERS) else wire_value(value)
                               for key, value in entry.items()}
