@@ -1007,6 +1007,21 @@ def test_hooks_a_model_registers_as_it_is_built_run_once_on_the_module_the_edge_
         stop(proc)
 
 
+@pytest.mark.parametrize("rejoin", [None, "4"], ids=["plain", "ushape"])
+def test_fx_tracing_or_exporting_a_split_model_is_refused_naming_unsplit_and_training_goes_on(cloud, rejoin):
+    x, y = _data(1)[0]
+    local = mlp()
+    with splitft.split(mlp(), "2", rejoin, factory=MLP, connect=cloud) as model:
+        with pytest.raises(ConfigError, match=r"torch\.fx\.symbolic_trace / torch\.export.*model\.unsplit\(\)"):
+            torch.fx.symbolic_trace(model)
+        with pytest.raises(PlaceholderError, match=r"to export the model .*model\.unsplit\(\) gives"):
+            torch.export.export(model, (x,))
+        crit = model.remote_loss(nn.CrossEntropyLoss()) if rejoin is None else nn.CrossEntropyLoss()
+        _steps(model, torch.optim.SGD(model.parameters(), lr=0.1), crit, [(x, y)])
+        _steps(local, torch.optim.SGD(local.parameters(), lr=0.1), nn.CrossEntropyLoss(), [(x, y)])
+        assert_bitwise(model.state_dict(), local.state_dict())
+
+
 def test_a_named_tuple_returned_by_a_cloud_module_is_refused_rather_than_arriving_as_a_plain_tuple(tmp_path):
     """``out.logits`` of a named tuple the trunk returns: it crossed as a plain tuple, so the
     edge's read of a field failed far from the cut, and ``hasattr(out, "logits")`` said no."""

@@ -94,7 +94,8 @@ def handle(func: Any, args: tuple, kwargs: dict) -> Any:
     if func in _MEMORY and remotes:
         raise PlaceholderError(f"{func.__name__}() of {remotes[0]._what()}: its memory is in the cloud. To count "
                                "the model's parameters once each (tied ones too), walk model.parameters(), which "
-                               "yields each parameter object once, and add p.numel()")
+                               "yields each parameter object once, and add p.numel(); to export the model "
+                               "(torch.export, torch.onnx.export), export the one model.unsplit() gives")
     if func in _GRADIENT_CALLS and remotes:
         raise PlaceholderError(f"{_GRADIENT_CALLS[func]} naming {remotes[0]._what()}: the cloud half's gradients are "
                                "computed in the cloud by loss.backward(), into p.grad, and no graph here reaches its "

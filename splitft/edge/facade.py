@@ -12,11 +12,18 @@ import functools
 import inspect
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..errors import ConfigError
 from .ghost_classes import Ghost
 from .model import SplitModel
+
+
+#: torch.fx.symbolic_trace or torch.export of a split model.
+TRACED = ("torch.fx.symbolic_trace / torch.export of a split model: the trace would record the edge's half and a "
+          "call of the cloud it cannot run (its tensors are placeholders here). Trace edge modules alone, or export "
+          "the model model.unsplit() gives (which ends the session)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,6 +43,8 @@ def split_class(model_class: type[nn.Module]) -> type[SplitModel]:
         params.insert(at, extra)
 
     def forward(self: SplitModel, *args: Any, **kwargs: Any) -> Any:
+        if torch.fx._symbolic_trace._is_fx_tracing_flag:  # is_fx_tracing() logs a warning each call
+            raise ConfigError(TRACED)
         return SplitModel.forward(self, *args, **kwargs)
 
     forward.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
