@@ -106,7 +106,7 @@ def _uncrossable(node: Any, where: str) -> str:
                 "its fields instead")
     text = (f"{where} is a {kind}, which cannot cross the cut: only tensors, None, bool, int, float, "
             "str and tuples/lists/dicts of them can. If the cloud part does not need it, make it None "
-            "on the edge")
+            "on the edge; if a cloud module returns it, return a tuple or a dict of its fields")
     if "cache" in kind.lower():
         text += ("; a transformers cache keeps per-layer state that would have to live in the cloud: "
                  "call the model with use_cache=False")
