@@ -60,7 +60,9 @@ class OutputShapes:
                 "(rejoin=), whose model(x) is the whole model's output") from error
         if not isinstance(out, torch.Tensor):
             raise ConfigError(f"{asked} on what a plain split's model(x) returns: unsplit, that is the model's "
-                              f"output, a {type(out).__name__}, not a tensor")
+                              f"output, a {type(out).__name__}, not a tensor (logits, aux = model(x) unpacks it). "
+                              "A plain split's remote loss takes one output: cut a U-shape (rejoin=), whose model(x) "
+                              "is the whole model's output, to compute on its parts")
         return torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device="meta")
 
     def _fake_chain(self) -> tuple[Any, Chain]:
