@@ -94,7 +94,7 @@ def gapped(shape: Any, strides: Any) -> bool:
     values (``view_as_real(z)[..., 0]``, ``x[:, ::2]``) is computed by torch in its own order,
     which a contiguous copy would not repeat."""
     numel = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
-    if numel == 0 or any(s < 1 for s, n in zip(strides, shape) if n > 1):
+    if numel == 0 or any(s < 0 for s in strides) or any(s < 1 for s, n in zip(strides, shape) if n > 1):
         return False
     span = 1
     for stride, size in sorted(((s, n) for s, n in zip(strides, shape) if n > 1)):

@@ -12,7 +12,7 @@ import functools
 import inspect
 from typing import Any
 
-import torch
+import torch.fx
 from torch import nn
 
 from ..errors import ConfigError
@@ -43,7 +43,7 @@ def split_class(model_class: type[nn.Module]) -> type[SplitModel]:
         params.insert(at, extra)
 
     def forward(self: SplitModel, *args: Any, **kwargs: Any) -> Any:
-        if torch.fx._symbolic_trace._is_fx_tracing_flag:  # is_fx_tracing() logs a warning each call
+        if getattr(torch.fx._symbolic_trace, "_is_fx_tracing_flag", False):  # is_fx_tracing() logs each call
             raise ConfigError(TRACED)
         return SplitModel.forward(self, *args, **kwargs)
 
