@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..cloud import CloudServer
 
 DEFAULT_MODEL = "splitft.app.models:digits_cnn"
 DEFAULT_BIND = "tcp://127.0.0.1:5555"
@@ -230,6 +235,26 @@ def _limits_and_policy(args: argparse.Namespace) -> tuple:
     return limits, Policy.allowing(every, per_slot=per_slot, bounds=bounds)
 
 
+def _stop_on_ctrl_c(server: CloudServer) -> list[bool]:
+    """Ctrl-C asks the serve loop to stop between messages (rather than a KeyboardInterrupt raised
+    wherever the main thread is, which could leave a lock held and the shutdown waiting on it); a
+    second Ctrl-C interrupts at once. Returns a list that holds True once it was pressed."""
+    pressed: list[bool] = []
+
+    def on_ctrl_c(signum: int, frame: Any) -> None:
+        if pressed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        pressed.append(True)
+        server.stop(INTERRUPTED)
+
+    from ..cloud.server import INTERRUPTED
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, on_ctrl_c)
+    return pressed
+
+
 def run_cloud(args: argparse.Namespace) -> int:
     import transports
     from ..cloud import CloudServer, workers
@@ -286,12 +311,18 @@ def run_cloud(args: argparse.Namespace) -> int:
     _announce(args, say, listener, server, rounds, batch, placement, len(options.get("allowed_keys", ())))
     if workers.ready(group, say) and args.ready_file:
         Path(args.ready_file).write_text(listener.address)
+    interrupted = _stop_on_ctrl_c(server)
     try:
         server.serve()
+        if interrupted:
+            say("interrupted; connected edges were told")
+            return 130
     except KeyboardInterrupt:
         say("interrupted; connected edges were told")
         return 130
     finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         if batch is not None:
             batch.stop()
         if endpoint is not None:

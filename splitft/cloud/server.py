@@ -125,6 +125,7 @@ class CloudServer:
         #: reason), newest last: what operators and load tests check for lost or repeated steps.
         self.finished: deque[dict[str, Any]] = deque(maxlen=10_000)
         self.stop_event = threading.Event()
+        self._stop_reason = "the cloud stopped"
         self._on_event = on_event or (lambda text: log.info("%s", text))
         self._last_sweep = self._last_tidy = time.monotonic()
         self._errors = ErrorLog(log)
@@ -150,9 +151,9 @@ class CloudServer:
                     break
                 self.handle(peer, frames)
         except KeyboardInterrupt:
-            self.shutdown("the cloud was interrupted (Ctrl-C)")
+            self.shutdown(INTERRUPTED)
             raise
-        self.shutdown("the cloud stopped")
+        self.shutdown(self._stop_reason)
 
     # ------------------------------------------------------------ one message
 
@@ -483,9 +484,15 @@ class CloudServer:
             self._end(peer, reason, discard=False)  # a restarted cloud resumes them from their checkpoints
         self.listener.close()
 
-    def stop(self) -> None:
-        """Ask :meth:`serve` to return (thread-safe)."""
+    def stop(self, reason: str = "the cloud stopped") -> None:
+        """Ask :meth:`serve` to return (thread-safe; from a signal handler too), telling the
+        connected edges ``reason``."""
+        self._stop_reason = reason
         self.stop_event.set()
+
+
+#: What the edges are told when Ctrl-C stops the cloud.
+INTERRUPTED = "the cloud was interrupted (Ctrl-C)"
 
 
 def serve_in_thread(server: CloudServer) -> threading.Thread:
@@ -495,4 +502,4 @@ def serve_in_thread(server: CloudServer) -> threading.Thread:
     return thread
 
 
-__all__ = ["CloudServer", "serve_in_thread"]
+__all__ = ["INTERRUPTED", "CloudServer", "serve_in_thread"]
