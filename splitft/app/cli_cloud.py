@@ -246,9 +246,7 @@ def _stop_on_ctrl_c(server: CloudServer) -> list[bool]:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             raise KeyboardInterrupt
         pressed.append(True)
-        server.stop(INTERRUPTED)
-
-    from ..cloud.server import INTERRUPTED
+        server.stop("the cloud was interrupted (Ctrl-C)")
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, on_ctrl_c)

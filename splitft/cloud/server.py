@@ -151,7 +151,7 @@ class CloudServer:
                     break
                 self.handle(peer, frames)
         except KeyboardInterrupt:
-            self.shutdown(INTERRUPTED)
+            self.shutdown("the cloud was interrupted (Ctrl-C)")
             raise
         self.shutdown(self._stop_reason)
 
@@ -485,14 +485,9 @@ class CloudServer:
         self.listener.close()
 
     def stop(self, reason: str = "the cloud stopped") -> None:
-        """Ask :meth:`serve` to return (thread-safe; from a signal handler too), telling the
-        connected edges ``reason``."""
+        """Ask :meth:`serve` to return, telling the edges ``reason`` (thread- and signal-safe)."""
         self._stop_reason = reason
         self.stop_event.set()
-
-
-#: What the edges are told when Ctrl-C stops the cloud.
-INTERRUPTED = "the cloud was interrupted (Ctrl-C)"
 
 
 def serve_in_thread(server: CloudServer) -> threading.Thread:
@@ -502,4 +497,4 @@ def serve_in_thread(server: CloudServer) -> threading.Thread:
     return thread
 
 
-__all__ = ["INTERRUPTED", "CloudServer", "serve_in_thread"]
+__all__ = ["CloudServer", "serve_in_thread"]
