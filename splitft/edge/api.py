@@ -20,7 +20,7 @@ from ..errors import ConfigError, translated
 from ..options import Codecs, Factory, Faults, Link, Opener, Schedule
 from ..wire.protocol import Hello
 from ..wire.coding import SlotCodecs
-from . import auto_codecs, resume
+from . import auto_codecs, resume, taken_before
 from .cloud_half import values_to_send
 from .layer_refusals import refuse_unsupported_layers
 from .facade import split_class
@@ -96,6 +96,7 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
         split_model.cloud_half.has_grad.update(resume.saved_cloud_grads(meta, split_model.cloud_half.params))
     if edge_device is not None:
         split_model.to(edge_device)
+    taken_before.remember(split_model.ghosts.chain)
     return split_model
 
 

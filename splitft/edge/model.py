@@ -408,7 +408,7 @@ class SplitModel(UnsplitTree):
         the rest is loaded, as is a tensor of another shape, with torch's ``RuntimeError``."""
         return load_whole_state(self.wrapped, state_dict, strict, assign, cloud_names=self.ghosts.state_names(),
                                 cloud_params=set(self.cloud_half.params), session=self.session,
-                                moment=self._state_moment)
+                                moment=self._state_moment, chain=self.ghosts.chain)
 
     def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, local_metadata: dict, strict: bool,
                               missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:

@@ -17,24 +17,28 @@ from typing import Any
 
 from torch import nn
 
+from ..cut import Chain
 from ..errors import ConfigError
 from ..wire.operations import LoadWeights
 from .cloud_half import values_to_send
 from .fetched_state import FetchedCloudState
 from .requests import EdgeSession
+from .taken_before import loads_nothing
 
 
 def load_whole_state(wrapped: nn.Module, state_dict: Mapping[str, Any], strict: bool, assign: bool, *,
                      cloud_names: set[str], cloud_params: set[str], session: EdgeSession,
-                     moment: Callable[[], Hashable]) -> Any:
+                     moment: Callable[[], Hashable], chain: Chain) -> Any:
     """Load ``state_dict`` into the split model whose cloud half holds ``cloud_names`` (its
-    parameters ``cloud_params``) and whose fetched entries are stamped by ``moment``."""
+    parameters ``cloud_params``; its values as at the cut in ``chain``) and whose fetched entries
+    are stamped by ``moment``."""
     if assign:
         _refuse_assigning_cloud_parameters(state_dict, cloud_names & cloud_params)
     shapes = {k: tuple(v.shape) for k, v in wrapped.state_dict(keep_vars=True).items() if k in cloud_names}
     cloud, errors = {}, []
+    unchanged = loads_nothing(state_dict, chain)  # the live weight itself, unsplit: a copy onto itself
     for key, value in state_dict.items():
-        if key in cloud_names:
+        if key in cloud_names and key not in unchanged:
             array = values_to_send(value)
             if array.shape == shapes[key]:
                 cloud[key] = array
