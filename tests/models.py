@@ -875,3 +875,34 @@ def self_hooked_mlp(seed: int = 0, forward_hook: bool = True) -> nn.Sequential:
     if forward_hook:
         net[2].register_forward_hook(_halve_output)
     return net
+
+
+class KeptState(nn.Module):
+    """A layer whose training forward moves state it keeps: an average of its activations (a buffer
+    updated in place, which its output reads), a step counter, or a generator of its own."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.register_buffer("average", torch.zeros(16))
+        self.calls = 0
+        self.noise = torch.Generator().manual_seed(3)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return h
+        if self.kind == "average":
+            with torch.no_grad():
+                self.average.mul_(0.9).add_(h.mean(0), alpha=0.1)
+            return h - self.average
+        if self.kind == "counter":
+            self.calls += 1
+            return h * min(1.0, self.calls / 4)
+        return h + 0.01 * torch.randn(h.shape, generator=self.noise)
+
+
+def kept_state_mlp(seed: int = 0, kind: str = "average") -> nn.Sequential:
+    """Cut at 2: the layer keeping state is the cloud half's first; a batch norm follows it."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), KeptState(kind), nn.BatchNorm1d(16), nn.Linear(16, 3))

@@ -51,6 +51,7 @@ from .handlers import Mirrored, apply_ops
 from .limits import Limits
 from ..generator_state import checked_host_state
 from .randomness import SessionRandom, half_kind
+from .repeats import Snapshot, refuse_moved
 from .replies import Replies
 
 log = logging.getLogger(__name__)
@@ -242,19 +243,18 @@ class CloudSession:
     def _traceless(self, again: bool, rng: torch.Tensor) -> Iterator[None]:
         """A forward repeated for another loss of the same inputs (``forward.again``) leaves the
         half as the first left it, as unsplit the half ran once: its buffers (batch norm's running
-        statistics, counted batches) and its generator stream (``rng``) are put back."""
+        statistics, counted batches), what its modules keep, and its generator stream (``rng``) are
+        put back; a repeat that moved more than running statistics is refused (:mod:`.repeats`)."""
         if not again:
             yield
             return
-        buffers = [(b, b.detach().clone()) for b in self.half.chain.buffers()]
+        kept = Snapshot(self.half.chain)
         try:
             yield
         finally:
             self.random.follow(rng)
-            with torch.no_grad():
-                for buffer, before in buffers:
-                    if not torch.equal(buffer, before):
-                        buffer.data.copy_(before)  # not a new version: a graph may hold the buffer
+            moved = kept.put_back()
+        refuse_moved(moved)
 
     def _eager_backward(self, msg: Forward, loss: torch.Tensor, leaves: list[torch.Tensor], inputs: Inputs,
                         watch: Stopwatch) -> list[dict | None]:
