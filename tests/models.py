@@ -906,3 +906,22 @@ def kept_state_mlp(seed: int = 0, kind: str = "average") -> nn.Sequential:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), KeptState(kind), nn.BatchNorm1d(16), nn.Linear(16, 3))
+
+
+class MaskedSoftmax(nn.Module):
+    """Attention-style weights under an additive mask of ``-inf`` kept as a buffer (a causal mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.register_buffer("mask", torch.zeros(16).masked_fill(torch.arange(16) % 3 == 0, float("-inf")))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.lin(h) + self.mask, dim=-1)
+
+
+def masked_mlp(seed: int = 0) -> nn.Sequential:
+    """Cut at 2: the masked layer is the cloud half's first."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), MaskedSoftmax(), nn.Linear(16, 3))

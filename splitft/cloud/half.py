@@ -135,7 +135,9 @@ def tensors_from_wire(arrays: Any, what: str) -> dict[str, torch.Tensor]:
 def cast_weights(chain: Chain, arrays: Any, what: str, partial: bool = False) -> dict[str, torch.Tensor]:
     """Pushed weights, every one of the half's tensors (``partial``: some of them), each cast to
     its tensor's dtype and checked there (1e300 sent as float64 is Inf in float32): a
-    :class:`ProtocolError` before anything is loaded, so a refused push changes nothing."""
+    :class:`ProtocolError` before anything is loaded, so a refused push changes nothing. What is
+    not finite as sent loads as it is, as torch loads it (a causal mask of ``-inf``, an observer's
+    range before any data)."""
     weights = tensors_from_wire(arrays, what)
     targets = chain.qualified_state_dict()
     missing, extra = sorted(set(targets) - set(weights)), sorted(set(weights) - set(targets))
@@ -151,8 +153,10 @@ def cast_weights(chain: Chain, arrays: Any, what: str, partial: bool = False) ->
             raise ProtocolError(f"{what}: {name!r} is complex; the cloud half's is {target.dtype}")
         with blame(ProtocolError, f"{what}: {name!r} cannot be cast to {target.dtype}"):
             cast[name] = value.to(target.dtype)
-        if (cast[name].is_floating_point() or cast[name].is_complex()) and not torch.isfinite(cast[name]).all():
-            raise ProtocolError(f"{what}: {name!r} contains NaN or Inf in the half's dtype {target.dtype}")
+        if ((cast[name].is_floating_point() or cast[name].is_complex())
+                and not torch.equal(torch.isfinite(cast[name]), torch.isfinite(value))):
+            raise ProtocolError(f"{what}: {name!r} holds a value too large for the half's dtype {target.dtype} (it "
+                                "would load as Inf)")
     return cast
 
 
