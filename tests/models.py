@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import collections
 import contextlib
 import dataclasses
@@ -920,8 +921,32 @@ class MaskedSoftmax(nn.Module):
         return torch.softmax(self.lin(h) + self.mask, dim=-1)
 
 
-def masked_mlp(seed: int = 0) -> nn.Sequential:
+def minus_inf_mask_mlp(seed: int = 0) -> nn.Sequential:
     """Cut at 2: the masked layer is the cloud half's first."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), MaskedSoftmax(), nn.Linear(16, 3))
+
+
+class SlottedBase(abc.ABC, nn.Module):
+    """A layer base class listing abc.ABC before nn.Module (as torch.ao's FakeQuantizeBase does)."""
+
+    @abc.abstractmethod
+    def forward(self, h: torch.Tensor) -> torch.Tensor: ...
+
+
+class SlottedLinear(SlottedBase):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lin(h)
+
+
+def abc_mlp(seed: int = 0, scripted: bool = False) -> nn.Sequential:
+    """Cut at 2: the cloud half's first layer is of a class listing abc.ABC first, or scripted."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        layer = torch.jit.script(nn.Linear(16, 16)) if scripted else SlottedLinear()
+        return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), layer, nn.ReLU(), nn.Linear(16, 3))

@@ -9,11 +9,11 @@ from torch import nn
 
 import splitft
 from tests.conftest import start_cloud, stop
-from tests.models import masked_mlp
+from tests.models import minus_inf_mask_mlp
 from tests.test_faults import _data
 from tests.test_script_corpus import assert_bitwise
 
-MASKED = "tests.models:masked_mlp"
+MASKED = "tests.models:minus_inf_mask_mlp"
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +35,8 @@ def _train(model, crit):
 
 @pytest.mark.parametrize("weights", ["push", "factory"])
 def test_a_mask_of_minus_infinity_in_the_cloud_half_pushes_trains_and_loads_as_unsplit(cloud, weights):
-    local = _train(masked_mlp(), nn.CrossEntropyLoss())
-    with splitft.split(masked_mlp(), 2, factory=splitft.Factory(MASKED, weights=weights), connect=cloud) as model:
+    local = _train(minus_inf_mask_mlp(), nn.CrossEntropyLoss())
+    with splitft.split(minus_inf_mask_mlp(), 2, factory=splitft.Factory(MASKED, weights=weights), connect=cloud) as model:
         split = _train(model, model.remote_loss(nn.CrossEntropyLoss()))
     assert torch.isinf(split["2.mask"]).any()
     assert_bitwise(split, local)

@@ -28,7 +28,7 @@ from splitft.errors import ConfigError, CutError, HandshakeError, ModelError, Pl
 from tests.conftest import ROOT, start_cloud, stop
 from tests.models import (checkpointed_mlp, counting_mlp, deep_supervised, layer_stack, lookup_mlp, mlp,
                           mlp_batchnorm, mlp_dropout, noisy_mlp, old_norm_mlp, parametrized_mlp, pruned_mlp,
-                          aux_loss_net, inplace_relu_mlp, positive_rows_mlp, random_skip_mlp, recurrent_net)
+                          abc_mlp, aux_loss_net, inplace_relu_mlp, positive_rows_mlp, random_skip_mlp, recurrent_net)
 from tests.test_faults import _data
 from tests.test_script_corpus import assert_bitwise
 
@@ -2000,3 +2000,21 @@ def test_a_hook_on_the_model_above_a_plain_cut_is_refused_and_a_u_shapes_sees_th
         register(net, [])
         with pytest.raises(CutError, match=r"hook on 'the model': a plain split runs its forward on the edge only up"):
             plain(data[0][0])
+
+
+@pytest.mark.parametrize("scripted, message", [
+    (False, r"'2' \(SlottedLinear\) cannot be stood in for on the edge: its class lists ABC before nn.Module among "
+            r"its bases \(class SlottedBase\(ABC, nn.Module\)\)"),
+    (True, r"'2' is a TorchScript module"),
+], ids=["abc-first", "scripted"])
+def test_a_cloud_layer_the_edge_cannot_stand_in_for_is_refused_by_split_which_leaves_the_model_as_it_was(
+        cloud, scripted, message):
+    net = abc_mlp(scripted=scripted)
+    x, y = _data(1)[0]
+    before = {n: t.clone() for n, t in net.state_dict().items()}
+    with pytest.raises(CutError, match=message):
+        splitft.split(net, 2, factory=splitft.Factory("tests.models:abc_mlp", kwargs={"scripted": scripted}),
+                      connect=cloud)
+    assert_bitwise(net.state_dict(), before)
+    nn.CrossEntropyLoss()(net(x), y).backward()  # the model is whole: it trains on as it was
+    assert all(p.grad is not None for p in net.parameters())

@@ -11,6 +11,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 from ..code_reads import other_generators
 from ..cut import Chain
 from ..errors import CutError
+from .ghost_classes import ghost_class
 
 #: torch's old weight reparametrizations: a forward pre-hook computes the weight from its parts.
 _HOOKED_NORMS = (WeightNorm, SpectralNorm)
@@ -55,6 +56,30 @@ def refuse_unsupported_layers(stages: Chain) -> None:
                 raise CutError(f"{where}.{sparse} is a sparse tensor (a fixed graph's adjacency for torch.sparse.mm), "
                                "which the cloud half cannot hold: its weights travel as dense arrays. Keep it dense "
                                "(torch.mm computes the same product), or cut so that the layer stays on the edge")
+            _refuse_unstandable(where, module)
+
+
+def _refuse_unstandable(where: str, module: nn.Module) -> None:
+    """A cloud module the edge cannot stand in for, refused before anything is changed: a
+    TorchScript module (its tensors are not the Python module's), or one whose class cannot take
+    the stand-in class (a base with ``__slots__``, such as ``abc.ABC``, listed before nn.Module)."""
+    if isinstance(module, torch.jit.ScriptModule):
+        raise CutError(f"{where!r} is a TorchScript module (torch.jit.script or torch.jit.trace), whose tensors the edge "
+                       "cannot turn into stand-ins of the cloud's: split the model as written in Python (script it "
+                       "after training), or cut so that it stays on the edge")
+    cls = type(module)
+    try:
+        probe = object.__new__(cls)
+        object.__setattr__(probe, "__class__", ghost_class(cls))
+    except TypeError:
+        base = next((b for b in cls.__mro__ if "__slots__" in vars(b) and not issubclass(b, nn.Module)
+                     and b is not object), None)
+        owner = next((c for c in cls.__mro__ if base in c.__bases__), cls)
+        slotted = base.__name__ if base is not None else "a base with __slots__"
+        raise CutError(f"{where!r} ({cls.__name__}) cannot be stood in for on the edge: its class lists {slotted} before "
+                       f"nn.Module among its bases (class {owner.__name__}({slotted}, nn.Module)), which gives its "
+                       f"objects a layout the edge's stand-in class cannot take. List nn.Module first ({slotted} "
+                       "second behaves alike), or cut so that the layer stays on the edge") from None
 
 
 __all__ = ["refuse_unsupported_layers"]
