@@ -22,6 +22,7 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 from torch import nn
 
 from .errors import ConfigError
@@ -124,6 +125,9 @@ def other_generators(cls: type) -> str | None:
 
 
 _OTHER_GENERATORS: dict[type, str | None] = {}
+#: Generators whose methods a module may import by name (``from numpy.random import normal``: a
+#: method of NumPy's global generator), drawing from the process's own stream.
+_PROCESS_GENERATORS = (random.Random, np.random.RandomState)
 
 
 def _other_generators(cls: type) -> str | None:
@@ -132,17 +136,36 @@ def _other_generators(cls: type) -> str | None:
     seen: set[int] = set()
     while readers:
         code, depth = readers.pop(0)
+        drawing = _generator_methods_named(code)
+        if drawing is not None:
+            return drawing
         for module_name, alias, attribute in _module_attributes(code):
             if module_name == "random" or module_name.startswith("numpy.random") or (
                     module_name == "numpy" and attribute == "random"):
                 return f"{alias or module_name}.{attribute}"
             value = getattr(sys.modules.get(module_name), attribute, None)
             if module_name.startswith("random") or getattr(value, "__module__", None) == "random" \
-                    or isinstance(getattr(value, "__self__", None), random.Random):
+                    or isinstance(getattr(value, "__self__", None), _PROCESS_GENERATORS):
                 return f"{alias}.{attribute}" if alias else attribute
             if depth < _DEPTH and isinstance(value, types.FunctionType) and id(value) not in seen:
                 seen.add(id(value))
                 readers.append((value, depth + 1))
+    return None
+
+
+def _generator_methods_named(code: Any) -> str | None:
+    """A name ``code`` calls that its module bound to a method of a process generator
+    (``from numpy.random import normal``), or None."""
+    module = sys.modules.get(getattr(code, "__module__", None) or "")
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(code)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    names = vars(module) if module is not None else {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and isinstance(
+                getattr(names.get(node.id), "__self__", None), _PROCESS_GENERATORS):
+            return node.id
     return None
 
 

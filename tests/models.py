@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.utils.prune
 import torch.utils.checkpoint
+from numpy.random import normal as _numpy_normal
 from torch import nn
 from torch.nn import functional as F
 
@@ -202,12 +203,21 @@ class RandomSkip(nn.Module):
         return x + self.layer(x)
 
 
-def random_skip_mlp(seed: int = 0) -> nn.Sequential:
-    """The MLP with a :class:`RandomSkip` block in its cloud half (cut at 2)."""
+class NumpyNoise(nn.Module):
+    """Noise from NumPy's global generator, its method imported by name (``from numpy.random import normal``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            return x + torch.as_tensor(_numpy_normal(0.0, 0.1, size=tuple(x.shape)), dtype=x.dtype)
+        return x
+
+
+def random_skip_mlp(seed: int = 0, numpy: bool = False) -> nn.Sequential:
+    """The MLP with a :class:`RandomSkip` block (or :class:`NumpyNoise`) in its cloud half (cut at 2)."""
     model = mlp(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model.insert(3, RandomSkip(16))
+        model.insert(3, NumpyNoise() if numpy else RandomSkip(16))
     return model
 
 

@@ -536,6 +536,14 @@ def test_a_cloud_layer_that_draws_from_pythons_random_is_refused_by_split(cloud)
     assert all(type(t) in (torch.Tensor, nn.Parameter) for t in (*net.parameters(), *net.buffers()))
 
 
+def test_a_cloud_layer_that_draws_from_numpys_generator_through_a_name_it_imported_is_refused_by_split(cloud):
+    net = random_skip_mlp(numpy=True)
+    with pytest.raises(CutError, match=r"'3' \(NumpyNoise\) draws from a generator of its own process as it runs "
+                                       r"\(_numpy_normal: "):
+        splitft.split(net, 2, factory=splitft.Factory("tests.models:random_skip_mlp", {"numpy": True}), connect=cloud)
+    assert all(type(t) in (torch.Tensor, nn.Parameter) for t in (*net.parameters(), *net.buffers()))
+
+
 @pytest.mark.parametrize("value", [torch.tensor(0.25), np.float32(0.25)], ids=["a 0-d tensor", "a numpy float32"])
 def test_a_cloud_layers_setting_set_to_a_number_that_is_no_python_number_names_the_conversion(cloud, value):
     """A drop rate from ``torch.linspace`` or ``np.linspace(dtype=float32)``: the cloud takes settings
