@@ -2026,3 +2026,18 @@ def test_a_cloud_layer_the_edge_cannot_stand_in_for_is_refused_by_split_which_le
     assert_bitwise(net.state_dict(), before)
     nn.CrossEntropyLoss()(net(x), y).backward()  # the model is whole: it trains on as it was
     assert all(p.grad is not None for p in net.parameters())
+
+
+def test_splitting_a_model_split_already_is_refused_naming_unsplit_and_after_unsplit_it_splits_again(cloud):
+    """A trial loop that splits the same object each trial: the second split() meets the first's
+    stand-ins, refused by name (not a handshake about patched code); unsplit() makes it whole again."""
+    net = mlp()
+    x, y = _data(1)[0]
+    first = splitft.split(net, 2, factory=MLP, connect=cloud)
+    with pytest.raises(ConfigError, match=r"this model is split already.*unsplit\(\) on that split model"):
+        splitft.split(net, 2, factory=MLP, connect=cloud)
+    with pytest.raises(ConfigError, match="this model is split already"):
+        splitft.split(first, 2, factory=MLP, connect=cloud)
+    whole = first.unsplit()
+    with splitft.split(whole, 2, factory=MLP, connect=cloud) as again:
+        again.remote_loss(nn.CrossEntropyLoss())(again(x), y).backward()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -24,6 +25,7 @@ from . import auto_codecs, resume, taken_before
 from .cloud_half import values_to_send
 from .layer_refusals import refuse_unsupported_layers
 from .facade import split_class
+from .ghost_classes import Ghost
 from .model import SplitModel
 from .requests import EdgeSession
 from .schedule import Scheduler
@@ -64,6 +66,7 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
         device: move the edge's half there (``"cuda"``, ``"cpu"``; default: leave it where it
             is). The cloud half's device is the cloud's choice (``splitft cloud --device``).
     """
+    _refuse_split_again(model)
     edge_device = resolve_device(device) if device is not None else None  # a missing GPU fails before connecting
     factory, link, codecs = Factory.of(factory), Link.of(connect), Codecs.of(codecs)
     schedule = _given(schedule, Schedule, "schedule")
@@ -97,7 +100,23 @@ def split(model: nn.Module, cut: str | int, rejoin: str | int | None = None, *,
     if edge_device is not None:
         split_model.to(edge_device)
     taken_before.remember(split_model.ghosts.chain)
+    # A split model the script drops without close() (a sweep's forgotten trial) ends its session
+    # when it is collected, so its heartbeat and the cloud's session do not outlive it. Not at exit:
+    # the process's end closes the link, and the cloud frees the session at its timeout.
+    weakref.finalize(split_model, session.close, "the split model was dropped without close()").atexit = False
     return split_model
+
+
+def _refuse_split_again(model: nn.Module) -> None:
+    """A model split already (a trial loop splitting the same object again) is refused, naming
+    what to do: its cloud modules stand in for another session's, which a new one cannot take."""
+    if isinstance(model, SplitModel) or any(isinstance(m, Ghost) for m in model.modules()):
+        raise ConfigError(
+            "this model is split already: its cloud half's modules stand in for an earlier split()'s cloud, and "
+            "split() takes a whole model. To go on training, keep using the split model that split() returned; to "
+            "split it again (another trial, cut or cloud), take it back whole with unsplit() on that split model "
+            "first (unsplit() before close(): after close() the cloud's weights are gone), or split a fresh model "
+            "or a copy made before the first split()")
 
 
 def connect_stage(link: Link, codecs: Codecs, faults: Faults, hello: Hello, saved: tuple[dict, dict] | None, *,

@@ -101,7 +101,7 @@ class SplitModel(UnsplitTree):
         self.strays = StrayForwards(self.ghosts.cloud_modules, stage.draws_in_training, trunk, session=session)
         if trunk is not None:
             trunk.draws, trunk.keeps_statistics = stage.draws_in_training, self.strays.keeps_statistics
-        session.before_request = self.strays.check
+        session.before_request = weakref.WeakMethod(self.strays.check)
         outbox = session.outbox
         #: Where the cloud half's state stands: what a fetched state_dict() entry was taken at.
         self._state_moment: Callable[[], tuple[int, int]] = lambda: (outbox.weights_version, outbox.runs)

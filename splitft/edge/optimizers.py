@@ -52,8 +52,10 @@ class Attaches(Protocol):
 _INSTALLED = False
 #: Held while the hooks are installed: edges split in several threads of one process at once.
 _INSTALLING = threading.Lock()
-#: Optimizers mirrored to a cloud half, with their mirror (see splitft.edge.optimizer_mirror.OptimizerMirror).
-_MIRRORS: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
+#: Optimizers mirrored to a cloud half, with their mirror (see splitft.edge.optimizer_mirror.OptimizerMirror),
+#: held weakly: the mirror holds its optimizer, and a value holding its key would keep the entry, and
+#: so the split model, alive after the script dropped both. The split model keeps its mirror.
+_MIRRORS: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[Any]] = weakref.WeakKeyDictionary()
 #: Optimizers found to hold no cloud placeholder, with how many parameters they had then and how many
 #: cloud halves had been made (a split() turns parameters an optimizer holds into placeholders in place).
 _LOCAL: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]] = weakref.WeakKeyDictionary()
@@ -76,13 +78,19 @@ def register(remote: Any, owner: Attaches) -> None:
 
 def mirrored(optimizer: torch.optim.Optimizer, mirror: Any) -> None:
     """``optimizer`` is now mirrored by ``mirror``: its steps reach the cloud."""
-    _MIRRORS[optimizer] = mirror
+    _MIRRORS[optimizer] = weakref.ref(mirror)
     _LOCAL.pop(optimizer, None)
 
 
 def forget(optimizer: torch.optim.Optimizer) -> None:
     """``optimizer`` is mirrored no more (its model is whole again): its steps are local."""
     _MIRRORS.pop(optimizer, None)
+
+
+def _mirror(optimizer: torch.optim.Optimizer) -> Any:
+    """``optimizer``'s mirror, or None."""
+    ref = _MIRRORS.get(optimizer)
+    return ref() if ref is not None else None
 
 
 def cloud_owner(optimizer: torch.optim.Optimizer) -> Attaches | None:
@@ -104,7 +112,7 @@ def cloud_owner(optimizer: torch.optim.Optimizer) -> Attaches | None:
 def _mirror_of(optimizer: torch.optim.Optimizer) -> Any:
     """``optimizer``'s mirror, attaching it to its split model the first time it is seen holding
     cloud placeholders; None for an optimizer that holds none."""
-    mirror = _MIRRORS.get(optimizer)
+    mirror = _mirror(optimizer)
     if mirror is not None:
         return mirror
     seen = sum(len(group["params"]) for group in optimizer.param_groups), _HALVES
@@ -115,7 +123,7 @@ def _mirror_of(optimizer: torch.optim.Optimizer) -> Any:
         _LOCAL[optimizer] = seen
         return None
     owner.attach(optimizer)
-    return _MIRRORS[optimizer]
+    return _mirror(optimizer)
 
 
 def _attach_if_resuming(optimizer: torch.optim.Optimizer) -> None:
@@ -181,7 +189,7 @@ def _add_step_hooks(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
 
 
 def _prepare_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[tuple, dict] | None:
-    mirror = _MIRRORS.get(optimizer)
+    mirror = _mirror(optimizer)
     if mirror is None:
         return None
     if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
@@ -202,7 +210,7 @@ def _prepare_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> t
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    mirror = _MIRRORS.get(optimizer)
+    mirror = _mirror(optimizer)
     if mirror is not None:
         mirror.after_step()
 
@@ -268,7 +276,7 @@ def _guarded(step: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return step(self, *args, **kwargs)
         except BaseException:
-            mirror = _MIRRORS.get(self)
+            mirror = _mirror(self)
             if mirror is not None:
                 mirror.step_failed()
             raise

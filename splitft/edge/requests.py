@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Union
@@ -117,8 +118,10 @@ class EdgeSession(Recovery):
         self._steps: Steps = NoSteps()
         self._suspect: BaseException | None = None  # the link failed where no reply was awaited
         self._heartbeat = Heartbeat(self, faults.heartbeat)
-        #: Called before each request but a goodbye: a refusal there leaves the request unsent.
-        self.before_request: Callable[[], None] | None = None
+        #: Called before each request but a goodbye: a refusal there leaves the request unsent. Held
+        #: weakly (a ``weakref.WeakMethod``): it is the split model's, which this session must not keep
+        #: alive once the script dropped it (a sweep's forgotten trials: see ``api.split``).
+        self.before_request: weakref.ref[Callable[[], None]] | None = None
 
     @property
     def lock(self) -> threading.RLock:
@@ -151,8 +154,9 @@ class EdgeSession(Recovery):
                               "was forked from it (a DataLoader worker with num_workers > 0) and shares its "
                               "connection, which would hang or mix up its replies. Use the model in the main "
                               "process (compute pseudo-labels there), or load the data with num_workers=0")
-        if self.before_request is not None and not isinstance(msg, Bye):
-            self.before_request()
+        before = self.before_request() if self.before_request is not None else None
+        if before is not None and not isinstance(msg, Bye):
+            before()
         if not isinstance(msg, Sync):
             self.outbox.version += 1  # a forward or a backward changes the cloud half's tensors
         numbered = _numbered(msg)
