@@ -642,6 +642,36 @@ def test_a_torch_func_transform_or_forward_ad_through_the_split_model_is_refused
         nn.functional.cross_entropy(model(x), y).backward()  # and the session goes on
 
 
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+@pytest.mark.parametrize("how", ["torch.func.grad", "is_grads_batched"])
+def test_an_input_gradient_by_a_transform_or_a_batched_backward_is_refused_by_name_and_training_goes_on(
+        cloud, rejoin, how):
+    """A saliency map by torch.func.grad of the remote loss (which read the generator's state as a
+    tensor the transform hides), or autograd.grad(is_grads_batched=True): refused as the other
+    transforms are, not with vmap's errors from inside, and the next step trains as unsplit."""
+    data = _data(3)
+
+    def train(model, crit, probe):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for i, (x, y) in enumerate(data):
+            if i == 1 and probe:
+                xr = x.clone().requires_grad_()
+                with pytest.raises(ConfigError, match=r"a torch.func transform .*a batched backward"):
+                    if how == "torch.func.grad":
+                        torch.func.grad(lambda inp: crit(model(inp), y))(x)
+                    else:
+                        torch.autograd.grad(crit(model(xr), y), xr, grad_outputs=torch.ones(2), is_grads_batched=True)
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+        return model.state_dict()
+
+    local = train(mlp(), nn.CrossEntropyLoss(), probe=False)
+    with splitft.split(mlp(), 2, rejoin, factory=MLP, connect=cloud) as model:
+        crit = nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss())
+        assert_bitwise(train(model, crit, probe=True), local)
+
+
 @pytest.mark.parametrize("cut", ["encoder.layers.0:1", "encoder.layers.1:2"])
 def test_a_transformer_encoders_nested_tensor_path_across_the_cut_is_refused_and_trains_without_it(cloud, cut):
     """nn.TransformerEncoder's fast path in evaluation computes its layers on a nested tensor made

@@ -30,10 +30,20 @@ from .streaming import stash_weights
 
 
 _TRANSFORMS = (
-    "a torch.func transform (vmap, grad, jacrev, jvp, functional_call under them) or forward-mode AD "
+    "a torch.func transform (vmap, grad, jacrev, jvp, functional_call under them), a batched backward "
+    "(autograd.grad(is_grads_batched=True), jacobian(vectorize=True)) or forward-mode AD "
     "(torch.autograd.forward_ad) through a split model: the cloud half computes on plain tensors, so the batched "
     "or dual tensors these make cannot cross the cut. Apply them to edge modules alone, or to the whole model "
     "after model.unsplit()")
+
+
+def refuse_transforms(tensors: tuple[torch.Tensor | None, ...] = ()) -> None:
+    """Refuse a torch.func transform (or a batched backward, whose gradients come batched) around
+    a call of the cloud half: what it would hand over are batched or dual tensors, which cannot cross."""
+    if torch._C._functorch.peek_interpreter_stack() is not None or any(
+            t is not None and (torch._C._functorch.is_batchedtensor(t) or torch._C._functorch.is_legacy_batchedtensor(t))
+            for t in tensors):
+        raise ConfigError(_TRANSFORMS)
 
 
 #: torch.jit.trace / torch.jit.script of a split model.
@@ -73,6 +83,7 @@ class _RemoteCall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        refuse_transforms(grads)  # autograd.grad(is_grads_batched=True) hands batched gradients
         if torch.is_grad_enabled():  # create_graph=True: the cloud's part of the gradient would carry no graph
             raise ConfigError("backward(create_graph=True) / autograd.grad(create_graph=True) through a split model: "
                               "the gradient that comes back from the cloud is a number, not a graph, so a gradient "
@@ -330,8 +341,7 @@ class RemoteCaller:
                  trainable: frozenset[str], modes: tuple[str, ...] = (), again: torch.Tensor | None = None,
                  drawn_since: torch.Tensor | None = None, generator_kept: torch.Tensor | None = None) -> Any:
         """The cloud half's output for ``args``/``kwargs`` (plain split: the loss, with ``target``)."""
-        if torch._C._functorch.peek_interpreter_stack() is not None:
-            raise ConfigError(_TRANSFORMS)
+        refuse_transforms()
         refuse_foreign_contexts()
         self.cloud_half.hidden = False  # an optimizer step that raised left them hidden
         caches: list = []

@@ -24,6 +24,7 @@ from . import generator_sets
 from .ghost_classes import settings_version
 from .metadata import METADATA, SHAPE_AND_TYPE, described, requires_grad_changes
 from .output_shapes import OutputShapes
+from .remote_call import refuse_transforms
 from .schedule import refuse_sparse
 from .stray import crossed
 
@@ -242,6 +243,7 @@ class RemoteLoss:
             setattr(criterion, name, value)
 
     def __call__(self, out: Any, target: torch.Tensor, *more: Any, **kwargs: Any) -> torch.Tensor:
+        refuse_transforms()  # before anything reads the generator's state, which a transform hides
         if more or kwargs:
             raise ConfigError(_MORE_ARGUMENTS.format(given=", ".join([*("a third argument" for _ in more[:1]),
                                                                        *map(repr, kwargs)])))
