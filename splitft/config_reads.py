@@ -245,7 +245,7 @@ def values(modules: list[tuple[str, nn.Module]]) -> dict[str, dict[str, str]]:
                                             for key in sorted(keys)})
     for name, module in modules:
         for key, sub in module.named_modules():
-            flags = {flag: _canonical(sub.__dict__[flag]) for flag in sorted(flags_read(sub))}
+            flags = {flag: _canonical(effective_value(sub, flag)) for flag in sorted(flags_read(sub))}
             if flags:
                 found.setdefault(f"{name}.{key}" if key else name, {}).update(flags)
     for where, attribute, tensor, _, _ in _tensor_attributes(modules):
@@ -350,16 +350,16 @@ class ModuleFlags:
     kind of value than a plain one, is refused."""
 
     def __init__(self, modules: list[tuple[str, nn.Module]]) -> None:
-        self._flags = [(f"{name}.{key}" if key else name, sub.__dict__, flag)
+        self._flags = [(f"{name}.{key}" if key else name, sub, flag)
                        for name, module in modules for key, sub in module.named_modules()
                        for flag in sorted(flags_read(sub))]
-        self._sent = [_snapshot(state[flag]) for _, state, flag in self._flags]
+        self._sent = [_snapshot(effective_value(sub, flag)) for _, sub, flag in self._flags]
 
     def changed(self) -> dict[str, dict[str, Any]]:
         """``{module: {flag: value}}`` changed since the last call (or the cut); {} for none."""
         changed: dict[str, dict[str, Any]] = {}
-        for i, (where, state, flag) in enumerate(self._flags):
-            now, was = state.get(flag, _MISSING), self._sent[i]
+        for i, (where, sub, flag) in enumerate(self._flags):
+            now, was = effective_value(sub, flag), self._sent[i]
             if now is was or same_setting(now, was):
                 continue
             if not is_flag(now):
@@ -385,10 +385,26 @@ def flags_read(module: nn.Module) -> list[str]:
         return []  # a pooling's size, a convolution's padding: what they hold and return scales with them
     found = []
     for flag in own_attributes_read(type(module)):
-        value = module.__dict__.get(flag, _MISSING)
+        value = effective_value(module, flag)
         if value is not _MISSING and flag not in _RUNTIME_FLAGS and is_flag(value):
             found.append(flag)
     return found
+
+
+def effective_value(module: nn.Module, name: str) -> Any:
+    """What ``module.<name>`` reads as a plain attribute: its own, else its class's (a switch a
+    script flips on the class, ``Block.noise_on = False``, which reaches every layer of it); torch's
+    own class attributes aside. ``_MISSING`` where neither holds it."""
+    value = module.__dict__.get(name, _MISSING)
+    if value is not _MISSING:
+        return value
+    for cls in type(module).__mro__:
+        if cls is nn.Module or cls is object:
+            break
+        value = vars(cls).get(name, _MISSING)
+        if value is not _MISSING:
+            return value
+    return _MISSING
 
 
 #: torch's layers whose settings a script may change on a cloud layer: what they return has their
@@ -415,7 +431,7 @@ def apply_flags(modules: dict[str, nn.Module], flags: Any) -> None:
             if flag not in allowed or not is_flag(value):
                 raise ProtocolError(f"{_shown(flag)[:80]} of {where!r} is no flag its code reads, or "
                                     f"{_shown(value)[:80]} no plain value")
-            kind = type(module.__dict__[flag])  # msgpack sends a tuple or a set as a list
+            kind = type(effective_value(module, flag))  # msgpack sends a tuple or a set as a list
             as_kind = isinstance(value, list) and kind in (tuple, set, frozenset)
             checked.append((module, flag, kind(value) if as_kind else value))
     for module, flag, value in checked:

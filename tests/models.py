@@ -960,3 +960,27 @@ def abc_mlp(seed: int = 0, scripted: bool = False) -> nn.Sequential:
         torch.manual_seed(seed)
         layer = torch.jit.script(nn.Linear(16, 16)) if scripted else SlottedLinear()
         return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), layer, nn.ReLU(), nn.Linear(16, 3))
+
+
+class ClassSwitchedNoise(nn.Module):
+    """Noise in training, switched for every layer of the class at once (``ClassSwitchedNoise.noise_on``)."""
+
+    noise_on = True
+    scale = 0.1
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.lin(h)
+        if self.training and self.noise_on:
+            h = h + self.scale * torch.randn_like(h)
+        return h
+
+
+def class_switched_mlp(seed: int = 0) -> nn.Sequential:
+    """Cut at 2: the class-switched layers are in the cloud half (the last one also on the edge with rejoin 4)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), ClassSwitchedNoise(), ClassSwitchedNoise(), nn.Linear(16, 3))
