@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import torch
 from torch import nn
 
 from .errors import ConfigError
@@ -128,6 +129,9 @@ _OTHER_GENERATORS: dict[type, str | None] = {}
 #: Generators whose methods a module may import by name (``from numpy.random import normal``: a
 #: method of NumPy's global generator), drawing from the process's own stream.
 _PROCESS_GENERATORS = (random.Random, np.random.RandomState)
+#: Generators a module may hold and draw from (``self.gen = torch.Generator()``, ``random.Random(0)``,
+#: ``np.random.default_rng(0)``): a cloud module's draws from the cloud's copy.
+GENERATORS = (torch.Generator, random.Random, np.random.RandomState, np.random.Generator)
 
 
 def _other_generators(cls: type) -> str | None:
@@ -249,4 +253,4 @@ class CodeGuard:
                 self._sizes[i] = (namespace, len(namespace), shown)  # something else was set on the class
 
 
-__all__ = ["RUNTIME_ATTRIBUTES", "CodeGuard", "identities"]
+__all__ = ["GENERATORS", "RUNTIME_ATTRIBUTES", "CodeGuard", "identities"]

@@ -182,10 +182,19 @@ def _free_names(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
     return loaded - bound
 
 
-def _plain(value: Any) -> bool:
+def _plain(value: Any, depth: int = 0) -> bool:
+    """A plain value, or a small tuple, list or dict of them (a module's ``CONFIG = {"scale": 1.0}``,
+    which a script may change in place): what a module-level name a layer reads may hold."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return True
-    return isinstance(value, tuple) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value)
+    if depth > 1 or not isinstance(value, (tuple, list, dict)) or len(value) > _MOST_ITEMS:
+        return False
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    return all((isinstance(k, (str, int)) or not isinstance(value, dict)) and _plain(v, depth + 1) for k, v in items)
+
+
+#: The most items a module-level container a layer reads may hold to be watched for changes.
+_MOST_ITEMS = 256
 
 
 def _config_attributes(function: ast.AST, attribute: str) -> set[str]:

@@ -11,6 +11,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.utils.prune
 import torch.utils.checkpoint
@@ -646,6 +647,8 @@ def gain_mlp(seed: int = 0, gain: float = 1.0) -> GainMLP:
 
 #: A module-level setting a layer reads each time it runs (a script may set ``tests.models.GATE_GAIN``).
 GATE_GAIN = 1.0
+#: Module-level settings in a dict, which a script may change in place (``GATE_SETTINGS["scale"] = 2.0``).
+GATE_SETTINGS = {"scale": 1.0}
 
 
 class GlobalGain(nn.Module):
@@ -656,7 +659,7 @@ class GlobalGain(nn.Module):
         self.linear = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x) * GATE_GAIN
+        return self.linear(x) * GATE_GAIN * GATE_SETTINGS["scale"]
 
 
 def global_gain_mlp(seed: int = 0) -> nn.Sequential:
@@ -690,21 +693,30 @@ def temperature_classifier(seed: int = 0) -> TemperatureClassifier:
 
 
 class NoisyLinear(nn.Module):
-    """A linear layer that adds noise drawn from a generator of its own, seeded where it is built."""
+    """A linear layer that adds noise drawn from a generator of its own, seeded where it is built:
+    torch's, Python's ``random.Random`` or NumPy's ``default_rng``."""
 
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, kind: str = "torch") -> None:
         super().__init__()
         self.lin = nn.Linear(width, width)
-        self.noise = torch.Generator().manual_seed(0)
+        self.kind = kind
+        self.noise: Any = {"torch": lambda: torch.Generator().manual_seed(0), "random": lambda: random.Random(0),
+                           "numpy": lambda: np.random.default_rng(0)}[kind]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x) + 0.1 * torch.randn(x.shape, generator=self.noise)
+        if self.kind == "torch":
+            noise = torch.randn(x.shape, generator=self.noise)
+        elif self.kind == "random":
+            noise = torch.tensor([self.noise.gauss(0.0, 1.0) for _ in range(x.numel())]).reshape(x.shape)
+        else:
+            noise = torch.from_numpy(self.noise.standard_normal(tuple(x.shape), dtype=np.float32))
+        return self.lin(x) + 0.1 * noise
 
 
-def noisy_mlp(seed: int = 0) -> nn.Sequential:
+def noisy_mlp(seed: int = 0, kind: str = "torch") -> nn.Sequential:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), NoisyLinear(16), nn.ReLU(), nn.Linear(16, 3))
+        return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), NoisyLinear(16, kind), nn.ReLU(), nn.Linear(16, 3))
 
 
 class TwinBias(nn.Module):

@@ -152,6 +152,19 @@ def test_a_settings_object_under_another_name_is_guarded_too(cloud):
     assert keys_read(Gain, "cfg") == {"gain"} and not keys_read(Gain)
 
 
+def test_a_module_level_dict_a_cloud_layer_reads_changed_in_place_is_guarded_too(cloud, monkeypatch):
+    """``mymodels.SETTINGS["scale"] = 2.0``: the same object, changed; the cloud's copy is its import's."""
+    x, y = torch.randn(8, 12), torch.randint(0, 3, (8,))
+    with splitft.split(global_gain_mlp(), 2, factory=GLOBAL_MLP, connect=cloud) as model:
+        model.remote_loss(torch.nn.CrossEntropyLoss())(model(x), y).backward()
+        monkeypatch.setitem(tests.models.GATE_SETTINGS, "scale", 2.0)
+        with pytest.raises(ConfigError, match=r"tests\.models\.GATE_SETTINGS changed after split\(\) "
+                                              r"\(\{'scale': 1\.0\} -> \{'scale': 2\.0\}\)"):
+            model(x)
+        monkeypatch.setitem(tests.models.GATE_SETTINGS, "scale", 1.0)
+        model(x)
+
+
 def test_a_module_level_setting_a_cloud_layer_reads_is_guarded_too(cloud, monkeypatch):
     """``mymodels.GATE_GAIN = 2.0`` in a script: the cloud's process keeps the value its import gave."""
     x, y = torch.randn(8, 12), torch.randint(0, 3, (8,))
@@ -169,7 +182,8 @@ def test_a_module_level_setting_a_cloud_layer_reads_is_guarded_too(cloud, monkey
     monkeypatch.setattr(tests.models, "GATE_GAIN", 2.0)
     with pytest.raises(HandshakeError, match=r"'tests\.models\.GATE_GAIN': '1\.0'"):
         splitft.split(global_gain_mlp(), 2, factory=GLOBAL_MLP, connect=cloud)
-    assert [(m.__name__, set(names)) for m, names in globals_read(GlobalGain)] == [("tests.models", {"GATE_GAIN"})]
+    assert [(m.__name__, set(names)) for m, names in globals_read(GlobalGain)] == [
+        ("tests.models", {"GATE_GAIN", "GATE_SETTINGS"})]
     assert globals_read(Gain) == ()  # it reads torch and its own settings object: nothing plain of its module
 
 
@@ -287,7 +301,7 @@ def test_a_private_flag_set_to_something_the_cloud_cannot_take_is_refused_and_a_
     disabled = tiny_tied_lora()
     disabled.get_submodule("base_model.model.model.layers.1.self_attn.q_proj")._disable_adapters = True
     # before the cut, both sides must start alike: refused at the handshake, the cloud's flags shown
-    with pytest.raises(HandshakeError, match=r"q_proj': {'_active_adapter': '\[\"default\"\]', .*"
+    with pytest.raises(HandshakeError, match=r"q_proj': {.*'_active_adapter': '\[\"default\"\]', .*"
                                              r"'_disable_adapters': 'false'.*'scaling': '{\"default\": 2.0}'"):
         splitft.split(disabled, "base_model.model.model.layers.1:3", factory=LORA, connect=cloud)
     cloud_side = {"q": tiny_tied_lora().get_submodule("base_model.model.model.layers.1.self_attn.q_proj")}

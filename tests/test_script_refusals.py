@@ -1636,23 +1636,28 @@ def test_a_module_holding_cloud_layers_replaced_after_split_is_refused_at_the_ne
                                                   if n in model.cloud_state_dict()})
 
 
-@pytest.mark.parametrize("touch", [lambda gen: gen.manual_seed(123), lambda gen: gen.get_state()],
-                         ids=["reseeded", "its state read (to restore it later)"])
-def test_a_generator_a_cloud_layer_draws_from_trains_exactly_and_is_refused_when_touched(cloud, touch):
-    """``NoisyLinear`` draws its noise from a generator of its own: built the same by the factory,
-    the cloud's draws exactly as the unsplit layer does; seeded or read on the edge, the edge's copy
-    would be touched, not the cloud's (which has drawn since)."""
+_TOUCHES = {"torch": (lambda gen: gen.manual_seed(123), lambda gen: gen.get_state()),
+            "random": (lambda gen: gen.seed(123), lambda gen: gen.getstate()),
+            "numpy": (lambda gen: gen.bit_generator.state, lambda gen: gen.standard_normal())}
+
+
+@pytest.mark.parametrize("kind", ["torch", "random", "numpy"])
+@pytest.mark.parametrize("touch", [0, 1], ids=["reseeded", "its state read (to restore it later)"])
+def test_a_generator_a_cloud_layer_draws_from_trains_exactly_and_is_refused_when_touched(cloud, kind, touch):
+    """``NoisyLinear`` draws its noise from a generator of its own (torch's, Python's, NumPy's):
+    built the same by the factory, the cloud's draws exactly as the unsplit layer does; seeded or
+    read on the edge, the edge's copy would be touched, not the cloud's (which has drawn since)."""
     data = _data(4)
-    local = noisy_mlp()
+    local = noisy_mlp(kind=kind)
     _steps(local, torch.optim.SGD(local.parameters(), lr=0.1), nn.CrossEntropyLoss(), data)
-    net = noisy_mlp()
-    model = splitft.split(net, 2, factory="tests.models:noisy_mlp", connect=cloud)
+    net = noisy_mlp(kind=kind)
+    model = splitft.split(net, 2, factory=splitft.Factory("tests.models:noisy_mlp", {"kind": kind}), connect=cloud)
     with model:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         crit = model.remote_loss(nn.CrossEntropyLoss())
         _steps(model, opt, crit, data[:2])
-        with pytest.raises(CutError, match=r"'noise' of '2' is the torch.Generator that module draws from in the cloud"):
-            touch(net[2].noise)
+        with pytest.raises(CutError, match=r"'noise' of '2' is the generator that module draws from in the cloud"):
+            _TOUCHES[kind][touch](net[2].noise)
         _steps(model, opt, crit, data[2:])
         state = model.state_dict()
     assert_bitwise(state, local.state_dict())

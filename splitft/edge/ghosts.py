@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ..code_reads import CodeGuard
+from ..code_reads import GENERATORS, CodeGuard
 from ..config_reads import ConfigGuard, own_attributes_kept_by_forward
 from ..numerics import NumericsGuard
 from ..cut import Chain, CutSpec, _module, extract
@@ -357,7 +357,7 @@ def ghost(module: nn.Module, standin: nn.Module, *, never_run: tuple[str, ...] =
         for table in TABLES:  # add_module, register_buffer, Sequential.append write these directly
             sub.__dict__[table] = _FixedTable(sub.__dict__[table], where, table)
         for name, value in list(sub.__dict__.items()):
-            if isinstance(value, torch.Generator):  # the twin keeps the generator itself
+            if isinstance(value, GENERATORS):  # the twin keeps the generator itself
                 sub.__dict__[name] = _CloudGenerator(where, name)
         # what its forward keeps as it runs (self.calls += 1) changes in the cloud alone: no stale copy here
         kept = {name: sub.__dict__.pop(name, _NOT_YET) for name in own_attributes_kept_by_forward(type(sub))
@@ -376,7 +376,7 @@ class _CloudGenerator:
         self._where, self._name = where, name
 
     def __getattr__(self, attribute: str) -> Any:
-        raise CutError(f"{self._name!r} of {self._where!r} is the torch.Generator that module draws from in the cloud: "
+        raise CutError(f"{self._name!r} of {self._where!r} is the generator that module draws from in the cloud: "
                        f"{attribute} here would act on the edge's copy, not on the cloud's, which has drawn since (split "
                        "training would silently differ). Seed it where the model is built, which the cloud's factory runs too")
 
