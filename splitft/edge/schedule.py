@@ -293,9 +293,10 @@ class Scheduler:
                 raise GraphFreedError(
                     "a second backward through the same forward (a recurrent state carried to the next batch without "
                     ".detach(), or backward(retain_graph=True) or torch.autograd.grad(..., retain_graph=True) through "
-                    "the cloud half, then another): the cloud frees its graph after the first, so it cannot be "
-                    "repeated there; detach what is carried over (truncated backpropagation through time), run the "
-                    "forward again, or add the losses and call backward once")
+                    "the cloud half, then another): the cloud frees its graph after the first (with retain_graph, "
+                    "only a loss unscaled or scaled by a power of two is answered again, from the gradients it kept), "
+                    "so it cannot be repeated there; detach what is carried over (truncated backpropagation through "
+                    "time), run the forward again, or add the losses and call backward once")
             call.backpropagated = True
             if not exact:  # the cloud backpropagates the graph it kept, for the gradient the loss got
                 for part in call.parts:
