@@ -161,7 +161,8 @@ class Schedule:
     """How a training step's messages are ordered.
 
     ``micro_batches``: cut each call into this many micro-batches, all sent before any reply is
-    awaited, so the wire and the cloud work at the same time. The gradient is the full batch's;
+    awaited, so the wire and the cloud work at the same time. The gradient is the full batch's up to
+    rounding (the parts' sums are added in another order than one backward's: not bitwise);
     a BatchNorm layer of the cloud part in training mode would see micro-batches, so a call
     through one is refused (keep 1 for those). ``eager_backward`` (plain split): the cloud runs the backward right after
     the loss and sends the cut's gradient with it, one round trip per step instead of two; the edge
