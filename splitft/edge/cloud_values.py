@@ -66,6 +66,21 @@ class CloudValue(RemoteTensor):
         return "a tensor computed from the cloud half's tensors"
 
 
+def _with_other_models_fetched(func: Any, args: tuple, kwargs: dict, remotes: list[RemoteTensor]) -> Any:
+    """A call on the cloud tensors of two split models (``pb.copy_(pa)``, warm-starting one trial
+    from another): the first's cloud computes it, with the values of the other's tensors fetched
+    now, which is what the call reads unsplit. NotImplemented where another's is no value to fetch
+    (an optimizer's state, a value computed there)."""
+    target = args[0] if args and isinstance(args[0], RemoteTensor) else remotes[0]
+    others = [t for t in remotes if t._splitft_remote is not target._splitft_remote]
+    if any(not isinstance(t, (CloudTensor, CloudGrad)) for t in others):
+        return NotImplemented
+    with torch.no_grad():
+        fetched = {id(t): t.detach().clone() for t in others}
+    args, kwargs = tree_map(lambda v: fetched.get(id(v), v), (args, kwargs))
+    return func(*args, **kwargs)
+
+
 class _NotExpressible(Exception):
     """An operand or call an expression cannot hold: the call is refused as before."""
 
@@ -104,8 +119,9 @@ def handle(func: Any, args: tuple, kwargs: dict) -> Any:
     if func in _SHAPED_LIKE and len(args) == 2 and not kwargs and not isinstance(args[0], RemoteTensor) \
             and isinstance(args[1], RemoteTensor):
         return _SHAPED_LIKE[func](*args)
-    if not remotes or any(isinstance(t, CloudState) for t in remotes) or \
-            len({id(t._splitft_remote) for t in remotes}) > 1:
+    if remotes and len({id(t._splitft_remote) for t in remotes}) > 1:
+        return _with_other_models_fetched(func, args, kwargs, remotes)
+    if not remotes or any(isinstance(t, CloudState) for t in remotes):
         return NotImplemented
     remote = remotes[0]._splitft_remote
     graphed = next((t for t in remotes if isinstance(t, CloudValue) and t.requires_grad), None)
