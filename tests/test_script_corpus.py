@@ -622,6 +622,23 @@ def logs_the_largest_gradient_and_the_weight_norm(model, net, crit, data):
     return logged
 
 
+def prunes_by_magnitude_and_logs_sparsity_with_gradients_on(model, net, crit, data):
+    """Magnitude pruning by hand after each step, and the log line that counts the zeros, written
+    without torch.no_grad() (a comparison builds no graph, so torch computes it with gradients on)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    logged = []
+    for x, y in data:
+        crit(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(p.abs() > p.abs().median())
+        logged.append([int((p == 0).sum()) for p in model.parameters()])
+        logged.append([bool(torch.isfinite(p).all()) and int(p.ne(0).count_nonzero()) for p in model.parameters()])
+    return logged
+
+
 def renormalises_rows_and_perturbs_weights_after_each_step(model, net, crit, data):
     """Max-norm regularisation of a layer's rows, and weight noise from the global generator."""
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -870,6 +887,7 @@ COMPUTED = [resets_a_layer_with_tensors_made_like_its_weights, prunes_small_weig
             writes_slices_and_indices_of_weights_and_gradients, logs_weight_and_gradient_statistics_moved_to_the_cpu,
             skips_a_step_whose_gradients_are_not_finite, sign_sgd_with_weight_decay_added_to_the_gradient,
             logs_the_largest_gradient_and_the_weight_norm, renormalises_rows_and_perturbs_weights_after_each_step,
+            prunes_by_magnitude_and_logs_sparsity_with_gradients_on,
             steps_by_hand_as_old_tutorials_do, keeps_an_average_of_the_weights_and_evaluates_with_it,
             averages_weights_in_an_optimizer_post_hook,
             momentum_and_an_average_by_hand_in_buffers_made_like_the_weights, steps_by_hand_with_foreach_kernels,

@@ -101,6 +101,11 @@ _SHAPED_LIKE: dict[Any, Any] = {
     Tensor.type_as: lambda t, like: t.to(device=like.device, dtype=like.dtype),
     Tensor.to: lambda t, like: t.to(device=like.device, dtype=like.dtype)}  # t.to(p): p's dtype and device
 _GRADIENT_CALLS = {torch.autograd.grad: "torch.autograd.grad(...)", torch.autograd.backward: "backward(inputs=...)"}
+#: Calls whose result has no gradient whatever their operands (comparisons, tests of values):
+#: computed from a trainable cloud tensor with gradients on as unsplit, where they build no graph.
+_NO_GRAPH = {f for name in ("eq", "ne", "lt", "le", "gt", "ge", "isnan", "isinf", "isfinite", "isposinf", "isneginf",
+                            "count_nonzero", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__")
+             for f in (getattr(Tensor, name, None), getattr(torch, name, None)) if f is not None}
 
 
 def handle(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -124,6 +129,9 @@ def handle(func: Any, args: tuple, kwargs: dict) -> Any:
     if not remotes or any(isinstance(t, CloudState) for t in remotes):
         return NotImplemented
     remote = remotes[0]._splitft_remote
+    if func in _NO_GRAPH and torch.is_grad_enabled():  # (w == 0).sum() logged with gradients on: none to keep
+        with torch.no_grad():
+            return func(*args, **kwargs)
     graphed = next((t for t in remotes if isinstance(t, CloudValue) and t.requires_grad), None)
     if graphed is not None:
         if func in _DETACHES and len(remotes) == 1 and args and args[0] is graphed:
