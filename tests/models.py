@@ -213,12 +213,34 @@ class NumpyNoise(nn.Module):
         return x
 
 
-def random_skip_mlp(seed: int = 0, numpy: bool = False) -> nn.Sequential:
-    """The MLP with a :class:`RandomSkip` block (or :class:`NumpyNoise`) in its cloud half (cut at 2)."""
+class Skipper:
+    """A plain helper a layer holds, deciding with Python's ``random`` whether to skip it."""
+
+    def __init__(self, p: float) -> None:
+        self.p = p
+
+    def skip(self) -> bool:
+        return random.random() < self.p
+
+
+class HelpedSkip(nn.Module):
+    """Stochastic depth decided by a :class:`Skipper` it holds (its forward calls no generator itself)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.layer, self.skipper = nn.Linear(width, width), Skipper(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.training and self.skipper.skip() else x + self.layer(x)
+
+
+def random_skip_mlp(seed: int = 0, numpy: bool = False, helper: bool = False) -> nn.Sequential:
+    """The MLP with a :class:`RandomSkip` block (or :class:`NumpyNoise`, or :class:`HelpedSkip`) in its
+    cloud half (cut at 2)."""
     model = mlp(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model.insert(3, NumpyNoise() if numpy else RandomSkip(16))
+        model.insert(3, NumpyNoise() if numpy else HelpedSkip(16) if helper else RandomSkip(16))
     return model
 
 

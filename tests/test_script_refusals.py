@@ -536,6 +536,14 @@ def test_a_cloud_layer_that_draws_from_pythons_random_is_refused_by_split(cloud)
     assert all(type(t) in (torch.Tensor, nn.Parameter) for t in (*net.parameters(), *net.buffers()))
 
 
+def test_a_cloud_layer_whose_helper_object_draws_from_pythons_random_is_refused_by_split(cloud):
+    net = random_skip_mlp(helper=True)
+    with pytest.raises(CutError, match=r"'3' \(HelpedSkip\) draws from a generator of its own process as it runs "
+                                       r"\(Skipper: random\.random: "):
+        splitft.split(net, 2, factory=splitft.Factory("tests.models:random_skip_mlp", {"helper": True}), connect=cloud)
+    assert all(type(t) in (torch.Tensor, nn.Parameter) for t in (*net.parameters(), *net.buffers()))
+
+
 def test_a_cloud_layer_that_draws_from_numpys_generator_through_a_name_it_imported_is_refused_by_split(cloud):
     net = random_skip_mlp(numpy=True)
     with pytest.raises(CutError, match=r"'3' \(NumpyNoise\) draws from a generator of its own process as it runs "

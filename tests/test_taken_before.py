@@ -95,3 +95,12 @@ def test_state_taken_before_one_split_is_refused_by_another(cloud):
             splitft.split(second, 2, factory=MLP, connect=cloud) as other:
         with pytest.raises(ConfigError, match="taken from the model before split"):
             other.load_state_dict(init)
+
+
+def test_a_load_after_another_split_model_was_made_whole_again_loads(cloud):
+    """The twins of a model unsplit() made whole hold its placeholders since: no memory of a cut."""
+    first = splitft.split(mlp(), 2, factory=MLP, connect=cloud)
+    whole = first.unsplit()
+    with splitft.split(mlp(1), 2, factory=splitft.Factory(MLP, {"seed": 1}), connect=cloud) as model:
+        model.load_state_dict(copy.deepcopy(whole.state_dict()))
+        assert_bitwise(model.state_dict(), whole.state_dict())

@@ -38,6 +38,7 @@ def refuse_unsupported_layers(stages: Chain) -> None:
                                f"the pruning permanent with prune.remove(module, {pruned[0]._tensor_name!r}) before "
                                "split() and in the factory, or cut so that the layer stays on the edge")
             drawn = None if type(module).__module__.startswith("torch.") else other_generators(type(module))
+            drawn = drawn or next(filter(None, map(_helper_draws, module.__dict__.values())), None)
             if drawn is not None:
                 raise CutError(f"{where!r} ({type(module).__name__}) draws from a generator of its own process as it "
                                f"runs ({drawn}: Python's random or NumPy's global generator), which in the cloud's "
@@ -57,6 +58,17 @@ def refuse_unsupported_layers(stages: Chain) -> None:
                                "which the cloud half cannot hold: its weights travel as dense arrays. Keep it dense "
                                "(torch.mm computes the same product), or cut so that the layer stays on the edge")
             _refuse_unstandable(where, module)
+
+
+def _helper_draws(value: object) -> str | None:
+    """Where a plain object of the script's own class that a module holds (a stochastic-depth
+    helper, ``self.dropper.drop()``) draws from a generator of its process, or None."""
+    cls = type(value)
+    if isinstance(value, (nn.Module, torch.Tensor)) or cls.__module__ in ("builtins", "random") \
+            or cls.__module__.split(".")[0] in ("torch", "numpy", "transformers", "peft"):
+        return None
+    drawn = other_generators(cls)
+    return f"{cls.__name__}: {drawn}" if drawn is not None else None
 
 
 def _refuse_unstandable(where: str, module: nn.Module) -> None:

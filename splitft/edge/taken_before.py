@@ -43,8 +43,11 @@ def _cut_memory() -> dict[int, tuple[Chain, list[tuple[str, tuple]]]]:
     found: dict[int, tuple[Chain, list[tuple[str, tuple]]]] = {}
     for chain in list(_CHAINS):
         for name, twin in chain.qualified_state_dict().items():
+            # after unsplit() the twins hold the placeholders (the values went back to the model)
+            if type(twin) not in _PLAIN or twin.layout != torch.strided or twin.device.type == "meta":
+                continue
             storage = twin.untyped_storage()
-            if twin.layout == torch.strided and twin.device.type != "meta" and storage.nbytes():
+            if storage.nbytes():
                 found.setdefault(storage.data_ptr(), (chain, []))[1].append((name, _view(twin)))
     return found
 
