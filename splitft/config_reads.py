@@ -359,16 +359,18 @@ class ModuleFlags:
     kind of value than a plain one, is refused."""
 
     def __init__(self, modules: list[tuple[str, nn.Module]]) -> None:
-        self._flags = [(f"{name}.{key}" if key else name, sub, flag)
+        self._flags = [(f"{name}.{key}" if key else name, sub, sub.__dict__, flag)
                        for name, module in modules for key, sub in module.named_modules()
                        for flag in sorted(flags_read(sub))]
-        self._sent = [_snapshot(effective_value(sub, flag)) for _, sub, flag in self._flags]
+        self._sent = [_snapshot(effective_value(sub, flag)) for _, sub, _, flag in self._flags]
 
     def changed(self) -> dict[str, dict[str, Any]]:
         """``{module: {flag: value}}`` changed since the last call (or the cut); {} for none."""
         changed: dict[str, dict[str, Any]] = {}
-        for i, (where, sub, flag) in enumerate(self._flags):
-            now, was = effective_value(sub, flag), self._sent[i]
+        for i, (where, sub, state, flag) in enumerate(self._flags):
+            now, was = state.get(flag, _MISSING), self._sent[i]  # the module's own first: read before each forward
+            if now is _MISSING:
+                now = effective_value(sub, flag)
             if now is was or same_setting(now, was):
                 continue
             if not is_flag(now):
