@@ -290,8 +290,9 @@ def test_pins_expire(tmp_path):
         assert isinstance(_pin(address, 20_000), protocol.Ack)
         assert _pins(tmp_path / "ck")
         deadline = time.monotonic() + 20
-        while _pins(tmp_path / "ck") and time.monotonic() < deadline:
+        # the pin goes first, then its session's folder: wait for both, nothing left that no session can use
+        while (_pins(tmp_path / "ck") or list((tmp_path / "ck").iterdir())) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not list((tmp_path / "ck").iterdir())  # nothing left that no session can use
+        assert not list((tmp_path / "ck").iterdir())
     finally:
         stop(proc)
