@@ -135,20 +135,24 @@ class CountingLinear(nn.Linear):
     """A layer that counts its calls in a plain attribute and halves its output after the third
     (a warm-up the layer keeps itself, as it runs)."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, buffer: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.calls = 0
+        if buffer:  # the count as the layer's state: a buffer the split model reads back
+            self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        else:
+            self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         return super().forward(x) * (0.5 if self.calls > 3 else 1.0)
 
 
-def counting_mlp(seed: int = 0) -> nn.Sequential:
-    """An MLP whose layer 2 (the cloud's, cut at 2) counts its calls as it runs."""
+def counting_mlp(seed: int = 0, buffer: bool = False) -> nn.Sequential:
+    """An MLP whose layer 2 (the cloud's, cut at 2) counts its calls as it runs (in a buffer with ``buffer``)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), CountingLinear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+        return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), CountingLinear(16, 16, buffer=buffer), nn.ReLU(),
+                             nn.Linear(16, 3))
 
 
 def parametrized_mlp(seed: int = 0, how: str = "weight_norm") -> nn.Sequential:
@@ -241,6 +245,51 @@ def random_skip_mlp(seed: int = 0, numpy: bool = False, helper: bool = False) ->
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model.insert(3, NumpyNoise() if numpy else HelpedSkip(16) if helper else RandomSkip(16))
+    return model
+
+
+#: What :class:`GlobalCounter` and :class:`GlobalCollector` count and collect as they run, at the module's top.
+CALLS = 0
+SEEN: list[tuple[int, ...]] = []
+
+
+class GlobalCounter(nn.Linear):
+    """A linear layer that counts its calls in a module-level number (``global CALLS``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        global CALLS
+        CALLS += 1
+        return super().forward(x)
+
+
+class GlobalCollector(nn.Linear):
+    """A linear layer that collects the shapes it saw in a module-level list, through a method of its own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._collect(x)
+        return super().forward(x)
+
+    def _collect(self, x: torch.Tensor) -> None:
+        SEEN.append(tuple(x.shape))
+
+
+class LocalCollector(nn.Linear):
+    """A linear layer whose forward keeps shapes in a list of its own that merely shares a module-level name."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        SEEN = [tuple(x.shape)]  # noqa: N806 - a local that shadows the module's list
+        SEEN.append(tuple(x.shape))
+        return super().forward(x)
+
+
+def global_writer_mlp(seed: int = 0, kind: str = "count") -> nn.Sequential:
+    """The MLP with a :class:`GlobalCounter` (``kind="count"``), :class:`GlobalCollector`
+    (``"collect"``) or :class:`LocalCollector` (``"local"``) in its cloud half (cut at 2)."""
+    layer = {"count": GlobalCounter, "collect": GlobalCollector, "local": LocalCollector}[kind]
+    model = mlp(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model.insert(3, layer(16, 16))
     return model
 
 

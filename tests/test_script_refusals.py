@@ -26,7 +26,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 import splitft
 from splitft.errors import ConfigError, CutError, HandshakeError, ModelError, PlaceholderError
 from tests.conftest import ROOT, start_cloud, stop
-from tests.models import (checkpointed_mlp, counting_mlp, deep_supervised, layer_stack, lookup_mlp, mlp,
+from tests.models import (checkpointed_mlp, counting_mlp, deep_supervised, global_writer_mlp, layer_stack, lookup_mlp, mlp,
                           mlp_batchnorm, mlp_dropout, noisy_mlp, old_norm_mlp, parametrized_mlp, pruned_mlp,
                           abc_mlp, aux_loss_net, inplace_relu_mlp, positive_rows_mlp, random_skip_mlp, recurrent_net)
 from tests.test_faults import _data
@@ -51,7 +51,8 @@ def cloud(tmp_path_factory):
                                      "--model", "tests.models:transposed_front_end",
                                      "--model", "tests.models:repeated_state_decoder",
                                      "--model", "tests.models:padded_text_encoder",
-                                     "--model", "tests.models:packed_tagger")
+                                     "--model", "tests.models:packed_tagger",
+                                     "--model", "tests.models:global_writer_mlp")
     yield address
     stop(proc)
 
@@ -311,6 +312,22 @@ def test_what_a_cloud_layers_forward_keeps_as_it_runs_trains_exactly_and_is_refu
         assert local[2].calls == 5 and "calls" in vars(model.unsplit()[2])  # whole again, as it was at the cut
 
 
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+def test_a_count_a_cloud_layers_forward_keeps_in_a_buffer_is_read_back(cloud, rejoin):
+    """The same count kept in a buffer (``self.calls += 1`` on a registered tensor), as the refusals
+    advise: the cloud half's state, which the edge reads as unsplit, and which trains bitwise."""
+    data = _data(5)
+    local = counting_mlp(buffer=True)
+    _steps(local, torch.optim.SGD(local.parameters(), lr=0.1), nn.CrossEntropyLoss(), data)
+    net = counting_mlp(buffer=True)
+    factory = splitft.Factory("tests.models:counting_mlp", {"buffer": True})
+    with splitft.split(net, 2, rejoin, factory=factory, connect=cloud) as model:
+        crit = nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss())
+        _steps(model, torch.optim.SGD(model.parameters(), lr=0.1), crit, data)
+        assert int(net[2].calls) == int(local[2].calls) == 5
+        assert_bitwise(model.state_dict(), local.state_dict())
+
+
 def test_an_optimizer_built_before_split_trains_the_cloud_half(cloud):
     """It holds the very parameter objects that split() turned into placeholders."""
     data = _data(5)
@@ -550,6 +567,28 @@ def test_a_cloud_layer_that_draws_from_numpys_generator_through_a_name_it_import
                                        r"\(_numpy_normal: "):
         splitft.split(net, 2, factory=splitft.Factory("tests.models:random_skip_mlp", {"numpy": True}), connect=cloud)
     assert all(type(t) in (torch.Tensor, nn.Parameter) for t in (*net.parameters(), *net.buffers()))
+
+
+@pytest.mark.parametrize("layer, name", [("count", r"GlobalCounter\) writes tests\.models\.CALLS"),
+                                         ("collect", r"GlobalCollector\) writes tests\.models\.SEEN")])
+def test_a_cloud_layer_that_writes_a_module_level_value_as_it_runs_is_refused_by_split(cloud, layer, name):
+    """``global CALLS; CALLS += 1`` in a cloud layer's forward, or ``SEEN.append(...)`` in a method it
+    calls: in the cloud they change the cloud process's, and the script's would keep what it holds."""
+    net = global_writer_mlp(kind=layer)
+    with pytest.raises(CutError, match=rf"'3' \({name} as it runs .* as a buffer"):
+        splitft.split(net, 2, factory=splitft.Factory("tests.models:global_writer_mlp", {"kind": layer}), connect=cloud)
+    assert all(type(t) in (torch.Tensor, nn.Parameter) for t in (*net.parameters(), *net.buffers()))
+
+
+def test_a_cloud_layer_whose_own_list_shares_a_module_level_name_trains_as_unsplit(cloud):
+    data = _data(3)
+    local = global_writer_mlp(kind="local")
+    _steps(local, torch.optim.Adam(local.parameters(), lr=1e-2), nn.CrossEntropyLoss(), data)
+    net = global_writer_mlp(kind="local")
+    with splitft.split(net, 2, factory=splitft.Factory("tests.models:global_writer_mlp", {"kind": "local"}),
+                       connect=cloud) as model:
+        _steps(model, torch.optim.Adam(model.parameters(), lr=1e-2), model.remote_loss(nn.CrossEntropyLoss()), data)
+        assert_bitwise(model.unsplit().state_dict(), local.state_dict())
 
 
 @pytest.mark.parametrize("value", [torch.tensor(0.25), np.float32(0.25)], ids=["a 0-d tensor", "a numpy float32"])

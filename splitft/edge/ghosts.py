@@ -361,7 +361,8 @@ def ghost(module: nn.Module, standin: nn.Module, *, never_run: tuple[str, ...] =
                 sub.__dict__[name] = _CloudGenerator(where, name)
         # what its forward keeps as it runs (self.calls += 1) changes in the cloud alone: no stale copy here
         kept = {name: sub.__dict__.pop(name, _NOT_YET) for name in own_attributes_kept_by_forward(type(sub))
-                if not isinstance(sub.__dict__.get(name), _CloudGenerator)}  # (or that it makes: self.aux_loss = ...)
+                if not isinstance(sub.__dict__.get(name), _CloudGenerator)  # (or that it makes: self.aux_loss = ...)
+                and name not in sub._buffers and name not in sub._parameters}  # a buffer is read from the cloud
         if kept:
             sub.__dict__["_splitft_kept"] = kept
         sub.__class__ = ghost_class(type(sub))

@@ -11,6 +11,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 from ..code_reads import other_generators
 from ..cut import Chain
 from ..errors import CutError
+from ..global_writes import globals_written
 from .ghost_classes import ghost_class
 
 #: torch's old weight reparametrizations: a forward pre-hook computes the weight from its parts.
@@ -45,6 +46,7 @@ def refuse_unsupported_layers(stages: Chain) -> None:
                                "process is another, where torch's generator is carried across the cut: its draws "
                                "would differ from the unsplit model's. Draw with torch (torch.rand(()) < p, "
                                "torch.randint), or cut so that the layer stays on the edge")
+            _refuse_global_writes(where, module)
             hooked = [type(h).__name__ for h in module._forward_pre_hooks.values() if isinstance(h, _HOOKED_NORMS)]
             if hooked:
                 how = "weight_norm" if hooked[0] == "WeightNorm" else "spectral_norm"
@@ -58,6 +60,21 @@ def refuse_unsupported_layers(stages: Chain) -> None:
                                "which the cloud half cannot hold: its weights travel as dense arrays. Keep it dense "
                                "(torch.mm computes the same product), or cut so that the layer stays on the edge")
             _refuse_unstandable(where, module)
+
+
+def _refuse_global_writes(where: str, module: nn.Module) -> None:
+    """A layer whose forward writes module-level values (``global CALLS; CALLS += 1``,
+    ``LOG.append(x)``): in the cloud those are the cloud process's, and the script's would silently
+    keep what they hold now."""
+    written = () if type(module).__module__.startswith("torch.") else globals_written(type(module))
+    if written:
+        names = ", ".join(written)
+        raise CutError(f"{where!r} ({type(module).__name__}) writes {names} as it runs (a module-level value it "
+                       "rebinds or changes in place): in the cloud half that would be the cloud process's copy, and "
+                       "this process's would silently keep what it holds now, where unsplit it follows the layer. "
+                       "Keep what the layer counts or collects on the layer as a buffer (self.register_buffer(...), "
+                       "updated in place: the split model reads it back from the cloud), gather it on the edge from "
+                       "the model's outputs, or cut so that the layer stays on the edge")
 
 
 def _helper_draws(value: object) -> str | None:
