@@ -233,10 +233,13 @@ def extract(model: nn.Module, spec: CutSpec) -> Chain:
 
 
 def fingerprint(chain: Chain) -> str:
-    """Hash of the cloud part's parameter/buffer names, shapes and dtypes: same architecture?"""
+    """Hash of the cloud part's parameter/buffer names, shapes, dtypes and memory layouts (the
+    strides of one that is not contiguous, as ``model.to(memory_format=torch.channels_last)`` leaves
+    a convolution's weight, whose kernels then sum in another order): same architecture?"""
     digest = hashlib.sha256()
     for key, value in sorted(chain.qualified_state_dict().items()):
-        digest.update(f"{key}:{tuple(value.shape)}:{value.dtype};".encode())
+        layout = "" if value.is_contiguous() else f":{value.stride()}"
+        digest.update(f"{key}:{tuple(value.shape)}:{value.dtype}{layout};".encode())
     return digest.hexdigest()[:16]
 
 

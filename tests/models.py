@@ -293,6 +293,13 @@ def global_writer_mlp(seed: int = 0, kind: str = "count") -> nn.Sequential:
     return model
 
 
+def channels_last_cnn(seed: int = 0) -> nn.Sequential:
+    """The digits CNN converted whole to ``channels_last`` (as timm's ``--channels-last`` converts a model)."""
+    from splitft.app.models import digits_cnn
+
+    return digits_cnn(seed).to(memory_format=torch.channels_last)
+
+
 class PositiveRows(nn.Module):
     """Keeps the rows whose first value is positive: an output whose shape depends on the values."""
 

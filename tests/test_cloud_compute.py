@@ -116,6 +116,26 @@ def test_a_call_with_gradients_on_a_trainable_cloud_weight_is_refused(cloud):
         (net[2].weight ** 2).sum()
 
 
+def test_an_edge_tensor_written_from_a_trainable_cloud_weight_with_gradients_on_refuses_a_backward_through_it(cloud):
+    """``dst.copy_(p)`` with gradients on: unsplit ``dst`` then has a graph that leads to ``p``. It
+    takes the weight's values, and needs a gradient as unsplit; a backward that reaches the weight
+    through it is refused before the cloud half changes, one that does not reach it runs."""
+    local = mlp()
+    model = splitft.split(net := mlp(), 2, factory=MLP, connect=cloud)
+    with model:
+        copied, kept = torch.zeros(16, 16), torch.zeros(16, 16)
+        assert copied.copy_(net[2].weight) is copied and kept.data.copy_(net[2].weight) is not kept
+        assert torch.equal(copied.detach(), local[2].weight.detach()) and torch.equal(kept, copied.detach())
+        assert copied.requires_grad and not copied.is_leaf and not kept.requires_grad
+        x = torch.ones(3, 16, requires_grad=True)
+        (x @ copied).sum().backward(inputs=[x])  # the weight's gradient is not asked for
+        assert torch.equal(x.grad, torch.ones(3, 16) @ local[2].weight.detach().T)
+        with pytest.raises(PlaceholderError, match=r"a gradient through cloud parameter '2.weight', read into an "
+                                                   r"edge tensor written with gradients on"):
+            (x @ copied).sum().backward()
+        assert net[2].weight.grad is None
+
+
 def test_an_edge_tensor_computed_from_cloud_weights_reads_them_unless_the_result_is_one_of_them(cloud):
     """A call that changes or makes only the edge's tensors runs here on the weights' values (an
     average kept by hand); one that would hand back the weight's memory (``p.numpy()``, a view of it)

@@ -753,6 +753,23 @@ def lookahead_with_slow_weights_cloned_then_detached(model, net, crit, data):
     return [round(float(s.sum()), 6) for s in slow]
 
 
+def lookahead_writing_its_slow_weights_with_gradients_on(model, net, crit, data):
+    """Lookahead as a library writes it, with no ``torch.no_grad()``: the fast weights pulled toward
+    the slow ones through ``.data``, then ``slow.data.copy_(fast)`` reads a trainable weight."""
+    params = list(model.parameters())
+    opt = torch.optim.Adam(params, lr=1e-2)
+    slow = [torch.clone(p.data).detach() for p in params]
+    for i, (x, y) in enumerate(data):
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+        if i % 2 == 1:
+            for fast, s in zip(params, slow):
+                fast.data.mul_(0.5).add_(s, alpha=0.5)
+                s.data.copy_(fast)
+    return [round(float(s.sum()), 6) for s in slow]
+
+
 def averages_weights_in_an_optimizer_post_hook(model, net, crit, data):
     """The same average, updated by ``torch._foreach_lerp_`` in a step post-hook (as EMA helpers do)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -881,6 +898,42 @@ def assigns_gradients_and_fills_in_missing_ones(model, net, crit, data):
         opt.step()
 
 
+def unfreezes_layers_not_yet_in_the_optimizer_found_by_torch_equal(model, net, crit, data):
+    """A frozen backbone unfrozen after a step into a new parameter group, the parameters already in
+    the optimizer left out by ``torch.equal`` with gradients on (Lightning's ``BaseFinetuning``), and
+    the two halves compared with ``torch.allclose`` for a log line."""
+    params = list(model.parameters())
+    for p in params[:4]:
+        p.requires_grad_(False)
+    opt = torch.optim.Adam([p for p in params if p.requires_grad], lr=1e-2)
+    logged = []
+    for step, (x, y) in enumerate(data):
+        crit(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 1:
+            fresh = [p for p in params if not any(torch.equal(p, q) for g in opt.param_groups for q in g["params"])]
+            for p in fresh:
+                p.requires_grad_(True)
+            opt.add_param_group({"params": fresh, "lr": 1e-3})
+        logged.append([torch.allclose(p, q) for p in params for q in params if p.shape == q.shape])
+    return logged
+
+
+def moves_the_optimizer_state_to_its_device_between_steps(model, net, crit, data):
+    """``state[k] = state[k].to(device)`` for every state tensor, where it already is (what Lightning
+    does at the end of every fit and when it restores a checkpoint), then training on."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for x, y in data:
+        crit(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        for state in opt.state.values():
+            for key, value in state.items():
+                if key != "step":
+                    state[key] = value.to(torch.device("cpu"), non_blocking=True)
+
+
 COMPUTED = [resets_a_layer_with_tensors_made_like_its_weights, prunes_small_weights_by_hand,
             assigns_gradients_and_fills_in_missing_ones,
             keeps_the_best_state_of_a_cloud_layer_and_restores_it,
@@ -891,7 +944,10 @@ COMPUTED = [resets_a_layer_with_tensors_made_like_its_weights, prunes_small_weig
             steps_by_hand_as_old_tutorials_do, keeps_an_average_of_the_weights_and_evaluates_with_it,
             averages_weights_in_an_optimizer_post_hook,
             momentum_and_an_average_by_hand_in_buffers_made_like_the_weights, steps_by_hand_with_foreach_kernels,
-            lookahead_with_slow_weights_cloned_then_detached]
+            lookahead_with_slow_weights_cloned_then_detached,
+            unfreezes_layers_not_yet_in_the_optimizer_found_by_torch_equal,
+            moves_the_optimizer_state_to_its_device_between_steps,
+            lookahead_writing_its_slow_weights_with_gradients_on]
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,8 @@ def cloud(tmp_path_factory):
                                      "--model", "tests.models:repeated_state_decoder",
                                      "--model", "tests.models:padded_text_encoder",
                                      "--model", "tests.models:packed_tagger",
-                                     "--model", "tests.models:global_writer_mlp")
+                                     "--model", "tests.models:global_writer_mlp",
+                                     "--model", "tests.models:channels_last_cnn")
     yield address
     stop(proc)
 
@@ -755,6 +756,7 @@ def test_a_dispatch_mode_around_the_split_model_is_refused(cloud, rejoin):
     """A TorchDispatchMode (a numerics emulation rounding matmuls, an operation counter) around the
     forward: unsplit the whole model computes under it, the cloud half outside it."""
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode
 
     class Counting(TorchDispatchMode):
         def __init__(self) -> None:
@@ -770,6 +772,9 @@ def test_a_dispatch_mode_around_the_split_model_is_refused(cloud, rejoin):
     with splitft.split(mlp(), *cut, factory=MLP, connect=cloud) as model:
         crit = model.remote_loss(nn.CrossEntropyLoss()) if rejoin is None else nn.CrossEntropyLoss()
         with Counting(), pytest.raises(ConfigError, match="a TorchDispatchMode is active around the split model"):
+            crit(model(x), y)
+        with FlopCounterMode(display=False), pytest.raises(ConfigError, match=r"FlopCounterMode, which Lightning's "
+                                                                              r"model summary runs"):
             crit(model(x), y)
         crit(model(x), y).backward()  # outside it, as before
 
@@ -1611,6 +1616,28 @@ def test_channels_last_is_refused_when_the_cloud_half_convolves(cloud):
         with pytest.raises(ConfigError, match="memory_format"):
             model.to(memory_format=torch.channels_last)
         assert all(p.is_contiguous() for p in model.edge_parameters())
+
+
+@pytest.mark.parametrize("factory", [DIGITS, "tests.models:channels_last_cnn"], ids=["as built", "converted too"])
+def test_a_model_converted_to_channels_last_before_split_trains_as_unsplit_or_is_refused(cloud, factory):
+    """``model.to(memory_format=torch.channels_last)`` before ``split()`` (timm's ``--channels-last``):
+    the cloud half's convolutions then sum in the weights' layout, so a factory that builds the model
+    as it was is refused at the handshake, and one that converts it too trains bitwise."""
+    from splitft.app.models import digits_cnn
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 1, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(3)]
+    local = digits_cnn().to(memory_format=torch.channels_last)
+    _steps(local, torch.optim.SGD(local.parameters(), lr=0.05, momentum=0.9), nn.CrossEntropyLoss(), data)
+    net = digits_cnn().to(memory_format=torch.channels_last)
+    if factory == DIGITS:
+        with pytest.raises(HandshakeError, match=r"memory layouts .* needs the factory to convert it too"):
+            splitft.split(net, "block3", factory=factory, connect=cloud)
+        return
+    with splitft.split(net, "block3", factory=factory, connect=cloud) as model:
+        crit = model.remote_loss(nn.CrossEntropyLoss())
+        _steps(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), crit, data)
+        assert_bitwise(model.state_dict(), local.state_dict())
 
 
 @pytest.mark.parametrize("where", ["edge layers converted", "input converted"])

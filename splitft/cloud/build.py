@@ -113,8 +113,10 @@ def build_chain(hello: Hello, factories: dict[str, Callable[..., nn.Module]], li
     if mine != hello.fingerprint:
         raise HandshakeError(
             f"the cloud part of {hello.factory!r} cut at {hello.cut!r} differs between edge and cloud "
-            f"(parameter names/shapes fingerprint {hello.fingerprint} vs {mine}); "
-            "both sides must build the same architecture (same factory arguments, same code version)"
+            f"(fingerprint of its parameters' names, shapes, dtypes and memory layouts {hello.fingerprint} vs {mine}); "
+            "both sides must build the same architecture (same factory arguments, same code version) and lay its "
+            "weights out alike (a model converted with .to(memory_format=torch.channels_last) before split() needs "
+            "the factory to convert it too)"
         )
     if hello.structure:
         try:

@@ -29,6 +29,7 @@ would.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, cast
 
 import torch
@@ -103,8 +104,9 @@ _SHAPED_LIKE: dict[Any, Any] = {
 _GRADIENT_CALLS = {torch.autograd.grad: "torch.autograd.grad(...)", torch.autograd.backward: "backward(inputs=...)"}
 #: Calls whose result has no gradient whatever their operands (comparisons, tests of values):
 #: computed from a trainable cloud tensor with gradients on as unsplit, where they build no graph.
-_NO_GRAPH = {f for name in ("eq", "ne", "lt", "le", "gt", "ge", "isnan", "isinf", "isfinite", "isposinf", "isneginf",
-                            "count_nonzero", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__")
+_NO_GRAPH = {f for name in ("eq", "ne", "lt", "le", "gt", "ge", "equal", "allclose", "isclose", "isnan", "isinf",
+                            "isfinite", "isposinf", "isneginf", "count_nonzero", "__eq__", "__ne__", "__lt__", "__le__",
+                            "__gt__", "__ge__")
              for f in (getattr(Tensor, name, None), getattr(torch, name, None)) if f is not None}
 
 
@@ -389,8 +391,12 @@ def _computed_here(func: Any, args: tuple, kwargs: dict, remotes: list[RemoteTen
         written += tree_flatten(args[0])[0]
     if any(isinstance(t, RemoteTensor) for t in written):
         return NotImplemented
+    graphed = [t for t in remotes if isinstance(t, CloudTensor) and t.requires_grad] if torch.is_grad_enabled() else []
+    if graphed and not any(isinstance(t, Tensor) for t in written):  # a result made from it, whose graph a loss needs
+        raise PlaceholderError(_with_gradients(graphed[0]))
     try:
-        nodes = [_operand(t, remote) for t in remotes]
+        with torch.no_grad() if graphed else contextlib.nullcontext():
+            nodes = [_operand(t, remote) for t in remotes]
     except _NotExpressible:
         return NotImplemented
     count = sum(t.numel() for t in {id(t): t for t in remotes}.values())
@@ -400,6 +406,8 @@ def _computed_here(func: Any, args: tuple, kwargs: dict, remotes: list[RemoteTen
             f"{remotes[0]._what()} (at most {MOST_READ} are read back): reduce them first (.sum(), .max(), .norm()), "
             "or compute with torch's elementwise functions and reductions, which the cloud computes")
     read = dict(zip(map(id, remotes), _read(remote, nodes)))
+    for t in graphed:  # an edge tensor written from a trainable weight: its graph leads to a refusal
+        read[id(t)] = _NoGradientBack.apply(read[id(t)], _ANCHOR, t._what())
     versions = {id(v): v._version for v in read.values()}
     generator = torch.default_generator.get_state()  # put back if refused: a draw (dropout) leaves no trace
     result = func(*tree_map(lambda v: read.get(id(v), v), args), **tree_map(lambda v: read.get(id(v), v), kwargs))
@@ -407,6 +415,28 @@ def _computed_here(func: Any, args: tuple, kwargs: dict, remotes: list[RemoteTen
         torch.default_generator.set_state(generator)
         return NotImplemented
     return result
+
+
+class _NoGradientBack(torch.autograd.Function):
+    """A trainable cloud weight's values, read into an edge tensor written in place with gradients
+    on (``slow.data.copy_(p)``, as torch_optimizer's Lookahead keeps its slow weights): unsplit the
+    tensor then has a graph that leads to the weight, so here one that leads to a refusal, raised
+    by a backward that would need the weight's gradient and never by one that does not."""
+
+    @staticmethod
+    def forward(ctx: Any, values: Tensor, anchor: Tensor, what: str) -> Tensor:
+        ctx.what = what
+        return values.clone()
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> Any:
+        raise PlaceholderError(f"a gradient through {ctx.what}, read into an edge tensor written with gradients on "
+                               "(dst.copy_(p), dst.add_(p)), would reach the cloud half, which computes values, not "
+                               "graphs. Write it under torch.no_grad(), or from p.detach()")
+
+
+#: What makes :class:`_NoGradientBack`'s output need a gradient (it never gets one).
+_ANCHOR = torch.zeros((), requires_grad=True)
 
 
 def _writes_first(func: Any) -> bool:

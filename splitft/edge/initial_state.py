@@ -91,6 +91,9 @@ def unchanged(state: dict[torch.Tensor, dict[str, Any]],
     return True
 
 
+_ABSENT = object()
+
+
 class CloudEntry(dict):
     """``opt.state[p]`` of a cloud parameter, as its steps made it: placeholders, read-only.
 
@@ -113,7 +116,13 @@ class CloudEntry(dict):
                                    "of the optimizer, which the edge cannot read")
         raise KeyError(args[0] if args else None)
 
-    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _refuse
+    __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _refuse
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        """Only the value it holds, set again (``v[k] = v[k].to(device)`` where it already is, as
+        Lightning moves the state at its teardown): unsplit that changes nothing either."""
+        if dict.get(self, key, _ABSENT) is not value:
+            self._refuse()
     __missing__ = _unknown
 
     def get(self, key: Any, default: Any = None) -> Any:

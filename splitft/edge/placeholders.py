@@ -141,7 +141,7 @@ class RemoteTensor(Tensor):
         elif isinstance(self, (CloudTensor, CloudState)) and (
                 len(remote) == 1 or func == _DATA_SETTER
                 or (func == Tensor.copy_ and all(isinstance(t, CloudState) for t in remote[1:]))):
-            handler = (_VALUE_OPS if isinstance(self, CloudTensor) else _LIKE_OPS).get(func)
+            handler = (_VALUE_OPS if isinstance(self, CloudTensor) else _STATE_OPS).get(func)
             if handler is not None:
                 return handler(*args, **kwargs)
         computed = remote[0]._splitft_remote.computed(func, args, kwargs) if remote else NotImplemented
@@ -299,6 +299,12 @@ _VALUE_OPS: dict[Any, Callable[..., Any]] = {
     Tensor.__bool__: lambda t: bool(t.item()), Tensor.__index__: lambda t: operator.index(cast(int, _integral(t).item())),
     **_LIKE_OPS,
 }
+
+
+#: On an optimizer's state for a cloud parameter: ``state[k].to(device)`` where it already is (as
+#: Lightning's teardown moves every state tensor) gives the state itself, as unsplit.
+_STATE_OPS: dict[Any, Callable[..., Any]] = {
+    Tensor.to: itself_where_unmoved(Tensor.to), Tensor.cpu: itself_where_unmoved(Tensor.cpu), **_LIKE_OPS}
 
 
 def _integral(tensor: CloudTensor) -> CloudTensor:
@@ -465,7 +471,7 @@ _GRAD_OPS: dict[Any, Callable[..., Any]] = {
 
 #: Every torch function that reaches the cloud rather than raising, by the kind of tensor it takes.
 MIRRORED: dict[str, frozenset[Any]] = {"values": frozenset(_VALUE_OPS), "gradients": frozenset(_GRAD_OPS),
-                                       "made like": frozenset(_LIKE_OPS),
+                                       "made like": frozenset(_STATE_OPS),
                                        "computed": frozenset([*expressions.FUNCTIONS.values(), Tensor.__setitem__,
                                                               Tensor.index_fill_])}  # those two as masked fills
 

@@ -60,10 +60,16 @@ def refuse_foreign_contexts() -> None:
     if torch._C._get_tracing_state() is not None:
         raise ConfigError(COMPILED_TO_TORCHSCRIPT)
     if torch._C._len_torch_dispatch_stack() > 0:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        counting = any("FlopCounter" in type(mode).__name__ for mode in _get_current_dispatch_mode_stack())
         raise ConfigError("a TorchDispatchMode is active around the split model (a numerics emulation, an operation "
                           "counter): unsplit the whole model computed under it; the cloud half computes outside it, "
                           "so its results (or counts) would silently differ. Use it on edge modules alone, or on the "
-                          "model model.unsplit() gives")
+                          "model model.unsplit() gives"
+                          + ("; this one is torch's FlopCounterMode, which Lightning's model summary runs when a "
+                             "LightningModule sets example_input_array: Trainer(enable_model_summary=False) skips it"
+                             if counting else ""))
 
 
 class _RemoteCall(torch.autograd.Function):
