@@ -1098,6 +1098,42 @@ def test_a_remote_loss_moved_or_set_to_a_mode_as_a_module_is_still_the_remote_lo
     assert_bitwise(state, local.state_dict())
 
 
+def test_a_remote_loss_kept_as_a_child_module_trains_and_saves_as_the_criterion_it_replaced(cloud):
+    """A LightningModule-style holder keeps its criterion as a child (``self.crit = nn.CrossEntropyLoss(
+    weight=w)``) and a plain split replaces it with the remote loss (``self.crit = model.remote_loss(
+    self.crit)``): a module, whose tensors are the criterion's, so the holder trains, moves and saves
+    (``crit.weight`` in its state dict) as unsplit; frameworks that take a criterion module (skorch)
+    use it as it is."""
+    data = _data(3)
+
+    class Holder(nn.Module):
+        def __init__(self, model: nn.Module) -> None:
+            super().__init__()
+            self.model, self.crit = model, nn.CrossEntropyLoss(weight=torch.tensor([0.2, 0.3, 0.5]))
+
+        def training_step(self, x, y):
+            return self.crit(self.model(x), y)
+
+    def train(holder: Holder) -> None:
+        holder.to("cpu").train()
+        opt = torch.optim.SGD(holder.parameters(), lr=0.1)
+        for x, y in data:
+            opt.zero_grad()
+            holder.training_step(x, y).backward()
+            opt.step()
+
+    local = Holder(mlp())
+    train(local)
+    with splitft.split(mlp(), 2, factory=MLP, connect=cloud) as model:
+        holder = Holder(model)
+        holder.crit = model.remote_loss(holder.crit)
+        assert isinstance(holder.crit, nn.Module) and "crit" in dict(holder.named_children())
+        train(holder)
+        assert holder.crit.training and holder.crit.weight is holder.crit.criterion.weight
+        state = holder.state_dict()
+    assert_bitwise(state, local.state_dict())
+
+
 def test_a_loss_setting_that_requires_a_gradient_is_refused_at_the_call_as_torch_refuses_it(cloud):
     """A learned ``pos_weight`` (an ``nn.Parameter``): torch's loss is not differentiable in it and
     the unsplit call raises; the cloud's copy would take its values and train on silently."""

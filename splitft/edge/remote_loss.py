@@ -209,27 +209,32 @@ class CloudCall(Protocol):
                  cut: CutContext | None = None) -> Any: ...
 
 
-class RemoteLoss:
+class RemoteLoss(torch.nn.Module):
     """``crit(out, target)`` for a plain split: the cloud runs its part and the loss.
 
-    Made from a torch.nn loss (``criterion``), it stands for that loss as the script sees it: an
-    attribute read or set on it is the criterion's, so ``crit.label_smoothing = 0.1`` changes the
-    loss the cloud computes, as it changes the unsplit one (set on this object only, it would
-    change nothing). Made from a torch.nn.functional loss, it is a function, as that one is."""
+    Made from a torch.nn loss (``criterion``), it stands for that loss as the script sees it: a
+    module (what frameworks take a criterion to be: skorch uses a module as it is, and a parent
+    module keeps it as a child, ``self.crit = model.remote_loss(self.crit)``), whose tensors, hooks
+    and mode are the criterion's own, and an attribute read or set on it is the criterion's, so
+    ``crit.label_smoothing = 0.1`` changes the loss the cloud computes, as it changes the unsplit
+    one (set on this object only, it would change nothing). Made from a torch.nn.functional loss,
+    it is a module with nothing in it, called as that function is."""
 
     _OWN = frozenset({"call", "before", "criterion"})
 
     def __init__(self, call: CloudCall, before: Callable[[], None] | None = None,
                  criterion: torch.nn.Module | None = None) -> None:
+        super().__init__()  # torch sets its tables past __setattr__
         vars(self).update(call=call, before=before, criterion=criterion)  # before: sends the criterion again
         # if it is not the cloud's as it is now
+        if criterion is not None:  # its parameters, buffers, hooks and mode: read from the criterion
+            for key in [k for k in vars(self) if k not in self._OWN]:
+                del vars(self)[key]
 
     def __getattr__(self, name: str) -> Any:
         criterion: torch.nn.Module | None = vars(self).get("criterion")
         if criterion is None or name.startswith("__"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        if name == "forward":
-            return self.__call__  # crit.forward(out, y) is the loss, as a module's forward is
         found = getattr(criterion, name)
         if callable(found) and getattr(found, "__self__", None) is criterion:
             return _returning_self(self, found)
@@ -241,6 +246,21 @@ class RemoteLoss:
             object.__setattr__(self, name, value)
         else:
             setattr(criterion, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        criterion = vars(self).get("criterion")
+        if criterion is None or name in self._OWN:
+            object.__delattr__(self, name)
+        else:
+            delattr(criterion, name)
+
+    def __repr__(self) -> str:
+        criterion = vars(self).get("criterion")
+        return f"{type(self).__name__}({criterion!r})" if criterion is not None else f"{type(self).__name__}()"
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """``crit.forward(out, y)`` is the loss, as a module's forward is."""
+        return self(*args, **kwargs)
 
     def __call__(self, out: Any, target: torch.Tensor, *more: Any, **kwargs: Any) -> torch.Tensor:
         refuse_transforms()  # before anything reads the generator's state, which a transform hides
