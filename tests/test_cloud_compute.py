@@ -116,6 +116,33 @@ def test_a_call_with_gradients_on_a_trainable_cloud_weight_is_refused(cloud):
         (net[2].weight ** 2).sum()
 
 
+def test_data_assigned_to_a_cloud_weight_takes_its_values_and_is_the_weight_after(cloud):
+    """``p.data = t``: unsplit ``p`` then holds ``t``'s memory, so ``t`` follows the training of
+    ``p``. Split, the cloud takes ``t``'s values and ``t`` becomes ``p.data``; a ``t`` whose memory
+    other tensors share (a part of a vector, ``w.data``) would tie ``p`` to them and is refused."""
+    def run(model, net):
+        t = torch.full((16, 16), 0.01)
+        net[2].weight.data = t
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = _data(1)[0]
+        nn.functional.cross_entropy(model(x), y).backward() if model is net else \
+            model.remote_loss(nn.CrossEntropyLoss())(model(x), y).backward()
+        opt.step()
+        return t.clone()
+
+    local = mlp()
+    expected = run(local, local)
+    with splitft.split(net := mlp(), 2, factory=MLP, connect=cloud) as model:
+        assert torch.equal(run(model, net), expected) and not torch.equal(expected, torch.full((16, 16), 0.01))
+        assert_bitwise(model.state_dict(), local.state_dict())
+        vector = torch.zeros(2 * 16 * 16)
+        with pytest.raises(PlaceholderError, match=r"with t's memory held elsewhere too .* assign t.clone\(\)"):
+            net[2].weight.data = vector[:256].view(16, 16)
+        with pytest.raises(PlaceholderError):
+            net[2].weight.data = net[4].weight.data  # another cloud weight: shapes differ, and they would share
+        assert_bitwise(model.state_dict(), local.state_dict())
+
+
 def test_an_edge_tensor_written_from_a_trainable_cloud_weight_with_gradients_on_refuses_a_backward_through_it(cloud):
     """``dst.copy_(p)`` with gradients on: unsplit ``dst`` then has a graph that leads to ``p``. It
     takes the weight's values, and needs a gradient as unsplit; a backward that reaches the weight
@@ -356,7 +383,8 @@ def test_an_edge_tensor_shaped_like_a_cloud_weight_reads_only_its_shape(cloud):
             assert not isinstance(got, RemoteTensor) and got.grad_fn is not None and got.dtype == weight.dtype
             assert got.shape == weight.shape or got.shape == vec.shape
         assert torch.equal(shaped[0], vec.detach().view(weight.shape))
-        with pytest.raises(PlaceholderError, match=r"setting \.data on cloud parameter '2\.weight'"):
+        with pytest.raises(PlaceholderError, match=r"p\.data = t on cloud parameter '2\.weight'.* as "
+                                                   r"vector_to_parameters assigns"):
             torch.nn.utils.vector_to_parameters(torch.zeros(weight.numel()), [weight])
 
 

@@ -770,6 +770,100 @@ def lookahead_writing_its_slow_weights_with_gradients_on(model, net, crit, data)
     return [round(float(s.sum()), 6) for s in slow]
 
 
+def sharpness_aware_steps_restoring_weights_by_data_assignment(model, net, crit, data):
+    """SAM as its popular implementation writes it: climb to the worst nearby weights, keep the old
+    ones as ``p.data.clone()``, and after the second backward put them back with ``p.data = old``."""
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    old: dict = {}
+    for x, y in data:
+        crit(model(x), y).backward()
+        with torch.no_grad():
+            norm = torch.norm(torch.stack([p.grad.norm(2) for p in params]), 2)
+            for p in params:
+                old[p] = p.data.clone()
+                p.add_(p.grad * (0.05 / (norm + 1e-12)))
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        for p in params:
+            p.data = old[p]
+        opt.step()
+        opt.zero_grad()
+    return [round(float(o.sum()), 6) for o in old.values()]
+
+
+class _SharpnessAware(torch.optim.Optimizer):
+    """A SAM optimizer as research code writes one: an ``Optimizer`` over the base optimizer's own
+    parameter groups, whose ``step(closure)`` climbs, recomputes the loss, comes back and steps the
+    base optimizer."""
+
+    def __init__(self, params, base: type[torch.optim.Optimizer], rho: float = 0.05, **settings) -> None:
+        super().__init__(params, dict(rho=rho, **settings))
+        self.base = base(self.param_groups, **settings)
+        self.param_groups = self.base.param_groups
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.norm(torch.stack([p.grad.norm(2) for p in params]), 2)
+        for p in params:
+            self.state[p]["climb"] = p.grad * (self.param_groups[0]["rho"] / (norm + 1e-12))
+            p.add_(self.state[p]["climb"])
+        self.zero_grad()
+        with torch.enable_grad():
+            loss = closure()
+        for p in params:
+            p.sub_(self.state[p]["climb"])
+        self.base.step()
+        return loss
+
+
+def sharpness_aware_steps_by_a_wrapper_optimizer_with_a_closure(model, net, crit, data):
+    """SAM's closure form: ``opt.step(closure)`` on an optimizer that wraps a torch.optim one."""
+    opt = _SharpnessAware(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    losses = []
+    for x, y in data:
+        def closure():
+            loss = crit(model(x), y)
+            loss.backward()
+            return loss
+
+        closure()
+        losses.append(opt.step(closure).item())
+        opt.zero_grad()
+    return losses
+
+
+def normalises_each_gradient_by_its_norm_with_foreach_kernels(model, net, crit, data):
+    """Per-layer gradient normalisation over the whole parameter list with torch's foreach kernels:
+    each gradient divided by its own norm, then scaled by a number of its own (a layer-wise rate)."""
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    for x, y in data:
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        grads = [p.grad for p in params]
+        with torch.no_grad():
+            torch._foreach_div_(grads, [n + 1e-6 for n in torch._foreach_norm(grads)])
+            torch._foreach_mul_(grads, [0.5 + 0.1 * i for i in range(len(grads))])
+        opt.step()
+
+
+def reptile_meta_steps_by_data_assignment(model, net, crit, data):
+    """Reptile: a few inner steps, then each weight moved part of the way from where it started
+    toward where they took it, written as ``p.data = start + eps * (p.data - start)``."""
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    for task in (data[:3], data[3:]):
+        start = [p.data.clone() for p in params]
+        for x, y in task:
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+        for p, s in zip(params, start):
+            p.data = s + 0.5 * (p.data - s)
+
+
 def averages_weights_in_an_optimizer_post_hook(model, net, crit, data):
     """The same average, updated by ``torch._foreach_lerp_`` in a step post-hook (as EMA helpers do)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -947,7 +1041,10 @@ COMPUTED = [resets_a_layer_with_tensors_made_like_its_weights, prunes_small_weig
             lookahead_with_slow_weights_cloned_then_detached,
             unfreezes_layers_not_yet_in_the_optimizer_found_by_torch_equal,
             moves_the_optimizer_state_to_its_device_between_steps,
-            lookahead_writing_its_slow_weights_with_gradients_on]
+            lookahead_writing_its_slow_weights_with_gradients_on,
+            sharpness_aware_steps_restoring_weights_by_data_assignment, reptile_meta_steps_by_data_assignment,
+            sharpness_aware_steps_by_a_wrapper_optimizer_with_a_closure,
+            normalises_each_gradient_by_its_norm_with_foreach_kernels]
 
 
 @pytest.fixture(scope="module")

@@ -119,11 +119,19 @@ def _mirror_of(optimizer: torch.optim.Optimizer) -> Any:
     if _LOCAL.get(optimizer) == seen:
         return None  # checked already: one look per optimizer and split, not one per step
     owner = cloud_owner(optimizer)
-    if owner is None:
+    if owner is None or _wraps_another(optimizer):
         _LOCAL[optimizer] = seen
         return None
     owner.attach(optimizer)
     return _mirror(optimizer)
+
+
+def _wraps_another(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` wraps another that it holds and whose parameter groups it shares (SAM
+    over its base optimizer, a Lookahead over its inner one): the inner one's steps are those the
+    cloud mirrors, and what the wrapper does to the weights itself reaches the cloud as it does."""
+    return any(isinstance(value, torch.optim.Optimizer) and value is not optimizer
+               and value.param_groups is optimizer.param_groups for value in vars(optimizer).values())
 
 
 def _attach_if_resuming(optimizer: torch.optim.Optimizer) -> None:

@@ -277,6 +277,43 @@ def _data_set_to_itself(tensor: RemoteTensor, value: Any) -> None:
         raise PlaceholderError(_refusal(_DATA_SETTER, tensor))
 
 
+def _data_set(tensor: CloudTensor, value: Any) -> None:
+    """``p.data = t`` on a cloud parameter or buffer. The same cloud tensor: nothing to do. A tensor
+    of the edge's of its shape and dtype (SAM's ``p.data = old_p``, Reptile's ``p.data = o + e * (p.data
+    - o)``, ``vector_to_parameters``): unsplit ``p`` then holds ``t``'s memory, so the cloud takes its
+    values and ``t`` becomes ``p.data`` (what reads or writes it later reads or writes the cloud's
+    tensor, as unsplit ``p``'s). An expression over the cloud half's tensors: copied there."""
+    if type(value) is type(tensor) and value._splitft_name == tensor._splitft_name \
+            and value._splitft_remote is tensor._splitft_remote:
+        return
+    if not isinstance(value, Tensor) or isinstance(value, (CloudTensor, CloudGrad, CloudState)) \
+            or value.shape != tensor.shape or value.dtype != tensor.dtype or value.requires_grad:
+        raise PlaceholderError(_refusal(_DATA_SETTER, tensor))  # (another cloud tensor: p and q would share memory)
+    with torch.no_grad():
+        if isinstance(value, RemoteTensor):  # an expression over cloud tensors (p.data = q * 2)
+            tensor.alias().copy_(value)
+            return
+        if value.device != tensor._splitft_remote.device:
+            raise PlaceholderError(_refusal(_DATA_SETTER, tensor))
+        shared = f"p.data = t on {tensor._what()}, with t's memory held elsewhere too ("
+        if torch._C._storage_Use_Count(value.untyped_storage()._cdata) > 2:  # the tensor, and the storage asked for
+            raise PlaceholderError(shared + "p.data = w.data ties p to w; a part of a vector, as vector_to_parameters "
+                                   "assigns): unsplit p would share that memory, which the cloud's tensor cannot; "
+                                   "assign t.clone(), or copy the values (p.data.copy_(t))")
+        alias = tensor.alias()
+        try:
+            torch.utils.swap_tensors(value, alias)  # the script's tensor is p.data now; alias holds its values
+        except RuntimeError:
+            raise PlaceholderError(shared + "a weak reference to it): unsplit p would hold t's memory, which the "
+                                   "cloud's tensor cannot share; assign t.clone(), or copy the values "
+                                   "(p.data.copy_(t))") from None
+        try:
+            value.copy_(alias)
+        except BaseException:
+            torch.utils.swap_tensors(value, alias)  # the script's tensor as it was
+            raise
+
+
 #: ``torch.zeros_like`` and its kin: a :class:`CloudState`, which ``p.copy_`` copies as the number it holds.
 _LIKE_OPS, _values_of = made_like(CloudState)
 
@@ -292,7 +329,7 @@ _VALUE_OPS: dict[Any, Callable[..., Any]] = {
     # the initialisers torch lets a tensor subclass own; the others reach the Tensor methods above
     **{init: new_values(init, no_grad=True) for init in (torch.nn.init.normal_, torch.nn.init.uniform_,
                                                           torch.nn.init.constant_, torch.nn.init.kaiming_uniform_)},
-    Tensor.detach: CloudTensor.alias, _DATA_GETTER: CloudTensor.alias, _DATA_SETTER: _data_set_to_itself,
+    Tensor.detach: CloudTensor.alias, _DATA_GETTER: CloudTensor.alias, _DATA_SETTER: _data_set,
     Tensor.__getitem__: CloudSlice,  # p.data[i:j].fill_(1.0): new values for a part (cloud_slices.py)
     # a single value read as a Python number, as .item() reads it (int(bn.num_batches_tracked))
     Tensor.__int__: lambda t: int(t.item()), Tensor.__float__: lambda t: float(t.item()),
@@ -397,10 +434,22 @@ def _change(kind: str, value_of: Callable[..., Any]) -> tuple[Callable[..., Any]
         return grad
 
     def foreach(tensors: list[Tensor], *args: Any, **kwargs: Any) -> None:
-        _at, edge, cloud = _split(list(tensors))
+        at, edge, cloud = _split(list(tensors))
+        listed = [isinstance(a, (list, tuple)) and len(a) == len(tensors) for a in args]
+        if not any(listed):
+            if edge:
+                getattr(torch, f"_foreach_{kind}_")(edge, *args, **kwargs)
+            _remote_of(cloud).change_grads(_names(cloud), kind, value_of(*args, **kwargs))
+            return
+        # one value per tensor (torch._foreach_div_(grads, norms)): each cloud gradient its own, checked first
+        values = [value_of(*(a[i] if each else a for a, each in zip(args, listed)), **kwargs) for i in at]
         if edge:
-            getattr(torch, f"_foreach_{kind}_")(edge, *args, **kwargs)
-        _remote_of(cloud).change_grads(_names(cloud), kind, value_of(*args, **kwargs))
+            mine = [i for i in range(len(tensors)) if i not in set(at)]
+            getattr(torch, f"_foreach_{kind}_")(edge, *([a[i] for i in mine] if each else a
+                                                        for a, each in zip(args, listed)), **kwargs)
+        remote = _remote_of(cloud)
+        for grad, value in zip(cloud, values):
+            remote.change_grads([grad._splitft_name], kind, value)
 
     return method, foreach
 
