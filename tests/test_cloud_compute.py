@@ -472,7 +472,8 @@ def test_a_copy_of_a_large_cloud_weight_used_after_it_changed_names_what_restore
         weight = net[2].weight
         backup = weight.data.clone()
         weight.add_(0.01)
-        with pytest.raises(PlaceholderError, match=r"undo the change instead .* copy.deepcopy\(model.state_dict\(\)\)"):
+        with pytest.raises(PlaceholderError, match=r"SAM's e_w, which the next backward changes.* "
+                                                   r"copy\.deepcopy\(model\.state_dict\(\)\)"):
             weight.copy_(backup)
         kept = copy.deepcopy(model.state_dict())["2.weight"]
         weight.add_(0.01)

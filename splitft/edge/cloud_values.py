@@ -368,9 +368,9 @@ def _fresh(value: CloudValue, remote: Any) -> None:
                                "to restore later (an EMA's store() and restore(), the best weights, SAM's old "
                                f"weights) holds the values when taken of at most {MOST_READ} (p.detach().clone(), "
                                "or under torch.no_grad()); of a larger weight it stays an expression of it in the "
-                               "cloud: undo the change instead (p.sub_(e_w) after p.add_(e_w), as SAM's first "
-                               "implementation does), take the copy from copy.deepcopy(model.state_dict()) "
-                               "(fetched whole), or keep that layer on the edge")
+                               "cloud (and so does a change made from its gradient, as SAM's e_w, which the next "
+                               "backward changes): take the copy from copy.deepcopy(model.state_dict()) (fetched "
+                               "whole) and load it back, or keep that layer on the edge")
 
 
 def _read(remote: Any, nodes: list[dict]) -> list[Tensor]:
