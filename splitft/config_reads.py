@@ -127,6 +127,26 @@ def own_attributes_read(cls: type) -> frozenset[str]:
 _OWN_READ: dict[type, frozenset[str]] = {}
 
 
+def attributes_named(cls: type) -> frozenset[str]:
+    """Every attribute name the methods of ``cls`` and its bases (``__init__`` aside, torch's layers
+    included) read of any object (``self.p``, ``self.block.scale``, ``module.flag``), and every
+    string they hold that could name one (``getattr(m, "flag")``)."""
+    found = _NAMED.get(cls)
+    if found is None:
+        names: set[str] = set()
+        for _, method in _methods(cls, torch_layers=True):
+            for node in ast.walk(method):
+                if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+                    names.add(node.attr)
+                elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+                    names.add(node.value)
+        found = _NAMED[cls] = frozenset(names)
+    return found
+
+
+_NAMED: dict[type, frozenset[str]] = {}
+
+
 def own_attributes_kept_by_forward(cls: type) -> frozenset[str]:
     """The public attributes of its own that the ``forward`` of ``cls`` and its bases assign
     (``self.calls += 1``, ``self.last = x.detach()``): what a layer's code keeps as it runs, which
@@ -475,5 +495,6 @@ def _shown(value: Any) -> str:
     return shown if len(shown) <= 80 else f"{shown[:72]} ...{shown[-4:]}"  # a tensor a cache holds prints whole
 
 
-__all__ = ["MODE_ATTRIBUTES", "ConfigGuard", "ModuleFlags", "apply_flags", "flags_read", "globals_read", "is_flag",
+__all__ = ["MODE_ATTRIBUTES", "ConfigGuard", "ModuleFlags", "apply_flags", "attributes_named", "flags_read",
+           "globals_read", "is_flag",
            "keys_read", "own_attributes_read", "reads", "same_setting", "values"]

@@ -326,6 +326,46 @@ def test_a_count_a_cloud_layers_forward_keeps_in_a_buffer_is_read_back(cloud, re
         assert_bitwise(model.state_dict(), local.state_dict())
 
 
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+def test_a_note_no_cloud_layer_reads_is_kept_on_a_cloud_module_and_a_setting_it_reads_is_sent(cloud, rejoin):
+    """SAM's second pass with batch norm's statistics held (``bn.backup_momentum = bn.momentum;
+    bn.momentum = 0``, then put back from the note): the note is an attribute no code of the cloud
+    half reads, kept on the edge's module for the script; the momentum is sent. A new attribute a
+    cloud layer's code does read (``training``-like names, ``weight``) is still refused."""
+    data = _data(3)
+
+    def hold_statistics(model, hold: bool) -> None:
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm1d):
+                if hold:
+                    m.backup_momentum = m.momentum
+                    m.momentum = 0
+                else:
+                    m.momentum = m.backup_momentum
+                    del m.backup_momentum
+
+    def train(model, crit) -> None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in data:
+            crit(model(x), y).backward()
+            hold_statistics(model, True)
+            crit(model(x), y).backward()
+            hold_statistics(model, False)
+            opt.step()
+            opt.zero_grad()
+
+    local = mlp_batchnorm()
+    train(local, nn.CrossEntropyLoss())
+    net = mlp_batchnorm()
+    with splitft.split(net, 2, rejoin, factory="tests.models:mlp_batchnorm", connect=cloud) as model:
+        train(model, nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss()))
+        assert_bitwise(model.state_dict(), local.state_dict())
+        with pytest.raises(CutError, match=r"setting 'running_var' of '3'"):
+            net[3].running_var = 1.0
+        with pytest.raises(CutError, match=r"setting 'num_features' of '3'"):
+            net[3].num_features = 8
+
+
 def test_an_optimizer_built_before_split_trains_the_cloud_half(cloud):
     """It holds the very parameter objects that split() turned into placeholders."""
     data = _data(5)

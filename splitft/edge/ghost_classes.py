@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..config_reads import MODE_ATTRIBUTES, flags_read, is_flag, same_setting
+from ..config_reads import MODE_ATTRIBUTES, attributes_named, flags_read, is_flag, same_setting
 from ..errors import CutError
 
 
@@ -109,6 +109,9 @@ class Ghost(nn.Module):
                 settings_changed()
             super().__setattr__(name, value)
             return
+        if self._a_note_of_the_scripts(name, value):
+            super().__setattr__(name, value)
+            return
         if read and (isinstance(value, np.generic) or (isinstance(value, torch.Tensor) and value.dim() == 0)):
             raise CutError(f"setting {name!r} of {self.__dict__.get('_splitft_where', '?')!r} to a "
                            f"{type(value).__qualname__}: the cloud's copy of the layer takes the settings its code "
@@ -120,7 +123,23 @@ class Ghost(nn.Module):
                        "the trained model (peft's merge_and_unload(), a layer swapped for export), take it whole "
                        "with model.unsplit() first")
 
+    def _a_note_of_the_scripts(self, name: str, value: Any) -> bool:
+        """A new attribute no code of a cloud layer reads (SAM's ``bn.backup_momentum = bn.momentum``,
+        kept to be put back): the script's own note on the module, kept here, where only it reads it."""
+        notes: set[str] = self.__dict__.setdefault("_splitft_notes", set())
+        if name in notes:
+            return True
+        if name in self.__dict__ or hasattr(type(self), name) or isinstance(value, (nn.Module, torch.Tensor)) \
+                or any(name in attributes_named(cls) for cls in list(_CLASSES)):
+            return False
+        notes.add(name)
+        return True
+
     def __delattr__(self, name: str) -> None:
+        if name in self.__dict__.get("_splitft_notes", ()):
+            self.__dict__["_splitft_notes"].discard(name)
+            super().__delattr__(name)
+            return
         if name.startswith("_"):
             super().__delattr__(name)
             return
