@@ -521,6 +521,30 @@ def test_a_cloud_entry_of_opt_state_dict_refuses_a_write_and_a_read_after_a_step
         assert_bitwise(model.state_dict(), local.state_dict())
 
 
+def test_a_tensor_of_a_loaded_checkpoint_kept_by_reference_is_read_as_of_the_load_or_refused_after(cloud):
+    """Unsplit, ``opt.load_state_dict(ck["optimizer"])`` keeps the checkpoint's tensors as the
+    optimizer's state, so a script (or a framework's checkpoint handler) that kept a reference to
+    one before the load reads the moments of now after training on. Split, that very tensor object
+    stands for the cloud's: read at once it holds the loaded values; after a step, refused."""
+    data = _data(3)
+    model, crit = _split(cloud, None)
+    with model:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        _train(model, opt, crit, data[:1])
+        buffer = io.BytesIO()
+        torch.save(copy.deepcopy(opt.state_dict()), buffer)
+        ck = torch.load(io.BytesIO(buffer.getvalue()))
+        kept = {i: dict(entry) for i, entry in ck["state"].items()}  # references to the checkpoint's tensors
+        loaded = kept[2]["exp_avg"].clone()
+        opt.load_state_dict(ck)
+        assert torch.equal(kept[2]["exp_avg"], loaded)
+        _train(model, opt, crit, data[1:2])
+        with pytest.raises(ConfigError, match=r"the cloud half's 'exp_avg of 2\.weight'\) is used after the cloud "
+                                              r"half changed"):
+            kept[2]["exp_avg"].sum()
+        assert torch.equal(kept[0]["exp_avg"], opt.state[next(model.parameters())]["exp_avg"])  # an edge one
+
+
 def _same_both_ways(cloud: str, script: Callable[[nn.Module, nn.Module], torch.optim.Optimizer]) -> None:
     """``script(model, crit)`` (returning its optimizer) on the unsplit model and on a split one:
     the weights and the optimizer's state come out bitwise alike."""

@@ -364,6 +364,9 @@ def test_a_note_no_cloud_layer_reads_is_kept_on_a_cloud_module_and_a_setting_it_
             net[3].running_var = 1.0
         with pytest.raises(CutError, match=r"setting 'num_features' of '3'"):
             net[3].num_features = 8
+        net[3].tag = "statistics held by SAM"
+        whole = model.unsplit()
+        assert whole[3].tag == "statistics held by SAM" and not any(k.startswith("_splitft") for k in vars(whole[3]))
 
 
 def test_an_optimizer_built_before_split_trains_the_cloud_half(cloud):

@@ -417,7 +417,7 @@ class _FixedTable(dict):
 
 
 _GHOST_ATTRIBUTES = ("forward", "_apply", "extra_repr", "_splitft_standin", "_splitft_where", "_splitft_state",
-                     *HOOKS, *STATE_HOOKS)
+                     "_splitft_notes", *HOOKS, *STATE_HOOKS)
 
 
 def _refused_parametrized(where: str, originals: list[str]) -> Callable[..., Any]:

@@ -400,7 +400,14 @@ class OptimizerMirror:
             if key == "step" or (value.dtype, value.device) == (param.dtype, param.device):
                 with torch._C.DisableTorchFunctionSubclass():
                     plain = value.detach()
-                entry[key] = self._fetched_entry(param, name, key, plain)
+                marker = FetchedCloudState(plain, f"{key} of {name}", self._state_moment, source=OPTIMIZER_STATE)
+                try:  # what else holds the loaded tensor (a reference kept before the load) holds the marker
+                    torch.utils.swap_tensors(value, marker)
+                    marker = value
+                except RuntimeError:
+                    pass  # held by torch too (a view of it, a weak reference): the dict's entry alone stands for it
+                self._fetched[marker] = (param, key)
+                entry[key] = marker
 
     def unsplit(self, fetched: dict[str, dict[str, Any]] | None) -> None:
         """The model is whole again: the cloud parameters' entries become the cloud's state

@@ -280,9 +280,10 @@ def _data_set_to_itself(tensor: RemoteTensor, value: Any) -> None:
 def _data_set(tensor: CloudTensor, value: Any) -> None:
     """``p.data = t`` on a cloud parameter or buffer. The same cloud tensor: nothing to do. A tensor
     of the edge's of its shape and dtype (SAM's ``p.data = old_p``, Reptile's ``p.data = o + e * (p.data
-    - o)``, ``vector_to_parameters``): unsplit ``p`` then holds ``t``'s memory, so the cloud takes its
-    values and ``t`` becomes ``p.data`` (what reads or writes it later reads or writes the cloud's
-    tensor, as unsplit ``p``'s). An expression over the cloud half's tensors: copied there."""
+    - o)``): unsplit ``p`` then holds ``t``'s memory, so the cloud takes its values and ``t`` becomes
+    ``p.data`` (what reads or writes it later reads or writes the cloud's tensor, as unsplit ``p``'s);
+    one whose memory other tensors share too (``vector_to_parameters``' parts of a vector) is refused.
+    An expression over the cloud half's tensors: copied there."""
     if type(value) is type(tensor) and value._splitft_name == tensor._splitft_name \
             and value._splitft_remote is tensor._splitft_remote:
         return
