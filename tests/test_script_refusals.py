@@ -58,6 +58,13 @@ def cloud(tmp_path_factory):
     stop(proc)
 
 
+def _refused_by_split(cloud: str, net: nn.Module, factory: str | splitft.Factory, match: str) -> None:
+    """``split(net, 2)`` raises a ``CutError`` matching ``match`` and leaves ``net`` as it was (no placeholders)."""
+    with pytest.raises(CutError, match=match):
+        splitft.split(net, 2, factory=factory, connect=cloud)
+    assert all(type(t) in (torch.Tensor, nn.Parameter) for t in (*net.parameters(), *net.buffers()))
+
+
 def _steps(model, opt, crit, data) -> None:
     for x, y in data:
         opt.zero_grad()
@@ -578,36 +585,31 @@ def test_torchs_old_hook_based_norm_on_a_cloud_layer_is_refused_by_split_naming_
     """``torch.nn.utils.weight_norm`` computes the weight in a forward pre-hook, outside the layer's
     forward that the cloud runs; the parametrization of the same name runs in the cloud."""
     net = old_norm_mlp(how=how)
-    with pytest.raises(CutError, match=rf"'2' has torch\.nn\.utils\.{how}, the old one .* "
-                                       rf"torch\.nn\.utils\.parametrizations\.{how}, which the cloud half runs"):
-        splitft.split(net, 2, factory=splitft.Factory("tests.models:old_norm_mlp", {"how": how}), connect=cloud)
-    assert all(type(t) in (torch.Tensor, nn.Parameter) for t in (*net.parameters(), *net.buffers()))
+    _refused_by_split(cloud, net, splitft.Factory("tests.models:old_norm_mlp", {"how": how}),
+                      rf"'2' has torch\.nn\.utils\.{how}, the old one .* "
+                      rf"torch\.nn\.utils\.parametrizations\.{how}, which the cloud half runs")
 
 
 def test_a_cloud_layer_that_draws_from_pythons_random_is_refused_by_split(cloud):
     """Stochastic depth written with ``random.random()``: torch's generator crosses the cut, Python's
     and NumPy's do not (the cloud's process has its own), so its draws would differ."""
     net = random_skip_mlp()
-    with pytest.raises(CutError, match=r"'3' \(RandomSkip\) draws from a generator of its own process as it runs "
-                                       r"\(random\.random: .* Draw with torch"):
-        splitft.split(net, 2, factory="tests.models:random_skip_mlp", connect=cloud)
-    assert all(type(t) in (torch.Tensor, nn.Parameter) for t in (*net.parameters(), *net.buffers()))
+    _refused_by_split(cloud, net, "tests.models:random_skip_mlp",
+                      r"'3' \(RandomSkip\) draws from a generator of its own process as it runs "
+                      r"\(random\.random: .* Draw with torch")
 
 
 def test_a_cloud_layer_whose_helper_object_draws_from_pythons_random_is_refused_by_split(cloud):
     net = random_skip_mlp(helper=True)
-    with pytest.raises(CutError, match=r"'3' \(HelpedSkip\) draws from a generator of its own process as it runs "
-                                       r"\(Skipper: random\.random: "):
-        splitft.split(net, 2, factory=splitft.Factory("tests.models:random_skip_mlp", {"helper": True}), connect=cloud)
-    assert all(type(t) in (torch.Tensor, nn.Parameter) for t in (*net.parameters(), *net.buffers()))
+    _refused_by_split(cloud, net, splitft.Factory("tests.models:random_skip_mlp", {"helper": True}),
+                      r"'3' \(HelpedSkip\) draws from a generator of its own process as it runs "
+                      r"\(Skipper: random\.random: ")
 
 
 def test_a_cloud_layer_that_draws_from_numpys_generator_through_a_name_it_imported_is_refused_by_split(cloud):
     net = random_skip_mlp(numpy=True)
-    with pytest.raises(CutError, match=r"'3' \(NumpyNoise\) draws from a generator of its own process as it runs "
-                                       r"\(_numpy_normal: "):
-        splitft.split(net, 2, factory=splitft.Factory("tests.models:random_skip_mlp", {"numpy": True}), connect=cloud)
-    assert all(type(t) in (torch.Tensor, nn.Parameter) for t in (*net.parameters(), *net.buffers()))
+    _refused_by_split(cloud, net, splitft.Factory("tests.models:random_skip_mlp", {"numpy": True}),
+                      r"'3' \(NumpyNoise\) draws from a generator of its own process as it runs \(_numpy_normal: ")
 
 
 @pytest.mark.parametrize("layer, name", [("count", r"GlobalCounter\) writes tests\.models\.CALLS"),
@@ -616,9 +618,8 @@ def test_a_cloud_layer_that_writes_a_module_level_value_as_it_runs_is_refused_by
     """``global CALLS; CALLS += 1`` in a cloud layer's forward, or ``SEEN.append(...)`` in a method it
     calls: in the cloud they change the cloud process's, and the script's would keep what it holds."""
     net = global_writer_mlp(kind=layer)
-    with pytest.raises(CutError, match=rf"'3' \({name} as it runs .* as a buffer"):
-        splitft.split(net, 2, factory=splitft.Factory("tests.models:global_writer_mlp", {"kind": layer}), connect=cloud)
-    assert all(type(t) in (torch.Tensor, nn.Parameter) for t in (*net.parameters(), *net.buffers()))
+    _refused_by_split(cloud, net, splitft.Factory("tests.models:global_writer_mlp", {"kind": layer}),
+                      rf"'3' \({name} as it runs .* as a buffer")
 
 
 def test_a_cloud_layer_whose_own_list_shares_a_module_level_name_trains_as_unsplit(cloud):
@@ -881,9 +882,7 @@ def test_a_state_dict_hook_on_a_cloud_layer_from_before_split_is_refused_by_spli
     """A load pre-hook migrating old checkpoints of layer 2: the cloud half's state loads without it."""
     net = mlp()
     net[2].register_load_state_dict_pre_hook(lambda module, state_dict, prefix, *rest: None)
-    with pytest.raises(CutError, match=r"'2' has a state-dict hook \(registered before split\(\)\)"):
-        splitft.split(net, 2, factory=MLP, connect=cloud)
-    assert all(type(t) in (torch.Tensor, nn.Parameter) for t in (*net.parameters(), *net.buffers()))
+    _refused_by_split(cloud, net, MLP, r"'2' has a state-dict hook \(registered before split\(\)\)")
 
 
 def test_a_process_wide_optimizer_hook_sees_the_scripts_steps_only(cloud):
@@ -925,10 +924,9 @@ def test_a_grad_scaler_stepping_a_fused_optimizer_over_the_cloud_half_is_refused
 def test_a_pruned_cloud_layer_is_refused_by_split_which_leaves_the_model_as_it_was(cloud):
     net = pruned_mlp()
     before = {n: t.clone() for n, t in net.state_dict().items()}
-    with pytest.raises(CutError, match=r"'2' is pruned with torch.nn.utils.prune.*prune.remove\(module, 'weight'\)"):
-        splitft.split(net, 2, factory="tests.models:pruned_mlp", connect=cloud)
+    _refused_by_split(cloud, net, "tests.models:pruned_mlp",
+                      r"'2' is pruned with torch.nn.utils.prune.*prune.remove\(module, 'weight'\)")
     assert_bitwise(net.state_dict(), before)
-    assert all(type(t) in (torch.Tensor, nn.Parameter) for t in (*net.parameters(), *net.buffers()))
 
 
 def test_split_while_a_forwards_graph_holds_the_weights_says_so_and_leaves_the_model_as_it_was(cloud):
