@@ -1074,3 +1074,29 @@ def class_switched_mlp(seed: int = 0) -> nn.Sequential:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), ClassSwitchedNoise(), ClassSwitchedNoise(), nn.Linear(16, 3))
+
+
+class LambdaBlock(nn.Module):
+    """minGPT's block: its MLP called through a lambda over the block's own modules, and a bound
+    method kept as an attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(16)
+        self.mlp = nn.ModuleDict(dict(fc=nn.Linear(16, 16), act=nn.GELU()))
+        m = self.mlp
+        self.mlpf = lambda x: m.act(m.fc(x))
+        self.pre = self._normed
+
+    def _normed(self, h: torch.Tensor) -> torch.Tensor:
+        return self.ln(h)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.mlpf(self.pre(h))
+
+
+def lambda_block_mlp(seed: int = 0) -> nn.Sequential:
+    """Cut at 2 (a U-shape rejoins at 4): two minGPT-style blocks in the cloud half."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), LambdaBlock(), LambdaBlock(), nn.Linear(16, 3))

@@ -1051,7 +1051,8 @@ COMPUTED = [resets_a_layer_with_tensors_made_like_its_weights, prunes_small_weig
 def cloud(tmp_path_factory):
     proc, address, err = start_cloud(tmp_path_factory.mktemp("cloud"), "--sessions", "0", "--model", MLP,
                                      "--model", DIGITS, "--model", MLP_DROPOUT, "--model", BATCH_LIMITED,
-                                     "--model", "tests.models:mlp_dropout_everywhere")
+                                     "--model", "tests.models:mlp_dropout_everywhere",
+                                     "--model", "tests.models:lambda_block_mlp")
     yield address
     stop(proc)
 
@@ -1335,6 +1336,21 @@ def test_a_loop_that_halves_its_batch_when_out_of_memory_trains_as_unsplit(cloud
         train(model, nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss()))
         assert_bitwise(model.state_dict(), local.state_dict())
     assert retries[:2] == [torch.OutOfMemoryError] * 2 and retries[2:] == [splitft.errors.CloudOutOfMemory] * 2
+
+
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+def test_a_block_calling_its_modules_through_a_lambda_trains_as_unsplit(cloud, rejoin):
+    """minGPT's ``self.mlpf = lambda x: m.c_proj(m.act(m.c_fc(x)))`` and a bound method kept as an
+    attribute: the edge's copy of the cloud half (which a U-shape's first call runs to check the
+    trunk) calls its own modules through them, as the cloud's freshly built one does."""
+    from tests.models import lambda_block_mlp
+
+    local = lambda_block_mlp()
+    _train_adam(local, nn.CrossEntropyLoss(), _data(3))
+    with splitft.split(lambda_block_mlp(), 2, rejoin, factory="tests.models:lambda_block_mlp",
+                       connect=cloud) as model:
+        _train_adam(model, nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss()), _data(3))
+        assert_bitwise(model.state_dict(), local.state_dict())
 
 
 @pytest.mark.parametrize("seeded", [True, False], ids=["seeded before the retry", "not seeded"])

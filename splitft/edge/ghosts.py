@@ -25,7 +25,7 @@ from ..config_reads import ConfigGuard, own_attributes_kept_by_forward
 from ..numerics import NumericsGuard
 from ..cut import Chain, CutSpec, _module, extract
 from ..errors import ConfigError, CutError
-from . import weight_refs
+from . import twin_closures, weight_refs
 from .layer_refusals import refuse_unsupported_layers
 from .output_shapes import OutputShapes
 from .ghost_classes import TABLES, Ghost, ghost_class
@@ -85,6 +85,7 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
     try:
         chain = Chain([(name, _twin(module, memo)) for name, module in zip(stages.names, stages.stages)],
                       whole=stages.whole)
+        twin_closures.rebind(memo)
     except Exception as exc:
         _swap_all(swapped)  # the model's own tensors back where they were: a failed split leaves it as it was
         weight_refs.restore(stages.stages)
@@ -255,11 +256,9 @@ _NOT_YET = object()
 
 
 def _twin(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
-    """A copy of ``module``'s tree of modules holding the tensors ``memo`` maps its own to.
-
-    Only the modules are copied: every other attribute (a config, a dict the model's forward
-    shares with the module, a plain tensor) is the same object, as it was for the original.
-    """
+    """A copy of ``module``'s tree of modules holding the tensors ``memo`` maps its own to. Only
+    the modules are copied: every other attribute (a config, a dict the model's forward shares with
+    the module, a plain tensor) is the same object, but functions over them (:mod:`.twin_closures`)."""
     if id(module) in memo:
         return memo[id(module)]
     twin = memo[id(module)] = object.__new__(type(module))  # not copy.copy: a parametrized layer refuses it
