@@ -8,6 +8,7 @@ modules), and uses them only the way an ordinary script does.
 
 from __future__ import annotations
 
+import copy
 import pytest
 import torch
 from torch import nn
@@ -1353,6 +1354,31 @@ def test_a_block_calling_its_modules_through_a_lambda_trains_as_unsplit(cloud, r
         assert_bitwise(model.state_dict(), local.state_dict())
 
 
+def _swap_activations(module: nn.Module, below: int) -> None:
+    """An activation-replacement walk as libraries write it: ``module._modules[name] = new``."""
+    for name, child in module.named_children():
+        if isinstance(child, nn.ReLU) and int(name) < below:
+            module._modules[name] = nn.GELU()
+
+
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+def test_a_walk_that_swaps_layers_through_modules_trains_as_unsplit(cloud, rejoin):
+    """``module._modules[name] = new`` over the split model's ``named_children()``: the model's
+    edge layer is replaced, as unsplit (it was written into the split model's own table, which
+    nothing calls, and training went on with the old layer); a cloud layer's swap is refused."""
+    local = mlp()
+    _swap_activations(local, 2)
+    _train_adam(local, nn.CrossEntropyLoss(), _data(3))
+    with splitft.split(mlp(), 2, rejoin, factory=MLP, connect=cloud) as model:
+        _swap_activations(model, 2)
+        assert isinstance(model.wrapped[1], nn.GELU) and list(model._modules) == ["model"]
+        _train_adam(model, nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss()), _data(3))
+        assert_bitwise(model.state_dict(), local.state_dict())
+        _swap_activations(model, 4)
+        with pytest.raises(ConfigError, match="'3' runs in the cloud, but the model's forward would call another"):
+            model(_data(1)[0][0])
+
+
 @pytest.mark.parametrize("seeded", [True, False], ids=["seeded before the retry", "not seeded"])
 @pytest.mark.parametrize("first", [True, False], ids=["at the first step", "at a later step"])
 def test_an_out_of_memory_retry_after_the_cloud_half_drew_is_exact(cloud, first, seeded):
@@ -1664,6 +1690,28 @@ def test_a_cloud_layer_put_in_eval_mode_by_name_runs_in_eval_mode_in_the_cloud(c
         state = model.state_dict()
     assert_same(state, local.state_dict())
     assert int(state["block2.1.num_batches_tracked"]) == 0  # the BatchNorm really ran in eval mode
+
+
+def test_two_optimizers_beside_each_other_over_the_cloud_half_are_refused_naming_it(cloud):
+    """Muon for the matrices and AdamW for the rest, both holding cloud parameters: the cloud
+    keeps one optimizer, so the older one's step is refused before it runs, saying that two over
+    different parts are not supported (not that one replaced the other)."""
+    net = mlp()
+    with splitft.split(net, 2, factory=MLP, connect=cloud) as model:
+        matrices = torch.optim.Muon([p for p in model.parameters() if p.ndim == 2], lr=0.02)
+        rest = torch.optim.AdamW([p for p in model.parameters() if p.ndim != 2], lr=1e-3)
+        crit = model.remote_loss(nn.CrossEntropyLoss())
+        for i, (x, y) in enumerate(_data(2)):
+            crit(model(x), y).backward()
+            if i == 0:  # each is attached at its first step, the AdamW after the Muon
+                matrices.step()
+                rest.step()
+                continue
+            before = copy.deepcopy(model.state_dict())
+            with pytest.raises(splitft.ConfigError, match="this Muon and the AdamW attached after it each hold "
+                                                          "parameters of the cloud half.*not supported yet"):
+                matrices.step()
+            assert_bitwise(model.state_dict(), before)
 
 
 def test_an_optimizer_replaced_by_a_newer_one_is_refused_when_it_steps_again(cloud):

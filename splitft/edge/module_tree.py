@@ -76,6 +76,7 @@ class UnsplitTree(nn.Module):
         root parameters are this module's own table, and what a script sets on the split model
         that it does not have itself is set on the wrapped model (see the module)."""
         self.__dict__["_parameters"] = self.wrapped._parameters
+        self.__dict__["_modules"] = _OwnModules(self._modules, self.wrapped)
         self.__dict__["_sealed"] = True
 
     def _is_own(self, name: str) -> bool:
@@ -117,6 +118,32 @@ class UnsplitTree(nn.Module):
             return super()._apply(fn, recurse=False)  # this module's own buffers, if any
         finally:
             self.__dict__["_parameters"] = own_parameters
+
+
+class _OwnModules(dict):
+    """The split model's own submodules (the wrapped model, under ``"model"``). A public name
+    written here is the wrapped model's child, where the unsplit model has it: a walk over
+    ``named_children()`` that swaps a layer by ``module._modules[name] = new`` (activation
+    replacement) replaces the model's layer, as unsplit, instead of adding one nothing calls."""
+
+    def __init__(self, own: dict[str, Any], wrapped: nn.Module) -> None:
+        super().__init__(own)
+        self.wrapped = wrapped
+
+    def _forwarded(self, name: str) -> bool:
+        return isinstance(name, str) and name != "model" and not name.startswith("_")
+
+    def __setitem__(self, name: str, module: Any) -> None:
+        if self._forwarded(name):
+            self.wrapped._modules[name] = module
+        else:
+            super().__setitem__(name, module)
+
+    def __delitem__(self, name: str) -> None:
+        if self._forwarded(name) and name not in self:
+            del self.wrapped._modules[name]
+        else:
+            super().__delitem__(name)
 
 
 def hidden_attributes(split: nn.Module, split_class: type, model: nn.Module, handled: tuple[str, ...] = ()) -> list[str]:

@@ -21,6 +21,17 @@ from .placeholders import RemoteTensor
 LOAD_PRE_HOOKS, LOAD_POST_HOOKS = "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"
 
 
+#: An entry of a cloud parameter that is not the optimizer's state: loaded, or (``False``) held before attachment.
+NOT_ITS_STATE = {
+    True: "{name}.load_state_dict: the entry of cloud parameter {pname!r} is not the state this {name} keeps ({keys} "
+          "with their shapes): a state dict of another optimizer or model?",
+    False: "this {name} holds an entry for cloud parameter {pname!r} that is not the state it keeps ({keys} with their "
+           "shapes), written before it was attached (opt.state[p][key] = ..., as SAM keeps the weights before its "
+           "perturbation): the cloud's copy of the optimizer keeps the cloud half's state, which the edge cannot set. "
+           "Keep such values in a dict of the script's own ({{p: p.detach().clone() for p in params}})",
+}
+
+
 def pre_hooked(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
     """``saved`` as the optimizer's load pre-hooks leave it, run as torch's load runs them."""
     saved = saved.copy()  # what torch's load hands its hooks
@@ -83,4 +94,4 @@ def fits(value: Any, layout: Layout) -> bool:
     return type(value) is kind
 
 
-__all__ = ["by_place", "fits", "load_hooks_aside", "local_value", "placed", "pre_hooked", "wire_value"]
+__all__ = ["NOT_ITS_STATE", "by_place", "fits", "load_hooks_aside", "local_value", "placed", "pre_hooked", "wire_value"]

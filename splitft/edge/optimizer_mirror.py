@@ -24,7 +24,8 @@ from ..wire.operations import AddParamGroup, AttachOptimizer, LoadOptimizerState
 from . import initial_state, optimizers
 from .cloud_half import CloudHalf
 from .fetched_state import OPTIMIZER_STATE, FetchedCloudState
-from .optimizer_loads import by_place, fits, load_hooks_aside, local_value, placed, pre_hooked, wire_value
+from .optimizer_loads import (NOT_ITS_STATE, by_place, fits, load_hooks_aside, local_value, placed, pre_hooked,
+                              wire_value)
 from .optimizer_settings import (IMMUTABLE, NOT_PLAIN, PLAIN_KINDS, PLAIN_OR_TUPLE, not_mirrored,
                                  optimizer_settings, plain_setting)
 from .placeholders import RemoteTensor
@@ -41,17 +42,6 @@ class Owner(Protocol):
     cloud_half: CloudHalf
     on_step: Callable[[], None]
     before_step: Callable[[], None]
-
-
-#: An entry of a cloud parameter that is not the optimizer's state: loaded, or (``False``) held before attachment.
-_NOT_ITS_STATE = {
-    True: "{name}.load_state_dict: the entry of cloud parameter {pname!r} is not the state this {name} keeps ({keys} "
-          "with their shapes): a state dict of another optimizer or model?",
-    False: "this {name} holds an entry for cloud parameter {pname!r} that is not the state it keeps ({keys} with their "
-           "shapes), written before it was attached (opt.state[p][key] = ..., as SAM keeps the weights before its "
-           "perturbation): the cloud's copy of the optimizer keeps the cloud half's state, which the edge cannot set. "
-           "Keep such values in a dict of the script's own ({{p: p.detach().clone() for p in params}})",
-}
 
 
 class OptimizerMirror:
@@ -88,6 +78,7 @@ class OptimizerMirror:
         self._stated: set[str] = set()  # the cloud parameters with an entry, by name (or none to make)
         self._edge_only = False
         self._replaced_by: str | None = None  # the class of the optimizer attached after this one
+        self._beside = False  # whether that one holds none of this one's cloud parameters
         #: Moves with every step and load: what ``state_dict()`` fetched before stands for the
         #: cloud's state only while it holds (:mod:`.fetched_state`).
         self._version = 0
@@ -98,15 +89,22 @@ class OptimizerMirror:
         """A newer optimizer was attached to the split model: the cloud's copy is its now (as a new
         optimizer starts afresh unsplit), and this one may no longer step or save the cloud half."""
         self._replaced_by = type(newer).__name__
+        owns = self.model.cloud_half.owns
+        mine = {id(p) for group in self.optimizer.param_groups for p in group["params"] if owns(p)}
+        self._beside = mine.isdisjoint(id(p) for group in newer.param_groups for p in group["params"] if owns(p))
 
     def _still_attached(self) -> None:
-        if self._replaced_by is not None:
-            name = type(self.optimizer).__name__
-            raise ConfigError(f"this {name} was replaced by the {self._replaced_by} attached after it (at its first "
-                              "step): the cloud half steps with one optimizer at a time, the newest, so this one no "
-                              "longer reaches it. "
-                              "Step the newer one, or put every group in one optimizer (one over edge parameters "
-                              "only stays local)")
+        if self._replaced_by is None:
+            return
+        name, newer = type(self.optimizer).__name__, self._replaced_by
+        raise ConfigError(
+            f"this {name} and the {newer} attached after it each hold parameters of the cloud half (different ones): "
+            "the cloud half steps with one optimizer, so two beside each other (Muon with AdamW for the other "
+            "parameters, a GAN's generator and discriminator) are not supported yet. Cut so that one of them holds "
+            "edge parameters only (it stays local), or put the cloud half's parameters in one of them" if self._beside
+            else f"this {name} was replaced by the {newer} attached after it (at its first step): the cloud half steps "
+            "with one optimizer at a time, the newest, so this one no longer reaches it. Step the newer one, or put "
+            "every group in one optimizer (one over edge parameters only stays local)")
 
     def check_initial_state(self) -> dict[str, Any] | None:
         """The state the optimizer holds for cloud parameters, as the cloud's copy starts from it.
@@ -383,7 +381,7 @@ class OptimizerMirror:
             pname = names[id(param)]
             keys = expected.get(id(param), {})
             if set(entry) != set(keys) or not all(fits(v, keys[k]) for k, v in entry.items()):
-                raise ConfigError(_NOT_ITS_STATE[loading].format(name=name, pname=pname, keys=sorted(keys)))
+                raise ConfigError(NOT_ITS_STATE[loading].format(name=name, pname=pname, keys=sorted(keys)))
             entries[pname] = {key: value if isinstance(value, NUMBERS) else wire_value(value)
                               for key, value in entry.items()}
             layouts[i] = {key: layout for key, layout in keys.items() if isinstance(layout[1], torch.dtype)}
