@@ -101,6 +101,29 @@ def test_a_large_result_used_after_the_cloud_half_changed_is_refused(cloud):
             net[2].weight.data.sub_(before)
 
 
+def test_a_view_of_a_cloud_gradient_reads_as_its_values_and_refuses_a_write_or_a_stale_read(cloud):
+    """``p.grad.view(-1)``: unsplit a view of the gradient's memory. It reads the gradient's values
+    while the cloud half is as it was; a write into it (which unsplit changes the gradient) and a
+    read after the next step (which unsplit sees the gradient of then) are refused."""
+    net = mlp()
+    with splitft.split(net, 2, factory=MLP, connect=cloud) as model:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        (x, y), = _data(1)
+        model.remote_loss(nn.CrossEntropyLoss())(model(x), y).backward()
+        flat = net[2].weight.grad.view(-1)
+        assert torch.equal(flat.view(net[2].weight.shape), net[2].weight.grad.clone())
+        with pytest.raises(splitft.ConfigError, match=r"p.grad.view\(...\) \(the cloud half's '2.weight'\) was "
+                                                      r"written in place.*Change the gradient itself"):
+            flat.mul_(2)
+        with torch.no_grad():
+            transposed = net[2].weight.t()
+        assert torch.equal(transposed.t(), net[2].weight.detach().clone())
+        opt.step()
+        for stale in (flat, transposed):
+            with pytest.raises(splitft.ConfigError, match=r"is used after the cloud half changed"):
+                stale.sum()
+
+
 def test_a_call_inside_an_autocast_region_is_refused(cloud):
     """Autocast changes the dtype some functions compute in; the cloud computes outside the region."""
     model, net = _wide_split(cloud)
@@ -165,8 +188,8 @@ def test_an_edge_tensor_written_from_a_trainable_cloud_weight_with_gradients_on_
 
 def test_an_edge_tensor_computed_from_cloud_weights_reads_them_unless_the_result_is_one_of_them(cloud):
     """A call that changes or makes only the edge's tensors runs here on the weights' values (an
-    average kept by hand); one that would hand back the weight's memory (``p.numpy()``, a view of it)
-    or write it (``out=``, dropout in place) is refused, its draws undone. ``p.cpu()`` and
+    average kept by hand), a view of them too; one that would hand back the weight's memory
+    (``p.numpy()``) or write it (``out=``, dropout in place) is refused, its draws undone. ``p.cpu()`` and
     ``p.to(p.device)`` are ``p`` itself, as unsplit; a copy elsewhere or in another dtype is refused."""
     local = mlp()
     model = splitft.split(net := mlp(), 2, factory=MLP, connect=cloud)
@@ -178,8 +201,9 @@ def test_an_edge_tensor_computed_from_cloud_weights_reads_them_unless_the_result
         assert torch.equal(nn.functional.linear(torch.ones(2, 16), weight), nn.functional.linear(torch.ones(2, 16), expected))
         assert weight.tolist() == expected.tolist()
         assert weight.cpu() is weight and weight.to(weight.device) is weight and weight.to(torch.float32) is weight
+        # a view of the weight's values reads as unsplit, while the weight is as it was (:mod:`read_views`)
+        assert torch.equal(torch.broadcast_tensors(torch.ones(16, 16), weight)[1], expected)
         for refused in (lambda: weight.to(torch.float64), lambda: weight.numpy(), lambda: weight[0].tolist(),
-                        lambda: torch.broadcast_tensors(torch.ones(16, 16), weight),
                         lambda: torch.add(torch.ones(16, 16), 1, out=weight)):
             with pytest.raises(PlaceholderError, match=r"its values live in the cloud"):
                 refused()

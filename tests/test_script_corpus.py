@@ -850,6 +850,27 @@ def normalises_each_gradient_by_its_norm_with_foreach_kernels(model, net, crit, 
         opt.step()
 
 
+def logs_the_global_gradient_norm_and_similarity_of_flattened_gradients(model, net, crit, data):
+    """The global gradient norm and the cosine similarity of successive gradients, computed over the
+    gradients flattened into one vector (``p.grad.view(-1)``, ``flatten()``, ``parameters_to_vector``),
+    then a step (GEM-style loggers); returns what it logged."""
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    logged, previous = [], None
+    for x, y in data:
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        flat = torch.cat([p.grad.view(-1) for p in params])
+        logged.append(flat.norm().item())
+        logged.append(torch.cat([p.grad.flatten() for p in params]).abs().max().item())
+        vector = torch.nn.utils.parameters_to_vector([p.grad for p in params])
+        if previous is not None:
+            logged.append(F.cosine_similarity(vector, previous, dim=0).item())
+        previous = vector.clone()
+        opt.step()
+    return logged
+
+
 def reptile_meta_steps_by_data_assignment(model, net, crit, data):
     """Reptile: a few inner steps, then each weight moved part of the way from where it started
     toward where they took it, written as ``p.data = start + eps * (p.data - start)``."""
@@ -1045,7 +1066,8 @@ COMPUTED = [resets_a_layer_with_tensors_made_like_its_weights, prunes_small_weig
             lookahead_writing_its_slow_weights_with_gradients_on,
             sharpness_aware_steps_restoring_weights_by_data_assignment, reptile_meta_steps_by_data_assignment,
             sharpness_aware_steps_by_a_wrapper_optimizer_with_a_closure,
-            normalises_each_gradient_by_its_norm_with_foreach_kernels]
+            normalises_each_gradient_by_its_norm_with_foreach_kernels,
+            logs_the_global_gradient_norm_and_similarity_of_flattened_gradients]
 
 
 @pytest.fixture(scope="module")
@@ -1690,6 +1712,27 @@ def test_a_cloud_layer_put_in_eval_mode_by_name_runs_in_eval_mode_in_the_cloud(c
         state = model.state_dict()
     assert_same(state, local.state_dict())
     assert int(state["block2.1.num_batches_tracked"]) == 0  # the BatchNorm really ran in eval mode
+
+
+@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
+def test_functional_call_with_the_models_own_parameters_trains_as_unsplit(cloud, rejoin):
+    """``functional_call(model, dict(model.named_parameters()), (x,))``: the cloud's own tensors
+    put back in their places change nothing, so the call is the model's forward, as unsplit."""
+    def train(model, crit):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        params = dict(model.named_parameters())
+        for x, y in _data(3):
+            opt.zero_grad()
+            crit(torch.func.functional_call(model, params, (x,)), y).backward()
+            opt.step()
+
+    local = mlp()
+    train(local, nn.CrossEntropyLoss())
+    with splitft.split(mlp(), 2, rejoin, factory=MLP, connect=cloud) as model:
+        train(model, nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss()))
+        assert_bitwise(model.state_dict(), local.state_dict())
+        with pytest.raises(splitft.CutError, match="changing the parameters of '2'"):
+            torch.func.functional_call(model, {"2.weight": torch.zeros(16, 16)}, (_data(1)[0][0],))
 
 
 def test_two_optimizers_beside_each_other_over_the_cloud_half_are_refused_naming_it(cloud):

@@ -40,6 +40,7 @@ from ..errors import PlaceholderError, ProtocolError
 from ..wire import expressions as ex
 from ..wire.operations import Compute
 from .placeholders import CloudGrad, CloudState, CloudTensor, RemoteTensor
+from .read_views import read_only_views
 
 Tensor = torch.Tensor
 
@@ -411,10 +412,13 @@ def _computed_here(func: Any, args: tuple, kwargs: dict, remotes: list[RemoteTen
     versions = {id(v): v._version for v in read.values()}
     generator = torch.default_generator.get_state()  # put back if refused: a draw (dropout) leaves no trace
     result = func(*tree_map(lambda v: read.get(id(v), v), args), **tree_map(lambda v: read.get(id(v), v), kwargs))
-    if any(v._version != versions[id(v)] for v in read.values()) or _holds_any(result, list(read.values())):
+    viewed = result
+    if not any(v._version != versions[id(v)] for v in read.values()) and _holds_any(result, list(read.values())):
+        viewed = None if graphed else read_only_views(func, result, [(t, read[id(t)]) for t in remotes], remote.version)
+    if viewed is None or any(v._version != versions[id(v)] for v in read.values()):
         torch.default_generator.set_state(generator)
         return NotImplemented
-    return result
+    return viewed
 
 
 class _NoGradientBack(torch.autograd.Function):

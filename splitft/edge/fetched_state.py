@@ -95,7 +95,7 @@ class FetchedCloudState(torch.Tensor):
             call = self._splitft_source.call
             raise ConfigError(
                 f"a tensor of {call} (the cloud half's {self._splitft_name!r}) is used after the cloud half changed "
-                "(a forward in training mode, an optimizer step, a load or unsplit() since): unsplit, "
+                "(a forward in training mode, a backward, an optimizer step, a load or unsplit() since): unsplit, "
                 f"{call} shares {self._splitft_source.owner}'s memory, so it would hold the values of now; split, it "
                 f"holds those fetched then. Take {call} again where you use it; to keep a moment's values (a best "
                 f"checkpoint), keep copy.deepcopy({call}), which is a copy both ways")

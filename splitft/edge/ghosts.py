@@ -202,9 +202,8 @@ class Ghosts:
                                   "a U-shape (rejoin=) so the layers after the cloud half run on the edge")
 
     def refuse_swapped(self) -> None:
-        """``torch.utils.swap_tensors(p, t)`` on a cloud tensor swaps the object's contents past every
-        torch function a placeholder sees: the object the model and its optimizer hold would become an
-        edge tensor the cloud never hears of. Refused before the next forward or optimizer step."""
+        """``torch.utils.swap_tensors(p, t)`` on a cloud tensor swaps its contents past every torch function a
+        placeholder sees (the model's object would become an edge tensor the cloud never hears of): refused."""
         for placeholder, made, twin in self._placeholders:
             if type(placeholder) is not made:
                 names = {id(t): f"{name}.{key}" for name, stage in zip(self.chain.names, self.chain.stages)
@@ -386,11 +385,9 @@ class _CloudGenerator:
 
 class _FixedTable(dict):
     """A ghost's table of children, parameters or buffers: what the cloud's module has, unchangeable.
-
-    ``add_module``, ``register_buffer``, ``register_parameter`` and the containers' ``append``,
-    ``insert``, ``extend`` and ``update`` write the table directly, past ``__setattr__``; the
-    cloud's module would not change with it, so each refuses, like setting an attribute.
-    """
+    ``add_module``, ``register_buffer``, ``register_parameter`` and the containers' ``append``, ``insert``,
+    ``extend`` and ``update`` write the table directly, past ``__setattr__``: each refuses, like setting
+    an attribute (the cloud's module would not change with it)."""
 
     def __init__(self, entries: dict, where: str, table: str) -> None:
         super().__init__(entries)
@@ -412,7 +409,11 @@ class _FixedTable(dict):
                        "torch.no_grad(), and p.grad[mask] = 0 after each backward), or take the model whole with "
                        "model.unsplit()")
 
-    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = __ior__ = _refuse
+    def __setitem__(self, name: str, value: Any) -> None:
+        if self.get(name, self) is not value:  # the same object again changes nothing (functional_call of its own)
+            self._refuse(name, value)
+
+    __delitem__ = update = pop = popitem = clear = setdefault = __ior__ = _refuse
 
 
 _GHOST_ATTRIBUTES = ("forward", "_apply", "extra_repr", "_splitft_standin", "_splitft_where", "_splitft_state",
