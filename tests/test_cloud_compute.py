@@ -203,6 +203,9 @@ def test_an_edge_tensor_computed_from_cloud_weights_reads_them_unless_the_result
         assert weight.cpu() is weight and weight.to(weight.device) is weight and weight.to(torch.float32) is weight
         # a view of the weight's values reads as unsplit, while the weight is as it was (:mod:`read_views`)
         assert torch.equal(torch.broadcast_tensors(torch.ones(16, 16), weight)[1], expected)
+        copied = torch.zeros(16, 16)
+        copied[:] = weight  # Tensor.__setitem__ returns None: a result that holds nothing of the weight's
+        assert torch.equal(copied, expected)
         for refused in (lambda: weight.to(torch.float64), lambda: weight.numpy(), lambda: weight[0].tolist(),
                         lambda: torch.add(torch.ones(16, 16), 1, out=weight)):
             with pytest.raises(PlaceholderError, match=r"its values live in the cloud"):

@@ -412,13 +412,14 @@ def _computed_here(func: Any, args: tuple, kwargs: dict, remotes: list[RemoteTen
     versions = {id(v): v._version for v in read.values()}
     generator = torch.default_generator.get_state()  # put back if refused: a draw (dropout) leaves no trace
     result = func(*tree_map(lambda v: read.get(id(v), v), args), **tree_map(lambda v: read.get(id(v), v), kwargs))
-    viewed = result
-    if not any(v._version != versions[id(v)] for v in read.values()) and _holds_any(result, list(read.values())):
-        viewed = None if graphed else read_only_views(func, result, [(t, read[id(t)]) for t in remotes], remote.version)
-    if viewed is None or any(v._version != versions[id(v)] for v in read.values()):
+    refused = any(v._version != versions[id(v)] for v in read.values())  # written in place
+    if not refused and _holds_any(result, list(read.values())):  # a view of the values: read-only, while current
+        result = None if graphed else read_only_views(func, result, [(t, read[id(t)]) for t in remotes], remote.version)
+        refused = result is None
+    if refused:
         torch.default_generator.set_state(generator)
         return NotImplemented
-    return viewed
+    return result
 
 
 class _NoGradientBack(torch.autograd.Function):

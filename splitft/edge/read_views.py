@@ -26,9 +26,10 @@ _PLAIN = (bool, float, complex, str, type(None), torch.dtype, torch.device, torc
 def read_only_views(func: Any, result: Any, read: list[tuple[torch.Tensor, torch.Tensor]],
                     now: Callable[[], Hashable]) -> Any:
     """``result`` (``func`` run on the fetched copies in ``read``: (cloud tensor, its copy) pairs)
-    with a copy itself made its cloud tensor again, and each other tensor that shares a copy's memory
-    a read-only view standing for that cloud tensor at the moment ``now()`` tells; None where it holds anything else of a copy's (an
-    address, an object) or a copy of what is no gradient, weight or buffer."""
+    with a copy itself made its cloud tensor again, and each other tensor that shares a copy's
+    memory a read-only view standing for that cloud tensor at the moment ``now()`` tells; None
+    where it holds anything else of a copy's (an address, an object) or a copy of what is no
+    gradient, weight or buffer."""
     spans = [(t, c.untyped_storage().data_ptr(), c.untyped_storage().nbytes()) for t, c in read]
     itself = {id(c): t for t, c in read}
     leaves, spec = tree_flatten(result)
