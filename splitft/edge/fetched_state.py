@@ -122,6 +122,8 @@ class FetchedCloudState(torch.Tensor):
             raise ConfigError(f"sharing the memory of a tensor of {first._splitft_source.call} (the cloud half's "
                               f"{first._splitft_name!r}) through DLPack: unsplit that is {first._splitft_source.owner}'s "
                               "own memory; split, a copy fetched from the cloud. Share a clone(), which is a copy both ways")
+        if any(getattr(type(t), "_splitft_placeholder", False) for t in trees.leaves((args, kwargs))):
+            return _beside_placeholders(func, args, kwargs, fetched)
         with torch._C.DisableTorchFunctionSubclass():
             if func in _TO_NUMPY:  # an array of the values that refuses writes: unsplit it is the model's memory
                 array = func(*args, **kwargs).copy()
@@ -156,6 +158,21 @@ class FetchedCloudState(torch.Tensor):
         self._refuse_stale()
         with torch._C.DisableTorchFunctionSubclass():
             return torch.Tensor._make_subclass(torch.Tensor, self).__reduce_ex__(protocol)
+
+
+def _beside_placeholders(func: Callable, args: tuple, kwargs: dict, fetched: list[FetchedCloudState]) -> Any:
+    """A call on fetched values and a cloud tensor's placeholder together (``torch.cat([p.grad.view(-1),
+    q.grad])``, ``q.grad`` of a bias being its own flattening): the placeholder answers it, with
+    the values as a plain tensor; a write into them is refused as any write is."""
+    with torch._C.DisableTorchFunctionSubclass():
+        plain = {id(t): t.detach() for t in fetched}  # the same memory and version counter
+    versions = [t._version for t in fetched]
+    args, kwargs = trees.rebuild((args, kwargs), lambda t, path: plain.get(id(t), t), other=lambda node, path: node)
+    out = func(*args, **kwargs)
+    for t, version in zip(fetched, versions):
+        if t._version != version:
+            t._refuse_written()
+    return out
 
 
 def _aliased(result: torch.Tensor, fetched: list[FetchedCloudState]) -> torch.Tensor:

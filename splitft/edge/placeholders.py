@@ -84,6 +84,7 @@ class RemoteTensor(Tensor):
 
     _splitft_name: str
     _splitft_remote: Remote
+    _splitft_placeholder = True  # what other tensor subclasses ask, without importing this module
     new = legacy_new  # type: ignore[assignment]  # t.new(size): torch's legacy constructor skips __torch_function__
 
     @staticmethod
