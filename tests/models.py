@@ -1100,3 +1100,24 @@ def lambda_block_mlp(seed: int = 0) -> nn.Sequential:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), LambdaBlock(), LambdaBlock(), nn.Linear(16, 3))
+
+
+class RootDropoutNet(nn.Module):
+    """A model whose own forward reads its root's ``self.training`` (dropout after its first layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(12, 16)
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(torch.relu(self.inp(x)), 0.5, self.training)
+        return self.head(torch.relu(self.body(h)))
+
+
+def root_dropout_net(seed: int = 0) -> RootDropoutNet:
+    """Cut U-shape at ``body``, rejoining at ``head``."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return RootDropoutNet()

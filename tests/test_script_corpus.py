@@ -1075,7 +1075,7 @@ def cloud(tmp_path_factory):
     proc, address, err = start_cloud(tmp_path_factory.mktemp("cloud"), "--sessions", "0", "--model", MLP,
                                      "--model", DIGITS, "--model", MLP_DROPOUT, "--model", BATCH_LIMITED,
                                      "--model", "tests.models:mlp_dropout_everywhere",
-                                     "--model", "tests.models:lambda_block_mlp")
+                                     "--model", "tests.models:lambda_block_mlp", "--model", "tests.models:root_dropout_net")
     yield address
     stop(proc)
 
@@ -1733,6 +1733,38 @@ def test_functional_call_with_the_models_own_parameters_trains_as_unsplit(cloud,
         assert_bitwise(model.state_dict(), local.state_dict())
         with pytest.raises(splitft.CutError, match="changing the parameters of '2'"):
             torch.func.functional_call(model, {"2.weight": torch.zeros(16, 16)}, (_data(1)[0][0],))
+
+
+@pytest.mark.parametrize("how", ["model.training = False", "isinstance(model, RootDropoutNet)"])
+def test_what_a_script_reads_or_sets_on_the_model_object_itself_is_the_unsplit_models(cloud, how):
+    """The split model answers as the model it wraps: ``model.training = False`` set directly turns
+    off the dropout its own forward reads from ``self.training`` (it set the split model's flag
+    only), and ``isinstance(model, RootDropoutNet)`` holds, so parameter groups picked by class
+    are the unsplit script's."""
+    from tests.models import RootDropoutNet, root_dropout_net
+
+    def train(model):
+        torch.manual_seed(1)
+        if isinstance(model, RootDropoutNet):  # the body at its own rate
+            groups = [{"params": model.body.parameters(), "lr": 0.01},
+                      {"params": [*model.inp.parameters(), *model.head.parameters()]}]
+        else:
+            groups = [{"params": model.parameters()}]
+        opt = torch.optim.SGD(groups, lr=0.1)
+        for i, (x, y) in enumerate(_data(4)):
+            if i == 2 and how == "model.training = False":
+                model.training = False
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        return model.training
+
+    local = root_dropout_net()
+    flag = train(local)
+    with splitft.split(root_dropout_net(), "body", "head", factory="tests.models:root_dropout_net",
+                       connect=cloud) as model:
+        assert train(model) == flag and model.wrapped.training == flag
+        assert_bitwise(model.state_dict(), local.state_dict())
 
 
 def test_two_optimizers_beside_each_other_over_the_cloud_half_are_refused_naming_it(cloud):

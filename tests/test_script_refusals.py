@@ -176,6 +176,11 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
         r"cannot be pickled.*model\.unsplit\(\) gives the whole trained model"),
     "a copy of the trained model kept": (
         lambda model, net, opt: copy.deepcopy(model), ConfigError, r"cannot be copied.*model\.unsplit\(\)"),
+    "a shallow copy of the model (copy.copy), refused as a copy, not as pickling": (
+        lambda model, net, opt: copy.copy(model), ConfigError, r"cannot be copied.*model\.unsplit\(\)"),
+    "a cloud parameter cast by assigning .data": (
+        lambda model, net, opt: [setattr(p, "data", p.data.double()) for p in net[2].parameters()], PlaceholderError,
+        r"p.data = t on cloud parameter '2.weight' with t of torch.float64.*\(p's: torch.float32.*Cast or resize"),
     "torch.optim.swa_utils.AveragedModel": (
         lambda model, net, opt: torch.optim.swa_utils.AveragedModel(model), ConfigError, r"EMA"),
     "the optimizer's moments reset by walking its state": (

@@ -58,11 +58,10 @@ def split_class(model_class: type[nn.Module]) -> type[SplitModel]:
             if _defines(model_class, name):
                 members[name] = _refuse_replacing
         members["__setitem__"] = _set_item
-    if any(c.__module__.split(".")[0] in ("transformers", "peft") and c.__name__ in ("PreTrainedModel", "PeftModel")
-           for c in model_class.__mro__):
-        # isinstance(model, PreTrainedModel / PeftModel) holds, as for the model the user split: Trainer and
-        # Accelerate then save with save_pretrained (a PEFT model's adapter files, a config) and load back.
-        members["__class__"] = property(lambda self: model_class)
+    # isinstance(model, Net) holds, as for the model the user split: a script that picks its parameter groups
+    # by class, a utility that checks for nn.Sequential; Trainer and Accelerate find a PreTrainedModel or
+    # PeftModel and save with save_pretrained (a PEFT model's adapter files, a config) and load back.
+    members["__class__"] = property(lambda self: model_class)
     return type(f"Split{model_class.__name__}", (SplitModel,), members)
 
 

@@ -55,16 +55,15 @@ def _caller_level() -> int:
 class SplitModel(UnsplitTree):
     """The user's model with its cloud part cut out. Train it like the original.
 
-    It holds the original model (``.wrapped``), whose cloud modules are *ghosts*: the same
-    classes, names and parameter shapes, with placeholder parameters on the ``meta`` device (the
-    values live in the cloud). ``parameters()`` therefore lists every parameter of the unsplit
-    model, and whatever a script does to them reaches the cloud or raises
-    (:mod:`.placeholders`): optimizers (their groups by name, their steps), ``p.grad`` (cleared,
-    clipped, unscaled by torch's own functions), ``requires_grad_``, new values.
-    ``edge_parameters()`` and ``cloud_parameters()`` tell which is where. Attribute lookups the split model does not answer
-    go to the wrapped model (``model.config``), and ``forward`` has the wrapped model's signature.
-    Plain splits return the activation at the cut from ``forward``; the loss comes from
-    :meth:`remote_loss` and predictions from :meth:`predict`.
+    It holds the original model (``.wrapped``), whose cloud modules are *ghosts*: the same classes, names
+    and parameter shapes, with placeholder parameters on the ``meta`` device (the values live in the
+    cloud). ``parameters()`` therefore lists every parameter of the unsplit model, and whatever a script
+    does to them reaches the cloud or raises (:mod:`.placeholders`): optimizers (their groups by name,
+    their steps), ``p.grad`` (cleared, clipped, unscaled by torch's own functions), ``requires_grad_``,
+    new values. ``edge_parameters()`` and ``cloud_parameters()`` tell which is where. Attribute lookups
+    the split model does not answer go to the wrapped model (``model.config``), and ``forward`` has the
+    wrapped model's signature. Plain splits return the activation at the cut from ``forward``; the loss
+    comes from :meth:`remote_loss` and predictions from :meth:`predict`.
 
     Building one cuts ``model``: its cloud modules become ghosts (``check_cut``: a U-shape trunk is
     checked at its first call to read nothing that does not cross the cut).
@@ -138,19 +137,20 @@ class SplitModel(UnsplitTree):
     # ------------------------------------------------------------ what cannot reach the cloud half
 
     def __deepcopy__(self, memo: dict) -> Any:
-        raise ConfigError("a split model cannot be copied: its cloud half's values live in the cloud, and its session "
-                          "is one connection. For an EMA of the weights (AveragedModel, deepcopy + update), keep it "
-                          "on the unsplit model before split(), or average the weights you fetch with "
-                          "model.state_dict(). To quantize, export or keep the trained model, take it whole with "
-                          "model.unsplit() (which ends the session)")
+        raise ConfigError("a split model cannot be copied: its cloud half's values live in the cloud, and its session is "
+                          "one connection. For an EMA of the weights (AveragedModel, deepcopy + update), keep it on the "
+                          "unsplit model before split(), or average the weights you fetch with model.state_dict(). To "
+                          "quantize, export or keep the trained model, take it whole with model.unsplit() (ending the session)")
+
+    def __copy__(self) -> Any:  # copy.copy(model): refused as copy.deepcopy is, not as pickling
+        return self.__deepcopy__({})
 
     def __prepare_scriptable__(self) -> Any:  # what torch.jit.script asks of a module first
         raise ConfigError(COMPILED_TO_TORCHSCRIPT)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise ConfigError("a split model cannot be pickled (torch.save(model)): save model.state_dict(), which fetches "
-                          "the cloud half, or use model.save_checkpoint(path); model.unsplit() gives the whole "
-                          "trained model, to save as it is")
+        raise ConfigError("a split model cannot be pickled (torch.save(model)): save model.state_dict(), which fetches the "
+                          "cloud half, or use model.save_checkpoint(path); model.unsplit() gives the whole trained model")
 
     def set_submodule(self, target: str, module: nn.Module, strict: bool = False) -> None:
         self.ghosts.refuse_replacing(target)

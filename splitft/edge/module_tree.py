@@ -60,6 +60,19 @@ class UnsplitTree(nn.Module):
                       remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         return self.wrapped.named_buffers(prefix, recurse, remove_duplicate)
 
+    @property
+    def training(self) -> bool:
+        """The wrapped model's flag, the unsplit model's root's: ``model.training = False`` sets it
+        (its forward reads ``self.training``), as unsplit."""
+        return self.wrapped.training if self.__dict__.get("_sealed") else self.__dict__.get("_training", True)
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        if self.__dict__.get("_sealed"):
+            self.wrapped.training = mode
+        else:
+            self.__dict__["_training"] = mode
+
     def train(self, mode: bool = True) -> Any:
         if not isinstance(mode, bool):
             raise ValueError("training mode is expected to be boolean")

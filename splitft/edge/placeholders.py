@@ -290,8 +290,12 @@ def _data_set(tensor: CloudTensor, value: Any) -> None:
     if type(value) is type(tensor) and value._splitft_name == tensor._splitft_name \
             and value._splitft_remote is tensor._splitft_remote:
         return
-    if not isinstance(value, Tensor) or isinstance(value, (CloudTensor, CloudGrad, CloudState)) \
-            or value.shape != tensor.shape or value.dtype != tensor.dtype or value.requires_grad:
+    if isinstance(value, Tensor) and (value.dtype != tensor.dtype or value.shape != tensor.shape):
+        raise PlaceholderError(f"p.data = t on {tensor._what()} with t of {value.dtype} and shape {list(value.shape)} "
+                               f"(p's: {tensor.dtype}, {list(tensor.shape)}): unsplit p would take t's dtype and shape, "
+                               "which the cloud's tensor does not follow. Cast or resize the model before split(), "
+                               "in the cloud's factory too")
+    if not isinstance(value, Tensor) or isinstance(value, (CloudTensor, CloudGrad, CloudState)) or value.requires_grad:
         raise PlaceholderError(_refusal(_DATA_SETTER, tensor))  # (another cloud tensor: p and q would share memory)
     with torch.no_grad():
         if isinstance(value, RemoteTensor):  # an expression over cloud tensors (p.data = q * 2)
