@@ -61,6 +61,7 @@ class Recorder:
 class Ops:
     def __init__(self) -> None:
         self.pending: list = []
+        self.weights_version = 0
 
     def queue(self, op):
         self.pending.append(op)

@@ -1767,6 +1767,40 @@ def test_what_a_script_reads_or_sets_on_the_model_object_itself_is_the_unsplit_m
         assert_bitwise(model.state_dict(), local.state_dict())
 
 
+def test_a_second_backward_after_a_step_is_refused_at_the_backward_as_torch_refuses_it(cloud):
+    """``loss.backward(retain_graph=True); opt.step(); loss.backward()``: unsplit torch raises a
+    RuntimeError at the second backward (the step changed saved weights in place); split, it is
+    raised there too, as a RuntimeError (it went through, and the next request failed)."""
+    local = mlp()
+    _train_adam(local, nn.CrossEntropyLoss(), _data(1))
+    with splitft.split(mlp(), 2, factory=MLP, connect=cloud) as model:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        (x, y), = _data(1)
+        loss = model.remote_loss(nn.CrossEntropyLoss())(model(x), y)
+        loss.backward(retain_graph=True)
+        opt.step()
+        with pytest.raises(RuntimeError, match="a second backward through a forward after an optimizer step"):
+            loss.backward()
+        assert_bitwise(model.state_dict(), local.state_dict())
+
+
+def test_a_weight_written_through_data_between_loss_and_backward_is_refused_saying_why(cloud):
+    """``p.data.mul_(0.99)`` between the loss and its backward: unsplit, torch does not see a write
+    through ``.data`` and its backward reads the changed weight, which the cloud's backward cannot
+    repeat; the refusal says so (it said torch refuses it too)."""
+    with splitft.split(mlp(), 2, factory=MLP, connect=cloud) as model:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        (x, y), = _data(1)
+        opt.zero_grad()
+        loss = model.remote_loss(nn.CrossEntropyLoss())(model(x), y)
+        for p in model.parameters():
+            p.data.mul_(0.99)
+        with pytest.raises(splitft.errors.ModelError, match=r"but for a write through p.data.*after loss.backward"):
+            loss.backward()
+            opt.step()
+            model.sync()  # the cloud applies the backward with the next message
+
+
 def test_two_optimizers_beside_each_other_over_the_cloud_half_are_refused_naming_it(cloud):
     """Muon for the matrices and AdamW for the rest, both holding cloud parameters: the cloud
     keeps one optimizer, so the older one's step is refused before it runs, saying that two over

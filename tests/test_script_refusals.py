@@ -176,6 +176,9 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
         r"cannot be pickled.*model\.unsplit\(\) gives the whole trained model"),
     "a copy of the trained model kept": (
         lambda model, net, opt: copy.deepcopy(model), ConfigError, r"cannot be copied.*model\.unsplit\(\)"),
+    "LBFGS over the whole model, which holds cloud parameters (temperature scaling over a wrapper)": (
+        lambda model, net, opt: torch.optim.LBFGS(model.parameters()).step(lambda: torch.tensor(0.0)), ConfigError,
+        r"LBFGS steps by calling a closure.*One over edge parameters only stays local.*LBFGS\(\[T\]\)"),
     "a shallow copy of the model (copy.copy), refused as a copy, not as pickling": (
         lambda model, net, opt: copy.copy(model), ConfigError, r"cannot be copied.*model\.unsplit\(\)"),
     "a cloud parameter cast by assigning .data": (
@@ -965,6 +968,8 @@ def test_a_refusal_names_a_cloud_buffer_as_a_buffer_and_a_parameter_as_a_paramet
             net[3].running_mean.cumsum_(0)
         with pytest.raises(PlaceholderError, match=r"on cloud parameter '3.weight'"):
             net[3].weight.data.cumsum_(0)
+        with pytest.raises(CutError, match=r"setting 'running_mean' of '3'.*TENT.*track_running_stats = False alone"):
+            net[3].running_mean = None  # TENT's configure_model
 
 
 def test_a_change_made_before_split_that_the_factory_does_not_make_is_refused_at_the_handshake(cloud):

@@ -136,7 +136,9 @@ def modified_message(tensor: torch.Tensor, version: int) -> str:
     """Torch's own complaint about a saved tensor changed in place before its backward."""
     return (f"one of the variables needed for gradient computation has been modified by an inplace operation: "
             f"[{tensor.dtype} {list(tensor.shape)}] is at version {tensor._version}; expected version {version} "
-            "instead (a cloud weight changed between its forward and its backward, as torch refuses too)")
+            "instead (a cloud weight changed between its forward and its backward, which torch refuses too, but "
+            "for a write through p.data: unsplit, torch does not see that one, and its backward reads the changed "
+            "weight, which the cloud's backward cannot repeat. Change the weights after loss.backward())")
 
 
 def expanded_nbytes(shape: tuple[int, ...], itemsize: int) -> int:

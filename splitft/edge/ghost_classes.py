@@ -117,11 +117,14 @@ class Ghost(nn.Module):
                            f"{type(value).__qualname__}: the cloud's copy of the layer takes the settings its code "
                            "reads as plain values (numbers, switches, names); set it as a Python number "
                            f"(float(v), int(v) or v.item())")
+        statistics = (" (test-time adaptation such as TENT drops a batch norm's running statistics: in training "
+                      "mode, track_running_stats = False alone normalises by the batch's statistics the same way, "
+                      "and the cloud follows it)" if name in ("running_mean", "running_var") and value is None else "")
         raise CutError(f"setting {name!r} of {self.__dict__.get('_splitft_where', '?')!r}: that module runs in the "
                        "cloud, built by the factory, and would not change with it (split training would silently "
                        "differ). Change the model before split(), and the cloud's factory the same way; to change "
                        "the trained model (peft's merge_and_unload(), a layer swapped for export), take it whole "
-                       "with model.unsplit() first")
+                       f"with model.unsplit() first{statistics}")
 
     def _a_note_of_the_scripts(self, name: str, value: Any) -> bool:
         """A new attribute no code of a cloud layer reads (SAM's ``bn.backup_momentum = bn.momentum``,

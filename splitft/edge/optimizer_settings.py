@@ -35,7 +35,9 @@ def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     if closure is not None and closure.default is inspect.Parameter.empty:
         raise ConfigError(f"{cls.__name__} steps by calling a closure (the loss evaluated again inside its step), "
                           "which the cloud's copy of the optimizer cannot repeat; use an optimizer whose step takes "
-                          "the gradients as they are")
+                          "the gradients as they are. One over edge parameters only stays local and steps as unsplit: "
+                          "build it over the parameters it trains (temperature scaling's LBFGS([T]), not over a "
+                          "wrapper's parameters() that hold the frozen model's too)")
     # Only what the constructor takes: AdamW keeps a 'decoupled_weight_decay' default that its
     # __init__ does not accept, so mirroring every default would fail in the cloud.
     accepted = inspect.signature(cls).parameters

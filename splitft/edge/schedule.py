@@ -1,11 +1,10 @@
 """The schedule of a remote call: micro-batches, and when the backward runs.
 
-A call of the cloud part is one forward and (when training) one backward. With ``micro_batches``
-= k the batch is cut into k parts, and every part's message is sent before any reply is awaited,
-so the wire and the cloud work at the same time; the parts' outputs are joined back into the
-batch's (concatenated, or a loss averaged) and the gradients split the same way. With eager
-backward (plain split) the cloud runs the backward right after the loss and its reply carries
-the cut's gradient: the edge's backward then sends nothing and scales what came.
+A call of the cloud part is one forward and (when training) one backward. With ``micro_batches`` = k
+the batch is cut into k parts, and every part's message is sent before any reply is awaited, so the
+wire and the cloud work at the same time; the parts' outputs are joined back into the batch's
+(concatenated, or a loss averaged) and the gradients split the same way. With eager backward (plain
+split) the cloud runs the backward right after the loss and its reply carries the cut's gradient.
 
 Nothing here touches a socket or a codec: the messages of one part are a :class:`Stage`'s job
 (:mod:`splitft.edge.stage`), so the order below can be tested with a stage that records calls.
@@ -75,6 +74,7 @@ class Call:
     # so that the loss's backward does not free that graph before the gradient for it arrives)
     leaves: list[torch.Tensor] = field(default_factory=list)
     inflight: Inflight | None = None
+    weights: int = 0  # the cloud half's weights' version at the forward (:attr:`.outbox.Outbox.weights_version`)
     backpropagated: bool = False  # its backward went to the cloud, which then freed the call's graph
     released: bool = False  # an eager backward without retain_graph: the cloud gave the gradients it kept away
     cloud_half: Any = None  # the edge's record of the cloud's gradients (splitft.edge.cloud_half), told of the backward
@@ -120,6 +120,7 @@ class Stage(Protocol):
 class Ops(Protocol):
     """The operations waiting to ride on the next message (:class:`splitft.edge.outbox.Outbox`)."""
 
+    weights_version: int
     def queue(self, op: Operation) -> None: ...
     def take(self) -> list[Operation]: ...
     def requeue(self, ops: list[Operation]) -> None: ...
@@ -129,11 +130,7 @@ class Scheduler:
     """Runs remote calls through a stage: all parts sent before any reply is awaited."""
 
     def __init__(self, stage: Stage, ops: Ops, lock: threading.RLock, options: Schedule, *, ushape: bool) -> None:
-        self.stage = stage
-        self.ops = ops
-        self.lock = lock
-        self.options = options
-        self.ushape = ushape
+        self.stage, self.ops, self.lock, self.options, self.ushape = stage, ops, lock, options, ushape
         self.loss_reduction = "mean"  # of the mirrored loss: how a loss's parts add up to the batch's
         #: What the mirrored loss's mean divides by, from a part's target, where not its rows (see
         #: :func:`splitft.edge.remote_loss.mean_denominator`).
@@ -164,6 +161,7 @@ class Scheduler:
             self._say_why_synchronous(call)
             self.window.drain()
             rows = partition(call, leaves, self.options.micro_batches)
+            call.weights = self.ops.weights_version  # what the forward runs with: the queued changes go first
             ops = self.ops.take()
             inputs = []
             with self.stage.borrowing():  # every reply is read before the script runs again
@@ -288,6 +286,10 @@ class Scheduler:
                                       "retain_graph=True: torch frees a graph at its backward unless told to keep it, "
                                       "and so did the cloud; pass retain_graph=True to the first backward, or add the "
                                       "losses and call backward once")
+            if call.backpropagated and call.trainable and params and self.ops.weights_version != call.weights:
+                raise GraphFreedError("a second backward through a forward after an optimizer step changed the cloud "
+                                      "half's weights: torch refuses it too (a variable needed for gradient computation "
+                                      "was modified by an inplace operation); run the forward again after the step")
             if call.backpropagated and not call.streamed and (
                     not exact or any(part.eager_grads is None for part in call.parts)):
                 raise GraphFreedError(
@@ -444,18 +446,17 @@ def keeps_graph() -> bool:
 
 
 def backward_pass() -> int | None:
-    """The number of the autograd backward pass running now (None outside one): the cloud sums
-    what one pass brings its parameters before adding it to their gradients, as torch's engine does."""
+    """The number of the autograd backward pass running now (None outside one): the cloud sums what one
+    pass brings its parameters before adding it to their gradients, as torch's engine does."""
     task = torch._C._current_graph_task_id()
     return task if task >= 0 else None
 
 
 def _scales_exactly(call: Call, grads: tuple) -> bool:
-    """Whether an eager call's gradients, computed in the cloud for a loss gradient of 1, become
-    the unsplit model's when scaled by the loss's own: exactly when that is ±2^k (a scaling that
-    commutes with every rounding of the backward). A loss divided by 3 or weighted 0.3 would give
-    gradients an ulp away from the unsplit model's, and the cloud backpropagates again instead.
-    Micro-batches and streamed steps keep the scaling (they are not the unsplit arithmetic anyway)."""
+    """Whether an eager call's gradients, computed in the cloud for a loss gradient of 1, become the unsplit
+    model's when scaled by the loss's own: exactly when that is ±2^k (a scaling that commutes with every
+    rounding of the backward). A loss divided by 3 or weighted 0.3 would give gradients an ulp away, and
+    the cloud backpropagates again instead. Micro-batches and streamed steps keep the scaling."""
     if call.streamed or len(call.parts) != 1 or call.parts[0].eager_grads is None:
         return True
     (scale,) = part_output_grads(call, call.parts[0], grads)
