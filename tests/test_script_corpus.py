@@ -517,6 +517,17 @@ def deep_supervision_heads_on_the_layer_before_the_cut(model, net, crit, data):
     return grads
 
 
+def trains_through_functional_call_with_its_own_parameters(model, net, crit, data):
+    """``functional_call(model, dict(model.named_parameters()), (x,))``: the cloud's own tensors put
+    back in their places change nothing, so the call is the model's forward, as unsplit."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = dict(model.named_parameters())
+    for x, y in data:
+        opt.zero_grad()
+        crit(torch.func.functional_call(model, params, (x,)), y).backward()
+        opt.step()
+
+
 SCRIPTS = [a_head_at_its_own_rate_and_the_first_layer_frozen_picked_by_name,
            scales_and_clips_gradients_in_an_optimizer_pre_hook,
            warms_up_in_a_pre_hook_and_logs_gradient_norms_in_a_post_hook,
@@ -531,7 +542,8 @@ SCRIPTS = [a_head_at_its_own_rate_and_the_first_layer_frozen_picked_by_name,
            learning_rate_set_by_hand_and_frozen_by_attribute,
            one_optimizer_over_two_models, loads_a_cloud_layer_by_hand_mid_training,
            edge_gradients_alone_by_autograd_grad_and_restricted_backward, restarts_adam_at_each_warm_restart,
-           deep_supervision_heads_on_the_layer_before_the_cut]
+           deep_supervision_heads_on_the_layer_before_the_cut,
+           trains_through_functional_call_with_its_own_parameters]
 
 
 def adds_a_head_by_attribute_and_counts_steps_in_a_buffer(model, net, crit, data):
@@ -1714,23 +1726,10 @@ def test_a_cloud_layer_put_in_eval_mode_by_name_runs_in_eval_mode_in_the_cloud(c
     assert int(state["block2.1.num_batches_tracked"]) == 0  # the BatchNorm really ran in eval mode
 
 
-@pytest.mark.parametrize("rejoin", [None, 4], ids=["plain", "ushape"])
-def test_functional_call_with_the_models_own_parameters_trains_as_unsplit(cloud, rejoin):
-    """``functional_call(model, dict(model.named_parameters()), (x,))``: the cloud's own tensors
-    put back in their places change nothing, so the call is the model's forward, as unsplit."""
-    def train(model, crit):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        params = dict(model.named_parameters())
-        for x, y in _data(3):
-            opt.zero_grad()
-            crit(torch.func.functional_call(model, params, (x,)), y).backward()
-            opt.step()
-
-    local = mlp()
-    train(local, nn.CrossEntropyLoss())
-    with splitft.split(mlp(), 2, rejoin, factory=MLP, connect=cloud) as model:
-        train(model, nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss()))
-        assert_bitwise(model.state_dict(), local.state_dict())
+def test_functional_call_with_tensors_of_its_own_for_cloud_parameters_is_refused(cloud):
+    """``functional_call`` with the model's own parameters runs as ``model(x)`` (a script of
+    :data:`SCRIPTS`); with another tensor for a cloud parameter it is refused."""
+    with splitft.split(mlp(), 2, factory=MLP, connect=cloud) as model:
         with pytest.raises(splitft.CutError, match="changing the parameters of '2'"):
             torch.func.functional_call(model, {"2.weight": torch.zeros(16, 16)}, (_data(1)[0][0],))
 
