@@ -517,6 +517,18 @@ def deep_supervision_heads_on_the_layer_before_the_cut(model, net, crit, data):
     return grads
 
 
+def trains_with_a_focal_loss_of_its_own_on_the_whole_output(model, net, crit, data):
+    """A loss the cloud cannot build by name (a focal loss written as a function), computed on the
+    edge from the whole model's output: a plain split's ``model.predict(x)``, unsplit ``model(x)``."""
+    forward = getattr(model, "predict", model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for x, y in data:
+        logp = torch.nn.functional.log_softmax(forward(x), -1).gather(1, y[:, None]).squeeze(1)
+        (-(1 - logp.exp()) ** 2 * logp).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def trains_through_functional_call_with_its_own_parameters(model, net, crit, data):
     """``functional_call(model, dict(model.named_parameters()), (x,))``: the cloud's own tensors put
     back in their places change nothing, so the call is the model's forward, as unsplit."""
@@ -543,7 +555,8 @@ SCRIPTS = [a_head_at_its_own_rate_and_the_first_layer_frozen_picked_by_name,
            one_optimizer_over_two_models, loads_a_cloud_layer_by_hand_mid_training,
            edge_gradients_alone_by_autograd_grad_and_restricted_backward, restarts_adam_at_each_warm_restart,
            deep_supervision_heads_on_the_layer_before_the_cut,
-           trains_through_functional_call_with_its_own_parameters]
+           trains_through_functional_call_with_its_own_parameters,
+           trains_with_a_focal_loss_of_its_own_on_the_whole_output]
 
 
 def adds_a_head_by_attribute_and_counts_steps_in_a_buffer(model, net, crit, data):

@@ -210,7 +210,7 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
         lambda model, net, opt: model.remote_loss(
             lambda out, teacher: torch.nn.functional.kl_div(out.log_softmax(-1), teacher.softmax(-1),
                                                             reduction="batchmean")),
-        ConfigError, r"torch\.nn losses by name .*; <lambda> is not one\. For a loss of your own.*U-shape"),
+        ConfigError, r"torch\.nn losses by name .*; <lambda> is not one\. For a loss of your own.*model\.predict\(x\).*U-shape"),
     "an L2 penalty on every weight added to the loss": (
         lambda model, net, opt: 1e-3 * sum(p.pow(2).sum() for p in model.parameters()), PlaceholderError,
         r"cloud parameter '2\.weight' with gradients on.*optimizer's weight_decay, or its gradient added after "

@@ -229,8 +229,10 @@ def loss_settings(criterion: nn.Module) -> dict[str, Any]:
     if getattr(nn, cls.__name__, None) is not cls or not issubclass(cls, nn.modules.loss._Loss):
         raise ConfigError(f"the cloud computes torch.nn losses by name (and torch.nn.functional's of (input, target)); "
                           f"{getattr(criterion, '__name__', cls.__qualname__)} is not one. For a loss of "
-                          "your own (a distillation loss, a function), cut a U-shape (split(..., rejoin=...)): the "
-                          "model's output comes back to the edge, where your loss runs as it is")
+                          "your own (a distillation loss, a function), compute it on the edge from out = "
+                          "model.predict(x) (the cloud half's output comes back, and your loss's gradient goes to the "
+                          "cloud at out's backward), or cut a U-shape (split(..., rejoin=...)) so the head runs on the "
+                          "edge too")
     settings: dict[str, Any] = {}
     for name in _setting_names(cls):
         value = getattr(criterion, name, None)
