@@ -37,6 +37,15 @@ class GraphFreedError(ConfigError, RuntimeError):
     catches it as unsplit."""
 
 
+class UnfinishedForwardError(SplitFTError):
+    """A forward left unfinished where the unsplit model would have changed the cloud half
+    (running statistics, dropout draws): a plain split's training-mode ``model(x)`` whose output
+    never reached the cloud, or a U-shape trunk's run stopped midway. Raised at the next forward or
+    request (a U-shape's at every one after it), and not a ``ValueError`` or ``RuntimeError``: a loop
+    that skips a failed batch (``except (ValueError, RuntimeError): continue``) must not skip this
+    and train on apart from the unsplit run."""
+
+
 class ProtocolError(SplitFTError):
     """A message that does not follow the wire protocol."""
 

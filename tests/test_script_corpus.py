@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import splitft
-from splitft.errors import ConfigError
+from splitft.errors import ConfigError, UnfinishedForwardError
 from tests.conftest import start_cloud, stop
 from tests.models import mlp, mlp_dropout
 from tests.test_faults import _data, assert_same
@@ -1504,6 +1504,46 @@ def test_a_loop_that_skips_a_batch_the_loss_refuses_trains_as_unsplit(cloud, bad
         assert train(model, crit) == expected
         assert_bitwise(model.state_dict(), local.state_dict())
     assert torch.equal(torch.get_rng_state(), local_rng)
+
+
+def test_a_forward_left_without_its_loss_is_not_swallowed_by_a_loop_that_skips_failed_batches(cloud):
+    """The script's own check fails between ``model(x)`` and the loss (a dropout in the cloud half
+    drew at that forward unsplit): the refusal at the next forward is no ValueError or RuntimeError,
+    so the loop's ``except`` for its own failures does not skip it and train on apart from the
+    unsplit run. A request refused so keeps the step queued before it for the next message."""
+    data = _data(4)
+
+    def train(model, crit, opt, batches):
+        for i, (x, y) in enumerate(batches):
+            try:
+                out = model(x)
+                if i == 1:
+                    raise ValueError("corrupt labels in this batch")
+                crit(out, y).backward()
+                opt.step()
+                opt.zero_grad()
+            except (IndexError, ValueError, RuntimeError):
+                continue
+
+    torch.manual_seed(0)
+    local = mlp_dropout()
+    opt = torch.optim.SGD(local.parameters(), lr=0.1)
+    train(local, nn.CrossEntropyLoss(), opt, data[:2])
+    train(local, nn.CrossEntropyLoss(), opt, data[3:])
+    local(data[2][0])
+    torch.manual_seed(0)
+    with splitft.split(mlp_dropout(), 2, factory=MLP_DROPOUT, connect=cloud) as model:
+        crit = model.remote_loss(nn.CrossEntropyLoss())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(UnfinishedForwardError, match="had not reached the cloud half"):
+            train(model, crit, opt, data[:3])
+        model.predict(data[1][0])  # the left forward run whole, as unsplit: its dropout draws
+        train(model, crit, opt, data[3:])
+        model(data[2][0])
+        with pytest.raises(UnfinishedForwardError):  # a request refused: the queued step waits for the next
+            model.state_dict()
+        model.predict(data[2][0])
+        assert_bitwise(model.state_dict(), local.state_dict())
 
 
 def test_a_caught_loss_error_in_micro_batches_with_dropout_in_the_cloud_is_refused_until_reseeded(cloud):

@@ -24,7 +24,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import splitft
-from splitft.errors import ConfigError, CutError, HandshakeError, ModelError, PlaceholderError
+from splitft.errors import ConfigError, CutError, HandshakeError, ModelError, PlaceholderError, UnfinishedForwardError
 from tests.conftest import ROOT, start_cloud, stop
 from tests.models import (checkpointed_mlp, counting_mlp, deep_supervised, global_writer_mlp, layer_stack, lookup_mlp, mlp,
                           mlp_batchnorm, mlp_dropout, noisy_mlp, old_norm_mlp, parametrized_mlp, pruned_mlp,
@@ -154,7 +154,7 @@ REFUSED: dict[str, tuple[Callable, type, str]] = {
         lambda model, net, opt: setattr(net[3], "p", nn.Identity()), CutError,
         r"setting 'p' of '3'.*peft's merge_and_unload\(\).*model\.unsplit\(\) first"),
     "a training forward whose activation is dropped (statistics recomputed by model(x) alone)": (
-        lambda model, net, opt: (model.train(), [model(x) for x, _ in _data(2)]), ConfigError,
+        lambda model, net, opt: (model.train(), [model(x) for x, _ in _data(2)]), UnfinishedForwardError,
         r"a model\(x\) in training mode had not reached the cloud half.*model\.predict\(x\)"),
     "a forward hook on a cloud layer's submodule": (
         lambda model, net, opt: net[2].register_forward_hook(lambda *a: None), CutError, r"would never run"),
@@ -1060,7 +1060,7 @@ def test_a_draw_between_trunk_layers_whose_dropout_draws_in_the_cloud_is_refused
         with pytest.raises(CutError, match=r"drew random numbers on the edge before calling 'layers.1'"):
             model(x)
         net.between = None
-        with pytest.raises(CutError, match=r"refuses every request from now on"):
+        with pytest.raises(UnfinishedForwardError, match=r"refuses every request from now on"):
             model.state_dict()
 
 
@@ -1357,7 +1357,7 @@ def test_a_trunk_left_after_its_first_module_is_refused_where_the_cloud_ran_more
                 net[2](torch.relu(net[0](x)))
             model.train()
             if training:
-                with pytest.raises(CutError, match=r"trunk '2'..'3' in training mode was left unfinished \(called up "
+                with pytest.raises(UnfinishedForwardError, match=r"trunk '2'..'3' in training mode was left unfinished \(called up "
                                                    r"to '2', not '3'\).*batch-norm statistics"):
                     model.state_dict()
                 return

@@ -40,7 +40,7 @@ import transports
 from ..wire import protocol
 from ..wire.coding import Traffic
 from ..errors import (AuthError, ConfigError, HandshakeError, PeerGone, ProtocolError, SessionLost, SplitFTError,
-                      TooLarge, TransportError, TransportTimeout, from_code, translated)
+                      TooLarge, TransportError, TransportTimeout, UnfinishedForwardError, from_code, translated)
 from ..metrics import Metrics
 from ..options import Codecs, Faults
 from ..wire.operations import Step
@@ -156,7 +156,11 @@ class EdgeSession(Recovery):
                               "process (compute pseudo-labels there), or load the data with num_workers=0")
         before = self.before_request() if self.before_request is not None else None
         if before is not None and not isinstance(msg, Bye):
-            before()
+            try:
+                before()
+            except UnfinishedForwardError:  # refused before it left: its operations go with the next message
+                self.outbox.requeue(getattr(msg, "ops", []))
+                raise
         if not isinstance(msg, Sync):
             self.outbox.version += 1  # a forward or a backward changes the cloud half's tensors
         numbered = _numbered(msg)

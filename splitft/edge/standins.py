@@ -24,7 +24,7 @@ from torch import nn
 from .audit import attribute_tensors, audit_trunk, out_of_memory
 from ..wire.coding import flatten, is_cache
 from ..cut import Chain, stream
-from ..errors import CutError
+from ..errors import CutError, UnfinishedForwardError
 from ..generator_state import host_state
 from .intermediate import hand_over
 
@@ -199,7 +199,7 @@ class TrunkEntry(nn.Module):
             self.reached = None
             return
         names = self.cloud_names
-        raise CutError(
+        raise UnfinishedForwardError(
             f"a run of the trunk {names[0]!r}..{names[-1]!r} in training mode was left unfinished (called up to "
             f"{names[reached]!r}, not {names[reached + 1]!r}): the first module's call runs the whole trunk in the "
             "cloud, so its batch-norm statistics or dropout draws moved as if every module had run, where unsplit "

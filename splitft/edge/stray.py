@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ..errors import ConfigError, UnfinishedForwardError
 from . import generator_sets
 from .standins import TrunkEntry
 
@@ -98,7 +98,7 @@ class StrayForwards:
         last, self._last = self._last, None
         if last is None or last.crossed or not self._could_change():
             return
-        raise ConfigError(
+        raise UnfinishedForwardError(
             "a model(x) in training mode had not reached the cloud half (by a remote loss or model.predict) before "
             "the next forward or request: unsplit, that forward ran the whole model at once, updating its "
             "batch-norm running statistics or drawing its dropout masks; split, the cloud half would run it later, "
