@@ -67,8 +67,15 @@ def _module(model: nn.Module, name: str) -> nn.Module:
         raise CutError(f"the model has no module named {name!r}{hint} (top-level modules: {listing})") from None
 
 
+def _children(module: nn.Module) -> list[str]:
+    """The names of ``module``'s children, each place once, in order: ``nn.Sequential`` calls a
+    module object put in two places (``act = nn.ReLU()`` reused) at both, where torch's
+    ``named_children()`` lists it once, under its first name."""
+    return [name for name, child in module._modules.items() if child is not None]
+
+
 def _child_index(model: nn.Module, parent: str, child: str) -> int:
-    names = [n for n, _ in _module(model, parent).named_children()]
+    names = _children(_module(model, parent))
     if child not in names and child.lstrip("-").isdigit() and -len(names) <= int(child) < len(names):
         return int(child) % len(names)  # an index into a container whose children have names
     if child not in names:
@@ -100,7 +107,7 @@ def parse_cut(model: nn.Module, cut: str | int, rejoin: str | int | None = None)
         where, _, stop_text = cut.partition(":")
         parent, _, start_name = where.rpartition(".")
         start = _child_index(model, parent, start_name)
-        count = len(list(_module(model, parent).children()))
+        count = len(_children(_module(model, parent)))
         try:
             stop = int(stop_text) if stop_text else count
         except ValueError:
@@ -126,7 +133,7 @@ def parse_cut(model: nn.Module, cut: str | int, rejoin: str | int | None = None)
 
 def cut_text(spec: CutSpec, model: nn.Module) -> tuple[str, str | None]:
     """The (cut, rejoin) names of a spec, as the handshake carries them; parse_cut reads them back."""
-    names = [n for n, _ in _module(model, spec.parent).named_children()]
+    names = _children(_module(model, spec.parent))
     cut = _join(spec.parent, names[spec.start])
     if spec.stop is None:
         return cut, None
@@ -137,7 +144,7 @@ def cut_text(spec: CutSpec, model: nn.Module) -> tuple[str, str | None]:
 
 def cloud_module_names(model: nn.Module, spec: CutSpec) -> list[str]:
     """Dotted names of the modules the cloud runs, in call order."""
-    names = [n for n, _ in _module(model, spec.parent).named_children()]
+    names = _children(_module(model, spec.parent))
     if spec.stop is not None:
         return [_join(spec.parent, n) for n in names[spec.start: spec.stop]]
     chain = [_join(spec.parent, n) for n in names[spec.start:]]
@@ -153,7 +160,7 @@ def cloud_module_names(model: nn.Module, spec: CutSpec) -> list[str]:
         if not path:
             return chain
         parent, _, child = path.rpartition(".")
-        siblings = [n for n, _ in _module(model, parent).named_children()]
+        siblings = _children(_module(model, parent))
         chain += [_join(parent, n) for n in siblings[siblings.index(child) + 1:]]
         path = parent
 
@@ -229,7 +236,29 @@ def extract(model: nn.Module, spec: CutSpec) -> Chain:
     (every container above a plain cut is one)."""
     parent = _module(model, spec.parent)
     whole = not spec.ushape or (isinstance(parent, nn.Sequential) and type(parent).forward is nn.Sequential.forward)
-    return Chain([(name, _module(model, name)) for name in cloud_module_names(model, spec)], whole=whole)
+    names = cloud_module_names(model, spec)
+    _refuse_reused(model, names)
+    return Chain([(name, _module(model, name)) for name in names], whole=whole)
+
+
+def _refuse_reused(model: nn.Module, cloud: list[str]) -> None:
+    """Refuse a module object of the cloud half that the model also holds at another place (a
+    layer instance put in two places, ``act = nn.ReLU()`` reused): the edge keeps a stand-in for
+    each cloud module, which would stand in at the other place too, and the cloud half's modules are
+    run one place at a time."""
+    places: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        places.setdefault(id(module), []).append(name)
+    for root in cloud:
+        for inner, module in _module(model, root).named_modules(prefix=root, remove_duplicate=False):
+            other = next((p for p in places[id(module)] if p != root and not p.startswith(root + ".")), None)
+            if other is not None:
+                raise CutError(
+                    f"{inner!r}, which runs in the cloud, is the same module object as {other!r} (one instance put "
+                    f"in two places, as `act = nn.ReLU()` reused in an nn.Sequential): the cloud half runs its "
+                    "modules one place at a time, and the edge's stand-in of it would stand in at the other place "
+                    "too. Give each place its own instance (nn.ReLU() in each), in the model and in the cloud's "
+                    "factory")
 
 
 def fingerprint(chain: Chain) -> str:

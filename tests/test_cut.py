@@ -41,6 +41,31 @@ def test_plain_cut_of_a_non_chain_is_refused_with_the_fix():
         cloud_module_names(residual_net(), parse_cut(residual_net(), "stage1"))
 
 
+def _reused_activation() -> nn.Sequential:
+    act = nn.ReLU()
+    return nn.Sequential(nn.Linear(4, 8), act, nn.Linear(8, 8), act, nn.Linear(8, 8), act, nn.Linear(8, 2))
+
+
+def test_a_module_put_in_two_places_is_counted_at_each_and_refused_in_the_cloud_half():
+    """``act = nn.ReLU()`` reused: ``nn.Sequential`` calls it at each place, where torch's
+    ``named_children()`` lists it once. Cuts name and count every place (the cloud half ran the
+    layers without the ones between them, and index 3 cut at '4'); the cloud half holding one of
+    them is refused, naming the other place."""
+    model = _reused_activation()
+    assert cloud_module_names(model, parse_cut(model, 6)) == ["6"]
+    assert cloud_module_names(model, parse_cut(model, "2", "4")) == ["2", "3"]
+    assert cut_text(parse_cut(model, 3), model) == ("3", None)
+    extract(model, parse_cut(model, 6))  # the last layer alone: nothing shared
+    for cut, rejoin in ((2, None), ("2", "4"), ("3:5", None)):
+        with pytest.raises(CutError, match=r"'3', which runs in the cloud, is the same module object as '1'.*its "
+                                           r"own instance"):
+            extract(model, parse_cut(model, cut, rejoin))
+    shared = nn.Linear(8, 8)
+    twice_in_the_cloud = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), shared, nn.Tanh(), shared, nn.Linear(8, 2))
+    with pytest.raises(CutError, match=r"'2', which runs in the cloud, is the same module object as '4'"):
+        extract(twice_in_the_cloud, parse_cut(twice_in_the_cloud, 2))
+
+
 def test_a_container_reached_through_a_wrappers_attribute_is_cut_at_its_own_name():
     """peft's PeftModel hands attribute reads on to the model it wraps: ``model.model.layers`` reaches
     the layers, whose parameters go by ``base_model.model.model.layers...``. Refused naming that."""
