@@ -1121,3 +1121,54 @@ def root_dropout_net(seed: int = 0) -> RootDropoutNet:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return RootDropoutNet()
+
+
+class DetachedProbe(nn.Module):
+    """An online linear probe: a head trained on features it does not backpropagate into."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 3)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lin(h.detach())
+
+
+def detached_probe_mlp(seed: int = 0) -> nn.Sequential:
+    """Cut at 1: the cloud half's backward reaches none of the edge's layers."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(12, 16), DetachedProbe())
+
+
+class AuxOutBlock(nn.Module):
+    """A block that returns its features and an auxiliary head's logits of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.aux_head = nn.Linear(16, 3)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.a(h))
+        return h, self.aux_head(h)
+
+
+class AuxOutNet(nn.Module):
+    """U-shape at ``blk`` (rejoin ``head``): a script may leave the auxiliary output out of its loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(12, 16)
+        self.blk = AuxOutBlock()
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, aux = self.blk(self.inp(x))
+        return self.head(h), aux
+
+
+def aux_out_net(seed: int = 0) -> AuxOutNet:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AuxOutNet()

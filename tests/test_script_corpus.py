@@ -1100,7 +1100,8 @@ def cloud(tmp_path_factory):
     proc, address, err = start_cloud(tmp_path_factory.mktemp("cloud"), "--sessions", "0", "--model", MLP,
                                      "--model", DIGITS, "--model", MLP_DROPOUT, "--model", BATCH_LIMITED,
                                      "--model", "tests.models:mlp_dropout_everywhere",
-                                     "--model", "tests.models:lambda_block_mlp", "--model", "tests.models:root_dropout_net")
+                                     "--model", "tests.models:lambda_block_mlp", "--model", "tests.models:root_dropout_net",
+                                     "--model", "tests.models:detached_probe_mlp", "--model", "tests.models:aux_out_net")
     yield address
     stop(proc)
 
@@ -1544,6 +1545,46 @@ def test_a_forward_left_without_its_loss_is_not_swallowed_by_a_loop_that_skips_f
             model.state_dict()
         model.predict(data[2][0])
         assert_bitwise(model.state_dict(), local.state_dict())
+
+
+def test_what_the_cloud_halfs_backward_does_not_reach_gets_no_gradient_as_unsplit(cloud):
+    """A probe on detached features in the cloud (plain split), an auxiliary output a U-shape's loss
+    uses at the first step only: unsplit, the layers the backward does not reach keep ``grad`` None,
+    and AdamW's weight decay and moments pass them by; they got zeros, and moved."""
+    from tests.models import aux_out_net, detached_probe_mlp
+
+    data = _data(3)
+
+    def probe(model, crit):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        reached = []
+        for x, y in data:
+            crit(model(x), y).backward()
+            reached.append(next(model.parameters()).grad is not None)
+            opt.step()
+            opt.zero_grad()
+        return reached
+
+    def aux(model, crit):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        reached = []
+        for i, (x, y) in enumerate(data):
+            out, logits = model(x)
+            (crit(out, y) + (0.3 * crit(logits, y) if i == 0 else 0)).backward()
+            reached.append(model.blk.aux_head.weight.grad is not None)
+            opt.step()
+            opt.zero_grad()
+        return reached
+
+    for factory, script, cut, rejoin in ((detached_probe_mlp, probe, 1, None), (aux_out_net, aux, "blk", "head")):
+        local = factory()
+        expected = script(local, nn.CrossEntropyLoss())
+        assert expected == ([False] * 3 if script is probe else [True, False, False])
+        model = splitft.split(factory(), cut, rejoin, factory=f"tests.models:{factory.__name__}", connect=cloud)
+        with model:
+            crit = nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss())
+            assert script(model, crit) == expected
+            assert_bitwise(model.state_dict(), local.state_dict())
 
 
 def test_a_caught_loss_error_in_micro_batches_with_dropout_in_the_cloud_is_refused_until_reseeded(cloud):

@@ -99,14 +99,15 @@ def edge_dtype(value: Any, received: list[torch.Tensor], half_dtype: torch.dtype
 
 def encode_input_grads(codecs: SlotCodecs, leaves: list[torch.Tensor], coded: list[Coded], needed: list[bool],
                        leaf_grads: list[torch.Tensor | None], ctx: CodecContext) -> list[dict | None]:
-    """Gradients of a call's inputs, through the gradient codecs, as wire entries."""
+    """Gradients of a call's inputs, through the gradient codecs, as wire entries; None for an
+    input the backward did not reach (the half does not differentiate through it: detached, or
+    used on some inputs only), whose edge producers then get no gradient, as unsplit."""
     traffic = Traffic()
     entries: list[dict | None] = []
     for leaf, c, need, grad in zip(leaves, coded, needed, leaf_grads):
-        if not need:
+        if not need or grad is None:
             entries.append(None)
             continue
-        grad = grad if grad is not None else torch.zeros_like(leaf)
         grad = codecs.grad_for_sender(grad, c, "fwd", ctx)
         (entry,), _ = codecs.encode([grad], 0 if c.stream else None, "bwd", ctx, [False], traffic)
         entries.append(entry)

@@ -470,8 +470,8 @@ def part_output_grads(call: Call, part: Part, grads: tuple) -> list[torch.Tensor
     for coded, grad, needed, join in zip(part.received, grads, part.out_grad, call.out_join):
         if not needed:
             result.append(None)
-        elif grad is None:
-            result.append(torch.zeros(coded.shape, dtype=coded.dtype, device=coded.device))
+        elif grad is None:  # an output the loss does not use: the cloud's backward leaves its producers out
+            result.append(None)
         elif len(call.parts) == 1 or join == "sum":
             result.append(grad)
         else:
@@ -480,17 +480,19 @@ def part_output_grads(call: Call, part: Part, grads: tuple) -> list[torch.Tensor
 
 
 def join_input_grads(call: Call, per_part: list[list[torch.Tensor | None]]) -> list[torch.Tensor | None]:
-    """The call's input gradients from its parts': rows concatenated, repeated inputs summed."""
+    """The call's input gradients from its parts': rows concatenated, repeated inputs summed; None
+    where no part's backward reached the input, zeros for the parts that did not beside one that did."""
     if len(per_part) == 1:
         return per_part[0]
     result: list[torch.Tensor | None] = []
     for i, pieces in enumerate(zip(*per_part)):
-        if not call.in_grad[i]:
+        if not call.in_grad[i] or all(piece is None for piece in pieces):
             result.append(None)
-        elif call.in_split[i]:
-            result.append(torch.cat(pieces))
-        else:
-            result.append(torch.stack(pieces).sum(0))
+            continue
+        pieces = tuple(piece if piece is not None else
+                       torch.zeros(part.sent[i].shape, dtype=part.sent[i].dtype, device=part.sent[i].device)
+                       for piece, part in zip(pieces, call.parts))
+        result.append(torch.cat(pieces) if call.in_split[i] else torch.stack(pieces).sum(0))
     return result
 
 

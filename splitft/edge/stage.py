@@ -295,8 +295,8 @@ class CloudStage:
                 if not needed:
                     result.append(None)
                     continue
-                if slot is None:
-                    result.append(torch.zeros(coded.shape, dtype=coded.dtype, device=coded.device))
+                if slot is None:  # the cloud's backward did not reach it: no gradient, as unsplit
+                    result.append(None)
                     continue
                 (grad,), _ = self.codecs.decode([got[slot.index]], 0 if coded.stream else None, "bwd",
                                                 dataclasses.replace(ctx, device=coded.device))
