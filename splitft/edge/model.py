@@ -10,7 +10,6 @@ cloud must repeat (:mod:`.mirror`), the calls through the cut (:mod:`.remote_cal
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -30,7 +29,7 @@ from .ghosts import Ghosts, install, standin_of, uninstall
 from .whole_state import forget_inner_keys, load_nested, load_whole_state
 from .mirror import ModelMirror, loss_module
 from .optimizer_loads import local_value
-from .module_tree import UnsplitTree, hidden_attributes
+from .module_tree import UnsplitTree, caller_level, hidden_attributes
 from .placeholders import CloudTensor
 from .remote_call import COMPILED_TO_TORCHSCRIPT, CacheRefs, RemoteCaller, refuse_foreign_contexts
 from .remote_loss import CUT_CONTEXT, CutActivation, CutContext, CutTensor, RemoteLoss, call_parts, mean_denominator
@@ -40,16 +39,6 @@ from .stage import DRAWN_BETWEEN, CloudStage
 from .stray import StrayForwards, crossed
 from .standins import FORWARDING, CutReached, TrunkEntry
 from .step_log import StepLog
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside splitft: where the script called it."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frame: Any = sys._getframe(1)
-    level = 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 class SplitModel(UnsplitTree):
@@ -117,7 +106,7 @@ class SplitModel(UnsplitTree):
         if hidden:
             warnings.warn(f"{type(model).__name__} has {', '.join(map(repr, hidden))}, which the split model has too: "
                           f"on the split model, {hidden[0]!r} is the split model's; your model's is "
-                          f"model.wrapped.{hidden[0]}", HiddenAttributeWarning, stacklevel=_caller_level())
+                          f"model.wrapped.{hidden[0]}", HiddenAttributeWarning, stacklevel=caller_level())
 
     def __getattr__(self, name: str) -> Any:
         wrapped = self.__dict__.get("_modules", {}).get("model")
@@ -421,10 +410,12 @@ class SplitModel(UnsplitTree):
 
     def unsplit(self) -> nn.Module:
         """The whole trained model, in one piece on the edge: the cloud half's modules back in place
-        with the cloud's weights, and the attached optimizer holding the cloud's state for them, so
-        training can go on unsplit, exactly. Ends the session (the split model cannot train after this)."""
+        with the cloud's weights and gradients, and the attached optimizer holding the cloud's state for
+        them, so training can go on unsplit, exactly (mid-accumulation too). Ends the session (the split
+        model cannot train after this)."""
         modules = self.ghosts.chain
         modules.load_qualified_state_dict(self.cloud_state_dict())
+        grads = self.cloud_half.held_grads()  # an accumulation under way goes on unsplit
         optimizer = self.mirror.optimizer_mirror
         moments = None  # a shared half's optimizer is every edge's: its moments start afresh here
         if optimizer is not None and not self.session.shared:
@@ -433,6 +424,8 @@ class SplitModel(UnsplitTree):
         self.close()
         self.cloud_half.has_grad.clear()
         whole = uninstall(self.wrapped, modules)
+        for name, grad in grads.items():
+            whole.get_parameter(name).grad = grad.to(whole.get_parameter(name).device)
         now = self._state_moment()
         self.session.outbox.runs += 1  # what state_dict() fetched before is the whole model's now, or stale
         tensors = dict(whole.state_dict(keep_vars=True))

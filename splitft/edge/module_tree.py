@@ -28,6 +28,8 @@ them so that ``split()`` can say so.
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -169,4 +171,14 @@ def hidden_attributes(split: nn.Module, split_class: type, model: nn.Module, han
     return sorted(ours & theirs - set(handled))
 
 
-__all__ = ["UnsplitTree", "hidden_attributes"]
+__all__ = ["UnsplitTree", "caller_level", "hidden_attributes"]
+
+
+def caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside splitft: where the script called it."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame: Any = sys._getframe(1)
+    level = 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..errors import PeerGone
 from ..wire.operations import Compute, LoadWeights, Operation, Step, merged, names_of
+
+#: Why an operation queued once the session closed goes nowhere.
+CLOSED = ("this split session is closed (after model.unsplit() or close()): what the script did to the split model "
+          "now (a backward through a forward made before, a step, a gradient cleared) would reach the cloud half "
+          "no more. Go on with the model unsplit() returned (run the forward again on it), or split again")
 
 
 class Outbox:
@@ -36,12 +42,16 @@ class Outbox:
         #: Moves with every call of the cloud half that may change its buffers (running statistics):
         #: one in training mode, or with one of its layers in training mode.
         self.runs = 0
+        #: Set when the session ends: nothing may wait for a message that will not come.
+        self.closed = False
 
     def __len__(self) -> int:
         return len(self._ops)
 
     def queue(self, op: Operation) -> None:
         """``op`` rides on the next message, after every operation queued before it."""
+        if self.closed:
+            raise PeerGone(CLOSED)
         self.version += 1
         if isinstance(op, (Step, LoadWeights)) or (isinstance(op, Compute) and "value" in op.target):
             self.weights_version += 1

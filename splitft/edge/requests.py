@@ -46,7 +46,7 @@ from ..options import Codecs, Faults
 from ..wire.operations import Step
 from ..wire.protocol import Ack, Bye, Error, Hello, Pong, Redirect, Sync, Welcome
 from .heartbeat import Heartbeat
-from .outbox import Outbox
+from .outbox import CLOSED, Outbox
 from .recovery import NoSteps, Recovery, Reply, Steps
 from .resume import ResumePoint
 from .route import Follow, Route
@@ -147,8 +147,7 @@ class EdgeSession(Recovery):
         replies. ``kind`` and ``traffic`` (raw and payload bytes) are what the metrics count.
         """
         if self.closed:
-            raise PeerGone("this split session is closed (after model.unsplit(), go on with the model it returned); "
-                           "create a new one to keep training")
+            raise PeerGone(CLOSED)
         if os.getpid() != self._pid:
             raise ConfigError(f"this split model's session belongs to process {self._pid}; this one ({os.getpid()}) "
                               "was forked from it (a DataLoader worker with num_workers > 0) and shares its "
@@ -416,6 +415,7 @@ class EdgeSession(Recovery):
             except (transports.TransportError, SplitFTError) as exc:
                 log.info("cloud did not confirm the goodbye: %s", exc)
             finally:
+                self.outbox.closed = True
                 self.drop()
 
     def drop(self) -> None:
