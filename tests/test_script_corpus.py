@@ -529,6 +529,22 @@ def trains_with_a_focal_loss_of_its_own_on_the_whole_output(model, net, crit, da
         opt.zero_grad()
 
 
+def restores_a_best_state_kept_without_copies(model, net, crit, data):
+    """Early stopping that keeps the live tensors instead of copies (``{n: p.data}``,
+    ``state_dict(keep_vars=True)``): loading them back copies each weight onto itself, which
+    changes nothing (split, it raised for a NumPy array)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i, (x, y) in enumerate(data):
+        crit(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 1:
+            best = {name: p.data for name, p in model.named_parameters()}
+            kept = model.state_dict(keep_vars=True)
+    model.load_state_dict(best)
+    model.load_state_dict(kept)
+
+
 def trains_through_functional_call_with_its_own_parameters(model, net, crit, data):
     """``functional_call(model, dict(model.named_parameters()), (x,))``: the cloud's own tensors put
     back in their places change nothing, so the call is the model's forward, as unsplit."""
@@ -556,7 +572,8 @@ SCRIPTS = [a_head_at_its_own_rate_and_the_first_layer_frozen_picked_by_name,
            edge_gradients_alone_by_autograd_grad_and_restricted_backward, restarts_adam_at_each_warm_restart,
            deep_supervision_heads_on_the_layer_before_the_cut,
            trains_through_functional_call_with_its_own_parameters,
-           trains_with_a_focal_loss_of_its_own_on_the_whole_output]
+           trains_with_a_focal_loss_of_its_own_on_the_whole_output,
+           restores_a_best_state_kept_without_copies]
 
 
 def adds_a_head_by_attribute_and_counts_steps_in_a_buffer(model, net, crit, data):

@@ -22,6 +22,7 @@ from ..errors import ConfigError
 from ..wire.operations import LoadWeights
 from .cloud_half import values_to_send
 from .fetched_state import FetchedCloudState
+from .placeholders import CloudTensor
 from .requests import EdgeSession
 from .taken_before import loads_nothing
 
@@ -34,9 +35,11 @@ def load_whole_state(wrapped: nn.Module, state_dict: Mapping[str, Any], strict: 
     are stamped by ``moment``."""
     if assign:
         _refuse_assigning_cloud_parameters(state_dict, cloud_names & cloud_params)
-    shapes = {k: tuple(v.shape) for k, v in wrapped.state_dict(keep_vars=True).items() if k in cloud_names}
+    own = {k: v for k, v in wrapped.state_dict(keep_vars=True).items() if k in cloud_names}
+    shapes = {k: tuple(v.shape) for k, v in own.items()}
     cloud, errors = {}, []
     unchanged = loads_nothing(state_dict, chain)  # the live weight itself, unsplit: a copy onto itself
+    unchanged |= {k for k, v in state_dict.items() if k in own and _same_placeholder(v, own[k])}
     for key, value in state_dict.items():
         if key in cloud_names and key not in unchanged:
             array = values_to_send(value)
@@ -68,6 +71,14 @@ def load_whole_state(wrapped: nn.Module, state_dict: Mapping[str, Any], strict: 
                            f"{missing[:5]}, unexpected keys {result.unexpected_keys[:5]}"
                            + "".join(f"\n\t{e}" for e in errors))
     return type(result)(missing, result.unexpected_keys)
+
+
+def _same_placeholder(value: Any, own: Any) -> bool:
+    """Whether ``value`` is the cloud tensor's own placeholder (or its ``.data`` / ``detach()``):
+    the live weight, kept without a copy (``model.state_dict(keep_vars=True)``, ``{n: p.data}``),
+    which unsplit loads onto itself and changes nothing."""
+    return (isinstance(value, CloudTensor) and type(value) is type(own)
+            and value._splitft_name == own._splitft_name and value._splitft_remote is own._splitft_remote)
 
 
 def load_nested(model: nn.Module, state_dict: Mapping[str, Any], prefix: str, local_metadata: dict,
