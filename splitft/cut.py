@@ -264,11 +264,18 @@ def _refuse_reused(model: nn.Module, cloud: list[str]) -> None:
 def fingerprint(chain: Chain) -> str:
     """Hash of the cloud part's parameter/buffer names, shapes, dtypes and memory layouts (the
     strides of one that is not contiguous, as ``model.to(memory_format=torch.channels_last)`` leaves
-    a convolution's weight, whose kernels then sum in another order): same architecture?"""
+    a convolution's weight, whose kernels then sum in another order), and which parameters are one
+    (``head.weight = embed.weight``: tied in the model and not by the factory, the cloud would train
+    two): same architecture?"""
     digest = hashlib.sha256()
     for key, value in sorted(chain.qualified_state_dict().items()):
         layout = "" if value.is_contiguous() else f":{value.stride()}"
         digest.update(f"{key}:{tuple(value.shape)}:{value.dtype}{layout};".encode())
+    first: dict[int, str] = {}
+    for name, stage in zip(chain.names, chain.stages):
+        for key, param in stage.named_parameters(prefix=name, remove_duplicate=False):
+            if first.setdefault(id(param), key) != key:
+                digest.update(f"{key}={first[id(param)]};".encode())
     return digest.hexdigest()[:16]
 
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from splitft.errors import CutError
 from splitft.app.models import digits_cnn
-from splitft.cut import cloud_module_names, cut_text, extract, parse_cut
+from splitft.cut import cloud_module_names, cut_text, extract, fingerprint, parse_cut
 from splitft.edge.ghosts import install, standin_of
 from tests.models import mlp, residual_net
 
@@ -97,6 +97,24 @@ def test_installed_edge_holds_no_cloud_values_only_named_placeholders():
     assert not any(p.device.type == "meta" for n, p in after.items() if n not in cloud)
     assert isinstance(model.block3, type(chain.stages[0])) and type(model.block3).__name__ == "Sequential"
     assert standin_of(model.block3) is not None
+
+
+def test_the_fingerprint_tells_weights_tied_in_the_cloud_half_from_untied_ones():
+    """``net[4].weight = net[2].weight`` made before split() but not by the factory: the cloud
+    would train two weights where the model has one; the handshake's fingerprint differs. Tied
+    alike, it is the same, before the cut and after it (a resumed session's handshake)."""
+    def net(tied: bool) -> nn.Sequential:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        if tied:
+            model[4].weight = model[2].weight
+        return model
+
+    prints = {tied: fingerprint(extract(net(tied), parse_cut(net(tied), 2))) for tied in (False, True)}
+    assert prints[False] != prints[True]
+    model = net(True)
+    install(model, parse_cut(model, 2), remote=lambda *a, **k: None)
+    assert fingerprint(extract(model, parse_cut(model, 2))) == prints[True]
 
 
 def test_a_trunk_whose_modules_are_not_chained_is_detected():

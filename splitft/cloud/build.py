@@ -113,10 +113,11 @@ def build_chain(hello: Hello, factories: dict[str, Callable[..., nn.Module]], li
     if mine != hello.fingerprint:
         raise HandshakeError(
             f"the cloud part of {hello.factory!r} cut at {hello.cut!r} differs between edge and cloud "
-            f"(fingerprint of its parameters' names, shapes, dtypes and memory layouts {hello.fingerprint} vs {mine}); "
-            "both sides must build the same architecture (same factory arguments, same code version) and lay its "
-            "weights out alike (a model converted with .to(memory_format=torch.channels_last) before split() needs "
-            "the factory to convert it too)"
+            f"(fingerprint of its parameters' names, shapes, dtypes, memory layouts and ties {hello.fingerprint} vs "
+            f"{mine}); both sides must build the same architecture (same factory arguments, same code version) and lay "
+            "its weights out alike (a model converted with .to(memory_format=torch.channels_last) before split() needs "
+            "the factory to convert it too; weights tied before split(), layer.weight = other.weight, need the "
+            "factory to tie them too)"
         )
     if hello.structure:
         try:
