@@ -117,6 +117,23 @@ def test_the_fingerprint_tells_weights_tied_in_the_cloud_half_from_untied_ones()
     assert fingerprint(extract(model, parse_cut(model, 2))) == prints[True]
 
 
+@pytest.mark.parametrize("how", ["a view made a parameter", ".data assigned"])
+def test_a_cloud_weight_sharing_memory_with_an_edge_weight_is_refused(how):
+    """A tied autoencoder, its decoder's weight the encoder's transposed (``nn.Parameter(enc.weight.t())``),
+    or a weight's ``.data`` taken from another: two parameters over one memory, trained apart once
+    cut between them (only the one-object tie was refused)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 12))
+    if how == ".data assigned":
+        model[4].weight.data = model[0].weight.data.t()
+    else:
+        model[4].weight = nn.Parameter(model[0].weight.t())
+    with pytest.raises(CutError, match=r"'0\.weight' runs on the edge but is the same tensor as '4\.weight', or "
+                                       r"shares its memory"):
+        install(model, parse_cut(model, 2), remote=lambda *a, **k: None)
+    assert all(p.device.type != "meta" for p in model.parameters())  # refused before anything was cut
+
+
 def test_a_trunk_whose_modules_are_not_chained_is_detected():
     class Parallel(nn.Module):
         def __init__(self) -> None:

@@ -26,7 +26,7 @@ from ..numerics import NumericsGuard
 from ..cut import Chain, CutSpec, _module, extract
 from ..errors import ConfigError, CutError
 from . import twin_closures, weight_refs
-from .layer_refusals import refuse_unsupported_layers
+from .layer_refusals import refuse_ties, refuse_unsupported_layers
 from .output_shapes import OutputShapes
 from .ghost_classes import TABLES, Ghost, ghost_class
 from .ghost_hooks import (GLOBAL_HOOKS, HOOKS, STATE_HOOKS, library_hook, never_run, refuse_hooks, refused_hook,
@@ -56,7 +56,7 @@ def install(model: nn.Module, spec: CutSpec, remote: Callable[..., Any] | None =
     stages = extract(model, spec)
     refuse_unsupported_layers(stages)
     tensors = _cloud_tensors(stages)
-    _refuse_ties(model, stages, tensors)
+    refuse_ties(model, stages, tensors)
     refuse_hooks(stages, tensors, spec.ushape)
     make = placeholder or _meta_placeholder
     memo: dict[int, Any] = {}
@@ -292,19 +292,6 @@ def _cloud_tensors(stages: Chain) -> dict[str, torch.Tensor]:
                 seen.add(id(tensor))
                 found[key] = tensor
     return found
-
-
-def _refuse_ties(model: nn.Module, stages: Chain, tensors: dict[str, torch.Tensor]) -> None:
-    """A tensor the edge's modules share with the cloud's (tied weights across the cut) would be
-    trained twice, apart: refused before anything is cut."""
-    cloud = {id(t): name for name, t in tensors.items()}
-    prefixes = tuple(f"{name}." for name in stages.names)
-    for key, tensor in itertools.chain(model.named_parameters(remove_duplicate=False),
-                                       model.named_buffers(remove_duplicate=False)):
-        if id(tensor) in cloud and not key.startswith(prefixes):
-            raise CutError(f"{key!r} runs on the edge but is the same tensor as {cloud[id(tensor)]!r}, which runs in "
-                           "the cloud (tied weights across the cut); the two halves would train it apart. Cut so "
-                           "that both modules are on the same side")
 
 
 def ghost(module: nn.Module, standin: nn.Module, *, never_run: tuple[str, ...] = (),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 from torch.nn.utils import prune
@@ -111,4 +113,28 @@ def _refuse_unstandable(where: str, module: nn.Module) -> None:
                        "second behaves alike), or cut so that the layer stays on the edge") from None
 
 
-__all__ = ["refuse_unsupported_layers"]
+def refuse_ties(model: nn.Module, stages: Chain, tensors: dict[str, torch.Tensor]) -> None:
+    """A tensor the edge's modules share with the cloud's (tied weights across the cut), or share
+    memory with (a weight made as a view of another, ``dec.weight = nn.Parameter(enc.weight.t())``;
+    ``.data`` assigned from another), would be trained twice, apart: refused before anything is cut."""
+    cloud = {id(t): name for name, t in tensors.items()}
+    memory = {_memory(t): name for name, t in tensors.items() if _memory(t)}
+    prefixes = tuple(f"{name}." for name in stages.names)
+    for key, tensor in itertools.chain(model.named_parameters(remove_duplicate=False),
+                                       model.named_buffers(remove_duplicate=False)):
+        other = cloud.get(id(tensor)) or memory.get(_memory(tensor) or -1)
+        if other is not None and not key.startswith(prefixes):
+            raise CutError(f"{key!r} runs on the edge but is the same tensor as {other!r}, or shares its memory, and "
+                           f"{other!r} runs in the cloud (tied weights across the cut); the two halves would train "
+                           "it apart. Cut so that both modules are on the same side")
+
+
+def _memory(tensor: torch.Tensor) -> int:
+    """Where ``tensor``'s values start in memory (0 for none: a meta tensor, an empty one)."""
+    if tensor.device.type == "meta" or tensor.layout != torch.strided:
+        return 0
+    storage = tensor.untyped_storage()
+    return storage.data_ptr() if storage.nbytes() else 0
+
+
+__all__ = ["refuse_ties", "refuse_unsupported_layers"]
