@@ -100,7 +100,9 @@ def audit_trunk(trunk: nn.Module, args: tuple, kwargs: dict, *, names: list[str]
         raise CutError(
             f"the trunk {_span(names)}, run as the cloud runs it (each module gets the previous one's "
             f"output and the other arguments of {names[0]!r}), fails: {type(exc).__name__}: {exc}. "
-            "Choose a trunk whose modules are called one after another with the same extra arguments"
+            "Choose a trunk whose modules are called one after another with the same extra arguments; what one "
+            "returns is passed on whole in an nn.Sequential, else its first element if it is a tuple, and as it is "
+            "otherwise (a dict the loop reads an entry of, r['h'], is not): a trunk of one module takes any output"
         ) from exc
     finally:
         trunk.train(was_training)
