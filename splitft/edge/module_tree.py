@@ -171,9 +171,6 @@ def hidden_attributes(split: nn.Module, split_class: type, model: nn.Module, han
     return sorted(ours & theirs - set(handled))
 
 
-__all__ = ["UnsplitTree", "caller_level", "hidden_attributes"]
-
-
 def caller_level() -> int:
     """The ``stacklevel`` of the first frame outside splitft: where the script called it."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -182,3 +179,6 @@ def caller_level() -> int:
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
         frame, level = frame.f_back, level + 1
     return level
+
+
+__all__ = ["UnsplitTree", "caller_level", "hidden_attributes"]

@@ -80,7 +80,7 @@ class _RemoteCall(torch.autograd.Function):
         leaves = list(inputs[: call.n_leaves])
         outputs = scheduler.forward(call, leaves, list(ctx.needs_input_grad[2: 2 + call.n_leaves]))
         ctx.scheduler, ctx.call = scheduler, call
-        ctx.set_materialize_grads(False)  # an output the loss does not use gets None, and the cloud no backward through it
+        ctx.set_materialize_grads(False)  # an output the loss leaves out gets None: the cloud backpropagates the rest
         ctx.mark_non_differentiable(*[t for t, g in zip(outputs, call.parts[0].out_grad) if not g])
         return tuple(outputs)
 
