@@ -173,11 +173,6 @@ class CloudHalf:
             raise PlaceholderError(f"the cloud answered {len(fetched)} values for {len(nodes)} expressions")
         return [_value(array, dtype) for array, dtype in fetched]
 
-    def held_grads(self) -> dict[str, torch.Tensor]:
-        """The gradients the cloud holds, by name, fetched (for ``unsplit()``)."""
-        names = sorted(self.has_grad)
-        return dict(zip(names, self.evaluate([{"grad": name} for name in names]))) if names else {}
-
     def _changed(self) -> None:
         self._norms.clear()
 

@@ -410,12 +410,10 @@ class SplitModel(UnsplitTree):
 
     def unsplit(self) -> nn.Module:
         """The whole trained model, in one piece on the edge: the cloud half's modules back in place
-        with the cloud's weights and gradients, and the attached optimizer holding the cloud's state for
-        them, so training can go on unsplit, exactly (mid-accumulation too). Ends the session (the split
-        model cannot train after this)."""
+        with the cloud's weights, and the attached optimizer holding the cloud's state for them, so
+        training can go on unsplit, exactly. Ends the session (the split model cannot train after this)."""
         modules = self.ghosts.chain
         modules.load_qualified_state_dict(self.cloud_state_dict())
-        grads = self.cloud_half.held_grads()  # an accumulation under way goes on unsplit
         optimizer = self.mirror.optimizer_mirror
         moments = None  # a shared half's optimizer is every edge's: its moments start afresh here
         if optimizer is not None and not self.session.shared:
@@ -424,8 +422,6 @@ class SplitModel(UnsplitTree):
         self.close()
         self.cloud_half.has_grad.clear()
         whole = uninstall(self.wrapped, modules)
-        for name, grad in grads.items():
-            whole.get_parameter(name).grad = grad.to(whole.get_parameter(name).device)
         now = self._state_moment()
         self.session.outbox.runs += 1  # what state_dict() fetched before is the whole model's now, or stale
         tensors = dict(whole.state_dict(keep_vars=True))
