@@ -86,6 +86,19 @@ def test_a_max_norm_constraint_after_each_step_renorms_a_large_cloud_weight_in_t
     assert float(local[2].weight.norm(dim=1).max()) <= 0.05 + 1e-6  # it constrained
 
 
+def test_a_large_value_put_into_a_plain_tensors_data_is_refused_not_left_without_memory(cloud):
+    """A DQN's hard target update into an unsplit target, ``tp.data = p.detach().clone()``, with
+    a cloud weight too large to read back at once: the plain tensor took the value without
+    memory (its next read crashed the process). Torch refuses the assignment now, before anything."""
+    model, net = _wide_split(cloud)
+    target = mlp(width=WIDE)
+    with model:
+        assert net[2].weight.numel() > MOST_READ
+        with pytest.raises(RuntimeError, match="incompatible tensor type"):
+            target[2].weight.data = net[2].weight.detach().clone()
+        assert torch.equal(target[2].weight, mlp(width=WIDE)[2].weight)  # still its own values
+
+
 def test_a_large_result_used_after_the_cloud_half_changed_is_refused(cloud):
     model, net = _wide_split(cloud)
     (x, y), = _data(1)

@@ -59,7 +59,7 @@ class CloudValue(RemoteTensor):
     def __new__(cls, meta: Tensor, node: dict, remote: Any, *, graph: bool = False) -> CloudValue:
         """``graph``: it stands for a tensor with a graph to a cloud weight (``p.clone()`` with
         gradients on), whose values only ``detach()`` gives."""
-        made = RemoteTensor._make(cls, meta, f"{node['fn']}(...)", remote, remote.device, graph)
+        made = RemoteTensor._make(cls, meta, f"{node['fn']}(...)", remote, "meta", graph, ask_device=True)
         made._splitft_node = node
         made._splitft_version = remote.version()
         return made
