@@ -96,6 +96,10 @@ def test_a_large_value_put_into_a_plain_tensors_data_is_refused_not_left_without
         assert net[2].weight.numel() > MOST_READ
         with pytest.raises(RuntimeError, match="incompatible tensor type"):
             target[2].weight.data = net[2].weight.detach().clone()
+        (x, y), = _data(1)
+        model.remote_loss(nn.CrossEntropyLoss())(model(x), y).backward()
+        with pytest.raises(RuntimeError, match="incompatible tensor type"):  # a gradient, the same
+            target[2].weight.data = net[2].weight.grad
         assert torch.equal(target[2].weight, mlp(width=WIDE)[2].weight)  # still its own values
 
 

@@ -221,7 +221,9 @@ class CloudGrad(RemoteTensor):
 
     @staticmethod
     def __new__(cls, param: Tensor, name: str, remote: Remote, device: torch.device) -> CloudGrad:
-        return RemoteTensor._make(cls, param, name, remote, device, False)
+        # on the meta device, answering ``device`` itself: a plain tensor's ``.data`` set to it is
+        # refused by torch (on the edge's device, the tensor took it and was left without memory)
+        return RemoteTensor._make(cls, param, name, remote, "meta", False, ask_device=True)
 
     def _what(self) -> str:
         return f"the gradient of cloud parameter {self._splitft_name!r}"
