@@ -84,7 +84,7 @@ def _placeholder(like: torch.Tensor, kind: str) -> torch.Tensor:
         REMOTE.params["block.weight"] = made  # a parameter of the cloud half (not a buffer)
         return made
     if kind == "gradient":
-        return CloudGrad(like.detach().float(), "block.weight", REMOTE, torch.device("cpu"))
+        return CloudGrad(like.detach().float(), "block.weight", REMOTE)
     if kind == "optimizer state":  # what Adagrad's constructor makes for a cloud parameter
         return _Accumulating([_placeholder(like, "parameter")]).state[REMOTE.params["block.weight"]]["sum"]
     return TrunkIntermediate(like.detach().float(), "block.1", ["block.0", "block.1", "block.2"])

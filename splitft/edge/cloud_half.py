@@ -62,7 +62,8 @@ class CloudHalf:
         self.names_by_id: dict[int, str] = {}  # id of a placeholder -> its name
         self.has_grad: set[str] = set()
         self.unreached: frozenset[str] = frozenset()  # trainable, but the last reported graph gave no gradient
-        self._grads: dict[str, tuple[CloudGrad, torch.device]] = {}  # handle, and the device it reports
+        #: Each gradient's handle, and the device it was made on: moving the model makes new ones, as torch's does.
+        self._grads: dict[str, tuple[CloudGrad, torch.device]] = {}
         self._norms: dict[float, dict[str, torch.Tensor]] = {}
         self.hidden = False  # a mirrored optimizer is stepping: the cloud steps its own parameters
         self.device = torch.device("cpu")  # where the edge's tensors (and so the gradients' handles) are
@@ -88,7 +89,7 @@ class CloudHalf:
             return None
         made = self._grads.get(name)
         if made is None or made[1] != self.device:
-            made = self._grads[name] = (CloudGrad(self.params[name], name, self, self.device), self.device)
+            made = self._grads[name] = (CloudGrad(self.params[name], name, self), self.device)
         return made[0]
 
     def clear_grad(self, name: str) -> None:

@@ -220,8 +220,8 @@ class CloudGrad(RemoteTensor):
     _splitft_grad = True  # what :func:`.cloud_grads.is_cloud_grad` reads
 
     @staticmethod
-    def __new__(cls, param: Tensor, name: str, remote: Remote, device: torch.device) -> CloudGrad:
-        # on the meta device, answering ``device`` itself: a plain tensor's ``.data`` set to it is
+    def __new__(cls, param: Tensor, name: str, remote: Remote) -> CloudGrad:
+        # on the meta device, answering ``device`` itself (the edge half's): a plain tensor's ``.data`` set to it is
         # refused by torch (on the edge's device, the tensor took it and was left without memory)
         return RemoteTensor._make(cls, param, name, remote, "meta", False, ask_device=True)
 
