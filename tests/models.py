@@ -1172,3 +1172,36 @@ def aux_out_net(seed: int = 0) -> AuxOutNet:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return AuxOutNet()
+
+
+class SelfAttentionNet(nn.Module):
+    """Cut at ``attn``, which the model calls on one tensor three times (``attn(h, h, h)``), or at
+    ``mix``, given it as an argument and a keyword (``mix(h, context=h)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(12, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.mix = ContextMix()
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        h = h + self.attn(h, h, h, need_weights=False)[0]
+        return self.head(self.mix(h, context=h).mean(1))
+
+
+class ContextMix(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(16, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, h: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        return h * self.attn(self.q(h), context, context, need_weights=False)[0]
+
+
+def self_attention_net(seed: int = 0) -> SelfAttentionNet:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return SelfAttentionNet()

@@ -7,7 +7,8 @@ import torch
 
 from compressors import CodecContext
 from splitft.wire import protocol
-from splitft.wire.coding import SlotCodecs, Traffic, compact, flatten, from_wire, resolve_codecs, to_wire, unflatten
+from splitft.wire.coding import (SlotCodecs, Traffic, compact, distinct, flatten, from_wire, resolve_codecs,
+                                 to_wire, unflatten)
 from splitft.errors import ConfigError, ProtocolError
 
 
@@ -69,6 +70,36 @@ def test_hostile_expand_shapes_are_protocol_errors(shape):
     with pytest.raises(ProtocolError):
         got, skeleton = from_wire(tree)
         unflatten(skeleton, [codecs.raw.decode(p, CodecContext()) for p, _ in got])
+
+
+def test_a_tensor_in_several_places_of_a_call_crosses_once_and_is_one_object_on_arrival():
+    h, mask = torch.randn(2, 3), torch.ones(4, 4)  # the mask crosses compacted, and is one object still
+    leaves, skeleton = distinct(*flatten(([h, h, mask], {"context": h, "m": mask}, h)))
+    assert len(leaves) == 2
+    codecs = SlotCodecs(resolve_codecs("identity"), seed=0)
+    entries, _ = codecs.encode(leaves, 0, "fwd", CodecContext("activation"), [True, False], Traffic())
+    sent: set[int] = set()
+    trees = [to_wire(part, entries, sent) for part in skeleton]
+    assert trees[1]["context"] == {"$same": 0} and trees[2] == {"$same": 0}
+    seen: dict = {}
+    (args_entries, args_skel) = from_wire(trees[0], before=0)
+    (kw_entries, kw_skel) = from_wire(trees[1], before=2)
+    (_, target_skel) = from_wire(trees[2], before=2)
+    tensors, _ = codecs.decode(args_entries, 0, "fwd", CodecContext("activation"))
+    args = unflatten(args_skel, tensors, seen)
+    kwargs = unflatten(kw_skel, [], seen, 2)
+    target = unflatten(target_skel, [], seen, 2)
+    assert args[0] is args[1] is kwargs["context"] is target and torch.equal(args[0], h)
+    assert args[2] is kwargs["m"] and torch.equal(args[2], mask)
+
+
+@pytest.mark.parametrize("tree, before", [({"$same": 0}, None), ({"$same": 0}, 0), ([{"$same": 1}], 1),
+                                          ({"$same": True}, 1), ({"$same": -1}, 1), ({"$same": 0, "x": 1}, 1),
+                                          ({"$same": "0"}, 1)])
+def test_hostile_same_entries_are_protocol_errors(tree, before):
+    """``$same`` names a tensor the call sent before this place, in a forward's trees only."""
+    with pytest.raises(ProtocolError):
+        from_wire(tree, before=before)
 
 
 def test_a_value_that_cannot_cross_is_named():

@@ -1118,7 +1118,8 @@ def cloud(tmp_path_factory):
                                      "--model", DIGITS, "--model", MLP_DROPOUT, "--model", BATCH_LIMITED,
                                      "--model", "tests.models:mlp_dropout_everywhere",
                                      "--model", "tests.models:lambda_block_mlp", "--model", "tests.models:root_dropout_net",
-                                     "--model", "tests.models:detached_probe_mlp", "--model", "tests.models:aux_out_net")
+                                     "--model", "tests.models:detached_probe_mlp", "--model", "tests.models:aux_out_net",
+                                     "--model", "tests.models:self_attention_net")
     yield address
     stop(proc)
 
@@ -1602,6 +1603,32 @@ def test_what_the_cloud_halfs_backward_does_not_reach_gets_no_gradient_as_unspli
             crit = nn.CrossEntropyLoss() if rejoin else model.remote_loss(nn.CrossEntropyLoss())
             assert script(model, crit) == expected
             assert_bitwise(model.state_dict(), local.state_dict())
+
+
+@pytest.mark.parametrize("cut, rejoin", [("attn", "mix"), ("mix", "head")])
+def test_a_tensor_given_to_the_cloud_half_in_several_places_is_one_tensor_there_as_unsplit(cloud, cut, rejoin):
+    """``attn(h, h, h)`` as a U-shape's trunk: torch's attention takes its self-attention path only when query,
+    key and value are one tensor, and the gradients of the three places sum in the cloud's backward.
+    They crossed as three tensors, and training drifted from the unsplit model by the last bits;
+    ``mix(h, context=h)`` passes it as an argument and a keyword."""
+    from tests.models import self_attention_net
+
+    torch.manual_seed(0)
+    data = [(torch.randn(4, 5, 12), torch.randint(0, 3, (4,))) for _ in range(4)]
+
+    def train(model, crit):
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for x, y in data:
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+
+    local = self_attention_net()
+    train(local, nn.CrossEntropyLoss())
+    with splitft.split(self_attention_net(), cut, rejoin, factory="tests.models:self_attention_net",
+                       connect=cloud) as model:
+        train(model, nn.CrossEntropyLoss())
+        assert_bitwise(model.state_dict(), local.state_dict())
 
 
 def test_a_backward_through_a_forward_made_before_unsplit_is_refused(cloud):

@@ -48,7 +48,9 @@ def forward_trees(msg: Forward) -> tuple[tuple[list, Any], tuple[list, Any], tup
     request: its price (before it is queued) and its decode read the same trees."""
     found = vars(msg).get(_TREES)
     if found is None:
-        found = (from_wire(msg.args), from_wire(msg.kwargs), from_wire(msg.target))
+        args = from_wire(msg.args, before=0)
+        kwargs = from_wire(msg.kwargs, before=len(args[0]))
+        found = (args, kwargs, from_wire(msg.target, before=len(args[0]) + len(kwargs[0])))
         vars(msg)[_TREES] = found
     return found
 

@@ -200,13 +200,14 @@ def _meta_run(session: Priced, msg: Forward, inputs: Inputs, twin: torch.nn.Modu
         return torch.empty(t.shape, dtype=half if cast else t.dtype, device="meta")
 
     metas = [meta(i, t) for i, t in enumerate(inputs.tensors)]
-    args = _without_caches(unflatten(args_skel, metas[:n_args]))
-    kwargs = _without_caches(unflatten(kw_skel, metas[n_args:n_args + n_kw]))
+    seen: dict[int, Any] = {}
+    args = _without_caches(unflatten(args_skel, metas[:n_args], seen))
+    kwargs = _without_caches(unflatten(kw_skel, metas[n_args:n_args + n_kw], seen, n_args))
     twin.train(msg.train)
     value = twin(*args, **kwargs)
     loss_fn = session.mirrored.loss_meta
     if inputs.skeletons[2] is not None and loss_fn is not None:
-        value = loss_fn(value, unflatten(target_skel, metas[n_args + n_kw:]))
+        value = loss_fn(value, unflatten(target_skel, metas[n_args + n_kw:], seen, n_args + n_kw))
     outs, skeleton = flatten(value)
     return [(tuple(t.shape), t.dtype) for t in outs], stream_index(skeleton)
 

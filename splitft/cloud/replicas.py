@@ -33,7 +33,7 @@ from torch import nn
 from ..devices import autocast_region
 from ..errors import ConfigError, ModelError, ProtocolError, SplitFTError
 from ..wire import protocol
-from ..wire.coding import SLOTS, flatten, unflatten
+from ..wire.coding import SLOTS, Same, flatten, unflatten
 from ..wire.tree import Leaf
 from .batch_link import DTYPES, BatchLink, shard_sizes, spec
 from .blame import blame
@@ -81,6 +81,8 @@ def pack_skeleton(node: Any) -> Any:
         if node.expand is not None:
             raise ProtocolError("a compacted leaf reached the batch split")
         return {"$leaf": node.index}
+    if isinstance(node, Same):
+        return {"$same": node.index}
     if isinstance(node, tuple):
         return {"$tuple": [pack_skeleton(v) for v in node]}
     if isinstance(node, list):
@@ -93,6 +95,8 @@ def pack_skeleton(node: Any) -> Any:
 def unpack_skeleton(node: Any) -> Any:
     if isinstance(node, dict) and set(node) == {"$leaf"}:
         return Leaf(node["$leaf"])
+    if isinstance(node, dict) and set(node) == {"$same"}:
+        return Same(node["$same"])
     if isinstance(node, dict) and set(node) == {"$tuple"}:
         return tuple(unpack_skeleton(v) for v in node["$tuple"])
     if isinstance(node, list):
@@ -235,7 +239,7 @@ class BatchSplitSession(CloudSession):
             raise error
         joined = self._join(own_outs, theirs)
         value = unflatten(out_skel, joined)
-        target = unflatten(target_skel, leaves[n_in:])
+        target = unflatten(target_skel, leaves[n_in:], dict(enumerate(leaves[:n_in])), n_in)
         if target is not None:
             loss_fn = self.mirrored.loss_fn
             if loss_fn is None:

@@ -166,11 +166,13 @@ class CloudSession:
         # (a block's query, key and value layers), where each reader of a non-leaf casts its own.
         cast = [half.placement.cast_in(t.view_as(t) if t.requires_grad else t) for t in leaves[:n_args + n_kw]]
         caching = self.caches.named((args_skel, kw_skel))
-        args, kwargs = unflatten(args_skel, cast[:n_args]), unflatten(kw_skel, cast[n_args:n_args + n_kw])
+        seen: dict[int, Any] = {}  # a tensor the edge passed in several places is one object here too
+        args = unflatten(args_skel, cast[:n_args], seen)
+        kwargs = unflatten(kw_skel, cast[n_args:n_args + n_kw], seen, n_args)
         if caching:  # the session's caches in place of their numbers (a training step names none)
             args, kwargs = self.caches.bind((args, kwargs))
         self.through_cache = bool(caching) and grad and self.caches.hold_graphs(caching)
-        target = unflatten(target_skel, leaves[n_args + n_kw:])
+        target = unflatten(target_skel, leaves[n_args + n_kw:], seen, n_args + n_kw)
         _set_modes(half.chain, train, mirrored.flipped)
         self.random.configured(mirrored.flipped, mirrored.flags)
         try:

@@ -21,7 +21,7 @@ from ..devices import autocast_dtype
 from ..errors import ConfigError
 from ..kv_caches import crop_held
 from ..wire import tree as trees
-from ..wire.coding import CacheRef, flatten, is_cache, sample_ids_array, unflatten
+from ..wire.coding import CacheRef, distinct, flatten, is_cache, sample_ids_array, unflatten
 from ..wire.operations import ChangeCache, FreeCache, Operation
 from . import cloud_kv
 from .cloud_half import CloudHalf
@@ -361,7 +361,7 @@ class RemoteCaller:
 
             args, kwargs = trees.rebuild((args, kwargs), named, is_leaf=is_cache, other=lambda node, path: node)
         grad = torch.is_grad_enabled()
-        leaves, skeleton = flatten((list(args), kwargs, target))
+        leaves, skeleton = distinct(*flatten((list(args), kwargs, target)))
         if self.freeze_edge:  # no input needs a gradient, so none crosses back
             leaves = [t.detach() for t in leaves]
         stash, self._stash = self._stash, None

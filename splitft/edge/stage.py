@@ -106,8 +106,9 @@ class CloudStage:
         traffic = Traffic()
         with self.metrics.timed("encode"):
             entries, part.sent = self.codecs.encode(leaves, stream_index(args_skel), "fwd", ctx, call.in_grad, traffic)
-        msg = Forward(call=part.id, train=call.train, grad=call.grad, args=to_wire(args_skel, entries),
-                      kwargs=to_wire(kwargs_skel, entries), target=to_wire(target_skel, entries), ops=ops,
+        sent: set[int] = set()  # a tensor in several places crosses once
+        msg = Forward(call=part.id, train=call.train, grad=call.grad, args=to_wire(args_skel, entries, sent),
+                      kwargs=to_wire(kwargs_skel, entries, sent), target=to_wire(target_skel, entries, sent), ops=ops,
                       step=self.step, sample_ids=part.sample_ids, eager=call.eager, autocast=call.autocast,
                       rng=self._rng_to_send(call), again=call.again is not None)
         part.rng_sent = msg.rng is not None

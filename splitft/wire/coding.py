@@ -45,7 +45,19 @@ SLOTS = ("fwd", "bwd", "ret", "ret_bwd")
 _TUPLE = "$tuple"
 _EXPAND = "$expand"
 _CACHE = "$cache"
+_SAME = "$same"
 MAX_CACHE_ID = (1 << 31) - 1
+
+
+@dataclass(frozen=True)
+class Same:
+    """A place holding a tensor that already crossed in the same call (``attn(h, h, h)``): the
+    ``index``-th tensor of the call, counted over its args, kwargs and target together. The cloud
+    puts that one object there, as the unsplit model had it: torch's attention takes its
+    self-attention path only when query, key and value are one tensor, and the gradients of two
+    uses sum within the cloud's backward as unsplit."""
+
+    index: int
 
 
 @dataclass(frozen=True)
@@ -113,10 +125,40 @@ def _uncrossable(node: Any, where: str) -> str:
     return text
 
 
-def unflatten(skeleton: Any, leaves: list[Any]) -> Any:
-    """Inverse of :func:`flatten`; a leaf that crossed compacted is repeated back to its shape."""
-    return trees.unflatten(skeleton, leaves,
-                           lambda leaf, value: value if leaf.expand is None else expand(value, leaf.expand))
+def distinct(leaves: list[torch.Tensor], skeleton: Any) -> tuple[list[torch.Tensor], Any]:
+    """Each tensor of a call once: a tensor given in several places crosses once, its skeleton's
+    later places naming the first (:func:`to_wire` sends them as :class:`Same`)."""
+    first: dict[int, int] = {}
+    kept: list[torch.Tensor] = []
+    for t in leaves:
+        if first.setdefault(id(t), len(kept)) == len(kept):
+            kept.append(t)
+    if len(kept) == len(leaves):
+        return leaves, skeleton
+    where = [first[id(t)] for t in leaves]
+    return kept, trees.rebuild(skeleton, lambda leaf, path: _Leaf(where[leaf.index], leaf.expand),
+                               is_leaf=lambda node: isinstance(node, _Leaf), other=lambda node, path: node)
+
+
+def unflatten(skeleton: Any, leaves: list[Any], seen: dict[int, Any] | None = None, base: int = 0) -> Any:
+    """Inverse of :func:`flatten`; a leaf that crossed compacted is repeated back to its shape.
+
+    A call's trees rebuilt one after the other (its args, kwargs and target) share ``seen``: what
+    each put in place by its index over the call (``base``, the trees' leaves before this one), so
+    a :class:`Same` gets that very object."""
+    def put(node: Any, path: KeyPath) -> Any:
+        if isinstance(node, Same):
+            if seen is None or node.index not in seen:
+                raise ProtocolError(f"{_SAME} names tensor {node.index}, which no earlier place of the call holds")
+            return seen[node.index]
+        value = leaves[node.index]
+        value = value if node.expand is None else expand(value, node.expand)
+        if seen is not None:
+            seen[base + node.index] = value
+        return value
+
+    return trees.rebuild(skeleton, put, is_leaf=lambda node: isinstance(node, (_Leaf, Same)),
+                         other=lambda node, path: node)
 
 
 def stream_index(skeleton: Any) -> int | None:
@@ -126,26 +168,35 @@ def stream_index(skeleton: Any) -> int | None:
     return skeleton.index if isinstance(skeleton, _Leaf) else None
 
 
-def to_wire(skeleton: Any, entries: list[dict]) -> Any:
-    """Skeleton → msgpack-able tree, leaves replaced by payload entries, tuples tagged."""
+def to_wire(skeleton: Any, entries: list[dict], sent: set[int] | None = None) -> Any:
+    """Skeleton → msgpack-able tree, leaves replaced by payload entries, tuples tagged. A call's
+    trees sent one after the other share ``sent``: a leaf sent before goes as ``{"$same": index}``."""
     if isinstance(skeleton, _Leaf):
+        if sent is not None:
+            if skeleton.index in sent:
+                return {_SAME: skeleton.index}
+            sent.add(skeleton.index)
         return entries[skeleton.index]
     if isinstance(skeleton, CacheRef):
         return {_CACHE: skeleton.id}
     if isinstance(skeleton, tuple):
-        return {_TUPLE: [to_wire(v, entries) for v in skeleton]}
+        return {_TUPLE: [to_wire(v, entries, sent) for v in skeleton]}
     if isinstance(skeleton, list):
-        return [to_wire(v, entries) for v in skeleton]
+        return [to_wire(v, entries, sent) for v in skeleton]
     if isinstance(skeleton, dict):
         for key in skeleton:
             if not isinstance(key, str) or key.startswith("$"):
                 raise ConfigError(f"dict keys crossing the cut must be strings not starting with '$', got {key!r}")
-        return {k: to_wire(v, entries) for k, v in skeleton.items()}
+        return {k: to_wire(v, entries, sent) for k, v in skeleton.items()}
     return skeleton
 
 
-def from_wire(tree: Any, depth: int = 0) -> tuple[list[tuple[Payload, bool]], Any]:
-    """Wire tree → (payload entries in order, skeleton). Validates structure (hostile input)."""
+def from_wire(tree: Any, depth: int = 0, *, before: int | None = None) -> tuple[list[tuple[Payload, bool]], Any]:
+    """Wire tree → (payload entries in order, skeleton). Validates structure (hostile input).
+
+    ``before``: the tree is one of a call's (its args, kwargs or target), after trees that held
+    this many tensors; it may then name one of those, or one of its own before, by ``$same``
+    (:class:`Same`). Elsewhere ``$same`` is refused."""
     entries: list[tuple[Payload, bool]] = []
 
     def walk(node: Any, depth: int) -> Any:
@@ -166,6 +217,12 @@ def from_wire(tree: Any, depth: int = 0) -> tuple[list[tuple[Payload, bool]], An
                 raise ProtocolError("a compacted tensor cannot ask for a gradient")
             entries.append((payload, grad))
             return _Leaf(len(entries) - 1, shape)
+        if isinstance(node, dict) and _SAME in node:
+            index = node[_SAME]
+            if before is None or len(node) != 1 or not isinstance(index, int) or isinstance(index, bool) \
+                    or not 0 <= index < before + len(entries):
+                raise ProtocolError(f"malformed {_SAME} entry: expected the number of a tensor the call sent before")
+            return Same(index)
         if isinstance(node, dict) and _CACHE in node:
             number = node[_CACHE]
             if len(node) != 1 or not isinstance(number, int) or isinstance(number, bool) \
@@ -440,5 +497,5 @@ def sample_ids_array(ids: Any) -> np.ndarray | None:
     return arr.astype(np.int64, copy=False)
 
 
-__all__ = ["SLOTS", "SlotCodecs", "Traffic", "flatten", "unflatten", "resolve_codecs",
+__all__ = ["SLOTS", "Same", "SlotCodecs", "Traffic", "distinct", "flatten", "unflatten", "resolve_codecs",
            "stream_index", "to_wire", "from_wire", "sample_ids_array"]
