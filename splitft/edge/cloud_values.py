@@ -321,8 +321,10 @@ def _with_gradients(value: RemoteTensor) -> str:
             "graphs, so no gradient would flow back from it. A penalty on weights in the loss (L2, L1) is the "
             "optimizer's weight_decay, or its gradient added after backward under torch.no_grad() (for c * "
             "p.pow(2).sum(): p.grad.add_(p, alpha=2 * c)); an edge layer holding it (a weight tied after "
-            "split()) is tied before split(), which checks the tie; a value only logged or checked is computed "
-            "under torch.no_grad(), and a copy kept is p.detach().clone() (or p.clone().detach())")
+            "split()) is tied before split(), which checks the tie; a parameter the edge's layers compute with (a "
+            "policy's log_std kept on a cloud module) lives on an edge module, or the cloud module that holds it "
+            "returns what is computed from it; a value only logged or checked is computed under torch.no_grad(), "
+            "and a copy kept is p.detach().clone() (or p.clone().detach())")
 
 
 def _cloned_with_graph(func: Any, args: tuple, kwargs: dict, remote: Any) -> CloudValue:
