@@ -48,3 +48,22 @@ def test_one_split_models_weights_copied_into_anothers_as_unsplit(cloud):
             splitft.split(mlp(1), 2, factory=splitft.Factory(MLP, {"seed": 1}), connect=cloud) as b:
         split = _script(a, b, a.remote_loss(nn.CrossEntropyLoss()), b.remote_loss(nn.CrossEntropyLoss()))
     assert_bitwise(split, local)
+
+
+def test_a_layer_too_large_to_read_back_copied_from_another_split_model_is_refused_naming_load_state_dict(cloud):
+    """``tp.copy_(p)`` from another split model's cloud layer of more than 65,536 values (a DQN's target
+    network kept split too): refused before that layer changes, pointing to ``load_state_dict``, which
+    copies whole layers at any size."""
+    from splitft.errors import PlaceholderError
+
+    wide = splitft.Factory(MLP, {"width": 300})
+    with splitft.split(mlp(0, width=300), 2, factory=wide, connect=cloud) as online, \
+            splitft.split(mlp(1, width=300), 2, factory=wide, connect=cloud) as target:
+        before = {k: v.clone() for k, v in target.state_dict().items()}
+        with torch.no_grad(), pytest.raises(PlaceholderError, match=r"copy_ reads .* of another split model "
+                                                                    r"\(90000 values.*load_state_dict"):
+            for tp, p in zip(target.parameters(), online.parameters()):
+                tp.copy_(p)
+        assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items() if not k.startswith("0."))
+        target.load_state_dict(online.state_dict())  # the way that works at any size
+        assert_bitwise(target.state_dict(), online.state_dict())

@@ -77,6 +77,13 @@ def _with_other_models_fetched(func: Any, args: tuple, kwargs: dict, remotes: li
     others = [t for t in remotes if t._splitft_remote is not target._splitft_remote]
     if any(not isinstance(t, (CloudTensor, CloudGrad)) for t in others):
         return NotImplemented
+    large = next((t for t in others if t.numel() > MOST_READ), None)
+    if large is not None:
+        raise PlaceholderError(
+            f"{getattr(func, '__name__', func)} reads {large._what()} of another split model ({large.numel()} values; "
+            f"at most {MOST_READ} are read back at once): copy whole layers from one split model to another (a target "
+            "network's update) with target.load_state_dict(source.state_dict()), which fetches the weights whole, "
+            "or by a state_dict() fetched first (tp.copy_(weights[name]))")
     with torch.no_grad():
         fetched = {id(t): t.detach().clone() for t in others}
     args, kwargs = tree_map(lambda v: fetched.get(id(v), v), (args, kwargs))
