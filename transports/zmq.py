@@ -50,6 +50,10 @@ _SNDMORE = int(zmq.SNDMORE)
 #: pyzmq's ``Socket.send`` adds routing-id and group options (unused here) in Python on top of
 #: this one; calling it directly saves that layer on every frame.
 _send = zmq.backend.Socket.send
+#: ``Socket.get`` without pyzmq's Python layer, and the ints it is asked with and answers in.
+_get = zmq.backend.Socket.get
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 
 def _send_frames(sock: zmq.Socket, frames: Sequence[Frame], flags: int) -> int:
@@ -404,8 +408,10 @@ class ZmqListener(Listener):
             raise TransportClosed("listener is closed")
         sock = self._sock
         try:
-            # Try the queue first: a busy server finds a message waiting and pays for no poll.
-            peer = _recv_nowait(sock)
+            # Ask the queue first: a busy server finds a message waiting and pays for no poll. Asked
+            # through the socket's events, not a receive: an idle one (the edge computing its half,
+            # every step) would raise zmq.Again, which costs a step ~10 us of CPU more than the ask.
+            peer = _recv_nowait(sock) if _get(sock, _EVENTS) & _POLLIN else None
             if peer is None:
                 deadline = None if timeout is None else time.monotonic() + timeout
                 while peer is None:

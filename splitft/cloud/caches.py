@@ -159,7 +159,8 @@ class SessionCaches:
         self._caches.clear()
 
     def nbytes(self) -> int:
-        return sum(self.nbytes_of(cache) for cache in self._caches.values())
+        """Bytes the caches hold (read several times a step: a training session's has none, and no sum)."""
+        return sum(self.nbytes_of(cache) for cache in self._caches.values()) if self._caches else 0
 
 
 def model_config(half: nn.Module) -> Any:

@@ -49,6 +49,8 @@ STEP_FLOPS_PER_PARAM = 16
 CHECKPOINT_UNITS_PER_BYTE = 4
 #: Input signatures whose forward cost a session keeps.
 SIGNATURES = 16
+#: The longest key text kept to spare the next identical key its hash (a step's is ~200 characters).
+_LAST_KEPT = 4096
 
 
 @dataclass
@@ -144,6 +146,7 @@ class HalfCost:
         self.params = sum(p.numel() for p in chain.parameters())
         self._twin: nn.Module | None = None
         self._seen: OrderedDict[str, tuple[int, Any] | None] = OrderedDict()
+        self._last = ("", "")  # the last key's text and its digest
         #: Forward operations per unit of decode work, from the last count (a guess before any).
         self.per_decode_flop = 2.0 * max(self.params, 1) / 4
 
@@ -155,7 +158,12 @@ class HalfCost:
         """(operations, what ``run`` returned) for ``run(twin)``, a forward of the half's meta
         twin; None when the half cannot run there (data-dependent code, a module that cannot be
         copied). Counted once per ``key``."""
-        digest = hashlib.sha256(repr(key).encode()).hexdigest()
+        text = repr(key)
+        if text == self._last[0]:  # the same call as the last one (every training step): hashed already
+            digest = self._last[1]
+        else:
+            digest = hashlib.sha256(text.encode()).hexdigest()
+            self._last = (text, digest) if len(text) <= _LAST_KEPT else ("", "")
         if digest in self._seen:
             self._seen.move_to_end(digest)
             found = self._seen[digest]

@@ -53,6 +53,9 @@ class PassGrads:
 
     def flush(self) -> None:
         """Add the open pass's sums to the parameters' gradients, as the engine does at a pass's end."""
+        if not self._sums:  # most flushes (one before each operation of a step) find none: no grad mode switched
+            self.current = None
+            return
         with torch.no_grad():
             for param, total in self._sums.values():
                 if param.grad is None:
@@ -67,7 +70,7 @@ class PassGrads:
         return id(param) in self._sums
 
     def nbytes(self) -> int:
-        return tensors_nbytes(total for _, total in self._sums.values())
+        return tensors_nbytes(total for _, total in self._sums.values()) if self._sums else 0
 
 
 __all__ = ["PassGrads"]

@@ -18,12 +18,17 @@ KeyPath = tuple[Any, ...]  # the keys and indices from the root to a node
 PLAIN = (type(None), bool, int, float, str)  # kept as they are by every walk
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Leaf:
     """Where a skeleton had a leaf: its index in the flat list of leaves."""
 
     index: int
     expand: tuple[int, ...] | None = None  # it crossed compacted: repeat it back to this shape (coding)
+
+    def __repr__(self) -> str:
+        # The dataclass's text, without its guard against recursion (a leaf holds no leaf): the
+        # cloud writes the skeletons of every forward it prices, and the guard's calls cost most.
+        return f"Leaf(index={self.index!r}, expand={self.expand!r})"
 
 
 def is_tensor(node: Any) -> bool:
