@@ -51,11 +51,9 @@ MAX_CACHE_ID = (1 << 31) - 1
 
 @dataclass(frozen=True)
 class Same:
-    """A place holding a tensor that already crossed in the same call (``attn(h, h, h)``): the
-    ``index``-th tensor of the call, counted over its args, kwargs and target together. The cloud
-    puts that one object there, as the unsplit model had it: torch's attention takes its
-    self-attention path only when query, key and value are one tensor, and the gradients of two
-    uses sum within the cloud's backward as unsplit."""
+    """A place holding the call's ``index``-th tensor (over its args, kwargs and target), sent before
+    (``attn(h, h, h)``): the cloud puts that one object there, as unsplit, so torch's attention takes
+    its self-attention path and the places' gradients sum within the cloud's backward."""
 
     index: int
 
