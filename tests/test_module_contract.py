@@ -293,3 +293,32 @@ def test_bf16_autocast_around_the_forward_reaches_the_cloud(inproc_cloud, rejoin
         torch.testing.assert_close(weights[name], value, rtol=1.6e-2, atol=1e-3)
 
 
+
+
+@pytest.mark.parametrize("whole_step", ["step_after_one_more_backward", "clip_then_step"])
+def test_unsplit_between_backward_and_step_keeps_the_gradients_accumulated_in_the_cloud(inproc_cloud, whole_step):
+    """A loop that accumulates, unsplits mid-way (the split phase of a run ends at an epoch's end,
+    not at an accumulation boundary) and steps the whole model: the cloud layers' gradients summed
+    so far are the whole model's, as they are unsplit."""
+    data = _data(3)
+    local = mlp()
+    local_opt = torch.optim.Adam(local.parameters(), lr=0.01)
+    model = splitft.split(mlp(), 2, factory=MLP, connect=inproc_cloud.connect, faults=splitft.Faults(heartbeat=0))
+    opt = model.attach(torch.optim.Adam(model.parameters(), lr=0.01))
+    crit = model.remote_loss(nn.CrossEntropyLoss())
+    for (x, y), (net, optimizer, loss_fn) in zip(data[:1] * 2, [(local, local_opt, nn.CrossEntropyLoss()),
+                                                                 (model, opt, crit)]):
+        loss_fn(net(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        loss_fn(net(data[1][0]), data[1][1]).backward()  # accumulating: no step yet
+    whole = model.unsplit()
+    for name, param in local.named_parameters():
+        torch.testing.assert_close(whole.get_parameter(name).grad, param.grad, rtol=0, atol=0, msg=name)
+    for net, optimizer in ((local, local_opt), (whole, opt)):
+        if whole_step == "step_after_one_more_backward":
+            nn.functional.cross_entropy(net(data[2][0]), data[2][1]).backward()
+        else:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.1)
+        optimizer.step()
+    assert_same(whole.state_dict(), local.state_dict())

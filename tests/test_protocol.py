@@ -14,21 +14,21 @@ from splitft.errors import ProtocolError
 
 
 def test_ack_is_exactly_these_bytes():
-    # array[17, "ack", state: nil, grad_norms: nil, optimizer_state: nil, values: nil, seq: 7]
-    assert protocol.encode(protocol.Ack(seq=7)) == [b"\x97\x13\xa3ack\xc0\xc0\xc0\xc0\x07"]
+    # array[20, "ack", state: nil, grad_norms: nil, optimizer_state: nil, values: nil, grads: nil, seq: 7]
+    assert protocol.encode(protocol.Ack(seq=7)) == [b"\x98\x14\xa3ack\xc0\xc0\xc0\xc0\xc0\x07"]
 
 
 def test_an_error_is_exactly_these_bytes():
     # array[17, "error", code, message, call 0, seq 2, raised "IndexError", rng nil]
     assert protocol.encode(protocol.Error(code="model", message="m", seq=2, raised="IndexError")) == [
-        b"\x98\x13\xa5error\xa5model\xa1m\x00\x02\xaaIndexError\xc0"]
+        b"\x98\x14\xa5error\xa5model\xa1m\x00\x02\xaaIndexError\xc0"]
 
 
 def test_array_travels_as_extension_reference_plus_raw_frame():
     arr = np.arange(6, dtype=np.float32).reshape(2, 3)
     frames = protocol.encode(protocol.Output(call=7, value=protocol.payload_to_wire(Payload("identity", 1, {"x": arr}), True)))
     assert frames[0] == (
-        b"\x99\x13\xa6output\x07\x81\xa2$t\x95\xa8identity\x01\x80"  # [19, "output", call 7, value: {"$t": [...
+        b"\x99\x14\xa6output\x07\x81\xa2$t\x95\xa8identity\x01\x80"  # [20, "output", call 7, value: {"$t": [...
         b"\x81\xa1x"
         b"\xc7\x0d\x01" b"\x93\x00\xa7float32\x92\x02\x03"  # ext8, 13 bytes, type 1: [frame 0, dtype, shape]
         b"\xc3\x80\xc0\xc0\xc0\x00"  # ...grad]}, timings {}, grads nil, unreached nil, rng nil, seq 0]

@@ -138,3 +138,17 @@ def test_a_half_whose_modules_share_a_parameter_is_refused_before_anything_is_sh
     with pytest.raises(ConfigError, match="share a parameter.*--split-batch alone"):
         shard_half(Chain([("embed", first), ("out", second)]), mesh=None)
     assert not isinstance(first.weight, torch.distributed.tensor.DTensor)
+
+
+@pytest.mark.timeout(120)
+def test_unsplit_between_a_backward_and_its_step_gathers_the_gradients_from_every_shard(cloud):
+    model = splitft.split(mlp(), 2, factory=MODELS[0], connect=cloud, faults=Faults(timeout=60))
+    model.attach(torch.optim.Adam(model.parameters(), lr=0.01))
+    crit = model.remote_loss(torch.nn.CrossEntropyLoss())
+    x = torch.randn(6, 12, generator=torch.Generator().manual_seed(7))
+    crit(model(x), x[:, :3].argmax(dim=1)).backward()
+    whole = model.unsplit()
+    reference = mlp()
+    torch.nn.functional.cross_entropy(reference(x), x[:, :3].argmax(dim=1)).backward()
+    _same({name: p.grad for name, p in whole.named_parameters()},
+          {name: p.grad for name, p in reference.named_parameters()})

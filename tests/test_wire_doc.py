@@ -42,7 +42,7 @@ def test_the_doc_has_the_promised_examples():
 
 def test_examples_decode_to_what_the_doc_says():
     hello = _decode(EXAMPLES["hello"])
-    assert isinstance(hello, protocol.Hello) and hello.protocol == protocol.PROTOCOL_VERSION == 19
+    assert isinstance(hello, protocol.Hello) and hello.protocol == protocol.PROTOCOL_VERSION == 20
     assert (hello.factory, hello.cut, hello.seed, hello.nonce) == ("pkg.models:net", "2", 0, "0123456789abcdef")
     assert set(hello.codecs) == {"fwd", "bwd", "ret", "ret_bwd"}
     forward = _decode(EXAMPLES["forward"])
@@ -100,7 +100,7 @@ def test_a_peer_of_another_version_is_refused_with_both_versions_named():
     conn = listener.connect()
     try:
         head = msgpack.unpackb(EXAMPLES["hello"][0], raw=False)
-        assert head[:3] == [19, "hello", 19]  # [version, type, hello.protocol, ...]
+        assert head[:3] == [20, "hello", 20]  # [version, type, hello.protocol, ...]
         other_version = msgpack.packb([1, *head[1:]], use_bin_type=True)
         other_field = msgpack.packb([*head[:2], 1, *head[3:]], use_bin_type=True)
         version_3 = msgpack.packb({"v": 3, "t": "hello", "b": {"protocol": 3}}, use_bin_type=True)  # a map then

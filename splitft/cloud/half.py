@@ -254,6 +254,12 @@ class Half:
         with torch.no_grad(), self.own_grads():
             return [None if p.grad is None else float(torch.linalg.vector_norm(p.grad, norm_type)) for p in params]
 
+    def grads(self) -> dict[str, np.ndarray]:
+        """The parameters' gradients on the host (bfloat16 as float32), where there is one: what
+        the edge's ``unsplit()`` between a backward and its step puts on the whole model."""
+        with self.own_grads():
+            return host_state({name: p.grad for name, p in self.named_params.items() if p.grad is not None})
+
     def unreached(self) -> list[str] | None:
         """After a backward: the parameters that require a gradient and still have none, so the
         edge knows exactly which ``p.grad`` exist there; None when there are none."""

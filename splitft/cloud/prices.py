@@ -90,7 +90,8 @@ def guess(session: Priced, msg: Message, checkpoint: bool) -> Price:
         elif isinstance(msg, Backward) and msg.call in session.graphs.pending:
             price.flops += backward(session, msg, session.graphs.pending[msg.call], check_it=False)
         elif isinstance(msg, Sync):
-            price.flops += session.pricing.cost.params * (bool(msg.want_state) * 4 + (msg.grad_norm is not None)
+            price.flops += session.pricing.cost.params * ((msg.want_state + msg.want_grads) * 4
+                                                          + (msg.grad_norm is not None)
                                                           + bool(msg.want_optimizer_state) * 12
                                                           + expressions.nodes(msg.evaluate))
     except Exception as exc:  # noqa: BLE001 — the request fails in its own work, at its own point

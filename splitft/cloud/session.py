@@ -371,6 +371,11 @@ class CloudSession:
         self.passes.flush()
         return self.half.grad_norms(norm_type, names)
 
+    def grads(self) -> dict[str, np.ndarray]:
+        """The half's gradients on the host, by parameter name, where a parameter has one."""
+        self.passes.flush()
+        return self.half.grads()
+
     def state(self) -> dict[str, np.ndarray]:
         """The half's weights on the host (bfloat16, which numpy lacks, as float32)."""
         return host_state(self.weights())

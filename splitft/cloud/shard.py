@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -33,7 +34,7 @@ from ..errors import ConfigError, SplitFTError
 from ..wire import protocol
 from .batch_link import BatchLink
 from .budget import MODEL_STATE_FACTOR, holdings, tensors_nbytes
-from .half import Half, check_norm_type
+from .half import Half, check_norm_type, host_state
 from .replicas import BatchSplitSession, Worker
 from .session import CloudSession
 
@@ -77,6 +78,12 @@ def shard_half(chain: Chain, mesh: DeviceMesh) -> None:
 def full_weights(chain: Chain) -> dict[str, torch.Tensor]:
     """The half's whole state under its original names; collective: every rank calls it."""
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in chain.qualified_state_dict().items()}
+
+
+def full_grads(half: Half) -> dict[str, torch.Tensor]:
+    """The half's whole gradients by parameter name, where there is one; collective: every rank calls it."""
+    return {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            for name, p in half.named_params.items() if p.grad is not None}
 
 
 def gradient_norms(params: list[nn.Parameter], norm_type: float) -> list[float | None]:
@@ -142,6 +149,10 @@ class ShardedSession(BatchSplitSession):
         self.link.broadcast({"op": "norms", "norm_type": norm_type, "names": names})
         return gradient_norms(params, norm_type)
 
+    def grads(self) -> dict[str, np.ndarray]:
+        self.link.broadcast({"op": "grads"})
+        return host_state(full_grads(self.half))
+
     def weights(self) -> dict[str, torch.Tensor]:
         self.link.broadcast({"op": "weights"})
         return full_weights(self.half.chain)
@@ -155,7 +166,7 @@ class ShardedWorker(Worker):
         self.mesh = mesh
 
     def handlers(self) -> dict:
-        return super().handlers() | {"norms": self._norms, "weights": self._weights}
+        return super().handlers() | {"norms": self._norms, "weights": self._weights, "grads": self._grads}
 
     def _replica(self, hello: protocol.Hello) -> CloudSession:
         return CloudSession(hello, self.factories, self.limits, restoring=True,
@@ -186,6 +197,9 @@ class ShardedWorker(Worker):
     def _weights(self, header: dict, frames: list[bytes]) -> None:
         full_weights(self._half().chain)
 
+    def _grads(self, header: dict, frames: list[bytes]) -> None:
+        full_grads(self._half())
+
     def _half(self) -> Half:
         """This rank's shard of the half (rank 0 asks for norms and weights only of an open session)."""
         if self.session is None:
@@ -193,4 +207,4 @@ class ShardedWorker(Worker):
         return self.session.half
 
 
-__all__ = ["ShardedSession", "ShardedWorker", "full_weights", "gradient_norms", "make_mesh", "shard_half"]
+__all__ = ["ShardedSession", "ShardedWorker", "full_grads", "full_weights", "gradient_norms", "make_mesh", "shard_half"]

@@ -79,7 +79,8 @@ def run(checkpointing: Checkpointing, session: CloudSession, msg: Request, seq: 
         return Ack(state=session.state() if msg.want_state else None,
                    grad_norms=session.grad_norms(msg.grad_norm, msg.grad_names) if msg.grad_norm is not None else None,
                    optimizer_state=optimizer_state.read(session) if msg.want_optimizer_state else None,
-                   values=compute.evaluate(session, msg.evaluate) if msg.evaluate is not None else None)
+                   values=compute.evaluate(session, msg.evaluate) if msg.evaluate is not None else None,
+                   grads=session.grads() if msg.want_grads else None)
     return Ack()
 
 

@@ -26,7 +26,7 @@ from . import cloud_kv, generator_sets, initialisers, move, optimizers, resume
 from .cloud_half import CloudHalf
 from .fetched_state import FetchedCloudState
 from .ghosts import Ghosts, install, standin_of, uninstall
-from .whole_state import forget_inner_keys, load_nested, load_whole_state
+from .whole_state import forget_inner_keys, load_nested, load_whole_state, pending_cloud_grads, put_grads
 from .mirror import ModelMirror, loss_module
 from .optimizer_loads import local_value
 from .module_tree import UnsplitTree, caller_level, hidden_attributes
@@ -410,10 +410,12 @@ class SplitModel(UnsplitTree):
 
     def unsplit(self) -> nn.Module:
         """The whole trained model, in one piece on the edge: the cloud half's modules back in place
-        with the cloud's weights, and the attached optimizer holding the cloud's state for them, so
-        training can go on unsplit, exactly. Ends the session (the split model cannot train after this)."""
+        with the cloud's weights and the gradients summed there since the last step, and the attached
+        optimizer holding the cloud's state for them, so training can go on unsplit, exactly. Ends
+        the session (the split model cannot train after this)."""
         modules = self.ghosts.chain
         modules.load_qualified_state_dict(self.cloud_state_dict())
+        grads = pending_cloud_grads(self.session, self.cloud_half.params, self.cloud_half.has_grad)
         optimizer = self.mirror.optimizer_mirror
         moments = None  # a shared half's optimizer is every edge's: its moments start afresh here
         if optimizer is not None and not self.session.shared:
@@ -422,6 +424,7 @@ class SplitModel(UnsplitTree):
         self.close()
         self.cloud_half.has_grad.clear()
         whole = uninstall(self.wrapped, modules)
+        put_grads(whole, grads)
         now = self._state_moment()
         self.session.outbox.runs += 1  # what state_dict() fetched before is the whole model's now, or stale
         tensors = dict(whole.state_dict(keep_vars=True))

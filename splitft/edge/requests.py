@@ -370,11 +370,11 @@ class EdgeSession(Recovery):
 
     def sync_reply(self, want_state: bool = False, checkpoint: bool = False, pin: bool = False,
                    grad_norm: float | None = None, grad_names: list[str] | None = None,
-                   want_optimizer_state: bool = False, evaluate: list | None = None) -> Ack:
+                   want_optimizer_state: bool = False, evaluate: list | None = None, want_grads: bool = False) -> Ack:
         """Apply pending operations in the cloud now; its reply carries the cloud part's weights
         (``want_state``), the ``grad_norm``-type norm of each of its gradients (of the
-        ``grad_names``d parameters' only, when given), its optimizer's state (``want_optimizer_state``)
-        and the values of expressions over its tensors (``evaluate``).
+        ``grad_names``d parameters' only, when given), its optimizer's state (``want_optimizer_state``),
+        the values of expressions over its tensors (``evaluate``) and its gradients (``want_grads``).
 
         ``checkpoint`` makes the cloud write a checkpoint right after these operations (``pin``:
         one it keeps until the next pinned one, to match an edge checkpoint).
@@ -382,7 +382,7 @@ class EdgeSession(Recovery):
         with self._lock:
             msg = Sync(ops=self.outbox.take(), want_state=want_state, checkpoint=checkpoint or pin, pin=pin,
                        grad_norm=grad_norm, grad_names=grad_names, want_optimizer_state=want_optimizer_state,
-                       evaluate=evaluate)
+                       evaluate=evaluate, want_grads=want_grads)
             reply, wire_in = self.exchange(msg, "control", Ack)
             self.metrics.count("down", "control", wire=wire_in)
             assert isinstance(reply, Ack)

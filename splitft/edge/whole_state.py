@@ -15,10 +15,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
+import numpy as np
+import torch
 from torch import nn
 
 from ..cut import Chain
-from ..errors import ConfigError
+from ..errors import ConfigError, ProtocolError
 from ..wire.operations import LoadWeights
 from .cloud_half import values_to_send
 from .fetched_state import FetchedCloudState
@@ -107,6 +109,32 @@ def forget_inner_keys(model: nn.Module, incompatible: Any) -> None:
     incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if not k.startswith(inner) or k in missing]
     incompatible.unexpected_keys[:] = [k for k in incompatible.unexpected_keys
                                        if not k.startswith(inner) or k in unexpected]
+
+
+def pending_cloud_grads(session: EdgeSession, names: Mapping[str, torch.Tensor],
+                        pending: set[str]) -> dict[str, np.ndarray]:
+    """The cloud's gradients, where backward passes summed some that no step or ``zero_grad`` took
+    yet (``pending``): ``unsplit()`` between a backward and its step hands them to the whole model,
+    whose parameters would hold them unsplit. Checked against ``names`` (the cloud parameters'
+    placeholders by name): one of another name or shape is the cloud's error, before anything changes."""
+    if not pending:
+        return {}
+    grads = session.sync_reply(want_grads=True).grads
+    if not isinstance(grads, dict):
+        raise ProtocolError(f"the cloud answered a request for its gradients with {type(grads).__name__}")
+    for name, array in grads.items():
+        param = names.get(name) if isinstance(name, str) else None
+        if param is None or not isinstance(array, np.ndarray) or tuple(array.shape) != tuple(param.shape):
+            raise ProtocolError(f"the cloud sent a gradient for {name!r} of shape {getattr(array, 'shape', '?')}, "
+                                "which is not one of its half's parameters' (their names and shapes)")
+    return grads
+
+
+def put_grads(whole: nn.Module, grads: Mapping[str, np.ndarray]) -> None:
+    """``grads`` (by parameter name) as the ``.grad`` of ``whole``'s parameters, in their dtype and device."""
+    for name, array in grads.items():
+        param = whole.get_parameter(name)
+        param.grad = torch.tensor(array).to(dtype=param.dtype, device=param.device)
 
 
 def _refuse_assigning_cloud_parameters(state_dict: Mapping[str, Any], cloud_params: set[str]) -> None:

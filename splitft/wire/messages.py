@@ -168,6 +168,7 @@ class Sync(Message):
     grad_names: list | None = None  # ... of these parameters only (unsplit names); None: all
     want_optimizer_state: bool = False  # answer with the optimizer's state of each cloud parameter
     evaluate: list | None = None  # answer with the values of these expressions (splitft.wire.expressions)
+    want_grads: bool = False  # answer with the cloud half's gradients (the edge's unsplit(), mid-accumulation)
     seq: int = 0
 
 
@@ -181,6 +182,8 @@ class Ack(Message):
     optimizer_state: dict | None = None
     #: The values of the sync's ``evaluate`` expressions, in order (bfloat16 as float32, its name beside).
     values: list | None = None
+    #: The half's gradients, parameter name → array (bfloat16 as float32), where a parameter has one.
+    grads: dict | None = None
     seq: int = 0
 
 
