@@ -194,6 +194,25 @@ def recurrent_net(seed: int = 0) -> nn.Sequential:
                              SequenceOf(), nn.LSTM(8, 8, batch_first=True), SequenceOf(last=True), nn.Linear(8, 3))
 
 
+class ActivatedRecurrent(nn.Module):
+    """A projection, an activation in the model's forward, and a GRU (returning a tuple): a trunk
+    cut from ``a`` to ``rnn`` leaves the activation on the edge, between two cloud modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.rnn, self.head = nn.Linear(6, 4), nn.GRU(4, 4, batch_first=True), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(torch.tanh(self.a(x)))
+        return self.head(out[:, -1])
+
+
+def activated_recurrent(seed: int = 0) -> ActivatedRecurrent:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return ActivatedRecurrent()
+
+
 class RandomSkip(nn.Module):
     """Stochastic depth drawn from Python's ``random``: in training, skips its layer with
     probability ``p`` (the generator a cloud process has its own of)."""

@@ -26,7 +26,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 import splitft
 from splitft.errors import ConfigError, CutError, HandshakeError, ModelError, PlaceholderError, UnfinishedForwardError
 from tests.conftest import ROOT, start_cloud, stop
-from tests.models import (checkpointed_mlp, counting_mlp, deep_supervised, global_writer_mlp, layer_stack, lookup_mlp, mlp,
+from tests.models import (activated_recurrent, checkpointed_mlp, counting_mlp, deep_supervised, global_writer_mlp, layer_stack, lookup_mlp, mlp,
                           mlp_batchnorm, mlp_dropout, noisy_mlp, old_norm_mlp, parametrized_mlp, pruned_mlp,
                           abc_mlp, aux_loss_net, inplace_relu_mlp, positive_rows_mlp, random_skip_mlp, recurrent_net)
 from tests.test_faults import _data
@@ -45,7 +45,7 @@ def cloud(tmp_path_factory):
                                      "--model", "tests.models:counting_mlp", "--model", "tests.models:parametrized_mlp",
                                      "--model", "tests.models:layer_stack", "--model", "tests.models:lookup_mlp",
                                      "--model", "tests.models:pruned_mlp", "--model", "tests.models:old_norm_mlp",
-                                     "--model", "tests.models:recurrent_net", "--model", "tests.models:random_skip_mlp",
+                                     "--model", "tests.models:recurrent_net", "--model", "tests.models:activated_recurrent", "--model", "tests.models:random_skip_mlp",
                                      "--model", "tests.models:inplace_relu_mlp", "--model", "tests.models:aux_loss_net",
                                      "--model", "tests.models:positive_rows_mlp",
                                      "--model", "tests.models:transposed_front_end",
@@ -981,6 +981,16 @@ def test_a_change_made_before_split_that_the_factory_does_not_make_is_refused_at
     dropout[3].p = 0.0
     with pytest.raises(HandshakeError, match=r"Dropout\(p=0.5"):
         splitft.split(dropout, 2, factory="tests.models:mlp_dropout", connect=cloud)
+
+
+def test_edge_code_between_two_trunk_modules_is_refused_where_the_trunk_returns_a_tuple(cloud):
+    """``rnn(tanh(a(x)))`` with ``a``..``rnn`` in the cloud: the tanh would run in the cloud before
+    the GRU; what ``a`` hands the forward is the GRU's tuple, which torch refuses with a bare TypeError."""
+    model = splitft.split(activated_recurrent(), "a", "head", factory="tests.models:activated_recurrent",
+                          connect=cloud)
+    with model, pytest.raises(CutError, match=r"failed \(tanh\(\).*not tuple\) on what 'a' returned: that inner "
+                                              r"module of the trunk 'a'..'rnn'.*Cut so that 'a' ends the trunk"):
+        model(torch.randn(8, 5, 6))
 
 
 def test_an_auxiliary_head_on_an_inner_trunk_layer_is_refused_at_the_first_forward(cloud):

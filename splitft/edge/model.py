@@ -211,6 +211,9 @@ class SplitModel(UnsplitTree):
         if self.spec.ushape:
             try:
                 return self.wrapped(*args, **kwargs)
+            except TypeError as exc:
+                self.strays.explain(exc)
+                raise
             finally:
                 self.caller.forward_with(None)  # the wrapped model called directly (generate) has none
         forwarding = FORWARDING.set(True)

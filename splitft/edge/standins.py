@@ -207,6 +207,20 @@ class TrunkEntry(nn.Module):
             "session refuses every request from now on. Call the trunk's modules one after another to its end "
             "(a lone trunk module only in eval mode), and start again from a checkpoint")
 
+    def explain(self, exc: TypeError) -> None:
+        """A ``TypeError`` out of the model's forward mid-trunk, where an inner module handed it the
+        trunk's output as a tuple in place of its own (a tensor): torch refuses the tuple before
+        :class:`~splitft.edge.intermediate.TrunkIntermediate` can say why. Raised as what it is."""
+        handed, reached, names = self.handed, self.reached, self.cloud_names
+        if handed is None or reached is None or isinstance(handed, torch.Tensor):
+            return
+        raise CutError(f"the model's forward failed ({exc}) on what {names[reached]!r} returned: that inner module "
+                       f"of the trunk {names[0]!r}..{names[-1]!r}, which runs in the cloud, hands on the trunk's "
+                       f"output (a {type(handed).__name__}) in place of its own, since only the trunk's last output "
+                       "comes back; the forward may pass it to the next trunk module, not compute with it. Cut so "
+                       f"that {names[reached]!r} ends the trunk (rejoin at the module after it), or move what reads "
+                       "it after the trunk") from exc
+
     def extra_repr(self) -> str:
         return f"runs in the cloud: {', '.join(self.cloud_names)}"
 

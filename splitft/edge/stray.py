@@ -79,6 +79,11 @@ class StrayForwards:
         self._thread = threading.get_ident()  # the script's: where the last model(x) was made
         generator_sets.check_reads(self.refuse_generator_read)
 
+    def explain(self, exc: TypeError) -> None:
+        """The trunk's word on a ``TypeError`` out of a U-shape's forward (:meth:`TrunkEntry.explain`)."""
+        if self._trunk is not None:
+            self._trunk.explain(exc)
+
     def made(self, out: Any, training: bool) -> None:
         """``model(x)`` returned ``out`` (after :meth:`check`). One recomputed inside a backward
         pass (a checkpoint's, past :meth:`refuse_recomputation`) is no forward of its own."""
