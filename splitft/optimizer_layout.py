@@ -63,17 +63,25 @@ def _how_it_runs(settings: dict[str, Any]) -> dict[str, Any]:
 def same_kind(value: Any, current: Any) -> bool:
     """Whether ``value`` (a setting as msgpack carries it) may replace an optimizer setting now
     ``current``, on either side: a flag for a flag (or for None, where torch decides, as ``foreach``
-    and ``fused`` default), a finite number for a number, as many finite numbers for a tuple."""
+    and ``fused`` default), a name for a name or None (Muon's ``adjust_lr_fn``), a finite number for
+    a number, as many finite numbers or None for a tuple (Adafactor's ``eps``, ``(None, 1e-3)``)."""
+    if isinstance(current, (tuple, list)):
+        return (isinstance(value, list) and len(value) == len(current)
+                and all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+                        for v in value))
+    if isinstance(current, str) or isinstance(value, str):
+        return all(v is None or (isinstance(v, str) and len(v) <= _NAME_LENGTH) for v in (value, current))
     if current is None or value is None:
         return all(v is None or isinstance(v, bool) for v in (value, current))
     if isinstance(current, bool) or isinstance(value, bool):
         return isinstance(value, bool) and isinstance(current, bool)
     if isinstance(current, (int, float)):
         return isinstance(value, (int, float)) and math.isfinite(value)
-    if isinstance(current, (tuple, list)):
-        return (isinstance(value, list) and len(value) == len(current)
-                and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value))
     return False
+
+
+#: The longest name a setting may be changed to (torch's are a few words: ``"match_rms_adamw"``).
+_NAME_LENGTH = 64
 
 
 #: Marks the edge's wrapper of an optimizer class's ``step`` (``splitft.edge.optimizers``), which

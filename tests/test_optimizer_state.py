@@ -758,3 +758,66 @@ def test_an_optimizer_the_cloud_cannot_rebuild_is_refused_naming_the_fix(cloud, 
     model, _ = _split(cloud, None)
     with model, pytest.raises(ConfigError, match=message):
         model.attach(build(model.parameters()))
+
+
+#: Settings a script changes mid-run to a value of another kind that the optimizer takes unsplit.
+KIND_CHANGES: dict[str, tuple[Callable[[Any], torch.optim.Optimizer], str, Any]] = {
+    "Adafactor's eps2 raised (eps is (None, 1e-3))": (lambda p: torch.optim.Adafactor(p, lr=0.01), "eps", (None, 1e-2)),
+    "Adafactor's eps1 left to the dtype": (lambda p: torch.optim.Adafactor(p, lr=0.01, eps=(1e-8, 1e-3)), "eps",
+                                           (None, 1e-3)),
+    "Muon's lr adjustment named (it was None)": (lambda p: torch.optim.Muon([q for q in p if q.ndim == 2], lr=0.02),
+                                                 "adjust_lr_fn", "match_rms_adamw"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KIND_CHANGES))
+def test_a_setting_changed_mid_run_to_a_value_of_another_kind_trains_as_unsplit(cloud, name):
+    build, key, value = KIND_CHANGES[name]
+    data = _data(4)
+
+    def run(model: nn.Module, crit: nn.Module) -> None:
+        if "Muon" in name:
+            for p in model.parameters():
+                p.requires_grad_(p.ndim == 2)
+        opt = build(list(model.parameters()))
+        _train(model, opt, crit, data[:2])
+        opt.param_groups[0][key] = value
+        _train(model, opt, crit, data[2:])
+
+    local = mlp()
+    run(local, nn.CrossEntropyLoss())
+    model, crit = _split(cloud, None)
+    with model:
+        run(model, crit)
+        assert_bitwise(model.state_dict(), local.state_dict())
+
+
+def test_a_setting_changed_to_a_kind_the_cloud_does_not_take_is_refused_before_either_half_steps(cloud):
+    """``amsgrad = 1`` (an int for a flag): refused by the edge before its step, not by the cloud
+    after the edge's half stepped (the halves a step apart)."""
+    data = _data(3)
+    model, crit = _split(cloud, None)
+    with model:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        _train(model, opt, crit, data[:1])
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        opt.param_groups[0]["amsgrad"] = 1
+        opt.zero_grad()
+        crit(model(data[1][0]), data[1][1]).backward()
+        with pytest.raises(ConfigError, match=r"Adam's amsgrad changed from False to 1: .*nothing has stepped"):
+            opt.step()
+        assert_bitwise(model.state_dict(), before)
+        opt.param_groups[0]["amsgrad"] = False
+        opt.step()  # the same gradients, stepped as they would have been
+
+
+def test_an_optimizer_whose_layout_is_not_known_ahead_warmed_up_before_split_is_refused_naming_the_warm_up(cloud):
+    data = _data(3)
+    net = mlp()
+    opt = torch.optim.ASGD(net.parameters(), lr=0.05)
+    _train(net, opt, nn.CrossEntropyLoss(), data[:2])
+    model = splitft.split(net, 2, factory=MLP, connect=cloud)
+    with model:
+        crit = model.remote_loss(nn.CrossEntropyLoss())
+        with pytest.raises(ConfigError, match=r"ASGD keeps is not known ahead.*stepped before split\(\).*warm up split"):
+            _train(model, opt, crit, data[2:])

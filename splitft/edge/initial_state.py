@@ -113,7 +113,9 @@ class CloudEntry(dict):
     def _unknown(self, *args: Any, **kwargs: Any) -> Any:
         if self.opaque:
             raise PlaceholderError(f"the optimizer state of cloud parameter {self.name!r} lives in the cloud's copy "
-                                   "of the optimizer, which the edge cannot read")
+                                   "of the optimizer, whose keys for it are known only there: read it from "
+                                   "opt.state_dict()['state'] (fetched from the cloud, by the parameter's index; "
+                                   "ASGD's averaged weights: copy them in with p.copy_(...) under torch.no_grad())")
         raise KeyError(args[0] if args else None)
 
     __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _refuse

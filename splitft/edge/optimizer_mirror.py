@@ -26,8 +26,8 @@ from .cloud_half import CloudHalf
 from .fetched_state import OPTIMIZER_STATE, FetchedCloudState
 from .optimizer_loads import (NOT_ITS_STATE, by_place, fits, load_hooks_aside, local_value, placed, pre_hooked,
                               wire_value)
-from .optimizer_settings import (IMMUTABLE, NOT_PLAIN, PLAIN_KINDS, PLAIN_OR_TUPLE, not_mirrored,
-                                 optimizer_settings, plain_setting)
+from .optimizer_settings import (IMMUTABLE, NOT_PLAIN, PLAIN_KINDS, PLAIN_OR_TUPLE, not_mirrored, optimizer_settings,
+                                 plain_setting, refuse_other_kinds, unknown_layout)
 from .placeholders import RemoteTensor
 
 
@@ -206,6 +206,7 @@ class OptimizerMirror:
         self.groups_added()
         self.follow_state()
         self._stepping = self._group_settings()  # refused now, if it cannot be sent, not after the step
+        refuse_other_kinds(type(self.optimizer).__name__, self._stepping[0], self.sent)
         self.model.cloud_half.hidden = True
 
     def follow_state(self) -> None:
@@ -373,7 +374,7 @@ class OptimizerMirror:
         given = saved.get("state", {})
         entries: dict[str, dict[str, Any]] = {}
         layouts: dict[int, dict[str, Any]] = {}
-        expected = self._layout([p for i, p in cloud.items() if given.get(i)], settings)
+        expected = self._layout([p for i, p in cloud.items() if given.get(i)], settings, loading)
         for i, param in cloud.items():
             entry = given.get(i)
             if not entry:
@@ -451,14 +452,14 @@ class OptimizerMirror:
             out.append(settings)
         return out
 
-    def _layout(self, params: list[torch.Tensor], settings: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    def _layout(self, params: list[torch.Tensor], settings: list[dict[str, Any]],
+                loading: bool = True) -> dict[int, dict[str, Any]]:
         """The state layout this optimizer keeps for ``params`` (by id) with each group's
-        ``settings``; refused when not known."""
+        ``settings``; refused when not known (``loading``: by ``load_state_dict``, else held from
+        steps before ``split()``)."""
         found = initial_state.layouts(self.optimizer, {id(p) for p in params}, self.settings, settings, numbers=True)
         if found is None:
-            raise ConfigError(f"the state a {type(self.optimizer).__name__} keeps is not known ahead of its steps, so "
-                              "its cloud half's part cannot be loaded; use model.save_checkpoint(path) and "
-                              "split(..., resume_from=path)")
+            raise ConfigError(unknown_layout(type(self.optimizer).__name__, loading))
         return found
 
     def step_failed(self) -> None:

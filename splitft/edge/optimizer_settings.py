@@ -10,6 +10,7 @@ import torch
 
 from ..errors import ConfigError
 from ..optimizer_classes import LIBRARY_OPTIMIZERS, wire_name
+from ..optimizer_layout import same_kind
 
 #: Settings that cannot change without being replaced (a list or a tensor can, in place), and tuples of them.
 IMMUTABLE = {bool, int, float, str}
@@ -59,7 +60,37 @@ def not_mirrored(optimizer: str, key: str, value: Any) -> str:
         return (f"{optimizer}'s {key} is {value!r}: a numpy number computes in its own precision in the step's "
                 f"arithmetic, which the cloud's copy would not repeat bit for bit; set it as a Python number "
                 f"(float(...))")
+    if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) or type(v).__module__ == "numpy"
+                                                for v in value):
+        return (f"{optimizer}'s {key} is {value!r}: tensors or numpy numbers compute in their own precision in the "
+                f"step's arithmetic, which the cloud's copy would not repeat bit for bit; set it as Python numbers "
+                f"({key}=tuple(float(v) for v in ...))")
     return f"{optimizer}'s {key} is {value!r}; a split model mirrors plain numbers and flags, not this"
+
+
+def refuse_other_kinds(optimizer: str, now: list[dict[str, Any]], sent: list[dict[str, Any]]) -> None:
+    """Refuse, before a step runs, a group's setting changed to a value the cloud's copy does not
+    take in place of the one it holds (:func:`~splitft.optimizer_layout.same_kind`): refused there,
+    after the edge's half stepped, the two halves would be a step apart."""
+    for group, before in zip(now, sent):
+        for key, value in group.items():
+            if value != before.get(key) and not same_kind(value, before.get(key)):
+                raise ConfigError(f"{optimizer}'s {key} changed from {before.get(key)!r} to {value!r}: the cloud's copy "
+                                  "takes a new value of a setting of the kind it holds (a number for a number, a flag "
+                                  "for a flag, a name or None for a name, numbers or None for a tuple), and would not "
+                                  f"step with this one. Build the optimizer with {key} of the new kind and attach it "
+                                  "(model.attach(new)); nothing has stepped")
+
+
+def unknown_layout(optimizer: str, loading: bool) -> str:
+    """Why a state ``optimizer`` holds for cloud parameters cannot go to the cloud's copy, where
+    the layout of what it keeps is only known by stepping it (ASGD, Adafactor), and what to do."""
+    fix = ("use model.save_checkpoint(path) and split(..., resume_from=path)" if loading else
+           f"this {optimizer} stepped before split(), and its state would go to the cloud's copy as such a load: "
+           f"warm up split (split() first, then the same loop), or step the warm-up with another optimizer and "
+           f"build the {optimizer} after split()")
+    return (f"the state a {optimizer} keeps is not known ahead of its steps, so its cloud half's part cannot be "
+            f"loaded; {fix}")
 
 
 NOT_PLAIN = object()
@@ -75,4 +106,5 @@ def plain_setting(value: Any) -> Any:
 
 
 __all__ = ["IMMUTABLE", "NOT_PLAIN", "PLAIN_KINDS", "PLAIN_OR_TUPLE", "not_mirrored", "optimizer_settings",
-           "plain_setting"]
+           "plain_setting", "refuse_other_kinds",
+           "unknown_layout"]
