@@ -106,5 +106,4 @@ def plain_setting(value: Any) -> Any:
 
 
 __all__ = ["IMMUTABLE", "NOT_PLAIN", "PLAIN_KINDS", "PLAIN_OR_TUPLE", "not_mirrored", "optimizer_settings",
-           "plain_setting", "refuse_other_kinds",
-           "unknown_layout"]
+           "plain_setting", "refuse_other_kinds", "unknown_layout"]
