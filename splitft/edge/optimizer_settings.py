@@ -72,6 +72,8 @@ def refuse_other_kinds(optimizer: str, now: list[dict[str, Any]], sent: list[dic
     """Refuse, before a step runs, a group's setting changed to a value the cloud's copy does not
     take in place of the one it holds (:func:`~splitft.optimizer_layout.same_kind`): refused there,
     after the edge's half stepped, the two halves would be a step apart."""
+    if now is sent:  # the settings as sent, unchanged (read every step: nothing to compare)
+        return
     for group, before in zip(now, sent):
         for key, value in group.items():
             if value != before.get(key) and not same_kind(value, before.get(key)):
