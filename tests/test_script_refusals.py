@@ -1666,11 +1666,28 @@ def test_a_cloud_container_changed_in_place_is_refused_and_training_stays_exact(
 def test_channels_last_is_refused_when_the_cloud_half_convolves(cloud):
     from splitft.app.models import digits_cnn
 
-    model = splitft.split(digits_cnn(), "block3", factory=DIGITS, connect=cloud)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 1, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(3)]
+    local = digits_cnn()
+    _steps(local, torch.optim.SGD(local.parameters(), lr=0.05), nn.CrossEntropyLoss(), data)
+    net = digits_cnn()
+    model = splitft.split(net, "block3", factory=DIGITS, connect=cloud)
     with model:
         with pytest.raises(ConfigError, match="memory_format"):
             model.to(memory_format=torch.channels_last)
         assert all(p.is_contiguous() for p in model.edge_parameters())
+        # a cloud module converted on its own, or through a container or a walk over the modules:
+        # the cloud's convolution would go on in its layout, unseen
+        for convert in (lambda: net.block3.to(memory_format=torch.channels_last),
+                        lambda: net.block3[0].to(memory_format=torch.channels_last),
+                        lambda: net[2:].to(memory_format=torch.channels_last),
+                        lambda: net.apply(lambda m: m.to(memory_format=torch.channels_last)
+                                          if m is net.block3[0] else m)):
+            with pytest.raises(CutError, match=r"'block3(.0)?' to another memory format"):
+                convert()
+        net.block3.to("cpu")  # a move is the cloud's business: left alone, as the whole model's
+        _steps(model, torch.optim.SGD(model.parameters(), lr=0.05), model.remote_loss(nn.CrossEntropyLoss()), data)
+        assert_bitwise(model.state_dict(), local.state_dict())
 
 
 @pytest.mark.parametrize("factory", [DIGITS, "tests.models:channels_last_cnn"], ids=["as built", "converted too"])

@@ -28,6 +28,7 @@ from ..errors import ConfigError, CutError
 from . import twin_closures, weight_refs
 from .layer_refusals import refuse_ties, refuse_unsupported_layers
 from .output_shapes import OutputShapes
+from .ghost_casts import casts_refused
 from .ghost_classes import TABLES, Ghost, ghost_class
 from .ghost_hooks import (GLOBAL_HOOKS, HOOKS, STATE_HOOKS, library_hook, never_run, refuse_hooks, refused_hook,
                           refused_state_hook)
@@ -315,13 +316,6 @@ def ghost(module: nn.Module, standin: nn.Module, *, never_run: tuple[str, ...] =
             standin.train(module.training)
         return standin(*args, **kwargs)
 
-    def apply(fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
-        for dtype in {t.dtype for t in itertools.chain(module.parameters(), module.buffers())}:
-            if fn(torch.empty(0, dtype=dtype)).dtype != dtype:
-                raise CutError(f"casting the model to another dtype would cast {standin_name(module)!r}, which runs "
-                               "in the cloud and does not follow; cast the model before split()")
-        return module
-
     def extra_repr() -> str:  # print(model): where it runs, then its settings as its class prints them
         try:
             own = type(module).extra_repr(module)
@@ -329,9 +323,10 @@ def ghost(module: nn.Module, standin: nn.Module, *, never_run: tuple[str, ...] =
             own = ""
         return ", ".join(filter(None, (standin.extra_repr(), own)))
 
-    state.update(forward=forward, _apply=apply, extra_repr=extra_repr, _splitft_standin=standin)
+    state.update(forward=forward, extra_repr=extra_repr, _splitft_standin=standin)
     for key, sub in module.named_modules():
         where = f"{standin_name(module)}.{key}" if key else standin_name(module)
+        sub.__dict__["_apply"] = casts_refused(sub, where)
         sub.__dict__.update({hook: refused_hook(where, hook) for hook in (HOOKS if key else never_run)})
         if isinstance(sub, parametrize.ParametrizationList):  # reading a parametrized weight computes it
             sub.__dict__["forward"] = _refused_parametrized(where, [f"{where}.{n}" for n in sub._parameters])
