@@ -123,8 +123,8 @@ def itself_where_unmoved(convert: Callable[..., Tensor]) -> Callable[..., Tensor
         probe = torch.empty(0, dtype=source.dtype, device=source._splitft_remote.device)
         if convert(probe, *args, **kwargs) is probe:
             return source
-        raise PlaceholderError(f"{convert.__name__}(...) to another device or dtype on {source._what()}: its values live in "
-                               "the cloud, and this copy of them would be the unsplit model's own tensor only where "
+        raise PlaceholderError(f"{convert.__name__}(...) to another device or dtype on {source._what()}: its values "
+                               "live in the cloud, and this copy of them would be the unsplit model's own tensor only where "
                                "it does not move; read the weights with model.state_dict()")
 
     return converted
