@@ -124,8 +124,8 @@ def itself_where_unmoved(convert: Callable[..., Tensor]) -> Callable[..., Tensor
         if convert(probe, *args, **kwargs) is probe:
             return source
         raise PlaceholderError(f"{convert.__name__}(...) to another device or dtype on {source._what()}: its values "
-                               "live in the cloud, and this copy of them would be the unsplit model's own tensor only where "
-                               "it does not move; read the weights with model.state_dict()")
+                               "live in the cloud, and this copy of them would be the unsplit model's own tensor only "
+                               "where it does not move; read the weights with model.state_dict()")
 
     return converted
 
