@@ -564,12 +564,45 @@ def test_initialising_a_part_of_a_cloud_weight_through_an_index_is_mirrored_and_
         assert_bitwise(model.state_dict(), local.state_dict())
 
 
-def test_a_parametrization_added_to_a_cloud_layer_after_split_is_refused(cloud):
+class _Symmetric(nn.Module):
+    def forward(self, w):
+        return w.triu() + w.triu(1).T
+
+
+def test_a_parametrization_or_a_global_pruning_on_a_cloud_layer_after_split_is_refused_by_name(cloud):
+    """torch's parametrizations (weight_norm, orthogonal, a script's own) registered on a cloud
+    layer after ``split()``, one removed there, and a global pruning over edge and cloud layers
+    are refused naming what was done and where to do it, before anything changed: training goes
+    on bitwise as unsplit."""
+    from torch.nn.utils import parametrize, prune
+
+    data = _data(3)
+    local = mlp()
+    _steps(local, torch.optim.SGD(local.parameters(), lr=0.1), nn.CrossEntropyLoss(), data)
     net = mlp()
-    with splitft.split(net, 2, factory=MLP, connect=cloud):
-        with pytest.raises(CutError, match=r"'weight' of '2': that module runs in the cloud"):
-            nn.utils.parametrizations.weight_norm(net[2])
-        assert not nn.utils.parametrize.is_parametrized(net[2])
+    with splitft.split(net, 2, factory=MLP, connect=cloud) as model:
+        for register in (lambda: nn.utils.parametrizations.weight_norm(net[2]),
+                         lambda: nn.utils.parametrizations.orthogonal(net[4]),
+                         lambda: parametrize.register_parametrization(net[4], "weight", _Symmetric())):
+            with pytest.raises(CutError, match=r"registering a parametrization of 'weight' on '[24]' after split\(\): "
+                                               r"that module runs in the cloud.* in the factory too"):
+                register()
+        with pytest.raises(CutError, match=r"prune\.global_unstructured on '2' after split\(\).* zero the values"):
+            prune.global_unstructured([(net[0], "weight"), (net[2], "weight")], pruning_method=prune.L1Unstructured,
+                                      amount=0.3)
+        assert not any(parametrize.is_parametrized(m) or prune.is_pruned(m) for m in net)
+        _steps(model, torch.optim.SGD(model.parameters(), lr=0.1), model.remote_loss(nn.CrossEntropyLoss()), data)
+        assert_bitwise(model.state_dict(), local.state_dict())
+    prune.global_unstructured([(net[0], "weight")], pruning_method=prune.L1Unstructured, amount=0.3)
+    assert prune.is_pruned(net[0])  # an edge module's pruning is torch's
+
+    net = parametrized_mlp(how="weight_norm")
+    with splitft.split(net, 2, factory=splitft.Factory("tests.models:parametrized_mlp", {"how": "weight_norm"}),
+                       connect=cloud):
+        with pytest.raises(CutError, match=r"removing the parametrization of 'weight' on '2' after split\(\).*"
+                                           r"model\.unsplit\(\)"):
+            parametrize.remove_parametrizations(net[2], "weight")
+        assert parametrize.is_parametrized(net[2], "weight")
 
 
 def test_reading_a_parametrized_cloud_weight_on_the_edge_is_refused_naming_what_it_is_computed_from(cloud):

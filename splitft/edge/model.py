@@ -22,7 +22,7 @@ from ..config_reads import ModuleFlags
 from ..cut import CutSpec
 from ..errors import ConfigError, HiddenAttributeWarning, PeerGone, SplitFTError
 from ..metrics import Metrics
-from . import cloud_kv, generator_sets, initialisers, move, optimizers, resume
+from . import cloud_kv, generator_sets, initialisers, module_surgery, move, optimizers, resume
 from .cloud_half import CloudHalf
 from .fetched_state import FetchedCloudState
 from .ghosts import Ghosts, install, standin_of, uninstall
@@ -100,6 +100,7 @@ class SplitModel(UnsplitTree):
         optimizers.register(cloud_half, self.mirror)
         optimizers.install()
         initialisers.install()
+        module_surgery.install()
         generator_sets.install()
         self.seal()
         hidden = hidden_attributes(self, SplitModel, model, handled=("save_pretrained",))
