@@ -37,23 +37,16 @@ def _refused(what: str, where: str, fix: str) -> CutError:
 _IN_FACTORY = "Do it in the factory too (the cloud builds the model with it) and before split()"
 
 
-def _register(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def register_parametrization(module: nn.Module, tensor_name: str, *args: Any, **kwargs: Any) -> Any:
-        if (where := _where(module)) is not None:
-            raise _refused(f"registering a parametrization of {tensor_name!r}", where, _IN_FACTORY + ".")
-        return original(module, tensor_name, *args, **kwargs)
-    return register_parametrization
-
-
-def _remove(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def remove_parametrizations(module: nn.Module, tensor_name: str, *args: Any, **kwargs: Any) -> Any:
-        if (where := _where(module)) is not None:
-            raise _refused(f"removing the parametrization of {tensor_name!r}", where,
-                           _IN_FACTORY + ", or take the model whole with model.unsplit() and remove it there.")
-        return original(module, tensor_name, *args, **kwargs)
-    return remove_parametrizations
+def _on_a_module(what: str, fix: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Wraps a function of ``(module, tensor_name, ...)``: refused where the module is a cloud one."""
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def refusing(module: nn.Module, tensor_name: str, *args: Any, **kwargs: Any) -> Any:
+            if (where := _where(module)) is not None:
+                raise _refused(f"{what} of {tensor_name!r}", where, fix)
+            return original(module, tensor_name, *args, **kwargs)
+        return refusing
+    return wrap
 
 
 def _global_prune(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -70,8 +63,10 @@ def _global_prune(original: Callable[..., Any]) -> Callable[..., Any]:
     return global_unstructured
 
 
-_WRAPPED = ((parametrize, "register_parametrization", _register),
-            (parametrize, "remove_parametrizations", _remove),
+_WRAPPED = ((parametrize, "register_parametrization", _on_a_module("registering a parametrization", _IN_FACTORY + ".")),
+            (parametrize, "remove_parametrizations", _on_a_module(
+                "removing the parametrization", _IN_FACTORY + ", or take the model whole with model.unsplit() and "
+                "remove it there.")),
             (prune, "global_unstructured", _global_prune))
 
 
